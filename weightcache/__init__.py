@@ -1,0 +1,25 @@
+"""weightcache: keep model weights resident so inference engines restart in seconds.
+
+Public surface: :class:`Client` (async), :class:`SyncClient`, :class:`AttachedModel`,
+:func:`load_into_module`, and the error classes in :mod:`weightcache.errors`.
+"""
+
+__version__ = "0.1.0"
+
+from .errors import WeightcacheError  # noqa: E402
+
+
+def __getattr__(name: str):  # type: ignore[no-untyped-def]
+    # Lazy: the CLI and the daemon import this package without paying for torch.
+    if name in ("Client", "SyncClient", "AttachedModel"):
+        from . import client
+
+        return getattr(client, name)
+    if name == "load_into_module":
+        from .client.torch_utils import load_into_module
+
+        return load_into_module
+    raise AttributeError(f"module 'weightcache' has no attribute {name!r}")
+
+
+__all__ = ["AttachedModel", "Client", "SyncClient", "WeightcacheError", "__version__", "load_into_module"]

@@ -1,0 +1,60 @@
+"""The interface every memory backend implements, and the arena record they share.
+
+A backend owns the arenas of one device: it allocates them, gives the loader a writer to
+fill them, seals them, exports them as file descriptors for attach, and frees them.
+The server picks the backend by the model's device (``cpu`` -> memfd, ``cuda:N`` -> VMM).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from ..loader.reader import ArenaWriter
+
+
+@dataclass
+class Arena:
+    device: str
+    nbytes: int  # capacity after the backend's rounding (page or VMM granularity)
+    label: str  # the model name, for logs and /proc listings
+
+
+class Backend(ABC):
+    kind: str  # the export kind named on the wire ("memfd", "cuda_vmm")
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    @abstractmethod
+    def total_memory(self) -> int:
+        """Bytes of memory the device has; fraction budgets resolve against it."""
+
+    @abstractmethod
+    def capacity(self, nbytes: int) -> int:
+        """The arena size an allocation of ``nbytes`` really takes."""
+
+    @abstractmethod
+    def allocate(self, nbytes: int, label: str) -> Arena: ...
+
+    @abstractmethod
+    def writer(self, arena: Arena) -> ArenaWriter: ...
+
+    @abstractmethod
+    def seal(self, arena: Arena) -> None:
+        """Make the filled arena immutable; called once, after the writer finished."""
+
+    @abstractmethod
+    def export(self, arena: Arena) -> tuple[list[int], dict[str, Any]]:
+        """New fds for one attach (the caller closes them once sent) and the arena
+        description clients need to map them (docs/protocol.md, ``arena``)."""
+
+    @abstractmethod
+    def free(self, arena: Arena) -> None:
+        """Release the daemon's hold. Clients that still map the memory keep it alive
+        (memfd and VMM memory are reference counted), so this never pulls pages from
+        under an engine."""
+
+    def close(self) -> None:
+        """Release backend-wide resources at shutdown."""

@@ -1,0 +1,89 @@
+"""CPU backend: arenas are sealed memfds.
+
+Lifecycle: ``memfd_create`` + ``ftruncate`` -> writable shared mapping that the loader
+``preadv``s into -> mapping closed -> seals ``F_SEAL_WRITE|SHRINK|GROW|SEAL`` so nobody,
+the daemon included, can change the bytes again. Clients receive a dup of the fd and map
+it ``PROT_READ``; sealing makes a writable mapping impossible for them too.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..loader.reader import pread_full
+from .base import Arena, Backend
+
+PAGE = mmap.PAGESIZE
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+@dataclass
+class MemfdArena(Arena):
+    fd: int = -1  # the memfd; owned by the arena until free()
+    mapping: mmap.mmap | None = None  # writable mapping, only while filling
+
+
+class _MemfdWriter:
+    def __init__(self, arena: MemfdArena) -> None:
+        assert arena.mapping is not None
+        self._arena = arena
+        self._view: memoryview | None = memoryview(arena.mapping)
+
+    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None:
+        assert self._view is not None
+        pread_full(fd, self._view[arena_offset : arena_offset + nbytes], file_offset)
+
+    def finish(self) -> None:
+        # The view pins the mapping; drop it so seal() can close the mapping.
+        if self._view is not None:
+            self._view.release()
+            self._view = None
+
+
+class CpuBackend(Backend):
+    kind = "memfd"
+
+    def total_memory(self) -> int:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    def capacity(self, nbytes: int) -> int:
+        return max(PAGE, -(-nbytes // PAGE) * PAGE)
+
+    def allocate(self, nbytes: int, label: str) -> MemfdArena:
+        size = self.capacity(nbytes)
+        fd = os.memfd_create(f"weightcache:{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        return MemfdArena(device=self.device, nbytes=size, label=label, fd=fd, mapping=mapping)
+
+    def writer(self, arena: Arena) -> _MemfdWriter:
+        assert isinstance(arena, MemfdArena)
+        return _MemfdWriter(arena)
+
+    def seal(self, arena: Arena) -> None:
+        assert isinstance(arena, MemfdArena)
+        if arena.mapping is not None:
+            arena.mapping.close()  # F_SEAL_WRITE fails (EBUSY) while a writable mapping exists
+            arena.mapping = None
+        fcntl.fcntl(arena.fd, fcntl.F_ADD_SEALS, SEALS)
+
+    def export(self, arena: Arena) -> tuple[list[int], dict[str, Any]]:
+        assert isinstance(arena, MemfdArena)
+        return [os.dup(arena.fd)], {"kind": self.kind, "nbytes": arena.nbytes}
+
+    def free(self, arena: Arena) -> None:
+        assert isinstance(arena, MemfdArena)
+        if arena.mapping is not None:
+            arena.mapping.close()
+            arena.mapping = None
+        if arena.fd >= 0:
+            os.close(arena.fd)
+            arena.fd = -1

@@ -1,0 +1,211 @@
+"""``weightcache`` command line: parses arguments and calls into the package; no logic."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from .config import format_size, load_settings
+from .errors import ConfigError, WeightcacheError
+
+
+def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from .client import Client
+
+    return Client(args.socket, name="weightcache-cli")
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+def _size(n: int | None) -> str:
+    return "-" if n is None else format_size(n)
+
+
+async def cmd_status(args: argparse.Namespace) -> int:
+    async with _client(args) as c:
+        st = await c.status()
+    if args.json:
+        _print_json(st)
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"weightcache {st['version']} (pid {st['pid']}, up {st['uptime_s']:.0f}s) on {st['socket']}")
+    for col in ("device", "backend", "budget", "used", "reserved", "free"):
+        t.add_column(col, justify="left" if col in ("device", "backend") else "right")
+    for dev, d in st["devices"].items():
+        t.add_row(dev, d["backend"], _size(d["budget"]), _size(d["used"]), _size(d["reserved"]), _size(d["free"]))
+    console = Console()
+    console.print(t)
+    console.print(f"connections: {st['connections']}  leases: {st['leases']}")
+    for name, p in st["loading"].items():
+        console.print(f"loading {name}: {_size(p['bytes_done'])} / {_size(p['bytes_total'])} at {p['bytes_per_s'] / 1e9:.2f} GB/s")
+    return 0
+
+
+async def cmd_models(args: argparse.Namespace) -> int:
+    async with _client(args) as c:
+        models = await c.models()
+    if args.json:
+        _print_json(models)
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table()
+    for col in ("name", "state", "device", "size", "attached", "pinned", "loads", "evictions"):
+        t.add_column(col, no_wrap=True)
+    for m in models:
+        t.add_row(m["name"], m["state"], m["device"], _size(m["nbytes"] or None), str(m["attach_count"]),
+                  "yes" if m["pinned"] else "", str(m["loads"]), str(m["evictions"]))
+    Console().print(t)
+    return 0
+
+
+async def cmd_load(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    async with _client(args) as c:
+        job = asyncio.ensure_future(c.load(args.name, wait_s=args.wait))
+        with Progress("[bold]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      TimeRemainingColumn(), transient=True, disable=args.quiet) as bar:
+            task = bar.add_task(f"load {args.name}", total=None)
+            while not job.done():
+                await asyncio.wait([job], timeout=0.2)
+                p = (await c.status())["loading"].get(args.name)
+                if p:
+                    bar.update(task, completed=p["bytes_done"], total=p["bytes_total"])
+        model = await job
+    print(f"{model['name']}: {model['state']} on {model['device']}, {_size(model['nbytes'])}, {model['tensors']} tensors")
+    return 0
+
+
+async def cmd_simple(args: argparse.Namespace) -> int:
+    async with _client(args) as c:
+        result = await getattr(c, args.command)(args.name)
+    _print_json(result)
+    return 0
+
+
+async def cmd_reload(args: argparse.Namespace) -> int:
+    async with _client(args) as c:
+        _print_json(await c.reload())
+    return 0
+
+
+async def cmd_attach(args: argparse.Namespace) -> int:
+    async with _client(args) as c:
+        t0 = time.perf_counter()
+        async with c.attach(args.name) as m:
+            dt = time.perf_counter() - t0
+            print(f"attached {m.name}: lease {m.lease}, {len(m)} tensors, {_size(m.nbytes)} on {m.device} "
+                  f"in {dt * 1e3:.2f} ms; fingerprint {m.fingerprint[:16]}")
+            if args.verify:
+                path = next(x["path"] for x in await c.models() if x["name"] == args.name)
+                from .client.verify import verify_against_files
+
+                bad = await asyncio.to_thread(verify_against_files, m, path)
+                if bad:
+                    print(f"VERIFY FAILED: {len(bad)} tensor(s) differ from {path}: {bad[:10]}")
+                    return 1
+                print(f"verified: all {len(m)} tensors equal the bytes in {path}")
+            if args.hold:
+                print(f"holding the lease for {args.hold}s")
+                await asyncio.sleep(args.hold)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server import run_daemon
+
+    settings = load_settings(args.config)
+    if args.socket:
+        settings = settings.model_copy(update={"daemon": settings.daemon.model_copy(update={"socket": args.socket})})
+    run_daemon(settings, args.config)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(workdir=args.workdir, restarts=args.restarts, model_mib=args.model_mib)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="weightcache", description="Keep model weights resident; engines attach them zero-copy.")
+    p.add_argument("--socket", help="daemon socket (default: $WEIGHTCACHE_SOCKET, else the config's, else /run/weightcache/weightcache.sock)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the daemon")
+    s.add_argument("--config", help="TOML config (default: $WEIGHTCACHE_CONFIG)")
+    s.set_defaults(func=cmd_serve)
+
+    for name, fn, text in (("status", cmd_status, "devices, budgets, loads in progress"), ("models", cmd_models, "registered models")):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("--json", action="store_true")
+        s.set_defaults(func=fn)
+
+    s = sub.add_parser("load", help="make a model resident, with a progress bar")
+    s.add_argument("name")
+    s.add_argument("--wait", type=float, default=None, help="seconds to wait for attached models to detach if memory is short")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(func=cmd_load)
+
+    for name in ("evict", "pin", "unpin"):
+        s = sub.add_parser(name, help=f"{name} a model")
+        s.add_argument("name")
+        s.set_defaults(func=cmd_simple)
+
+    s = sub.add_parser("reload", help="make the daemon re-read its config file")
+    s.set_defaults(func=cmd_reload)
+
+    s = sub.add_parser("attach", help="attach a model and report; --verify compares every byte with the files")
+    s.add_argument("name")
+    s.add_argument("--verify", action="store_true")
+    s.add_argument("--hold", type=float, default=0, help="keep the lease this many seconds")
+    s.set_defaults(func=cmd_attach)
+
+    s = sub.add_parser("demo", help="generate small models, run a daemon, restart an engine with and without the cache")
+    s.add_argument("--workdir", default=None, help="where to put models and the socket (default: a temp dir)")
+    s.add_argument("--restarts", type=int, default=3)
+    s.add_argument("--model-mib", type=int, default=96)
+    s.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("bench", help="attach latency and control-plane latency vs safetensors.load_file")
+    s.add_argument("--size-gib", type=float, default=1.0)
+    s.add_argument("--tensors", type=int, default=200)
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--attaches", type=int, default=200)
+    s.add_argument("--big-gib", type=float, default=3.0, help="size of the model loaded while status latency is measured")
+    s.add_argument("--workdir", default=None)
+    s.add_argument("--out", default=None, help="write results as JSON here")
+    s.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if asyncio.iscoroutinefunction(args.func):
+            return asyncio.run(args.func(args))
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"weightcache: {exc.message}", file=sys.stderr)
+        return 2
+    except WeightcacheError as exc:
+        print(f"weightcache: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,62 @@
+"""Turn the fds and tensor table of an attach reply into torch tensors, zero-copy.
+
+Note [lifetime]
+---------------
+Every tensor is a view of one slab tensor that wraps the whole mapped arena. The slab
+holds the mapping (a Python ``mmap`` for memfd arenas); the mapping is unmapped when the
+last view is garbage collected, never earlier. The daemon's memory is reference counted
+by the kernel (memfd) or driver (VMM), so a mapping stays valid even if the daemon evicts
+the model; the lease is what keeps the daemon from evicting it while you use it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from ..errors import BadRequest
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def map_memfd(fd: int, nbytes: int) -> torch.Tensor:
+    """Map a sealed memfd read-only and wrap it as a uint8 tensor (closes ``fd``)."""
+    try:
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():
+        # torch warns that the buffer is not writable: that is the point. A write through
+        # these tensors faults (SIGSEGV) in this process; the daemon's bytes are sealed.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def map_arena(arena: dict[str, Any], fds: list[int]) -> torch.Tensor:
+    kind = arena.get("kind")
+    if kind == "memfd":
+        if len(fds) != 1:
+            raise BadRequest(f"memfd arena needs 1 fd, got {len(fds)}")
+        return map_memfd(fds[0], int(arena["nbytes"]))
+    if kind == "cuda_vmm":
+        from .cuda_mapping import map_vmm
+
+        return map_vmm(arena, fds)
+    raise BadRequest(f"unknown arena kind {kind!r}")
+
+
+def tensor_views(slab: torch.Tensor, table: list[list[Any]]) -> dict[str, torch.Tensor]:
+    """[name, dtype, shape, offset, nbytes] rows -> views of ``slab`` (no copies)."""
+    out = {}
+    for name, dtype, shape, offset, nbytes in table:
+        out[name] = slab[offset : offset + nbytes].view(TORCH_DTYPES[dtype]).view(shape)
+    return out

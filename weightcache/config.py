@@ -1,0 +1,227 @@
+"""Daemon configuration: a TOML file read through pydantic-settings.
+
+Precedence, highest first: ``WEIGHTCACHE_*`` environment variables (nested keys with
+``__``, e.g. ``WEIGHTCACHE_DAEMON__LOG_LEVEL=debug``), then the TOML file, then the
+defaults below. ``WEIGHTCACHE_SOCKET`` sets the socket path for the daemon and the
+clients alike; ``WEIGHTCACHE_CONFIG`` names the file the daemon reads when none is given.
+
+This module imports no torch: the CLI and the client read it before anything heavy.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from .errors import ConfigError
+
+DEFAULT_SOCKET = "/run/weightcache/weightcache.sock"
+SOCKET_ENV = "WEIGHTCACHE_SOCKET"
+CONFIG_ENV = "WEIGHTCACHE_CONFIG"
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: str | int) -> int:
+    """``"6GiB"`` -> 6442450944. Integers are bytes. Raises ValueError with the reason."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, got {value}")
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (use bytes or a unit: KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(n: int | float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+class Budget(BaseModel):
+    """A per-device budget: absolute bytes, or a fraction of the device's total memory."""
+
+    model_config = ConfigDict(frozen=True)
+
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, value: Any) -> Budget:
+        if isinstance(value, Budget):
+            return value
+        if isinstance(value, float) or (isinstance(value, str) and re.fullmatch(r"\s*0?\.[0-9]+\s*|\s*1(\.0*)?\s*", value)):
+            frac = float(value)
+            if not 0.0 < frac <= 1.0:
+                raise ValueError(f"a fraction budget must be in (0, 1], got {value!r}")
+            return cls(fraction=frac)
+        return cls(nbytes=parse_size(value))
+
+    def resolve(self, total_bytes: int) -> int:
+        if self.nbytes is not None:
+            return self.nbytes
+        assert self.fraction is not None
+        return int(total_bytes * self.fraction)
+
+    def __str__(self) -> str:
+        return format_size(self.nbytes) if self.nbytes is not None else f"{self.fraction:g} of total"
+
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+_DEVICE_RE = re.compile(r"^(cpu|cuda:[0-9]+|cuda:GPU-[0-9a-fA-F-]+)$")
+
+
+def check_model_name(name: str) -> str:
+    if not _NAME_RE.match(name):
+        raise ValueError(f"model name {name!r} must be 1-128 chars of letters, digits and . _ : / -, starting alphanumeric")
+    return name
+
+
+def check_device(device: str) -> str:
+    if not _DEVICE_RE.match(device):
+        raise ValueError(f"device {device!r} must be 'cpu', 'cuda:N' or 'cuda:GPU-<uuid>'")
+    return device
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    path: Path = Field(description="a .safetensors file, a directory of them, or an index json")
+    device: str = "cpu"
+    pin: bool = False
+    preload: bool = False
+    keep_alive: float | None = Field(default=None, gt=0, description="seconds unused and unattached before eviction")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_model_name(v)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        return check_device(v)
+
+
+class DaemonConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    socket: Path = Path(DEFAULT_SOCKET)
+    socket_mode: int = Field(default=0o660, ge=0, le=0o777, description="permission bits of the socket file")
+    max_frame_bytes: int = Field(default=16 * 2**20, ge=1024)
+    log_level: str = "info"
+    shutdown_grace_s: float = Field(default=10.0, ge=0)
+    load_threads: int = Field(default=8, ge=1, le=256)
+    load_chunk_bytes: int = Field(default=16 * 2**20, ge=4096)
+    no_space_wait_s: float = Field(default=0.0, ge=0, description="default time a load waits for detaches")
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        v = v.lower()
+        if v not in ("debug", "info", "warning", "error"):
+            raise ValueError("log_level must be one of debug, info, warning, error")
+        return v
+
+    @field_validator("max_frame_bytes", "load_chunk_bytes", mode="before")
+    @classmethod
+    def _sizes(cls, v: Any) -> int:
+        return parse_size(v)
+
+
+class Settings(BaseSettings):
+    """Everything the daemon reads at start. Frozen: a reload builds a new one."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="WEIGHTCACHE_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    daemon: DaemonConfig = DaemonConfig()
+    budgets: dict[str, Budget] = Field(default_factory=lambda: {"cpu": Budget(fraction=0.5)})
+    models: list[ModelConfig] = Field(default_factory=list)
+
+    @field_validator("budgets", mode="before")
+    @classmethod
+    def _budgets(cls, v: Any) -> dict[str, Budget]:
+        if not isinstance(v, dict):
+            raise ValueError("budgets must be a table of device = size")
+        return {check_device(str(k)): Budget.parse(val) for k, val in v.items()}
+
+    @model_validator(mode="after")
+    def _models_consistent(self) -> Settings:
+        seen: set[str] = set()
+        for m in self.models:
+            if m.name in seen:
+                raise ValueError(f"model name {m.name!r} appears twice")
+            seen.add(m.name)
+            if m.device not in self.budgets:
+                raise ValueError(f"model {m.name!r} is on device {m.device!r}, which has no entry in [budgets]")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The file's contents arrive as init kwargs (see load_settings); the environment
+        # must win over the file, so it comes first.
+        return (env_settings, init_settings)
+
+
+def load_settings(path: str | Path | None = None) -> Settings:
+    """Read the config file (``path``, else ``$WEIGHTCACHE_CONFIG``, else defaults only).
+
+    Raises :class:`ConfigError` with one line per problem, each naming the key.
+    """
+    path = path or os.environ.get(CONFIG_ENV)
+    data: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+        # Relative model paths are relative to the config file, not to the cwd.
+        for m in data.get("models", []) if isinstance(data.get("models"), list) else []:
+            if isinstance(m, dict) and isinstance(m.get("path"), str) and not os.path.isabs(m["path"]):
+                m["path"] = str((p.parent / m["path"]).resolve())
+    if os.environ.get(SOCKET_ENV):
+        data.setdefault("daemon", {})["socket"] = os.environ[SOCKET_ENV]
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            lines.append(f"{loc}: {err['msg']}")
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"invalid configuration{where}:\n  " + "\n  ".join(lines)) from None
+
+
+def client_socket_path(explicit: str | os.PathLike[str] | None = None) -> str:
+    """The socket a client connects to: explicit, else ``$WEIGHTCACHE_SOCKET``, else the default."""
+    return os.fspath(explicit or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET)

@@ -1,0 +1,141 @@
+"""Parallel reads of a checkpoint's byte ranges into an arena.
+
+Worker threads each take a chunk (default 16 MiB: the H200 probe's best, see
+docs/benchmarks.md) and hand it to the backend's ArenaWriter, which reads it straight to
+its destination: ``preadv`` into the memfd mapping on the CPU backend, into a pinned
+staging buffer then a copy on the thread's own stream on CUDA. ``preadv`` releases the GIL,
+so threads overlap real I/O.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..errors import CorruptCheckpoint, LoadFailed
+from .checkpoint import Checkpoint
+
+
+class ArenaWriter(Protocol):
+    """Fills one arena. ``write_from_file`` is called from several threads at once, each
+    with a disjoint destination range; it returns when the bytes are in place (or queued
+    on a stream that ``finish`` synchronizes)."""
+
+    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class CopyRange:
+    file: int
+    file_offset: int
+    arena_offset: int
+    nbytes: int
+
+
+def copy_ranges(ckpt: Checkpoint, chunk: int) -> list[CopyRange]:
+    """Merge tensors that are contiguous both in their file and in the arena, then cut
+    the runs into chunks of at most ``chunk`` bytes."""
+    runs: list[list[int]] = []  # [file, file_offset, arena_offset, nbytes]
+    for t in ckpt.tensors:
+        if t.nbytes == 0:
+            continue
+        last = runs[-1] if runs else None
+        if last and last[0] == t.file and last[1] + last[3] == t.file_offset and last[2] + last[3] == t.arena_offset:
+            last[3] += t.nbytes
+        else:
+            runs.append([t.file, t.file_offset, t.arena_offset, t.nbytes])
+    out = []
+    for f, fo, ao, n in runs:
+        for off in range(0, n, chunk):
+            out.append(CopyRange(f, fo + off, ao + off, min(chunk, n - off)))
+    return out
+
+
+def pread_full(fd: int, view: memoryview, offset: int, path: str = "") -> None:
+    """Fill ``view`` from ``fd`` at ``offset``; a short file is a corrupt checkpoint."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            raise CorruptCheckpoint(f"{path}: file ended at {offset + got} while reading (truncated?)", file=path, reason="truncated")
+        got += n
+
+
+class Progress:
+    """Bytes done of a load, updated from worker threads, read by the event loop."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+
+    def snapshot(self) -> dict[str, float]:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        rate = self.done / elapsed
+        eta = (self.total - self.done) / rate if rate > 0 else None
+        return {"bytes_done": self.done, "bytes_total": self.total, "bytes_per_s": rate, "eta_s": eta}
+
+
+def read_checkpoint(
+    ckpt: Checkpoint,
+    writer: ArenaWriter,
+    *,
+    threads: int,
+    chunk: int,
+    progress: Progress | None = None,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> None:
+    """Read every tensor of ``ckpt`` into the arena behind ``writer``. Blocking: run it in
+    a thread. Raises CorruptCheckpoint if a file is short or changed while being read."""
+    fds: list[int] = []
+    try:
+        for f in ckpt.files:
+            try:
+                fds.append(os.open(f.path, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError as exc:
+                raise LoadFailed(f"{f.path}: cannot open: {exc.strerror}", file=f.path, reason=exc.strerror) from None
+        ranges = copy_ranges(ckpt, chunk)
+        failed = threading.Event()  # once one chunk fails, the others stop early
+
+        def work(r: CopyRange) -> None:
+            if failed.is_set():
+                return
+            if cancelled():
+                failed.set()
+                raise LoadFailed("load cancelled (daemon shutting down)", reason="cancelled")
+            try:
+                writer.write_from_file(fds[r.file], r.file_offset, r.arena_offset, r.nbytes)
+            except CorruptCheckpoint as exc:
+                failed.set()
+                path = ckpt.files[r.file].path
+                raise CorruptCheckpoint(f"{path}: {exc.details.get('reason', exc.message)}", file=path, reason=exc.details.get("reason")) from None
+            except OSError as exc:
+                failed.set()
+                path = ckpt.files[r.file].path
+                raise LoadFailed(f"{path}: read failed: {exc.strerror}", file=path, reason=exc.strerror) from None
+            if progress is not None:
+                progress.add(r.nbytes)
+
+        try:
+            with ThreadPoolExecutor(max_workers=min(threads, max(1, len(ranges))), thread_name_prefix="wc-load") as pool:
+                # list() re-raises the first worker error; the pool's exit waits for the rest.
+                list(pool.map(work, ranges))
+        finally:
+            writer.finish()  # on failure too: it synchronizes and drops buffers before the arena is freed
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if not ckpt.unchanged_on_disk():
+        raise CorruptCheckpoint(f"{ckpt.source}: checkpoint changed on disk while it was loading", file=ckpt.source, reason="changed during load")

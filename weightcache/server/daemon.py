@@ -1,0 +1,641 @@
+"""The daemon: asyncio on uvloop around the pure cache core.
+
+Each connection owns its raw non-blocking socket (see protocol/transport.py for why not
+streams). Every request runs as its own task, so a slow ``load`` never holds up a
+``status`` on the same or another connection; blocking work (header parsing, file reads,
+allocation, sealing) runs in threads. Loads are single-flight tasks that belong to the
+daemon, not to the request that started them: a client that disconnects mid-load does
+not cancel a load that others wait on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import signal
+import socket
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..backends import Arena, Backend, backend_for
+from ..cache import CacheCore, LoadPlan, State
+from ..config import ModelConfig, Settings, load_settings
+from ..errors import (
+    BadRequest,
+    FrameTooLarge,
+    InternalError,
+    LoadFailed,
+    NoSpace,
+    ProtocolVersionError,
+    ShuttingDown,
+    UnknownOp,
+    WeightcacheError,
+)
+from ..loader import Checkpoint, Progress, open_checkpoint, read_checkpoint
+from ..protocol import PROTOCOL_VERSION, FrameDecoder, decode_payload, encode_frame
+from ..protocol.transport import send_with_fds
+
+log = logging.getLogger("weightcache.daemon")
+
+
+@dataclass
+class Model:
+    """What the daemon holds for one registered model beyond the core's accounting."""
+
+    config: ModelConfig
+    checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident
+    arena: Arena | None = None
+    last_error: dict[str, Any] | None = None
+
+
+@dataclass
+class Connection:
+    id: int
+    sock: socket.socket
+    peer: tuple[int, int, int]  # pid, uid, gid from SO_PEERCRED
+    client: str = "?"
+    greeted: bool = False
+    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+
+def _peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def _arg(req: dict[str, Any], key: str, typ: type | tuple[type, ...], default: Any = ...) -> Any:
+    """A request argument of the expected type, or BadRequest naming it."""
+    if key not in req or req[key] is None:
+        if default is ...:
+            raise BadRequest(f"missing argument {key!r}", argument=key)
+        return default
+    value = req[key]
+    if not isinstance(value, typ) or (isinstance(value, bool) and typ in (int, float, (int, float))):
+        want = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
+        raise BadRequest(f"argument {key!r} must be {want}, got {type(value).__name__}", argument=key)
+    return value
+
+
+class Daemon:
+    def __init__(self, settings: Settings, config_path: str | None = None) -> None:
+        self.settings = settings
+        self.config_path = config_path
+        self.backends: dict[str, Backend] = {}
+        self.core: CacheCore | None = None
+        self.models: dict[str, Model] = {}
+        self.loads: dict[str, asyncio.Task[None]] = {}
+        self.progress: dict[str, Progress] = {}
+        self.conns: dict[int, Connection] = {}
+        self._conn_ids = itertools.count(1)
+        self._listener: socket.socket | None = None
+        self._space_freed: asyncio.Condition | None = None
+        self._stopping: asyncio.Event | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self.started = time.monotonic()
+        self.socket_path = str(settings.daemon.socket)
+        self._ops: dict[str, Callable[[Connection, dict[str, Any]], Awaitable[tuple[dict[str, Any], list[int]]]]] = {
+            "status": self.op_status, "models": self.op_models, "load": self.op_load,
+            "attach": self.op_attach, "detach": self.op_detach, "evict": self.op_evict,
+            "pin": self.op_pin, "unpin": self.op_unpin, "register": self.op_register,
+            "unregister": self.op_unregister, "reload": self.op_reload,
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Build backends and budgets, register the configured models, bind the socket.
+        Preloads start in the background: the socket answers before they finish."""
+        self._space_freed = asyncio.Condition()
+        self._stopping = asyncio.Event()
+        budgets = {}
+        for device, budget in self.settings.budgets.items():
+            backend = backend_for(device)
+            self.backends[device] = backend
+            budgets[device] = budget.resolve(backend.total_memory())
+            log.info("device %s: backend %s, budget %d bytes (%s)", device, backend.kind, budgets[device], budget)
+        self.core = CacheCore(budgets)
+        for mc in self.settings.models:
+            self._register(mc)
+        self._listener = self._bind(self.socket_path)
+        log.info("weightcache %s serving on %s (pid %d)", __version__, self.socket_path, os.getpid())
+        for mc in self.settings.models:
+            if mc.preload:
+                self._spawn(self._preload(mc.name))
+        self._spawn(self._keep_alive_loop())
+
+    def _bind(self, path: str) -> socket.socket:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if p.is_symlink() or p.exists():
+            if not p.is_socket():
+                raise RuntimeError(f"{path} exists and is not a socket; refusing to replace it")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(path)
+            except (ConnectionRefusedError, FileNotFoundError):
+                log.warning("removing stale socket %s (no daemon answers on it)", path)
+                p.unlink()
+            else:
+                raise RuntimeError(f"another daemon is already serving on {path}")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        old_umask = os.umask(0o177)  # no window in which the socket is world-connectable
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, self.settings.daemon.socket_mode)
+        sock.listen(512)
+        return sock
+
+    async def serve(self) -> None:
+        """Accept connections until shutdown is requested, then shut down in order."""
+        assert self._listener is not None and self._stopping is not None
+        loop = asyncio.get_running_loop()
+        accept = asyncio.ensure_future(self._accept_loop(loop))
+        try:
+            await self._stopping.wait()
+        finally:
+            accept.cancel()
+            await asyncio.gather(accept, return_exceptions=True)
+            await self._shutdown()
+
+    def request_stop(self, reason: str = "") -> None:
+        assert self._stopping is not None
+        if not self._stopping.is_set():
+            log.info("shutting down%s", f" ({reason})" if reason else "")
+            self._stopping.set()
+
+    async def _accept_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:  # EMFILE and friends: log, back off, keep serving
+                log.error("accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            conn = Connection(id=next(self._conn_ids), sock=sock, peer=_peer_credentials(sock))
+            self.conns[conn.id] = conn
+            self._spawn(self._serve_connection(conn))
+
+    async def _shutdown(self) -> None:
+        """Stop accepting (done by the caller), refuse new work, give in-flight requests
+        the grace period, close connections, free every arena, remove the socket."""
+        grace = self.settings.daemon.shutdown_grace_s
+        if self._listener is not None:
+            self._listener.close()
+        pending = [t for c in self.conns.values() for t in c.tasks] + list(self.loads.values())
+        if pending:
+            log.info("waiting up to %.1fs for %d request(s) in flight", grace, len(pending))
+            _, still = await asyncio.wait(pending, timeout=grace or None) if grace else (set(), set(pending))
+            for t in still:
+                t.cancel()
+            await asyncio.gather(*still, return_exceptions=True)
+        for conn in list(self.conns.values()):
+            conn.sock.close()
+        for t in list(self._background):
+            t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        for model in self.models.values():
+            if model.arena is not None:
+                self.backends[model.arena.device].free(model.arena)
+                model.arena = None
+        for backend in self.backends.values():
+            backend.close()
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        log.info("stopped")
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # ------------------------------------------------------------------ connections
+    async def _serve_connection(self, conn: Connection) -> None:
+        loop = asyncio.get_running_loop()
+        decoder = FrameDecoder(self.settings.daemon.max_frame_bytes)
+        log.debug("conn %d open: pid %d uid %d", conn.id, *conn.peer[:2])
+        try:
+            while True:
+                try:
+                    data = await loop.sock_recv(conn.sock, 1 << 16)
+                except (ConnectionResetError, OSError):
+                    break
+                if not data:
+                    break
+                try:
+                    frames = decoder.feed(data)
+                except FrameTooLarge as exc:
+                    # The stream is out of step: answer, then close this connection only.
+                    log.warning("conn %d: %s; closing it", conn.id, exc.message)
+                    await self._send(conn, {"id": None, "ok": False, "error": exc.to_wire()})
+                    break
+                for payload in frames:
+                    self._dispatch(conn, payload)
+        finally:
+            await self._close_connection(conn)
+
+    async def _close_connection(self, conn: Connection) -> None:
+        self.conns.pop(conn.id, None)
+        for t in list(conn.tasks):
+            t.cancel()
+        await asyncio.gather(*conn.tasks, return_exceptions=True)
+        assert self.core is not None
+        dropped = self.core.drop_connection(conn.id)
+        if dropped:
+            log.info("conn %d (%s, pid %d) closed holding %d lease(s); released", conn.id, conn.client, conn.peer[0], len(dropped))
+            await self._notify_space()
+        conn.sock.close()
+
+    def _dispatch(self, conn: Connection, payload: bytes) -> None:
+        try:
+            req = decode_payload(payload)
+        except WeightcacheError as exc:
+            self._reply_later(conn, {"id": None, "ok": False, "error": exc.to_wire()})
+            return
+        rid = req.get("id")
+        if not isinstance(rid, int) or isinstance(rid, bool):
+            err = BadRequest("request needs an integer 'id'")
+            self._reply_later(conn, {"id": None, "ok": False, "error": err.to_wire()})
+            return
+        op = req.get("op")
+        if op == "hello":
+            # Handled inline so that requests pipelined behind it see greeted=True.
+            try:
+                reply = self.op_hello(conn, req)
+            except WeightcacheError as exc:
+                reply = {"ok": False, "error": exc.to_wire()}
+            self._reply_later(conn, {"id": rid, **reply})
+            return
+        task = asyncio.ensure_future(self._handle(conn, rid, op, req))
+        conn.tasks.add(task)
+        task.add_done_callback(conn.tasks.discard)
+
+    def _reply_later(self, conn: Connection, msg: dict[str, Any]) -> None:
+        task = asyncio.ensure_future(self._send(conn, msg))
+        conn.tasks.add(task)
+        task.add_done_callback(conn.tasks.discard)
+
+    async def _handle(self, conn: Connection, rid: int, op: Any, req: dict[str, Any]) -> None:
+        fds: list[int] = []
+        try:
+            assert self._stopping is not None
+            if not conn.greeted:
+                raise BadRequest("the first request on a connection must be 'hello'")
+            handler = self._ops.get(op) if isinstance(op, str) else None
+            if handler is None:
+                raise UnknownOp(f"unknown op {op!r}", op=str(op))
+            if self._stopping.is_set() and op in ("load", "attach", "register"):
+                raise ShuttingDown("the daemon is shutting down")
+            reply, fds = await handler(conn, req)
+            msg = {"id": rid, "ok": True, **reply}
+        except WeightcacheError as exc:
+            msg = {"id": rid, "ok": False, "error": exc.to_wire()}
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("conn %d: op %r failed unexpectedly", conn.id, op)
+            msg = {"id": rid, "ok": False, "error": InternalError(f"{type(exc).__name__}: {exc}").to_wire()}
+        try:
+            await self._send(conn, msg, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    async def _send(self, conn: Connection, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+        if fds:
+            msg["fds"] = len(fds)
+        frame = encode_frame(msg)
+        async with conn.write_lock:
+            try:
+                await send_with_fds(conn.sock, frame, fds or [])
+            except OSError as exc:
+                # The peer went away; the read side notices and releases its leases.
+                log.debug("conn %d: send failed: %s", conn.id, exc)
+
+    # ------------------------------------------------------------------ ops
+    def op_hello(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        version = req.get("protocol")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolVersionError(
+                f"client speaks protocol {version!r}; this daemon speaks {PROTOCOL_VERSION}", supported=[PROTOCOL_VERSION]
+            )
+        client = req.get("client", "?")
+        conn.client = client if isinstance(client, str) else "?"
+        conn.greeted = True
+        return {"ok": True, "protocol": PROTOCOL_VERSION, "server": f"weightcache/{__version__}", "pid": os.getpid(),
+                "max_frame_bytes": self.settings.daemon.max_frame_bytes}
+
+    async def op_status(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        assert self.core is not None
+        devices = self.core.device_summary()
+        for dev, d in devices.items():
+            d["backend"] = self.backends[dev].kind
+        return {
+            "version": __version__, "pid": os.getpid(), "uptime_s": time.monotonic() - self.started,
+            "socket": self.socket_path, "devices": devices, "connections": len(self.conns),
+            "leases": len(self.core.leases),
+            "loading": {name: p.snapshot() for name, p in self.progress.items()},
+            "shutting_down": bool(self._stopping and self._stopping.is_set()),
+        }, []
+
+    async def op_models(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        return {"models": [self._describe(name) for name in self.models]}, []
+
+    def _describe(self, name: str) -> dict[str, Any]:
+        assert self.core is not None
+        e = self.core.entry(name)
+        m = self.models[name]
+        return {
+            "name": name, "state": str(e.state), "device": e.device, "nbytes": e.nbytes,
+            "attach_count": e.attach_count, "pinned": e.pinned, "keep_alive": e.keep_alive,
+            "path": str(m.config.path), "fingerprint": m.checkpoint.fingerprint if m.checkpoint else None,
+            "tensors": len(m.checkpoint.tensors) if m.checkpoint else None,
+            "idle_s": (time.monotonic() - e.last_used) if e.last_used else None,
+            "loads": e.loads, "evictions": e.evictions, "last_error": m.last_error,
+            "progress": self.progress[name].snapshot() if name in self.progress else None,
+        }
+
+    async def op_load(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        name = _arg(req, "name", str)
+        wait = _arg(req, "wait_s", (int, float), self.settings.daemon.no_space_wait_s)
+        await self.ensure_resident(name, float(wait))
+        return {"model": self._describe(name)}, []
+
+    async def op_attach(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        assert self.core is not None
+        name = _arg(req, "name", str)
+        wait = _arg(req, "wait_s", (int, float), self.settings.daemon.no_space_wait_s)
+        if _arg(req, "writable", bool, False):
+            raise BadRequest("writable attachments are not allowed: arenas are shared read-only", argument="writable")
+        device = _arg(req, "device", str, None)
+        entry = self.core.entry(name)
+        if device is not None and device != entry.device:
+            raise BadRequest(f"model {name!r} lives on {entry.device}, not {device}", model=name, device=device)
+        while True:
+            await self.ensure_resident(name, float(wait))
+            # Another request may have evicted it between the load and here; retry then.
+            if self.core.entry(name).state is State.RESIDENT:
+                break
+        lease = self.core.attach(name, conn.id)
+        m = self.models[name]
+        assert m.arena is not None and m.checkpoint is not None
+        try:
+            fds, arena = self.backends[m.arena.device].export(m.arena)
+        except BaseException:
+            self.core.detach(lease.id, conn.id)
+            raise
+        return {
+            "lease": lease.id, "model": name, "device": entry.device, "fingerprint": m.checkpoint.fingerprint,
+            "arena": arena, "tensors": m.checkpoint.wire_tensors(),
+        }, fds
+
+    async def op_detach(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        assert self.core is not None
+        lease = self.core.detach(_arg(req, "lease", int), conn.id)
+        await self._notify_space()
+        return {"lease": lease.id, "model": lease.model}, []
+
+    async def op_evict(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        assert self.core is not None
+        name = _arg(req, "name", str)
+        e = self.core.entry(name)
+        if e.state is not State.RESIDENT:
+            return {"evicted": False, "state": str(e.state)}, []
+        self.core.evict(name)
+        self._free_arena(name, reason="requested")
+        await self._notify_space()
+        return {"evicted": True, "freed": e.nbytes}, []
+
+    async def op_pin(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        return await self._set_pin(req, True)
+
+    async def op_unpin(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        return await self._set_pin(req, False)
+
+    async def _set_pin(self, req: dict[str, Any], pinned: bool) -> tuple[dict[str, Any], list[int]]:
+        assert self.core is not None
+        name = _arg(req, "name", str)
+        self.core.set_pinned(name, pinned)
+        if not pinned:
+            await self._notify_space()
+        return {"model": self._describe(name)}, []
+
+    async def op_register(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        fields = {k: req[k] for k in ("name", "path", "device", "pin", "preload", "keep_alive") if k in req}
+        try:
+            mc = ModelConfig(**fields)
+        except Exception as exc:
+            raise BadRequest(f"invalid model: {exc}") from None
+        self._register(mc)
+        if mc.preload:
+            self._spawn(self._preload(mc.name))
+        return {"model": self._describe(mc.name)}, []
+
+    async def op_unregister(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        name = _arg(req, "name", str)
+        self._unregister(name)
+        return {"unregistered": name}, []
+
+    async def op_reload(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """Re-read the config file: register new models, unregister removed ones (kept,
+        and reported, while attached or loading), re-register changed ones when unattached."""
+        if self.config_path is None:
+            raise BadRequest("the daemon was started without a config file; nothing to reload")
+        new = await asyncio.to_thread(load_settings, self.config_path)
+        report: dict[str, list[str]] = {"added": [], "removed": [], "changed": [], "kept": [], "unchanged": []}
+        wanted = {m.name: m for m in new.models}
+        for name in list(self.models):
+            old = self.models[name].config
+            if name in wanted and wanted[name] == old:
+                report["unchanged"].append(name)
+                continue
+            try:
+                self._unregister(name)
+            except WeightcacheError as exc:
+                report["kept"].append(f"{name}: {exc.message}")
+                wanted.pop(name, None)
+                continue
+            report["changed" if name in wanted else "removed"].append(name)
+        for name, mc in wanted.items():
+            if name not in self.models:
+                if mc.device not in self.backends:
+                    report["kept"].append(f"{name}: device {mc.device} has no backend in the running daemon")
+                    continue
+                self._register(mc)
+                if name not in report["changed"]:
+                    report["added"].append(name)
+                if mc.preload:
+                    self._spawn(self._preload(name))
+        log.info("reload: %s", {k: v for k, v in report.items() if v and k != "unchanged"})
+        return {"report": report}, []
+
+    # ------------------------------------------------------------------ loading
+    def _register(self, mc: ModelConfig) -> None:
+        assert self.core is not None
+        self.core.register(mc.name, mc.device, pinned=mc.pin, keep_alive=mc.keep_alive)
+        self.models[mc.name] = Model(config=mc)
+
+    def _unregister(self, name: str) -> None:
+        assert self.core is not None
+        entry = self.core.unregister(name)
+        model = self.models.pop(name)
+        if model.arena is not None:
+            self.backends[entry.device].free(model.arena)
+
+    async def ensure_resident(self, name: str, wait_s: float) -> None:
+        """Return once ``name`` is resident: at once if it is, else by joining the one
+        load in flight or starting it. The load is shielded: a caller that goes away does
+        not cancel it for the others."""
+        assert self.core is not None
+        e = self.core.entry(name)
+        if e.state is State.RESIDENT:
+            m = self.models[name]
+            if m.checkpoint is not None and (e.attach_count or m.checkpoint.unchanged_on_disk()):
+                e.last_used = time.monotonic()
+                return
+            # The files changed since it was loaded and nobody holds the old bytes:
+            # drop them so the new checkpoint is what gets served.
+            log.warning("model %s changed on disk; reloading it", name)
+            self.core.evict(name, ignore_pin=True)  # a pin keeps a model, not stale bytes
+            self._free_arena(name, reason="changed on disk")
+        task = self.loads.get(name)
+        if task is None:
+            task = asyncio.ensure_future(self._load(name, wait_s))
+            self.loads[name] = task
+            task.add_done_callback(lambda _t: self.loads.pop(name, None))
+        await asyncio.shield(task)
+
+    async def _load(self, name: str, wait_s: float) -> None:
+        assert self.core is not None
+        model = self.models[name]
+        backend = self.backends[model.config.device]
+        t0 = time.monotonic()
+        try:
+            ckpt = await asyncio.to_thread(open_checkpoint, model.config.path)
+            nbytes = backend.capacity(ckpt.arena_bytes)
+            plan = await self._admit(name, nbytes, wait_s)
+        except WeightcacheError as exc:
+            model.last_error = exc.to_wire()
+            log.error("load %s refused: %s", name, exc)
+            raise
+        for victim in plan.evict:
+            self._free_arena(victim, reason=f"LRU, to make room for {name}")
+        progress = self.progress[name] = Progress(ckpt.data_bytes)
+        arena: Arena | None = None
+        try:
+            arena = await asyncio.to_thread(backend.allocate, nbytes, name)
+            writer = backend.writer(arena)
+            d = self.settings.daemon
+            await asyncio.to_thread(
+                read_checkpoint, ckpt, writer, threads=d.load_threads, chunk=d.load_chunk_bytes,
+                progress=progress, cancelled=self._stopping.is_set if self._stopping else (lambda: False),
+            )
+            await asyncio.to_thread(backend.seal, arena)
+        except BaseException as exc:
+            if arena is not None:
+                backend.free(arena)
+            self.core.abort_load(name)
+            err = exc if isinstance(exc, WeightcacheError) else LoadFailed(f"{name}: {type(exc).__name__}: {exc}", model=name)
+            model.last_error = err.to_wire()
+            log.error("load %s failed: %s", name, err)
+            await self._notify_space()
+            if isinstance(exc, (WeightcacheError, asyncio.CancelledError)):
+                raise
+            raise err from exc
+        finally:
+            self.progress.pop(name, None)
+        model.arena, model.checkpoint, model.last_error = arena, ckpt, None
+        self.core.finish_load(name)
+        dt = time.monotonic() - t0
+        log.info("loaded %s: %d tensors, %d bytes in %.2fs (%.2f GB/s)", name, len(ckpt.tensors), ckpt.data_bytes, dt,
+                 ckpt.data_bytes / max(dt, 1e-9) / 1e9)
+
+    async def _admit(self, name: str, nbytes: int, wait_s: float) -> LoadPlan:
+        """Reserve room, evicting LRU models; on NO_SPACE wait up to ``wait_s`` for
+        detaches if waiting could ever help."""
+        assert self.core is not None and self._space_freed is not None
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.core.begin_load(name, nbytes)
+            except NoSpace as exc:
+                left = deadline - time.monotonic()
+                if left <= 0 or not exc.details.get("fits_ever"):
+                    raise
+                async with self._space_freed:
+                    try:
+                        await asyncio.wait_for(self._space_freed.wait(), left)
+                    except TimeoutError:
+                        pass
+
+    async def _preload(self, name: str) -> None:
+        try:
+            await self.ensure_resident(name, self.settings.daemon.no_space_wait_s)
+        except WeightcacheError as exc:
+            log.error("preload of %s failed: %s", name, exc)
+
+    def _free_arena(self, name: str, reason: str) -> None:
+        model = self.models[name]
+        if model.arena is not None:
+            log.info("evicted %s (%d bytes): %s", name, model.arena.nbytes, reason)
+            self.backends[model.arena.device].free(model.arena)
+            model.arena = None
+
+    async def _notify_space(self) -> None:
+        assert self._space_freed is not None
+        async with self._space_freed:
+            self._space_freed.notify_all()
+
+    async def _keep_alive_loop(self) -> None:
+        assert self.core is not None
+        while True:
+            await asyncio.sleep(1.0)
+            for name in self.core.expired():
+                self.core.evict(name)
+                self._free_arena(name, reason="keep_alive expired")
+                await self._notify_space()
+
+
+def run_daemon(settings: Settings, config_path: str | None = None) -> None:
+    """Run until SIGTERM/SIGINT; a second signal forces exit. Uses uvloop."""
+    import uvloop
+
+    logging.basicConfig(
+        level=settings.daemon.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+    async def main() -> None:
+        daemon = Daemon(settings, config_path)
+        await daemon.start()
+        loop = asyncio.get_running_loop()
+        signals = {"count": 0}
+
+        def on_signal(sig: signal.Signals) -> None:
+            signals["count"] += 1
+            if signals["count"] > 1:
+                log.warning("second %s: exiting now", sig.name)
+                os._exit(1)
+            daemon.request_stop(sig.name)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        await daemon.serve()
+
+    uvloop.run(main())
