@@ -6,7 +6,7 @@ Public surface: :class:`Client` (async), :class:`SyncClient`, :class:`AttachedMo
 
 __version__ = "0.1.0"
 
-from .errors import WeightcacheError  # noqa: E402
+from .errors import WeightcacheError
 
 
 def __getattr__(name: str):  # type: ignore[no-untyped-def]

@@ -56,5 +56,5 @@ class Backend(ABC):
         (memfd and VMM memory are reference counted), so this never pulls pages from
         under an engine."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (a hook: most backends hold nothing backend-wide)
         """Release backend-wide resources at shutdown."""

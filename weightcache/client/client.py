@@ -80,6 +80,7 @@ class Client:
         self._ids = itertools.count(1)
         self._write_lock = asyncio.Lock()
         self._closed_error: WeightcacheError | None = None
+        self._background: set[asyncio.Task[None]] = set()
         self.server_info: dict[str, Any] = {}
 
     # -- connection -----------------------------------------------------------------
@@ -182,8 +183,9 @@ class Client:
             # An error about the connection itself (e.g. FRAME_TOO_LARGE): fail everyone.
             self._fail_pending(error_from_wire(reply.get("error") or {}))
         elif reply.get("ok") and "lease" in reply and "tensors" in reply:
-            lease = reply["lease"]
-            asyncio.ensure_future(self._detach_quietly(lease))
+            task = asyncio.ensure_future(self._detach_quietly(reply["lease"]))
+            self._background.add(task)  # keep a reference until it is done
+            task.add_done_callback(self._background.discard)
 
     async def _detach_quietly(self, lease: int) -> None:
         with contextlib.suppress(WeightcacheError, OSError):

@@ -9,6 +9,7 @@ them in parallel straight into an arena. No torch here: dtypes stay safetensors 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -133,7 +134,7 @@ def read_header(path: str) -> tuple[CheckpointFile, dict[str, Any]]:
             raise _corrupt(path, f"tensor {name!r}: bytes {start}..{end} run past the data ({data_len} bytes; truncated?)")
         spans.append((start, end, name))
     spans.sort()
-    for (s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
+    for (_s0, e0, n0), (s1, _e1, n1) in itertools.pairwise(spans):
         if s1 < e0:
             raise _corrupt(path, f"tensors {n0!r} and {n1!r} overlap")
     rec = CheckpointFile(path=path, size=st.st_size, mtime_ns=st.st_mtime_ns, data_start=8 + n, header=raw)

@@ -81,7 +81,7 @@ class Progress:
         with self._lock:
             self.done += n
 
-    def snapshot(self) -> dict[str, float]:
+    def snapshot(self) -> dict[str, float | None]:
         elapsed = max(time.monotonic() - self.started, 1e-9)
         rate = self.done / elapsed
         eta = (self.total - self.done) / rate if rate > 0 else None

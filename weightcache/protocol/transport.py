@@ -9,8 +9,8 @@ add_reader/add_writer around recvmsg/sendmsg.
 from __future__ import annotations
 
 import array
-import os
 import asyncio
+import os
 import socket
 
 MAX_FDS_PER_MSG = 253  # SCM_MAX_FD in Linux
@@ -21,7 +21,12 @@ async def _wait(loop: asyncio.AbstractEventLoop, sock: socket.socket, writable: 
     fut = loop.create_future()
     fd = sock.fileno()
     add, remove = (loop.add_writer, loop.remove_writer) if writable else (loop.add_reader, loop.remove_reader)
-    add(fd, lambda: fut.done() or fut.set_result(None))
+
+    def ready() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    add(fd, ready)
     try:
         await fut
     finally:

@@ -518,8 +518,15 @@ class Daemon:
         if task is None:
             task = asyncio.ensure_future(self._load(name, wait_s))
             self.loads[name] = task
-            task.add_done_callback(lambda _t: self.loads.pop(name, None))
+            task.add_done_callback(self._load_done)
         await asyncio.shield(task)
+
+    def _load_done(self, task: asyncio.Task[None]) -> None:
+        # The load may outlive every request that waited on it; its error is already
+        # logged and kept in last_error, so mark it retrieved here.
+        self.loads = {n: t for n, t in self.loads.items() if t is not task}
+        if not task.cancelled():
+            task.exception()
 
     async def _load(self, name: str, wait_s: float) -> None:
         assert self.core is not None

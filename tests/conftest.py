@@ -1,0 +1,155 @@
+"""Fixtures that start the real thing: a daemon process on a short temporary socket.
+
+A test fails if the daemon logged a traceback it did not expect (the loop swallowed an
+exception), or if the daemon did not exit cleanly on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvloop
+
+from weightcache.protocol import encode_frame
+from weightcache.protocol.framing import HEADER, decode_payload
+from weightcache.synth import write_checkpoint
+
+MIB = 2**20
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+    # The suite runs under uvloop, like the daemon.
+    return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Small checkpoints made once per session: a, b, c of 8 MiB, a 3-shard one, a big one."""
+    d = tmp_path_factory.mktemp("ckpts")
+    out = {name: write_checkpoint(d / f"{name}.safetensors", 8 * MIB, 40, seed=i) for i, name in enumerate("abc")}
+    out["sharded"] = write_checkpoint(d / "sharded", 8 * MIB, 30, shards=3, seed=7)
+    out["tiny"] = write_checkpoint(d / "tiny.safetensors", 64 * 1024, 5, seed=11)
+    return out
+
+
+@dataclass
+class DaemonProc:
+    socket: str
+    config: Path
+    proc: subprocess.Popen[bytes]
+    log: Path
+    allowed_errors: list[str] = field(default_factory=list)
+
+    def log_text(self) -> str:
+        return self.log.read_text()
+
+    def raw(self, hello: bool = True) -> RawConn:
+        return RawConn(self.socket, hello=hello)
+
+
+class RawConn:
+    """A blocking protocol connection for tests that send exactly the bytes they want."""
+
+    def __init__(self, path: str, hello: bool = True) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(30)
+        self.sock.connect(path)
+        self.buf = b""
+        if hello:
+            assert self.call({"id": 0, "op": "hello", "protocol": 1, "client": "test"})["ok"]
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def recv(self) -> dict[str, Any] | None:
+        """The next reply frame, or None if the daemon closed the connection."""
+        while len(self.buf) < HEADER.size or len(self.buf) < HEADER.size + HEADER.unpack_from(self.buf)[0]:
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                return None
+            self.buf += chunk
+        (n,) = HEADER.unpack_from(self.buf)
+        payload, self.buf = self.buf[HEADER.size : HEADER.size + n], self.buf[HEADER.size + n :]
+        return decode_payload(payload)
+
+    def call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self.send(encode_frame(msg))
+        reply = self.recv()
+        assert reply is not None, "daemon closed the connection"
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def write_config(path: Path, sock: str, budget: str, models: dict[str, Path], extra_daemon: str = "", **model_opts: Any) -> None:
+    lines = ["[daemon]", f'socket = "{sock}"', 'log_level = "debug"', "shutdown_grace_s = 2", extra_daemon,
+             "[budgets]", f'cpu = "{budget}"']
+    for name, p in models.items():
+        lines += ["[[models]]", f'name = "{name}"', f'path = "{p}"']
+        for k, v in model_opts.get(name, {}).items():
+            lines.append(f"{k} = {str(v).lower() if isinstance(v, bool) else v}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def wait_for_socket(path: str, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {proc.returncode} before listening")
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(path)
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"daemon did not listen on {path}")
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Path) -> Iterator[Any]:
+    """Factory: ``start_daemon(budget="20MiB", models={...})`` -> DaemonProc (stopped at teardown)."""
+    started: list[DaemonProc] = []
+    # Unix socket paths are limited to 107 bytes: keep them short, outside tmp_path.
+    sockdir = tempfile.mkdtemp(prefix="wc-", dir="/tmp")
+
+    def start(budget: str = "20MiB", models: dict[str, Path] | None = None, extra_daemon: str = "", **model_opts: Any) -> DaemonProc:
+        sock = os.path.join(sockdir, f"d{len(started)}.sock")
+        cfg = tmp_path / f"daemon{len(started)}.toml"
+        write_config(cfg, sock, budget, models or {}, extra_daemon, **model_opts)
+        log = tmp_path / f"daemon{len(started)}.log"
+        proc = subprocess.Popen([sys.executable, "-m", "weightcache", "serve", "--config", str(cfg)],
+                                stdout=log.open("wb"), stderr=subprocess.STDOUT)
+        d = DaemonProc(socket=sock, config=cfg, proc=proc, log=log)
+        started.append(d)
+        wait_for_socket(sock, proc)
+        return d
+
+    yield start
+    for d in started:
+        if d.proc.poll() is None:
+            d.proc.send_signal(signal.SIGTERM)
+            try:
+                d.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                d.proc.kill()
+                d.proc.wait()
+                pytest.fail(f"daemon did not stop on SIGTERM; log:\n{d.log_text()[-3000:]}")
+            assert d.proc.returncode == 0, f"daemon exited {d.proc.returncode} on SIGTERM:\n{d.log_text()[-3000:]}"
+            assert not os.path.exists(d.socket), "daemon left its socket behind"
+        text = d.log_text()
+        if "Traceback" in text and not any(e in text for e in d.allowed_errors):
+            pytest.fail(f"daemon logged an unexpected traceback:\n{text[-4000:]}")
+    shutil.rmtree(sockdir, ignore_errors=True)

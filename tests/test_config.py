@@ -1,0 +1,77 @@
+"""Config: sizes, budgets, precedence of env over file, and messages that name the key."""
+
+import subprocess
+import sys
+
+import pytest
+
+from weightcache.config import Budget, load_settings, parse_size
+from weightcache.errors import ConfigError
+
+
+@pytest.mark.parametrize(("text", "n"), [("6GiB", 6 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
+                                         (1024, 1024), ("4096", 4096), ("2 KiB", 2048)])
+def test_parse_size(text, n):
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("text", ["6 parsecs", "-1", "GiB", True, -5])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_budget_forms():
+    assert Budget.parse("0.8").resolve(1000) == 800
+    assert Budget.parse(0.5).resolve(1000) == 500
+    assert Budget.parse("1").resolve(1000) == 1000  # "1" alone is the whole device
+    assert Budget.parse("2MiB").resolve(1000) == 2 * 2**20
+    with pytest.raises(ValueError):
+        Budget.parse(1.5)
+
+
+def test_example_config_is_valid():
+    s = load_settings("configs/example.toml")
+    assert s.models and s.budgets
+
+
+def test_file_then_env_precedence(tmp_path, monkeypatch):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[daemon]\nsocket = "/tmp/x.sock"\nlog_level = "info"\n[budgets]\ncpu = "1GiB"\n'
+                   '[[models]]\nname = "m"\npath = "rel/m.safetensors"\n')
+    s = load_settings(cfg)
+    assert str(s.models[0].path) == str(tmp_path / "rel/m.safetensors")  # relative to the file
+    monkeypatch.setenv("WEIGHTCACHE_DAEMON__LOG_LEVEL", "debug")
+    monkeypatch.setenv("WEIGHTCACHE_SOCKET", "/tmp/env.sock")
+    s = load_settings(cfg)
+    assert s.daemon.log_level == "debug" and str(s.daemon.socket) == "/tmp/env.sock"
+    assert s.budgets["cpu"].nbytes == 2**30  # untouched keys keep the file's value
+
+
+@pytest.mark.parametrize(
+    ("body", "expect"),
+    [
+        ('[budgets]\ncpu = "6 parsecs"', "budgets"),
+        ('[daemon]\nmax_frame_bytes = "lots"', "daemon.max_frame_bytes"),
+        ('[daemon]\nsokcet = "/x"', "daemon.sokcet"),
+        ('[[models]]\nname = "m"', "models.0.path"),
+        ('[[models]]\nname = "m"\npath = "/x"\ndevice = "cuda:0"', "no entry in [budgets]"),
+        ('[[models]]\nname = "bad name!"\npath = "/x"', "models.0.name"),
+        ('[[models]]\nname = "m"\npath = "/x"\n[[models]]\nname = "m"\npath = "/y"', "appears twice"),
+        ("[daemon\n", "not valid TOML"),
+    ],
+)
+def test_invalid_configs_name_the_key(tmp_path, body, expect):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(body + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(cfg)
+    assert expect in info.value.message
+
+
+def test_serve_with_invalid_config_exits_2_with_one_clear_message(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[budgets]\ncpu = "lots"\n')
+    r = subprocess.run([sys.executable, "-m", "weightcache", "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "budgets" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,229 @@
+"""The pure cache core: examples, then a hypothesis state machine for the invariants of
+core.py's Note [invariants]."""
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from weightcache.cache import CacheCore, State
+from weightcache.errors import Attached, BadRequest, NoSpace, Pinned, UnknownModel
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0  # every call is a distinct, later instant: LRU order is total
+        return self.t
+
+
+def loaded(core: CacheCore, name: str, nbytes: int):
+    plan = core.begin_load(name, nbytes)
+    core.finish_load(name)
+    return plan
+
+
+def make(budget=200, names="abc"):
+    core = CacheCore({"cpu": budget}, clock=Clock())
+    for n in names:
+        core.register(n, "cpu")
+    return core
+
+
+def test_lru_evicts_least_recently_used_first():
+    core = make()
+    loaded(core, "a", 100)
+    loaded(core, "b", 100)
+    core.detach(core.attach("a", conn=1).id, conn=1)  # a is now more recent than b
+    plan = core.begin_load("c", 100)
+    assert plan.evict == ("b",)
+    core.finish_load("c")
+    assert core.entry("b").state is State.EVICTED and core.entry("a").state is State.RESIDENT
+    core.check_invariants()
+
+
+def test_evicts_no_more_than_needed():
+    core = make(budget=300, names="abcd")
+    for n in "abc":
+        loaded(core, n, 100)
+    assert core.begin_load("d", 150).evict == ("a", "b")
+
+
+def test_attached_and_pinned_models_are_never_victims():
+    core = make()
+    loaded(core, "a", 100)
+    loaded(core, "b", 100)
+    core.attach("a", conn=1)
+    core.set_pinned("b", True)
+    with pytest.raises(NoSpace) as info:
+        core.begin_load("c", 100)
+    holders = {h["name"]: h for h in info.value.details["holders"]}
+    assert holders["a"]["attach_count"] == 1 and holders["b"]["pinned"]
+    assert "a (" in info.value.message and "pinned" in info.value.message
+    assert info.value.details["fits_ever"]  # a detach of "a" would make room
+    core.check_invariants()
+
+
+def test_model_bigger_than_budget_never_fits():
+    core = make()
+    with pytest.raises(NoSpace) as info:
+        core.begin_load("a", 201)
+    assert not info.value.details["fits_ever"]
+    assert core.entry("a").state is State.REGISTERED
+
+
+def test_abort_load_returns_the_reservation():
+    core = make()
+    loaded(core, "a", 50)
+    before = core.device_summary()
+    core.begin_load("b", 100)
+    assert core.devices["cpu"].reserved == 100
+    core.abort_load("b")
+    assert core.device_summary() == before
+    assert core.entry("b").state is State.REGISTERED
+
+
+def test_single_flight_refuses_a_second_begin():
+    core = make()
+    core.begin_load("a", 10)
+    with pytest.raises(BadRequest):
+        core.begin_load("a", 10)
+
+
+def test_leases_count_and_end_with_their_connection():
+    core = make()
+    loaded(core, "a", 10)
+    l1, l2 = core.attach("a", conn=1), core.attach("a", conn=2)
+    assert core.entry("a").attach_count == 2
+    with pytest.raises(BadRequest):
+        core.detach(l1.id, conn=2)  # not yours
+    assert [x.id for x in core.drop_connection(1)] == [l1.id]
+    assert core.entry("a").attach_count == 1
+    core.detach(l2.id, conn=2)
+    assert core.entry("a").attach_count == 0
+    core.check_invariants()
+
+
+def test_explicit_evict_refuses_attached_and_pinned():
+    core = make()
+    loaded(core, "a", 10)
+    lease = core.attach("a", conn=1)
+    with pytest.raises(Attached):
+        core.evict("a")
+    core.detach(lease.id, conn=1)
+    core.set_pinned("a", True)
+    with pytest.raises(Pinned):
+        core.evict("a")
+    core.evict("a", ignore_pin=True)
+    assert core.devices["cpu"].used == 0
+
+
+def test_keep_alive_expiry():
+    clock = Clock()
+    core = CacheCore({"cpu": 100}, clock=clock)
+    core.register("a", "cpu", keep_alive=5)
+    core.register("b", "cpu")
+    loaded(core, "a", 10)
+    loaded(core, "b", 10)
+    assert core.expired() == []
+    clock.t += 10
+    assert core.expired() == ["a"]  # b has no keep_alive
+    core.attach("a", conn=1)
+    clock.t += 10
+    assert core.expired() == []  # attached models never expire
+
+
+def test_unknown_and_unregister():
+    core = make()
+    with pytest.raises(UnknownModel):
+        core.attach("zz", conn=1)
+    loaded(core, "a", 10)
+    lease = core.attach("a", conn=1)
+    with pytest.raises(Attached):
+        core.unregister("a")
+    core.detach(lease.id, conn=1)
+    core.unregister("a")
+    assert core.devices["cpu"].used == 0
+    with pytest.raises(BadRequest):
+        core.register("b", "cuda:0")  # no budget for that device
+
+
+class CoreMachine(RuleBasedStateMachine):
+    """Random sequences of every operation; the invariants hold after each step."""
+
+    names = st.sampled_from(["m0", "m1", "m2", "m3", "m4"])
+    conns = st.integers(1, 3)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.core = CacheCore({"cpu": 1000}, clock=Clock())
+        for n in ["m0", "m1", "m2", "m3", "m4"]:
+            self.core.register(n, "cpu")
+
+    @rule(name=names, nbytes=st.integers(1, 700), fail=st.booleans())
+    def load(self, name, nbytes, fail):
+        e = self.core.entry(name)
+        if e.state in (State.LOADING, State.RESIDENT):
+            return
+        before = {x.name: (x.state, x.last_used) for x in self.core.entries.values()}
+        try:
+            plan = self.core.begin_load(name, nbytes)
+        except NoSpace:
+            return
+        # Victims: evictable before, and each older than every evictable model kept.
+        for v in plan.evict:
+            assert self.core.entry(v).state is State.EVICTED
+            assert before[v][0] is State.RESIDENT
+        kept = [x for x in self.core.entries.values() if x.evictable]
+        if plan.evict and kept:
+            assert max(before[v][1] for v in plan.evict) < min(x.last_used for x in kept)
+        if fail:
+            self.core.abort_load(name)
+        else:
+            self.core.finish_load(name)
+
+    @rule(name=names, conn=conns)
+    def attach(self, name, conn):
+        if self.core.entry(name).state is State.RESIDENT:
+            self.core.attach(name, conn)
+
+    @precondition(lambda self: self.core.leases)
+    @rule(data=st.data())
+    def detach(self, data):
+        lease = data.draw(st.sampled_from(sorted(self.core.leases.values(), key=lambda x: x.id)))
+        self.core.detach(lease.id, lease.conn)
+
+    @rule(conn=conns)
+    def drop(self, conn):
+        self.core.drop_connection(conn)
+
+    @rule(name=names, pinned=st.booleans())
+    def pin(self, name, pinned):
+        self.core.set_pinned(name, pinned)
+
+    @rule(name=names)
+    def evict(self, name):
+        e = self.core.entry(name)
+        was_attached, was_pinned = bool(e.leases), e.pinned
+        try:
+            self.core.evict(name)
+        except (Attached, Pinned, BadRequest):
+            return
+        assert not was_attached and not was_pinned
+
+    @invariant()
+    def invariants(self):
+        self.core.check_invariants()
+        for e in self.core.entries.values():
+            assert e.attach_count >= 0
+            if e.leases or e.pinned:
+                # never evicted while attached/pinned: it is still where it was
+                assert e.state in (State.RESIDENT, State.REGISTERED, State.EVICTED, State.LOADING)
+            if e.leases:
+                assert e.state is State.RESIDENT
+
+
+TestCoreMachine = CoreMachine.TestCase
+TestCoreMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
