@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ import uvloop
 
 from weightcache.protocol import encode_frame
 from weightcache.protocol.framing import HEADER, decode_payload
+from weightcache.spawn import config_text, wait_for_socket
 from weightcache.synth import write_checkpoint
 
 MIB = 2**20
@@ -94,28 +94,11 @@ class RawConn:
         self.sock.close()
 
 
-def write_config(path: Path, sock: str, budget: str, models: dict[str, Path], extra_daemon: str = "", **model_opts: Any) -> None:
-    lines = ["[daemon]", f'socket = "{sock}"', 'log_level = "debug"', "shutdown_grace_s = 2", extra_daemon,
-             "[budgets]", f'cpu = "{budget}"']
-    for name, p in models.items():
-        lines += ["[[models]]", f'name = "{name}"', f'path = "{p}"']
-        for k, v in model_opts.get(name, {}).items():
-            lines.append(f"{k} = {str(v).lower() if isinstance(v, bool) else v}")
-    path.write_text("\n".join(lines) + "\n")
-
-
-def wait_for_socket(path: str, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"daemon exited with {proc.returncode} before listening")
-        try:
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(path)
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"daemon did not listen on {path}")
+def write_config(path: Path, sock: str, budget: str, models: dict[str, Path], extra_daemon: dict[str, Any] | None = None,
+                 **model_opts: Any) -> None:
+    entries = [{"name": name, "path": str(p), **model_opts.get(name, {})} for name, p in models.items()]
+    daemon = {"log_level": "debug", "shutdown_grace_s": 2, **(extra_daemon or {})}
+    path.write_text(config_text(sock, {"cpu": budget}, entries, daemon))
 
 
 @pytest.fixture
@@ -125,7 +108,8 @@ def start_daemon(tmp_path: Path) -> Iterator[Any]:
     # Unix socket paths are limited to 107 bytes: keep them short, outside tmp_path.
     sockdir = tempfile.mkdtemp(prefix="wc-", dir="/tmp")
 
-    def start(budget: str = "20MiB", models: dict[str, Path] | None = None, extra_daemon: str = "", **model_opts: Any) -> DaemonProc:
+    def start(budget: str = "20MiB", models: dict[str, Path] | None = None, extra_daemon: dict[str, Any] | None = None,
+              **model_opts: Any) -> DaemonProc:
         sock = os.path.join(sockdir, f"d{len(started)}.sock")
         cfg = tmp_path / f"daemon{len(started)}.toml"
         write_config(cfg, sock, budget, models or {}, extra_daemon, **model_opts)

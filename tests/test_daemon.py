@@ -26,6 +26,7 @@ from weightcache.errors import (
     UnknownOp,
 )
 from weightcache.protocol import encode_frame
+from weightcache.spawn import wait_for_socket
 
 CHILD = str(Path(__file__).with_name("attach_child.py"))
 
@@ -220,7 +221,7 @@ async def test_checkpoint_changed_on_disk_is_reloaded_not_served_stale(start_dae
 
 
 async def test_bad_inputs_get_errors_and_others_keep_being_served(start_daemon, ckpts):
-    d = start_daemon(models={"tiny": ckpts["tiny"]}, extra_daemon='max_frame_bytes = "64KiB"')
+    d = start_daemon(models={"tiny": ckpts["tiny"]}, extra_daemon={"max_frame_bytes": "64KiB"})
     bystander = d.raw()
     # unknown op, bad args, missing id, garbage msgpack: each answered, connection kept
     r = d.raw()
@@ -307,7 +308,7 @@ async def test_cancelled_attach_leaves_no_lease_and_no_stale_reply(start_daemon,
 async def test_status_answers_while_a_load_runs(start_daemon, tmp_path):
     big = tmp_path / "big.safetensors"
     save_file({f"w{i}": torch.empty(32 * 2**20, dtype=torch.uint8) for i in range(12)}, str(big))  # 384 MiB
-    d = start_daemon(budget="1GiB", models={"big": big}, extra_daemon="load_threads = 1\nload_chunk_bytes = 1048576")
+    d = start_daemon(budget="1GiB", models={"big": big}, extra_daemon={"load_threads": 1, "load_chunk_bytes": 1048576})
     os.posix_fadvise(os.open(big, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
     async with Client(d.socket) as c, Client(d.socket) as s:
         load = asyncio.ensure_future(c.load("big"))
@@ -390,8 +391,6 @@ def test_stale_socket_is_replaced_but_a_live_one_is_not(start_daemon, ckpts, tmp
     cfg = d.config
     p = subprocess.Popen([sys.executable, "-m", "weightcache", "serve", "--config", str(cfg)], stderr=subprocess.PIPE, text=True)
     try:
-        from conftest import wait_for_socket
-
         wait_for_socket(d.socket, p)
         # a second daemon on the same, now live, socket refuses to start
         r = subprocess.run([sys.executable, "-m", "weightcache", "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60)

@@ -19,11 +19,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from .defaults import CONFIG_ENV, DEFAULT_SOCKET, SOCKET_ENV
 from .errors import ConfigError
-
-DEFAULT_SOCKET = "/run/weightcache/weightcache.sock"
-SOCKET_ENV = "WEIGHTCACHE_SOCKET"
-CONFIG_ENV = "WEIGHTCACHE_CONFIG"
 
 _UNITS = {
     "": 1, "b": 1,
@@ -129,8 +126,11 @@ class DaemonConfig(BaseModel):
     max_frame_bytes: int = Field(default=16 * 2**20, ge=1024)
     log_level: str = "info"
     shutdown_grace_s: float = Field(default=10.0, ge=0)
-    load_threads: int = Field(default=8, ge=1, le=256)
+    # More readers than cores buys nothing for a memory-bound copy and stretches the
+    # control plane's tail latency (docs/benchmarks.md), hence the default min(8, cores).
+    load_threads: int = Field(default_factory=lambda: min(8, os.cpu_count() or 1), ge=1, le=256)
     load_chunk_bytes: int = Field(default=16 * 2**20, ge=4096)
+    load_nice: int = Field(default=19, ge=0, le=19, description="scheduling niceness of loader threads")
     no_space_wait_s: float = Field(default=0.0, ge=0, description="default time a load waits for detaches")
 
     @field_validator("log_level")
@@ -221,7 +221,3 @@ def load_settings(path: str | Path | None = None) -> Settings:
         where = f" in {path}" if path else ""
         raise ConfigError(f"invalid configuration{where}:\n  " + "\n  ".join(lines)) from None
 
-
-def client_socket_path(explicit: str | os.PathLike[str] | None = None) -> str:
-    """The socket a client connects to: explicit, else ``$WEIGHTCACHE_SOCKET``, else the default."""
-    return os.fspath(explicit or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET)

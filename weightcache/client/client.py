@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..config import client_socket_path
+from ..defaults import client_socket_path
 from ..errors import DaemonUnavailable, WeightcacheError, error_from_wire
 from ..protocol import PROTOCOL_VERSION, FrameDecoder, decode_payload, encode_frame
 from ..protocol.transport import recv_with_fds, send_with_fds

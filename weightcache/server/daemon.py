@@ -496,7 +496,7 @@ class Daemon:
         entry = self.core.unregister(name)
         model = self.models.pop(name)
         if model.arena is not None:
-            self.backends[entry.device].free(model.arena)
+            self._release(model.arena)
 
     async def ensure_resident(self, name: str, wait_s: float) -> None:
         """Return once ``name`` is resident: at once if it is, else by joining the one
@@ -550,13 +550,13 @@ class Daemon:
             writer = backend.writer(arena)
             d = self.settings.daemon
             await asyncio.to_thread(
-                read_checkpoint, ckpt, writer, threads=d.load_threads, chunk=d.load_chunk_bytes,
+                read_checkpoint, ckpt, writer, threads=d.load_threads, chunk=d.load_chunk_bytes, nice=d.load_nice,
                 progress=progress, cancelled=self._stopping.is_set if self._stopping else (lambda: False),
             )
             await asyncio.to_thread(backend.seal, arena)
         except BaseException as exc:
             if arena is not None:
-                backend.free(arena)
+                self._release(arena)
             self.core.abort_load(name)
             err = exc if isinstance(exc, WeightcacheError) else LoadFailed(f"{name}: {type(exc).__name__}: {exc}", model=name)
             model.last_error = err.to_wire()
@@ -601,8 +601,14 @@ class Daemon:
         model = self.models[name]
         if model.arena is not None:
             log.info("evicted %s (%d bytes): %s", name, model.arena.nbytes, reason)
-            self.backends[model.arena.device].free(model.arena)
+            self._release(model.arena)
             model.arena = None
+
+    def _release(self, arena: Arena) -> None:
+        """Free an arena off the event loop: the kernel takes ~63 ms per GiB to release a
+        memfd's pages (measured on the CI machine), which would stall every connection.
+        The core has already stopped counting these bytes."""
+        self._spawn(asyncio.to_thread(self.backends[arena.device].free, arena))
 
     async def _notify_space(self) -> None:
         assert self._space_freed is not None

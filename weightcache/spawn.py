@@ -1,0 +1,84 @@
+"""Run a daemon as a child process: for the demo, the benchmarks and the tests.
+
+Production runs ``weightcache serve`` under systemd (or similar); this is the same
+command, with a config file written for the occasion and a short socket path.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def config_text(socket_path: str, budgets: dict[str, str], models: list[dict[str, Any]], daemon: dict[str, Any] | None = None) -> str:
+    """A TOML config. Values are written with repr-compatible quoting (strings, numbers, bools)."""
+
+    def val(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    lines = ["[daemon]", f"socket = {val(socket_path)}"]
+    lines += [f"{k} = {val(v)}" for k, v in (daemon or {}).items()]
+    lines += ["", "[budgets]"] + [f"{val(k)} = {val(v)}" for k, v in budgets.items()]
+    for m in models:
+        lines += ["", "[[models]]"] + [f"{k} = {val(v)}" for k, v in m.items()]
+    return "\n".join(lines) + "\n"
+
+
+def wait_for_socket(path: str, proc: subprocess.Popen[Any], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {proc.returncode} before listening on {path}")
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(path)
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"daemon did not listen on {path} within {timeout}s")
+
+
+class DaemonProcess:
+    """``with DaemonProcess(config_path, socket_path, log_path) as d:`` runs a daemon;
+    leaving the block sends SIGTERM and waits for a clean exit."""
+
+    def __init__(self, config: str | os.PathLike[str], socket_path: str, log: str | os.PathLike[str]) -> None:
+        self.config = Path(config)
+        self.socket = socket_path
+        self.log = Path(log)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> DaemonProcess:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "weightcache", "serve", "--config", str(self.config)],
+                                         stdout=out, stderr=subprocess.STDOUT)
+        wait_for_socket(self.socket, self.proc)
+        return self
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM, then wait; returns the exit code (SIGKILL and -9 after ``timeout``)."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> DaemonProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
