@@ -1,0 +1,34 @@
+# Everything runs from a project virtualenv that `make install` builds (every target
+# depends on it). TORCH picks the torch build: the default is the CPU wheel that CI and
+# the dev machines have on local disk; on a GPU host use e.g. `make install TORCH=torch`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo test lint bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+demo: install
+	$(BIN)/weightcache demo
+
+lint: install
+	$(BIN)/ruff check weightcache tests examples
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest -q
+
+bench: install
+	$(BIN)/weightcache bench --size-gib 1 --big-gib 2 --out docs/bench-cpu.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
