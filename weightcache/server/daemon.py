@@ -493,7 +493,7 @@ class Daemon:
 
     def _unregister(self, name: str) -> None:
         assert self.core is not None
-        entry = self.core.unregister(name)
+        self.core.unregister(name)
         model = self.models.pop(name)
         if model.arena is not None:
             self._release(model.arena)
