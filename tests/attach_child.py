@@ -1,6 +1,7 @@
 """A stand-in engine process for the integration tests.
 
 usage: attach_child.py SOCKET MODEL PATH verify  -> attaches, compares with load_file, prints OK
+       attach_child.py SOCKET MODEL PATH write   -> as verify, then writes through the mapping
        attach_child.py SOCKET MODEL PATH hold    -> attaches, prints ATTACHED, sleeps until killed
 """
 
@@ -24,5 +25,8 @@ with SyncClient(sock, name=f"child-{mode}") as c, c.attach(model) as m:
     assert set(ref) == set(m), (sorted(ref)[:3], sorted(m)[:3])
     for k, v in ref.items():
         assert m[k].dtype == v.dtype and m[k].shape == v.shape, k
-        assert torch.equal(m[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), k
+        assert torch.equal(m[k].cpu().view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), k
+    if mode == "write":  # write through the read-only mapping: must fail here, not in the daemon
+        next(iter(m.values())).view(-1)[0] = 1
+        torch.cuda.synchronize()
     print("OK", len(m), m.fingerprint, flush=True)

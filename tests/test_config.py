@@ -54,7 +54,7 @@ def test_file_then_env_precedence(tmp_path, monkeypatch):
         ('[budgets]\ncpu = "6 parsecs"', "budgets"),
         ('[daemon]\nmax_frame_bytes = "lots"', "daemon.max_frame_bytes"),
         ('[daemon]\nsokcet = "/x"', "daemon.sokcet"),
-        ('[[models]]\nname = "m"', "models.0.path"),
+        ('[[models]]\nname = "m"', "needs either path"),
         ('[[models]]\nname = "m"\npath = "/x"\ndevice = "cuda:0"', "no entry in [budgets]"),
         ('[[models]]\nname = "bad name!"\npath = "/x"', "models.0.name"),
         ('[[models]]\nname = "m"\npath = "/x"\n[[models]]\nname = "m"\npath = "/y"', "appears twice"),

@@ -97,12 +97,30 @@ def check_device(device: str) -> str:
     return device
 
 
+class ShardConfig(BaseModel):
+    """One rank's part of a tensor- or pipeline-parallel checkpoint."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: Path
+    device: str
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        return check_device(v)
+
+
 class ModelConfig(BaseModel):
+    """A model: one checkpoint on one device (``path``, ``device``), or one checkpoint
+    per rank (``shards``, in rank order), each on its own device."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
-    path: Path = Field(description="a .safetensors file, a directory of them, or an index json")
+    path: Path | None = Field(default=None, description="a .safetensors file, a directory of them, or an index json")
     device: str = "cpu"
+    shards: tuple[ShardConfig, ...] = ()
     pin: bool = False
     preload: bool = False
     keep_alive: float | None = Field(default=None, gt=0, description="seconds unused and unattached before eviction")
@@ -116,6 +134,20 @@ class ModelConfig(BaseModel):
     @classmethod
     def _device(cls, v: str) -> str:
         return check_device(v)
+
+    @model_validator(mode="after")
+    def _path_or_shards(self) -> ModelConfig:
+        if (self.path is None) == (not self.shards):
+            raise ValueError(f"model {self.name!r} needs either path (one checkpoint) or shards (one per rank), not both")
+        return self
+
+    @property
+    def parts(self) -> list[tuple[Path, str]]:
+        """(path, device) per rank; a single part for an unsharded model."""
+        if self.shards:
+            return [(s.path, s.device) for s in self.shards]
+        assert self.path is not None
+        return [(self.path, self.device)]
 
 
 class DaemonConfig(BaseModel):
@@ -172,8 +204,9 @@ class Settings(BaseSettings):
             if m.name in seen:
                 raise ValueError(f"model name {m.name!r} appears twice")
             seen.add(m.name)
-            if m.device not in self.budgets:
-                raise ValueError(f"model {m.name!r} is on device {m.device!r}, which has no entry in [budgets]")
+            for _path, device in m.parts:
+                if device not in self.budgets:
+                    raise ValueError(f"model {m.name!r} is on device {device!r}, which has no entry in [budgets]")
         return self
 
     @classmethod
@@ -207,8 +240,9 @@ def load_settings(path: str | Path | None = None) -> Settings:
             raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
         # Relative model paths are relative to the config file, not to the cwd.
         for m in data.get("models", []) if isinstance(data.get("models"), list) else []:
-            if isinstance(m, dict) and isinstance(m.get("path"), str) and not os.path.isabs(m["path"]):
-                m["path"] = str((p.parent / m["path"]).resolve())
+            for part in [m, *m.get("shards", [])] if isinstance(m, dict) else []:
+                if isinstance(part, dict) and isinstance(part.get("path"), str) and not os.path.isabs(part["path"]):
+                    part["path"] = str((p.parent / part["path"]).resolve())
     if os.environ.get(SOCKET_ENV):
         data.setdefault("daemon", {})["socket"] = os.environ[SOCKET_ENV]
     try:

@@ -39,7 +39,8 @@ class Backend(ABC):
     def allocate(self, nbytes: int, label: str) -> Arena: ...
 
     @abstractmethod
-    def writer(self, arena: Arena) -> ArenaWriter: ...
+    def writer(self, arena: Arena, chunk_bytes: int) -> ArenaWriter:
+        """A writer for one load; the loader never hands it more than ``chunk_bytes`` at once."""
 
     @abstractmethod
     def seal(self, arena: Arena) -> None:

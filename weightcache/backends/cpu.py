@@ -64,7 +64,7 @@ class CpuBackend(Backend):
             raise
         return MemfdArena(device=self.device, nbytes=size, label=label, fd=fd, mapping=mapping)
 
-    def writer(self, arena: Arena) -> _MemfdWriter:
+    def writer(self, arena: Arena, chunk_bytes: int) -> _MemfdWriter:
         assert isinstance(arena, MemfdArena)
         return _MemfdWriter(arena)
 

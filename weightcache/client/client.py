@@ -219,10 +219,12 @@ class Client:
     async def unpin(self, name: str) -> dict[str, Any]:
         return (await self.request("unpin", name=name))["model"]
 
-    async def register(self, name: str, path: str | os.PathLike[str], *, device: str = "cpu", pin: bool = False,
-                       preload: bool = False, keep_alive: float | None = None) -> dict[str, Any]:
-        return (await self.request("register", name=name, path=os.fspath(path), device=device, pin=pin,
-                                   preload=preload, keep_alive=keep_alive))["model"]
+    async def register(self, name: str, path: str | os.PathLike[str] | None = None, *, device: str = "cpu",
+                       shards: list[dict[str, str]] | None = None, pin: bool = False, preload: bool = False,
+                       keep_alive: float | None = None) -> dict[str, Any]:
+        """Add a model: ``path`` (+ ``device``), or ``shards=[{"path":..., "device":...}, ...]`` in rank order."""
+        return (await self.request("register", name=name, path=os.fspath(path) if path is not None else None, device=device,
+                                   shards=shards, pin=pin, preload=preload, keep_alive=keep_alive))["model"]
 
     async def unregister(self, name: str) -> None:
         await self.request("unregister", name=name)
@@ -239,6 +241,10 @@ class Client:
         The lease lasts until the block exits (or the connection closes). Keep the block
         open while the tensors are in use: only a lease keeps the daemon from evicting.
         """
+        if device is not None and device.startswith("cuda:") and device[5:].isdigit():
+            from .. import cuda_driver
+
+            device = f"cuda:{cuda_driver.device_uuid(int(device[5:]))}"  # this process's numbering -> UUID
         reply, fds = await self._request("attach", timeout, {"name": name, "device": device, "rank": rank, "wait_s": wait_s})
         lease = reply["lease"]
         try:

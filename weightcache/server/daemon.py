@@ -35,6 +35,7 @@ from ..errors import (
     NoSpace,
     ProtocolVersionError,
     ShuttingDown,
+    UnknownModel,
     UnknownOp,
     WeightcacheError,
 )
@@ -47,9 +48,13 @@ log = logging.getLogger("weightcache.daemon")
 
 @dataclass
 class Model:
-    """What the daemon holds for one registered model beyond the core's accounting."""
+    """What the daemon holds for one cache entry beyond the core's accounting. An
+    unsharded model is one entry named like the model; a sharded one is an entry per rank,
+    named ``model@rank``, each on its own device, grouped in ``Daemon.groups``."""
 
-    config: ModelConfig
+    config: ModelConfig  # the whole model's config (all ranks)
+    path: Path  # this entry's checkpoint
+    rank: int | None  # None for an unsharded model
     checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident
     arena: Arena | None = None
     last_error: dict[str, Any] | None = None
@@ -63,7 +68,7 @@ class Connection:
     client: str = "?"
     greeted: bool = False
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    tasks: dict[asyncio.Task[None], str] = field(default_factory=dict)  # request in flight -> its op
 
 
 def _peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -91,7 +96,8 @@ class Daemon:
         self.config_path = config_path
         self.backends: dict[str, Backend] = {}
         self.core: CacheCore | None = None
-        self.models: dict[str, Model] = {}
+        self.models: dict[str, Model] = {}  # cache entries by entry name
+        self.groups: dict[str, list[str]] = {}  # model name -> its entries, in rank order
         self.loads: dict[str, asyncio.Task[None]] = {}
         self.progress: dict[str, Progress] = {}
         self.conns: dict[int, Connection] = {}
@@ -251,10 +257,18 @@ class Daemon:
             await self._close_connection(conn)
 
     async def _close_connection(self, conn: Connection) -> None:
+        """The peer is gone. A ``load`` it asked for still completes (the docs promise it,
+        and it may have been the first to ask); every other request is cancelled, so no
+        lease is granted to a dead connection; then its leases end. Leases end before any
+        load is awaited: that load may be waiting for exactly the memory they hold."""
         self.conns.pop(conn.id, None)
-        for t in list(conn.tasks):
+        cancelled = [t for t, op in conn.tasks.items() if op != "load"]
+        for t in cancelled:
             t.cancel()
-        await asyncio.gather(*conn.tasks, return_exceptions=True)
+        await asyncio.gather(*cancelled, return_exceptions=True)
+        for t in list(conn.tasks):  # loads: now the daemon's to finish and to await at shutdown
+            self._background.add(t)
+            t.add_done_callback(self._background.discard)
         assert self.core is not None
         dropped = self.core.drop_connection(conn.id)
         if dropped:
@@ -282,14 +296,15 @@ class Daemon:
                 reply = {"ok": False, "error": exc.to_wire()}
             self._reply_later(conn, {"id": rid, **reply})
             return
-        task = asyncio.ensure_future(self._handle(conn, rid, op, req))
-        conn.tasks.add(task)
-        task.add_done_callback(conn.tasks.discard)
+        self._track(conn, asyncio.ensure_future(self._handle(conn, rid, op, req)), str(op))
 
     def _reply_later(self, conn: Connection, msg: dict[str, Any]) -> None:
-        task = asyncio.ensure_future(self._send(conn, msg))
-        conn.tasks.add(task)
-        task.add_done_callback(conn.tasks.discard)
+        self._track(conn, asyncio.ensure_future(self._send(conn, msg)), "reply")
+
+    @staticmethod
+    def _track(conn: Connection, task: asyncio.Task[None], op: str) -> None:
+        conn.tasks[task] = op
+        task.add_done_callback(lambda t: conn.tasks.pop(t, None))
 
     async def _handle(self, conn: Connection, rid: int, op: Any, req: dict[str, Any]) -> None:
         fds: list[int] = []
@@ -362,9 +377,11 @@ class Daemon:
         e = self.core.entry(name)
         m = self.models[name]
         return {
-            "name": name, "state": str(e.state), "device": e.device, "nbytes": e.nbytes,
+            "name": name, "state": str(e.state), "device": e.device,
+            "device_uuid": getattr(self.backends[e.device], "uuid", None), "nbytes": e.nbytes,
             "attach_count": e.attach_count, "pinned": e.pinned, "keep_alive": e.keep_alive,
-            "path": str(m.config.path), "fingerprint": m.checkpoint.fingerprint if m.checkpoint else None,
+            "shard_of": m.config.name if m.rank is not None else None, "rank": m.rank,
+            "path": str(m.path), "fingerprint": m.checkpoint.fingerprint if m.checkpoint else None,
             "tensors": len(m.checkpoint.tensors) if m.checkpoint else None,
             "idle_s": (time.monotonic() - e.last_used) if e.last_used else None,
             "loads": e.loads, "evictions": e.evictions, "last_error": m.last_error,
@@ -372,20 +389,43 @@ class Daemon:
         }
 
     async def op_load(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        name = _arg(req, "name", str)
         wait = _arg(req, "wait_s", (int, float), self.settings.daemon.no_space_wait_s)
-        await self.ensure_resident(name, float(wait))
-        return {"model": self._describe(name)}, []
+        rank = _arg(req, "rank", int, None)
+        entries = [self._entry_for(_arg(req, "name", str), rank)] if rank is not None else self._members(_arg(req, "name", str))
+        await asyncio.gather(*(self.ensure_resident(e, float(wait)) for e in entries))
+        return {"model": self._describe(entries[0]), "shards": [self._describe(e) for e in entries]}, []
+
+    def _members(self, name: str) -> list[str]:
+        """The cache entries an op on ``name`` acts on: every rank of a sharded model, or
+        the one entry (a shard may also be named directly as ``model@rank``)."""
+        if name in self.groups:
+            return self.groups[name]
+        if name in self.models:
+            return [name]
+        raise UnknownModel(f"no model named {name!r} is registered", model=name)
+
+    def _entry_for(self, name: str, rank: int | None) -> str:
+        """The entry an attach of ``name`` (with ``rank``) maps."""
+        members = self._members(name)
+        if self.models[members[0]].rank is None:
+            if rank not in (None, 0):
+                raise BadRequest(f"model {name!r} is not sharded; rank {rank} does not exist", model=name, rank=rank)
+            return members[0]
+        if rank is None:
+            raise BadRequest(f"model {name!r} is sharded over {len(members)} ranks: attach with rank=", model=name)
+        if not 0 <= rank < len(members):
+            raise BadRequest(f"model {name!r} has ranks 0..{len(members) - 1}, not {rank}", model=name, rank=rank)
+        return members[rank]
 
     async def op_attach(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         assert self.core is not None
-        name = _arg(req, "name", str)
+        name = self._entry_for(_arg(req, "name", str), _arg(req, "rank", int, None))
         wait = _arg(req, "wait_s", (int, float), self.settings.daemon.no_space_wait_s)
         if _arg(req, "writable", bool, False):
             raise BadRequest("writable attachments are not allowed: arenas are shared read-only", argument="writable")
         device = _arg(req, "device", str, None)
         entry = self.core.entry(name)
-        if device is not None and device != entry.device:
+        if device is not None and not self._same_device(entry.device, device):
             raise BadRequest(f"model {name!r} lives on {entry.device}, not {device}", model=name, device=device)
         while True:
             await self.ensure_resident(name, float(wait))
@@ -401,9 +441,15 @@ class Daemon:
             self.core.detach(lease.id, conn.id)
             raise
         return {
-            "lease": lease.id, "model": name, "device": entry.device, "fingerprint": m.checkpoint.fingerprint,
+            "lease": lease.id, "model": name, "rank": m.rank, "device": entry.device, "fingerprint": m.checkpoint.fingerprint,
             "arena": arena, "tensors": m.checkpoint.wire_tensors(),
         }, fds
+
+    def _same_device(self, mine: str, theirs: str) -> bool:
+        """``theirs`` names ``mine`` directly or by GPU UUID (clients send UUIDs: their
+        CUDA_VISIBLE_DEVICES may number the GPUs differently from the daemon's)."""
+        uuid = getattr(self.backends[mine], "uuid", None)
+        return theirs == mine or (uuid is not None and theirs.lower() == f"cuda:{uuid}".lower())
 
     async def op_detach(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         assert self.core is not None
@@ -413,14 +459,17 @@ class Daemon:
 
     async def op_evict(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         assert self.core is not None
-        name = _arg(req, "name", str)
-        e = self.core.entry(name)
-        if e.state is not State.RESIDENT:
-            return {"evicted": False, "state": str(e.state)}, []
-        self.core.evict(name)
-        self._free_arena(name, reason="requested")
+        entries = [self.core.entry(n) for n in self._members(_arg(req, "name", str))]
+        resident = [e for e in entries if e.state is State.RESIDENT]
+        for e in resident:  # check every rank before evicting any: all or nothing
+            if e.leases or e.pinned:
+                self.core.evict(e.name)  # raises ATTACHED / PINNED with the reason
+        for e in resident:
+            self.core.evict(e.name)
+            self._free_arena(e.name, reason="requested")
         await self._notify_space()
-        return {"evicted": True, "freed": e.nbytes}, []
+        return {"evicted": bool(resident), "freed": sum(e.nbytes for e in resident),
+                "state": str(entries[0].state)}, []
 
     async def op_pin(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         return await self._set_pin(req, True)
@@ -430,14 +479,15 @@ class Daemon:
 
     async def _set_pin(self, req: dict[str, Any], pinned: bool) -> tuple[dict[str, Any], list[int]]:
         assert self.core is not None
-        name = _arg(req, "name", str)
-        self.core.set_pinned(name, pinned)
+        entries = self._members(_arg(req, "name", str))
+        for e in entries:
+            self.core.set_pinned(e, pinned)
         if not pinned:
             await self._notify_space()
-        return {"model": self._describe(name)}, []
+        return {"model": self._describe(entries[0]), "shards": [self._describe(e) for e in entries]}, []
 
     async def op_register(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        fields = {k: req[k] for k in ("name", "path", "device", "pin", "preload", "keep_alive") if k in req}
+        fields = {k: req[k] for k in ("name", "path", "device", "shards", "pin", "preload", "keep_alive") if k in req}
         try:
             mc = ModelConfig(**fields)
         except Exception as exc:
@@ -445,7 +495,7 @@ class Daemon:
         self._register(mc)
         if mc.preload:
             self._spawn(self._preload(mc.name))
-        return {"model": self._describe(mc.name)}, []
+        return {"model": self._describe(self.groups[mc.name][0])}, []
 
     async def op_unregister(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         name = _arg(req, "name", str)
@@ -460,8 +510,8 @@ class Daemon:
         new = await asyncio.to_thread(load_settings, self.config_path)
         report: dict[str, list[str]] = {"added": [], "removed": [], "changed": [], "kept": [], "unchanged": []}
         wanted = {m.name: m for m in new.models}
-        for name in list(self.models):
-            old = self.models[name].config
+        for name in list(self.groups):
+            old = self.models[self.groups[name][0]].config
             if name in wanted and wanted[name] == old:
                 report["unchanged"].append(name)
                 continue
@@ -473,9 +523,10 @@ class Daemon:
                 continue
             report["changed" if name in wanted else "removed"].append(name)
         for name, mc in wanted.items():
-            if name not in self.models:
-                if mc.device not in self.backends:
-                    report["kept"].append(f"{name}: device {mc.device} has no backend in the running daemon")
+            if name not in self.groups:
+                missing = [dev for _p, dev in mc.parts if dev not in self.backends]
+                if missing:
+                    report["kept"].append(f"{name}: device {missing[0]} has no backend in the running daemon")
                     continue
                 self._register(mc)
                 if name not in report["changed"]:
@@ -488,15 +539,35 @@ class Daemon:
     # ------------------------------------------------------------------ loading
     def _register(self, mc: ModelConfig) -> None:
         assert self.core is not None
-        self.core.register(mc.name, mc.device, pinned=mc.pin, keep_alive=mc.keep_alive)
-        self.models[mc.name] = Model(config=mc)
+        if mc.name in self.groups or mc.name in self.models:
+            raise BadRequest(f"model {mc.name!r} is already registered", model=mc.name)
+        sharded = bool(mc.shards)
+        entries = [f"{mc.name}@{r}" if sharded else mc.name for r in range(len(mc.parts))]
+        for i, (entry, (path, device)) in enumerate(zip(entries, mc.parts, strict=True)):
+            try:
+                self.core.register(entry, device, pinned=mc.pin, keep_alive=mc.keep_alive)
+            except BaseException:
+                for done in entries[:i]:
+                    self.core.unregister(done)
+                    del self.models[done]
+                raise
+            self.models[entry] = Model(config=mc, path=path, rank=i if sharded else None)
+        self.groups[mc.name] = entries
 
     def _unregister(self, name: str) -> None:
+        """Forget a whole model (every rank), only if no rank is attached or loading."""
         assert self.core is not None
-        self.core.unregister(name)
-        model = self.models.pop(name)
-        if model.arena is not None:
-            self._release(model.arena)
+        if name not in self.groups:
+            raise UnknownModel(f"no model named {name!r} is registered", model=name)
+        for entry in self.groups[name]:
+            e = self.core.entry(entry)
+            if e.leases or e.state is State.LOADING:
+                self.core.unregister(entry)  # raises ATTACHED / BAD_REQUEST with the reason
+        for entry in self.groups.pop(name):
+            self.core.unregister(entry)
+            model = self.models.pop(entry)
+            if model.arena is not None:
+                self._release(model.arena)
 
     async def ensure_resident(self, name: str, wait_s: float) -> None:
         """Return once ``name`` is resident: at once if it is, else by joining the one
@@ -531,10 +602,10 @@ class Daemon:
     async def _load(self, name: str, wait_s: float) -> None:
         assert self.core is not None
         model = self.models[name]
-        backend = self.backends[model.config.device]
+        backend = self.backends[self.core.entry(name).device]
         t0 = time.monotonic()
         try:
-            ckpt = await asyncio.to_thread(open_checkpoint, model.config.path)
+            ckpt = await asyncio.to_thread(open_checkpoint, model.path)
             nbytes = backend.capacity(ckpt.arena_bytes)
             plan = await self._admit(name, nbytes, wait_s)
         except WeightcacheError as exc:
@@ -547,8 +618,8 @@ class Daemon:
         arena: Arena | None = None
         try:
             arena = await asyncio.to_thread(backend.allocate, nbytes, name)
-            writer = backend.writer(arena)
             d = self.settings.daemon
+            writer = backend.writer(arena, d.load_chunk_bytes)
             await asyncio.to_thread(
                 read_checkpoint, ckpt, writer, threads=d.load_threads, chunk=d.load_chunk_bytes, nice=d.load_nice,
                 progress=progress, cancelled=self._stopping.is_set if self._stopping else (lambda: False),
@@ -592,10 +663,11 @@ class Daemon:
                         pass
 
     async def _preload(self, name: str) -> None:
-        try:
-            await self.ensure_resident(name, self.settings.daemon.no_space_wait_s)
-        except WeightcacheError as exc:
-            log.error("preload of %s failed: %s", name, exc)
+        for entry in self.groups.get(name, []):
+            try:
+                await self.ensure_resident(entry, self.settings.daemon.no_space_wait_s)
+            except WeightcacheError as exc:
+                log.error("preload of %s failed: %s", entry, exc)
 
     def _free_arena(self, name: str, reason: str) -> None:
         model = self.models[name]

@@ -1,0 +1,176 @@
+"""GPU backend tests: CUDA VMM arenas. Skipped unless CUDA and cuda-bindings are present.
+
+Run on an H200 with the device tool; CI has no GPU and skips them (the closing notes and
+docs/benchmarks.md say what ran where).
+"""
+
+import asyncio
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+cuda_bindings = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings not installed")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from weightcache import Client  # noqa: E402
+from weightcache.errors import BadRequest, NoSpace  # noqa: E402
+from weightcache.synth import write_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+CHILD = str(Path(__file__).with_name("attach_child.py"))
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def gpu_ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu")
+    return {n: write_checkpoint(d / f"{n}.safetensors", 256 * MIB, 60, seed=i) for i, n in enumerate("xyz")}
+
+
+def gpu_daemon(start_daemon, budget, models, device="cuda:0", **opts):
+    from weightcache.spawn import config_text
+
+    d = start_daemon(budget="1GiB", models={})
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=30) == 0
+    entries = [{"name": n, "path": str(p), "device": device, **opts.get(n, {})} for n, p in models.items()]
+    d.config.write_text(config_text(d.socket, {"cpu": "1GiB", device: budget}, entries, {"log_level": "debug"}))
+    from weightcache.spawn import wait_for_socket
+
+    d.proc = subprocess.Popen([sys.executable, "-m", "weightcache", "serve", "--config", str(d.config)],
+                              stdout=d.log.open("ab"), stderr=subprocess.STDOUT)
+    wait_for_socket(d.socket, d.proc)
+    return d
+
+
+def child(d, model, path, mode):
+    return subprocess.run([sys.executable, CHILD, d.socket, model, str(path), mode], capture_output=True, text=True, timeout=300)
+
+
+def test_attach_from_another_process_equals_load_file(start_daemon, gpu_ckpts):
+    d = gpu_daemon(start_daemon, "2GiB", {"x": gpu_ckpts["x"]})
+    r = child(d, "x", gpu_ckpts["x"], "verify")
+    assert r.returncode == 0 and r.stdout.startswith("OK"), r.stderr[-2000:]
+
+
+async def test_attach_in_process_zero_copy_and_zero_extra_memory(start_daemon, gpu_ckpts):
+    d = gpu_daemon(start_daemon, "2GiB", {"x": gpu_ckpts["x"]})
+    ref = load_file(gpu_ckpts["x"], device="cuda:0")
+    async with Client(d.socket) as c:
+        await c.load("x")
+        torch.cuda.synchronize()
+        free0 = torch.cuda.mem_get_info()[0]
+        async with c.attach("x", device="cuda:0") as m:
+            assert all(t.is_cuda for t in m.values())
+            assert all(torch.equal(m[k], v) for k, v in ref.items())
+            assert free0 - torch.cuda.mem_get_info()[0] < 4 * MIB  # no copy: only the comparison's scratch
+            # the tensors are views of one mapping
+            ptrs = sorted(t.data_ptr() for t in m.values())
+            assert ptrs[-1] - ptrs[0] < m.nbytes + 256 * len(m)
+
+
+def test_write_to_read_only_mapping_fails_in_the_client_only(start_daemon, gpu_ckpts):
+    d = gpu_daemon(start_daemon, "2GiB", {"x": gpu_ckpts["x"]})
+    d.allowed_errors.append("never")  # the daemon must log no traceback
+    r = child(d, "x", gpu_ckpts["x"], "write")
+    assert r.returncode != 0 and "illegal memory access" in (r.stderr + r.stdout).lower(), r.stderr[-2000:]
+    r = child(d, "x", gpu_ckpts["x"], "verify")  # the daemon's bytes are intact
+    assert r.returncode == 0 and r.stdout.startswith("OK"), r.stderr[-2000:]
+
+
+async def test_killed_client_releases_lease_and_eviction_frees_gpu_memory(start_daemon, gpu_ckpts):
+    d = gpu_daemon(start_daemon, "2GiB", {"x": gpu_ckpts["x"]})
+    kid = subprocess.Popen([sys.executable, CHILD, d.socket, "x", str(gpu_ckpts["x"]), "hold"], stdout=subprocess.PIPE, text=True)
+    assert kid.stdout.readline().startswith("ATTACHED")
+    async with Client(d.socket) as c:
+        nbytes = (await c.models())[0]["nbytes"]
+        from weightcache.errors import Attached
+
+        with pytest.raises(Attached):
+            await c.evict("x")
+        free_before = torch.cuda.mem_get_info()[0]
+        kid.send_signal(signal.SIGKILL)
+        kid.wait()
+        for _ in range(100):
+            if (await c.status())["leases"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert (await c.evict("x"))["evicted"]
+        for _ in range(100):  # freed in a thread
+            if torch.cuda.mem_get_info()[0] - free_before >= nbytes * 0.95:
+                break
+            await asyncio.sleep(0.05)
+        assert torch.cuda.mem_get_info()[0] - free_before >= nbytes * 0.95
+
+
+async def test_lru_eviction_under_a_small_gpu_budget(start_daemon, gpu_ckpts):
+    d = gpu_daemon(start_daemon, "600MiB", {n: gpu_ckpts[n] for n in "xyz"})
+    async with Client(d.socket) as c:
+        await c.load("x")
+        await c.load("y")
+        async with c.attach("x"):
+            pass
+        await c.load("z")
+        assert {m["name"]: m["state"] for m in await c.models()} == {"x": "resident", "y": "evicted", "z": "resident"}
+        st = (await c.status())["devices"]["cuda:0"]
+        assert st["used"] <= st["budget"] and st["backend"] == "cuda_vmm"
+        async with c.attach("x"), c.attach("z"):
+            with pytest.raises(NoSpace) as info:
+                await c.load("y")
+            assert {h["name"] for h in info.value.details["holders"]} == {"x", "z"}
+        with pytest.raises(BadRequest, match="lives on"):
+            await c.attach("x", device="cpu").__aenter__()
+
+
+async def test_device_memory_check_beyond_budget(start_daemon, gpu_ckpts):
+    # A budget larger than the GPU's free memory: the allocation is refused with NO_SPACE
+    # naming the device, and the reservation rolls back.
+    hog = torch.empty(torch.cuda.mem_get_info()[0] - 128 * MIB, dtype=torch.uint8, device="cuda:0")  # leaves < the 256 MiB model
+    try:
+        d = gpu_daemon(start_daemon, "1.0", {"x": gpu_ckpts["x"]})
+        async with Client(d.socket) as c:
+            with pytest.raises(NoSpace, match="free on the device"):
+                await c.load("x")
+            assert (await c.status())["devices"]["cuda:0"]["reserved"] == 0
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_rank_sharded_model_on_two_gpus(start_daemon, gpu_ckpts, tmp_path):
+    from weightcache.spawn import config_text, wait_for_socket
+
+    d = start_daemon(budget="1GiB", models={})
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=30) == 0
+    shards = [{"path": str(gpu_ckpts["x"]), "device": "cuda:0"}, {"path": str(gpu_ckpts["y"]), "device": "cuda:1"}]
+    text = config_text(d.socket, {"cpu": "1GiB", "cuda:0": "2GiB", "cuda:1": "2GiB"}, [])
+    text += "\n[[models]]\nname = \"tp\"\n" + "".join(
+        f'[[models.shards]]\npath = "{s["path"]}"\ndevice = "{s["device"]}"\n' for s in shards)
+    d.config.write_text(text)
+    d.proc = subprocess.Popen([sys.executable, "-m", "weightcache", "serve", "--config", str(d.config)],
+                              stdout=d.log.open("ab"), stderr=subprocess.STDOUT)
+    wait_for_socket(d.socket, d.proc)
+    code = (
+        "import sys, torch; from safetensors.torch import load_file; from weightcache import SyncClient\n"
+        "rank, path = int(sys.argv[2]), sys.argv[3]\n"
+        "torch.cuda.set_device(0)\n"  # each rank's process sees only its GPU, as cuda:0
+        "ref = load_file(path)\n"
+        "with SyncClient(sys.argv[1]) as c, c.attach('tp', device='cuda:0', rank=rank) as m:\n"
+        "    assert all(m[k].device.index == 0 and torch.equal(m[k].cpu(), v) for k, v in ref.items())\n"
+        "    print('OK', rank)\n"
+    )
+    procs = []
+    for rank, s in enumerate(shards):
+        env = {**__import__("os").environ, "CUDA_VISIBLE_DEVICES": str(rank)}  # engines number GPUs their own way
+        procs.append(subprocess.run([sys.executable, "-c", code, d.socket, str(rank), s["path"]], env=env,
+                                    capture_output=True, text=True, timeout=300))
+    for rank, p in enumerate(procs):
+        assert p.returncode == 0 and p.stdout.strip() == f"OK {rank}", p.stderr[-2000:]
