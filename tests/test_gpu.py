@@ -67,9 +67,10 @@ async def test_attach_in_process_zero_copy_and_zero_extra_memory(start_daemon, g
         torch.cuda.synchronize()
         free0 = torch.cuda.mem_get_info()[0]
         async with c.attach("x", device="cuda:0") as m:
+            extra = free0 - torch.cuda.mem_get_info()[0]  # before any kernel runs (kernels load lazily)
+            assert extra == 0, f"attaching took {extra} bytes of GPU memory"
             assert all(t.is_cuda for t in m.values())
             assert all(torch.equal(m[k], v) for k, v in ref.items())
-            assert free0 - torch.cuda.mem_get_info()[0] < 4 * MIB  # no copy: only the comparison's scratch
             # the tensors are views of one mapping
             ptrs = sorted(t.data_ptr() for t in m.values())
             assert ptrs[-1] - ptrs[0] < m.nbytes + 256 * len(m)
@@ -79,7 +80,9 @@ def test_write_to_read_only_mapping_fails_in_the_client_only(start_daemon, gpu_c
     d = gpu_daemon(start_daemon, "2GiB", {"x": gpu_ckpts["x"]})
     d.allowed_errors.append("never")  # the daemon must log no traceback
     r = child(d, "x", gpu_ckpts["x"], "write")
-    assert r.returncode != 0 and "illegal memory access" in (r.stderr + r.stdout).lower(), r.stderr[-2000:]
+    # A kernel write faults ("illegal memory access"); a copy-engine write is refused
+    # ("invalid argument"). Either way the client gets the error.
+    assert r.returncode != 0 and "CUDA error" in r.stderr, r.stderr[-2000:]
     r = child(d, "x", gpu_ckpts["x"], "verify")  # the daemon's bytes are intact
     assert r.returncode == 0 and r.stdout.startswith("OK"), r.stderr[-2000:]
 
@@ -131,9 +134,11 @@ async def test_lru_eviction_under_a_small_gpu_budget(start_daemon, gpu_ckpts):
 async def test_device_memory_check_beyond_budget(start_daemon, gpu_ckpts):
     # A budget larger than the GPU's free memory: the allocation is refused with NO_SPACE
     # naming the device, and the reservation rolls back.
-    hog = torch.empty(torch.cuda.mem_get_info()[0] - 128 * MIB, dtype=torch.uint8, device="cuda:0")  # leaves < the 256 MiB model
+    d = gpu_daemon(start_daemon, "1.0", {"x": gpu_ckpts["x"]})  # first: its CUDA context needs memory too
+    async with Client(d.socket) as c:
+        await c.status()
+        hog = torch.empty(torch.cuda.mem_get_info()[0] - 128 * MIB, dtype=torch.uint8, device="cuda:0")  # < the 256 MiB model
     try:
-        d = gpu_daemon(start_daemon, "1.0", {"x": gpu_ckpts["x"]})
         async with Client(d.socket) as c:
             with pytest.raises(NoSpace, match="free on the device"):
                 await c.load("x")

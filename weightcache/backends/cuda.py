@@ -35,6 +35,7 @@ class VmmArena(Arena):
     handles: list[Any] = field(default_factory=list)  # CUmemGenericAllocationHandle per chunk
     sizes: list[int] = field(default_factory=list)  # bytes per chunk, granularity-aligned
     va: int = 0  # base of the daemon's own mapping (read-write while filling, read-only after)
+    export_fds: list[int] = field(default_factory=list)  # exported once at seal; attach sends dups
 
 
 @dataclass
@@ -145,21 +146,21 @@ class CudaBackend(Backend):
         with drv.current(self.ctx):
             drv.check(cu.cuCtxSynchronize())
             drv.set_access(arena.va, arena.nbytes, self.ordinal, read_only=True)
+            # Export once: ~0.1 ms per chunk per call measured on the H200, while a dup of
+            # the exported fd costs microseconds; attach latency is the product's number.
+            for h in arena.handles:
+                arena.export_fds.append(int(drv.check(cu.cuMemExportToShareableHandle(h, drv.FD_HANDLE, 0))))
 
     def export(self, arena: Arena) -> tuple[list[int], dict[str, Any]]:
         assert isinstance(arena, VmmArena)
-        fds: list[int] = []
-        try:
-            for h in arena.handles:
-                fds.append(int(drv.check(cu.cuMemExportToShareableHandle(h, drv.FD_HANDLE, 0))))
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
+        fds = [os.dup(fd) for fd in arena.export_fds]
         return fds, {"kind": self.kind, "nbytes": arena.nbytes, "chunks": list(arena.sizes), "device_uuid": self.uuid}
 
     def free(self, arena: Arena) -> None:
         assert isinstance(arena, VmmArena)
+        for fd in arena.export_fds:
+            os.close(fd)
+        arena.export_fds.clear()
         with drv.current(self.ctx):
             if arena.va:
                 drv.unmap(arena.va, arena.nbytes)
