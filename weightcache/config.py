@@ -164,6 +164,17 @@ class DaemonConfig(BaseModel):
     load_chunk_bytes: int = Field(default=16 * 2**20, ge=4096)
     load_nice: int = Field(default=19, ge=0, le=19, description="scheduling niceness of loader threads")
     no_space_wait_s: float = Field(default=0.0, ge=0, description="default time a load waits for detaches")
+    # -- access control (server/access.py) --
+    socket_group: str | int | None = Field(default=None, description="group owning the socket; its members may connect")
+    allowed_uids: list[int] | None = Field(default=None, description="peers allowed to connect (default: the daemon's uid and root)")
+    allowed_gids: list[str | int] = Field(default_factory=list, description="groups allowed to connect")
+    admin_uids: list[int] | None = Field(default=None, description="peers allowed admin ops (default: every allowed peer)")
+    admin_gids: list[str | int] = Field(default_factory=list, description="groups allowed admin ops")
+    # -- limits: each violation gets its error code and affects no other client --
+    max_connections: int = Field(default=1024, ge=1)
+    max_leases_per_connection: int = Field(default=1024, ge=1)
+    request_timeout_s: float = Field(default=900.0, gt=0, description="a request running longer gets TIMEOUT")
+    frame_read_timeout_s: float = Field(default=30.0, gt=0, description="a half-sent frame older than this closes the connection")
 
     @field_validator("log_level")
     @classmethod

@@ -84,5 +84,6 @@ def _restart_table(console: Console, runs: list[Restart], model_mib: int) -> Non
     disk = statistics.median(r.weights_s for r in runs if r.mode == "disk")
     cache = statistics.median(r.weights_s for r in runs if r.mode == "cache")
     console.print(f"    median weights step: load_file {disk * 1e3:.1f} ms, attach {cache * 1e3:.1f} ms "
-                  f"({disk / cache:.1f}x); both measured in this run, page cache warm. Most of a CPU restart is "
-                  f"'import torch'; on a GPU host the disk path also pays the host-to-device copy.")
+                  f"({disk / cache:.1f}x); both measured in this run, page cache warm. On CPU, safetensors maps the file "
+                  f"lazily and most of a restart is 'import torch'; on a GPU host load_file must copy every byte over "
+                  f"PCIe while attach still only maps (docs/benchmarks.md has the H200 figures).")

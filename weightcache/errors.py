@@ -103,6 +103,20 @@ class FrameTooLarge(WeightcacheError):
 
 
 @_register
+class LimitExceeded(WeightcacheError):
+    """Too many connections, or too many leases on one connection."""
+
+    code = "LIMIT_EXCEEDED"
+
+
+@_register
+class RequestTimeout(WeightcacheError):
+    """A request outlived ``request_timeout_s``, or a frame stayed half-sent too long."""
+
+    code = "TIMEOUT"
+
+
+@_register
 class ShuttingDown(WeightcacheError):
     code = "SHUTTING_DOWN"
 

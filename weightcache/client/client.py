@@ -14,14 +14,15 @@ import contextlib
 import itertools
 import os
 import socket
+import struct
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from ..defaults import client_socket_path
-from ..errors import DaemonUnavailable, WeightcacheError, error_from_wire
+from ..defaults import DAEMON_UID_ENV, client_socket_path
+from ..errors import DaemonUnavailable, PermissionDenied, WeightcacheError, error_from_wire
 from ..protocol import PROTOCOL_VERSION, FrameDecoder, decode_payload, encode_frame
 from ..protocol.transport import recv_with_fds, send_with_fds
 from .mapping import map_arena, tensor_views
@@ -58,6 +59,19 @@ class AttachedModel(Mapping[str, torch.Tensor]):
         return f"AttachedModel({self.name!r}, lease={self.lease}, tensors={len(self)}, device={self.device!r})"
 
 
+def _check_daemon_identity(sock: socket.socket, path: str) -> None:
+    """Trust only a daemon running as root, as ourselves, or as $WEIGHTCACHE_DAEMON_UID:
+    anyone who could create a socket at that path could otherwise serve us weights."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", raw)
+    trusted = {0, os.geteuid()}
+    if os.environ.get(DAEMON_UID_ENV):
+        trusted.add(int(os.environ[DAEMON_UID_ENV]))
+    if uid not in trusted:
+        raise PermissionDenied(f"the process serving {path} runs as uid {uid}, which is not trusted "
+                               f"(root, this user, or ${DAEMON_UID_ENV})", uid=uid)
+
+
 class Client:
     """Async client for the weightcache daemon.
 
@@ -82,17 +96,24 @@ class Client:
         self._closed_error: WeightcacheError | None = None
         self._background: set[asyncio.Task[None]] = set()
         self.server_info: dict[str, Any] = {}
+        self.events: deque[dict[str, Any]] = deque(maxlen=64)  # events the daemon announced, newest last
 
     # -- connection -----------------------------------------------------------------
     async def connect(self) -> Client:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.setblocking(False)
         try:
+            if os.path.islink(self.socket_path):
+                raise PermissionDenied(f"{self.socket_path} is a symlink; refusing to connect through it")
             await asyncio.get_running_loop().sock_connect(sock, self.socket_path)
+            _check_daemon_identity(sock, self.socket_path)
         except OSError as exc:
             sock.close()
             raise DaemonUnavailable(f"cannot connect to weightcache at {self.socket_path}: {exc.strerror or exc}",
                                     socket=self.socket_path) from exc
+        except BaseException:
+            sock.close()
+            raise
         self._sock = sock
         self._reader = asyncio.ensure_future(self._read_loop())
         self.server_info = await self.request("hello", protocol=PROTOCOL_VERSION, client=self.name)
@@ -160,6 +181,9 @@ class Client:
                     raise DaemonUnavailable(f"weightcache at {self.socket_path} closed the connection")
                 for payload in decoder.feed(data):
                     reply = decode_payload(payload)
+                    if "event" in reply:  # unsolicited, e.g. {"event": "shutting_down", "grace_s": 10}
+                        self.events.append(reply)
+                        continue
                     mine = [fd_queue.popleft() for _ in range(int(reply.get("fds", 0)))]
                     fut = self._pending.get(reply.get("id"))  # type: ignore[arg-type]
                     if fut is not None and not fut.done():

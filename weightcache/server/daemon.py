@@ -16,7 +16,6 @@ import logging
 import os
 import signal
 import socket
-import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,9 +30,12 @@ from ..errors import (
     BadRequest,
     FrameTooLarge,
     InternalError,
+    LimitExceeded,
     LoadFailed,
     NoSpace,
+    PermissionDenied,
     ProtocolVersionError,
+    RequestTimeout,
     ShuttingDown,
     UnknownModel,
     UnknownOp,
@@ -41,7 +43,9 @@ from ..errors import (
 )
 from ..loader import Checkpoint, Progress, open_checkpoint, read_checkpoint
 from ..protocol import PROTOCOL_VERSION, FrameDecoder, decode_payload, encode_frame
+from ..protocol.messages import ADMIN_OPS
 from ..protocol.transport import send_with_fds
+from .access import AccessPolicy, Peer, check_socket_dir, resolve_gid
 
 log = logging.getLogger("weightcache.daemon")
 
@@ -64,17 +68,11 @@ class Model:
 class Connection:
     id: int
     sock: socket.socket
-    peer: tuple[int, int, int]  # pid, uid, gid from SO_PEERCRED
+    peer: Peer  # pid, uid, gid(s) from SO_PEERCRED
     client: str = "?"
     greeted: bool = False
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tasks: dict[asyncio.Task[None], str] = field(default_factory=dict)  # request in flight -> its op
-
-
-def _peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", raw)
-    return pid, uid, gid
 
 
 def _arg(req: dict[str, Any], key: str, typ: type | tuple[type, ...], default: Any = ...) -> Any:
@@ -108,6 +106,7 @@ class Daemon:
         self._background: set[asyncio.Task[Any]] = set()
         self.started = time.monotonic()
         self.socket_path = str(settings.daemon.socket)
+        self.access = AccessPolicy(settings.daemon)
         self._ops: dict[str, Callable[[Connection, dict[str, Any]], Awaitable[tuple[dict[str, Any], list[int]]]]] = {
             "status": self.op_status, "models": self.op_models, "load": self.op_load,
             "attach": self.op_attach, "detach": self.op_detach, "evict": self.op_evict,
@@ -139,7 +138,12 @@ class Daemon:
 
     def _bind(self, path: str) -> socket.socket:
         p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
+        d = self.settings.daemon
+        if not p.parent.exists():
+            # Searchable by all: the socket file's own mode and group, and the peer
+            # credential check, decide who gets in.
+            p.parent.mkdir(mode=0o755, parents=True)
+        check_socket_dir(p.parent)
         if p.is_symlink() or p.exists():
             if not p.is_socket():
                 raise RuntimeError(f"{path} exists and is not a socket; refusing to replace it")
@@ -159,7 +163,9 @@ class Daemon:
             sock.bind(path)
         finally:
             os.umask(old_umask)
-        os.chmod(path, self.settings.daemon.socket_mode)
+        if d.socket_group is not None:
+            os.chown(path, -1, resolve_gid(d.socket_group))
+        os.chmod(path, d.socket_mode)
         sock.listen(512)
         return sock
 
@@ -191,16 +197,41 @@ class Daemon:
                 await asyncio.sleep(0.1)
                 continue
             sock.setblocking(False)
-            conn = Connection(id=next(self._conn_ids), sock=sock, peer=_peer_credentials(sock))
+            conn = Connection(id=next(self._conn_ids), sock=sock, peer=Peer.of(sock))
+            refusal: WeightcacheError | None = None
+            if not self.access.allows(conn.peer):
+                log.warning("refused conn from pid %d uid %d gid %d: not in allowed uids/gids",
+                            conn.peer.pid, conn.peer.uid, conn.peer.gid)
+                refusal = PermissionDenied(f"uid {conn.peer.uid} may not use this weightcache daemon", uid=conn.peer.uid)
+            elif len(self.conns) >= self.settings.daemon.max_connections:
+                log.warning("refused conn from pid %d: %d connections open", conn.peer.pid, len(self.conns))
+                refusal = LimitExceeded(f"the daemon holds its maximum of {len(self.conns)} connections",
+                                        limit=self.settings.daemon.max_connections)
+            if refusal is not None:
+                self._spawn(self._refuse(conn, refusal))
+                continue
             self.conns[conn.id] = conn
             self._spawn(self._serve_connection(conn))
+
+    async def _refuse(self, conn: Connection, exc: WeightcacheError) -> None:
+        try:
+            await asyncio.wait_for(self._send(conn, {"id": None, "ok": False, "error": exc.to_wire()}), 5)
+        except TimeoutError:
+            pass
+        finally:
+            conn.sock.close()
 
     async def _shutdown(self) -> None:
         """Stop accepting (done by the caller), refuse new work, give in-flight requests
         the grace period, close connections, free every arena, remove the socket."""
+        assert self.core is not None and self._space_freed is not None
         grace = self.settings.daemon.shutdown_grace_s
+        deadline = time.monotonic() + grace
         if self._listener is not None:
             self._listener.close()
+        # Tell every client; engines holding leases should detach (or restart elsewhere).
+        note = {"id": None, "event": "shutting_down", "grace_s": grace, "leases": len(self.core.leases)}
+        await asyncio.gather(*(self._send(c, dict(note)) for c in list(self.conns.values())), return_exceptions=True)
         pending = [t for c in self.conns.values() for t in c.tasks] + list(self.loads.values())
         if pending:
             log.info("waiting up to %.1fs for %d request(s) in flight", grace, len(pending))
@@ -208,6 +239,17 @@ class Daemon:
             for t in still:
                 t.cancel()
             await asyncio.gather(*still, return_exceptions=True)
+        if self.core.leases:
+            log.info("waiting up to %.1fs for %d lease(s) to end", max(0.0, deadline - time.monotonic()), len(self.core.leases))
+            async with self._space_freed:
+                while self.core.leases and time.monotonic() < deadline:
+                    try:
+                        await asyncio.wait_for(self._space_freed.wait(), deadline - time.monotonic())
+                    except TimeoutError:
+                        break
+            if self.core.leases:
+                log.warning("exiting with %d lease(s) still held; their mappings stay valid (memory is refcounted)",
+                            len(self.core.leases))
         for conn in list(self.conns.values()):
             conn.sock.close()
         for t in list(self._background):
@@ -235,11 +277,19 @@ class Daemon:
     async def _serve_connection(self, conn: Connection) -> None:
         loop = asyncio.get_running_loop()
         decoder = FrameDecoder(self.settings.daemon.max_frame_bytes)
-        log.debug("conn %d open: pid %d uid %d", conn.id, *conn.peer[:2])
+        log.debug("conn %d open: pid %d uid %d", conn.id, conn.peer.pid, conn.peer.uid)
+        read_timeout = self.settings.daemon.frame_read_timeout_s
         try:
             while True:
                 try:
-                    data = await loop.sock_recv(conn.sock, 1 << 16)
+                    # An idle connection may stay open for ever (engines hold leases for
+                    # hours); a frame begun but not finished may not.
+                    data = await asyncio.wait_for(loop.sock_recv(conn.sock, 1 << 16), read_timeout if decoder.pending else None)
+                except TimeoutError:
+                    log.warning("conn %d: half-sent frame for %.0fs; closing it", conn.id, read_timeout)
+                    err = RequestTimeout(f"frame incomplete after {read_timeout:g}s; closing the connection")
+                    await self._send(conn, {"id": None, "ok": False, "error": err.to_wire()})
+                    break
                 except (ConnectionResetError, OSError):
                     break
                 if not data:
@@ -272,7 +322,7 @@ class Daemon:
         assert self.core is not None
         dropped = self.core.drop_connection(conn.id)
         if dropped:
-            log.info("conn %d (%s, pid %d) closed holding %d lease(s); released", conn.id, conn.client, conn.peer[0], len(dropped))
+            log.info("conn %d (%s, pid %d) closed holding %d lease(s); released", conn.id, conn.client, conn.peer.pid, len(dropped))
             await self._notify_space()
         conn.sock.close()
 
@@ -315,9 +365,16 @@ class Daemon:
             handler = self._ops.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise UnknownOp(f"unknown op {op!r}", op=str(op))
+            if op in ADMIN_OPS and not self.access.is_admin(conn.peer):
+                log.warning("conn %d: uid %d refused admin op %r", conn.id, conn.peer.uid, op)
+                raise PermissionDenied(f"op {op!r} is for administrators; uid {conn.peer.uid} is not one", op=op)
             if self._stopping.is_set() and op in ("load", "attach", "register"):
                 raise ShuttingDown("the daemon is shutting down")
-            reply, fds = await handler(conn, req)
+            timeout = self.settings.daemon.request_timeout_s
+            try:
+                reply, fds = await asyncio.wait_for(handler(conn, req), timeout)
+            except TimeoutError:
+                raise RequestTimeout(f"op {op!r} did not finish within {timeout:g}s (a load goes on regardless)") from None
             msg = {"id": rid, "ok": True, **reply}
         except WeightcacheError as exc:
             msg = {"id": rid, "ok": False, "error": exc.to_wire()}
@@ -432,6 +489,9 @@ class Daemon:
             # Another request may have evicted it between the load and here; retry then.
             if self.core.entry(name).state is State.RESIDENT:
                 break
+        held = sum(1 for x in self.core.leases.values() if x.conn == conn.id)
+        if held >= self.settings.daemon.max_leases_per_connection:
+            raise LimitExceeded(f"this connection holds {held} leases, the maximum", limit=held)
         lease = self.core.attach(name, conn.id)
         m = self.models[name]
         assert m.arena is not None and m.checkpoint is not None
