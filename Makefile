@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench stress clean
 
 install: $(VENV)/.installed
 
@@ -29,6 +29,11 @@ test: lint
 
 bench: install
 	$(BIN)/weightcache bench --size-gib 1 --big-gib 2 --out docs/bench-cpu.json
+
+# Longer reliability runs (docs/reliability.md): churn with SIGKILLs, and a longer fuzz.
+stress: install
+	$(BIN)/python tests/stress_churn.py --clients 200 --seconds 30 --out docs/churn.json
+	WC_FUZZ_EXAMPLES=5000 $(BIN)/pytest -q -s tests/test_fuzz.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -17,13 +17,15 @@ from typing import Any
 
 
 def config_text(socket_path: str, budgets: dict[str, str], models: list[dict[str, Any]], daemon: dict[str, Any] | None = None) -> str:
-    """A TOML config. Values are written with repr-compatible quoting (strings, numbers, bools)."""
+    """A TOML config from plain values: strings, numbers, bools and lists of them."""
 
     def val(v: Any) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
         if isinstance(v, (int, float)):
             return repr(v)
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(val(x) for x in v) + "]"
         return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
     lines = ["[daemon]", f"socket = {val(socket_path)}"]

@@ -35,7 +35,10 @@ class _MemfdWriter:
 
     def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None:
         assert self._view is not None
-        pread_full(fd, self._view[arena_offset : arena_offset + nbytes], file_offset)
+        # `with` releases the slice even when the read fails: a traceback that kept it
+        # alive would pin the mapping (mmap.close() -> BufferError) and leak the arena.
+        with self._view[arena_offset : arena_offset + nbytes] as dst:
+            pread_full(fd, dst, file_offset)
 
     def finish(self) -> None:
         # The view pins the mapping; drop it so seal() can close the mapping.
@@ -81,9 +84,12 @@ class CpuBackend(Backend):
 
     def free(self, arena: Arena) -> None:
         assert isinstance(arena, MemfdArena)
-        if arena.mapping is not None:
-            arena.mapping.close()
-            arena.mapping = None
         if arena.fd >= 0:
             os.close(arena.fd)
             arena.fd = -1
+        if arena.mapping is not None:
+            try:
+                arena.mapping.close()
+            except BufferError:
+                pass  # a view still exists: the pages go when it is collected, the fd is closed
+            arena.mapping = None

@@ -270,8 +270,13 @@ class Daemon:
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
         return task
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
 
     # ------------------------------------------------------------------ connections
     async def _serve_connection(self, conn: Connection) -> None:
@@ -446,11 +451,17 @@ class Daemon:
         }
 
     async def op_load(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        wait = _arg(req, "wait_s", (int, float), self.settings.daemon.no_space_wait_s)
+        wait = self._wait_arg(req)
         rank = _arg(req, "rank", int, None)
         entries = [self._entry_for(_arg(req, "name", str), rank)] if rank is not None else self._members(_arg(req, "name", str))
-        await asyncio.gather(*(self.ensure_resident(e, float(wait)) for e in entries))
+        await asyncio.gather(*(self.ensure_resident(e, wait) for e in entries))
         return {"model": self._describe(entries[0]), "shards": [self._describe(e) for e in entries]}, []
+
+    def _wait_arg(self, req: dict[str, Any]) -> float:
+        wait = float(_arg(req, "wait_s", (int, float), self.settings.daemon.no_space_wait_s))
+        if not 0 <= wait < float("inf"):  # also rejects NaN
+            raise BadRequest(f"argument 'wait_s' must be a finite number >= 0, got {wait}", argument="wait_s")
+        return wait
 
     def _members(self, name: str) -> list[str]:
         """The cache entries an op on ``name`` acts on: every rank of a sharded model, or
@@ -477,7 +488,7 @@ class Daemon:
     async def op_attach(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         assert self.core is not None
         name = self._entry_for(_arg(req, "name", str), _arg(req, "rank", int, None))
-        wait = _arg(req, "wait_s", (int, float), self.settings.daemon.no_space_wait_s)
+        wait = self._wait_arg(req)
         if _arg(req, "writable", bool, False):
             raise BadRequest("writable attachments are not allowed: arenas are shared read-only", argument="writable")
         device = _arg(req, "device", str, None)
@@ -485,7 +496,7 @@ class Daemon:
         if device is not None and not self._same_device(entry.device, device):
             raise BadRequest(f"model {name!r} lives on {entry.device}, not {device}", model=name, device=device)
         while True:
-            await self.ensure_resident(name, float(wait))
+            await self.ensure_resident(name, wait)
             # Another request may have evicted it between the load and here; retry then.
             if self.core.entry(name).state is State.RESIDENT:
                 break

@@ -1,0 +1,205 @@
+"""Churn stress (issue 5, ``make stress``): hundreds of engine processes attaching and
+detaching at random for a bounded time, some SIGKILLed mid-flight; then the daemon's
+books and file descriptors must be exactly as if nothing had happened.
+
+The clients speak the wire protocol directly (tests/stress_churn.py --client): written
+from docs/protocol.md alone, without torch, so that 200 of them fit in memory and the
+spec is exercised by a second implementation. Each maps the memfd it receives read-only
+and reads a byte of every tensor, like an engine would.
+
+Run: python tests/stress_churn.py --clients 200 --seconds 30   (prints a JSON summary)
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import collections
+import json
+import mmap
+import os
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+
+
+# ----------------------------------------------------------------------------- client
+class WireClient:
+    def __init__(self, path: str) -> None:
+        self.s = socket.socket(socket.AF_UNIX)
+        self.s.connect(path)
+        self.buf = b""
+        self.fds: collections.deque[int] = collections.deque()
+        self.next_id = 1
+
+    def _recv(self) -> None:
+        data, anc, _flags, _ = self.s.recvmsg(1 << 16, socket.CMSG_SPACE(64 * 4))
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                self.fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
+        if not data:
+            raise ConnectionError("daemon closed the connection")
+        self.buf += data
+
+    def call(self, op: str, **args: object) -> tuple[dict, list[int]]:
+        rid = self.next_id
+        self.next_id += 1
+        payload = msgpack.packb({"id": rid, "op": op, **args})
+        self.s.sendall(struct.pack(">I", len(payload)) + payload)
+        while True:
+            while len(self.buf) < 4 or len(self.buf) < 4 + struct.unpack(">I", self.buf[:4])[0]:
+                self._recv()
+            (n,) = struct.unpack(">I", self.buf[:4])
+            reply = msgpack.unpackb(self.buf[4 : 4 + n])
+            self.buf = self.buf[4 + n :]
+            fds = [self.fds.popleft() for _ in range(reply.get("fds", 0))]
+            if reply.get("id") == rid:
+                return reply, fds
+            for fd in fds:
+                os.close(fd)
+
+
+def client_main(path: str, seconds: float, seed: int, models: list[str]) -> None:
+    rng = random.Random(seed)
+    c = WireClient(path)
+    assert c.call("hello", protocol=1, client=f"churn-{seed}")[0]["ok"]
+    held: list[int] = []
+    counts: collections.Counter[str] = collections.Counter()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        r = rng.random()
+        if r < 0.45 and len(held) < 2:
+            reply, fds = c.call("attach", name=rng.choice(models), wait_s=0.2)
+            if reply["ok"]:
+                m = mmap.mmap(fds[0], reply["arena"]["nbytes"], prot=mmap.PROT_READ)
+                os.close(fds[0])
+                assert sum(m[off] for _n, _d, _s, off, nb in reply["tensors"] if nb) >= 0  # touch every tensor
+                m.close()
+                held.append(reply["lease"])
+        elif r < 0.85 and held:
+            reply, _ = c.call("detach", lease=held.pop(rng.randrange(len(held))))
+        else:
+            reply, _ = c.call("status")
+        counts["ok" if reply["ok"] else reply["error"]["code"]] += 1
+        time.sleep(rng.random() * 0.01)
+    print(json.dumps(counts), flush=True)  # exits holding whatever it holds: the close must release it
+
+
+# ----------------------------------------------------------------------------- driver
+def daemon_fds(pid: int) -> collections.Counter[str]:
+    out: collections.Counter[str] = collections.Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        out["memfd" if target.startswith("/memfd:") else target.split(":")[0] if ":" in target else "file"] += 1
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--clients", type=int, default=200)
+    ap.add_argument("--seconds", type=float, default=30)
+    ap.add_argument("--kill-fraction", type=float, default=0.2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from weightcache.client import SyncClient
+    from weightcache.spawn import DaemonProcess, config_text
+    from weightcache.synth import write_checkpoint
+
+    work = Path(tempfile.mkdtemp(prefix="wc-churn-", dir="/tmp"))
+    names = [f"m{i}" for i in range(4)]
+    for i, n in enumerate(names):
+        write_checkpoint(work / f"{n}.safetensors", 4 * 2**20, 30, seed=i)
+    sock = str(work / "d.sock")
+    (work / "c.toml").write_text(config_text(
+        sock, {"cpu": "13MiB"},  # room for three of the four: the churn forces evictions
+        [{"name": n, "path": str(work / f"{n}.safetensors")} for n in names],
+        {"max_connections": 4096, "log_level": "warning"}))
+    summary: dict[str, object] = {"clients": args.clients, "seconds": args.seconds}
+    with DaemonProcess(work / "c.toml", sock, work / "daemon.log") as d:
+        assert d.proc is not None
+        with SyncClient(sock) as c:
+            c.load(names[0])  # one arena exists before the baseline, so memfds are counted from there
+        baseline = daemon_fds(d.proc.pid)
+        rng = random.Random(0)
+        procs = []
+        t0 = time.monotonic()
+        for i in range(args.clients):
+            procs.append(subprocess.Popen([sys.executable, __file__, "--client", sock, str(args.seconds), str(i), *names],
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        spawn_s = time.monotonic() - t0
+        victims = rng.sample(procs, int(args.clients * args.kill_fraction))
+        kill_at = sorted((rng.uniform(0.2, 0.9) * args.seconds, p) for p in victims), []
+        peak_conns = 0
+        pending = list(kill_at[0])
+        with SyncClient(sock) as c:
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic() - t0
+                while pending and pending[0][0] <= now:
+                    pending.pop(0)[1].send_signal(signal.SIGKILL)
+                peak_conns = max(peak_conns, c.status()["connections"] - 1)
+                time.sleep(0.1)
+            wall = time.monotonic() - t0
+            counts: collections.Counter[str] = collections.Counter()
+            for p in procs:
+                out, err = p.communicate()
+                if p.returncode == 0:
+                    counts.update(json.loads(out.strip().splitlines()[-1]))
+                elif p.returncode != -signal.SIGKILL:
+                    print(f"client failed ({p.returncode}): {err[-1500:]}", file=sys.stderr)
+                    counts["client_crashed"] += 1
+            for _ in range(100):
+                st = c.status()
+                if st["leases"] == 0 and st["connections"] == 1:
+                    break
+                time.sleep(0.05)
+            models = c.models()
+        resident = [m for m in models if m["state"] == "resident"]
+        dev = st["devices"]["cpu"]
+        after = daemon_fds(d.proc.pid)
+        checks = {
+            "leases_zero": st["leases"] == 0,
+            "attach_counts_zero": all(m["attach_count"] == 0 for m in models),
+            "used_equals_resident_arenas": dev["used"] == sum(m["nbytes"] for m in resident),
+            "nothing_reserved": dev["reserved"] == 0,
+            "memfds_equal_resident_models": after["memfd"] == len(resident),
+            "other_fds_back_to_baseline": {k: v for k, v in after.items() if k != "memfd"}
+            == {k: v for k, v in baseline.items() if k != "memfd"},
+            "no_client_crashed": counts["client_crashed"] == 0,
+            "no_traceback_in_daemon_log": "Traceback" not in (work / "daemon.log").read_text(),
+        }
+        requests = sum(v for k, v in counts.items() if k != "client_crashed")
+        summary.update({
+            "killed": len(victims), "spawn_s": round(spawn_s, 2), "wall_s": round(wall, 2),
+            "peak_connections": peak_conns, "requests_by_survivors": requests,
+            "requests_per_s_by_survivors": round(requests / wall, 1), "replies": dict(counts),
+            "resident_after": [m["name"] for m in resident], "daemon_fds_before": dict(baseline),
+            "daemon_fds_after": dict(after), "checks": checks,
+        })
+    summary["daemon_exit_clean"] = d.proc.returncode == 0
+    text = json.dumps(summary, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    ok = all(checks.values()) and summary["daemon_exit_clean"]
+    print("churn:", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--client":
+        client_main(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), sys.argv[5:])
+    else:
+        sys.exit(main())

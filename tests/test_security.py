@@ -1,0 +1,228 @@
+"""Issue 5: who may connect, limits, timeouts, and an announced, lease-aware shutdown."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from weightcache import Client
+from weightcache.errors import LimitExceeded, PermissionDenied, RequestTimeout
+from weightcache.protocol import encode_frame
+
+NOBODY = 65534
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+
+
+def as_uid(uid: int, fn) -> dict:
+    """Run ``fn`` in a forked child that has dropped to ``uid``; return what it returned.
+    Forked after every import, so the child needs no file access to run."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        out: dict = {}
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            out = fn()
+        except BaseException as exc:  # report anything to the parent
+            out = {"exception": repr(exc)}
+        finally:
+            os.write(w, json.dumps(out).encode())
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+def open_to_all(d) -> None:
+    # let another uid reach the socket: the credential check is what must refuse it
+    os.chmod(Path(d.socket).parent, 0o755)
+
+
+def raw_calls(path: str, msgs: list[dict]) -> list[dict | None]:
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(path)
+    out: list[dict | None] = []
+    buf = b""
+    import msgpack
+
+    for m in msgs:
+        s.sendall(encode_frame(m))
+        while len(buf) < 4 or len(buf) < 4 + int.from_bytes(buf[:4], "big"):
+            chunk = s.recv(65536)
+            if not chunk:
+                out.append(None)
+                return out
+            buf += chunk
+        n = int.from_bytes(buf[:4], "big")
+        out.append(msgpack.unpackb(buf[4 : 4 + n]))
+        buf = buf[4 + n :]
+    return out
+
+
+HELLO = {"id": 1, "op": "hello", "protocol": 1, "client": "other-uid"}
+
+
+@root_only
+def test_peer_of_another_uid_is_refused(start_daemon):
+    d = start_daemon(extra_daemon={"socket_mode": 0o666})
+    open_to_all(d)
+    got = as_uid(NOBODY, lambda: {"replies": raw_calls(d.socket, [HELLO])})
+    err = got["replies"][0]["error"]
+    assert err["code"] == "PERMISSION_DENIED" and "65534" in err["message"], got
+    assert "refused conn" in d.log_text() and "uid 65534" in d.log_text()
+    assert raw_calls(d.socket, [HELLO])[0]["ok"]  # root still gets in
+
+
+@root_only
+def test_admin_ops_can_be_limited_to_admins(start_daemon, ckpts):
+    d = start_daemon(models={"tiny": ckpts["tiny"]},
+                     extra_daemon={"socket_mode": 0o666, "allowed_uids": [0, NOBODY], "admin_uids": [0]})
+    open_to_all(d)
+    msgs = [HELLO, {"id": 2, "op": "status"}, {"id": 3, "op": "evict", "name": "tiny"}, {"id": 4, "op": "models"}]
+    hello, status, evict, models = as_uid(NOBODY, lambda: {"r": raw_calls(d.socket, msgs)})["r"]
+    assert hello["ok"] and status["ok"] and models["ok"]
+    assert evict["error"]["code"] == "PERMISSION_DENIED"
+
+
+def test_socket_mode_and_group(start_daemon):
+    d = start_daemon(extra_daemon={"socket_mode": 0o660, "socket_group": "nogroup"})
+    st = os.stat(d.socket)
+    assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == 65534
+
+
+@pytest.mark.parametrize("problem", ["symlink", "world-writable"])
+def test_unsafe_socket_directory_is_refused(tmp_path, problem):
+    base = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
+    real = base / "real"
+    real.mkdir()
+    if problem == "symlink":
+        sockdir = base / "link"
+        sockdir.symlink_to(real)
+    else:
+        sockdir = real
+        os.chmod(real, 0o777)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[daemon]\nsocket = "{sockdir}/s.sock"\n')
+    r = subprocess.run([sys.executable, "-m", "weightcache", "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert ("symlink" if problem == "symlink" else "world-writable") in r.stderr
+
+
+async def test_client_refuses_a_symlinked_socket(start_daemon, tmp_path):
+    d = start_daemon()
+    link = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp")) / "l.sock"
+    link.symlink_to(d.socket)
+    with pytest.raises(PermissionDenied, match="symlink"):
+        await Client(link).connect()
+
+
+@root_only
+async def test_client_refuses_a_daemon_running_as_an_untrusted_uid():
+    path = os.path.join(tempfile.mkdtemp(prefix="wc-", dir="/tmp"), "fake.sock")
+    os.chmod(os.path.dirname(path), 0o777)
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # an impostor "daemon" as nobody
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            srv = socket.socket(socket.AF_UNIX)
+            srv.bind(path)
+            os.chmod(path, 0o666)
+            srv.listen(1)
+            os.write(ready_w, b"1")
+            conn, _ = srv.accept()
+            time.sleep(2)
+        finally:
+            os._exit(0)
+    os.read(ready_r, 1)
+    try:
+        with pytest.raises(PermissionDenied, match="uid 65534"):
+            await Client(path).connect()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+async def test_max_connections(start_daemon):
+    d = start_daemon(extra_daemon={"max_connections": 3})
+    held = [d.raw() for _ in range(3)]
+    extra = d.raw(hello=False)
+    reply = extra.recv()
+    assert reply["error"]["code"] == "LIMIT_EXCEEDED" and extra.recv() is None
+    held[0].close()
+    await asyncio.sleep(0.2)
+    assert d.raw().call({"id": 5, "op": "status"})["ok"]
+
+
+async def test_max_leases_per_connection(start_daemon, ckpts):
+    d = start_daemon(models={"tiny": ckpts["tiny"]}, extra_daemon={"max_leases_per_connection": 2})
+    async with Client(d.socket) as c, Client(d.socket) as other:
+        async with c.attach("tiny"), c.attach("tiny"):
+            with pytest.raises(LimitExceeded):
+                await c.attach("tiny").__aenter__()
+            async with other.attach("tiny") as m:  # other connections are unaffected
+                assert len(m) == 5
+
+
+async def test_request_timeout(start_daemon, ckpts):
+    d = start_daemon(budget="9MiB", models={"a": ckpts["a"], "b": ckpts["b"]}, extra_daemon={"request_timeout_s": 0.5})
+    async with Client(d.socket) as holder, Client(d.socket) as c:
+        async with holder.attach("a"):
+            t = time.monotonic()
+            with pytest.raises(RequestTimeout):
+                await c.load("b", wait_s=3)  # waits for a detach that does not come
+            assert time.monotonic() - t < 2.5
+            assert (await c.status())["ok"]
+
+
+async def test_half_sent_frame_is_timed_out(start_daemon):
+    d = start_daemon(extra_daemon={"frame_read_timeout_s": 0.5})
+    idle = d.raw()  # idle connections are never timed out
+    slow = d.raw()
+    slow.send(encode_frame({"id": 1, "op": "status"})[:3])
+    t = time.monotonic()
+    reply = slow.recv()
+    assert reply["error"]["code"] == "TIMEOUT" and slow.recv() is None
+    assert 0.4 < time.monotonic() - t < 5
+    await asyncio.sleep(0.6)
+    assert idle.call({"id": 2, "op": "status"})["ok"]
+
+
+async def test_shutdown_announces_itself_and_waits_for_leases(start_daemon, ckpts):
+    d = start_daemon(models={"tiny": ckpts["tiny"]}, extra_daemon={"shutdown_grace_s": 20})
+    async with Client(d.socket) as c:
+        async with c.attach("tiny"):
+            d.proc.send_signal(signal.SIGTERM)
+            for _ in range(100):
+                if c.events:
+                    break
+                await asyncio.sleep(0.05)
+            assert c.events[0]["event"] == "shutting_down" and c.events[0]["leases"] == 1
+            with pytest.raises(Exception, match="SHUTTING_DOWN"):
+                await c.attach("tiny").__aenter__()
+            await asyncio.sleep(0.5)
+            assert d.proc.poll() is None  # still waiting for our lease
+            t = time.monotonic()
+        # detached: the daemon exits well before its 20 s grace
+        assert await asyncio.to_thread(d.proc.wait, 15) == 0
+        assert time.monotonic() - t < 10
+    assert not os.path.exists(d.socket)
