@@ -427,3 +427,42 @@ async def test_sharded_model_one_entry_per_rank(start_daemon, ckpts):
         with pytest.raises(BadRequest, match="not sharded"):
             await c.register("solo", ckpts["tiny"])
             await c.attach("solo", rank=1).__aenter__()
+
+
+async def test_writable_attach_needs_permission_and_a_gpu(start_daemon, ckpts):
+    from weightcache.errors import PermissionDenied
+
+    d = start_daemon(models={"tiny": ckpts["tiny"]})
+    async with Client(d.socket) as c:
+        with pytest.raises(PermissionDenied, match="allow_writable_attach"):
+            await c.attach("tiny", writable=True).__aenter__()
+    d2 = start_daemon(models={"tiny": ckpts["tiny"]}, extra_daemon={"allow_writable_attach": True})
+    async with Client(d2.socket) as c:
+        with pytest.raises(BadRequest, match="sealed"):
+            await c.attach("tiny", writable=True).__aenter__()
+        assert (await c.status())["leases"] == 0
+
+
+async def test_load_into_module_makes_parameters_views(start_daemon, tmp_path):
+    from torch import nn
+
+    from weightcache import load_into_module
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(32, 8)).to(torch.bfloat16)
+    path = tmp_path / "mlp.safetensors"
+    save_file(ref.state_dict(), str(path))
+    d = start_daemon(models={"mlp": path})
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    async with Client(d.socket) as c, c.attach("mlp") as w:
+        fresh = nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(32, 8)).to(torch.bfloat16)
+        model = load_into_module(fresh, w)
+        assert torch.equal(model(x), ref(x))
+        assert model[0].weight.data_ptr() == w["0.weight"].data_ptr()  # a view, not a copy
+        assert not model[0].weight.requires_grad
+        with pytest.raises(ValueError, match=r"missing keys: \['3\.bias', '3\.weight'\]"):
+            load_into_module(nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(32, 8), nn.Linear(8, 8)).to(torch.bfloat16), w)
+        with pytest.raises(ValueError, match="dtype"):
+            load_into_module(nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(32, 8)), w)  # float32 module
+        with pytest.raises(ValueError, match="shape"):
+            load_into_module(nn.Sequential(nn.Linear(64, 16), nn.LayerNorm(32), nn.Linear(32, 8)).to(torch.bfloat16), w)

@@ -149,7 +149,7 @@ async def test_client_refuses_a_daemon_running_as_an_untrusted_uid():
             os.chmod(path, 0o666)
             srv.listen(1)
             os.write(ready_w, b"1")
-            conn, _ = srv.accept()
+            _conn, _ = srv.accept()
             time.sleep(2)
         finally:
             os._exit(0)
@@ -175,23 +175,21 @@ async def test_max_connections(start_daemon):
 
 async def test_max_leases_per_connection(start_daemon, ckpts):
     d = start_daemon(models={"tiny": ckpts["tiny"]}, extra_daemon={"max_leases_per_connection": 2})
-    async with Client(d.socket) as c, Client(d.socket) as other:
-        async with c.attach("tiny"), c.attach("tiny"):
-            with pytest.raises(LimitExceeded):
-                await c.attach("tiny").__aenter__()
-            async with other.attach("tiny") as m:  # other connections are unaffected
-                assert len(m) == 5
+    async with Client(d.socket) as c, Client(d.socket) as other, c.attach("tiny"), c.attach("tiny"):
+        with pytest.raises(LimitExceeded):
+            await c.attach("tiny").__aenter__()
+        async with other.attach("tiny") as m:  # other connections are unaffected
+            assert len(m) == 5
 
 
 async def test_request_timeout(start_daemon, ckpts):
     d = start_daemon(budget="9MiB", models={"a": ckpts["a"], "b": ckpts["b"]}, extra_daemon={"request_timeout_s": 0.5})
-    async with Client(d.socket) as holder, Client(d.socket) as c:
-        async with holder.attach("a"):
-            t = time.monotonic()
-            with pytest.raises(RequestTimeout):
-                await c.load("b", wait_s=3)  # waits for a detach that does not come
-            assert time.monotonic() - t < 2.5
-            assert (await c.status())["ok"]
+    async with Client(d.socket) as holder, Client(d.socket) as c, holder.attach("a"):
+        t = time.monotonic()
+        with pytest.raises(RequestTimeout):
+            await c.load("b", wait_s=3)  # waits for a detach that does not come
+        assert time.monotonic() - t < 2.5
+        assert (await c.status())["ok"]
 
 
 async def test_half_sent_frame_is_timed_out(start_daemon):

@@ -164,6 +164,7 @@ class DaemonConfig(BaseModel):
     load_chunk_bytes: int = Field(default=16 * 2**20, ge=4096)
     load_nice: int = Field(default=19, ge=0, le=19, description="scheduling niceness of loader threads")
     no_space_wait_s: float = Field(default=0.0, ge=0, description="default time a load waits for detaches")
+    allow_writable_attach: bool = Field(default=False, description="let clients ask for read-write GPU mappings")
     # -- access control (server/access.py) --
     socket_group: str | int | None = Field(default=None, description="group owning the socket; its members may connect")
     allowed_uids: list[int] | None = Field(default=None, description="peers allowed to connect (default: the daemon's uid and root)")

@@ -8,12 +8,14 @@ it ``PROT_READ``; sealing makes a writable mapping impossible for them too.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import NoSpace
 from ..loader.reader import pread_full
 from .base import Arena, Backend
 
@@ -61,7 +63,17 @@ class CpuBackend(Backend):
         fd = os.memfd_create(f"weightcache:{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
+            # Take the pages now: running out of memory while *filling* a memfd cannot be
+            # caught (SIGBUS or the OOM killer); here it is an error before any read. It
+            # costs nothing measurable (2.78 vs 2.77 GB/s fill rate, 1 GiB, this VM).
+            os.posix_fallocate(fd, 0, size)
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.ENOMEM, errno.ENOSPC):
+                raise NoSpace(f"host memory exhausted allocating {size} bytes for {label} ({exc.strerror})",
+                              device=self.device, needed=size, fits_ever=False) from None
+            raise
         except BaseException:
             os.close(fd)
             raise

@@ -258,9 +258,12 @@ class Client:
         return (await self.request("reload"))["report"]
 
     @contextlib.asynccontextmanager
-    async def attach(self, name: str, device: str | None = None, rank: int | None = None, *,
-                     wait_s: float | None = None, timeout: float | None = None) -> AsyncIterator[AttachedModel]:
+    async def attach(self, name: str, device: str | None = None, rank: int | None = None, *, wait_s: float | None = None,
+                     timeout: float | None = None, writable: bool = False) -> AsyncIterator[AttachedModel]:
         """Attach ``name`` (loading it first if needed) and yield its tensors, zero-copy.
+
+        Read-only unless ``writable=True`` and the daemon allows it (GPU arenas only):
+        writes then change the bytes every other attached engine sees.
 
         The lease lasts until the block exits (or the connection closes). Keep the block
         open while the tensors are in use: only a lease keeps the daemon from evicting.
@@ -269,7 +272,8 @@ class Client:
             from .. import cuda_driver
 
             device = f"cuda:{cuda_driver.device_uuid(int(device[5:]))}"  # this process's numbering -> UUID
-        reply, fds = await self._request("attach", timeout, {"name": name, "device": device, "rank": rank, "wait_s": wait_s})
+        reply, fds = await self._request("attach", timeout, {"name": name, "device": device, "rank": rank, "wait_s": wait_s,
+                                                       "writable": writable or None})
         lease = reply["lease"]
         try:
             slab = map_arena(reply["arena"], fds)

@@ -50,7 +50,7 @@ def map_arena(arena: dict[str, Any], fds: list[int]) -> torch.Tensor:
     if kind == "cuda_vmm":
         from .cuda_mapping import map_vmm
 
-        return map_vmm(arena, fds)
+        return map_vmm(arena, fds, read_only=not arena.get("writable", False))
     raise BadRequest(f"unknown arena kind {kind!r}")
 
 

@@ -489,10 +489,13 @@ class Daemon:
         assert self.core is not None
         name = self._entry_for(_arg(req, "name", str), _arg(req, "rank", int, None))
         wait = self._wait_arg(req)
-        if _arg(req, "writable", bool, False):
-            raise BadRequest("writable attachments are not allowed: arenas are shared read-only", argument="writable")
+        writable = _arg(req, "writable", bool, False)
+        if writable and not self.settings.daemon.allow_writable_attach:
+            raise PermissionDenied("read-write attachments are disabled (daemon.allow_writable_attach = false)", argument="writable")
         device = _arg(req, "device", str, None)
         entry = self.core.entry(name)
+        if writable and self.backends[entry.device].kind != "cuda_vmm":
+            raise BadRequest(f"{entry.device} arenas are sealed memfds: they cannot be mapped writable", argument="writable")
         if device is not None and not self._same_device(entry.device, device):
             raise BadRequest(f"model {name!r} lives on {entry.device}, not {device}", model=name, device=device)
         while True:
@@ -513,7 +516,7 @@ class Daemon:
             raise
         return {
             "lease": lease.id, "model": name, "rank": m.rank, "device": entry.device, "fingerprint": m.checkpoint.fingerprint,
-            "arena": arena, "tensors": m.checkpoint.wire_tensors(),
+            "arena": {**arena, "writable": writable}, "tensors": m.checkpoint.wire_tensors(),
         }, fds
 
     def _same_device(self, mine: str, theirs: str) -> bool:
