@@ -150,23 +150,92 @@ def test_unknown_and_unregister():
         core.register("b", "cuda:0")  # no budget for that device
 
 
+def gpu_core(budget=200, host=150, names="abc"):
+    core = CacheCore({"cuda:0": budget}, clock=Clock(), host_budget=host)
+    for n in names:
+        core.register(n, "cuda:0")
+    return core
+
+
+def test_lru_victim_is_demoted_to_the_host_tier_and_promoted_back():
+    core = gpu_core()
+    loaded(core, "a", 100)
+    loaded(core, "b", 100)
+    plan = core.begin_load("c", 100)
+    assert plan.step_down.demote == ("a",) and not plan.promote
+    core.finish_load("c")
+    assert core.entry("a").state is State.HOST and core.host.used == 100
+    plan = core.begin_load("a", 100)  # comes back from host memory
+    assert plan.promote and plan.step_down.demote == ()  # b is the victim, but the host tier is full...
+    core.check_invariants()
+
+
+def test_host_tier_is_lru_too_and_never_drops_the_model_being_promoted():
+    core = gpu_core(budget=200, host=100, names="abcd")
+    loaded(core, "a", 100)
+    loaded(core, "b", 100)
+    loaded(core, "c", 100)  # a -> host
+    assert core.entry("a").state is State.HOST
+    plan = core.begin_load("a", 100)  # promote a; victim b cannot go to host (a still holds it)
+    assert plan.promote and plan.step_down.evict == ("b",) and plan.step_down.drop_host == ()
+    core.finish_load("a")
+    assert core.host.used == 0 and core.entry("b").state is State.EVICTED
+    loaded(core, "d", 100)  # c is now LRU -> host
+    assert core.entry("c").state is State.HOST
+    core.evict("a")  # a -> host: the host tier drops c (its LRU) to make room
+    assert core.entry("a").state is State.HOST and core.entry("c").state is State.EVICTED
+    core.check_invariants()
+
+
+def test_evict_steps_down_one_tier_at_a_time():
+    core = gpu_core()
+    loaded(core, "a", 100)
+    assert core.evict("a").demote == ("a",)
+    assert core.evict("a").drop_host == ("a",)
+    assert core.entry("a").state is State.EVICTED and core.host.used == 0
+    loaded(core, "b", 160)  # bigger than the host tier: straight out
+    assert core.evict("b").evict == ("b",)
+
+
+def test_failed_promotion_keeps_the_host_copy():
+    core = gpu_core()
+    loaded(core, "a", 100)
+    core.evict("a")
+    core.begin_load("a", 100)
+    core.abort_load("a")
+    assert core.entry("a").state is State.HOST and core.host.used == 100
+    core.check_invariants()
+
+
+def test_cpu_models_have_no_tier_below():
+    core = CacheCore({"cpu": 200}, clock=Clock(), host_budget=1000)
+    core.register("a", "cpu")
+    loaded(core, "a", 100)
+    assert core.evict("a").evict == ("a",) and core.host.used == 0
+
+
 class CoreMachine(RuleBasedStateMachine):
     """Random sequences of every operation; the invariants hold after each step."""
 
-    names = st.sampled_from(["m0", "m1", "m2", "m3", "m4"])
+    names = st.sampled_from(["m0", "m1", "m2", "m3", "m4", "g0", "g1", "g2", "g3"])
     conns = st.integers(1, 3)
 
     def __init__(self) -> None:
         super().__init__()
-        self.core = CacheCore({"cpu": 1000}, clock=Clock())
+        # CPU models, and GPU models with a host tier below them
+        self.core = CacheCore({"cpu": 1000, "cuda:0": 1000}, clock=Clock(), host_budget=900)
         for n in ["m0", "m1", "m2", "m3", "m4"]:
             self.core.register(n, "cpu")
+        for n in ["g0", "g1", "g2", "g3"]:
+            self.core.register(n, "cuda:0")
 
     @rule(name=names, nbytes=st.integers(1, 700), fail=st.booleans())
     def load(self, name, nbytes, fail):
         e = self.core.entry(name)
         if e.state in (State.LOADING, State.RESIDENT):
             return
+        if e.host_copy:
+            nbytes = e.nbytes  # a promotion reloads the same bytes
         before = {x.name: (x.state, x.last_used) for x in self.core.entries.values()}
         try:
             plan = self.core.begin_load(name, nbytes)
@@ -174,9 +243,13 @@ class CoreMachine(RuleBasedStateMachine):
             return
         # Victims: evictable before, and each older than every evictable model kept.
         for v in plan.evict:
-            assert self.core.entry(v).state is State.EVICTED
+            assert self.core.entry(v).state in (State.EVICTED, State.HOST)
             assert before[v][0] is State.RESIDENT
-        kept = [x for x in self.core.entries.values() if x.evictable]
+            assert self.core.entry(v).device == e.device
+        for v in plan.step_down.drop_host:
+            assert before[v][0] is State.HOST and self.core.entry(v).state is State.EVICTED
+        assert plan.promote == (before[name][0] is State.HOST)
+        kept = [x for x in self.core.entries.values() if x.evictable and x.device == e.device]
         if plan.evict and kept:
             assert max(before[v][1] for v in plan.evict) < min(x.last_used for x in kept)
         if fail:
@@ -206,12 +279,12 @@ class CoreMachine(RuleBasedStateMachine):
     @rule(name=names)
     def evict(self, name):
         e = self.core.entry(name)
-        was_attached, was_pinned = bool(e.leases), e.pinned
+        was_attached, was_pinned, was = bool(e.leases), e.pinned, e.state
         try:
             self.core.evict(name)
         except (Attached, Pinned, BadRequest):
             return
-        assert not was_attached and not was_pinned
+        assert was is State.HOST or (not was_attached and not was_pinned)
 
     @invariant()
     def invariants(self):
@@ -220,7 +293,7 @@ class CoreMachine(RuleBasedStateMachine):
             assert e.attach_count >= 0
             if e.leases or e.pinned:
                 # never evicted while attached/pinned: it is still where it was
-                assert e.state in (State.RESIDENT, State.REGISTERED, State.EVICTED, State.LOADING)
+                assert e.state in (State.RESIDENT, State.REGISTERED, State.EVICTED, State.LOADING, State.HOST)
             if e.leases:
                 assert e.state is State.RESIDENT
 

@@ -33,14 +33,14 @@ def gpu_ckpts(tmp_path_factory):
     return {n: write_checkpoint(d / f"{n}.safetensors", 256 * MIB, 60, seed=i) for i, n in enumerate("xyz")}
 
 
-def gpu_daemon(start_daemon, budget, models, device="cuda:0", **opts):
+def gpu_daemon(start_daemon, budget, models, device="cuda:0", daemon=None, **opts):
     from weightcache.spawn import config_text
 
     d = start_daemon(budget="1GiB", models={})
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(timeout=30) == 0
     entries = [{"name": n, "path": str(p), "device": device, **opts.get(n, {})} for n, p in models.items()]
-    d.config.write_text(config_text(d.socket, {"cpu": "1GiB", device: budget}, entries, {"log_level": "debug"}))
+    d.config.write_text(config_text(d.socket, {"cpu": "1GiB", device: budget}, entries, {"log_level": "debug", **(daemon or {})}))
     from weightcache.spawn import wait_for_socket
 
     d.proc = subprocess.Popen([sys.executable, "-m", "weightcache", "serve", "--config", str(d.config)],
@@ -146,6 +146,42 @@ async def test_device_memory_check_beyond_budget(start_daemon, gpu_ckpts):
     finally:
         del hog
         torch.cuda.empty_cache()
+
+
+async def test_host_tier_demotes_lru_victims_and_promotes_them_back(start_daemon, gpu_ckpts):
+    d = gpu_daemon(start_daemon, "600MiB", {n: gpu_ckpts[n] for n in "xyz"}, daemon={"host_budget": "300MiB"})
+    ref_y = load_file(gpu_ckpts["y"])
+    async with Client(d.socket) as c:
+        await c.load("x")
+        await c.load("y")
+        async with c.attach("x"):
+            pass  # y is now the least recently used
+        await c.load("z")
+        states = {m["name"]: m["state"] for m in await c.models()}
+        assert states == {"x": "resident", "y": "host", "z": "resident"}
+        sizes = {m["name"]: m["nbytes"] for m in await c.models()}
+        assert (await c.status())["devices"]["host"]["used"] == sizes["y"]
+        async with c.attach("y") as m:  # promoted from pinned host memory, not read from disk
+            assert all(torch.equal(m[k].cpu(), v) for k, v in ref_y.items())
+        assert "promoted y" in d.log_text() and "demoted y to the host tier" in d.log_text()
+        st = (await c.status())["devices"]
+        assert st["host"]["used"] == 0 and st["cuda:0"]["used"] <= st["cuda:0"]["budget"]
+        victim = next(m["name"] for m in await c.models() if m["state"] != "resident" and m["name"] != "y")
+        assert {m["name"]: m["state"] for m in await c.models()}[victim] == "evicted"  # the host tier held y then
+        resident = next(m["name"] for m in await c.models() if m["state"] == "resident" and m["name"] != "y")
+        assert (await c.evict(resident))["state"] == "host"  # one tier down...
+        assert (await c.evict(resident))["state"] == "evicted"  # ...and out
+        assert (await c.status())["devices"]["host"]["used"] == 0
+
+
+def test_cold_load_reads_with_o_direct(start_daemon, gpu_ckpts):
+    from weightcache.bench import drop_page_cache
+
+    drop_page_cache(gpu_ckpts["z"])
+    d = gpu_daemon(start_daemon, "2GiB", {"z": gpu_ckpts["z"]})
+    r = child(d, "z", gpu_ckpts["z"], "verify")
+    assert r.returncode == 0 and r.stdout.startswith("OK"), r.stderr[-2000:]
+    assert "O_DIRECT" in d.log_text(), d.log_text()[-2000:]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -98,14 +98,77 @@ def time_load_file(path: Path, device: str) -> float:
     return dt
 
 
+async def _evict_fully(c: Any, name: str) -> None:
+    """Evict until the model is gone from every tier (with a host tier, one evict only
+    demotes it, and the next load would be a promotion, not a read)."""
+    for _ in range(3):
+        if (await c.evict(name))["state"] not in ("resident", "host"):
+            return
+
+
 async def _daemon_load(sock: str, name: str) -> float:
     from .client import Client
 
     async with Client(sock) as c:
-        await c.evict(name)
+        await _evict_fully(c, name)
         t = time.perf_counter()
         await c.load(name)
         return time.perf_counter() - t
+
+
+async def _host_tier_round_trip(sock: str, name: str) -> tuple[float, float]:
+    """(demote time, promote time): evict once (device -> pinned host), load (-> device)."""
+    from .client import Client
+
+    async with Client(sock) as c:
+        await c.load(name)
+        t = time.perf_counter()
+        assert (await c.evict(name))["state"] == "host", "the host tier did not take the model"
+        demote = time.perf_counter() - t
+        t = time.perf_counter()
+        await c.load(name)
+        return demote, time.perf_counter() - t
+
+
+def disk_ceiling(path: Path, threads: int = 8, chunk: int = 16 << 20) -> float:
+    """Cold read rate of the file with parallel O_DIRECT preads and nothing else (no
+    copies): what any loader can at best reach from this disk. Bytes per second."""
+    import mmap
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .loader.reader import pread_direct
+
+    drop_page_cache(path)
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    local = threading.local()
+
+    def read(off: int) -> None:
+        if not hasattr(local, "buf"):
+            local.buf = memoryview(mmap.mmap(-1, chunk + 8192))  # anonymous maps are page-aligned
+        pread_direct(fd, local.buf, off, min(chunk, size - off))
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read, range(0, size, chunk)))
+    dt = time.perf_counter() - t
+    os.close(fd)
+    return size / dt
+
+
+def time_fastsafetensors(path: Path, device: str) -> float:
+    import torch
+    from fastsafetensors import fastsafe_open
+
+    t = time.perf_counter()
+    with fastsafe_open(str(path), device=device, nogds=True) as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118  (not a dict)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    del tensors
+    return dt
 
 
 async def _attach_latencies(sock: str, name: str, n: int) -> list[float]:
@@ -137,7 +200,7 @@ async def _status_probe(sock: str, name: str) -> dict[str, Any]:
     from .client import Client
 
     async with Client(sock) as c, Client(sock) as s:
-        await c.evict(name)
+        await _evict_fully(c, name)
         load = asyncio.ensure_future(c.load(name))
         lat: list[float] = []
         seen_loading = 0
@@ -188,15 +251,33 @@ def run_bench(args: argparse.Namespace) -> int:
     warm_page_cache(ckpt)
     r["load_file_touch_warm_s"] = statistics.median(time_load_file_and_touch(ckpt, device) for _ in range(args.reps))
     r["load_file_cold_s"] = statistics.median(cold) if cold else None
+    if args.cold_reps:
+        try:
+            r["disk_ceiling_GBps"] = max(disk_ceiling(ckpt) for _ in range(args.cold_reps)) / 1e9
+        except OSError as exc:  # a file system without O_DIRECT
+            r["disk_ceiling_error"] = str(exc)
+    try:  # the peer loader, where it can be installed
+        time_fastsafetensors(ckpt, device)
+        r["fastsafetensors_warm_s"] = statistics.median(time_fastsafetensors(ckpt, device) for _ in range(args.reps))
+        cold = []
+        for _ in range(args.cold_reps):
+            drop_page_cache(ckpt)
+            cold.append(time_fastsafetensors(ckpt, device))
+        r["fastsafetensors_cold_s"] = statistics.median(cold) if cold else None
+    except Exception as exc:  # not installed, or fails on this host: say so in the results
+        r["fastsafetensors_error"] = f"{type(exc).__name__}: {exc}"[:300]
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
 
     sock = str(work / "bench.sock")
     budget = {device: f"{int((nbytes + big.stat().st_size) * 1.1)}"}
+    daemon_opts: dict[str, Any] = {"log_level": "info"}
+    if device.startswith("cuda"):
+        daemon_opts["host_budget"] = int(nbytes * 1.1)  # room to demote the bench model
     cfg = work / "bench.toml"
     cfg.write_text(config_text(sock, budget, [{"name": "bench", "path": str(ckpt), "device": device},
                                               {"name": "big", "path": str(big), "device": device}],
-                               daemon={"log_level": "info"}))
+                               daemon=daemon_opts))
     log = work / "bench-daemon.log"
     log.unlink(missing_ok=True)
     with DaemonProcess(cfg, sock, log):
@@ -219,6 +300,12 @@ def run_bench(args: argparse.Namespace) -> int:
         # Ready to compute: both ways, then every byte read once. In a fresh mapping each
         # time, so first-touch costs (page faults) are counted for both.
         r["attach_touch_s"] = statistics.median(asyncio.run(_attach_and_touch(sock, "bench")) for _ in range(args.reps))
+
+        # -- host tier -----------------------------------------------------------------
+        if device.startswith("cuda"):
+            trips = [asyncio.run(_host_tier_round_trip(sock, "bench")) for _ in range(args.reps)]
+            r["host_demote_s"] = statistics.median(t[0] for t in trips)
+            r["host_promote_s"] = statistics.median(t[1] for t in trips)
 
         # -- restart to ready ------------------------------------------------------------
         restarts: dict[str, list[Any]] = {"floor": [], "disk": [], "cache": []}
@@ -243,7 +330,41 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(r, indent=1, default=str) + "\n")
         console.print(f"wrote {args.out}")
+        png = Path(args.out).with_suffix(".png")
+        if write_chart(r, png):
+            console.print(f"wrote {png}")
+        else:
+            console.print("matplotlib is not installed: no chart (pip install matplotlib; weightcache bench --chart FILE.json)")
     return 0
+
+
+def write_chart(r: dict[str, Any], png: Path) -> bool:
+    """A bar chart of GB/s per way of getting the weights onto the device. False when
+    matplotlib is missing (it is optional: the numbers are in the JSON either way)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    n = r["checkpoint_bytes"]
+    timed = [("load_file warm", r.get("load_file_warm_s")), ("load_file cold", r.get("load_file_cold_s")),
+            ("fastsafetensors warm", r.get("fastsafetensors_warm_s")), ("fastsafetensors cold", r.get("fastsafetensors_cold_s")),
+            ("weightcache loader warm", r.get("loader_warm_s")), ("weightcache loader cold", r.get("loader_cold_s")),
+            ("host-tier promotion", r.get("host_promote_s"))]
+    rows: list[tuple[str, float]] = [(label, n / s / 1e9) for label, s in timed if s]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
+    ax.barh([x[0] for x in rows][::-1], [x[1] for x in rows][::-1],
+            color=["#4c72b0" if "weightcache" in x[0] or "host" in x[0] else "#999999" for x in rows][::-1])
+    for i, (_, v) in enumerate(rows[::-1]):
+        ax.text(v, i, f" {v:.1f}", va="center")
+    ax.set_xlabel("GB/s into device memory (higher is better)")
+    ax.set_title(f"{r.get('gpu', 'CPU')}: {n / GIB:.1f} GiB, {r['tensors']} tensors; attach p50 {r['attach_p50_ms']:.2f} ms")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def _report(console: Console, r: dict[str, Any], nbytes: int) -> None:
@@ -263,6 +384,18 @@ def _report(console: Console, r: dict[str, Any], nbytes: int) -> None:
     if r["loader_cold_s"]:
         t.add_row("weightcache loader, cold", f"{r['loader_cold_s'] * 1e3:.1f} ms", gbps(r["loader_cold_s"]),
                   f"{lc / r['loader_cold_s']:.2f}x" if lc else "-")
+    if r.get("disk_ceiling_GBps"):
+        share = f", loader cold = {nbytes / r['loader_cold_s'] / 1e9 / r['disk_ceiling_GBps']:.0%} of it" if r["loader_cold_s"] else ""
+        t.add_row("disk ceiling: parallel O_DIRECT reads alone", "", f"{r['disk_ceiling_GBps']:.2f}", share.lstrip(", "))
+    if r.get("fastsafetensors_warm_s"):
+        fw, fc = r["fastsafetensors_warm_s"], r.get("fastsafetensors_cold_s")
+        t.add_row("fastsafetensors, warm", f"{fw * 1e3:.1f} ms", gbps(fw), f"{lw / fw:.2f}x")
+        if fc:
+            t.add_row("fastsafetensors, cold", f"{fc * 1e3:.1f} ms", gbps(fc), f"{lc / fc:.2f}x" if lc else "-")
+    if r.get("host_promote_s"):
+        t.add_row("host tier: demote (device -> pinned host)", f"{r['host_demote_s'] * 1e3:.1f} ms", gbps(r["host_demote_s"]), "")
+        t.add_row("host tier: promote (pinned host -> device)", f"{r['host_promote_s'] * 1e3:.1f} ms", gbps(r["host_promote_s"]),
+                  f"{lw / r['host_promote_s']:.2f}x")
     t.add_row(f"attach p50 (n={r['attach_n']})", f"{r['attach_p50_ms']:.2f} ms", "", f"{lw * 1e3 / r['attach_p50_ms']:.0f}x faster than warm")
     t.add_row("attach p99", f"{r['attach_p99_ms']:.2f} ms", "", "")
     lt, at = r["load_file_touch_warm_s"], r["attach_touch_s"]

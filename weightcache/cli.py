@@ -7,6 +7,7 @@ import asyncio
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from .config import format_size, load_settings
@@ -138,8 +139,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench
+    from .bench import run_bench, write_chart
 
+    if args.chart:  # render the chart of an earlier run's JSON
+        png = Path(args.chart).with_suffix(".png")
+        if not write_chart(json.loads(Path(args.chart).read_text()), png):
+            print("weightcache: the chart needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 1
+        print(f"wrote {png}")
+        return 0
     return run_bench(args)
 
 
@@ -193,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--restarts", type=int, default=3, help="engine restarts per way")
     s.add_argument("--big-gib", type=float, default=3.0, help="size of the model loaded while status latency is measured")
     s.add_argument("--workdir", default=None)
-    s.add_argument("--out", default=None, help="write results as JSON here")
+    s.add_argument("--out", default=None, help="write results as JSON here (and a PNG chart beside it)")
+    s.add_argument("--chart", default=None, metavar="JSON", help="only draw the chart of an earlier run's JSON")
     s.set_defaults(func=cmd_bench)
     return p
 

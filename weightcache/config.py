@@ -14,7 +14,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -162,8 +162,11 @@ class DaemonConfig(BaseModel):
     # control plane's tail latency (docs/benchmarks.md), hence the default min(8, cores).
     load_threads: int = Field(default_factory=lambda: min(8, os.cpu_count() or 1), ge=1, le=256)
     load_chunk_bytes: int = Field(default=16 * 2**20, ge=4096)
+    load_direct_io: Literal["auto", "on", "off"] = Field(
+        default="auto", description="O_DIRECT reads: 'auto' uses them for files mostly not in page cache (GPU loads)")
     load_nice: int = Field(default=19, ge=0, le=19, description="scheduling niceness of loader threads")
     no_space_wait_s: float = Field(default=0.0, ge=0, description="default time a load waits for detaches")
+    host_budget: int = Field(default=0, ge=0, description="pinned host memory for demoted GPU models (0: no host tier)")
     allow_writable_attach: bool = Field(default=False, description="let clients ask for read-write GPU mappings")
     # -- access control (server/access.py) --
     socket_group: str | int | None = Field(default=None, description="group owning the socket; its members may connect")
@@ -185,7 +188,7 @@ class DaemonConfig(BaseModel):
             raise ValueError("log_level must be one of debug, info, warning, error")
         return v
 
-    @field_validator("max_frame_bytes", "load_chunk_bytes", mode="before")
+    @field_validator("max_frame_bytes", "load_chunk_bytes", "host_budget", mode="before")
     @classmethod
     def _sizes(cls, v: Any) -> int:
         return parse_size(v)

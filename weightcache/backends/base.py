@@ -23,6 +23,9 @@ class Arena:
 
 class Backend(ABC):
     kind: str  # the export kind named on the wire ("memfd", "cuda_vmm")
+    # Capability: can an arena wait in pinned host memory and come back at copy speed?
+    # (The CPU backend cannot: its arenas already are host memory.)
+    supports_host_tier = False
 
     def __init__(self, device: str) -> None:
         self.device = device
@@ -56,6 +59,17 @@ class Backend(ABC):
         """Release the daemon's hold. Clients that still map the memory keep it alive
         (memfd and VMM memory are reference counted), so this never pulls pages from
         under an engine."""
+
+    def demote(self, arena: Arena) -> Any:
+        """Copy the arena into pinned host memory; return the copy (for ``promote``)."""
+        raise RuntimeError(f"{type(self).__name__} has no host tier")  # callers check supports_host_tier
+
+    def promote(self, host: Any, arena: Arena) -> None:
+        """Fill a fresh (unsealed) arena from a host copy."""
+        raise RuntimeError(f"{type(self).__name__} has no host tier")  # callers check supports_host_tier
+
+    def free_host(self, host: Any) -> None:
+        raise RuntimeError(f"{type(self).__name__} has no host tier")  # callers check supports_host_tier
 
     def close(self) -> None:  # noqa: B027  (a hook: most backends hold nothing backend-wide)
         """Release backend-wide resources at shutdown."""

@@ -30,13 +30,15 @@ class MemfdArena(Arena):
 
 
 class _MemfdWriter:
+    direct_io = False  # it reads straight into the mapping: no aligned bounce buffer
+
     def __init__(self, arena: MemfdArena) -> None:
         assert arena.mapping is not None
         self._arena = arena
         self._view: memoryview | None = memoryview(arena.mapping)
 
-    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None:
-        assert self._view is not None
+    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False) -> None:
+        assert self._view is not None and not direct
         # `with` releases the slice even when the read fails: a traceback that kept it
         # alive would pin the mapping (mmap.close() -> BufferError) and leak the arena.
         with self._view[arena_offset : arena_offset + nbytes] as dst:

@@ -23,7 +23,7 @@ from cuda.bindings import driver as cu
 
 from .. import cuda_driver as drv
 from ..errors import NoSpace
-from ..loader.reader import pread_full
+from ..loader.reader import DIRECT_ALIGN, pread_direct, pread_full
 from .base import Arena, Backend
 
 CHUNK_BYTES = 1 << 30
@@ -51,7 +51,10 @@ class _Staging:
 
 class _VmmWriter:
     """preadv into a per-thread pinned buffer, then an async host-to-device copy on that
-    thread's own stream: 8 threads x 16 MiB reached 28 GB/s from page cache on the H200."""
+    thread's own stream: 8 threads x 16 MiB reached 28 GB/s from page cache on the H200.
+    The buffers are page-aligned (cuMemHostAlloc), so O_DIRECT fds can read into them."""
+
+    direct_io = True
 
     def __init__(self, backend: CudaBackend, arena: VmmArena, chunk: int) -> None:
         self._b = backend
@@ -64,21 +67,27 @@ class _VmmWriter:
     def _staging(self) -> _Staging:
         st = getattr(self._local, "st", None)
         if st is None:
-            ptr = int(drv.check(cu.cuMemHostAlloc(self._chunk, 0)))
-            view = memoryview((ctypes.c_char * self._chunk).from_address(ptr)).cast("B")
+            size = self._chunk + 2 * DIRECT_ALIGN  # room to widen a read to O_DIRECT alignment
+            ptr = int(drv.check(cu.cuMemHostAlloc(size, 0)))
+            view = memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
             stream = drv.check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
             st = self._local.st = _Staging(ptr, view, stream)
             with self._lock:
                 self._all.append(st)
         return st
 
-    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None:
+    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False) -> None:
         with drv.current(self._b.ctx):
             st = self._staging()
             if st.busy:
                 drv.check(cu.cuStreamSynchronize(st.stream))
-            pread_full(fd, st.view[:nbytes], file_offset)
-            drv.check(cu.cuMemcpyHtoDAsync(self._arena.va + arena_offset, st.host_ptr, nbytes, st.stream))
+            if direct:
+                skew = pread_direct(fd, st.view, file_offset, nbytes)
+            else:
+                skew = 0
+                with st.view[:nbytes] as dst:
+                    pread_full(fd, dst, file_offset)
+            drv.check(cu.cuMemcpyHtoDAsync(self._arena.va + arena_offset, st.host_ptr + skew, nbytes, st.stream))
             st.busy = True
 
     def finish(self) -> None:
@@ -91,8 +100,18 @@ class _VmmWriter:
             self._all.clear()
 
 
+@dataclass
+class PinnedCopy:
+    """An arena's bytes in page-locked host memory: the host tier. Pinned so the copy
+    back runs at PCIe speed (55 GB/s both ways on the H200 vs 6.3 pageable)."""
+
+    ptr: int
+    nbytes: int
+
+
 class CudaBackend(Backend):
     kind = "cuda_vmm"
+    supports_host_tier = True
 
     def __init__(self, device: str) -> None:
         super().__init__(device)
@@ -155,6 +174,26 @@ class CudaBackend(Backend):
         assert isinstance(arena, VmmArena)
         fds = [os.dup(fd) for fd in arena.export_fds]
         return fds, {"kind": self.kind, "nbytes": arena.nbytes, "chunks": list(arena.sizes), "device_uuid": self.uuid}
+
+    def demote(self, arena: Arena) -> PinnedCopy:
+        assert isinstance(arena, VmmArena)
+        with drv.current(self.ctx):
+            ptr = int(drv.check(cu.cuMemHostAlloc(arena.nbytes, 0)))
+            try:
+                drv.check(cu.cuMemcpyDtoH(ptr, arena.va, arena.nbytes))
+            except BaseException:
+                drv.check(cu.cuMemFreeHost(ptr))
+                raise
+        return PinnedCopy(ptr, arena.nbytes)
+
+    def promote(self, host: PinnedCopy, arena: Arena) -> None:
+        assert isinstance(arena, VmmArena) and host.nbytes == arena.nbytes
+        with drv.current(self.ctx):
+            drv.check(cu.cuMemcpyHtoD(arena.va, host.ptr, host.nbytes))
+
+    def free_host(self, host: PinnedCopy) -> None:
+        with drv.current(self.ctx):
+            drv.check(cu.cuMemFreeHost(host.ptr))
 
     def free(self, arena: Arena) -> None:
         assert isinstance(arena, VmmArena)

@@ -1,5 +1,5 @@
 """Cache policy (pure): see core.py's Note [invariants]."""
 
-from .core import CacheCore, Entry, Lease, LoadPlan, State
+from .core import CacheCore, Entry, Lease, LoadPlan, State, StepDown
 
-__all__ = ["CacheCore", "Entry", "Lease", "LoadPlan", "State"]
+__all__ = ["CacheCore", "Entry", "Lease", "LoadPlan", "State", "StepDown"]

@@ -12,6 +12,11 @@ tests in tests/test_core.py drive random operation sequences against them):
    RESIDENT model has leases.
 3. A model with a lease, or pinned, is never chosen for eviction; victims are taken in
    least-recently-used order (oldest ``last_used`` first) and no more than needed.
+4. The host tier: ``host.used`` is the sum of ``nbytes`` of entries holding a host copy,
+   within ``host.budget``; an entry holds one exactly when it is HOST, or LOADING while
+   being promoted from it. Eviction moves a GPU model one tier down: to the host tier
+   if that is enabled and the model fits (dropping the host tier's own LRU copies to
+   make room), else out. CPU models have no tier below.
 
 Loads are single-flight by construction: ``begin_load`` refuses a model that is already
 LOADING, so the server keeps one in-flight load per model and lets other callers wait on it.
@@ -33,6 +38,7 @@ class State(StrEnum):
     REGISTERED = "registered"  # known, never loaded
     LOADING = "loading"  # reservation held, bytes being read into an arena
     RESIDENT = "resident"  # arena filled and sealed; attachable
+    HOST = "host"  # demoted: its bytes wait in pinned host memory; a load promotes them
     EVICTED = "evicted"  # was resident, arena freed; a load brings it back
 
 
@@ -46,6 +52,7 @@ class Entry:
     nbytes: int = 0  # arena size; set when a load is admitted
     last_used: float = 0.0
     leases: set[int] = field(default_factory=set)
+    host_copy: bool = False  # bytes held in the host tier (HOST, or LOADING while promoting)
     loads: int = 0
     evictions: int = 0
 
@@ -77,17 +84,36 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class StepDown:
+    """Arenas leaving a device, in the order the server must handle them: first free the
+    host copies in ``drop_host`` (room in the host tier), then copy each ``demote``
+    arena to the host tier and free it, and free each ``evict`` arena outright."""
+
+    demote: tuple[str, ...] = ()
+    evict: tuple[str, ...] = ()
+    drop_host: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class LoadPlan:
-    """What the server must do to admit a load: free these arenas, then fill a new one."""
+    """What the server must do to admit a load: the step down that makes room, then fill
+    a new arena, from the host tier if ``promote`` else from the files."""
 
     name: str
     nbytes: int
-    evict: tuple[str, ...]
+    step_down: StepDown
+    promote: bool
+
+    @property
+    def evict(self) -> tuple[str, ...]:
+        """Every model whose device arena this plan frees (demoted or not)."""
+        return self.step_down.demote + self.step_down.evict
 
 
 class CacheCore:
-    def __init__(self, budgets: dict[str, int], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, budgets: dict[str, int], clock: Callable[[], float] = time.monotonic, host_budget: int = 0) -> None:
         self.devices = {dev: DeviceAccount(budget=b) for dev, b in budgets.items()}
+        self.host = DeviceAccount(budget=host_budget)  # the pinned host tier (0: disabled)
         self.entries: dict[str, Entry] = {}
         self.leases: dict[int, Lease] = {}
         self._clock = clock
@@ -118,6 +144,8 @@ class CacheCore:
             raise BadRequest(f"model {name!r} is loading; unregister it when the load ends", model=name)
         if e.state is State.RESIDENT:
             self.devices[e.device].used -= e.nbytes
+        if e.host_copy:
+            self.host.used -= e.nbytes
         del self.entries[name]
         return e
 
@@ -138,6 +166,8 @@ class CacheCore:
         e = self.entry(name)
         if e.state in (State.LOADING, State.RESIDENT):
             raise BadRequest(f"model {name!r} is already {e.state}", model=name)
+        if e.host_copy and nbytes != e.nbytes:
+            raise BadRequest(f"model {name!r}: host copy is {e.nbytes} bytes, not {nbytes}; drop it first", model=name)
         acct = self.devices[e.device]
         victims: list[Entry] = []
         if acct.free < nbytes:
@@ -153,20 +183,56 @@ class CacheCore:
                 room += v.nbytes
             if room < nbytes:
                 raise self._no_space(e, nbytes)
-        for v in victims:
-            v.state = State.EVICTED
-            v.evictions += 1
-            acct.used -= v.nbytes
+        step = self._step_down(victims, keep=e)
         e.state = State.LOADING
         e.nbytes = nbytes
         acct.reserved += nbytes
-        return LoadPlan(name=name, nbytes=nbytes, evict=tuple(v.name for v in victims))
+        return LoadPlan(name=name, nbytes=nbytes, step_down=step, promote=e.host_copy)
+
+    def _step_down(self, victims: list[Entry], keep: Entry | None = None) -> StepDown:
+        """Move RESIDENT victims off their device: to the host tier where it is enabled and
+        they fit (dropping its LRU copies, never ``keep``'s), else out."""
+        demote, evict, drop_host = [], [], []
+        for v in victims:
+            self.devices[v.device].used -= v.nbytes
+            v.evictions += 1
+            if v.device != "cpu" and 0 < v.nbytes <= self.host.budget:
+                droppable = sorted((x for x in self.entries.values() if x.state is State.HOST and x is not keep),
+                                   key=lambda x: x.last_used)
+                while self.host.free < v.nbytes and droppable:
+                    old = droppable.pop(0)
+                    self._drop_host_copy(old)
+                    drop_host.append(old.name)
+                if self.host.free >= v.nbytes:
+                    v.state, v.host_copy = State.HOST, True
+                    self.host.used += v.nbytes
+                    demote.append(v.name)
+                    continue
+            v.state = State.EVICTED
+            evict.append(v.name)
+        return StepDown(demote=tuple(demote), evict=tuple(evict), drop_host=tuple(drop_host))
+
+    def _drop_host_copy(self, e: Entry) -> None:
+        self.host.used -= e.nbytes
+        e.host_copy = False
+        e.state = State.EVICTED
+
+    def drop_host(self, name: str) -> Entry:
+        """Forget a HOST model's host copy (e.g. its files changed); the caller frees it."""
+        e = self.entry(name)
+        if e.state is not State.HOST:
+            raise BadRequest(f"model {name!r} has no host copy (state {e.state})", model=name)
+        self._drop_host_copy(e)
+        return e
 
     def finish_load(self, name: str) -> Entry:
         e = self._loading(name)
         acct = self.devices[e.device]
         acct.reserved -= e.nbytes
         acct.used += e.nbytes
+        if e.host_copy:  # promoted: the host copy is freed by the caller
+            self.host.used -= e.nbytes
+            e.host_copy = False
         e.state = State.RESIDENT
         e.loads += 1
         e.last_used = self._clock()
@@ -176,7 +242,7 @@ class CacheCore:
         """Roll a failed load back: the reservation is returned, the budget is as before."""
         e = self._loading(name)
         self.devices[e.device].reserved -= e.nbytes
-        e.state = State.EVICTED if e.loads else State.REGISTERED
+        e.state = State.HOST if e.host_copy else State.EVICTED if e.loads else State.REGISTERED
         return e
 
     def _loading(self, name: str) -> Entry:
@@ -207,20 +273,26 @@ class CacheCore:
         )
 
     # -- eviction -------------------------------------------------------------------
-    def evict(self, name: str, *, ignore_pin: bool = False) -> Entry:
-        """Explicit eviction of a RESIDENT model; the caller frees its arena.
+    def evict(self, name: str, *, ignore_pin: bool = False, demote: bool = True) -> StepDown:
+        """Move a model one tier down: a RESIDENT one to the host tier (if enabled, it
+        fits, and ``demote``) or out; a HOST one out. The caller carries out the StepDown.
         ``ignore_pin`` is for stale bytes (checkpoint changed on disk): the pin stays."""
         e = self.entry(name)
+        if e.state is State.HOST:
+            self._drop_host_copy(e)
+            return StepDown(drop_host=(name,))
         if e.state is not State.RESIDENT:
             raise BadRequest(f"model {name!r} is not resident (state {e.state})", model=name)
         if e.leases:
             raise Attached(f"model {name!r} has {e.attach_count} live attachment(s)", model=name, attach_count=e.attach_count)
         if e.pinned and not ignore_pin:
             raise Pinned(f"model {name!r} is pinned; unpin it first", model=name)
-        e.state = State.EVICTED
-        e.evictions += 1
-        self.devices[e.device].used -= e.nbytes
-        return e
+        if not demote:
+            self.devices[e.device].used -= e.nbytes
+            e.evictions += 1
+            e.state = State.EVICTED
+            return StepDown(evict=(name,))
+        return self._step_down([e])
 
     def expired(self) -> list[str]:
         """Unattached, unpinned resident models whose keep_alive has run out."""
@@ -268,10 +340,13 @@ class CacheCore:
         for e in self.entries.values():
             assert all(self.leases[i].model == e.name for i in e.leases)
             assert not e.leases or e.state is State.RESIDENT, e.name
+            assert e.host_copy == (e.state is State.HOST) or (e.host_copy and e.state is State.LOADING), e.name
         assert sum(e.attach_count for e in self.entries.values()) == len(self.leases)
+        assert self.host.used == sum(e.nbytes for e in self.entries.values() if e.host_copy)
+        assert self.host.used <= self.host.budget
 
     def device_summary(self) -> dict[str, dict[str, Any]]:
-        return {
-            dev: {"budget": a.budget, "used": a.used, "reserved": a.reserved, "free": a.free}
-            for dev, a in self.devices.items()
-        }
+        out = {dev: {"budget": a.budget, "used": a.used, "reserved": a.reserved, "free": a.free} for dev, a in self.devices.items()}
+        if self.host.budget:
+            out["host"] = {"budget": self.host.budget, "used": self.host.used, "reserved": 0, "free": self.host.free}
+        return out

@@ -24,7 +24,7 @@ from typing import Any
 
 from .. import __version__
 from ..backends import Arena, Backend, backend_for
-from ..cache import CacheCore, LoadPlan, State
+from ..cache import CacheCore, LoadPlan, State, StepDown
 from ..config import ModelConfig, Settings, load_settings
 from ..errors import (
     BadRequest,
@@ -58,9 +58,11 @@ class Model:
 
     config: ModelConfig  # the whole model's config (all ranks)
     path: Path  # this entry's checkpoint
+    device: str  # this entry's device
     rank: int | None  # None for an unsharded model
     checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident
     arena: Arena | None = None
+    host: Any = None  # the backend's host-tier copy while the model is HOST
     last_error: dict[str, Any] | None = None
 
 
@@ -97,6 +99,8 @@ class Daemon:
         self.models: dict[str, Model] = {}  # cache entries by entry name
         self.groups: dict[str, list[str]] = {}  # model name -> its entries, in rank order
         self.loads: dict[str, asyncio.Task[None]] = {}
+        self.demotions: dict[str, asyncio.Task[None]] = {}  # device -> host copies in flight
+        self._releasing: set[asyncio.Task[Any]] = set()  # arenas being freed in threads
         self.progress: dict[str, Progress] = {}
         self.conns: dict[int, Connection] = {}
         self._conn_ids = itertools.count(1)
@@ -126,7 +130,13 @@ class Daemon:
             self.backends[device] = backend
             budgets[device] = budget.resolve(backend.total_memory())
             log.info("device %s: backend %s, budget %d bytes (%s)", device, backend.kind, budgets[device], budget)
-        self.core = CacheCore(budgets)
+        host_budget = self.settings.daemon.host_budget
+        if host_budget and not any(b.supports_host_tier for b in self.backends.values()):
+            log.warning("host_budget is set but no configured device has a host tier (only GPUs do); ignoring it")
+            host_budget = 0
+        self.core = CacheCore(budgets, host_budget=host_budget)
+        if host_budget:
+            log.info("host tier: %d bytes of pinned host memory for demoted GPU models", host_budget)
         for mc in self.settings.models:
             self._register(mc)
         self._listener = self._bind(self.socket_path)
@@ -259,6 +269,9 @@ class Daemon:
             if model.arena is not None:
                 self.backends[model.arena.device].free(model.arena)
                 model.arena = None
+            if model.host is not None:
+                self.backends[model.device].free_host(model.host)
+                model.host = None
         for backend in self.backends.values():
             backend.close()
         try:
@@ -422,7 +435,7 @@ class Daemon:
         assert self.core is not None
         devices = self.core.device_summary()
         for dev, d in devices.items():
-            d["backend"] = self.backends[dev].kind
+            d["backend"] = self.backends[dev].kind if dev in self.backends else "pinned-host"
         return {
             "version": __version__, "pid": os.getpid(), "uptime_s": time.monotonic() - self.started,
             "socket": self.socket_path, "devices": devices, "connections": len(self.conns),
@@ -532,18 +545,18 @@ class Daemon:
         return {"lease": lease.id, "model": lease.model}, []
 
     async def op_evict(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """One tier down for every rank: device -> host tier (where enabled) -> gone."""
         assert self.core is not None
         entries = [self.core.entry(n) for n in self._members(_arg(req, "name", str))]
-        resident = [e for e in entries if e.state is State.RESIDENT]
-        for e in resident:  # check every rank before evicting any: all or nothing
-            if e.leases or e.pinned:
+        movable = [e for e in entries if e.state in (State.RESIDENT, State.HOST)]
+        for e in movable:  # check every rank before moving any: all or nothing
+            if e.state is State.RESIDENT and (e.leases or e.pinned):
                 self.core.evict(e.name)  # raises ATTACHED / PINNED with the reason
-        for e in resident:
-            self.core.evict(e.name)
-            self._free_arena(e.name, reason="requested")
+        freed = sum(e.nbytes for e in movable if e.state is State.RESIDENT)
+        for e in movable:
+            await self._carry_out(self.core.evict(e.name), reason="requested")
         await self._notify_space()
-        return {"evicted": bool(resident), "freed": sum(e.nbytes for e in resident),
-                "state": str(entries[0].state)}, []
+        return {"evicted": bool(movable), "freed": freed, "state": str(entries[0].state)}, []
 
     async def op_pin(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         return await self._set_pin(req, True)
@@ -625,7 +638,7 @@ class Daemon:
                     self.core.unregister(done)
                     del self.models[done]
                 raise
-            self.models[entry] = Model(config=mc, path=path, rank=i if sharded else None)
+            self.models[entry] = Model(config=mc, path=path, device=device, rank=i if sharded else None)
         self.groups[mc.name] = entries
 
     def _unregister(self, name: str) -> None:
@@ -642,6 +655,7 @@ class Daemon:
             model = self.models.pop(entry)
             if model.arena is not None:
                 self._release(model.arena)
+            self._drop_host_copy(model)
 
     async def ensure_resident(self, name: str, wait_s: float) -> None:
         """Return once ``name`` is resident: at once if it is, else by joining the one
@@ -657,8 +671,8 @@ class Daemon:
             # The files changed since it was loaded and nobody holds the old bytes:
             # drop them so the new checkpoint is what gets served.
             log.warning("model %s changed on disk; reloading it", name)
-            self.core.evict(name, ignore_pin=True)  # a pin keeps a model, not stale bytes
-            self._free_arena(name, reason="changed on disk")
+            # a pin keeps a model, not stale bytes; and stale bytes do not go to the host tier
+            await self._carry_out(self.core.evict(name, ignore_pin=True, demote=False), reason="changed on disk")
         task = self.loads.get(name)
         if task is None:
             task = asyncio.ensure_future(self._load(name, wait_s))
@@ -676,28 +690,46 @@ class Daemon:
     async def _load(self, name: str, wait_s: float) -> None:
         assert self.core is not None
         model = self.models[name]
-        backend = self.backends[self.core.entry(name).device]
+        entry = self.core.entry(name)
+        backend = self.backends[entry.device]
         t0 = time.monotonic()
+        if name in self.demotions:
+            await asyncio.shield(self.demotions[name])  # its host copy is still being made
+        if entry.state is State.HOST and (model.host is None or not (model.checkpoint and model.checkpoint.unchanged_on_disk())):
+            log.warning("host copy of %s is stale or missing; loading from disk", name)
+            self.core.drop_host(name)
+            await self._carry_out(StepDown(drop_host=(name,)), reason="stale")
         try:
-            ckpt = await asyncio.to_thread(open_checkpoint, model.path)
-            nbytes = backend.capacity(ckpt.arena_bytes)
+            if entry.state is State.HOST:
+                assert model.checkpoint is not None
+                ckpt, nbytes = model.checkpoint, entry.nbytes
+            else:
+                ckpt = await asyncio.to_thread(open_checkpoint, model.path)
+                nbytes = backend.capacity(ckpt.arena_bytes)
             plan = await self._admit(name, nbytes, wait_s)
         except WeightcacheError as exc:
             model.last_error = exc.to_wire()
             log.error("load %s refused: %s", name, exc)
             raise
-        for victim in plan.evict:
-            self._free_arena(victim, reason=f"LRU, to make room for {name}")
+        await self._carry_out(plan.step_down, reason=f"LRU, to make room for {name}")
         progress = self.progress[name] = Progress(ckpt.data_bytes)
         arena: Arena | None = None
+        if self._releasing:
+            # Victims' memory must be back before the allocation checks the device's free memory.
+            await asyncio.wait(list(self._releasing))
         try:
             arena = await asyncio.to_thread(backend.allocate, nbytes, name)
             d = self.settings.daemon
-            writer = backend.writer(arena, d.load_chunk_bytes)
-            await asyncio.to_thread(
-                read_checkpoint, ckpt, writer, threads=d.load_threads, chunk=d.load_chunk_bytes, nice=d.load_nice,
-                progress=progress, cancelled=self._stopping.is_set if self._stopping else (lambda: False),
-            )
+            if plan.promote:
+                await asyncio.to_thread(backend.promote, model.host, arena)
+                progress.add(ckpt.data_bytes)
+            else:
+                writer = backend.writer(arena, d.load_chunk_bytes)
+                await asyncio.to_thread(
+                    read_checkpoint, ckpt, writer, threads=d.load_threads, chunk=d.load_chunk_bytes, nice=d.load_nice,
+                    progress=progress, cancelled=self._stopping.is_set if self._stopping else (lambda: False),
+                    direct_io=d.load_direct_io, log=lambda msg: log.info("load %s: %s", name, msg),
+                )
             await asyncio.to_thread(backend.seal, arena)
         except BaseException as exc:
             if arena is not None:
@@ -714,9 +746,11 @@ class Daemon:
             self.progress.pop(name, None)
         model.arena, model.checkpoint, model.last_error = arena, ckpt, None
         self.core.finish_load(name)
+        if plan.promote:
+            self._drop_host_copy(model)
         dt = time.monotonic() - t0
-        log.info("loaded %s: %d tensors, %d bytes in %.2fs (%.2f GB/s)", name, len(ckpt.tensors), ckpt.data_bytes, dt,
-                 ckpt.data_bytes / max(dt, 1e-9) / 1e9)
+        log.info("%s %s: %d tensors, %d bytes in %.2fs (%.2f GB/s)", "promoted" if plan.promote else "loaded", name,
+                 len(ckpt.tensors), ckpt.data_bytes, dt, ckpt.data_bytes / max(dt, 1e-9) / 1e9)
 
     async def _admit(self, name: str, nbytes: int, wait_s: float) -> LoadPlan:
         """Reserve room, evicting LRU models; on NO_SPACE wait up to ``wait_s`` for
@@ -743,6 +777,48 @@ class Daemon:
             except WeightcacheError as exc:
                 log.error("preload of %s failed: %s", entry, exc)
 
+    async def _carry_out(self, step: StepDown, reason: str) -> None:
+        """Do what the core decided: drop host copies, demote arenas to the host tier
+        (a device-to-host copy, awaited: the arena is freed only once its bytes are safe),
+        free the rest. A demotion that fails (no pinned memory) becomes an eviction."""
+        assert self.core is not None
+        for name in step.drop_host:
+            log.info("dropped host copy of %s: %s", name, reason)
+            self._drop_host_copy(self.models[name])
+        for name in step.evict:
+            self._free_arena(name, reason)
+        for name in step.demote:
+            task = asyncio.ensure_future(self._demote(name, reason))
+            self.demotions[name] = task
+            try:
+                await asyncio.shield(task)
+            finally:
+                self.demotions.pop(name, None)
+
+    async def _demote(self, name: str, reason: str) -> None:
+        assert self.core is not None
+        model = self.models[name]
+        assert model.arena is not None
+        backend = self.backends[model.arena.device]
+        t = time.monotonic()
+        try:
+            model.host = await asyncio.to_thread(backend.demote, model.arena)
+        except Exception as exc:
+            log.error("demoting %s to the host tier failed (%s); evicting it instead", name, exc)
+            if self.core.entry(name).state is State.HOST:
+                self.core.drop_host(name)
+        else:
+            dt = time.monotonic() - t
+            log.info("demoted %s to the host tier (%d bytes, %.1f GB/s): %s", name, model.arena.nbytes,
+                     model.arena.nbytes / max(dt, 1e-9) / 1e9, reason)
+        self._release(model.arena)
+        model.arena = None
+
+    def _drop_host_copy(self, model: Model) -> None:
+        if model.host is not None:
+            host, model.host = model.host, None
+            self._spawn(asyncio.to_thread(self.backends[model.device].free_host, host))
+
     def _free_arena(self, name: str, reason: str) -> None:
         model = self.models[name]
         if model.arena is not None:
@@ -754,7 +830,9 @@ class Daemon:
         """Free an arena off the event loop: the kernel takes ~63 ms per GiB to release a
         memfd's pages (measured on the CI machine), which would stall every connection.
         The core has already stopped counting these bytes."""
-        self._spawn(asyncio.to_thread(self.backends[arena.device].free, arena))
+        task = self._spawn(asyncio.to_thread(self.backends[arena.device].free, arena))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def _notify_space(self) -> None:
         assert self._space_freed is not None
@@ -766,8 +844,7 @@ class Daemon:
         while True:
             await asyncio.sleep(1.0)
             for name in self.core.expired():
-                self.core.evict(name)
-                self._free_arena(name, reason="keep_alive expired")
+                await self._carry_out(self.core.evict(name), reason="keep_alive expired")
                 await self._notify_space()
 
 
