@@ -197,6 +197,16 @@ def test_evict_steps_down_one_tier_at_a_time():
     assert core.evict("b").evict == ("b",)
 
 
+def test_a_victim_is_never_both_demoted_and_dropped_in_one_step():
+    # Found by the state machine: g2 went to the host tier, then made room there for g1.
+    core = gpu_core(budget=1000, host=900, names="abc")
+    loaded(core, "a", 334)
+    loaded(core, "b", 567)
+    step = core.begin_load("c", 434).step_down
+    assert step.demote == ("b",) and step.evict == ("a",) and step.drop_host == ()
+    core.check_invariants()
+
+
 def test_failed_promotion_keeps_the_host_copy():
     core = gpu_core()
     loaded(core, "a", 100)

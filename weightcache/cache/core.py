@@ -202,7 +202,11 @@ class CacheCore:
                 while self.host.free < v.nbytes and droppable:
                     old = droppable.pop(0)
                     self._drop_host_copy(old)
-                    drop_host.append(old.name)
+                    if old.name in demote:  # demoted earlier in this very step: never copy it at all
+                        demote.remove(old.name)
+                        evict.append(old.name)
+                    else:
+                        drop_host.append(old.name)
                 if self.host.free >= v.nbytes:
                     v.state, v.host_copy = State.HOST, True
                     self.host.used += v.nbytes
