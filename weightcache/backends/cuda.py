@@ -25,6 +25,7 @@ from .. import cuda_driver as drv
 from ..errors import NoSpace
 from ..loader.reader import DIRECT_ALIGN, pread_direct, pread_full
 from .base import Arena, Backend
+from .firstfit import FirstFit
 
 CHUNK_BYTES = 1 << 30
 
@@ -109,6 +110,53 @@ class PinnedCopy:
     nbytes: int
 
 
+class PinnedPool:
+    """The host tier's pinned memory, pinned once and carved into copies first-fit.
+
+    Why a pool: on the H200, pinning 10 GB per demotion (cuMemHostAlloc) took ~4 s, and
+    unpinning it (cuMemFreeHost) ~0.8 s during which the next load's driver calls waited
+    (the warm loader fell from 30 to 8 GB/s in docs/benchmarks.md's run). Pinned once
+    at start, in a thread (the socket answers meanwhile), with PORTABLE so every GPU's
+    context may copy from it. If fragmentation leaves no contiguous range, ``alloc``
+    returns None and the daemon evicts instead of demoting (logged; never wrong).
+    """
+
+    def __init__(self, ctx: Any, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._ctx = ctx
+        self._base = 0
+        self._ranges = FirstFit(nbytes)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        threading.Thread(target=self._pin, name="wc-pin-host-pool", daemon=True).start()
+
+    def _pin(self) -> None:
+        try:
+            with drv.current(self._ctx):
+                self._base = int(drv.check(cu.cuMemHostAlloc(self.nbytes, cu.CU_MEMHOSTALLOC_PORTABLE)))
+        except BaseException as exc:  # reported by alloc(); demotions then become evictions
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    def alloc(self, n: int) -> int | None:
+        self._ready.wait()
+        if self._error is not None:
+            raise RuntimeError(f"the pinned host pool could not be allocated: {self._error}")
+        off = self._ranges.alloc(n)
+        return None if off is None else self._base + off
+
+    def free(self, ptr: int, n: int) -> None:
+        self._ranges.free(ptr - self._base, n)
+
+    def close(self) -> None:
+        self._ready.wait()
+        if self._base:
+            with drv.current(self._ctx):
+                drv.check(cu.cuMemFreeHost(self._base))
+            self._base = 0
+
+
 class CudaBackend(Backend):
     kind = "cuda_vmm"
     supports_host_tier = True
@@ -120,6 +168,7 @@ class CudaBackend(Backend):
         self.ctx = drv.primary_context(self.ordinal)
         self.granularity = drv.granularity(self.ordinal)
         self._prop = drv.allocation_prop(self.ordinal)
+        self.host_pool: PinnedPool | None = None  # shared by every GPU's backend; set by the daemon
 
     def total_memory(self) -> int:
         return drv.total_memory(self.ordinal)
@@ -175,15 +224,21 @@ class CudaBackend(Backend):
         fds = [os.dup(fd) for fd in arena.export_fds]
         return fds, {"kind": self.kind, "nbytes": arena.nbytes, "chunks": list(arena.sizes), "device_uuid": self.uuid}
 
+    def start_host_tier(self, nbytes: int) -> PinnedPool:
+        """Begin pinning the shared host-tier pool (in a thread) and return it."""
+        return PinnedPool(self.ctx, nbytes)
+
     def demote(self, arena: Arena) -> PinnedCopy:
-        assert isinstance(arena, VmmArena)
-        with drv.current(self.ctx):
-            ptr = int(drv.check(cu.cuMemHostAlloc(arena.nbytes, 0)))
-            try:
+        assert isinstance(arena, VmmArena) and self.host_pool is not None
+        ptr = self.host_pool.alloc(arena.nbytes)
+        if ptr is None:
+            raise RuntimeError(f"no contiguous {arena.nbytes} bytes free in the pinned pool (fragmented)")
+        try:
+            with drv.current(self.ctx):
                 drv.check(cu.cuMemcpyDtoH(ptr, arena.va, arena.nbytes))
-            except BaseException:
-                drv.check(cu.cuMemFreeHost(ptr))
-                raise
+        except BaseException:
+            self.host_pool.free(ptr, arena.nbytes)
+            raise
         return PinnedCopy(ptr, arena.nbytes)
 
     def promote(self, host: PinnedCopy, arena: Arena) -> None:
@@ -192,8 +247,12 @@ class CudaBackend(Backend):
             drv.check(cu.cuMemcpyHtoD(arena.va, host.ptr, host.nbytes))
 
     def free_host(self, host: PinnedCopy) -> None:
-        with drv.current(self.ctx):
-            drv.check(cu.cuMemFreeHost(host.ptr))
+        assert self.host_pool is not None
+        self.host_pool.free(host.ptr, host.nbytes)
+
+    def close(self) -> None:
+        if self.host_pool is not None:  # shared: the first backend to close frees it
+            self.host_pool.close()
 
     def free(self, arena: Arena) -> None:
         assert isinstance(arena, VmmArena)

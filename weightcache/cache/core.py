@@ -192,7 +192,9 @@ class CacheCore:
     def _step_down(self, victims: list[Entry], keep: Entry | None = None) -> StepDown:
         """Move RESIDENT victims off their device: to the host tier where it is enabled and
         they fit (dropping its LRU copies, never ``keep``'s), else out."""
-        demote, evict, drop_host = [], [], []
+        demote: list[str] = []
+        evict: list[str] = []
+        drop_host: list[str] = []
         for v in victims:
             self.devices[v.device].used -= v.nbytes
             v.evictions += 1

@@ -136,7 +136,11 @@ class Daemon:
             host_budget = 0
         self.core = CacheCore(budgets, host_budget=host_budget)
         if host_budget:
-            log.info("host tier: %d bytes of pinned host memory for demoted GPU models", host_budget)
+            tiered = [b for b in self.backends.values() if b.supports_host_tier]
+            pool = tiered[0].start_host_tier(host_budget)  # type: ignore[attr-defined]
+            for b in tiered:
+                b.host_pool = pool  # type: ignore[attr-defined]
+            log.info("host tier: pinning %d bytes of host memory for demoted GPU models (in the background)", host_budget)
         for mc in self.settings.models:
             self._register(mc)
         self._listener = self._bind(self.socket_path)
