@@ -28,6 +28,7 @@ test: lint
 	$(BIN)/pytest -q
 
 bench: install
+	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/weightcache bench --size-gib 1 --big-gib 2 --out docs/bench-cpu.json
 
 # Longer reliability runs (docs/reliability.md): churn with SIGKILLs, and a longer fuzz.

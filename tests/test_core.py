@@ -167,6 +167,8 @@ def test_lru_victim_is_demoted_to_the_host_tier_and_promoted_back():
     assert core.entry("a").state is State.HOST and core.host.used == 100
     plan = core.begin_load("a", 100)  # comes back from host memory
     assert plan.promote and plan.step_down.demote == ()  # b is the victim, but the host tier is full...
+    core.finish_load("a")
+    assert core.entry("a").demotions == 1 and core.entry("a").promotions == 1 and core.host.used == 0
     core.check_invariants()
 
 

@@ -164,6 +164,8 @@ async def test_host_tier_demotes_lru_victims_and_promotes_them_back(start_daemon
         async with c.attach("y") as m:  # promoted from pinned host memory, not read from disk
             assert all(torch.equal(m[k].cpu(), v) for k, v in ref_y.items())
         assert "promoted y" in d.log_text() and "demoted y to the host tier" in d.log_text()
+        y = next(m for m in await c.models() if m["name"] == "y")
+        assert y["demotions"] == 1 and y["promotions"] == 1
         st = (await c.status())["devices"]
         assert st["host"]["used"] == 0 and st["cuda:0"]["used"] <= st["cuda:0"]["budget"]
         victim = next(m["name"] for m in await c.models() if m["state"] != "resident" and m["name"] != "y")

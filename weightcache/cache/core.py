@@ -53,8 +53,10 @@ class Entry:
     last_used: float = 0.0
     leases: set[int] = field(default_factory=set)
     host_copy: bool = False  # bytes held in the host tier (HOST, or LOADING while promoting)
-    loads: int = 0
-    evictions: int = 0
+    loads: int = 0  # fills of a device arena, from files or from the host tier
+    evictions: int = 0  # times it left its device (demoted or not)
+    demotions: int = 0  # of those, into the host tier
+    promotions: int = 0  # loads served from the host tier
 
     @property
     def attach_count(self) -> int:
@@ -211,6 +213,7 @@ class CacheCore:
                         drop_host.append(old.name)
                 if self.host.free >= v.nbytes:
                     v.state, v.host_copy = State.HOST, True
+                    v.demotions += 1
                     self.host.used += v.nbytes
                     demote.append(v.name)
                     continue
@@ -239,6 +242,7 @@ class CacheCore:
         if e.host_copy:  # promoted: the host copy is freed by the caller
             self.host.used -= e.nbytes
             e.host_copy = False
+            e.promotions += 1
         e.state = State.RESIDENT
         e.loads += 1
         e.last_used = self._clock()

@@ -463,7 +463,8 @@ class Daemon:
             "path": str(m.path), "fingerprint": m.checkpoint.fingerprint if m.checkpoint else None,
             "tensors": len(m.checkpoint.tensors) if m.checkpoint else None,
             "idle_s": (time.monotonic() - e.last_used) if e.last_used else None,
-            "loads": e.loads, "evictions": e.evictions, "last_error": m.last_error,
+            "loads": e.loads, "evictions": e.evictions, "demotions": e.demotions, "promotions": e.promotions,
+            "last_error": m.last_error,
             "progress": self.progress[name].snapshot() if name in self.progress else None,
         }
 
@@ -811,6 +812,7 @@ class Daemon:
             log.error("demoting %s to the host tier failed (%s); evicting it instead", name, exc)
             if self.core.entry(name).state is State.HOST:
                 self.core.drop_host(name)
+                self.core.entry(name).demotions -= 1  # it was evicted, not demoted
         else:
             dt = time.monotonic() - t
             log.info("demoted %s to the host tier (%d bytes, %.1f GB/s): %s", name, model.arena.nbytes,
