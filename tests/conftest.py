@@ -94,6 +94,19 @@ class RawConn:
         self.sock.close()
 
 
+async def eventually(check: Any, timeout: float = 10.0, interval: float = 0.05) -> None:
+    """Poll the coroutine function ``check`` until it returns something true; fail after
+    ``timeout`` seconds (for effects the daemon applies asynchronously)."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(interval)
+
+
 def write_config(path: Path, sock: str, budget: str, models: dict[str, Path], extra_daemon: dict[str, Any] | None = None,
                  **model_opts: Any) -> None:
     entries = [{"name": name, "path": str(p), **model_opts.get(name, {})} for name, p in models.items()]

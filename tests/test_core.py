@@ -25,10 +25,10 @@ def loaded(core: CacheCore, name: str, nbytes: int):
     return plan
 
 
-def make(budget=200, names="abc"):
-    core = CacheCore({"cpu": budget}, clock=Clock())
+def make(budget=200, names="abc", device="cpu", host=0):
+    core = CacheCore({device: budget}, clock=Clock(), host_budget=host)
     for n in names:
-        core.register(n, "cpu")
+        core.register(n, device)
     return core
 
 
@@ -151,10 +151,7 @@ def test_unknown_and_unregister():
 
 
 def gpu_core(budget=200, host=150, names="abc"):
-    core = CacheCore({"cuda:0": budget}, clock=Clock(), host_budget=host)
-    for n in names:
-        core.register(n, "cuda:0")
-    return core
+    return make(budget, names, device="cuda:0", host=host)
 
 
 def test_lru_victim_is_demoted_to_the_host_tier_and_promoted_back():

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import eventually
 from safetensors.torch import load_file, save_file
 
 from weightcache import Client, SyncClient
@@ -38,6 +39,15 @@ def spawn_child(d, model, path, mode):
 
 async def states(c: Client) -> dict[str, str]:
     return {m["name"]: m["state"] for m in await c.models()}
+
+
+async def first(c: Client, key: str, value: object) -> bool:
+    """Whether the first model's ``key`` has become ``value``."""
+    return (await c.models())[0][key] == value
+
+
+async def no_leases(c: Client) -> bool:
+    return (await c.status())["leases"] == 0
 
 
 async def test_runs_under_uvloop():
@@ -108,10 +118,7 @@ async def test_sigkilled_engine_releases_its_lease(start_daemon, ckpts):
         assert info.value.details["holders"][0]["name"] == "a"
         kid.send_signal(signal.SIGKILL)
         kid.wait()
-        for _ in range(100):
-            if (await c.models())[0]["attach_count"] == 0:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: first(c, "attach_count", 0))
         assert (await c.status())["leases"] == 0
         await c.load("b")  # now a can go
         assert await states(c) == {"a": "evicted", "b": "resident"}
@@ -276,11 +283,7 @@ async def test_client_vanishing_mid_request_does_not_cancel_the_load(start_daemo
     r.send(encode_frame({"id": 5, "op": "load", "name": "a"}))
     r.close()  # gone before the reply
     async with Client(d.socket) as c:
-        for _ in range(200):
-            if (await c.models())[0]["state"] == "resident":
-                break
-            await asyncio.sleep(0.05)
-        assert (await c.models())[0]["state"] == "resident"
+        await eventually(lambda: first(c, "state", "resident"))
 
 
 async def test_cancelled_attach_leaves_no_lease_and_no_stale_reply(start_daemon, ckpts):
@@ -295,11 +298,7 @@ async def test_cancelled_attach_leaves_no_lease_and_no_stale_reply(start_daemon,
         # the next request gets its own reply, not a leftover attach reply
         st = await c.status()
         assert "devices" in st
-        for _ in range(100):
-            if (await c.status())["leases"] == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert (await c.status())["leases"] == 0
+        await eventually(lambda: no_leases(c))
         async with c.attach("a") as m:
             assert m.lease > 1, "no cancelled attach was ever granted: the test proved nothing"
         assert (await c.status())["leases"] == 0
@@ -329,22 +328,14 @@ async def test_keep_alive_evicts_idle_models(start_daemon, ckpts):
     d = start_daemon(models={"tiny": ckpts["tiny"]}, tiny={"keep_alive": 1})
     async with Client(d.socket) as c:
         await c.load("tiny")
-        for _ in range(60):
-            if (await c.models())[0]["state"] == "evicted":
-                break
-            await asyncio.sleep(0.1)
-        assert (await c.models())[0]["state"] == "evicted"
+        await eventually(lambda: first(c, "state", "evicted"))
     assert "keep_alive expired" in d.log_text()
 
 
 async def test_preload_does_not_delay_the_socket(start_daemon, ckpts):
     d = start_daemon(models={"a": ckpts["a"]}, a={"preload": True})
     async with Client(d.socket) as c:
-        for _ in range(200):
-            if (await c.models())[0]["state"] == "resident":
-                break
-            await asyncio.sleep(0.02)
-        assert (await c.models())[0]["state"] == "resident"
+        await eventually(lambda: first(c, "state", "resident"))
 
 
 async def test_reload_applies_config_changes(start_daemon, ckpts):
