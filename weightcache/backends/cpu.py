@@ -8,6 +8,7 @@ it ``PROT_READ``; sealing makes a writable mapping impossible for them too.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -102,8 +103,7 @@ class CpuBackend(Backend):
             os.close(arena.fd)
             arena.fd = -1
         if arena.mapping is not None:
-            try:
+            # If a view still exists, its pages go when it is collected; the fd is closed.
+            with contextlib.suppress(BufferError):
                 arena.mapping.close()
-            except BufferError:
-                pass  # a view still exists: the pages go when it is collected, the fd is closed
             arena.mapping = None

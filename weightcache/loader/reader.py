@@ -9,6 +9,7 @@ so threads overlap real I/O.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -131,10 +132,9 @@ def _lower_priority(nice: int) -> None:
     saturates every core with kernel copy work; at nice 0 the loop waited behind it and
     ``status`` p99 reached 16-29 ms, at nice 19 4 ms (docs/benchmarks.md). Linux applies
     nice per thread, and raising it needs no privilege."""
-    try:
+    # Refused in some sandboxes: loads still work then, only at equal priority.
+    with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except OSError:
-        pass  # refused in some sandboxes: loads still work, only at equal priority
 
 
 class Progress:
