@@ -167,6 +167,8 @@ class DaemonConfig(BaseModel):
     load_nice: int = Field(default=19, ge=0, le=19, description="scheduling niceness of loader threads")
     no_space_wait_s: float = Field(default=0.0, ge=0, description="default time a load waits for detaches")
     host_budget: int = Field(default=0, ge=0, description="pinned host memory for demoted GPU models (0: no host tier)")
+    metrics_listen: str | None = Field(default=None, description="host:port for the Prometheus /metrics endpoint")
+    log_format: Literal["text", "json"] = "text"
     allow_writable_attach: bool = Field(default=False, description="let clients ask for read-write GPU mappings")
     # -- access control (server/access.py) --
     socket_group: str | int | None = Field(default=None, description="group owning the socket; its members may connect")

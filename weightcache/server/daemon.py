@@ -46,6 +46,7 @@ from ..protocol import PROTOCOL_VERSION, FrameDecoder, decode_payload, encode_fr
 from ..protocol.messages import ADMIN_OPS
 from ..protocol.transport import send_with_fds
 from .access import AccessPolicy, Peer, check_socket_dir, resolve_gid
+from .ops import JsonFormatter, Metrics, sd_notify
 
 log = logging.getLogger("weightcache.daemon")
 
@@ -111,6 +112,8 @@ class Daemon:
         self.started = time.monotonic()
         self.socket_path = str(settings.daemon.socket)
         self.access = AccessPolicy(settings.daemon)
+        self.metrics = Metrics(self)
+        self.last_load_rate: dict[str, float] = {}  # bytes/s of each model's last load (metrics)
         self._ops: dict[str, Callable[[Connection, dict[str, Any]], Awaitable[tuple[dict[str, Any], list[int]]]]] = {
             "status": self.op_status, "models": self.op_models, "load": self.op_load,
             "attach": self.op_attach, "detach": self.op_detach, "evict": self.op_evict,
@@ -144,7 +147,10 @@ class Daemon:
         for mc in self.settings.models:
             self._register(mc)
         self._listener = self._bind(self.socket_path)
+        if self.settings.daemon.metrics_listen:
+            self.metrics.serve(self.settings.daemon.metrics_listen)
         log.info("weightcache %s serving on %s (pid %d)", __version__, self.socket_path, os.getpid())
+        sd_notify(f"READY=1\nSTATUS=serving on {self.socket_path}")
         for mc in self.settings.models:
             if mc.preload:
                 self._spawn(self._preload(mc.name))
@@ -199,6 +205,7 @@ class Daemon:
         assert self._stopping is not None
         if not self._stopping.is_set():
             log.info("shutting down%s", f" ({reason})" if reason else "")
+            sd_notify("STOPPING=1")
             self._stopping.set()
 
     async def _accept_loop(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -393,10 +400,13 @@ class Daemon:
             if self._stopping.is_set() and op in ("load", "attach", "register"):
                 raise ShuttingDown("the daemon is shutting down")
             timeout = self.settings.daemon.request_timeout_s
+            started = time.monotonic()
             try:
                 reply, fds = await asyncio.wait_for(handler(conn, req), timeout)
             except TimeoutError:
                 raise RequestTimeout(f"op {op!r} did not finish within {timeout:g}s (a load goes on regardless)") from None
+            finally:
+                self.metrics.observe(op, started)
             msg = {"id": rid, "ok": True, **reply}
         except WeightcacheError as exc:
             msg = {"id": rid, "ok": False, "error": exc.to_wire()}
@@ -595,8 +605,12 @@ class Daemon:
         return {"unregistered": name}, []
 
     async def op_reload(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        return {"report": await self.reload_config()}, []
+
+    async def reload_config(self) -> dict[str, list[str]]:
         """Re-read the config file: register new models, unregister removed ones (kept,
-        and reported, while attached or loading), re-register changed ones when unattached."""
+        and reported, while attached or loading), re-register changed ones when unattached.
+        The ``reload`` op and SIGHUP both land here."""
         if self.config_path is None:
             raise BadRequest("the daemon was started without a config file; nothing to reload")
         new = await asyncio.to_thread(load_settings, self.config_path)
@@ -626,7 +640,7 @@ class Daemon:
                 if mc.preload:
                     self._spawn(self._preload(name))
         log.info("reload: %s", {k: v for k, v in report.items() if v and k != "unchanged"})
-        return {"report": report}, []
+        return report
 
     # ------------------------------------------------------------------ loading
     def _register(self, mc: ModelConfig) -> None:
@@ -754,6 +768,7 @@ class Daemon:
         if plan.promote:
             self._drop_host_copy(model)
         dt = time.monotonic() - t0
+        self.last_load_rate[name] = ckpt.data_bytes / max(dt, 1e-9)
         log.info("%s %s: %d tensors, %d bytes in %.2fs (%.2f GB/s)", "promoted" if plan.promote else "loaded", name,
                  len(ckpt.tensors), ckpt.data_bytes, dt, ckpt.data_bytes / max(dt, 1e-9) / 1e9)
 
@@ -858,10 +873,12 @@ def run_daemon(settings: Settings, config_path: str | None = None) -> None:
     """Run until SIGTERM/SIGINT; a second signal forces exit. Uses uvloop."""
     import uvloop
 
-    logging.basicConfig(
-        level=settings.daemon.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler()
+    if settings.daemon.log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=settings.daemon.log_level.upper(), handlers=[handler])
 
     async def main() -> None:
         daemon = Daemon(settings, config_path)
@@ -878,6 +895,17 @@ def run_daemon(settings: Settings, config_path: str | None = None) -> None:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
+
+        def on_hup() -> None:  # reload the config, like the reload op
+            async def reload() -> None:
+                try:
+                    await daemon.reload_config()
+                except WeightcacheError as exc:
+                    log.error("SIGHUP reload failed: %s", exc)
+
+            daemon._spawn(reload())
+
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
         await daemon.serve()
 
     uvloop.run(main())

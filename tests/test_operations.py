@@ -1,0 +1,98 @@
+"""Operations (issue 6): systemd readiness, SIGHUP reload, JSON logs, Prometheus metrics."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.request
+
+import pytest
+
+from conftest import eventually
+from weightcache import Client
+from weightcache.spawn import config_text, wait_for_socket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sd_notify_ready_and_stopping(tmp_path, ckpts):
+    sockdir = tempfile.mkdtemp(prefix="wc-", dir="/tmp")
+    notify = os.path.join(sockdir, "notify")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(notify)
+    listener.settimeout(30)
+    sock = os.path.join(sockdir, "d.sock")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(config_text(sock, {"cpu": "64MiB"}, [{"name": "tiny", "path": str(ckpts["tiny"])}]))
+    p = subprocess.Popen([sys.executable, "-m", "weightcache", "serve", "--config", str(cfg)],
+                         env={**os.environ, "NOTIFY_SOCKET": notify}, stderr=subprocess.PIPE, text=True)
+    try:
+        msg = listener.recv(4096).decode()
+        assert msg.startswith("READY=1") and sock in msg
+        wait_for_socket(sock, p)  # READY came only once the socket was listening
+        p.send_signal(signal.SIGTERM)
+        assert listener.recv(4096).decode() == "STOPPING=1"
+        assert p.wait(timeout=30) == 0
+    finally:
+        p.kill()
+        listener.close()
+
+
+async def test_sighup_reloads_the_config(start_daemon, ckpts):
+    d = start_daemon(models={"a": ckpts["a"]})
+    head = d.config.read_text().split("[[models]]")[0]
+    d.config.write_text(head + f'[[models]]\nname = "b"\npath = "{ckpts["b"]}"\n')
+    d.proc.send_signal(signal.SIGHUP)
+    async with Client(d.socket) as c:
+
+        async def only_b() -> bool:
+            return [m["name"] for m in await c.models()] == ["b"]
+
+        await eventually(only_b)
+    assert "reload: {'added': ['b'], 'removed': ['a']}" in d.log_text()
+
+
+async def test_json_logs(start_daemon, ckpts):
+    d = start_daemon(models={"tiny": ckpts["tiny"]}, extra_daemon={"log_format": "json", "log_level": "info"})
+    async with Client(d.socket) as c:
+        await c.load("tiny")
+    lines = [json.loads(line) for line in d.log_text().splitlines() if line.strip()]
+    assert any(rec["msg"].startswith("loaded tiny") and rec["level"] == "info" for rec in lines)
+
+
+async def test_metrics_endpoint(start_daemon, ckpts):
+    port = free_port()
+    d = start_daemon(budget="40MiB", models={"a": ckpts["a"], "tiny": ckpts["tiny"]},
+                     extra_daemon={"metrics_listen": f"127.0.0.1:{port}"})
+    async with Client(d.socket) as c, c.attach("a"):
+        await c.status()
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        sizes = {m["name"]: m["nbytes"] for m in await c.models()}
+    series = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line and not line.startswith("#")}
+    assert series['weightcache_device_budget_bytes{device="cpu"}'] == 40 * 2**20
+    assert series['weightcache_device_used_bytes{device="cpu"}'] == sizes["a"]
+    assert series['weightcache_model_state{model="a",state="resident"}'] == 1
+    assert series['weightcache_model_state{model="tiny",state="registered"}'] == 1
+    assert series['weightcache_model_attach_count{model="a"}'] == 1
+    assert series['weightcache_model_loads_total{model="a"}'] == 1
+    assert series["weightcache_leases"] == 1
+    assert series['weightcache_last_load_bytes_per_second{model="a"}'] > 0
+    assert series['weightcache_request_seconds_count{op="attach"}'] >= 1
+    assert series['weightcache_request_seconds_count{op="status"}'] >= 1
+
+
+@pytest.mark.parametrize("body", ['[daemon]\nlog_format = "xml"'])
+def test_bad_log_format_is_a_config_error(tmp_path, body):
+    from weightcache.config import load_settings
+    from weightcache.errors import ConfigError
+
+    (tmp_path / "c.toml").write_text(body + "\n")
+    with pytest.raises(ConfigError, match="daemon.log_format"):
+        load_settings(tmp_path / "c.toml")
