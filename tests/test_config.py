@@ -30,8 +30,10 @@ def test_budget_forms():
         Budget.parse(1.5)
 
 
-def test_example_config_is_valid():
-    s = load_settings("configs/example.toml")
+@pytest.mark.parametrize("path", ["configs/example.toml", "examples/systemd/weightcache.toml",
+                                  "examples/kubernetes/weightcache.toml"])
+def test_shipped_configs_are_valid(path):
+    s = load_settings(path)
     assert s.models and s.budgets
 
 

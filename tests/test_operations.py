@@ -10,8 +10,8 @@ import tempfile
 import urllib.request
 
 import pytest
-
 from conftest import eventually
+
 from weightcache import Client
 from weightcache.spawn import config_text, wait_for_socket
 
@@ -94,5 +94,5 @@ def test_bad_log_format_is_a_config_error(tmp_path, body):
     from weightcache.errors import ConfigError
 
     (tmp_path / "c.toml").write_text(body + "\n")
-    with pytest.raises(ConfigError, match="daemon.log_format"):
+    with pytest.raises(ConfigError, match=r"daemon\.log_format"):
         load_settings(tmp_path / "c.toml")

@@ -9,7 +9,7 @@ import os
 DEFAULT_SOCKET = "/run/weightcache/weightcache.sock"
 SOCKET_ENV = "WEIGHTCACHE_SOCKET"
 CONFIG_ENV = "WEIGHTCACHE_CONFIG"
-DAEMON_UID_ENV = "WEIGHTCACHE_DAEMON_UID"  # a daemon uid clients trust besides root and themselves
+DAEMON_UID_ENV = "WEIGHTCACHE_DAEMON_UID"  # a daemon uid or user name clients trust besides root and themselves
 
 
 def client_socket_path(explicit: str | os.PathLike[str] | None = None) -> str:

@@ -65,8 +65,13 @@ def _check_daemon_identity(sock: socket.socket, path: str) -> None:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", raw)
     trusted = {0, os.geteuid()}
-    if os.environ.get(DAEMON_UID_ENV):
-        trusted.add(int(os.environ[DAEMON_UID_ENV]))
+    if want := os.environ.get(DAEMON_UID_ENV):
+        import pwd
+
+        try:
+            trusted.add(int(want) if want.isdigit() else pwd.getpwnam(want).pw_uid)
+        except KeyError:
+            raise PermissionDenied(f"${DAEMON_UID_ENV}={want!r} names no user") from None
     if uid not in trusted:
         raise PermissionDenied(f"the process serving {path} runs as uid {uid}, which is not trusted "
                                f"(root, this user, or ${DAEMON_UID_ENV})", uid=uid)
