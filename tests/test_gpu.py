@@ -176,6 +176,23 @@ async def test_host_tier_demotes_lru_victims_and_promotes_them_back(start_daemon
         assert (await c.status())["devices"]["host"]["used"] == 0
 
 
+async def test_publish_gpu_tensors_then_attach_them_elsewhere(start_daemon, tmp_path):
+    d = gpu_daemon(start_daemon, "2GiB", {})
+    mine = {"qweight": torch.randint(-127, 127, (2048, 1024), dtype=torch.int8, device="cuda:0"),
+            "scale": torch.rand(2048, dtype=torch.bfloat16, device="cuda:0")}
+    torch.save({k: v.cpu() for k, v in mine.items()}, tmp_path / "ref.pt")
+    async with Client(d.socket) as c:
+        m = await c.publish("gq", mine, fingerprint="src+int8")
+        assert m["device"] == "cuda:0" and m["state"] == "resident"
+    del mine  # the daemon holds its own copy
+    code = ("import sys, torch; from weightcache import SyncClient\n"
+            "ref = torch.load(sys.argv[2])\n"
+            "with SyncClient(sys.argv[1]) as c, c.attach('gq') as w:\n"
+            "    assert all(w[k].is_cuda and torch.equal(w[k].cpu(), v) for k, v in ref.items()); print('OK')\n")
+    r = subprocess.run([sys.executable, "-c", code, d.socket, str(tmp_path / "ref.pt")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "OK", r.stderr[-2000:]
+
+
 def test_cold_load_reads_with_o_direct(start_daemon, gpu_ckpts):
     from weightcache.bench import drop_page_cache
 

@@ -71,5 +71,18 @@ class Backend(ABC):
     def free_host(self, host: Any) -> None:
         raise RuntimeError(f"{type(self).__name__} has no host tier")  # callers check supports_host_tier
 
+    # -- publish: an engine hands the daemon weights it processed itself ---------------
+    @abstractmethod
+    def open_published(self, arena: dict[str, Any], fds: list[int]) -> Any:
+        """Map the engine's memory (described as in an attach reply) read-only; the fds
+        stay the caller's. Refuse memory the engine could still change."""
+
+    @abstractmethod
+    def copy_published(self, source: Any, arena: Arena, nbytes: int) -> None:
+        """Copy ``nbytes`` from the opened source into the daemon's own (unsealed) arena."""
+
+    @abstractmethod
+    def close_published(self, source: Any) -> None: ...
+
     def close(self) -> None:  # noqa: B027  (a hook: most backends hold nothing backend-wide)
         """Release backend-wide resources at shutdown."""

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import NoSpace
+from ..errors import BadRequest, NoSpace
 from ..loader.reader import pread_full
 from .base import Arena, Backend
 
@@ -92,6 +92,25 @@ class CpuBackend(Backend):
             arena.mapping.close()  # F_SEAL_WRITE fails (EBUSY) while a writable mapping exists
             arena.mapping = None
         fcntl.fcntl(arena.fd, fcntl.F_ADD_SEALS, SEALS)
+
+    def open_published(self, arena: dict[str, Any], fds: list[int]) -> mmap.mmap:
+        if len(fds) != 1:
+            raise BadRequest(f"a memfd arena is published with 1 fd, not {len(fds)}")
+        nbytes = int(arena.get("nbytes", 0))
+        seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
+        if not seals & fcntl.F_SEAL_WRITE or not seals & fcntl.F_SEAL_SHRINK:
+            # Unsealed, the engine could change the bytes while (or after) we copy them.
+            raise BadRequest("publish a sealed memfd (F_SEAL_WRITE and F_SEAL_SHRINK)")
+        if os.fstat(fds[0]).st_size < nbytes:
+            raise BadRequest(f"the published memfd is {os.fstat(fds[0]).st_size} bytes, not {nbytes}")
+        return mmap.mmap(fds[0], nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+
+    def copy_published(self, source: mmap.mmap, arena: Arena, nbytes: int) -> None:
+        assert isinstance(arena, MemfdArena) and arena.mapping is not None
+        arena.mapping[:nbytes] = source[:nbytes]
+
+    def close_published(self, source: mmap.mmap) -> None:
+        source.close()
 
     def export(self, arena: Arena) -> tuple[list[int], dict[str, Any]]:
         assert isinstance(arena, MemfdArena)

@@ -22,7 +22,7 @@ from typing import Any
 from cuda.bindings import driver as cu
 
 from .. import cuda_driver as drv
-from ..errors import NoSpace
+from ..errors import BadRequest, NoSpace
 from ..loader.reader import DIRECT_ALIGN, pread_direct, pread_full
 from .base import Arena, Backend
 from .firstfit import FirstFit
@@ -218,6 +218,31 @@ class CudaBackend(Backend):
             # the exported fd costs microseconds; attach latency is the product's number.
             for h in arena.handles:
                 arena.export_fds.append(int(drv.check(cu.cuMemExportToShareableHandle(h, drv.FD_HANDLE, 0))))
+
+    def open_published(self, arena: dict[str, Any], fds: list[int]) -> tuple[int, int]:
+        sizes = [int(s) for s in arena.get("chunks", [])]
+        if len(sizes) != len(fds) or not sizes:
+            raise BadRequest(f"a cuda_vmm arena is published with one fd per chunk: {len(sizes)} chunks, {len(fds)} fds")
+        if str(arena.get("device_uuid", "")).lower() != self.uuid.lower():
+            raise BadRequest(f"published memory is on {arena.get('device_uuid')}, not on {self.device} ({self.uuid})")
+        with drv.current(self.ctx):
+            handles = [drv.check(cu.cuMemImportFromShareableHandle(fd, drv.FD_HANDLE)) for fd in fds]
+            try:
+                va = drv.map_chunks(handles, sizes, self.ordinal, read_only=True)
+            finally:
+                for h in handles:
+                    cu.cuMemRelease(h)  # the mapping keeps the memory
+        return va, sum(sizes)
+
+    def copy_published(self, source: tuple[int, int], arena: Arena, nbytes: int) -> None:
+        assert isinstance(arena, VmmArena)
+        with drv.current(self.ctx):
+            drv.check(cu.cuMemcpyDtoD(arena.va, source[0], nbytes))  # device to device, HBM speed
+            drv.check(cu.cuCtxSynchronize())
+
+    def close_published(self, source: tuple[int, int]) -> None:
+        with drv.current(self.ctx):
+            drv.unmap(*source)
 
     def export(self, arena: Arena) -> tuple[list[int], dict[str, Any]]:
         assert isinstance(arena, VmmArena)

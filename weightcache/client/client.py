@@ -148,16 +148,19 @@ class Client:
             os.close(fd)
         return reply
 
-    async def _request(self, op: str, timeout: float | None, args: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    async def _request(self, op: str, timeout: float | None, args: dict[str, Any],
+                       send_fds: list[int] | None = None) -> tuple[dict[str, Any], list[int]]:
         if self._sock is None:
             raise self._closed_error or DaemonUnavailable("not connected; use 'async with Client()' or connect()")
         rid = next(self._ids)
         fut: asyncio.Future[tuple[dict[str, Any], list[int]]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         msg = {"id": rid, "op": op, **{k: v for k, v in args.items() if v is not None}}
+        if send_fds:
+            msg["fds"] = len(send_fds)
         try:
             async with self._write_lock:
-                await send_with_fds(self._sock, encode_frame(msg), [])
+                await send_with_fds(self._sock, encode_frame(msg), send_fds or [])
             reply, fds = await asyncio.wait_for(fut, timeout)
         except OSError as exc:
             raise DaemonUnavailable(f"connection to {self.socket_path} broke: {exc}") from exc
@@ -257,6 +260,28 @@ class Client:
 
     async def unregister(self, name: str) -> None:
         await self.request("unregister", name=name)
+
+    async def publish(self, name: str, tensors: Mapping[str, torch.Tensor], *, fingerprint: str, replace: bool = False,
+                      wait_s: float | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """Hand the daemon weights this engine processed itself (quantized, repacked, ...)
+        so that later starts attach them instead of redoing the work. The daemon keeps its
+        own copy (on the tensors' device); ``fingerprint`` should name what they were made
+        from and how (e.g. the source checkpoint's fingerprint plus the recipe).
+
+        >>> await c.publish("qwen-7b-int8", model.state_dict(), fingerprint=f"{src_fp}+int8-v1")  # doctest: +SKIP
+        """
+        from .publish import pack
+
+        fds, arena, table, release = await asyncio.to_thread(pack, tensors)
+        try:
+            device = next(iter(tensors.values())).device
+            dev = "cpu" if device.type == "cpu" else f"cuda:{arena['device_uuid']}"
+            reply, _ = await self._request("publish", timeout, {
+                "name": name, "device": dev, "fingerprint": fingerprint, "arena": arena, "tensors": table,
+                "replace": replace or None, "wait_s": wait_s}, send_fds=fds)
+            return reply["model"]
+        finally:
+            release()
 
     async def reload(self) -> dict[str, list[str]]:
         """Make the daemon re-read its config file; returns what was added/removed/changed."""

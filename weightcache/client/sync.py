@@ -82,6 +82,9 @@ class SyncClient:
     def unregister(self, name: str) -> None:
         self._call(self._client.unregister(name))
 
+    def publish(self, name: str, tensors: Any, **kwargs: Any) -> dict[str, Any]:
+        return self._call(self._client.publish(name, tensors, **kwargs))
+
     def reload(self) -> dict[str, list[str]]:
         return self._call(self._client.reload())
 

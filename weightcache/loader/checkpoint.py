@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpoint, LoadFailed
+from ..errors import BadRequest, CorruptCheckpoint, LoadFailed
 
 # safetensors dtype name -> bytes per element
 DTYPE_SIZES = {
@@ -204,3 +204,43 @@ def open_checkpoint(source: str | Path) -> Checkpoint:
         source=str(source), files=tuple(files), tensors=tuple(tensors),
         arena_bytes=max(cursor, 1), fingerprint=digest.hexdigest(),
     )
+
+
+def published_checkpoint(name: str, table: Any, arena_nbytes: int, fingerprint: str) -> Checkpoint:
+    """Validate the tensor table an engine publishes ([name, dtype, shape, offset, nbytes]
+    rows describing its own memory) as strictly as a file header: known dtypes, bytes that
+    match shapes, aligned offsets, everything inside the arena, no overlaps."""
+
+    def bad(reason: str) -> BadRequest:
+        return BadRequest(f"publish {name!r}: {reason}", model=name, reason=reason)
+
+    if not isinstance(table, list) or not table:
+        raise bad("'tensors' must be a non-empty list of [name, dtype, shape, offset, nbytes]")
+    tensors: list[TensorInfo] = []
+    seen: set[str] = set()
+    for row in table:
+        if not (isinstance(row, list) and len(row) == 5):
+            raise bad(f"tensor row {row!r} is not [name, dtype, shape, offset, nbytes]")
+        tname, dtype, shape, offset, nbytes = row
+        if not isinstance(tname, str) or tname in seen:
+            raise bad(f"tensor name {tname!r} is not a string or appears twice")
+        seen.add(tname)
+        if dtype not in DTYPE_SIZES:
+            raise bad(f"tensor {tname!r}: unsupported dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise bad(f"tensor {tname!r}: shape must be a list of non-negative integers")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, nbytes)):
+            raise bad(f"tensor {tname!r}: offset and nbytes must be integers")
+        if nbytes != math.prod(shape) * DTYPE_SIZES[dtype]:
+            raise bad(f"tensor {tname!r}: {nbytes} bytes for shape {shape} of {dtype}")
+        if offset < 0 or offset % ARENA_ALIGN or offset + nbytes > arena_nbytes:
+            raise bad(f"tensor {tname!r}: bytes {offset}..{offset + nbytes} are not {ARENA_ALIGN}-aligned inside the {arena_nbytes}-byte arena")
+        tensors.append(TensorInfo(name=tname, dtype=dtype, shape=tuple(shape), file=-1, file_offset=-1, nbytes=nbytes,
+                                  arena_offset=offset))
+    tensors.sort(key=lambda t: t.arena_offset)
+    for a, b in itertools.pairwise(tensors):
+        if b.arena_offset < a.arena_offset + a.nbytes:
+            raise bad(f"tensors {a.name!r} and {b.name!r} overlap")
+    end = max(t.arena_offset + t.nbytes for t in tensors)
+    return Checkpoint(source=f"published:{name}", files=(), tensors=tuple(tensors), arena_bytes=max(end, 1),
+                      fingerprint=fingerprint)

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any
 from .. import __version__
 from ..backends import Arena, Backend, backend_for
 from ..cache import CacheCore, LoadPlan, State, StepDown
-from ..config import ModelConfig, Settings, load_settings
+from ..config import ModelConfig, Settings, check_model_name, load_settings
 from ..errors import (
     BadRequest,
     FrameTooLarge,
@@ -42,9 +43,10 @@ from ..errors import (
     WeightcacheError,
 )
 from ..loader import Checkpoint, Progress, open_checkpoint, read_checkpoint
+from ..loader.checkpoint import published_checkpoint
 from ..protocol import PROTOCOL_VERSION, FrameDecoder, decode_payload, encode_frame
 from ..protocol.messages import ADMIN_OPS
-from ..protocol.transport import send_with_fds
+from ..protocol.transport import recv_with_fds, send_with_fds
 from .access import AccessPolicy, Peer, check_socket_dir, resolve_gid
 from .ops import JsonFormatter, Metrics, sd_notify
 
@@ -64,6 +66,7 @@ class Model:
     checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident
     arena: Arena | None = None
     host: Any = None  # the backend's host-tier copy while the model is HOST
+    published: bool = False  # sent by an engine (publish): no files to reload it from
     last_error: dict[str, Any] | None = None
 
 
@@ -76,6 +79,7 @@ class Connection:
     greeted: bool = False
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tasks: dict[asyncio.Task[None], str] = field(default_factory=dict)  # request in flight -> its op
+    fds: deque[int] = field(default_factory=deque)  # received, not yet claimed by a frame ("fds": n)
 
 
 def _arg(req: dict[str, Any], key: str, typ: type | tuple[type, ...], default: Any = ...) -> Any:
@@ -118,7 +122,7 @@ class Daemon:
             "status": self.op_status, "models": self.op_models, "load": self.op_load,
             "attach": self.op_attach, "detach": self.op_detach, "evict": self.op_evict,
             "pin": self.op_pin, "unpin": self.op_unpin, "register": self.op_register,
-            "unregister": self.op_unregister, "reload": self.op_reload,
+            "unregister": self.op_unregister, "reload": self.op_reload, "publish": self.op_publish,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -304,7 +308,6 @@ class Daemon:
 
     # ------------------------------------------------------------------ connections
     async def _serve_connection(self, conn: Connection) -> None:
-        loop = asyncio.get_running_loop()
         decoder = FrameDecoder(self.settings.daemon.max_frame_bytes)
         log.debug("conn %d open: pid %d uid %d", conn.id, conn.peer.pid, conn.peer.uid)
         read_timeout = self.settings.daemon.frame_read_timeout_s
@@ -313,7 +316,8 @@ class Daemon:
                 try:
                     # An idle connection may stay open for ever (engines hold leases for
                     # hours); a frame begun but not finished may not.
-                    data = await asyncio.wait_for(loop.sock_recv(conn.sock, 1 << 16), read_timeout if decoder.pending else None)
+                    # recvmsg, not recv: publish requests carry fds (a plain recv drops them).
+                    data, fds = await asyncio.wait_for(recv_with_fds(conn.sock), read_timeout if decoder.pending else None)
                 except TimeoutError:
                     log.warning("conn %d: half-sent frame for %.0fs; closing it", conn.id, read_timeout)
                     err = RequestTimeout(f"frame incomplete after {read_timeout:g}s; closing the connection")
@@ -321,6 +325,7 @@ class Daemon:
                     break
                 except (ConnectionResetError, OSError):
                     break
+                conn.fds.extend(fds)
                 if not data:
                     break
                 try:
@@ -332,8 +337,16 @@ class Daemon:
                     break
                 for payload in frames:
                     self._dispatch(conn, payload)
+                if not decoder.pending:  # fds no frame claimed: nobody will
+                    self._close_fds(conn)
         finally:
+            self._close_fds(conn)
             await self._close_connection(conn)
+
+    @staticmethod
+    def _close_fds(conn: Connection) -> None:
+        while conn.fds:
+            os.close(conn.fds.popleft())
 
     async def _close_connection(self, conn: Connection) -> None:
         """The peer is gone. A ``load`` it asked for still completes (the docs promise it,
@@ -366,8 +379,16 @@ class Daemon:
             err = BadRequest("request needs an integer 'id'")
             self._reply_later(conn, {"id": None, "ok": False, "error": err.to_wire()})
             return
+        nfds = req.pop("fds", 0)
+        if not isinstance(nfds, int) or isinstance(nfds, bool) or not 0 <= nfds <= len(conn.fds):
+            err = BadRequest(f"'fds' is {nfds!r} but {len(conn.fds)} file descriptor(s) arrived with the frame")
+            self._reply_later(conn, {"id": rid, "ok": False, "error": err.to_wire()})
+            return
+        req["_fds"] = [conn.fds.popleft() for _ in range(nfds)]  # closed when the request ends
         op = req.get("op")
         if op == "hello":
+            for fd in req["_fds"]:
+                os.close(fd)
             # Handled inline so that requests pipelined behind it see greeted=True.
             try:
                 reply = self.op_hello(conn, req)
@@ -386,7 +407,14 @@ class Daemon:
         task.add_done_callback(lambda t: conn.tasks.pop(t, None))
 
     async def _handle(self, conn: Connection, rid: int, op: Any, req: dict[str, Any]) -> None:
-        fds: list[int] = []
+        try:
+            await self._handle_request(conn, rid, op, req)
+        finally:
+            for fd in req["_fds"]:  # the fds the request brought: it has used them by now
+                os.close(fd)
+
+    async def _handle_request(self, conn: Connection, rid: int, op: Any, req: dict[str, Any]) -> None:
+        fds: list[int] = []  # the reply's
         try:
             assert self._stopping is not None
             if not conn.greeted:
@@ -547,6 +575,49 @@ class Daemon:
             "arena": {**arena, "writable": writable}, "tensors": m.checkpoint.wire_tensors(),
         }, fds
 
+    async def op_publish(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """An engine hands over weights it processed itself (quantized, repacked) with the
+        memory they live in (fds, as in an attach reply). The daemon copies them into its
+        own arena, so the engine may exit; later starts attach the processed form."""
+        assert self.core is not None
+        name = _arg(req, "name", str)
+        try:
+            check_model_name(name)
+        except ValueError as exc:
+            raise BadRequest(str(exc), argument="name") from None
+        device = self._resolve_device(_arg(req, "device", str))
+        backend = self.backends[device]
+        desc = _arg(req, "arena", dict)
+        if desc.get("kind") != backend.kind:
+            raise BadRequest(f"{device} models are published as {backend.kind!r} arenas, not {desc.get('kind')!r}")
+        nbytes = _arg(desc, "nbytes", int)
+        ckpt = published_checkpoint(name, _arg(req, "tensors", list), nbytes, _arg(req, "fingerprint", str))
+        if name in self.groups:
+            if not _arg(req, "replace", bool, False):
+                raise BadRequest(f"a model named {name!r} exists; publish with replace=true to supersede it", model=name)
+            self._unregister(name)  # ATTACHED if an engine still uses the old one
+        source = await asyncio.to_thread(backend.open_published, desc, req["_fds"])
+        try:
+            self._register(ModelConfig(name=name, path=Path(ckpt.source), device=device))
+            self.models[name].published = True
+            try:
+                await self._fill_new_arena(name, ckpt, backend.capacity(ckpt.arena_bytes), self._wait_arg(req),
+                                           lambda arena, progress: backend.copy_published(source, arena, ckpt.arena_bytes),
+                                           verb=f"published by {conn.client} (pid {conn.peer.pid}):")
+            except BaseException:
+                self._unregister(name)  # a failed publish leaves nothing behind
+                raise
+        finally:
+            await asyncio.to_thread(backend.close_published, source)
+        return {"model": self._describe(name)}, []
+
+    def _resolve_device(self, device: str) -> str:
+        """This daemon's name for ``device`` (given as its name or as cuda:GPU-<uuid>)."""
+        for mine in self.backends:
+            if self._same_device(mine, device):
+                return mine
+        raise BadRequest(f"device {device!r} has no budget in this daemon; configured: {sorted(self.backends)}", device=device)
+
     def _same_device(self, mine: str, theirs: str) -> bool:
         """``theirs`` names ``mine`` directly or by GPU UUID (clients send UUIDs: their
         CUDA_VISIBLE_DEVICES may number the GPUs differently from the daemon's)."""
@@ -616,7 +687,7 @@ class Daemon:
         new = await asyncio.to_thread(load_settings, self.config_path)
         report: dict[str, list[str]] = {"added": [], "removed": [], "changed": [], "kept": [], "unchanged": []}
         wanted = {m.name: m for m in new.models}
-        for name in list(self.groups):
+        for name in [n for n in self.groups if not self.models[self.groups[n][0]].published]:  # engines' own stay
             old = self.models[self.groups[name][0]].config
             if name in wanted and wanted[name] == old:
                 report["unchanged"].append(name)
@@ -707,24 +778,57 @@ class Daemon:
             task.exception()
 
     async def _load(self, name: str, wait_s: float) -> None:
+        """Decide where the bytes come from (the host tier, the files), then fill."""
         assert self.core is not None
         model = self.models[name]
         entry = self.core.entry(name)
         backend = self.backends[entry.device]
-        t0 = time.monotonic()
         if name in self.demotions:
             await asyncio.shield(self.demotions[name])  # its host copy is still being made
         if entry.state is State.HOST and (model.host is None or not (model.checkpoint and model.checkpoint.unchanged_on_disk())):
             log.warning("host copy of %s is stale or missing; loading from disk", name)
             self.core.drop_host(name)
             await self._carry_out(StepDown(drop_host=(name,)), reason="stale")
+        if entry.state is State.HOST:
+            assert model.checkpoint is not None
+            ckpt = model.checkpoint
+
+            def promote(arena: Arena, progress: Progress) -> None:
+                backend.promote(model.host, arena)
+                progress.add(ckpt.data_bytes)
+
+            await self._fill_new_arena(name, ckpt, entry.nbytes, wait_s, promote, verb="promoted")
+            return
+        if model.published:
+            raise LoadFailed(f"model {name!r} was published by an engine and has since been evicted; publish it again",
+                             model=name, reason="published model evicted")
         try:
-            if entry.state is State.HOST:
-                assert model.checkpoint is not None
-                ckpt, nbytes = model.checkpoint, entry.nbytes
-            else:
-                ckpt = await asyncio.to_thread(open_checkpoint, model.path)
-                nbytes = backend.capacity(ckpt.arena_bytes)
+            ckpt = await asyncio.to_thread(open_checkpoint, model.path)
+        except WeightcacheError as exc:
+            model.last_error = exc.to_wire()
+            log.error("load %s refused: %s", name, exc)
+            raise
+        d = self.settings.daemon
+
+        def read(arena: Arena, progress: Progress) -> None:
+            read_checkpoint(
+                ckpt, backend.writer(arena, d.load_chunk_bytes), threads=d.load_threads, chunk=d.load_chunk_bytes,
+                nice=d.load_nice, progress=progress, cancelled=self._stopping.is_set if self._stopping else (lambda: False),
+                direct_io=d.load_direct_io, log=lambda msg: log.info("load %s: %s", name, msg),
+            )
+
+        await self._fill_new_arena(name, ckpt, backend.capacity(ckpt.arena_bytes), wait_s, read, verb="loaded")
+
+    async def _fill_new_arena(self, name: str, ckpt: Checkpoint, nbytes: int, wait_s: float,
+                              fill: Callable[[Arena, Progress], None], verb: str) -> None:
+        """Admit (evicting as planned), allocate, ``fill`` in a thread, seal, and make the
+        model resident; on any failure free the arena and return the reservation, so the
+        budget is exactly as before. Loads, promotions and publishes all come here."""
+        assert self.core is not None
+        model = self.models[name]
+        backend = self.backends[self.core.entry(name).device]
+        t0 = time.monotonic()
+        try:
             plan = await self._admit(name, nbytes, wait_s)
         except WeightcacheError as exc:
             model.last_error = exc.to_wire()
@@ -738,17 +842,7 @@ class Daemon:
             await asyncio.wait(list(self._releasing))
         try:
             arena = await asyncio.to_thread(backend.allocate, nbytes, name)
-            d = self.settings.daemon
-            if plan.promote:
-                await asyncio.to_thread(backend.promote, model.host, arena)
-                progress.add(ckpt.data_bytes)
-            else:
-                writer = backend.writer(arena, d.load_chunk_bytes)
-                await asyncio.to_thread(
-                    read_checkpoint, ckpt, writer, threads=d.load_threads, chunk=d.load_chunk_bytes, nice=d.load_nice,
-                    progress=progress, cancelled=self._stopping.is_set if self._stopping else (lambda: False),
-                    direct_io=d.load_direct_io, log=lambda msg: log.info("load %s: %s", name, msg),
-                )
+            await asyncio.to_thread(fill, arena, progress)
             await asyncio.to_thread(backend.seal, arena)
         except BaseException as exc:
             if arena is not None:
@@ -769,7 +863,7 @@ class Daemon:
             self._drop_host_copy(model)
         dt = time.monotonic() - t0
         self.last_load_rate[name] = ckpt.data_bytes / max(dt, 1e-9)
-        log.info("%s %s: %d tensors, %d bytes in %.2fs (%.2f GB/s)", "promoted" if plan.promote else "loaded", name,
+        log.info("%s %s: %d tensors, %d bytes in %.2fs (%.2f GB/s)", verb, name,
                  len(ckpt.tensors), ckpt.data_bytes, dt, ckpt.data_bytes / max(dt, 1e-9) / 1e9)
 
     async def _admit(self, name: str, nbytes: int, wait_s: float) -> LoadPlan:

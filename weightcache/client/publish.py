@@ -1,0 +1,104 @@
+"""Pack an engine's tensors into shareable memory for ``publish``: a sealed memfd for CPU
+tensors, a VMM allocation exported as fds for CUDA tensors. Same layout as an arena
+(256-byte-aligned offsets), same description as an attach reply's ``arena``."""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ..loader.checkpoint import ARENA_ALIGN
+from .mapping import TORCH_DTYPES
+
+SAFETENSORS_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[list[Any]], int]:
+    table, cursor = [], 0
+    for name, t in tensors.items():
+        if t.dtype not in SAFETENSORS_NAMES:
+            raise TypeError(f"tensor {name!r}: dtype {t.dtype} cannot be published")
+        cursor = -(-cursor // ARENA_ALIGN) * ARENA_ALIGN
+        nbytes = t.numel() * t.element_size()
+        table.append([name, SAFETENSORS_NAMES[t.dtype], list(t.shape), cursor, nbytes])
+        cursor += nbytes
+    return table, cursor
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def pack(tensors: Mapping[str, torch.Tensor]) -> tuple[list[int], dict[str, Any], list[list[Any]], Callable[[], None]]:
+    """-> (fds, arena description, tensor table, release). Call release after the daemon
+    replied: it closes the fds and frees this process's copy."""
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        raise ValueError(f"publish tensors from one device at a time, not {sorted(map(str, devices))}")
+    table, size = layout(tensors)
+    (device,) = devices
+    if device.type == "cpu":
+        return _pack_memfd(tensors, table, size)
+    if device.type == "cuda":
+        return _pack_vmm(tensors, table, size, device.index if device.index is not None else torch.cuda.current_device())
+    raise ValueError(f"cannot publish tensors on {device}")
+
+
+def _pack_memfd(tensors: Mapping[str, torch.Tensor], table: list[list[Any]], size: int):  # type: ignore[no-untyped-def]
+    size = max(mmap.PAGESIZE, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+    fd = os.memfd_create("weightcache-publish", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as m:
+            for (_name, t), (_, _, _, off, n) in zip(tensors.items(), table, strict=True):
+                if n:
+                    m[off : off + n] = _bytes_of(t).numpy().tobytes()
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # the daemon refuses memory we could still change
+    except BaseException:
+        os.close(fd)
+        raise
+    return [fd], {"kind": "memfd", "nbytes": size}, table, lambda: os.close(fd)
+
+
+def _pack_vmm(tensors: Mapping[str, torch.Tensor], table: list[list[Any]], size: int, ordinal: int):  # type: ignore[no-untyped-def]
+    from cuda.bindings import driver as cu
+
+    from .. import cuda_driver as drv
+    from .cuda_mapping import VmmMapping
+
+    torch.cuda.init()
+    ctx = drv.primary_context(ordinal)
+    gran = drv.granularity(ordinal)
+    total = max(gran, -(-size // gran) * gran)
+    chunk = -(-(1 << 30) // gran) * gran
+    sizes = [min(chunk, total - off) for off in range(0, total, chunk)]
+    prop = drv.allocation_prop(ordinal)
+    fds: list[int] = []
+    with drv.current(ctx):
+        handles = [drv.check(cu.cuMemCreate(s, prop, 0)) for s in sizes]
+        try:
+            va = drv.map_chunks(handles, sizes, ordinal, read_only=False)
+            fds = [int(drv.check(cu.cuMemExportToShareableHandle(h, drv.FD_HANDLE, 0))) for h in handles]
+        finally:
+            for h in handles:
+                cu.cuMemRelease(h)  # the mapping (and the fds) keep the memory
+    slab = torch.as_tensor(VmmMapping(va, total, ordinal, ctx), device=f"cuda:{ordinal}")
+    for (_name, t), (_, _, _, off, n) in zip(tensors.items(), table, strict=True):
+        if n:
+            slab[off : off + n].copy_(_bytes_of(t))
+    torch.cuda.synchronize(ordinal)
+    desc = {"kind": "cuda_vmm", "nbytes": total, "chunks": sizes, "device_uuid": drv.device_uuid(ordinal)}
+
+    def release() -> None:
+        nonlocal slab
+        for fd in fds:
+            os.close(fd)
+        del slab  # unmaps; the daemon has its own copy by now
+
+    return fds, desc, table, release
