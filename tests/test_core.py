@@ -309,3 +309,15 @@ class CoreMachine(RuleBasedStateMachine):
 
 TestCoreMachine = CoreMachine.TestCase
 TestCoreMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_lowering_a_budget_evicts_lru_or_refuses():
+    core = make(budget=300, names="abc")
+    for n in "abc":
+        loaded(core, n, 100)
+    core.attach("c", conn=1)
+    assert core.set_budget("cpu", 200).evict == ("a",)  # the LRU one goes
+    with pytest.raises(NoSpace, match="cannot be evicted"):
+        core.set_budget("cpu", 50)  # b could go, c is attached: refused, nothing changed
+    assert core.devices["cpu"].budget == 200 and core.entry("b").state is State.RESIDENT
+    core.check_invariants()

@@ -221,6 +221,28 @@ class CacheCore:
             evict.append(v.name)
         return StepDown(demote=tuple(demote), evict=tuple(evict), drop_host=tuple(drop_host))
 
+    def set_budget(self, device: str, budget: int) -> StepDown:
+        """Change a device's budget (config reload). Lowering it evicts unattached,
+        unpinned models in LRU order until everything fits; if attached or pinned models
+        hold too much, nothing changes and NoSpace says what holds the memory."""
+        acct = self.devices[device]
+        excess = acct.used + acct.reserved - budget
+        victims: list[Entry] = []
+        if excess > 0:
+            for v in sorted((x for x in self.entries.values() if x.device == device and x.evictable), key=lambda x: x.last_used):
+                if excess <= 0:
+                    break
+                victims.append(v)
+                excess -= v.nbytes
+            if excess > 0:
+                held = sorted(f"{x.name} ({x.nbytes} B)" for x in self.entries.values()
+                              if x.device == device and x.state in (State.RESIDENT, State.LOADING) and x not in victims)
+                raise NoSpace(f"cannot lower the {device} budget to {budget} B: {', '.join(held)} cannot be evicted now",
+                              device=device, budget=budget)
+        step = self._step_down(victims)
+        acct.budget = budget
+        return step
+
     def _drop_host_copy(self, e: Entry) -> None:
         self.host.used -= e.nbytes
         e.host_copy = False

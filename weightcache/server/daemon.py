@@ -684,8 +684,23 @@ class Daemon:
         The ``reload`` op and SIGHUP both land here."""
         if self.config_path is None:
             raise BadRequest("the daemon was started without a config file; nothing to reload")
+        assert self.core is not None
         new = await asyncio.to_thread(load_settings, self.config_path)
-        report: dict[str, list[str]] = {"added": [], "removed": [], "changed": [], "kept": [], "unchanged": []}
+        report: dict[str, list[str]] = {"added": [], "removed": [], "changed": [], "kept": [], "unchanged": [], "budgets": []}
+        for device, budget in new.budgets.items():
+            if device not in self.backends:
+                report["kept"].append(f"budget {device}: a new device needs a daemon restart")
+                continue
+            nbytes = budget.resolve(self.backends[device].total_memory())
+            if nbytes != self.core.devices[device].budget:
+                try:
+                    step = self.core.set_budget(device, nbytes)
+                except NoSpace as exc:
+                    report["kept"].append(f"budget {device}: {exc.message}")
+                    continue
+                await self._carry_out(step, reason=f"{device} budget lowered")
+                await self._notify_space()
+                report["budgets"].append(f"{device}: {nbytes}")
         wanted = {m.name: m for m in new.models}
         for name in [n for n in self.groups if not self.models[self.groups[n][0]].published]:  # engines' own stay
             old = self.models[self.groups[name][0]].config
