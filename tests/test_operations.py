@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
+from pathlib import Path
 
 import pytest
 from conftest import eventually
@@ -96,3 +97,22 @@ def test_bad_log_format_is_a_config_error(tmp_path, body):
     (tmp_path / "c.toml").write_text(body + "\n")
     with pytest.raises(ConfigError, match=r"daemon\.log_format"):
         load_settings(tmp_path / "c.toml")
+
+
+def test_systemd_units_verify(tmp_path):
+    import re
+    import shutil
+
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    units = Path(__file__).resolve().parent.parent / "examples" / "systemd"
+    names = []
+    for unit in units.glob("*.service"):
+        name = unit.name.replace("@.service", "@model.service")
+        # The install paths do not exist here; everything else must verify cleanly.
+        text = re.sub(r"^(ExecStart=)\S+", r"\1/bin/true", unit.read_text(), flags=re.M)
+        (tmp_path / name).write_text(text)
+        names.append(str(tmp_path / name))
+    r = subprocess.run([analyze, "verify", "--man=no", *names], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
