@@ -11,7 +11,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ import uvloop
 
 from weightcache.protocol import encode_frame
 from weightcache.protocol.framing import HEADER, decode_payload
-from weightcache.spawn import config_text, wait_for_socket
+from weightcache.spawn import DaemonProcess, config_text
 from weightcache.synth import write_checkpoint
 
 MIB = 2**20
@@ -127,12 +126,13 @@ def start_daemon(tmp_path: Path) -> Iterator[Any]:
         cfg = tmp_path / f"daemon{len(started)}.toml"
         write_config(cfg, sock, budget, models or {}, extra_daemon, **model_opts)
         log = tmp_path / f"daemon{len(started)}.log"
-        proc = subprocess.Popen([sys.executable, "-m", "weightcache", "serve", "--config", str(cfg)],
-                                stdout=log.open("wb"), stderr=subprocess.STDOUT)
-        d = DaemonProc(socket=sock, config=cfg, proc=proc, log=log)
-        started.append(d)
-        wait_for_socket(sock, proc)
-        return d
+        daemon = DaemonProcess(cfg, sock, log)
+        try:
+            daemon.start()
+        finally:
+            if daemon.proc is not None:  # teardown stops (and checks) it even if it never listened
+                started.append(DaemonProc(socket=sock, config=cfg, proc=daemon.proc, log=log))
+        return started[-1]
 
     yield start
     for d in started:
