@@ -1,7 +1,8 @@
 """weightcache: keep model weights resident so inference engines restart in seconds.
 
 Public surface: :class:`Client` (async), :class:`SyncClient`, :class:`AttachedModel`,
-:func:`load_into_module`, and the error classes in :mod:`weightcache.errors`.
+:func:`load_into_module` (with :func:`empty_parameters` for its skeleton), and the error
+classes in :mod:`weightcache.errors`.
 """
 
 __version__ = "0.1.0"
@@ -15,11 +16,11 @@ def __getattr__(name: str):  # type: ignore[no-untyped-def]
         from . import client
 
         return getattr(client, name)
-    if name == "load_into_module":
-        from .client.torch_utils import load_into_module
+    if name in ("load_into_module", "empty_parameters"):
+        from .client import torch_utils
 
-        return load_into_module
+        return getattr(torch_utils, name)
     raise AttributeError(f"module 'weightcache' has no attribute {name!r}")
 
 
-__all__ = ["AttachedModel", "Client", "SyncClient", "WeightcacheError", "__version__", "load_into_module"]
+__all__ = ["AttachedModel", "Client", "SyncClient", "WeightcacheError", "__version__", "empty_parameters", "load_into_module"]

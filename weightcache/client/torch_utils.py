@@ -2,10 +2,47 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
+
+
+@contextlib.contextmanager
+def empty_parameters() -> Iterator[None]:
+    """Build modules whose *parameters* live on the ``meta`` device (no memory, no
+    initialization cost) while their *buffers* are computed for real.
+
+    This is the skeleton for :func:`load_into_module`: building an 8B model for real
+    allocates and randomly initializes 16 GB only to throw it away. Building it under
+    ``torch.device("meta")`` costs nothing but leaves non-persistent buffers (rotary
+    frequencies, masks), which no checkpoint holds, as meta tensors with no values; and
+    ``torch.nn.utils.skip_init`` / ``to_empty`` leave them uninitialized. So each
+    parameter is moved to ``meta`` as it is registered, before the module's own
+    ``reset_parameters`` runs on it (accelerate's ``init_empty_weights(include_buffers=False)``
+    does the same; accelerate is not a dependency of this package).
+
+    It patches ``nn.Module.register_parameter`` for the duration of the block: build the
+    skeleton in one thread at a time.
+
+    >>> with empty_parameters():                                  # doctest: +SKIP
+    ...     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            # Keep the Parameter subclass and its attributes (some frameworks tag them).
+            kwargs = dict(param.__dict__, requires_grad=param.requires_grad)
+            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def load_into_module(module: nn.Module, weights: Mapping[str, torch.Tensor], *, strict: bool = True) -> nn.Module:
@@ -14,11 +51,17 @@ def load_into_module(module: nn.Module, weights: Mapping[str, torch.Tensor], *, 
 
     Checks, before touching the module: with ``strict`` the key sets match exactly
     (missing and unexpected keys are both named); every shared key has the same shape
-    and dtype (no silent casts: a cast would be a copy). The parameters come back with
-    ``requires_grad=False``: they are views of read-only shared memory.
+    and dtype (no silent casts: a cast would be a copy); no parameter or buffer is left
+    on ``meta`` (a skeleton from :func:`empty_parameters` needs every parameter in the
+    weights). Buffers that the weights do not hold (non-persistent ones: rotary
+    frequencies) are moved to the weights' device, so that the module is ready to run
+    there. The parameters come back with ``requires_grad=False``: they are views of
+    read-only shared memory.
 
     >>> with SyncClient() as c, c.attach("tiny") as w:      # doctest: +SKIP
-    ...     model = load_into_module(TinyModel(), w)
+    ...     with empty_parameters():
+    ...         skeleton = TinyModel()
+    ...     model = load_into_module(skeleton, w)
     """
     own = module.state_dict(keep_vars=True)
     problems = []
@@ -26,19 +69,40 @@ def load_into_module(module: nn.Module, weights: Mapping[str, torch.Tensor], *, 
         missing = sorted(set(own) - set(weights))
         unexpected = sorted(set(weights) - set(own))
         if missing:
-            problems.append(f"missing keys: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+            problems.append(f"missing keys: {_some(missing)}")
         if unexpected:
-            problems.append(f"unexpected keys: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
+            problems.append(f"unexpected keys: {_some(unexpected)}")
     for key in sorted(set(own) & set(weights)):
         mine, theirs = own[key], weights[key]
         if mine.shape != theirs.shape:
             problems.append(f"{key}: shape {tuple(theirs.shape)} in the weights, {tuple(mine.shape)} in the module")
         elif mine.dtype != theirs.dtype:
             problems.append(f"{key}: dtype {theirs.dtype} in the weights, {mine.dtype} in the module")
+    left_on_meta = sorted(k for k, t in _named_tensors(module) if t.is_meta and k not in weights)
+    if left_on_meta and not (strict and problems):  # under strict, "missing keys" already names them
+        problems.append(f"left on the meta device (not in the weights): {_some(left_on_meta)}")
+    devices = {t.device for t in weights.values()}
+    if len(devices) > 1:
+        problems.append(f"the weights span several devices: {sorted(map(str, devices))}")
     if problems:
         raise ValueError(f"cannot load weights into {type(module).__name__}: " + "; ".join(problems))
     # assign=True makes each parameter wrap the given tensor instead of copying into it.
     module.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=strict, assign=True)
     for p in module.parameters():
         p.requires_grad_(False)
+    if devices:
+        (device,) = devices
+        for sub in module.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None and buf.device != device:
+                    sub._buffers[name] = buf.to(device)
     return module
+
+
+def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
+
+
+def _some(keys: list[str]) -> str:
+    return f"{keys[:10]}{' ...' if len(keys) > 10 else ''}"

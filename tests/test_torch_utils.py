@@ -1,0 +1,56 @@
+"""empty_parameters + load_into_module without a daemon: any mapping of tensors will do."""
+
+import pytest
+import torch
+from torch import nn
+
+from weightcache import empty_parameters, load_into_module
+
+
+class Rotary(nn.Module):
+    """A parameter, a persistent buffer, and a non-persistent buffer computed at init
+    (like a transformer's rotary frequencies): checkpoints hold the first two only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.ones(8))
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * self.scale + self.inv_freq.repeat(2)
+
+
+def test_empty_parameters_builds_parameters_on_meta_and_buffers_for_real():
+    torch.manual_seed(0)
+    ref = Rotary()
+    with empty_parameters():
+        skeleton = Rotary()
+    assert skeleton.proj.weight.is_meta and skeleton.proj.bias.is_meta
+    assert isinstance(skeleton.proj.weight, nn.Parameter)
+    assert not skeleton.inv_freq.is_meta and torch.equal(skeleton.inv_freq, ref.inv_freq)
+    assert not Rotary().proj.weight.is_meta  # the patch is gone after the block
+
+    weights = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    model = load_into_module(skeleton, weights)
+    x = torch.randn(3, 8)
+    assert torch.equal(model(x), ref(x))
+    assert model.proj.weight.data_ptr() == weights["proj.weight"].data_ptr()
+
+
+def test_empty_parameters_restores_the_patch_after_an_error():
+    with pytest.raises(RuntimeError, match="boom"), empty_parameters():
+        raise RuntimeError("boom")
+    assert not nn.Linear(2, 2).weight.is_meta
+
+
+def test_load_into_module_refuses_to_leave_parameters_on_meta():
+    torch.manual_seed(0)
+    weights = {k: v for k, v in Rotary().state_dict().items() if k != "proj.bias"}
+    with empty_parameters():
+        skeleton = Rotary()
+    with pytest.raises(ValueError, match=r"missing keys: \['proj\.bias'\]"):
+        load_into_module(skeleton, weights)
+    with pytest.raises(ValueError, match=r"left on the meta device \(not in the weights\): \['proj\.bias'\]"):
+        load_into_module(skeleton, weights, strict=False)
+    assert skeleton.proj.weight.is_meta  # refused before touching the module
