@@ -106,25 +106,27 @@ async def eventually(check: Any, timeout: float = 10.0, interval: float = 0.05) 
         await asyncio.sleep(interval)
 
 
-def write_config(path: Path, sock: str, budget: str, models: dict[str, Path], extra_daemon: dict[str, Any] | None = None,
-                 **model_opts: Any) -> None:
-    entries = [{"name": name, "path": str(p), **model_opts.get(name, {})} for name, p in models.items()]
+def write_config(path: Path, sock: str, budget: str, models: dict[str, Path | None], extra_daemon: dict[str, Any] | None = None,
+                 budgets: dict[str, str] | None = None, **model_opts: Any) -> None:
+    # A model without a path is given its shards in model_opts.
+    entries = [{"name": name, **({"path": str(p)} if p else {}), **model_opts.get(name, {})} for name, p in models.items()]
     daemon = {"log_level": "debug", "shutdown_grace_s": 2, **(extra_daemon or {})}
-    path.write_text(config_text(sock, {"cpu": budget}, entries, daemon))
+    path.write_text(config_text(sock, {"cpu": budget, **(budgets or {})}, entries, daemon))
 
 
 @pytest.fixture
 def start_daemon(tmp_path: Path) -> Iterator[Any]:
-    """Factory: ``start_daemon(budget="20MiB", models={...})`` -> DaemonProc (stopped at teardown)."""
+    """Factory: ``start_daemon(budget="20MiB", models={...})`` -> DaemonProc (stopped at teardown).
+    ``budget`` is the cpu budget; ``budgets={"cuda:0": "2GiB"}`` adds other devices."""
     started: list[DaemonProc] = []
     # Unix socket paths are limited to 107 bytes: keep them short, outside tmp_path.
     sockdir = tempfile.mkdtemp(prefix="wc-", dir="/tmp")
 
-    def start(budget: str = "20MiB", models: dict[str, Path] | None = None, extra_daemon: dict[str, Any] | None = None,
-              **model_opts: Any) -> DaemonProc:
+    def start(budget: str = "20MiB", models: dict[str, Path | None] | None = None, extra_daemon: dict[str, Any] | None = None,
+              budgets: dict[str, str] | None = None, **model_opts: Any) -> DaemonProc:
         sock = os.path.join(sockdir, f"d{len(started)}.sock")
         cfg = tmp_path / f"daemon{len(started)}.toml"
-        write_config(cfg, sock, budget, models or {}, extra_daemon, **model_opts)
+        write_config(cfg, sock, budget, models or {}, extra_daemon, budgets, **model_opts)
         log = tmp_path / f"daemon{len(started)}.log"
         daemon = DaemonProcess(cfg, sock, log)
         try:

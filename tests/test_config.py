@@ -77,3 +77,18 @@ def test_serve_with_invalid_config_exits_2_with_one_clear_message(tmp_path):
     r = subprocess.run([sys.executable, "-m", "weightcache", "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "budgets" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_config_text_writes_what_load_settings_reads(tmp_path):
+    # spawn.config_text writes the configs of the demo, the benchmarks and the tests.
+    from weightcache.spawn import config_text
+
+    shards = [{"path": "/m/rank0", "device": "cuda:0"}, {"path": "/m/rank1", "device": "cuda:1"}]
+    models = [{"name": "tp", "shards": shards}, {"name": "odd", "path": '/m/a "b"\\c', "pin": True, "keep_alive": 1.5}]
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(config_text("/tmp/x.sock", {"cpu": "1GiB", "cuda:0": "0.5", "cuda:1": "2GiB"}, models, {"max_connections": 7}))
+    s = load_settings(cfg)
+    assert s.daemon.max_connections == 7 and set(s.budgets) == {"cpu", "cuda:0", "cuda:1"}
+    tp, odd = s.models
+    assert [(str(p.path), p.device) for p in tp.shards] == [("/m/rank0", "cuda:0"), ("/m/rank1", "cuda:1")]
+    assert (str(odd.path), odd.pin, odd.keep_alive) == ('/m/a "b"\\c', True, 1.5)

@@ -34,19 +34,9 @@ def gpu_ckpts(tmp_path_factory):
 
 
 def gpu_daemon(start_daemon, budget, models, device="cuda:0", daemon=None, **opts):
-    from weightcache.spawn import config_text
-
-    d = start_daemon(budget="1GiB", models={})
-    d.proc.send_signal(signal.SIGTERM)
-    assert d.proc.wait(timeout=30) == 0
-    entries = [{"name": n, "path": str(p), "device": device, **opts.get(n, {})} for n, p in models.items()]
-    d.config.write_text(config_text(d.socket, {"cpu": "1GiB", device: budget}, entries, {"log_level": "debug", **(daemon or {})}))
-    from weightcache.spawn import wait_for_socket
-
-    d.proc = subprocess.Popen([sys.executable, "-m", "weightcache", "serve", "--config", str(d.config)],
-                              stdout=d.log.open("ab"), stderr=subprocess.STDOUT)
-    wait_for_socket(d.socket, d.proc)
-    return d
+    """A daemon with ``budget`` on ``device`` and every model placed there."""
+    placed = {n: {"device": device, **opts.get(n, {})} for n in models}
+    return start_daemon(budget="1GiB", models=models, extra_daemon=daemon, budgets={device: budget}, **placed)
 
 
 def child(d, model, path, mode):
@@ -205,19 +195,8 @@ def test_cold_load_reads_with_o_direct(start_daemon, gpu_ckpts):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_rank_sharded_model_on_two_gpus(start_daemon, gpu_ckpts, tmp_path):
-    from weightcache.spawn import config_text, wait_for_socket
-
-    d = start_daemon(budget="1GiB", models={})
-    d.proc.send_signal(signal.SIGTERM)
-    assert d.proc.wait(timeout=30) == 0
     shards = [{"path": str(gpu_ckpts["x"]), "device": "cuda:0"}, {"path": str(gpu_ckpts["y"]), "device": "cuda:1"}]
-    text = config_text(d.socket, {"cpu": "1GiB", "cuda:0": "2GiB", "cuda:1": "2GiB"}, [])
-    text += "\n[[models]]\nname = \"tp\"\n" + "".join(
-        f'[[models.shards]]\npath = "{s["path"]}"\ndevice = "{s["device"]}"\n' for s in shards)
-    d.config.write_text(text)
-    d.proc = subprocess.Popen([sys.executable, "-m", "weightcache", "serve", "--config", str(d.config)],
-                              stdout=d.log.open("ab"), stderr=subprocess.STDOUT)
-    wait_for_socket(d.socket, d.proc)
+    d = start_daemon(budget="1GiB", models={"tp": None}, budgets={"cuda:0": "2GiB", "cuda:1": "2GiB"}, tp={"shards": shards})
     code = (
         "import sys, torch; from safetensors.torch import load_file; from weightcache import SyncClient\n"
         "rank, path = int(sys.argv[2]), sys.argv[3]\n"

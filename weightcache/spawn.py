@@ -17,7 +17,8 @@ from typing import Any
 
 
 def config_text(socket_path: str, budgets: dict[str, str], models: list[dict[str, Any]], daemon: dict[str, Any] | None = None) -> str:
-    """A TOML config from plain values: strings, numbers, bools and lists of them."""
+    """A TOML config from plain values: strings, numbers, bools, and lists and dicts
+    (inline tables, e.g. a model's ``shards``) of them."""
 
     def val(v: Any) -> str:
         if isinstance(v, bool):
@@ -26,6 +27,8 @@ def config_text(socket_path: str, budgets: dict[str, str], models: list[dict[str
             return repr(v)
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(val(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} = {val(x)}" for k, x in v.items()) + "}"
         return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
     lines = ["[daemon]", f"socket = {val(socket_path)}"]
