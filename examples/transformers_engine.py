@@ -24,14 +24,28 @@ from pathlib import Path
 MODEL = "tiny-llama"
 
 
-def build(out: Path) -> None:
+# "tiny" runs anywhere in seconds (CI runs it on the CPU). "llama-8b" has Llama-3-8B's
+# shapes (8.0B parameters, 16 GB in bfloat16): the size where a restart's weights step is
+# what an operator waits for. Both are built locally from random weights, never downloaded.
+PRESETS = {
+    "tiny": dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512),
+    "llama-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                     rope_theta=500000.0),
+}
+
+
+def build(out: Path, preset: str, device: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    cfg = LlamaConfig(**PRESETS[preset], tie_word_embeddings=False)
+    # Initialized on the target device: random init of 8B parameters on a CPU takes minutes.
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
 
 
 def engine(mode: str, model_dir: str, socket: str, device: str) -> None:
@@ -41,20 +55,25 @@ def engine(mode: str, model_dir: str, socket: str, device: str) -> None:
 
     t1 = time.perf_counter()
     if mode == "disk":
-        model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
+        model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                                 device_map=None if device == "cpu" else device)
         lease = None
     else:
-        from weightcache import SyncClient, load_into_module
+        from weightcache import SyncClient, empty_parameters, load_into_module
 
-        # The skeleton is built for real (not on "meta"): its non-persistent buffers
-        # (rotary frequencies) are computed at init and are not in the checkpoint. Built
-        # the way from_pretrained builds it: `.to(bfloat16)` would also cast the float32
-        # rotary buffer, and the logits would differ from the disk path's.
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16).to(device)
+        # The skeleton's parameters stay on "meta" (nothing allocated or initialized);
+        # its non-persistent buffers (rotary frequencies, in no checkpoint) are computed
+        # for real, and load_into_module moves them to the weights' device. Built the way
+        # from_pretrained builds it: `.to(bfloat16)` would also cast the float32 rotary
+        # buffer, and the logits would differ from the disk path's.
+        with empty_parameters():
+            skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16)
         client = SyncClient(socket, name="example-engine")
         lease = client.attach(MODEL, device=None if device == "cpu" else device)
         model = load_into_module(skeleton, lease.__enter__())
     model.eval()
+    if device != "cpu":
+        torch.cuda.synchronize()  # from_pretrained's copies are asynchronous
     t2 = time.perf_counter()
     ids = torch.arange(64, device=device).remainder(2048).unsqueeze(0)
     with torch.no_grad():
@@ -71,21 +90,33 @@ def main() -> int:
     ap.add_argument("--restarts", type=int, default=2)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda:0 on a GPU host")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local
 
+    from weightcache import SyncClient
     from weightcache.spawn import DaemonProcess, config_text
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="wc-example-", dir="/tmp"))
-    model_dir = work / MODEL
-    if not (model_dir / "model.safetensors").exists():
-        build(model_dir)
+    model_dir = work / f"{MODEL}-{args.preset}"
+    if not (model_dir / "config.json").exists():
+        t = time.perf_counter()
+        build(model_dir, args.preset, args.device)
+        print(f"built {args.preset} in {model_dir} ({time.perf_counter() - t:.1f} s)", flush=True)
+    nbytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     sock = str(work / "wc.sock")
-    (work / "wc.toml").write_text(config_text(sock, {args.device: "1GiB"},
-                                              [{"name": MODEL, "path": str(model_dir / "model.safetensors"),
+    # The directory, not one file: save_pretrained shards large models (with an index).
+    (work / "wc.toml").write_text(config_text(sock, {args.device: f"{nbytes // 2**30 + 1}GiB"},
+                                              [{"name": MODEL, "path": str(model_dir),
                                                 "device": args.device, "preload": True}]))
     rows = []
     with DaemonProcess(work / "wc.toml", sock, work / "daemon.log"):
+        # The engine restarts below time attaching a resident model, not the first load.
+        t = time.perf_counter()
+        with SyncClient(sock) as c:
+            c.load(MODEL)
+        print(f"daemon: {MODEL} resident on {args.device}, {nbytes / 1e9:.2f} GB "
+              f"(preload finished {time.perf_counter() - t:.2f} s after the daemon was ready)", flush=True)
         for i in range(args.restarts):
             for mode in ("disk", "cache"):
                 t = time.perf_counter()
