@@ -3,6 +3,8 @@
 usage: attach_child.py SOCKET MODEL PATH verify  -> attaches, compares with load_file, prints OK
        attach_child.py SOCKET MODEL PATH write   -> as verify, then writes through the mapping
        attach_child.py SOCKET MODEL PATH hold    -> attaches, prints ATTACHED, sleeps until killed
+       attach_child.py SOCKET MODEL PATH leave   -> attaches, prints ATTACHED, exits inside the
+                                                    attach block without closing anything
 """
 
 import sys
@@ -15,6 +17,13 @@ from weightcache import SyncClient
 from weightcache.loader.checkpoint import discover_files
 
 sock, model, path, mode = sys.argv[1:5]
+if mode == "leave":  # an engine whose main() returns or calls sys.exit() while serving
+    client = SyncClient(sock, name="child-leave")
+    block = client.attach(model)
+    weights = block.__enter__()
+    next(iter(weights.values())).float().sum().item()  # use the weights (a kernel, on a GPU)
+    print("ATTACHED", weights.lease, flush=True)
+    sys.exit(0)
 with SyncClient(sock, name=f"child-{mode}") as c, c.attach(model) as m:
     if mode == "hold":
         print("ATTACHED", m.lease, flush=True)

@@ -93,6 +93,11 @@ class RawConn:
         self.sock.close()
 
 
+async def no_leases(c: Any) -> bool:
+    """For eventually(): the daemon holds no lease (a Client's view)."""
+    return bool((await c.status())["leases"] == 0)
+
+
 async def eventually(check: Any, timeout: float = 10.0, interval: float = 0.05) -> None:
     """Poll the coroutine function ``check`` until it returns something true; fail after
     ``timeout`` seconds (for effects the daemon applies asynchronously)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import eventually
+from conftest import eventually, no_leases
 from safetensors.torch import load_file, save_file
 
 from weightcache import Client, SyncClient
@@ -44,10 +44,6 @@ async def states(c: Client) -> dict[str, str]:
 async def first(c: Client, key: str, value: object) -> bool:
     """Whether the first model's ``key`` has become ``value``."""
     return (await c.models())[0][key] == value
-
-
-async def no_leases(c: Client) -> bool:
-    return (await c.status())["leases"] == 0
 
 
 async def test_runs_under_uvloop():
@@ -122,6 +118,20 @@ async def test_sigkilled_engine_releases_its_lease(start_daemon, ckpts):
         assert (await c.status())["leases"] == 0
         await c.load("b")  # now a can go
         assert await states(c) == {"a": "evicted", "b": "resident"}
+
+
+async def test_engine_exiting_inside_an_attach_block_exits_promptly(start_daemon, ckpts):
+    # An engine whose main() returns or calls sys.exit() while it serves. Without the
+    # client's exit hook, interpreter shutdown finalized the open attach block after the
+    # client's loop thread was frozen, and the process hung forever.
+    d = start_daemon(models={"a": ckpts["a"]})
+    r = await asyncio.to_thread(subprocess.run, [sys.executable, CHILD, d.socket, "a", str(ckpts["a"]), "leave"],
+                                capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout.startswith("ATTACHED"), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-2000:]
+    async with Client(d.socket) as c:
+        await eventually(lambda: first(c, "attach_count", 0))
+        assert (await c.status())["leases"] == 0
 
 
 async def test_no_space_waits_for_a_detach(start_daemon, ckpts):

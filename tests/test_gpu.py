@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import eventually, no_leases
 from safetensors.torch import load_file
 
 cuda_bindings = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings not installed")
@@ -66,6 +67,16 @@ async def test_attach_in_process_zero_copy_and_zero_extra_memory(start_daemon, g
             assert ptrs[-1] - ptrs[0] < m.nbytes + 256 * len(m)
 
 
+async def test_engine_exiting_inside_an_attach_block_exits_promptly(start_daemon, gpu_ckpts):
+    # As the CPU test in test_daemon.py, with CUDA mappings to undo at exit.
+    d = gpu_daemon(start_daemon, "2GiB", {"x": gpu_ckpts["x"]})
+    r = await asyncio.to_thread(child, d, "x", gpu_ckpts["x"], "leave")
+    assert r.returncode == 0 and r.stdout.startswith("ATTACHED"), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-2000:]
+    async with Client(d.socket) as c:
+        await eventually(lambda: no_leases(c))
+
+
 def test_write_to_read_only_mapping_fails_in_the_client_only(start_daemon, gpu_ckpts):
     d = gpu_daemon(start_daemon, "2GiB", {"x": gpu_ckpts["x"]})
     d.allowed_errors.append("never")  # the daemon must log no traceback
@@ -90,16 +101,13 @@ async def test_killed_client_releases_lease_and_eviction_frees_gpu_memory(start_
         free_before = torch.cuda.mem_get_info()[0]
         kid.send_signal(signal.SIGKILL)
         kid.wait()
-        for _ in range(100):
-            if (await c.status())["leases"] == 0:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: no_leases(c))
         assert (await c.evict("x"))["evicted"]
-        for _ in range(100):  # freed in a thread
-            if torch.cuda.mem_get_info()[0] - free_before >= nbytes * 0.95:
-                break
-            await asyncio.sleep(0.05)
-        assert torch.cuda.mem_get_info()[0] - free_before >= nbytes * 0.95
+
+        async def memory_returned() -> bool:  # freed in a thread
+            return torch.cuda.mem_get_info()[0] - free_before >= nbytes * 0.95
+
+        await eventually(memory_returned)
 
 
 async def test_lru_eviction_under_a_small_gpu_budget(start_daemon, gpu_ckpts):

@@ -4,16 +4,31 @@ that are not asyncio code. Same methods, same errors, blocking."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
+from ..errors import DaemonUnavailable
 from .client import AttachedModel, Client
 
 T = TypeVar("T")
+_open_clients: weakref.WeakSet[SyncClient] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_clients() -> None:
+    # At interpreter exit Python freezes daemon threads, and the event loop thread is one:
+    # a blocking call made after that would wait forever. One is made when an engine exits
+    # inside an attach block (its generator is finalized, and its cleanup detaches). So
+    # close the clients while the loop still runs; cleanup after close does nothing (the
+    # daemon ended the leases with the connection).
+    for client in list(_open_clients):
+        client.close()
 
 
 class SyncClient:
@@ -30,8 +45,12 @@ class SyncClient:
         except BaseException:
             self._stop_loop()
             raise
+        _open_clients.add(self)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop.is_closed():
+            coro.close()
+            raise DaemonUnavailable("client closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def _stop_loop(self) -> None:
@@ -42,6 +61,7 @@ class SyncClient:
     def close(self) -> None:
         if self._loop.is_closed():
             return
+        _open_clients.discard(self)
         self._call(self._client.close())
         self._stop_loop()
 
@@ -95,7 +115,9 @@ class SyncClient:
         try:
             yield model
         except BaseException:
-            if not self._call(cm.__aexit__(*sys.exc_info())):
+            # A closed client's leases ended with its connection: nothing to detach.
+            if self._loop.is_closed() or not self._call(cm.__aexit__(*sys.exc_info())):
                 raise
         else:
-            self._call(cm.__aexit__(None, None, None))
+            if not self._loop.is_closed():
+                self._call(cm.__aexit__(None, None, None))
