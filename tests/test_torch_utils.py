@@ -1,10 +1,13 @@
-"""empty_parameters + load_into_module without a daemon: any mapping of tensors will do."""
+"""The client's torch pieces without a daemon: empty_parameters + load_into_module (any
+mapping of tensors will do) and the attach reply's tensor table -> views."""
 
 import pytest
 import torch
 from torch import nn
 
 from weightcache import empty_parameters, load_into_module
+from weightcache.client.mapping import TORCH_DTYPES, tensor_views
+from weightcache.errors import BadRequest
 
 
 class Rotary(nn.Module):
@@ -54,3 +57,30 @@ def test_load_into_module_refuses_to_leave_parameters_on_meta():
     with pytest.raises(ValueError, match=r"left on the meta device \(not in the weights\): \['proj\.bias'\]"):
         load_into_module(skeleton, weights, strict=False)
     assert skeleton.proj.weight.is_meta  # refused before touching the module
+
+
+def test_tensor_views_are_the_slices_of_the_arena():
+    rows, offset = [], 0
+    for i, (dtype, shape) in enumerate([("BF16", [64, 32]), ("F32", []), ("U8", [3]), ("F32", [5, 1, 2]),
+                                         ("I64", [7]), ("BF16", [0, 4]), ("F8_E4M3", [9])]):
+        itemsize = TORCH_DTYPES[dtype].itemsize
+        offset += -offset % itemsize  # aligned, as the daemon lays arenas out
+        nbytes = itemsize * torch.Size(shape).numel()
+        rows.append([f"t{i}", dtype, shape, offset, nbytes])
+        offset += nbytes
+    slab = torch.randint(0, 256, (offset + 1,), dtype=torch.uint8)  # an odd length: views of the prefix
+    views = tensor_views(slab, rows)
+    for name, dtype, shape, off, nbytes in rows:
+        ref = slab[off : off + nbytes].view(TORCH_DTYPES[dtype]).view(shape)
+        got = views[name]
+        assert got.dtype == ref.dtype and got.shape == ref.shape and got.is_contiguous()
+        assert got.data_ptr() == ref.data_ptr() or nbytes == 0
+        assert torch.equal(got.view(-1).view(torch.uint8), ref.view(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("row", [["x", "BF16", [2], 1, 4],      # misaligned for its dtype
+                                 ["x", "BF16", [3], 0, 4],      # nbytes disagrees with the shape
+                                 ["x", "F32", [2], 12, 8]])     # runs past the arena
+def test_tensor_views_refuse_rows_that_do_not_fit(row):
+    with pytest.raises(BadRequest, match="does not fit"):
+        tensor_views(torch.zeros(16, dtype=torch.uint8), [row])

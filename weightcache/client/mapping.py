@@ -11,6 +11,7 @@ the model; the lease is what keeps the daemon from evicting it while you use it.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import warnings
@@ -55,8 +56,27 @@ def map_arena(arena: dict[str, Any], fds: list[int]) -> torch.Tensor:
 
 
 def tensor_views(slab: torch.Tensor, table: list[list[Any]]) -> dict[str, torch.Tensor]:
-    """[name, dtype, shape, offset, nbytes] rows -> views of ``slab`` (no copies)."""
+    """[name, dtype, shape, offset, nbytes] rows -> views of ``slab`` (no copies).
+
+    One ``as_strided`` per tensor on a per-dtype view of the slab: slicing, then viewing
+    as the dtype, then reshaping costs three tensor ops per tensor, and for a few hundred
+    tensors that was most of an attach (1.1 vs 0.45 ms for 291 tensors on the CPU).
+    """
     out = {}
-    for name, dtype, shape, offset, nbytes in table:
-        out[name] = slab[offset : offset + nbytes].view(TORCH_DTYPES[dtype]).view(shape)
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    size = slab.numel()
+    for name, dtype_name, shape, offset, nbytes in table:
+        dtype = TORCH_DTYPES[dtype_name]
+        itemsize = dtype.itemsize
+        numel = math.prod(shape)
+        if offset % itemsize or numel * itemsize != nbytes or offset + nbytes > size:
+            raise BadRequest(f"tensor {name!r}: {dtype_name}{list(shape)} does not fit at offset {offset} "
+                             f"({nbytes} bytes) of a {size}-byte arena")
+        base = typed.get(dtype)
+        if base is None:
+            base = typed[dtype] = slab[: size - size % itemsize].view(dtype)
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 1, 0, -1):
+            strides[i - 1] = strides[i] * shape[i]
+        out[name] = base.as_strided(shape, strides, offset // itemsize)
     return out
