@@ -1,12 +1,15 @@
-"""An example engine: a small Llama built locally with transformers (no downloads), served
-by a weightcache daemon, restarted with and without the cache. The forward outputs must
-be bit-identical every time.
+"""An example engine: a Llama built locally with transformers (no downloads), served by a
+weightcache daemon, restarted with and without the cache. The forward outputs must be
+bit-identical every time.
 
-    python examples/transformers_engine.py [--restarts 2] [--workdir DIR] [--device cpu]
+    python examples/transformers_engine.py [--preset tiny|llama-8b] [--device cpu|cuda:0]
+                                           [--restarts 2] [--workdir DIR]
 
-Each restart is a fresh process: `import torch, transformers`, build the model skeleton
-from its config, then either `from_pretrained` (weights from disk) or attach +
-`load_into_module` (weights from the cache, zero-copy), then one forward pass.
+Each restart is a fresh process: `import torch, transformers`, initialize CUDA (timed
+apart), then either `from_pretrained` (weights from disk) or an `empty_parameters()`
+skeleton + attach + `load_into_module` (weights from the cache, zero-copy), then one
+forward pass. `--preset llama-8b` needs a GPU with ~40 GB free (the daemon's copy and a
+disk-loaded engine's) and ~16 GB of disk.
 """
 
 from __future__ import annotations
