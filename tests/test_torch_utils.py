@@ -41,6 +41,24 @@ def test_empty_parameters_builds_parameters_on_meta_and_buffers_for_real():
     assert model.proj.weight.data_ptr() == weights["proj.weight"].data_ptr()
 
 
+def test_loaded_module_refuses_load_state_dict_copies_into_its_views():
+    torch.manual_seed(0)
+    ref = Rotary()
+    weights = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    model = load_into_module(Rotary(), weights)
+    before = weights["proj.weight"].clone()
+    with pytest.raises(RuntimeError, match=r"^Rotary: .*read-only"):
+        model.load_state_dict(Rotary().state_dict())
+    with pytest.raises(RuntimeError, match=r"^Linear: .*read-only"):
+        model.proj.load_state_dict(nn.Linear(8, 8).state_dict())
+    assert torch.equal(weights["proj.weight"], before)  # nothing was copied
+    other = {k: v.detach().clone() for k, v in Rotary().state_dict().items()}
+    model.load_state_dict(other, assign=True)  # assigning new tensors is fine
+    assert model.proj.weight.data_ptr() == other["proj.weight"].data_ptr()
+    load_into_module(model, weights)  # and so is loading again, without stacking hooks
+    assert len(model.proj._load_state_dict_pre_hooks) == 1
+
+
 def test_empty_parameters_restores_the_patch_after_an_error():
     with pytest.raises(RuntimeError, match="boom"), empty_parameters():
         raise RuntimeError("boom")

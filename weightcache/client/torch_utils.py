@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -56,7 +57,8 @@ def load_into_module(module: nn.Module, weights: Mapping[str, torch.Tensor], *, 
     weights). Buffers that the weights do not hold (non-persistent ones: rotary
     frequencies) are moved to the weights' device, so that the module is ready to run
     there. The parameters come back with ``requires_grad=False``: they are views of
-    read-only shared memory.
+    read-only shared memory. For the same reason a later ``load_state_dict`` that would
+    copy into them (without ``assign=True``) raises instead of crashing the process.
 
     >>> with SyncClient() as c, c.attach("tiny") as w:      # doctest: +SKIP
     ...     with empty_parameters():
@@ -90,6 +92,10 @@ def load_into_module(module: nn.Module, weights: Mapping[str, torch.Tensor], *, 
     module.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=strict, assign=True)
     for p in module.parameters():
         p.requires_grad_(False)
+    for sub in module.modules():
+        if (sub._parameters or sub._buffers) and sub not in _guarded:
+            sub.register_load_state_dict_pre_hook(_refuse_copy_into_views)
+            _guarded.add(sub)
     if devices:
         (device,) = devices
         for sub in module.modules():
@@ -97,6 +103,21 @@ def load_into_module(module: nn.Module, weights: Mapping[str, torch.Tensor], *, 
                 if buf is not None and buf.device != device:
                     sub._buffers[name] = buf.to(device)
     return module
+
+
+_guarded: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules that have the hook below
+
+
+def _refuse_copy_into_views(module: nn.Module, state_dict: Mapping[str, torch.Tensor], prefix: str,
+                            local_metadata: dict[str, object], *_: object) -> None:
+    # load_state_dict copies into the existing tensors unless assign=True: into read-only
+    # shared memory that is a SIGSEGV on the CPU and a CUDA error on a GPU. Raised from a
+    # pre-hook because torch copies before it reports the errors that hooks collect.
+    if not local_metadata.get("assign_to_params_buffers", False):
+        where = f" ({prefix.rstrip('.')})" if prefix else ""
+        raise RuntimeError(f"{type(module).__name__}{where}: its weights are read-only "
+                           "views of weightcache memory, so load_state_dict cannot copy into them; "
+                           "pass assign=True or call weightcache.load_into_module again")
 
 
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
