@@ -469,6 +469,8 @@ async def test_load_into_module_makes_parameters_views(start_daemon, tmp_path):
         assert torch.equal(model(x), ref(x))
         assert model[0].weight.data_ptr() == w["0.weight"].data_ptr()  # a view, not a copy
         assert not model[0].weight.requires_grad
+        with pytest.raises(RuntimeError, match="read-only"):  # a copy into the sealed memfd would SIGSEGV
+            model.load_state_dict(ref.state_dict())
         with pytest.raises(ValueError, match=r"missing keys: \['3\.bias', '3\.weight'\]"):
             load_into_module(nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(32, 8), nn.Linear(8, 8)).to(torch.bfloat16), w)
         with pytest.raises(ValueError, match="dtype"):
