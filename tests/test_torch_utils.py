@@ -33,6 +33,12 @@ def test_empty_parameters_builds_parameters_on_meta_and_buffers_for_real():
     assert isinstance(skeleton.proj.weight, nn.Parameter)
     assert not skeleton.inv_freq.is_meta and torch.equal(skeleton.inv_freq, ref.inv_freq)
     assert not Rotary().proj.weight.is_meta  # the patch is gone after the block
+    with empty_parameters():
+        tagged = nn.Parameter(torch.ones(2), requires_grad=False)
+        tagged.shard_dim = 0  # frameworks tag parameters before registering them
+        holder = nn.Module()
+        holder.register_parameter("w", tagged)
+    assert holder.w.is_meta and holder.w.shard_dim == 0 and not holder.w.requires_grad
 
     weights = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     model = load_into_module(skeleton, weights)

@@ -35,9 +35,14 @@ def empty_parameters() -> Iterator[None]:
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
         if param is not None and param.device.type != "meta":
-            # Keep the Parameter subclass and its attributes (some frameworks tag them).
-            kwargs = dict(param.__dict__, requires_grad=param.requires_grad)
-            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+            # Keep the Parameter's class and attributes (frameworks tag parameters).
+            # Subclasses (quantized ones) take their attributes as constructor arguments.
+            if type(param) is nn.Parameter:
+                meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+                meta.__dict__.update(param.__dict__)
+            else:
+                meta = type(param)(param.to("meta"), **dict(param.__dict__, requires_grad=param.requires_grad))
+            module._parameters[name] = meta
 
     nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign,assignment]
     try:
