@@ -116,3 +116,62 @@ def test_systemd_units_verify(tmp_path):
         names.append(str(tmp_path / name))
     r = subprocess.run([analyze, "verify", "--man=no", *names], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+
+
+def test_kubernetes_manifest_matches_the_tested_config_and_cli():
+    yaml = pytest.importorskip("yaml")
+    from weightcache.cli import build_parser
+
+    root = Path(__file__).resolve().parent.parent / "examples" / "kubernetes"
+    docs = {d["kind"]: d for d in yaml.safe_load_all((root / "weightcache-daemonset.yaml").read_text())}
+    assert set(docs) == {"ConfigMap", "DaemonSet", "Pod"}
+    # The ConfigMap's TOML is the file test_config.py loads.
+    assert docs["ConfigMap"]["data"]["weightcache.toml"] == (root / "weightcache.toml").read_text()
+    (daemon,) = docs["DaemonSet"]["spec"]["template"]["spec"]["containers"]
+    build_parser().parse_args(daemon["args"])
+    for probe in ("readinessProbe", "livenessProbe"):
+        command = daemon[probe]["exec"]["command"]
+        assert command[0] == "weightcache"
+        build_parser().parse_args(command[1:])  # exits (fails the test) on a stale command
+    assert daemon["readinessProbe"]["exec"]["command"][-2:] == ["health", "--ready"]
+
+
+def health_cli(d, *args):
+    return subprocess.run([sys.executable, "-m", "weightcache", "--socket", d.socket, "health", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+async def test_health_is_ready_once_preloads_are_resident_and_reports_failures(start_daemon, ckpts, tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 64)  # a header length no file has
+    d = start_daemon(budget="9MiB", models={"a": ckpts["a"], "bad": bad}, extra_daemon={"no_space_wait_s": 30},
+                     bad={"preload": True})
+    d.allowed_errors.append("preload of bad failed")
+    async with Client(d.socket) as c:
+        async def settled() -> bool:
+            return not (await c.health())["preloading"]
+
+        await eventually(settled)
+        h = await c.health()
+        assert h["serving"] and not h["ready"] and "CORRUPT_CHECKPOINT" in h["failed_preloads"]["bad"]
+        r = health_cli(d)
+        assert r.returncode == 0 and "not ready" in r.stdout  # alive: a liveness probe passes
+        r = health_cli(d, "--ready")
+        assert r.returncode == 1 and "preload of bad failed" in r.stderr
+        await c.unregister("bad")
+        assert (await c.health())["ready"]
+
+        # A preload that must wait for room keeps the daemon not ready until it is resident.
+        async with c.attach("a"):
+            await c.register("b", ckpts["b"], preload=True)  # 9 MiB holds one of a, b
+            assert (await c.health())["preloading"] == ["b"]
+            r = health_cli(d, "--ready")
+            assert r.returncode == 1 and "preloading b" in r.stderr
+
+        async def ready() -> bool:
+            return bool((await c.health())["ready"])
+
+        await eventually(ready)
+        assert {m["name"]: m["state"] for m in await c.models()} == {"a": "evicted", "b": "resident"}
+    r = health_cli(d, "--ready")
+    assert r.returncode == 0 and r.stdout.strip() == "ready"

@@ -215,6 +215,8 @@ async def test_shutdown_announces_itself_and_waits_for_leases(start_daemon, ckpt
                     break
                 await asyncio.sleep(0.05)
             assert c.events[0]["event"] == "shutting_down" and c.events[0]["leases"] == 1
+            health = await c.health()
+            assert health["serving"] is False and health["ready"] is False  # probes see it too
             with pytest.raises(Exception, match="SHUTTING_DOWN"):
                 await c.attach("tiny").__aenter__()
             await asyncio.sleep(0.5)

@@ -100,6 +100,27 @@ async def cmd_reload(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when the daemon serves (with --ready: and its preloads are done), else 1:
+    what a liveness or readiness probe runs."""
+    async with _client(args) as c:
+        h = await c.health()
+    if args.json:
+        _print_json(h)
+    ok = h["ready"] if args.ready else h["serving"]
+    if not ok:
+        reasons = [] if h["serving"] else ["shutting down"]
+        if h["preloading"]:
+            reasons.append(f"preloading {', '.join(h['preloading'])}")
+        reasons += [f"preload of {name} failed: {err}" for name, err in h["failed_preloads"].items()]
+        print(f"weightcache: not {'ready' if args.ready else 'serving'}: {'; '.join(reasons)}", file=sys.stderr)
+        return 1
+    if not args.json:
+        print("ready" if h["ready"] else f"serving; not ready: {len(h['preloading'])} preloading, "
+              f"{len(h['failed_preloads'])} failed")
+    return 0
+
+
 async def cmd_attach(args: argparse.Namespace) -> int:
     async with _client(args) as c:
         t0 = time.perf_counter()
@@ -164,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=text)
         s.add_argument("--json", action="store_true")
         s.set_defaults(func=fn)
+
+    s = sub.add_parser("health", help="exit 0 if the daemon serves (--ready: and its preloads are resident); for probes")
+    s.add_argument("--ready", action="store_true", help="also require every configured preload to be resident")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_health)
 
     s = sub.add_parser("load", help="make a model resident, with a progress bar")
     s.add_argument("name")

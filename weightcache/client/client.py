@@ -234,6 +234,12 @@ class Client:
         """Per-device ``budget``/``used``/``reserved``/``free``, loads in progress, leases."""
         return await self.request("status")
 
+    async def health(self) -> dict[str, Any]:
+        """``{"serving", "ready", "preloading", "failed_preloads", "uptime_s"}``: ready means
+        serving with every configured preload resident (docs/protocol.md)."""
+        reply = await self.request("health")
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+
     async def models(self) -> list[dict[str, Any]]:
         """One dict per model: name, state, device, nbytes, attach_count, pinned, ..."""
         return (await self.request("models"))["models"]

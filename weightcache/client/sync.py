@@ -81,6 +81,9 @@ class SyncClient:
     def status(self) -> dict[str, Any]:
         return self._call(self._client.status())
 
+    def health(self) -> dict[str, Any]:
+        return self._call(self._client.health())
+
     def models(self) -> list[dict[str, Any]]:
         return self._call(self._client.models())
 

@@ -5,6 +5,6 @@ PROTOCOL_VERSION = 1
 # Ops the daemon answers. Admin ops change what is cached for everyone.
 OPS = frozenset(
     {"hello", "status", "models", "load", "attach", "detach", "evict", "pin", "unpin",
-     "register", "unregister", "reload", "publish"}
+     "register", "unregister", "reload", "publish", "health"}
 )
 ADMIN_OPS = frozenset({"evict", "pin", "unpin", "register", "unregister", "reload"})

@@ -118,11 +118,16 @@ class Daemon:
         self.access = AccessPolicy(settings.daemon)
         self.metrics = Metrics(self)
         self.last_load_rate: dict[str, float] = {}  # bytes/s of each model's last load (metrics)
+        # Preloads decide readiness (the health op): pending until every rank is resident,
+        # failed with the error until a later preload of that model succeeds.
+        self.preloads_pending: set[str] = set()
+        self.preloads_failed: dict[str, str] = {}
         self._ops: dict[str, Callable[[Connection, dict[str, Any]], Awaitable[tuple[dict[str, Any], list[int]]]]] = {
             "status": self.op_status, "models": self.op_models, "load": self.op_load,
             "attach": self.op_attach, "detach": self.op_detach, "evict": self.op_evict,
             "pin": self.op_pin, "unpin": self.op_unpin, "register": self.op_register,
             "unregister": self.op_unregister, "reload": self.op_reload, "publish": self.op_publish,
+            "health": self.op_health,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -157,7 +162,7 @@ class Daemon:
         sd_notify(f"READY=1\nSTATUS=serving on {self.socket_path}")
         for mc in self.settings.models:
             if mc.preload:
-                self._spawn(self._preload(mc.name))
+                self._start_preload(mc.name)
         self._spawn(self._keep_alive_loop())
 
     def _bind(self, path: str) -> socket.socket:
@@ -486,6 +491,15 @@ class Daemon:
             "shutting_down": bool(self._stopping and self._stopping.is_set()),
         }, []
 
+    async def op_health(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """For probes: serving (alive and not shutting down) and ready (serving, and every
+        preload done and succeeded: a DaemonSet rollout with a bad model path stops at
+        the first node instead of reaching them all)."""
+        serving = not (self._stopping and self._stopping.is_set())
+        pending, failed = sorted(self.preloads_pending), dict(sorted(self.preloads_failed.items()))
+        return {"serving": serving, "ready": serving and not pending and not failed,
+                "preloading": pending, "failed_preloads": failed, "uptime_s": time.monotonic() - self.started}, []
+
     async def op_models(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         return {"models": [self._describe(name) for name in self.models]}, []
 
@@ -667,7 +681,7 @@ class Daemon:
             raise BadRequest(f"invalid model: {exc}") from None
         self._register(mc)
         if mc.preload:
-            self._spawn(self._preload(mc.name))
+            self._start_preload(mc.name)
         return {"model": self._describe(self.groups[mc.name][0])}, []
 
     async def op_unregister(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -724,7 +738,7 @@ class Daemon:
                 if name not in report["changed"]:
                     report["added"].append(name)
                 if mc.preload:
-                    self._spawn(self._preload(name))
+                    self._start_preload(name)
         log.info("reload: %s", {k: v for k, v in report.items() if v and k != "unchanged"})
         return report
 
@@ -755,6 +769,8 @@ class Daemon:
             e = self.core.entry(entry)
             if e.leases or e.state is State.LOADING:
                 self.core.unregister(entry)  # raises ATTACHED / BAD_REQUEST with the reason
+        self.preloads_pending.discard(name)
+        self.preloads_failed.pop(name, None)
         for entry in self.groups.pop(name):
             self.core.unregister(entry)
             model = self.models.pop(entry)
@@ -899,12 +915,22 @@ class Daemon:
                     except TimeoutError:
                         pass
 
+    def _start_preload(self, name: str) -> None:
+        self.preloads_pending.add(name)  # before the task runs: a health request may come first
+        self._spawn(self._preload(name))
+
     async def _preload(self, name: str) -> None:
-        for entry in self.groups.get(name, []):
-            try:
-                await self.ensure_resident(entry, self.settings.daemon.no_space_wait_s)
-            except WeightcacheError as exc:
-                log.error("preload of %s failed: %s", entry, exc)
+        try:
+            for entry in self.groups.get(name, []):
+                try:
+                    await self.ensure_resident(entry, self.settings.daemon.no_space_wait_s)
+                except WeightcacheError as exc:
+                    log.error("preload of %s failed: %s", entry, exc)
+                    self.preloads_failed[name] = str(exc) if entry == name else f"{entry}: {exc}"
+                    return
+            self.preloads_failed.pop(name, None)
+        finally:
+            self.preloads_pending.discard(name)
 
     async def _carry_out(self, step: StepDown, reason: str) -> None:
         """Do what the core decided: drop host copies, demote arenas to the host tier
