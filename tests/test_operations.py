@@ -84,6 +84,7 @@ async def test_metrics_endpoint(start_daemon, ckpts):
     assert series['weightcache_model_attach_count{model="a"}'] == 1
     assert series['weightcache_model_loads_total{model="a"}'] == 1
     assert series["weightcache_leases"] == 1
+    assert series["weightcache_ready"] == 1  # no preloads: ready at once
     assert series['weightcache_last_load_bytes_per_second{model="a"}'] > 0
     assert series['weightcache_request_seconds_count{op="attach"}'] >= 1
     assert series['weightcache_request_seconds_count{op="status"}'] >= 1
@@ -144,8 +145,9 @@ def health_cli(d, *args):
 async def test_health_is_ready_once_preloads_are_resident_and_reports_failures(start_daemon, ckpts, tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\xff" * 64)  # a header length no file has
-    d = start_daemon(budget="9MiB", models={"a": ckpts["a"], "bad": bad}, extra_daemon={"no_space_wait_s": 30},
-                     bad={"preload": True})
+    port = free_port()
+    d = start_daemon(budget="9MiB", models={"a": ckpts["a"], "bad": bad}, bad={"preload": True},
+                     extra_daemon={"no_space_wait_s": 30, "metrics_listen": f"127.0.0.1:{port}"})
     d.allowed_errors.append("preload of bad failed")
     async with Client(d.socket) as c:
         async def settled() -> bool:
@@ -158,6 +160,8 @@ async def test_health_is_ready_once_preloads_are_resident_and_reports_failures(s
         assert r.returncode == 0 and "not ready" in r.stdout  # alive: a liveness probe passes
         r = health_cli(d, "--ready")
         assert r.returncode == 1 and "preload of bad failed" in r.stderr
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "weightcache_ready 0.0" in body and 'weightcache_preload_failed{model="bad"} 1.0' in body
         await c.unregister("bad")
         assert (await c.health())["ready"]
 

@@ -492,13 +492,17 @@ class Daemon:
         }, []
 
     async def op_health(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """For probes: serving (alive and not shutting down) and ready (serving, and every
-        preload done and succeeded: a DaemonSet rollout with a bad model path stops at
-        the first node instead of reaching them all)."""
+        return self.health(), []
+
+    def health(self) -> dict[str, Any]:
+        """For probes and metrics: serving (alive and not shutting down) and ready (serving,
+        and every preload done and succeeded: a DaemonSet rollout with a bad model path
+        stops at the first node instead of reaching them all). Also read from the metrics
+        thread: it only copies containers (atomic under the GIL)."""
         serving = not (self._stopping and self._stopping.is_set())
         pending, failed = sorted(self.preloads_pending), dict(sorted(self.preloads_failed.items()))
         return {"serving": serving, "ready": serving and not pending and not failed,
-                "preloading": pending, "failed_preloads": failed, "uptime_s": time.monotonic() - self.started}, []
+                "preloading": pending, "failed_preloads": failed, "uptime_s": time.monotonic() - self.started}
 
     async def op_models(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         return {"models": [self._describe(name) for name in self.models]}, []

@@ -102,3 +102,10 @@ class _StateCollector(Collector):
         yield rate
         yield GaugeMetricFamily("weightcache_connections", "Open client connections", value=len(self.d.conns))
         yield GaugeMetricFamily("weightcache_leases", "Live leases", value=len(core.leases))
+        health = self.d.health()
+        yield GaugeMetricFamily("weightcache_ready", "1 when serving with every preload resident (the health op)",
+                                value=int(health["ready"]))
+        failed = GaugeMetricFamily("weightcache_preload_failed", "1 for each model whose preload failed", labels=["model"])
+        for name in health["failed_preloads"]:
+            failed.add_metric([name], 1)
+        yield failed
