@@ -97,16 +97,14 @@ def load_into_module(module: nn.Module, weights: Mapping[str, torch.Tensor], *, 
     module.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=strict, assign=True)
     for p in module.parameters():
         p.requires_grad_(False)
+    device = next(iter(devices), None)
     for sub in module.modules():
         if (sub._parameters or sub._buffers) and sub not in _guarded:
             sub.register_load_state_dict_pre_hook(_refuse_copy_into_views)
             _guarded.add(sub)
-    if devices:
-        (device,) = devices
-        for sub in module.modules():
-            for name, buf in sub._buffers.items():
-                if buf is not None and buf.device != device:
-                    sub._buffers[name] = buf.to(device)
+        for name, buf in sub._buffers.items():
+            if device is not None and buf is not None and buf.device != device:
+                sub._buffers[name] = buf.to(device)
     return module
 
 

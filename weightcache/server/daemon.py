@@ -130,6 +130,10 @@ class Daemon:
             "health": self.op_health,
         }
 
+    @property
+    def shutting_down(self) -> bool:
+        return bool(self._stopping and self._stopping.is_set())
+
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Build backends and budgets, register the configured models, bind the socket.
@@ -488,7 +492,7 @@ class Daemon:
             "socket": self.socket_path, "devices": devices, "connections": len(self.conns),
             "leases": len(self.core.leases),
             "loading": {name: p.snapshot() for name, p in self.progress.items()},
-            "shutting_down": bool(self._stopping and self._stopping.is_set()),
+            "shutting_down": self.shutting_down,
         }, []
 
     async def op_health(self, conn: Connection, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -499,7 +503,7 @@ class Daemon:
         and every preload done and succeeded: a DaemonSet rollout with a bad model path
         stops at the first node instead of reaching them all). Also read from the metrics
         thread: it only copies containers (atomic under the GIL)."""
-        serving = not (self._stopping and self._stopping.is_set())
+        serving = not self.shutting_down
         pending, failed = sorted(self.preloads_pending), dict(sorted(self.preloads_failed.items()))
         return {"serving": serving, "ready": serving and not pending and not failed,
                 "preloading": pending, "failed_preloads": failed, "uptime_s": time.monotonic() - self.started}
@@ -848,7 +852,7 @@ class Daemon:
         def read(arena: Arena, progress: Progress) -> None:
             read_checkpoint(
                 ckpt, backend.writer(arena, d.load_chunk_bytes), threads=d.load_threads, chunk=d.load_chunk_bytes,
-                nice=d.load_nice, progress=progress, cancelled=self._stopping.is_set if self._stopping else (lambda: False),
+                nice=d.load_nice, progress=progress, cancelled=lambda: self.shutting_down,
                 direct_io=d.load_direct_io, log=lambda msg: log.info("load %s: %s", name, msg),
             )
 
