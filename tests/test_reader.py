@@ -1,11 +1,20 @@
-"""O_DIRECT reads and the page-cache residency probe that decides when to use them."""
+"""Reading a checkpoint from its open fds: O_DIRECT reads (and the page-cache residency probe
+that decides when to use them), whole loads into a CPU arena, and changes noticed mid-load."""
 
+import fcntl
 import mmap
 import os
+import threading
+from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
-from weightcache.loader.reader import DIRECT_ALIGN, open_for_reading, pread_direct, resident_fraction
+from weightcache.backends.cpu import CpuBackend
+from weightcache.errors import CorruptCheckpoint
+from weightcache.loader import Progress, open_source, parse_checkpoint, read_checkpoint
+from weightcache.loader.reader import DIRECT_ALIGN, open_for_reading, pread_direct, pread_full, resident_fraction
 
 
 class DirectWriter:
@@ -46,20 +55,158 @@ def test_residency_probe_and_the_auto_choice(data_file):
     path, _ = data_file
     path.read_bytes()  # warm
     fd = os.open(path, os.O_RDONLY)
-    assert resident_fraction(fd, path.stat().st_size) == 1.0
-    os.close(fd)
-    fd, direct, why = open_for_reading(str(path), DirectWriter(), "auto")
-    os.close(fd)
-    assert not direct and "page cache" in why
-    drop(path)
+    size = path.stat().st_size
+    try:
+        assert resident_fraction(fd, size) == 1.0
+        rfd, direct, why = open_for_reading(fd, size, DirectWriter(), "auto")
+        assert rfd == fd and not direct and "page cache" in why
+        drop(path)
+        cold = resident_fraction(fd, size)
+        if cold >= 0.5:
+            pytest.skip("posix_fadvise(DONTNEED) did not drop the pages here")
+        rfd, direct, why = open_for_reading(fd, size, DirectWriter(), "auto")
+        if direct:
+            assert rfd != fd
+            os.close(rfd)
+        else:
+            assert rfd == fd and "refused" in why
+        rfd, direct, why = open_for_reading(fd, size, DirectWriter(), "off")
+        assert rfd == fd and not direct and why == "buffered"
+    finally:
+        os.close(fd)
+
+
+def test_o_direct_reopens_the_same_inode_not_the_path(data_file, tmp_path):
+    """The O_DIRECT fd comes from /proc/self/fd/N: a file renamed over the path after the
+    open does not reach it."""
+    path, data = data_file
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip("this file system refuses O_DIRECT")
     fd = os.open(path, os.O_RDONLY)
-    cold = resident_fraction(fd, path.stat().st_size)
-    os.close(fd)
-    if cold >= 0.5:
-        pytest.skip("posix_fadvise(DONTNEED) did not drop the pages here")
-    fd, direct, why = open_for_reading(str(path), DirectWriter(), "auto")
-    os.close(fd)
-    assert direct or "refused" in why
-    fd, direct, why = open_for_reading(str(path), DirectWriter(), "off")
-    os.close(fd)
-    assert not direct and why == "buffered"
+    try:
+        other = tmp_path / "other.bin"
+        other.write_bytes(os.urandom(len(data)))
+        os.replace(other, path)  # the path now names another file of the same size
+        rfd, direct, why = open_for_reading(fd, len(data), DirectWriter(), "on")
+        assert direct, why
+        try:
+            assert rfd != fd and os.path.samestat(os.fstat(rfd), os.fstat(fd))
+            assert os.fstat(rfd).st_ino != os.stat(path).st_ino
+            assert fcntl.fcntl(rfd, fcntl.F_GETFL) & os.O_DIRECT
+            buf = memoryview(mmap.mmap(-1, 2**20 + 2 * DIRECT_ALIGN))
+            skew = pread_direct(rfd, buf, 1000, 2**20)
+            assert bytes(buf[skew : skew + 2**20]) == data[1000 : 1000 + 2**20]
+        finally:
+            os.close(rfd)
+    finally:
+        os.close(fd)
+
+
+class BytesArena:
+    """A real ArenaWriter that takes O_DIRECT fds: it reads through a page-aligned bounce
+    buffer (as the CUDA backend's pinned buffers do) into a bytearray."""
+
+    direct_io = True
+
+    def __init__(self, nbytes: int) -> None:
+        self.data = bytearray(nbytes)
+        self.direct_calls = 0
+        self.lock = threading.Lock()
+
+    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False) -> None:
+        if direct:
+            with self.lock:
+                self.direct_calls += 1
+            buf = mmap.mmap(-1, nbytes + 2 * DIRECT_ALIGN)
+            with memoryview(buf) as view:
+                skew = pread_direct(fd, view, file_offset, nbytes)
+                self.data[arena_offset : arena_offset + nbytes] = view[skew : skew + nbytes]
+            buf.close()
+        else:
+            with memoryview(self.data)[arena_offset : arena_offset + nbytes] as dst:
+                pread_full(fd, dst, file_offset)
+
+    def finish(self) -> None:
+        pass
+
+
+def expected_arena(ckpt, files: list[bytes]) -> bytes:
+    out = bytearray(ckpt.arena_bytes)
+    for t in ckpt.tensors:
+        out[t.arena_offset : t.arena_offset + t.nbytes] = files[t.file][t.file_offset : t.file_offset + t.nbytes]
+    return bytes(out)
+
+
+def cpu_load(ckpt, opened, **kw) -> bytes:
+    backend = CpuBackend("cpu")
+    arena = backend.allocate(ckpt.arena_bytes, "t")
+    try:
+        read_checkpoint(ckpt, opened, backend.writer(arena, 65536), threads=4, chunk=65536, **kw)
+        backend.seal(arena)
+        return os.pread(arena.fd, ckpt.arena_bytes, 0)
+    finally:
+        backend.free(arena)
+
+
+def test_read_checkpoint_reads_every_tensor_from_the_open_fds(ckpts):
+    with open_source(ckpts["sharded"]) as opened:
+        ckpt = parse_checkpoint(opened)
+        files = [Path(f.path).read_bytes() for f in ckpt.files]
+        progress = Progress(ckpt.data_bytes)
+        assert cpu_load(ckpt, opened, progress=progress) == expected_arena(ckpt, files)
+        assert progress.done == ckpt.data_bytes
+        for f in opened.files:
+            os.fstat(f.fd)  # read_checkpoint left the source's fds open: their owner closes them
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_read_checkpoint_with_o_direct_and_buffered(ckpts, mode):
+    with open_source(ckpts["a"]) as opened:
+        ckpt = parse_checkpoint(opened)
+        writer = BytesArena(ckpt.arena_bytes)
+        before = len(os.listdir("/proc/self/fd"))
+        logged: list[str] = []
+        read_checkpoint(ckpt, opened, writer, threads=3, chunk=1 << 20, direct_io=mode, log=logged.append)
+        assert bytes(writer.data) == expected_arena(ckpt, [Path(ckpts["a"]).read_bytes()])
+        assert len(os.listdir("/proc/self/fd")) == before  # the O_DIRECT fd was closed again
+        if mode == "off":
+            assert writer.direct_calls == 0 and logged == [f"{ckpts['a']}: buffered"]
+        elif "refused" in logged[0]:
+            pytest.skip(f"no O_DIRECT here: {logged[0]}")
+        else:
+            assert logged == [f"{ckpts['a']}: O_DIRECT"] and writer.direct_calls > 0
+
+
+class AppendingWriter(BytesArena):
+    """Changes the file in place (same inode, new size and mtime) while the load runs."""
+
+    def __init__(self, nbytes: int, path: Path) -> None:
+        super().__init__(nbytes)
+        self.path = path
+
+    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False) -> None:
+        with self.lock, open(self.path, "ab") as f:
+            f.write(b"\0")
+        super().write_from_file(fd, file_offset, arena_offset, nbytes, direct)
+
+
+def test_a_file_changed_in_place_is_refused(tmp_path):
+    p = tmp_path / "m.safetensors"
+    save_file({"w": torch.arange(1000, dtype=torch.float32)}, str(p))
+    with open_source(p) as opened:
+        ckpt = parse_checkpoint(opened)
+        with pytest.raises(CorruptCheckpoint, match="changed on disk while it was loading"):
+            read_checkpoint(ckpt, opened, AppendingWriter(ckpt.arena_bytes, p), threads=1, chunk=1024, direct_io="off")
+        with pytest.raises(CorruptCheckpoint, match="changed on disk before it was loaded"):
+            cpu_load(ckpt, opened)
+
+
+def test_read_checkpoint_needs_the_source_it_was_parsed_from(ckpts):
+    with open_source(ckpts["sharded"]) as opened:
+        ckpt = parse_checkpoint(opened)
+    with pytest.raises(ValueError, match="closed"):
+        cpu_load(ckpt, opened)
+    with open_source(ckpts["a"]) as other, pytest.raises(ValueError, match="not the open source"):
+        cpu_load(ckpt, other)

@@ -4,48 +4,77 @@ We parse the header ourselves (8-byte little-endian length, then UTF-8 JSON) ins
 asking the safetensors package, because the daemon must reject a malformed file with a
 precise reason before reserving memory for it, and needs the raw byte ranges to read
 them in parallel straight into an arena. No torch here: dtypes stay safetensors names.
+
+Headers are read from the fds of an :class:`~weightcache.loader.sources.OpenedSource`
+(``os.pread``), never by path: the reader then reads the data from the same fds, so what
+was validated is what gets loaded (sources.py says why).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import itertools
 import json
 import math
+import operator
 import os
+import re
+import stat
 import struct
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import BadRequest, CorruptCheckpoint, LoadFailed
+from .sources import INDEX_SUFFIX, MAX_INDEX_BYTES, OpenedSource, SourceFile, index_names, open_source, read_capped
 
 # safetensors dtype name -> bytes per element
 DTYPE_SIZES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
 }
-MAX_HEADER_BYTES = 100 * 2**20  # the safetensors reference implementation's limit
-INDEX_SUFFIX = ".safetensors.index.json"
+# Header cap. The reference implementation allows 100 MiB; a JSON bomb that size (100 MiB
+# of "[{},{},...]") peaked at 2.6 GB RSS in the old parser, and would at 3.0 GB in this one
+# (one object of millions of tiny unique keys). At 16 MiB the worst bomb measured peaked at
+# 0.55 GB ({"a":{},"b":{},...}; unique keys 0.47, [{},...] and [[],...] 0.44, [0,0,...]
+# 0.12 GB) and took 2.8 s of CPU; a header over the cap is refused after reading 16 bytes
+# (RSS stays at the 20 MB baseline). Peak RSS of a fresh child per bomb, from
+# resource.getrusage(RUSAGE_CHILDREN).ru_maxrss, CPython 3.11, 2-core VM. Real headers
+# take ~100 bytes per tensor: 16 MiB is ~150k tensors in one file, and sharded
+# checkpoints stay well under 1 MiB per file.
+MAX_HEADER_BYTES = 16 * 2**20
+MAX_NAME_CHARS = 1024  # tensor names: real ones are < 200
+LIMIT = 2**62  # bound on every dimension, offset and byte count: far past any real tensor, and msgpack-safe
 ARENA_ALIGN = 256  # every tensor starts 256-byte aligned: what CUDA kernels and any dtype view need
-
 
 @dataclass(frozen=True)
 class CheckpointFile:
     path: str
     size: int
     mtime_ns: int
+    dev: int  # with ino: which file this was, so a file replaced by rename counts as changed
+    ino: int
     data_start: int  # 8 + header length: file offset of the first tensor byte
     header: bytes  # raw JSON, part of the fingerprint
 
+    def same_file(self, st: os.stat_result) -> bool:
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == (self.dev, self.ino, self.size, self.mtime_ns)
 
-@dataclass(frozen=True)
-class TensorInfo:
+
+class TensorInfo(NamedTuple):
+    """One tensor of a checkpoint. A NamedTuple rather than a frozen dataclass: building one
+    costs a quarter as much (0.24 vs 0.8 us here), which is most of validating a published
+    table of 600k tensors. Fields are read by name only."""
+
     name: str
     dtype: str  # safetensors name, e.g. "BF16"
     shape: tuple[int, ...]
-    file: int  # index into Checkpoint.files
-    file_offset: int  # absolute offset in that file
+    file: int  # index into Checkpoint.files (-1 for a published table)
+    file_offset: int  # absolute offset in that file (-1 for a published table)
     nbytes: int
     arena_offset: int  # where it lives in the model's arena (ARENA_ALIGN-aligned)
 
@@ -63,13 +92,29 @@ class Checkpoint:
         return sum(t.nbytes for t in self.tensors)
 
     def unchanged_on_disk(self) -> bool:
-        """Cheap staleness check: every file still has the size and mtime we parsed."""
+        """Cheap staleness check by path: every file is still the same file (dev, inode) with
+        the size and mtime we parsed. Only meaningful for files the daemon opened by path;
+        for adopted fds use :meth:`matches`."""
         for f in self.files:
             try:
                 st = os.stat(f.path)
             except OSError:
                 return False
-            if st.st_size != f.size or st.st_mtime_ns != f.mtime_ns:
+            if not f.same_file(st):
+                return False
+        return True
+
+    def matches(self, opened: OpenedSource) -> bool:
+        """The open files are still those we parsed, unmodified: fstat of each fd matches the
+        recorded dev, inode, size and mtime."""
+        if len(opened.files) != len(self.files):
+            return False
+        for rec, f in zip(self.files, opened.files, strict=True):
+            try:
+                st = os.fstat(f.fd)
+            except OSError:
+                return False
+            if not rec.same_file(st):
                 return False
         return True
 
@@ -82,31 +127,151 @@ def _corrupt(path: str, reason: str) -> CorruptCheckpoint:
     return CorruptCheckpoint(f"{path}: {reason}", file=path, reason=reason)
 
 
-def read_header(path: str) -> tuple[CheckpointFile, dict[str, Any]]:
-    """Parse and validate one .safetensors file's header. Returns the file record and the
-    tensor entries (``__metadata__`` removed), each checked against the file's size."""
+def _show(v: Any, limit: int = 80) -> str:
+    """repr for a message, cut short: values come from files and requests of any size."""
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _nbytes(shape: list[int], itemsize: int) -> int | None:
+    """prod(shape) * itemsize, or None past LIMIT. Stops early: a long shape of huge dims
+    would otherwise make one enormous product."""
+    if 0 in shape:
+        return 0
+    n = itemsize
+    for d in shape:
+        n *= d
+        if n > LIMIT:
+            return None
+    return n
+
+
+# -- the header's JSON ----------------------------------------------------------------------
+
+
+class _HeaderError(Exception):
+    """Raised from inside json.loads by the strict hooks below; becomes a CorruptCheckpoint."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        for k, v in pairs:
+            if k in seen:
+                # The top level maps tensor names to entries (objects); inside an entry it is a field.
+                what = "tensor" if isinstance(v, dict) else "key"
+                raise _HeaderError(f"{what} {_show(k)} appears twice in the header")
+            seen.add(k)
+    return d
+
+
+def _small_int(s: str) -> int:
+    if len(s) > 19 and len(s.lstrip("-")) > 19:
+        raise _HeaderError("header holds an integer of more than 19 digits")
+    return int(s)
+
+
+def _no_float(s: str) -> float:
+    raise _HeaderError("header holds a floating-point number (nothing in a safetensors header is one)")
+
+
+def _no_constant(s: str) -> float:
+    raise _HeaderError("header holds NaN or Infinity, which are not JSON")
+
+
+def _parse_json(path: str, raw: bytes) -> Any:
     try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            head = f.read(8)
-            if len(head) < 8:
-                raise _corrupt(path, f"file is {st.st_size} bytes, too short for the 8-byte header length")
-            (n,) = struct.unpack("<Q", head)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _corrupt(path, "header is not UTF-8 JSON (invalid UTF-8)") from None
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_int=_small_int, parse_float=_no_float,
+                          parse_constant=_no_constant)
+    except _HeaderError as exc:
+        raise _corrupt(path, str(exc)) from None
+    except RecursionError:
+        raise _corrupt(path, "header is nested too deeply") from None
+    except json.JSONDecodeError as exc:
+        # exc.msg is the C scanner's fixed text; cut at ': ' in case a version appends the offending character.
+        raise _corrupt(path, f"header is not UTF-8 JSON: {exc.msg.partition(': ')[0]} at char {exc.pos}") from None
+    except (ValueError, TypeError) as exc:
+        raise _corrupt(path, f"header is not valid JSON ({type(exc).__name__})") from None
+
+
+# -- what a file is when it is not safetensors ----------------------------------------------
+
+_OBJECT_START = re.compile(rb"[ \t\r\n]*\{")
+
+
+_CONVERT = "convert it, e.g. with safetensors.torch.save_file"
+
+
+def _looks_like(head: bytes) -> tuple[str, str] | None:
+    """(what the file looks like, what to do) for a known format that is not safetensors."""
+    if head.startswith(b"PK\x03\x04"):
+        return "a PyTorch zip checkpoint (.bin/.pt)", _CONVERT
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return "a Python pickle, e.g. a legacy PyTorch .bin/.pt checkpoint", _CONVERT
+    if head.startswith(b"GGUF"):
+        return "a GGUF file (llama.cpp)", "weightcache loads safetensors checkpoints only"
+    return None
+
+
+def _not_safetensors(path: str, head: bytes) -> CorruptCheckpoint:
+    # Never the header length or any of the file's bytes: for a file the requester cannot
+    # read, those would reveal its first bytes.
+    known = _looks_like(head)
+    if known is None:
+        return _corrupt(path, "not a safetensors file (its header is not a JSON object)")
+    return _corrupt(path, f"not a safetensors file (it looks like {known[0]}); {known[1]}")
+
+
+def _pread_exact(fd: int, n: int, offset: int) -> bytes:
+    """Up to ``n`` bytes at ``offset``: fewer only at the end of the file."""
+    first = os.pread(fd, n, offset)
+    if len(first) == n or not first:
+        return first
+    parts = [first]
+    got = len(first)
+    while got < n:
+        b = os.pread(fd, n - got, offset + got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
+def read_header(file: SourceFile) -> tuple[CheckpointFile, dict[str, Any]]:
+    """Parse and validate one .safetensors file's header, read from ``file.fd`` with pread.
+    Returns the file record and the tensor entries (``__metadata__`` removed), each checked
+    against the file's size. Every malformation is a CorruptCheckpoint naming the file."""
+    path, fd = file.path, file.fd
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LoadFailed(f"{path}: not a regular file", file=path, reason="not a regular file")
+        head = _pread_exact(fd, 16, 0)
+        if len(head) < 8:
+            raise _corrupt(path, f"file is {st.st_size} bytes, too short for the 8-byte header length")
+        (n,) = struct.unpack_from("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > st.st_size:
+            # Sniff only here and after the JSON check below: a real header of 640 bytes
+            # starts with the same two bytes as a pickle.
+            if _looks_like(head) or not _OBJECT_START.match(head, 8):
+                raise _not_safetensors(path, head)
             if n > MAX_HEADER_BYTES:
-                raise _corrupt(path, f"header length {n} exceeds {MAX_HEADER_BYTES}")
-            if 8 + n > st.st_size:
-                raise _corrupt(path, f"header length {n} runs past the end of the {st.st_size}-byte file (truncated?)")
-            raw = f.read(n)
-    except FileNotFoundError:
-        raise LoadFailed(f"{path}: file not found", file=path, reason="not found") from None
-    except IsADirectoryError:
-        raise LoadFailed(f"{path}: is a directory", file=path, reason="is a directory") from None
-    except PermissionError:
-        raise LoadFailed(f"{path}: permission denied", file=path, reason="permission denied") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _corrupt(path, f"header is not UTF-8 JSON: {exc}") from None
+                raise _corrupt(path, f"header exceeds the {MAX_HEADER_BYTES >> 20} MiB limit")
+            raise _corrupt(path, f"header runs past the end of the {st.st_size}-byte file (truncated?)")
+        raw = _pread_exact(fd, n, 8)
+    except OSError as exc:
+        raise LoadFailed(f"{path}: read failed: {exc.strerror}", file=path, reason=exc.strerror) from None
+    if len(raw) < n:
+        raise _corrupt(path, "file ended inside the header (truncated while reading?)")
+    if not _OBJECT_START.match(raw):
+        raise _not_safetensors(path, head)
+    header = _parse_json(path, raw)
     if not isinstance(header, dict):
         raise _corrupt(path, "header is not a JSON object")
     meta = header.pop("__metadata__", None)
@@ -115,30 +280,38 @@ def read_header(path: str) -> tuple[CheckpointFile, dict[str, Any]]:
     data_len = st.st_size - 8 - n
     spans = []
     for name, e in header.items():
-        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
-            raise _corrupt(path, f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets")
+        if len(name) > MAX_NAME_CHARS:
+            raise _corrupt(path, f"tensor {_show(name)}: name longer than {MAX_NAME_CHARS} characters")
+        if not isinstance(e, dict) or e.keys() != {"dtype", "shape", "data_offsets"}:
+            raise _corrupt(path, f"tensor {_show(name)}: entry must have exactly dtype, shape, data_offsets")
         dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-        if dtype not in DTYPE_SIZES:
-            raise _corrupt(path, f"tensor {name!r}: unsupported dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise _corrupt(path, f"tensor {name!r}: shape must be a list of non-negative integers")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
-            raise _corrupt(path, f"tensor {name!r}: data_offsets must be two integers")
+        if type(dtype) is not str or dtype not in DTYPE_SIZES:
+            raise _corrupt(path, f"tensor {_show(name)}: unsupported dtype {_show(dtype)}")
+        if type(shape) is not list or not all(type(d) is int and 0 <= d <= LIMIT for d in shape):
+            raise _corrupt(path, f"tensor {_show(name)}: shape must be a list of non-negative integers of at most 2**62")
+        if not (type(offs) is list and len(offs) == 2 and all(type(o) is int and 0 <= o <= LIMIT for o in offs)):
+            raise _corrupt(path, f"tensor {_show(name)}: data_offsets must be two integers in [0, 2**62]")
         start, end = offs
-        if not 0 <= start <= end:
-            raise _corrupt(path, f"tensor {name!r}: data_offsets {offs} are not ordered")
-        expected = math.prod(shape) * DTYPE_SIZES[dtype]
+        if start > end:
+            raise _corrupt(path, f"tensor {_show(name)}: data_offsets {offs} are not ordered")
+        expected = _nbytes(shape, DTYPE_SIZES[dtype])
+        if expected is None:
+            raise _corrupt(path, f"tensor {_show(name)}: shape {_show(shape)} of {dtype} is more than 2**62 bytes")
         if end - start != expected:
-            raise _corrupt(path, f"tensor {name!r}: {end - start} bytes for shape {shape} of {dtype} (needs {expected})")
+            raise _corrupt(path, f"tensor {_show(name)}: {end - start} bytes for shape {_show(shape)} of {dtype} (needs {expected})")
         if end > data_len:
-            raise _corrupt(path, f"tensor {name!r}: bytes {start}..{end} run past the data ({data_len} bytes; truncated?)")
+            raise _corrupt(path, f"tensor {_show(name)}: bytes {start}..{end} run past the data ({data_len} bytes; truncated?)")
         spans.append((start, end, name))
     spans.sort()
     for (_s0, e0, n0), (s1, _e1, n1) in itertools.pairwise(spans):
         if s1 < e0:
-            raise _corrupt(path, f"tensors {n0!r} and {n1!r} overlap")
-    rec = CheckpointFile(path=path, size=st.st_size, mtime_ns=st.st_mtime_ns, data_start=8 + n, header=raw)
+            raise _corrupt(path, f"tensors {_show(n0)} and {_show(n1)} overlap")
+    rec = CheckpointFile(path=path, size=st.st_size, mtime_ns=st.st_mtime_ns, dev=st.st_dev, ino=st.st_ino, data_start=8 + n,
+                         header=raw)
     return rec, header
+
+
+# -- discovery (by path: for clients and tools; the daemon uses open_source) ---------------
 
 
 def discover_files(source: str | Path) -> list[str]:
@@ -163,36 +336,42 @@ def discover_files(source: str | Path) -> list[str]:
 
 def _files_from_index(index: Path) -> list[str]:
     try:
-        data = json.loads(index.read_text())
-        weight_map = data["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise TypeError("weight_map must map tensor names to file names")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise _corrupt(str(index), f"invalid index: {type(exc).__name__}: {exc}") from None
-    names = sorted(set(weight_map.values()))
-    for n in names:
-        if os.path.isabs(n) or ".." in Path(n).parts:
-            raise _corrupt(str(index), f"index names a file outside its directory: {n!r}")
-    return [str(index.parent / n) for n in names]
+        fd = os.open(index, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise _corrupt(str(index), "invalid index: not a regular file")
+            raw = read_capped(fd, MAX_INDEX_BYTES)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise _corrupt(str(index), f"invalid index: {type(exc).__name__}: {exc.strerror}") from None
+    if raw is None:
+        raise _corrupt(str(index), f"invalid index: larger than {MAX_INDEX_BYTES >> 20} MiB")
+    return [str(index.parent / n) for n in index_names(raw, str(index))]
 
 
-def open_checkpoint(source: str | Path) -> Checkpoint:
-    """Parse every header of a checkpoint and lay its tensors out in one arena."""
-    paths = discover_files(source)
+# -- whole checkpoints ------------------------------------------------------------------------
+
+
+def parse_checkpoint(opened: OpenedSource) -> Checkpoint:
+    """Parse every header of an opened checkpoint (from its fds) and lay its tensors out in
+    one arena: in file order, each file's tensors by file offset, ARENA_ALIGN-aligned."""
+    if opened.closed:
+        raise ValueError(f"{opened!r} is closed")
     files: list[CheckpointFile] = []
     tensors: list[TensorInfo] = []
     seen: dict[str, str] = {}
     digest = hashlib.sha256()
     cursor = 0
-    for i, path in enumerate(paths):
-        rec, header = read_header(path)
+    for i, f in enumerate(opened.files):
+        rec, header = read_header(f)
         files.append(rec)
-        digest.update(f"{os.path.basename(path)}\0{rec.size}\0".encode())
+        digest.update(f"{os.path.basename(f.path)}\0{rec.size}\0".encode())
         digest.update(rec.header)
         for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             if name in seen:
-                raise _corrupt(path, f"tensor {name!r} also appears in {seen[name]}")
-            seen[name] = path
+                raise _corrupt(f.path, f"tensor {_show(name)} also appears in {seen[name]}")
+            seen[name] = f.path
             start, end = e["data_offsets"]
             cursor = -(-cursor // ARENA_ALIGN) * ARENA_ALIGN
             tensors.append(TensorInfo(
@@ -201,46 +380,147 @@ def open_checkpoint(source: str | Path) -> Checkpoint:
             ))
             cursor += end - start
     return Checkpoint(
-        source=str(source), files=tuple(files), tensors=tuple(tensors),
+        source=opened.source, files=tuple(files), tensors=tuple(tensors),
         arena_bytes=max(cursor, 1), fingerprint=digest.hexdigest(),
     )
 
 
+def open_checkpoint(source: str | os.PathLike[str]) -> Checkpoint:
+    """open_source + parse_checkpoint + close: for tests and tools. A daemon load keeps the
+    OpenedSource open and reads the data from it (read_checkpoint)."""
+    with open_source(source) as opened:
+        return parse_checkpoint(opened)
+
+
+# -- published tables ---------------------------------------------------------------------------
+
+
 def published_checkpoint(name: str, table: Any, arena_nbytes: int, fingerprint: str) -> Checkpoint:
     """Validate the tensor table an engine publishes ([name, dtype, shape, offset, nbytes]
-    rows describing its own memory) as strictly as a file header: known dtypes, bytes that
-    match shapes, aligned offsets, everything inside the arena, no overlaps."""
+    rows describing its own memory) as strictly as a file header: string names of at most
+    1024 characters, each once; known dtypes (strings); dimensions, offsets and byte counts
+    integers in [0, 2**62]; bytes that match shapes; aligned offsets; everything inside the
+    arena (of > 0 bytes); no overlaps. Every failure is a BadRequest.
+
+    Speed: a 600,000-row table of 2-D tensors validates in 0.76 s sent in arena order and
+    0.87 s shuffled (reversed), median of 7, against 2.0 s and 2.2 s for the row-by-row loop
+    it replaced (CPython 3.11 on the project's idle 2-core VM, where a bare 10M-iteration
+    ``for`` loop takes 0.8 s). Tables are checked column by column with C-level builtins;
+    only a table that fails that check (or has a shape of more than 16 dimensions) goes
+    through the row-by-row check, which finds the first problem and names it."""
 
     def bad(reason: str) -> BadRequest:
-        return BadRequest(f"publish {name!r}: {reason}", model=name, reason=reason)
+        return BadRequest(f"publish {_show(name)}: {reason}", model=name, reason=reason)
 
-    if not isinstance(table, list) or not table:
+    if type(arena_nbytes) is not int or not 0 < arena_nbytes <= LIMIT:
+        raise bad(f"arena nbytes {_show(arena_nbytes)} must be a positive integer of at most 2**62")
+    if type(table) is not list or not table:
         raise bad("'tensors' must be a non-empty list of [name, dtype, shape, offset, nbytes]")
+    with _gc_paused() if len(table) > 10_000 else contextlib.nullcontext():
+        tensors = _fast_table(table, arena_nbytes)
+        if tensors is None:
+            tensors = _checked_table(table, arena_nbytes, bad)
+    end = tensors[-1].arena_offset + tensors[-1].nbytes  # sorted and disjoint: the last one ends last
+    return Checkpoint(source=f"published:{name}", files=(), tensors=tensors, arena_bytes=max(end, 1), fingerprint=fingerprint)
+
+
+_gc_lock = threading.Lock()
+_gc_pausers = 0
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Collector off while a big table becomes objects. Building 600k TensorInfos set off
+    enough collections, each walking every live object, to take 0.6-0.9 s instead of
+    0.27 s here (nothing built here forms a cycle). Counted, so that overlapping calls
+    from several threads re-enable it once, and only if it was on."""
+    global _gc_pausers, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pausers == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pausers += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pausers -= 1
+            if _gc_pausers == 0 and _gc_was_enabled:
+                gc.enable()
+
+
+_FAST_MAX_DIMS = 16  # longer shapes take the row-by-row path, whose product stops early
+
+
+def _fast_table(table: list[Any], arena_nbytes: int) -> tuple[TensorInfo, ...] | None:
+    """The tensors of a valid table, sorted by offset, or None if anything is off (or
+    unusual): then _checked_table decides and explains. Every test here is one a row of
+    _checked_table also makes, so this never accepts what that would refuse."""
+    if set(map(type, table)) != {list} or set(map(len, table)) != {5}:
+        return None
+    names, dtypes, shapes, offsets, nbytes = (list(map(operator.itemgetter(i), table)) for i in range(5))
+    if set(map(type, names)) != {str} or max(map(len, names)) > MAX_NAME_CHARS or len(set(names)) != len(names):
+        return None
+    if set(map(type, dtypes)) != {str} or not set(dtypes) <= DTYPE_SIZES.keys():
+        return None
+    if set(map(type, shapes)) != {list} or max(map(len, shapes)) > _FAST_MAX_DIMS:
+        return None
+    dims = list(itertools.chain.from_iterable(shapes))
+    if dims and (set(map(type, dims)) != {int} or min(dims) < 0 or max(dims) > LIMIT):
+        return None
+    # Both >= 0 here and offset + nbytes <= arena_nbytes <= 2**62 below bound them above.
+    if set(map(type, offsets)) != {int} or set(map(type, nbytes)) != {int} or min(offsets) < 0 or min(nbytes) < 0:
+        return None
+    expected = map(operator.mul, map(math.prod, shapes), map(DTYPE_SIZES.__getitem__, dtypes))
+    if not all(map(operator.eq, expected, nbytes)):
+        return None
+    if any(map(operator.mod, offsets, itertools.repeat(ARENA_ALIGN))) or max(map(operator.add, offsets, nbytes)) > arena_nbytes:
+        return None
+    if all(map(operator.le, offsets, itertools.islice(offsets, 1, None))):
+        starts, sizes = offsets, nbytes  # already in arena order: what engines send
+    else:
+        # Stable by offset alone: where that puts an empty tensor after a non-empty one at the
+        # same offset, the overlap test below fails and the row-by-row check (which sorts
+        # by offset, then size) decides. When this path accepts, both orders are the same.
+        order = sorted(range(len(table)), key=offsets.__getitem__)
+        names, dtypes, shapes, starts, sizes = (list(map(col.__getitem__, order)) for col in (names, dtypes, shapes, offsets, nbytes))
+    if not all(map(operator.ge, itertools.islice(starts, 1, None), map(operator.add, starts, sizes))):
+        return None  # some tensor starts before the previous one ends
+    # tuple.__new__ on zipped columns: no Python frame per tensor (0.14 s for 600k rows vs 0.23 through TensorInfo())
+    rows = zip(names, dtypes, map(tuple, shapes), itertools.repeat(-1), itertools.repeat(-1), sizes, starts)
+    return tuple(map(tuple.__new__, itertools.repeat(TensorInfo), rows))  # type: ignore[arg-type]
+
+
+def _checked_table(table: list[Any], arena_nbytes: int, bad: Callable[[str], BadRequest]) -> tuple[TensorInfo, ...]:
+    """Row by row: raises ``bad(reason)`` for the first problem."""
     tensors: list[TensorInfo] = []
     seen: set[str] = set()
     for row in table:
-        if not (isinstance(row, list) and len(row) == 5):
-            raise bad(f"tensor row {row!r} is not [name, dtype, shape, offset, nbytes]")
+        if type(row) is not list or len(row) != 5:
+            raise bad(f"tensor row {_show(row)} is not [name, dtype, shape, offset, nbytes]")
         tname, dtype, shape, offset, nbytes = row
-        if not isinstance(tname, str) or tname in seen:
-            raise bad(f"tensor name {tname!r} is not a string or appears twice")
+        if type(tname) is not str or len(tname) > MAX_NAME_CHARS:
+            raise bad(f"tensor name {_show(tname)} is not a string of at most {MAX_NAME_CHARS} characters")
+        if tname in seen:
+            raise bad(f"tensor name {_show(tname)} appears twice")
         seen.add(tname)
-        if dtype not in DTYPE_SIZES:
-            raise bad(f"tensor {tname!r}: unsupported dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise bad(f"tensor {tname!r}: shape must be a list of non-negative integers")
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, nbytes)):
-            raise bad(f"tensor {tname!r}: offset and nbytes must be integers")
-        if nbytes != math.prod(shape) * DTYPE_SIZES[dtype]:
-            raise bad(f"tensor {tname!r}: {nbytes} bytes for shape {shape} of {dtype}")
-        if offset < 0 or offset % ARENA_ALIGN or offset + nbytes > arena_nbytes:
-            raise bad(f"tensor {tname!r}: bytes {offset}..{offset + nbytes} are not {ARENA_ALIGN}-aligned inside the {arena_nbytes}-byte arena")
-        tensors.append(TensorInfo(name=tname, dtype=dtype, shape=tuple(shape), file=-1, file_offset=-1, nbytes=nbytes,
-                                  arena_offset=offset))
-    tensors.sort(key=lambda t: t.arena_offset)
+        itemsize = DTYPE_SIZES.get(dtype) if type(dtype) is str else None
+        if itemsize is None:
+            raise bad(f"tensor {_show(tname)}: unsupported dtype {_show(dtype)}")
+        if type(shape) is not list or not all(type(d) is int and 0 <= d <= LIMIT for d in shape):
+            raise bad(f"tensor {_show(tname)}: shape must be a list of non-negative integers of at most 2**62")
+        if type(offset) is not int or type(nbytes) is not int or not (0 <= offset <= LIMIT and 0 <= nbytes <= LIMIT):
+            raise bad(f"tensor {_show(tname)}: offset and nbytes must be integers in [0, 2**62]")
+        if nbytes != _nbytes(shape, itemsize):
+            raise bad(f"tensor {_show(tname)}: {nbytes} bytes for shape {_show(shape)} of {dtype}")
+        if offset % ARENA_ALIGN or offset + nbytes > arena_nbytes:
+            raise bad(f"tensor {_show(tname)}: bytes {offset}..{offset + nbytes} are not {ARENA_ALIGN}-aligned inside the "
+                      f"{arena_nbytes}-byte arena")
+        tensors.append(TensorInfo(tname, dtype, tuple(shape), -1, -1, nbytes, offset))
+    # Empty tensors first among equal offsets: one at the start of another occupies none of its bytes.
+    tensors.sort(key=operator.attrgetter("arena_offset", "nbytes"))
     for a, b in itertools.pairwise(tensors):
         if b.arena_offset < a.arena_offset + a.nbytes:
-            raise bad(f"tensors {a.name!r} and {b.name!r} overlap")
-    end = max(t.arena_offset + t.nbytes for t in tensors)
-    return Checkpoint(source=f"published:{name}", files=(), tensors=tuple(tensors), arena_bytes=max(end, 1),
-                      fingerprint=fingerprint)
+            raise bad(f"tensors {_show(a.name)} and {_show(b.name)} overlap")
+    return tuple(tensors)

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from ..errors import CorruptCheckpoint, LoadFailed
 from .checkpoint import Checkpoint
+from .sources import OpenedSource
 
 
 class ArenaWriter(Protocol):
@@ -97,23 +98,33 @@ def resident_fraction(fd: int, size: int, samples: int = 32) -> float:
     return hits / samples
 
 
-def open_for_reading(path: str, writer: ArenaWriter, mode: str) -> tuple[int, bool, str]:
-    """Open ``path`` buffered or O_DIRECT. ``mode`` "auto" uses O_DIRECT only for a cold
-    file (< 50% in page cache): from page cache buffered reads reached 28 GB/s on the
-    H200, O_DIRECT is bound by the disk; cold, O_DIRECT reached 2.26 GB/s vs 1.83
-    buffered (shared/reference/probe2-h200.json). Returns (fd, direct, why)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+def open_for_reading(fd: int, size: int, writer: ArenaWriter, mode: str) -> tuple[int, bool, str]:
+    """Choose buffered or O_DIRECT reads of the open file ``fd`` (``size`` bytes). ``mode``
+    "auto" uses O_DIRECT only for a cold file (< 50% in page cache): from page cache
+    buffered reads reached 28 GB/s on the H200, O_DIRECT is bound by the disk; cold,
+    O_DIRECT reached 2.26 GB/s vs 1.83 buffered (shared/reference/probe2-h200.json).
+
+    O_DIRECT is a property of an open file, so it takes a second fd: it is opened through
+    ``/proc/self/fd/N``, which reaches the same inode as ``fd`` whatever its path names by
+    now. Returns (fd to read, direct, why); when ``direct`` that fd is new and the caller
+    closes it, otherwise it is ``fd`` itself."""
     if mode == "off" or not writer.direct_io:
         return fd, False, "buffered"
     if mode == "auto":
-        frac = resident_fraction(fd, os.fstat(fd).st_size)
+        frac = resident_fraction(fd, size)
         if frac >= 0.5:
             return fd, False, f"buffered ({frac:.0%} in page cache)"
     try:
-        dfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
     except OSError as exc:  # tmpfs and some FUSE file systems refuse O_DIRECT
         return fd, False, f"buffered (O_DIRECT refused: {exc.strerror})"
-    os.close(fd)
+    try:
+        same = os.path.samestat(os.fstat(dfd), os.fstat(fd))
+    except OSError:
+        same = False
+    if not same:  # cannot happen through /proc's magic links; never read another file if it did
+        os.close(dfd)
+        return fd, False, "buffered (O_DIRECT reopen reached another file)"
     return dfd, True, "O_DIRECT"
 
 
@@ -159,6 +170,7 @@ class Progress:
 
 def read_checkpoint(
     ckpt: Checkpoint,
+    opened: OpenedSource,
     writer: ArenaWriter,
     *,
     threads: int,
@@ -169,16 +181,35 @@ def read_checkpoint(
     direct_io: str = "auto",
     log: Callable[[str], None] = lambda _msg: None,
 ) -> None:
-    """Read every tensor of ``ckpt`` into the arena behind ``writer``. Blocking: run it in
-    a thread. Raises CorruptCheckpoint if a file is short or changed while being read."""
+    """Read every tensor of ``ckpt`` into the arena behind ``writer`` from the fds of
+    ``opened`` (the files ``ckpt`` was parsed from; no path is opened here). Blocking: run
+    it in a thread. Raises CorruptCheckpoint if a file is short or changed while being read.
+    ``opened`` stays open: its owner closes it."""
+    try:
+        _read(ckpt, opened, writer, threads=threads, chunk=chunk, progress=progress, cancelled=cancelled, nice=nice,
+              direct_io=direct_io, log=log)
+    finally:
+        # On every failure too, the earliest included: the writer synchronizes and drops its
+        # buffers (a view of a memfd arena kept alive pins its mapping: the arena leaks).
+        writer.finish()
+
+
+def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, threads: int, chunk: int,
+          progress: Progress | None, cancelled: Callable[[], bool], nice: int, direct_io: str,
+          log: Callable[[str], None]) -> None:
+    if opened.closed or len(opened.files) != len(ckpt.files):
+        raise ValueError(f"{opened!r} is not the open source of {ckpt.source} ({len(ckpt.files)} files)")
+    if not ckpt.matches(opened):  # changed since parsing: say so before reading gigabytes
+        raise CorruptCheckpoint(f"{ckpt.source}: checkpoint changed on disk before it was loaded", file=ckpt.source,
+                                reason="changed during load")
     fds: list[int] = []
     direct: list[bool] = []
+    extra: list[int] = []  # O_DIRECT fds opened here
     try:
-        for f in ckpt.files:
-            try:
-                fd, is_direct, why = open_for_reading(f.path, writer, direct_io)
-            except OSError as exc:
-                raise LoadFailed(f"{f.path}: cannot open: {exc.strerror}", file=f.path, reason=exc.strerror) from None
+        for f, sf in zip(ckpt.files, opened.files, strict=True):
+            fd, is_direct, why = open_for_reading(sf.fd, f.size, writer, direct_io)
+            if fd != sf.fd:
+                extra.append(fd)
             fds.append(fd)
             direct.append(is_direct)
             log(f"{f.path}: {why}")
@@ -204,15 +235,12 @@ def read_checkpoint(
             if progress is not None:
                 progress.add(r.nbytes)
 
-        try:
-            with ThreadPoolExecutor(max_workers=min(threads, max(1, len(ranges))), thread_name_prefix="wc-load",
-                                    initializer=_lower_priority, initargs=(nice,)) as pool:
-                # list() re-raises the first worker error; the pool's exit waits for the rest.
-                list(pool.map(work, ranges))
-        finally:
-            writer.finish()  # on failure too: it synchronizes and drops buffers before the arena is freed
+        with ThreadPoolExecutor(max_workers=min(threads, max(1, len(ranges))), thread_name_prefix="wc-load",
+                                initializer=_lower_priority, initargs=(nice,)) as pool:
+            # list() re-raises the first worker error; the pool's exit waits for the rest.
+            list(pool.map(work, ranges))
     finally:
-        for fd in fds:
+        for fd in extra:
             os.close(fd)
-    if not ckpt.unchanged_on_disk():
+    if not ckpt.matches(opened):
         raise CorruptCheckpoint(f"{ckpt.source}: checkpoint changed on disk while it was loading", file=ckpt.source, reason="changed during load")

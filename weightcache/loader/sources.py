@@ -1,0 +1,339 @@
+"""The open files of a checkpoint: each opened once, and only ever read through its fd.
+
+Parsing a header from a path and later re-opening the path for the data lets anyone who
+can swap the path in between (a symlink, a rename) make the daemon serve a different file
+than the one it validated; a FIFO given as a path blocks the opening thread forever. So a
+load opens every file once, here, with ``O_NONBLOCK`` (a FIFO open returns at once and is
+then refused by ``fstat``), checks that each fd is a regular file and, with ``roots``, that
+the file it actually refers to (``/proc/self/fd/N``) lies under an allowed directory; the
+header parser and the reader then use those fds and nothing else. Files of a directory or
+an index are opened relative to one fd of that directory, so a directory swapped after
+it was checked cannot redirect them either.
+
+:func:`adopt_fds` wraps fds that a client passed instead of a path.
+
+No torch, no server imports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import fnmatch
+import json
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ..errors import BadRequest, CorruptCheckpoint, LoadFailed, PermissionDenied, WeightcacheError
+
+INDEX_SUFFIX = ".safetensors.index.json"
+MAX_INDEX_BYTES = 16 * 2**20  # the largest real index (tens of thousands of tensors) is a few MiB; as the header cap
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: str  # the name shown in messages; for files the daemon opened, also the path re-stat'ed for staleness
+    fd: int  # O_RDONLY regular file, owned by the OpenedSource
+
+
+class OpenedSource:
+    """The open files of one checkpoint, in checkpoint order. Context manager; close()
+    closes every fd (idempotent)."""
+
+    def __init__(self, source: str, files: list[SourceFile]) -> None:
+        self.source = source  # label: the path given, or e.g. 'fds:<name>'
+        self.files = files
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for f in self.files:
+            with contextlib.suppress(OSError):
+                os.close(f.fd)
+
+    def __enter__(self) -> OpenedSource:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"fds {[f.fd for f in self.files]}"
+        return f"OpenedSource({self.source!r}, {len(self.files)} files, {state})"
+
+
+def _corrupt(path: str, reason: str) -> CorruptCheckpoint:
+    return CorruptCheckpoint(f"{path}: {reason}", file=path, reason=reason)
+
+
+def _fd_path(fd: int) -> str:
+    """Where ``fd`` really points: symlinks, bind mounts and renames all resolved by the kernel."""
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def _under(path: str, root: str) -> bool:
+    """Component-wise: /models2/x is not under /models."""
+    parts, rparts = Path(path).parts, Path(root).parts
+    return parts[: len(rparts)] == rparts
+
+
+class _Opener:
+    """Opens the files of one checkpoint, remembering every fd so that a failure closes them all."""
+
+    def __init__(self, source: str, roots: Sequence[str | os.PathLike[str]] | None, follow_symlinks: bool) -> None:
+        self.source = source
+        self.roots = None if roots is None else [os.path.realpath(r) for r in roots]
+        self.follow = follow_symlinks
+        self.flags = _OPEN_FLAGS | (0 if follow_symlinks else os.O_NOFOLLOW)
+        self.fds: list[int] = []
+
+    def close_all(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
+
+    def release(self, fd: int) -> None:
+        """Close one fd that is not part of the result (a directory, an index)."""
+        self.fds.remove(fd)
+        os.close(fd)
+
+    def deny(self, path: str) -> PermissionDenied:
+        return PermissionDenied(f"{path}: outside the allowed checkpoint roots {self.roots}", file=path,
+                                roots=self.roots, reason="outside roots")
+
+    def check_roots(self, path: str, real: str) -> None:
+        if self.roots is not None and not any(_under(real, r) for r in self.roots):
+            raise self.deny(path)
+
+    def open(self, path: str, name: str | None = None, dir_fd: int | None = None, *, want_dir: bool = False) -> tuple[int, os.stat_result]:
+        """Open ``name`` (relative to ``dir_fd``; ``path`` when None) once and check it. ``path``
+        is what messages say. Returns the fd and its fstat. A directory is accepted only
+        with ``want_dir`` (``None`` for the top-level source, which may be either)."""
+        target = path if name is None else name
+        try:
+            # Not authoritative (the fstat below is), but it keeps us from ever opening a
+            # device, socket or FIFO: opening some devices has side effects.
+            pre = os.stat(target, dir_fd=dir_fd, follow_symlinks=self.follow)
+        except OSError as exc:
+            raise self._refuse(path, target, dir_fd, self._open_error(path, exc)) from None
+        except ValueError:  # an embedded NUL
+            raise LoadFailed(f"{path}: invalid path", file=path, reason="invalid path") from None
+        if stat.S_ISLNK(pre.st_mode):  # only when not following symlinks
+            raise self._symlink(path)
+        if not (stat.S_ISREG(pre.st_mode) or (want_dir and stat.S_ISDIR(pre.st_mode))):
+            raise self._refuse(path, target, dir_fd, self._not_regular(path, pre.st_mode, want_dir))
+        try:
+            fd = os.open(target, self.flags, dir_fd=dir_fd)
+        except OSError as exc:
+            raise self._refuse(path, target, dir_fd, self._open_error(path, exc)) from None
+        self.fds.append(fd)
+        st = os.fstat(fd)
+        if not self.follow:
+            # O_NOFOLLOW covers the last component only: a symlinked directory on the way
+            # shows as a real path that differs from the one asked for.
+            asked = os.path.abspath(target) if dir_fd is None else os.path.join(_fd_path(dir_fd), target)
+            if os.path.normpath(asked) != _fd_path(fd):
+                raise self._symlink(path)
+        if self.roots is not None:
+            self.check_roots(path, _fd_path(fd))
+        if not (stat.S_ISREG(st.st_mode) or (want_dir and stat.S_ISDIR(st.st_mode))):
+            raise self._not_regular(path, st.st_mode, want_dir)
+        return fd, st
+
+    def _refuse(self, path: str, target: str, dir_fd: int | None, err: WeightcacheError) -> WeightcacheError:
+        """``err``, unless the path leads outside the roots: then PermissionDenied, so that
+        nothing is said about what lies out there (missing, a device, ...)."""
+        if self.roots is not None:
+            self.check_roots(path, os.path.realpath(target if dir_fd is None else f"/proc/self/fd/{dir_fd}/{target}"))
+        return err
+
+    def _not_regular(self, path: str, mode: int, want_dir: bool) -> LoadFailed:
+        what = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+                stat.S_IFBLK: "a block device", stat.S_IFLNK: "a symbolic link"}.get(stat.S_IFMT(mode), "not a regular file")
+        expected = "a regular file or directory" if want_dir else "a regular file"
+        return LoadFailed(f"{path}: is {what}, not {expected}", file=path, reason="not a regular file")
+
+    def _symlink(self, path: str) -> PermissionDenied:
+        return PermissionDenied(f"{path}: is or passes through a symbolic link, and symbolic links are not followed here",
+                                file=path, reason="symlink")
+
+    def _open_error(self, path: str, exc: OSError) -> LoadFailed | PermissionDenied:
+        if exc.errno == errno.ENOENT:
+            return LoadFailed(f"{path}: file not found", file=path, reason="not found")
+        if exc.errno == errno.ELOOP and not self.follow:
+            return self._symlink(path)
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return LoadFailed(f"{path}: permission denied", file=path, reason="permission denied")
+        return LoadFailed(f"{path}: cannot open: {exc.strerror}", file=path, reason=exc.strerror)
+
+
+def read_capped(fd: int, cap: int) -> bytes | None:
+    """All of ``fd`` (a regular file) from offset 0, or None if it holds more than ``cap`` bytes."""
+    chunks: list[bytes] = []
+    got = 0
+    while got <= cap:
+        b = os.pread(fd, min(cap + 1 - got, 1 << 20), got)
+        if not b:
+            break
+        chunks.append(b)
+        got += len(b)
+    return None if got > cap else b"".join(chunks)
+
+
+def index_names(raw: bytes, index: str) -> list[str]:
+    """The shard file names an index json lists (sorted, each once), relative to its
+    directory; anything absolute or climbing out with '..' is refused."""
+    try:
+        data: Any = json.loads(raw.decode("utf-8"))
+        if not isinstance(data, dict) or "weight_map" not in data:
+            raise KeyError("weight_map")
+        weight_map = data["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map must map tensor names to file names")
+    except (ValueError, KeyError, TypeError) as exc:
+        reason = f"invalid index: {type(exc).__name__}"
+        if isinstance(exc, json.JSONDecodeError):
+            reason += f": {exc.msg.partition(': ')[0]} at char {exc.pos}"
+        elif not isinstance(exc, UnicodeDecodeError):
+            reason += f": {exc}"
+        raise _corrupt(index, reason) from None
+    except RecursionError:
+        raise _corrupt(index, "invalid index: nested too deeply") from None
+    names = sorted(set(weight_map.values()))
+    for n in names:
+        if not n or os.path.isabs(n) or ".." in Path(n).parts or "\0" in n:
+            raise _corrupt(index, f"index names a file outside its directory: {n[:200]!r}")
+    return names
+
+
+def open_source(source: str | os.PathLike[str], *, roots: Sequence[str | os.PathLike[str]] | None = None,
+                follow_symlinks: bool = True) -> OpenedSource:
+    """Discover the .safetensors files of a file, a directory or a ``*.safetensors.index.json``
+    (the rules of :func:`weightcache.loader.checkpoint.discover_files`) and open each once
+    with ``O_RDONLY|O_NONBLOCK|O_CLOEXEC`` (``|O_NOFOLLOW`` unless ``follow_symlinks``).
+    Each fd must be a regular file (else LoadFailed, reason 'not a regular file'); with
+    ``roots``, the file each fd really is, and the directory and index json it was found
+    through, must lie under one of the roots (else PermissionDenied). On any failure
+    everything opened so far is closed."""
+    label = os.fspath(source)
+    op = _Opener(label, roots, follow_symlinks)
+    try:
+        if op.roots is not None:
+            # Refuse early (before touching the path at all) what is plainly outside the
+            # roots; the authoritative check is on each opened fd.
+            op.check_roots(label, os.path.realpath(label))
+        try:
+            top, st = op.open(label, want_dir=True)
+        except LoadFailed as exc:
+            if exc.details.get("reason") == "not found":
+                raise LoadFailed(f"{label}: checkpoint path does not exist", file=label, reason="not found") from None
+            raise
+        if stat.S_ISDIR(st.st_mode):
+            names = sorted(os.listdir(top))
+            indexes = [n for n in names if fnmatch.fnmatchcase(n, f"*{INDEX_SUFFIX}")]
+            if len(indexes) > 1:
+                raise LoadFailed(f"{label}: several index files {indexes}; name one as the path", file=label)
+            if indexes:
+                index_path = str(Path(label) / indexes[0])
+                ifd, _ = op.open(index_path, indexes[0], top)
+                return _open_indexed(op, top, index_path, ifd)
+            shards = [n for n in names if fnmatch.fnmatchcase(n, "*.safetensors")]
+            if not shards:
+                raise LoadFailed(f"{label}: directory holds no .safetensors files", file=label, reason="empty")
+            return _open_files(op, top, [(str(Path(label) / n), n) for n in shards])
+        if label.endswith(".json"):
+            # An index: its files are opened relative to one fd of its directory (checked
+            # against the roots like the index itself).
+            dfd, _ = op.open(os.path.dirname(label) or ".", want_dir=True)
+            return _open_indexed(op, dfd, label, top)
+        return OpenedSource(label, [SourceFile(label, top)])
+    except BaseException:
+        op.close_all()
+        raise
+
+
+def _open_indexed(op: _Opener, dfd: int, index_path: str, ifd: int) -> OpenedSource:
+    """Read the index from ``ifd`` (then close it) and open the files it names relative to ``dfd``."""
+    raw = read_capped(ifd, MAX_INDEX_BYTES)
+    if raw is None:
+        raise _corrupt(index_path, f"invalid index: larger than {MAX_INDEX_BYTES >> 20} MiB")
+    op.release(ifd)
+    parent = Path(index_path).parent
+    names = index_names(raw, index_path)
+    return _open_files(op, dfd, [(str(parent / n), n) for n in names])
+
+
+def _open_files(op: _Opener, dfd: int, files: list[tuple[str, str]]) -> OpenedSource:
+    """Open each (path, name relative to ``dfd``); then close ``dfd``."""
+    out = []
+    for path, name in files:
+        fd, _ = op.open(path, name, dfd)
+        out.append(SourceFile(path, fd))
+    op.release(dfd)
+    return OpenedSource(op.source, out)
+
+
+def adopt_fds(label: str, names: Sequence[str], fds: Sequence[int]) -> OpenedSource:
+    """Wrap fds a client passed, one per .safetensors file in checkpoint order (``names``
+    are for messages only). Takes ownership of the fds: they are all closed on failure
+    too. Each must be a regular file opened for reading, else BadRequest naming the file."""
+    owned: list[int] = []
+    seen: set[int] = set()
+    for fd in fds:
+        # Only fds that are really open (and each once) are ours to close: closing a number
+        # twice, or one that was not open, could close a file another thread just opened.
+        if isinstance(fd, int) and not isinstance(fd, bool) and fd >= 0 and fd not in seen:
+            try:
+                os.fstat(fd)
+            except OSError:
+                continue
+            seen.add(fd)
+            owned.append(fd)
+
+    def bad(name: str, what: str) -> BadRequest:
+        for fd in owned:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        return BadRequest(f"{label}: {name}: {what}", file=name, reason=what)
+
+    if len(names) != len(fds):
+        raise bad(label, f"{len(fds)} fds for {len(names)} file names")
+    if not fds:
+        raise bad(label, "no files")
+    files = []
+    used: set[int] = set()
+    for name, fd in zip(names, fds, strict=True):
+        shown = str(name)[:200]
+        if not (isinstance(fd, int) and not isinstance(fd, bool)) or fd < 0:
+            raise bad(shown, "not a file descriptor")
+        if fd in used:
+            raise bad(shown, "the same fd is given for two files")
+        used.add(fd)
+        try:
+            st = os.fstat(fd)
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        except OSError as exc:
+            raise bad(shown, f"unusable fd ({exc.strerror})") from None
+        if not stat.S_ISREG(st.st_mode):
+            kind = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO or pipe", stat.S_IFSOCK: "a socket",
+                    stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            raise bad(shown, f"is {kind}, not a regular file")
+        # An O_PATH fd reads as access mode O_RDONLY but cannot be read; reopening it
+        # through /proc (as O_DIRECT reads do) would grant a read the client never had.
+        if flags & os.O_PATH:
+            raise bad(shown, "was opened with O_PATH, not for reading")
+        if flags & os.O_ACCMODE not in (os.O_RDONLY, os.O_RDWR):
+            raise bad(shown, "is not opened for reading (O_WRONLY)")
+        files.append(SourceFile(str(name), fd))
+    return OpenedSource(label, files)
