@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from weightcache.errors import BadRequest, FrameTooLarge
 from weightcache.protocol import FrameDecoder, decode_payload, encode_frame
+from weightcache.protocol.framing import DEFAULT_MAX_FRAME, HEADER, MAX_ARRAY_LEN, MAX_MAP_LEN
 
 messages = st.dictionaries(
     st.text(max_size=8),
@@ -71,3 +72,59 @@ def test_decode_payload_never_raises_anything_but_bad_request(data):
         assert isinstance(decode_payload(data), dict)
     except BadRequest:
         pass
+
+
+# -- structural limits: a frame at the size limit must not stall whoever decodes it ------
+
+
+def frame_sized_map(entries: int) -> bytes:
+    """A payload of exactly DEFAULT_MAX_FRAME bytes: one map announcing ``entries`` keys,
+    the first of them present, then filler (refused at the header, so never reached)."""
+    head = b"\xdf" + entries.to_bytes(4, "big") + msgpack.packb("k0") + msgpack.packb(0)
+    return head + b"\xc0" * (DEFAULT_MAX_FRAME - len(head))
+
+
+def test_a_huge_map_at_the_frame_limit_is_refused_as_bad_request():
+    # The frame that stalled the daemon for ~1 s: 1.4M keys in 16 MiB. It is a whole,
+    # valid-sized frame (not FRAME_TOO_LARGE); decoding must refuse it, not build it.
+    payload = frame_sized_map(1_400_000)
+    (frame,) = FrameDecoder().feed(HEADER.pack(len(payload)) + payload)
+    assert len(frame) == DEFAULT_MAX_FRAME
+    with pytest.raises(BadRequest, match=r"1400000 exceeds max_map_len\(64\)"):
+        decode_payload(frame)
+
+
+def test_a_real_map_of_many_distinct_keys_is_refused():
+    with pytest.raises(BadRequest, match="max_map_len"):
+        decode_payload(msgpack.packb({f"key{i}": i for i in range(100_000)}))
+
+
+def test_limits_apply_at_every_depth():
+    ok_map = {f"k{i}": i for i in range(MAX_MAP_LEN)}
+    assert decode_payload(msgpack.packb({"id": 1, "nested": [ok_map]}))["nested"] == [ok_map]
+    with pytest.raises(BadRequest, match="max_map_len"):
+        decode_payload(msgpack.packb({"id": 1, "nested": [{**ok_map, "one": "more"}]}))
+    rows = [[0]] * MAX_ARRAY_LEN  # a publish table may be this long
+    assert len(decode_payload(msgpack.packb({"tensors": rows}))["tensors"]) == MAX_ARRAY_LEN
+    with pytest.raises(BadRequest, match="max_array_len"):
+        decode_payload(msgpack.packb({"tensors": [*rows, [0]]}))
+
+
+def test_an_array_announced_beyond_the_limit_is_refused_before_it_is_read():
+    payload = b"\x81\xa1t" + b"\xdd" + (2**32 - 1).to_bytes(4, "big")  # announces 4G items, holds none
+    with pytest.raises(BadRequest, match="max_array_len"):
+        decode_payload(payload)
+
+
+def test_str_and_bin_limits_and_larger_limits_for_replies():
+    payload = msgpack.packb({"s": "x" * 100, "b": b"y" * 100}, use_bin_type=True)
+    assert decode_payload(payload)["s"] == "x" * 100
+    with pytest.raises(BadRequest, match="max_str_len"):
+        decode_payload(payload, max_str_len=50)
+    with pytest.raises(BadRequest, match="max_bin_len"):
+        decode_payload(payload, max_bin_len=50)
+    # a client decoding replies passes larger limits (status.loading has one key per model)
+    many = {"loading": {f"m{i}": {"eta_s": None} for i in range(500)}}
+    with pytest.raises(BadRequest):
+        decode_payload(msgpack.packb(many))
+    assert decode_payload(msgpack.packb(many), max_map_len=1 << 20) == many

@@ -1,5 +1,19 @@
 """The async client. One connection, many concurrent requests matched by id.
 
+Note [timeouts]
+---------------
+Nothing waits on the daemon without a bound, so a stopped (SIGSTOP), hung or overloaded
+daemon cannot hang its engines. Connecting (the socket connect and the hello exchange)
+is bounded by ``connect_timeout`` (-> DaemonUnavailable). A request, from waiting for
+the write lock through sending to its reply, is bounded by ``request_timeout``, except
+``load``, ``attach`` and ``publish``, which may legitimately take minutes: they get
+``load_timeout``, by default the daemon's own ``request_timeout_s`` (from its hello
+reply; 900 s if it does not say) plus 30 s, so that the daemon's own TIMEOUT, which
+says more, normally arrives first. Every method takes ``timeout=`` to override its
+default; ``math.inf`` waits without a bound. A request that runs out of time raises
+RequestTimeout and is abandoned as in Note [cancellation]. One that ran out of time
+while its frame was half sent leaves the stream out of step: the connection is closed.
+
 Note [cancellation]
 -------------------
 A request cancelled (or timed out) between send and reply leaves its id behind; the
@@ -12,8 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import os
 import socket
+import stat
 import struct
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -22,10 +38,25 @@ from typing import Any
 import torch
 
 from ..defaults import DAEMON_UID_ENV, client_socket_path
-from ..errors import DaemonUnavailable, PermissionDenied, WeightcacheError, error_from_wire
+from ..errors import (
+    DaemonUnavailable,
+    LimitExceeded,
+    LoadFailed,
+    PermissionDenied,
+    RequestTimeout,
+    WeightcacheError,
+    error_from_wire,
+)
 from ..protocol import PROTOCOL_VERSION, FrameDecoder, decode_payload, encode_frame
-from ..protocol.transport import recv_with_fds, send_with_fds
+from ..protocol.transport import MAX_FDS_PER_MSG, recv_with_fds, send_with_fds
 from .mapping import map_arena, tensor_views
+
+DEFAULT_MAX_FRAME_BYTES = 256 * 2**20  # replies: an attach's tensor table can be long
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_REQUEST_TIMEOUT = 60.0
+LONG_OPS = frozenset({"load", "attach", "publish"})  # may take minutes: they get load_timeout
+DAEMON_REQUEST_TIMEOUT_S = 900.0  # the daemon's default request_timeout_s, for one whose hello does not say
+LOAD_TIMEOUT_MARGIN_S = 30.0  # past the daemon's own timeout, so its TIMEOUT reply arrives first
 
 
 class AttachedModel(Mapping[str, torch.Tensor]):
@@ -77,6 +108,49 @@ def _check_daemon_identity(sock: socket.socket, path: str) -> None:
                                f"(root, this user, or ${DAEMON_UID_ENV})", uid=uid)
 
 
+def _open_checkpoint_files(parts: list[str]) -> tuple[list[list[str]], list[int]]:
+    """Open every file of every part (rank order) read-only: (paths per part, fds in the
+    same order, flattened). Raises PermissionDenied / LoadFailed naming the file, after
+    closing what it opened."""
+    from ..loader.checkpoint import discover_files  # here: engines that never register need not import the loader
+
+    names = [[str(f) for f in discover_files(part)] for part in parts]
+    count = sum(len(files) for files in names)
+    if count > MAX_FDS_PER_MSG:
+        raise LimitExceeded(f"the checkpoint has {count} files but one frame carries at most {MAX_FDS_PER_MSG} "
+                            "descriptors; register it with send_files=False (as an administrator)",
+                            limit=MAX_FDS_PER_MSG)
+    fds: list[int] = []
+    try:
+        for files in names:
+            for f in files:
+                fds.append(_open_readonly(f))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return names, fds
+
+
+def _open_readonly(path: str) -> int:
+    try:
+        # O_NONBLOCK so that a FIFO in the checkpoint cannot hang us; cleared below.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except PermissionError as exc:
+        raise PermissionDenied(f"cannot open checkpoint file {path}: {exc.strerror}", file=path) from None
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise LoadFailed(f"cannot open checkpoint file {path}: {reason}", file=path, reason=reason) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise LoadFailed(f"checkpoint file {path} is not a regular file", file=path, reason="not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class Client:
     """Async client for the weightcache daemon.
 
@@ -86,12 +160,23 @@ class Client:
     ...         ...
 
     ``socket_path`` defaults to ``$WEIGHTCACHE_SOCKET``, then /run/weightcache/weightcache.sock.
+    Timeouts are in seconds (Note [timeouts]): ``connect_timeout`` bounds the connect and
+    hello, ``request_timeout`` control requests, ``load_timeout`` load/attach/publish
+    (None: the daemon's ``request_timeout_s`` plus 30 s). ``math.inf`` means no bound.
     """
 
     def __init__(self, socket_path: str | os.PathLike[str] | None = None, *, name: str | None = None,
-                 max_frame_bytes: int = 256 * 2**20) -> None:
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, load_timeout: float | None = None) -> None:
+        for what, value in (("connect_timeout", connect_timeout), ("request_timeout", request_timeout),
+                            ("load_timeout", load_timeout)):
+            if value is not None and not value > 0:  # also refuses NaN
+                raise ValueError(f"{what} must be a positive number of seconds (math.inf for no bound), not {value!r}")
         self.socket_path = client_socket_path(socket_path)
         self.name = name or f"python/{os.getpid()}"
+        self.connect_timeout = connect_timeout
+        self.request_timeout = request_timeout
+        self._load_timeout = load_timeout
         self._max_frame = max_frame_bytes
         self._sock: socket.socket | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -103,25 +188,53 @@ class Client:
         self.server_info: dict[str, Any] = {}
         self.events: deque[dict[str, Any]] = deque(maxlen=64)  # events the daemon announced, newest last
 
+    @property
+    def load_timeout(self) -> float:
+        """The default timeout of load, attach and publish (Note [timeouts])."""
+        if self._load_timeout is not None:
+            return self._load_timeout
+        daemon_s = self.server_info.get("request_timeout_s")
+        if isinstance(daemon_s, int | float) and not isinstance(daemon_s, bool) and daemon_s > 0:
+            return float(daemon_s) + LOAD_TIMEOUT_MARGIN_S
+        return DAEMON_REQUEST_TIMEOUT_S + LOAD_TIMEOUT_MARGIN_S
+
+    def _limit(self, op: str, timeout: float | None) -> float | None:
+        """The seconds ``op`` may take: the override, else its default; None for no bound."""
+        if timeout is None:
+            timeout = self.load_timeout if op in LONG_OPS else self.request_timeout
+        return None if math.isinf(timeout) else timeout
+
     # -- connection -----------------------------------------------------------------
     async def connect(self) -> Client:
+        """Connect and say hello, within ``connect_timeout`` (else DaemonUnavailable)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.setblocking(False)
+        deadline = asyncio.timeout(None if math.isinf(self.connect_timeout) else self.connect_timeout)
         try:
-            if os.path.islink(self.socket_path):
-                raise PermissionDenied(f"{self.socket_path} is a symlink; refusing to connect through it")
-            await asyncio.get_running_loop().sock_connect(sock, self.socket_path)
-            _check_daemon_identity(sock, self.socket_path)
-        except OSError as exc:
-            sock.close()
-            raise DaemonUnavailable(f"cannot connect to weightcache at {self.socket_path}: {exc.strerror or exc}",
-                                    socket=self.socket_path) from exc
-        except BaseException:
-            sock.close()
+            async with deadline:
+                try:
+                    if os.path.islink(self.socket_path):
+                        raise PermissionDenied(f"{self.socket_path} is a symlink; refusing to connect through it")
+                    await asyncio.get_running_loop().sock_connect(sock, self.socket_path)
+                    _check_daemon_identity(sock, self.socket_path)
+                except OSError as exc:
+                    raise DaemonUnavailable(f"cannot connect to weightcache at {self.socket_path}: {exc.strerror or exc}",
+                                            socket=self.socket_path) from exc
+                self._sock = sock
+                self._closed_error = None
+                self._reader = asyncio.ensure_future(self._read_loop())
+                self.server_info = await self.request("hello", timeout=math.inf, protocol=PROTOCOL_VERSION,
+                                                      client=self.name)
+        except BaseException as exc:
+            if self._sock is sock:
+                await self.close()
+            else:
+                sock.close()
+            if isinstance(exc, TimeoutError) and deadline.expired():
+                raise DaemonUnavailable(
+                    f"weightcache at {self.socket_path} did not answer within {self.connect_timeout:g}s "
+                    "(connect and hello); is the daemon stopped, hung or overloaded?", socket=self.socket_path) from None
             raise
-        self._sock = sock
-        self._reader = asyncio.ensure_future(self._read_loop())
-        self.server_info = await self.request("hello", protocol=PROTOCOL_VERSION, client=self.name)
         return self
 
     async def close(self) -> None:
@@ -150,25 +263,49 @@ class Client:
 
     async def _request(self, op: str, timeout: float | None, args: dict[str, Any],
                        send_fds: list[int] | None = None) -> tuple[dict[str, Any], list[int]]:
+        if self._closed_error is not None:  # the reader has stopped: nobody would read a reply
+            raise self._closed_error
         if self._sock is None:
-            raise self._closed_error or DaemonUnavailable("not connected; use 'async with Client()' or connect()")
+            raise DaemonUnavailable("not connected; use 'async with Client()' or connect()")
+        limit = self._limit(op, timeout)
         rid = next(self._ids)
         fut: asyncio.Future[tuple[dict[str, Any], list[int]]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         msg = {"id": rid, "op": op, **{k: v for k, v in args.items() if v is not None}}
         if send_fds:
             msg["fds"] = len(send_fds)
+        frame = encode_frame(msg)
+        deadline = asyncio.timeout(limit)
+        sending = False
         try:
-            async with self._write_lock:
-                await send_with_fds(self._sock, encode_frame(msg), send_fds or [])
-            reply, fds = await asyncio.wait_for(fut, timeout)
-        except OSError as exc:
-            raise DaemonUnavailable(f"connection to {self.socket_path} broke: {exc}") from exc
-        except BaseException:
-            # Cancelled after the reply arrived but before we resumed: give it back.
+            async with deadline:
+                async with self._write_lock:
+                    if self._sock is None:
+                        raise self._closed_error or DaemonUnavailable("client closed")
+                    sending = True
+                    await send_with_fds(self._sock, frame, send_fds or [])
+                    sending = False
+                reply, fds = await fut
+        except BaseException as exc:
+            timed_out = isinstance(exc, TimeoutError) and deadline.expired()
+            if sending and (timed_out or not isinstance(exc, OSError)):  # part of the frame may be out (Note [timeouts])
+                self._break_connection(DaemonUnavailable(
+                    f"connection to {self.socket_path} closed: a {op!r} request was abandoned while its frame was "
+                    "being sent", socket=self.socket_path))
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self._drop_reply(*fut.result())
-            raise
+                if not timed_out:  # cancelled after the reply arrived, before we resumed: give it back
+                    self._drop_reply(*fut.result())
+                    raise
+                reply, fds = fut.result()  # it did answer in time; we had not resumed yet
+            elif timed_out:
+                assert limit is not None
+                raise RequestTimeout(
+                    f"the daemon at {self.socket_path} did not answer {op!r} within {limit:g}s; it may be stopped, "
+                    "hung or overloaded (a late reply is dropped)", op=op, timeout_s=limit) from None
+            elif isinstance(exc, OSError):
+                raise DaemonUnavailable(f"connection to {self.socket_path} broke: {exc}") from exc
+            else:
+                raise
         finally:
             self._pending.pop(rid, None)  # a late reply for rid is now dropped (Note [cancellation])
         if not reply.get("ok"):
@@ -188,7 +325,10 @@ class Client:
                 if not data:
                     raise DaemonUnavailable(f"weightcache at {self.socket_path} closed the connection")
                 for payload in decoder.feed(data):
-                    reply = decode_payload(payload)
+                    # Replies may hold long arrays (an attach's tensor table) and maps keyed
+                    # by model: as long as this client's frame limit, not a request's limits.
+                    reply = decode_payload(payload, max_map_len=self._max_frame, max_array_len=self._max_frame,
+                                           max_str_len=self._max_frame, max_bin_len=self._max_frame)
                     if "event" in reply:  # unsolicited, e.g. {"event": "shutting_down", "grace_s": 10}
                         self.events.append(reply)
                         continue
@@ -202,8 +342,9 @@ class Client:
             raise
         except (WeightcacheError, OSError) as exc:
             err = exc if isinstance(exc, WeightcacheError) else DaemonUnavailable(f"connection broke: {exc}")
-            self._closed_error = err
-            self._fail_pending(err)
+            if self._closed_error is None:  # else _break_connection said why first
+                self._closed_error = err
+            self._fail_pending(self._closed_error)
         finally:
             while fd_queue:
                 os.close(fd_queue.popleft())
@@ -223,6 +364,16 @@ class Client:
         with contextlib.suppress(WeightcacheError, OSError):
             await self.request("detach", lease=lease)
 
+    def _break_connection(self, err: WeightcacheError) -> None:
+        """The stream is out of step: fail every request and stop using the connection.
+        Shut down, not closed: the reader wakes, sees the end, and exits; close() closes."""
+        if self._closed_error is None:
+            self._closed_error = err
+        self._fail_pending(err)
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+
     def _fail_pending(self, exc: WeightcacheError) -> None:
         for fut in self._pending.values():
             if not fut.done():
@@ -230,42 +381,69 @@ class Client:
         self._pending.clear()
 
     # -- the API --------------------------------------------------------------------
-    async def status(self) -> dict[str, Any]:
+    # ``timeout=None`` is the op's default (Note [timeouts]); math.inf waits without a bound.
+    async def status(self, *, timeout: float | None = None) -> dict[str, Any]:
         """Per-device ``budget``/``used``/``reserved``/``free``, loads in progress, leases."""
-        return await self.request("status")
+        return await self.request("status", timeout=timeout)
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self, *, timeout: float | None = None) -> dict[str, Any]:
         """``{"serving", "ready", "preloading", "failed_preloads", "uptime_s"}``: ready means
         serving with every configured preload resident (docs/protocol.md)."""
-        reply = await self.request("health")
+        reply = await self.request("health", timeout=timeout)
         return {k: v for k, v in reply.items() if k not in ("id", "ok")}
 
-    async def models(self) -> list[dict[str, Any]]:
+    async def models(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
         """One dict per model: name, state, device, nbytes, attach_count, pinned, ..."""
-        return (await self.request("models"))["models"]
+        return (await self.request("models", timeout=timeout))["models"]
 
     async def load(self, name: str, *, wait_s: float | None = None, timeout: float | None = None) -> dict[str, Any]:
         """Make ``name`` resident (evicting LRU unattached models if needed)."""
         return (await self.request("load", name=name, wait_s=wait_s, timeout=timeout))["model"]
 
-    async def evict(self, name: str) -> dict[str, Any]:
-        return await self.request("evict", name=name)
+    async def evict(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
+        return await self.request("evict", name=name, timeout=timeout)
 
-    async def pin(self, name: str) -> dict[str, Any]:
-        return (await self.request("pin", name=name))["model"]
+    async def pin(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
+        return (await self.request("pin", name=name, timeout=timeout))["model"]
 
-    async def unpin(self, name: str) -> dict[str, Any]:
-        return (await self.request("unpin", name=name))["model"]
+    async def unpin(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
+        return (await self.request("unpin", name=name, timeout=timeout))["model"]
 
     async def register(self, name: str, path: str | os.PathLike[str] | None = None, *, device: str = "cpu",
                        shards: list[dict[str, str]] | None = None, pin: bool = False, preload: bool = False,
-                       keep_alive: float | None = None) -> dict[str, Any]:
-        """Add a model: ``path`` (+ ``device``), or ``shards=[{"path":..., "device":...}, ...]`` in rank order."""
-        return (await self.request("register", name=name, path=os.fspath(path) if path is not None else None, device=device,
-                                   shards=shards, pin=pin, preload=preload, keep_alive=keep_alive))["model"]
+                       keep_alive: float | None = None, send_files: bool = True,
+                       timeout: float | None = None) -> dict[str, Any]:
+        """Add a model: ``path`` (+ ``device``), or ``shards=[{"path":..., "device":...}, ...]`` in rank order.
 
-    async def unregister(self, name: str) -> None:
-        await self.request("unregister", name=name)
+        With ``send_files`` (the default) this process opens the checkpoint's files and
+        hands the daemon their descriptors, so the daemon reads only what this peer can
+        read; a file it cannot open raises PermissionDenied or LoadFailed here, naming
+        it, and nothing is sent. Without, only the paths go and the daemon opens them
+        itself (which it allows administrators only).
+        """
+        shard_list = None if shards is None else [
+            {**s, "path": os.fspath(s["path"])} if "path" in s else dict(s) for s in shards]
+        args: dict[str, Any] = {"name": name, "path": os.fspath(path) if path is not None else None, "device": device,
+                                "shards": shard_list, "pin": pin, "preload": preload, "keep_alive": keep_alive}
+        parts: list[str] = []  # one checkpoint per rank; none if the request is malformed (the daemon says why)
+        if path is not None and not shards:
+            parts = [os.fspath(path)]
+        elif path is None and shard_list and all(isinstance(s.get("path"), str) for s in shard_list):
+            parts = [s["path"] for s in shard_list]
+        if not send_files or not parts:
+            return (await self.request("register", timeout=timeout, **args))["model"]
+        args["files"], fds = _open_checkpoint_files(parts)
+        try:
+            reply, reply_fds = await self._request("register", timeout, args, send_fds=fds)
+        finally:
+            for fd in fds:  # the daemon has its own copies once the frame is sent
+                os.close(fd)
+        for fd in reply_fds:
+            os.close(fd)
+        return reply["model"]
+
+    async def unregister(self, name: str, *, timeout: float | None = None) -> None:
+        await self.request("unregister", name=name, timeout=timeout)
 
     async def publish(self, name: str, tensors: Mapping[str, torch.Tensor], *, fingerprint: str, replace: bool = False,
                       wait_s: float | None = None, timeout: float | None = None) -> dict[str, Any]:
@@ -289,9 +467,9 @@ class Client:
         finally:
             release()
 
-    async def reload(self) -> dict[str, list[str]]:
+    async def reload(self, *, timeout: float | None = None) -> dict[str, list[str]]:
         """Make the daemon re-read its config file; returns what was added/removed/changed."""
-        return (await self.request("reload"))["report"]
+        return (await self.request("reload", timeout=timeout))["report"]
 
     @contextlib.asynccontextmanager
     async def attach(self, name: str, device: str | None = None, rank: int | None = None, *, wait_s: float | None = None,
