@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from weightcache import Client
+from weightcache import Client, tenant_fingerprint
 from weightcache.errors import Attached, BadRequest, LoadFailed, NoSpace
 from weightcache.protocol import encode_frame
 
@@ -27,13 +27,14 @@ async def test_publish_then_another_process_attaches_the_processed_form(start_da
     mine = processed()
     async with Client(d.socket) as c:
         m = await c.publish("q8", mine, fingerprint="src-abc+int8-v1")
-        assert m["state"] == "resident" and m["fingerprint"] == "src-abc+int8-v1"
+        # bound to the publisher: nobody else can publish weights under this fingerprint
+        assert m["state"] == "resident" and m["fingerprint"] == tenant_fingerprint("src-abc+int8-v1", os.geteuid())
     code = ("import sys, torch; from weightcache import SyncClient\n"
             "with SyncClient(sys.argv[1]) as c, c.attach('q8') as w:\n"
             "    torch.save({k: v.clone() for k, v in w.items()}, sys.argv[2]); print(w.fingerprint)\n")
     out = d.config.parent / "seen.pt"
     r = subprocess.run([sys.executable, "-c", code, d.socket, str(out)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.strip() == "src-abc+int8-v1", r.stderr
+    assert r.returncode == 0 and r.stdout.strip() == tenant_fingerprint("src-abc+int8-v1", os.geteuid()), r.stderr
     seen = torch.load(out)
     assert set(seen) == set(mine) and all(torch.equal(seen[k], v) and seen[k].dtype == v.dtype for k, v in mine.items())
     assert "published by" in d.log_text()
@@ -49,7 +50,7 @@ async def test_publish_name_clashes_replace_and_attached(start_daemon, ckpts):
             with pytest.raises(Attached):
                 await c.publish("q8", processed(1), fingerprint="v2", replace=True)
         m = await c.publish("q8", processed(1), fingerprint="v2", replace=True)
-        assert m["fingerprint"] == "v2"
+        assert m["fingerprint"] == tenant_fingerprint("v2", os.geteuid())
         async with c.attach("q8") as w:
             assert torch.equal(w["layer.0.bias"], processed(1)["layer.0.bias"])
         assert (await c.status())["devices"]["cpu"]["used"] == sum(x["nbytes"] for x in await c.models() if x["state"] == "resident")

@@ -97,6 +97,13 @@ def check_device(device: str) -> str:
     return device
 
 
+def under_roots(path: str | os.PathLike[str], roots: list[Path]) -> bool:
+    """Whether ``path``, symlinks resolved, lies under one of ``roots`` (by path component:
+    /models2 is not under /models). The loader checks the files it really opened again."""
+    real = Path(os.path.realpath(path))
+    return any(real.is_relative_to(os.path.realpath(r)) for r in roots)
+
+
 class ShardConfig(BaseModel):
     """One rank's part of a tensor- or pipeline-parallel checkpoint."""
 
@@ -174,13 +181,33 @@ class DaemonConfig(BaseModel):
     socket_group: str | int | None = Field(default=None, description="group owning the socket; its members may connect")
     allowed_uids: list[int] | None = Field(default=None, description="peers allowed to connect (default: the daemon's uid and root)")
     allowed_gids: list[str | int] = Field(default_factory=list, description="groups allowed to connect")
-    admin_uids: list[int] | None = Field(default=None, description="peers allowed admin ops (default: every allowed peer)")
+    admin_uids: list[int] | None = Field(default=None, description="peers allowed admin ops (default: the daemon's uid and root)")
     admin_gids: list[str | int] = Field(default_factory=list, description="groups allowed admin ops")
+    # -- what the daemon may read on a peer's behalf (docs/reliability.md, threat model) --
+    model_roots: list[Path] = Field(default_factory=list, description=(
+        "directories every checkpoint path must resolve under (config models and runtime registers); empty: no limit"))
+    follow_symlinks: bool = Field(default=True, description="false: a checkpoint path that is a symlink is refused (O_NOFOLLOW)")
+    tenant_register: bool = Field(default=False, description=(
+        "let non-admin peers register models by passing open file descriptors (never by path)"))
     # -- limits: each violation gets its error code and affects no other client --
     max_connections: int = Field(default=1024, ge=1)
+    max_connections_per_uid: int = Field(default=64, ge=1)
     max_leases_per_connection: int = Field(default=1024, ge=1)
+    max_requests_per_connection: int = Field(default=32, ge=1, description=(
+        "requests in flight on one connection; the daemon stops reading it beyond this"))
+    max_queued_reply_bytes: int = Field(default=1 << 20, ge=0, description=(
+        "reply bytes a peer has not taken yet; the daemon stops reading its requests beyond this"))
+    max_fds_per_frame: int = Field(default=256, ge=0, le=4096)
+    max_fds_per_uid: int = Field(default=1024, ge=0, description="fds received from one uid's frames not yet complete")
+    max_files_per_uid: int = Field(default=1024, ge=0, description=(
+        "open files the daemon holds for the models one uid registered with its own fds"))
+    max_partial_frame_bytes: int = Field(default=256 * 2**20, ge=1024, description=(
+        "bytes of half-received frames, summed over every connection"))
     request_timeout_s: float = Field(default=900.0, gt=0, description="a request running longer gets TIMEOUT")
-    frame_read_timeout_s: float = Field(default=30.0, gt=0, description="a half-sent frame older than this closes the connection")
+    frame_read_timeout_s: float = Field(default=30.0, gt=0, description="a frame not complete this long after its first byte closes the connection")
+    hello_timeout_s: float = Field(default=10.0, gt=0, description="a connection that has not said hello by then is closed")
+    io_threads: int = Field(default=4, ge=1, le=64, description="threads that open and parse checkpoints and validate publishes")
+    io_timeout_s: float = Field(default=60.0, gt=0, description="opening and parsing one checkpoint longer than this fails")
 
     @field_validator("log_level")
     @classmethod
@@ -190,7 +217,8 @@ class DaemonConfig(BaseModel):
             raise ValueError("log_level must be one of debug, info, warning, error")
         return v
 
-    @field_validator("max_frame_bytes", "load_chunk_bytes", "host_budget", mode="before")
+    @field_validator("max_frame_bytes", "load_chunk_bytes", "host_budget", "max_queued_reply_bytes", "max_partial_frame_bytes",
+                     mode="before")
     @classmethod
     def _sizes(cls, v: Any) -> int:
         return parse_size(v)
@@ -221,9 +249,12 @@ class Settings(BaseSettings):
             if m.name in seen:
                 raise ValueError(f"model name {m.name!r} appears twice")
             seen.add(m.name)
-            for _path, device in m.parts:
+            for path, device in m.parts:
                 if device not in self.budgets:
                     raise ValueError(f"model {m.name!r} is on device {device!r}, which has no entry in [budgets]")
+                if self.daemon.model_roots and not under_roots(path, self.daemon.model_roots):
+                    roots = ", ".join(str(r) for r in self.daemon.model_roots)
+                    raise ValueError(f"model {m.name!r}: {path} is not under daemon.model_roots ({roots})")
         return self
 
     @classmethod

@@ -96,14 +96,25 @@ class CpuBackend(Backend):
     def open_published(self, arena: dict[str, Any], fds: list[int]) -> mmap.mmap:
         if len(fds) != 1:
             raise BadRequest(f"a memfd arena is published with 1 fd, not {len(fds)}")
-        nbytes = int(arena.get("nbytes", 0))
-        seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
+        nbytes = arena.get("nbytes")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+            raise BadRequest(f"arena nbytes must be a positive integer, got {nbytes!r}")
+        try:
+            # Only memfds (and other shmem files) know seals: a regular file, a FIFO, a
+            # socket or /dev/zero is refused here, before anything maps it.
+            seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
+            size = os.fstat(fds[0]).st_size
+        except OSError:
+            raise BadRequest("the published fd is not a memfd; publish a sealed memfd") from None
         if not seals & fcntl.F_SEAL_WRITE or not seals & fcntl.F_SEAL_SHRINK:
             # Unsealed, the engine could change the bytes while (or after) we copy them.
             raise BadRequest("publish a sealed memfd (F_SEAL_WRITE and F_SEAL_SHRINK)")
-        if os.fstat(fds[0]).st_size < nbytes:
-            raise BadRequest(f"the published memfd is {os.fstat(fds[0]).st_size} bytes, not {nbytes}")
-        return mmap.mmap(fds[0], nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        if size < nbytes:
+            raise BadRequest(f"the published memfd is {size} bytes, not {nbytes}")
+        try:
+            return mmap.mmap(fds[0], nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as exc:
+            raise BadRequest(f"the published memfd cannot be mapped: {exc}") from None
 
     def copy_published(self, source: mmap.mmap, arena: Arena, nbytes: int) -> None:
         assert isinstance(arena, MemfdArena) and arena.mapping is not None

@@ -225,10 +225,17 @@ class CudaBackend(Backend):
             raise BadRequest(f"a cuda_vmm arena is published with one fd per chunk: {len(sizes)} chunks, {len(fds)} fds")
         if str(arena.get("device_uuid", "")).lower() != self.uuid.lower():
             raise BadRequest(f"published memory is on {arena.get('device_uuid')}, not on {self.device} ({self.uuid})")
+        if any(s <= 0 for s in sizes):
+            raise BadRequest(f"chunk sizes must be positive, got {sizes}")
+        handles: list[Any] = []
         with drv.current(self.ctx):
-            handles = [drv.check(cu.cuMemImportFromShareableHandle(fd, drv.FD_HANDLE)) for fd in fds]
             try:
+                handles = [drv.check(cu.cuMemImportFromShareableHandle(fd, drv.FD_HANDLE)) for fd in fds]
                 va = drv.map_chunks(handles, sizes, self.ordinal, read_only=True)
+            except drv.CudaError as exc:
+                # Not VMM memory of this GPU, or chunk sizes that do not match it: the
+                # peer's mistake, not the daemon's.
+                raise BadRequest(f"the published fds cannot be mapped as {self.device} VMM memory: {exc.message}") from None
             finally:
                 for h in handles:
                     cu.cuMemRelease(h)  # the mapping keeps the memory

@@ -118,6 +118,7 @@ class CacheCore:
         self.host = DeviceAccount(budget=host_budget)  # the pinned host tier (0: disabled)
         self.entries: dict[str, Entry] = {}
         self.leases: dict[int, Lease] = {}
+        self._by_conn: dict[int, set[int]] = {}  # connection -> its lease ids (O(1) counts and drops)
         self._clock = clock
         self._lease_ids = itertools.count(1)
 
@@ -149,6 +150,24 @@ class CacheCore:
         if e.host_copy:
             self.host.used -= e.nbytes
         del self.entries[name]
+        return e
+
+    def rename(self, name: str, new: str) -> Entry:
+        """Give an unattached entry another name (a publish swaps its staged copy in)."""
+        e = self.entry(name)
+        if new in self.entries:
+            raise BadRequest(f"model {new!r} is already registered", model=new)
+        if e.leases:
+            raise Attached(f"model {name!r} has {e.attach_count} live attachment(s)", model=name, attach_count=e.attach_count)
+        del self.entries[name]
+        e.name = new
+        self.entries[new] = e
+        return e
+
+    def touch(self, name: str) -> Entry:
+        """A resident model was asked for: it is the most recently used now."""
+        e = self.entry(name)
+        e.last_used = self._clock()
         return e
 
     def set_pinned(self, name: str, pinned: bool) -> Entry:
@@ -341,9 +360,13 @@ class CacheCore:
             raise BadRequest(f"model {name!r} is not resident (state {e.state})", model=name)
         lease = Lease(id=next(self._lease_ids), model=name, conn=conn)
         self.leases[lease.id] = lease
+        self._by_conn.setdefault(conn, set()).add(lease.id)
         e.leases.add(lease.id)
         e.last_used = self._clock()
         return lease
+
+    def leases_held(self, conn: int) -> int:
+        return len(self._by_conn.get(conn, ()))
 
     def detach(self, lease_id: int, conn: int) -> Lease:
         lease = self.leases.get(lease_id)
@@ -353,10 +376,14 @@ class CacheCore:
 
     def drop_connection(self, conn: int) -> list[Lease]:
         """End every lease the connection held (it closed, or its engine died)."""
-        return [self._end_lease(lease) for lease in list(self.leases.values()) if lease.conn == conn]
+        return [self._end_lease(self.leases[i]) for i in sorted(self._by_conn.get(conn, ()))]
 
     def _end_lease(self, lease: Lease) -> Lease:
         del self.leases[lease.id]
+        held = self._by_conn[lease.conn]
+        held.discard(lease.id)
+        if not held:
+            del self._by_conn[lease.conn]
         e = self.entries[lease.model]
         e.leases.discard(lease.id)
         e.last_used = self._clock()  # detaching counts as use: keep_alive runs from here
@@ -374,6 +401,8 @@ class CacheCore:
             assert not e.leases or e.state is State.RESIDENT, e.name
             assert e.host_copy == (e.state is State.HOST) or (e.host_copy and e.state is State.LOADING), e.name
         assert sum(e.attach_count for e in self.entries.values()) == len(self.leases)
+        assert {i for held in self._by_conn.values() for i in held} == set(self.leases)
+        assert all(self.leases[i].conn == conn and held for conn, held in self._by_conn.items() for i in held)
         assert self.host.used == sum(e.nbytes for e in self.entries.values() if e.host_copy)
         assert self.host.used <= self.host.budget
 

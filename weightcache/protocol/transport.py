@@ -12,6 +12,7 @@ import array
 import asyncio
 import os
 import socket
+from collections.abc import Sequence
 
 MAX_FDS_PER_MSG = 253  # SCM_MAX_FD in Linux
 _ANC_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
@@ -55,19 +56,26 @@ async def recv_with_fds(sock: socket.socket, bufsize: int = 1 << 16) -> tuple[by
         return data, fds
 
 
-async def send_with_fds(sock: socket.socket, data: bytes, fds: list[int]) -> None:
-    """Send ``data``; the fds ride on its first byte. The caller keeps ownership of the fds."""
+async def send_with_fds(sock: socket.socket, data: bytes | Sequence[bytes], fds: list[int]) -> None:
+    """Send ``data`` (bytes, or parts sent back to back without joining them: an attach
+    reply's shared tensor table is never copied per reply); the fds ride on the first
+    byte. The caller keeps ownership of the fds."""
     loop = asyncio.get_running_loop()
-    view = memoryview(data)
+    views = [memoryview(p) for p in ([data] if isinstance(data, bytes) else data) if len(p)]
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-    while view:
+    while views:
         try:
-            n = sock.sendmsg([view], anc)
+            n = sock.sendmsg(views, anc)
         except (BlockingIOError, InterruptedError):
             await _wait(loop, sock, writable=True)
             continue
         anc = []  # the kernel attached them to the bytes already sent
-        view = view[n:]
+        while n:
+            if n >= len(views[0]):
+                n -= len(views.pop(0))
+            else:
+                views[0] = views[0][n:]
+                n = 0
 
 
 def _close_quietly(fd: int) -> None:

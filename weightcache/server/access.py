@@ -64,16 +64,16 @@ class AccessPolicy:
         if cfg.socket_group is not None:
             # Whoever the socket's group lets connect is meant to be let in.
             self.allowed_gids |= {resolve_gid(cfg.socket_group)}
-        self.admin_uids = frozenset(cfg.admin_uids) if cfg.admin_uids is not None else None
+        # Admins may make the daemon read any file under model_roots as its own uid, and
+        # change what is cached for everyone: by default only the daemon's uid and root.
+        self.admin_uids = frozenset(cfg.admin_uids if cfg.admin_uids is not None else (me, 0))
         self.admin_gids = frozenset(resolve_gid(g) for g in cfg.admin_gids)
 
     def allows(self, peer: Peer) -> bool:
         return peer.uid in self.allowed_uids or bool(peer.groups & self.allowed_gids)
 
     def is_admin(self, peer: Peer) -> bool:
-        if self.admin_uids is None and not self.admin_gids:
-            return self.allows(peer)  # no admin list: every allowed peer may administer
-        return peer.uid == 0 or peer.uid in (self.admin_uids or ()) or bool(peer.groups & self.admin_gids)
+        return peer.uid == 0 or peer.uid in self.admin_uids or bool(peer.groups & self.admin_gids)
 
 
 def check_socket_dir(directory: Path) -> None:
