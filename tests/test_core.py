@@ -237,6 +237,7 @@ class CoreMachine(RuleBasedStateMachine):
             self.core.register(n, "cpu")
         for n in ["g0", "g1", "g2", "g3"]:
             self.core.register(n, "cuda:0")
+        self.held: set[str] = set()  # resident and attached or pinned after the last step
 
     @rule(name=names, nbytes=st.integers(1, 700), fail=st.booleans())
     def load(self, name, nbytes, fail):
@@ -300,11 +301,12 @@ class CoreMachine(RuleBasedStateMachine):
         self.core.check_invariants()
         for e in self.core.entries.values():
             assert e.attach_count >= 0
-            if e.leases or e.pinned:
-                # never evicted while attached/pinned: it is still where it was
-                assert e.state in (State.RESIDENT, State.REGISTERED, State.EVICTED, State.LOADING, State.HOST)
+            if e.name in self.held and (e.leases or e.pinned):
+                # resident and still attached or pinned: no step may have moved it
+                assert e.state is State.RESIDENT, (e.name, e.state)
             if e.leases:
                 assert e.state is State.RESIDENT
+        self.held = {e.name for e in self.core.entries.values() if e.state is State.RESIDENT and (e.leases or e.pinned)}
 
 
 TestCoreMachine = CoreMachine.TestCase

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from weightcache import Client
-from weightcache.errors import LimitExceeded, PermissionDenied, RequestTimeout
+from weightcache.errors import LimitExceeded, NoSpace, PermissionDenied, RequestTimeout
 from weightcache.protocol import encode_frame
 
 NOBODY = 65534
@@ -229,3 +229,19 @@ async def test_shutdown_announces_itself_and_waits_for_leases(start_daemon, ckpt
         assert await asyncio.to_thread(d.proc.wait, 15) == 0
         assert time.monotonic() - t < 10
     assert not os.path.exists(d.socket)
+
+
+async def test_a_long_wait_s_does_not_make_joiners_wait(start_daemon, ckpts):
+    """One request's wait_s must not hold others that ask for the same model: each waits
+    for room as long as it asked, then gets NO_SPACE; the patient one still gets it."""
+    d = start_daemon(budget="9MiB", models={"a": ckpts["a"], "b": ckpts["b"]})
+    async with Client(d.socket) as holder, Client(d.socket) as patient, Client(d.socket) as hasty:
+        async with holder.attach("a"):
+            waiting = asyncio.ensure_future(patient.load("b", wait_s=30))
+            await asyncio.sleep(0.3)
+            t = time.monotonic()
+            with pytest.raises(NoSpace):
+                await hasty.load("b", wait_s=0.2)
+            assert time.monotonic() - t < 3
+            assert not waiting.done()
+        assert (await waiting)["state"] == "resident"  # room came with the detach

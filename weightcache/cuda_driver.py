@@ -121,6 +121,17 @@ def allocation_prop(ordinal: int) -> Any:
     return prop
 
 
+CHUNK_BYTES = 1 << 30  # VMM chunk size: export cost grows per fd (backends/cuda.py), so chunks are big
+
+
+def chunk_sizes(total: int, granularity: int) -> list[int]:
+    """The chunks an arena of ``total`` bytes (a multiple of ``granularity``) is made of:
+    ~1 GiB each, granularity-rounded, the last one the rest. The daemon's arenas and an
+    engine's published memory are laid out alike."""
+    chunk = max(granularity, -(-CHUNK_BYTES // granularity) * granularity)
+    return [min(chunk, total - off) for off in range(0, total, chunk)]
+
+
 def granularity(ordinal: int) -> int:
     init()
     flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED

@@ -21,14 +21,45 @@ class Arena:
     label: str  # the model name, for logs and /proc listings
 
 
+@dataclass
+class HostCopy:
+    """An arena's bytes waiting in the host tier (a backend's own subclass)."""
+
+    nbytes: int
+
+
+class HostPool(ABC):
+    """Pinned host memory shared by every backend with a host tier."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+@dataclass
+class PublishedSource:
+    """An engine's published memory, mapped read-only by ``open_published``."""
+
+    nbytes: int
+
+
 class Backend(ABC):
     kind: str  # the export kind named on the wire ("memfd", "cuda_vmm")
-    # Capability: can an arena wait in pinned host memory and come back at copy speed?
-    # (The CPU backend cannot: its arenas already are host memory.)
+    # Capabilities, asked by the daemon instead of comparing kinds:
+    # can an arena wait in pinned host memory and come back at copy speed? (The CPU
+    # backend cannot: its arenas already are host memory.)
     supports_host_tier = False
+    # may a client map an arena read-write? (Sealed memfds cannot be.)
+    supports_writable_attach = False
 
     def __init__(self, device: str) -> None:
         self.device = device
+        # The device's stable name clients send ("GPU-…" for a GPU; None for the CPU):
+        # a client's CUDA_VISIBLE_DEVICES may number GPUs differently from the daemon's.
+        self.uuid: str | None = None
+
+    def names(self, device: str) -> bool:
+        """Whether ``device`` (as a client wrote it) is this backend's device."""
+        return device == self.device or (self.uuid is not None and device.lower() == f"cuda:{self.uuid}".lower())
 
     @abstractmethod
     def total_memory(self) -> int:
@@ -60,29 +91,38 @@ class Backend(ABC):
         (memfd and VMM memory are reference counted), so this never pulls pages from
         under an engine."""
 
-    def demote(self, arena: Arena) -> Any:
+    # -- the host tier (where supports_host_tier) ------------------------------------
+    def start_host_tier(self, nbytes: int) -> HostPool:
+        """Begin pinning the shared host-tier pool (in the background) and return it."""
+        raise RuntimeError(f"{type(self).__name__} has no host tier")  # callers check supports_host_tier
+
+    def use_host_pool(self, pool: HostPool) -> None:
+        """Demote into ``pool`` (one pool serves every GPU's backend)."""
+        raise RuntimeError(f"{type(self).__name__} has no host tier")  # callers check supports_host_tier
+
+    def demote(self, arena: Arena) -> HostCopy:
         """Copy the arena into pinned host memory; return the copy (for ``promote``)."""
         raise RuntimeError(f"{type(self).__name__} has no host tier")  # callers check supports_host_tier
 
-    def promote(self, host: Any, arena: Arena) -> None:
+    def promote(self, host: HostCopy, arena: Arena) -> None:
         """Fill a fresh (unsealed) arena from a host copy."""
         raise RuntimeError(f"{type(self).__name__} has no host tier")  # callers check supports_host_tier
 
-    def free_host(self, host: Any) -> None:
+    def free_host(self, host: HostCopy) -> None:
         raise RuntimeError(f"{type(self).__name__} has no host tier")  # callers check supports_host_tier
 
     # -- publish: an engine hands the daemon weights it processed itself ---------------
     @abstractmethod
-    def open_published(self, arena: dict[str, Any], fds: list[int]) -> Any:
+    def open_published(self, arena: dict[str, Any], fds: list[int]) -> PublishedSource:
         """Map the engine's memory (described as in an attach reply) read-only; the fds
-        stay the caller's. Refuse memory the engine could still change."""
+        stay the caller's. Refuse memory the engine could still change (BadRequest)."""
 
     @abstractmethod
-    def copy_published(self, source: Any, arena: Arena, nbytes: int) -> None:
+    def copy_published(self, source: PublishedSource, arena: Arena, nbytes: int) -> None:
         """Copy ``nbytes`` from the opened source into the daemon's own (unsealed) arena."""
 
     @abstractmethod
-    def close_published(self, source: Any) -> None: ...
+    def close_published(self, source: PublishedSource) -> None: ...
 
     def close(self) -> None:  # noqa: B027  (a hook: most backends hold nothing backend-wide)
         """Release backend-wide resources at shutdown."""

@@ -18,16 +18,21 @@ from typing import Any
 
 from ..errors import BadRequest, NoSpace
 from ..loader.reader import pread_full
-from .base import Arena, Backend
+from ..protocol.messages import MEMFD_SEALS
+from .base import Arena, Backend, PublishedSource
 
 PAGE = mmap.PAGESIZE
-SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 @dataclass
 class MemfdArena(Arena):
     fd: int = -1  # the memfd; owned by the arena until free()
     mapping: mmap.mmap | None = None  # writable mapping, only while filling
+
+
+@dataclass
+class MemfdSource(PublishedSource):
+    mapping: mmap.mmap | None = None  # the engine's sealed memfd, mapped read-only
 
 
 class _MemfdWriter:
@@ -91,9 +96,9 @@ class CpuBackend(Backend):
         if arena.mapping is not None:
             arena.mapping.close()  # F_SEAL_WRITE fails (EBUSY) while a writable mapping exists
             arena.mapping = None
-        fcntl.fcntl(arena.fd, fcntl.F_ADD_SEALS, SEALS)
+        fcntl.fcntl(arena.fd, fcntl.F_ADD_SEALS, MEMFD_SEALS)
 
-    def open_published(self, arena: dict[str, Any], fds: list[int]) -> mmap.mmap:
+    def open_published(self, arena: dict[str, Any], fds: list[int]) -> MemfdSource:
         if len(fds) != 1:
             raise BadRequest(f"a memfd arena is published with 1 fd, not {len(fds)}")
         nbytes = arena.get("nbytes")
@@ -112,16 +117,20 @@ class CpuBackend(Backend):
         if size < nbytes:
             raise BadRequest(f"the published memfd is {size} bytes, not {nbytes}")
         try:
-            return mmap.mmap(fds[0], nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            return MemfdSource(nbytes, mmap.mmap(fds[0], nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
         except (OSError, ValueError) as exc:
             raise BadRequest(f"the published memfd cannot be mapped: {exc}") from None
 
-    def copy_published(self, source: mmap.mmap, arena: Arena, nbytes: int) -> None:
+    def copy_published(self, source: PublishedSource, arena: Arena, nbytes: int) -> None:
         assert isinstance(arena, MemfdArena) and arena.mapping is not None
-        arena.mapping[:nbytes] = source[:nbytes]
+        assert isinstance(source, MemfdSource) and source.mapping is not None
+        arena.mapping[:nbytes] = source.mapping[:nbytes]
 
-    def close_published(self, source: mmap.mmap) -> None:
-        source.close()
+    def close_published(self, source: PublishedSource) -> None:
+        assert isinstance(source, MemfdSource)
+        if source.mapping is not None:
+            source.mapping.close()
+            source.mapping = None
 
     def export(self, arena: Arena) -> tuple[list[int], dict[str, Any]]:
         assert isinstance(arena, MemfdArena)

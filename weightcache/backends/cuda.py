@@ -24,10 +24,8 @@ from cuda.bindings import driver as cu
 from .. import cuda_driver as drv
 from ..errors import BadRequest, NoSpace
 from ..loader.reader import DIRECT_ALIGN, pread_direct, pread_full
-from .base import Arena, Backend
+from .base import Arena, Backend, HostCopy, HostPool, PublishedSource
 from .firstfit import FirstFit
-
-CHUNK_BYTES = 1 << 30
 
 
 @dataclass
@@ -102,15 +100,21 @@ class _VmmWriter:
 
 
 @dataclass
-class PinnedCopy:
+class PinnedCopy(HostCopy):
     """An arena's bytes in page-locked host memory: the host tier. Pinned so the copy
     back runs at PCIe speed (55 GB/s both ways on the H200 vs 6.3 pageable)."""
 
-    ptr: int
-    nbytes: int
+    ptr: int = 0
 
 
-class PinnedPool:
+@dataclass
+class VmmSource(PublishedSource):
+    """An engine's published VMM chunks, mapped read-only into the daemon's context."""
+
+    va: int = 0
+
+
+class PinnedPool(HostPool):
     """The host tier's pinned memory, pinned once and carved into copies first-fit.
 
     Why a pool: on the H200, pinning 10 GB per demotion (cuMemHostAlloc) took ~4 s, and
@@ -160,15 +164,17 @@ class PinnedPool:
 class CudaBackend(Backend):
     kind = "cuda_vmm"
     supports_host_tier = True
+    supports_writable_attach = True
 
     def __init__(self, device: str) -> None:
         super().__init__(device)
         self.ordinal = drv.ordinal_of(device)
-        self.uuid = drv.device_uuid(self.ordinal)
+        self.gpu_uuid: str = drv.device_uuid(self.ordinal)
+        self.uuid = self.gpu_uuid
         self.ctx = drv.primary_context(self.ordinal)
         self.granularity = drv.granularity(self.ordinal)
         self._prop = drv.allocation_prop(self.ordinal)
-        self.host_pool: PinnedPool | None = None  # shared by every GPU's backend; set by the daemon
+        self.host_pool: PinnedPool | None = None  # shared by every GPU's backend (use_host_pool)
 
     def total_memory(self) -> int:
         return drv.total_memory(self.ordinal)
@@ -180,9 +186,6 @@ class CudaBackend(Backend):
         g = self.granularity
         return max(g, -(-nbytes // g) * g)
 
-    def _chunk_sizes(self, total: int) -> list[int]:
-        chunk = self.capacity(CHUNK_BYTES)
-        return [min(chunk, total - off) for off in range(0, total, chunk)]
 
     def allocate(self, nbytes: int, label: str) -> VmmArena:
         total = self.capacity(nbytes)
@@ -195,7 +198,7 @@ class CudaBackend(Backend):
                               f"(memory outside weightcache's budget is in use)", device=self.device, needed=total,
                               device_free=free, fits_ever=False)
             try:
-                for size in self._chunk_sizes(total):
+                for size in drv.chunk_sizes(total, self.granularity):
                     arena.handles.append(drv.check(cu.cuMemCreate(size, self._prop, 0)))
                     arena.sizes.append(size)
                 arena.va = drv.map_chunks(arena.handles, arena.sizes, self.ordinal, read_only=False)
@@ -219,12 +222,12 @@ class CudaBackend(Backend):
             for h in arena.handles:
                 arena.export_fds.append(int(drv.check(cu.cuMemExportToShareableHandle(h, drv.FD_HANDLE, 0))))
 
-    def open_published(self, arena: dict[str, Any], fds: list[int]) -> tuple[int, int]:
+    def open_published(self, arena: dict[str, Any], fds: list[int]) -> VmmSource:
         sizes = [int(s) for s in arena.get("chunks", [])]
         if len(sizes) != len(fds) or not sizes:
             raise BadRequest(f"a cuda_vmm arena is published with one fd per chunk: {len(sizes)} chunks, {len(fds)} fds")
-        if str(arena.get("device_uuid", "")).lower() != self.uuid.lower():
-            raise BadRequest(f"published memory is on {arena.get('device_uuid')}, not on {self.device} ({self.uuid})")
+        if str(arena.get("device_uuid", "")).lower() != self.gpu_uuid.lower():
+            raise BadRequest(f"published memory is on {arena.get('device_uuid')}, not on {self.device} ({self.gpu_uuid})")
         if any(s <= 0 for s in sizes):
             raise BadRequest(f"chunk sizes must be positive, got {sizes}")
         handles: list[Any] = []
@@ -239,17 +242,20 @@ class CudaBackend(Backend):
             finally:
                 for h in handles:
                     cu.cuMemRelease(h)  # the mapping keeps the memory
-        return va, sum(sizes)
+        return VmmSource(sum(sizes), va)
 
-    def copy_published(self, source: tuple[int, int], arena: Arena, nbytes: int) -> None:
-        assert isinstance(arena, VmmArena)
+    def copy_published(self, source: PublishedSource, arena: Arena, nbytes: int) -> None:
+        assert isinstance(arena, VmmArena) and isinstance(source, VmmSource)
         with drv.current(self.ctx):
-            drv.check(cu.cuMemcpyDtoD(arena.va, source[0], nbytes))  # device to device, HBM speed
+            drv.check(cu.cuMemcpyDtoD(arena.va, source.va, nbytes))  # device to device, HBM speed
             drv.check(cu.cuCtxSynchronize())
 
-    def close_published(self, source: tuple[int, int]) -> None:
-        with drv.current(self.ctx):
-            drv.unmap(*source)
+    def close_published(self, source: PublishedSource) -> None:
+        assert isinstance(source, VmmSource)
+        if source.va:
+            with drv.current(self.ctx):
+                drv.unmap(source.va, source.nbytes)
+            source.va = 0
 
     def export(self, arena: Arena) -> tuple[list[int], dict[str, Any]]:
         assert isinstance(arena, VmmArena)
@@ -257,8 +263,11 @@ class CudaBackend(Backend):
         return fds, {"kind": self.kind, "nbytes": arena.nbytes, "chunks": list(arena.sizes), "device_uuid": self.uuid}
 
     def start_host_tier(self, nbytes: int) -> PinnedPool:
-        """Begin pinning the shared host-tier pool (in a thread) and return it."""
         return PinnedPool(self.ctx, nbytes)
+
+    def use_host_pool(self, pool: HostPool) -> None:
+        assert isinstance(pool, PinnedPool)
+        self.host_pool = pool
 
     def demote(self, arena: Arena) -> PinnedCopy:
         assert isinstance(arena, VmmArena) and self.host_pool is not None
@@ -271,15 +280,15 @@ class CudaBackend(Backend):
         except BaseException:
             self.host_pool.free(ptr, arena.nbytes)
             raise
-        return PinnedCopy(ptr, arena.nbytes)
+        return PinnedCopy(arena.nbytes, ptr)
 
-    def promote(self, host: PinnedCopy, arena: Arena) -> None:
-        assert isinstance(arena, VmmArena) and host.nbytes == arena.nbytes
+    def promote(self, host: HostCopy, arena: Arena) -> None:
+        assert isinstance(arena, VmmArena) and isinstance(host, PinnedCopy) and host.nbytes == arena.nbytes
         with drv.current(self.ctx):
             drv.check(cu.cuMemcpyHtoD(arena.va, host.ptr, host.nbytes))
 
-    def free_host(self, host: PinnedCopy) -> None:
-        assert self.host_pool is not None
+    def free_host(self, host: HostCopy) -> None:
+        assert self.host_pool is not None and isinstance(host, PinnedCopy)
         self.host_pool.free(host.ptr, host.nbytes)
 
     def close(self) -> None:

@@ -138,13 +138,18 @@ class CacheCore:
         self.entries[name] = e
         return e
 
-    def unregister(self, name: str) -> Entry:
-        """Forget a model. Returns its entry; if it was RESIDENT the caller frees the arena."""
+    def check_removable(self, name: str) -> Entry:
+        """Raise what ``unregister`` would (ATTACHED, or BAD_REQUEST while loading); change nothing."""
         e = self.entry(name)
         if e.leases:
             raise Attached(f"model {name!r} has {e.attach_count} live attachment(s)", model=name, attach_count=e.attach_count)
         if e.state is State.LOADING:
             raise BadRequest(f"model {name!r} is loading; unregister it when the load ends", model=name)
+        return e
+
+    def unregister(self, name: str) -> Entry:
+        """Forget a model. Returns its entry; if it was RESIDENT the caller frees the arena."""
+        e = self.check_removable(name)
         if e.state is State.RESIDENT:
             self.devices[e.device].used -= e.nbytes
         if e.host_copy:
@@ -170,6 +175,11 @@ class CacheCore:
         e.last_used = self._clock()
         return e
 
+    def idle_s(self, name: str) -> float | None:
+        """Seconds since ``name`` was last used (attached, detached, asked for), by the core's clock."""
+        e = self.entry(name)
+        return self._clock() - e.last_used if e.last_used else None
+
     def set_pinned(self, name: str, pinned: bool) -> Entry:
         e = self.entry(name)
         e.pinned = pinned
@@ -190,25 +200,25 @@ class CacheCore:
         if e.host_copy and nbytes != e.nbytes:
             raise BadRequest(f"model {name!r}: host copy is {e.nbytes} bytes, not {nbytes}; drop it first", model=name)
         acct = self.devices[e.device]
-        victims: list[Entry] = []
-        if acct.free < nbytes:
-            candidates = sorted(
-                (x for x in self.entries.values() if x.device == e.device and x.evictable),
-                key=lambda x: x.last_used,
-            )
-            room = acct.free
-            for v in candidates:
-                if room >= nbytes:
-                    break
-                victims.append(v)
-                room += v.nbytes
-            if room < nbytes:
-                raise self._no_space(e, nbytes)
+        victims = self._lru_victims(e.device, nbytes - acct.free)
+        if victims is None:
+            raise self._no_space(e, nbytes)
         step = self._step_down(victims, keep=e)
         e.state = State.LOADING
         e.nbytes = nbytes
         acct.reserved += nbytes
         return LoadPlan(name=name, nbytes=nbytes, step_down=step, promote=e.host_copy)
+
+    def _lru_victims(self, device: str, need: int) -> list[Entry] | None:
+        """The fewest least-recently-used evictable models on ``device`` whose bytes add up
+        to ``need``; None if all of them would not."""
+        victims: list[Entry] = []
+        for v in sorted((x for x in self.entries.values() if x.device == device and x.evictable), key=lambda x: x.last_used):
+            if need <= 0:
+                break
+            victims.append(v)
+            need -= v.nbytes
+        return victims if need <= 0 else None
 
     def _step_down(self, victims: list[Entry], keep: Entry | None = None) -> StepDown:
         """Move RESIDENT victims off their device: to the host tier where it is enabled and
@@ -245,19 +255,12 @@ class CacheCore:
         unpinned models in LRU order until everything fits; if attached or pinned models
         hold too much, nothing changes and NoSpace says what holds the memory."""
         acct = self.devices[device]
-        excess = acct.used + acct.reserved - budget
-        victims: list[Entry] = []
-        if excess > 0:
-            for v in sorted((x for x in self.entries.values() if x.device == device and x.evictable), key=lambda x: x.last_used):
-                if excess <= 0:
-                    break
-                victims.append(v)
-                excess -= v.nbytes
-            if excess > 0:
-                held = sorted(f"{x.name} ({x.nbytes} B)" for x in self.entries.values()
-                              if x.device == device and x.state in (State.RESIDENT, State.LOADING) and x not in victims)
-                raise NoSpace(f"cannot lower the {device} budget to {budget} B: {', '.join(held)} cannot be evicted now",
-                              device=device, budget=budget)
+        victims = self._lru_victims(device, acct.used + acct.reserved - budget)
+        if victims is None:
+            held = sorted(f"{x.name} ({x.nbytes} B)" for x in self.entries.values()
+                          if x.device == device and x.state in (State.RESIDENT, State.LOADING) and not x.evictable)
+            raise NoSpace(f"cannot lower the {device} budget to {budget} B: {', '.join(held)} cannot be evicted now",
+                          device=device, budget=budget)
         step = self._step_down(victims)
         acct.budget = budget
         return step
@@ -332,18 +335,32 @@ class CacheCore:
         if e.state is State.HOST:
             self._drop_host_copy(e)
             return StepDown(drop_host=(name,))
-        if e.state is not State.RESIDENT:
-            raise BadRequest(f"model {name!r} is not resident (state {e.state})", model=name)
-        if e.leases:
-            raise Attached(f"model {name!r} has {e.attach_count} live attachment(s)", model=name, attach_count=e.attach_count)
-        if e.pinned and not ignore_pin:
-            raise Pinned(f"model {name!r} is pinned; unpin it first", model=name)
+        self.check_evictable(name, ignore_pin=ignore_pin)
         if not demote:
             self.devices[e.device].used -= e.nbytes
             e.evictions += 1
             e.state = State.EVICTED
             return StepDown(evict=(name,))
         return self._step_down([e])
+
+    def check_evictable(self, name: str, *, ignore_pin: bool = False) -> Entry:
+        """Raise what ``evict`` of a RESIDENT model would (ATTACHED, PINNED); change nothing."""
+        e = self.entry(name)
+        if e.state is not State.RESIDENT:
+            raise BadRequest(f"model {name!r} is not resident (state {e.state})", model=name)
+        if e.leases:
+            raise Attached(f"model {name!r} has {e.attach_count} live attachment(s)", model=name, attach_count=e.attach_count)
+        if e.pinned and not ignore_pin:
+            raise Pinned(f"model {name!r} is pinned; unpin it first", model=name)
+        return e
+
+    def demotion_failed(self, name: str) -> Entry:
+        """A demotion's copy to the host tier failed: the model was evicted after all."""
+        e = self.entry(name)
+        if e.state is State.HOST:
+            self._drop_host_copy(e)
+            e.demotions -= 1
+        return e
 
     def expired(self) -> list[str]:
         """Unattached, unpinned resident models whose keep_alive has run out."""

@@ -1,5 +1,6 @@
-"""The asyncio daemon."""
+"""The asyncio daemon (docs/architecture.md draws its rooms)."""
 
-from .daemon import Daemon, run_daemon
+from .daemon import Daemon
+from .main import run_daemon
 
 __all__ = ["Daemon", "run_daemon"]

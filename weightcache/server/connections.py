@@ -1,0 +1,396 @@
+"""Connections: accept, framing, dispatch and sending, with every limit that keeps one
+peer from costing the others.
+
+Each connection owns its raw non-blocking socket (see protocol/transport.py for why not
+streams). Every request runs as its own task, so a slow ``load`` never holds up a
+``status`` on the same or another connection.
+
+Note [untrusted peers]
+----------------------
+Any allowed peer may be hostile. Nothing one connection sends may cost the daemon
+unbounded memory, fds, threads or loop time, or delay another connection:
+- requests: at most max_requests_per_connection in flight; beyond that, or while a
+  reply of more than max_queued_reply_bytes waits for the peer to read it, the daemon
+  stops reading the connection (the kernel's buffer then stops the peer);
+- frames: one deadline per frame from its first byte (frame_read_timeout_s), a deadline
+  for hello, and half-received frames summed over every connection
+  (max_partial_frame_bytes);
+- fds: only with a frame's first bytes, at most max_fds_per_frame, and at most
+  max_fds_per_uid waiting for frames not yet complete;
+- decoding: msgpack's structural limits (framing.decode_payload) bound loop time; big
+  tables are validated in the io pool and attach tables are encoded once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..cache import CacheCore
+from ..config import DaemonConfig
+from ..errors import (
+    BadRequest,
+    FrameTooLarge,
+    InternalError,
+    LimitExceeded,
+    PermissionDenied,
+    RequestTimeout,
+    ShuttingDown,
+    UnknownOp,
+    WeightcacheError,
+)
+from ..protocol import FrameDecoder, decode_payload
+from ..protocol.messages import ADMIN_OPS
+from ..protocol.packed import encode_reply
+from ..protocol.transport import recv_with_fds, send_with_fds
+from .access import AccessPolicy, Peer
+from .handlers import HANDLERS, hello, redact
+from .loads import Loads
+from .metrics import Metrics
+from .requests import Caller, Context, Request
+
+log = logging.getLogger("weightcache.daemon")
+
+_REFUSED_WHILE_STOPPING = frozenset({"load", "attach", "register", "publish"})
+
+
+@dataclass
+class Connection:
+    id: int
+    sock: socket.socket
+    peer: Peer  # pid, uid, gid(s) from SO_PEERCRED
+    client: str = "?"
+    greeted: bool = False
+    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tasks: dict[asyncio.Task[None], str] = field(default_factory=dict)  # request in flight -> its op
+    fds: deque[int] = field(default_factory=deque)  # received, not yet claimed by a frame ("fds": n)
+    unsent: int = 0  # bytes of the reply being sent that the peer has not taken yet
+    partial: int = 0  # bytes of a half-received frame (summed in Connections.partial_bytes)
+    # Set while the daemon may read more requests: fewer than max_requests_per_connection
+    # in flight and at most max_queued_reply_bytes of replies the peer has not read.
+    readable: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def close_fds(self) -> None:
+        while self.fds:
+            os.close(self.fds.popleft())
+
+
+def error_reply(rid: int | None, exc: WeightcacheError) -> dict[str, Any]:
+    return {"id": rid, "ok": False, "error": exc.to_wire()}
+
+
+class Connections:
+    def __init__(self, settings: DaemonConfig, access: AccessPolicy, core: CacheCore, loads: Loads, metrics: Metrics,
+                 context: Callable[[], Context], stopping: asyncio.Event) -> None:
+        self.settings = settings
+        self.access = access
+        self.core = core
+        self.loads = loads
+        self.metrics = metrics
+        self._context = context
+        self._stopping = stopping
+        self.conns: dict[int, Connection] = {}
+        self.partial_bytes = 0  # half-received frames over every connection (max_partial_frame_bytes)
+        self._ids = itertools.count(1)
+        self.background: set[asyncio.Task[Any]] = set()
+
+    def __len__(self) -> int:
+        return len(self.conns)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    # -- accepting ------------------------------------------------------------------
+    async def accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        d = self.settings
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # EMFILE and friends: log, back off, keep serving
+                log.error("accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            conn = Connection(id=next(self._ids), sock=sock, peer=Peer.of(sock))
+            refusal: WeightcacheError | None = None
+            if not self.access.allows(conn.peer):
+                log.warning("refused conn from pid %d uid %d gid %d: not in allowed uids/gids",
+                            conn.peer.pid, conn.peer.uid, conn.peer.gid)
+                refusal = PermissionDenied(f"uid {conn.peer.uid} may not use this weightcache daemon", uid=conn.peer.uid)
+            elif len(self.conns) >= d.max_connections:
+                log.warning("refused conn from pid %d: %d connections open", conn.peer.pid, len(self.conns))
+                refusal = LimitExceeded(f"the daemon holds its maximum of {len(self.conns)} connections",
+                                        limit=d.max_connections)
+            elif (mine := sum(1 for c in self.conns.values() if c.peer.uid == conn.peer.uid)) >= d.max_connections_per_uid:
+                log.warning("refused conn from pid %d: uid %d holds %d connections", conn.peer.pid, conn.peer.uid, mine)
+                refusal = LimitExceeded(f"uid {conn.peer.uid} holds its maximum of {mine} connections",
+                                        limit=d.max_connections_per_uid)
+            if refusal is not None:
+                self._spawn(self._refuse(conn, refusal))
+                continue
+            self.conns[conn.id] = conn
+            self._spawn(self._serve(conn))
+
+    async def _refuse(self, conn: Connection, exc: WeightcacheError) -> None:
+        try:
+            await self._send_final(conn, exc)
+        finally:
+            conn.sock.close()
+
+    # -- reading --------------------------------------------------------------------
+    async def _serve(self, conn: Connection) -> None:
+        d = self.settings
+        decoder = FrameDecoder(d.max_frame_bytes)
+        log.debug("conn %d open: pid %d uid %d", conn.id, conn.peer.pid, conn.peer.uid)
+        hello_deadline = time.monotonic() + d.hello_timeout_s
+        frame_deadline: float | None = None  # set when a frame's first byte arrives
+        conn.readable.set()
+        try:
+            while True:
+                await conn.readable.wait()
+                deadlines = [t for t in (None if conn.greeted else hello_deadline, frame_deadline) if t is not None]
+                timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+                try:
+                    # asyncio.timeout, not wait_for: no second task, so the fds recvmsg took
+                    # are counted below before any other connection's read runs.
+                    async with asyncio.timeout(timeout):
+                        data, fds = await recv_with_fds(conn.sock)
+                except TimeoutError:
+                    conn.close_fds()
+                    if frame_deadline is not None and time.monotonic() >= frame_deadline:
+                        why = f"frame incomplete {d.frame_read_timeout_s:g}s after its first byte"
+                    else:
+                        why = f"no hello within {d.hello_timeout_s:g}s"
+                    await self._drop(conn, RequestTimeout(f"{why}; closing the connection"))
+                    break
+                except (ConnectionError, OSError):
+                    break
+                pending_before = decoder.pending
+                if fds:
+                    conn.fds.extend(fds)  # closed with the connection if refused below
+                    refusal = self._check_fds(conn, len(fds))
+                    if refusal is not None:
+                        await self._drop(conn, refusal)
+                        break
+                if not data:
+                    break
+                try:
+                    frames = decoder.feed(data)
+                except FrameTooLarge as exc:  # the stream is out of step: this connection only
+                    await self._drop(conn, exc)
+                    break
+                grew = decoder.pending > conn.partial
+                self.partial_bytes += decoder.pending - conn.partial
+                conn.partial = decoder.pending
+                if grew and self.partial_bytes > d.max_partial_frame_bytes:  # refuse who added, not a bystander
+                    await self._drop(conn, LimitExceeded(
+                        f"the daemon holds {d.max_partial_frame_bytes} bytes of unfinished frames; send whole frames",
+                        limit=d.max_partial_frame_bytes))
+                    break
+                # fds ride on a frame's first byte: a frame must start in this read.
+                started_here = pending_before == 0 or len(frames) > 1 or (len(frames) == 1 and decoder.pending > 0)
+                if fds and not started_here:
+                    await self._drop(conn, BadRequest("file descriptors must come with a frame's first byte"))
+                    break
+                if not decoder.pending:
+                    frame_deadline = None
+                elif frames or frame_deadline is None:  # a new frame began in this read
+                    frame_deadline = time.monotonic() + d.frame_read_timeout_s
+                for payload in frames:
+                    # One read may hold hundreds of small frames: the in-flight limit
+                    # holds between them too, not only between reads.
+                    await conn.readable.wait()
+                    self._dispatch(conn, payload)
+                if not decoder.pending:  # fds no frame claimed: nobody will
+                    conn.close_fds()
+        finally:
+            self.partial_bytes -= conn.partial
+            conn.partial = 0
+            conn.close_fds()
+            await self._close(conn)
+
+    async def _drop(self, conn: Connection, exc: WeightcacheError) -> None:
+        """A connection broke a limit: its fds go now (not after the goodbye), then one
+        error frame, then the caller closes it."""
+        log.warning("conn %d (uid %d): %s; closing it", conn.id, conn.peer.uid, exc.message)
+        conn.close_fds()
+        self.partial_bytes -= conn.partial  # its half frame no longer counts against the others
+        conn.partial = 0
+        await self._send_final(conn, exc)
+
+    def _check_fds(self, conn: Connection, arrived: int) -> WeightcacheError | None:
+        d = self.settings
+        if arrived > d.max_fds_per_frame or len(conn.fds) > 2 * d.max_fds_per_frame:
+            return LimitExceeded(f"at most {d.max_fds_per_frame} file descriptors per frame", limit=d.max_fds_per_frame)
+        waiting = sum(len(c.fds) for c in self.conns.values() if c.peer.uid == conn.peer.uid)
+        if waiting > d.max_fds_per_uid:
+            return LimitExceeded(f"uid {conn.peer.uid} has {waiting} file descriptors waiting for unfinished frames "
+                                 f"(limit {d.max_fds_per_uid})", limit=d.max_fds_per_uid)
+        return None
+
+    async def _close(self, conn: Connection) -> None:
+        """The peer is gone. A ``load`` it asked for still completes (the docs promise it,
+        and it may have been the first to ask); every other request is cancelled, so no
+        lease is granted to a dead connection; then its leases end. Leases end before any
+        load is awaited: that load may be waiting for exactly the memory they hold."""
+        self.conns.pop(conn.id, None)
+        cancelled = [t for t, op in conn.tasks.items() if op != "load"]
+        for t in cancelled:
+            t.cancel()
+        await asyncio.gather(*cancelled, return_exceptions=True)
+        for t in list(conn.tasks):  # loads: now the daemon's to finish and to await at shutdown
+            self.loads.background.add(t)
+            t.add_done_callback(self.loads.background.discard)
+        dropped = self.core.drop_connection(conn.id)
+        if dropped:
+            log.info("conn %d (%s, pid %d) closed holding %d lease(s); released", conn.id, conn.client, conn.peer.pid, len(dropped))
+            await self.loads.notify_space()
+        conn.sock.close()
+
+    # -- requests -------------------------------------------------------------------
+    def _dispatch(self, conn: Connection, payload: bytes) -> None:
+        try:
+            args = decode_payload(payload)
+        except WeightcacheError as exc:
+            self._reply_later(conn, error_reply(None, exc))
+            return
+        rid = args.pop("id", None)
+        if not isinstance(rid, int) or isinstance(rid, bool):
+            self._reply_later(conn, error_reply(None, BadRequest("request needs an integer 'id'")))
+            return
+        nfds = args.pop("fds", 0)
+        if not isinstance(nfds, int) or isinstance(nfds, bool) or not 0 <= nfds <= len(conn.fds):
+            err = BadRequest(f"'fds' is {nfds!r} but {len(conn.fds)} file descriptor(s) arrived with the frame")
+            self._reply_later(conn, error_reply(rid, err))
+            return
+        op = args.pop("op", None)
+        req = Request(rid, op if isinstance(op, str) else repr(op), args, [conn.fds.popleft() for _ in range(nfds)])
+        if op == "hello":
+            for fd in req.fds:
+                os.close(fd)
+            # Handled inline so that requests pipelined behind it see greeted=True.
+            try:
+                reply = {"id": rid, "ok": True, **hello(self._context(), args)}
+                client = args.get("client", "?")
+                conn.client = client if isinstance(client, str) else "?"
+                conn.greeted = True
+            except WeightcacheError as exc:
+                reply = error_reply(rid, exc)
+            self._reply_later(conn, reply)
+            return
+        self._track(conn, asyncio.ensure_future(self._handle(conn, req)), req.op)
+
+    def _reply_later(self, conn: Connection, msg: dict[str, Any]) -> None:
+        self._track(conn, asyncio.ensure_future(self._send(conn, msg)), "reply")
+
+    def _track(self, conn: Connection, task: asyncio.Task[None], op: str) -> None:
+        conn.tasks[task] = op
+
+        def done(t: asyncio.Task[None]) -> None:
+            conn.tasks.pop(t, None)
+            self._update_readable(conn)
+
+        task.add_done_callback(done)
+        self._update_readable(conn)
+
+    def _update_readable(self, conn: Connection) -> None:
+        d = self.settings
+        if len(conn.tasks) < d.max_requests_per_connection and conn.unsent <= d.max_queued_reply_bytes:
+            conn.readable.set()
+        else:
+            conn.readable.clear()
+
+    async def _handle(self, conn: Connection, req: Request) -> None:
+        fds: list[int] = []  # the reply's
+        ctx = self._context()
+        caller = Caller(conn.id, conn.peer, conn.client)
+        try:
+            if not conn.greeted:
+                raise BadRequest("the first request on a connection must be 'hello'")
+            handler = HANDLERS.get(req.op)
+            if handler is None:
+                raise UnknownOp(f"unknown op {req.op!r}", op=req.op)
+            if req.op in ADMIN_OPS and not self.access.is_admin(conn.peer):
+                log.warning("conn %d: uid %d refused admin op %r", conn.id, conn.peer.uid, req.op)
+                raise PermissionDenied(f"op {req.op!r} is for administrators; uid {conn.peer.uid} is not one", op=req.op)
+            if self._stopping.is_set() and req.op in _REFUSED_WHILE_STOPPING:
+                raise ShuttingDown("the daemon is shutting down")
+            timeout = self.settings.request_timeout_s
+            started = time.monotonic()
+            try:
+                async with asyncio.timeout(timeout):
+                    reply, fds = await handler(ctx, caller, req)
+            except TimeoutError:
+                raise RequestTimeout(f"op {req.op!r} did not finish within {timeout:g}s (a load goes on regardless)") from None
+            finally:
+                self.metrics.observe(req.op, started)
+            msg = {"id": req.id, "ok": True, **reply}
+        except WeightcacheError as exc:
+            msg = error_reply(req.id, redact(ctx, caller, req, exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("conn %d: op %r failed unexpectedly", conn.id, req.op)
+            msg = error_reply(req.id, InternalError(f"{type(exc).__name__}: {exc}"))
+        finally:
+            for fd in req.fds:  # the fds the request brought and did not hand on
+                os.close(fd)
+            req.fds.clear()
+        try:
+            await self._send(conn, msg, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    # -- sending --------------------------------------------------------------------
+    async def _send(self, conn: Connection, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+        if fds:
+            msg["fds"] = len(fds)
+        async with conn.write_lock:
+            # Encoded under the lock: replies waiting for a peer that does not read hold
+            # their (small, or shared) reply maps, never a second copy of their bytes.
+            frame = encode_reply(msg)
+            conn.unsent = sum(len(part) for part in frame)
+            self._update_readable(conn)
+            try:
+                await send_with_fds(conn.sock, frame, fds or [])
+            except OSError as exc:
+                # The peer went away; the read side notices and releases its leases.
+                log.debug("conn %d: send failed: %s", conn.id, exc)
+            finally:
+                conn.unsent = 0
+                self._update_readable(conn)
+
+    async def _send_final(self, conn: Connection, exc: WeightcacheError) -> None:
+        """An error about the connection itself, just before closing it: never waits long
+        on a peer that does not read."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._send(conn, error_reply(None, exc)), 1.0)
+
+    async def broadcast(self, event: dict[str, Any]) -> None:
+        """An event to every connection; a peer that does not read gets a second."""
+        await asyncio.gather(*(asyncio.wait_for(self._send(c, {"id": None, **event}), 1.0) for c in list(self.conns.values())),
+                             return_exceptions=True)
+
+    def in_flight(self) -> list[asyncio.Task[None]]:
+        return [t for c in self.conns.values() for t in c.tasks]
+
+    async def close(self) -> None:
+        """At shutdown: close every connection and stop their readers."""
+        for conn in list(self.conns.values()):
+            conn.sock.close()
+        for t in list(self.background):
+            t.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)

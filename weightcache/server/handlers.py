@@ -1,0 +1,186 @@
+"""One function per op (docs/protocol.md): status, health, models, load, attach, detach,
+evict, pin, unpin, reload, and ``hello``; register, unregister and publish live in
+model_ops.py. ``HANDLERS`` is the dispatch table; it must name exactly the ops of
+protocol/messages.py (checked at import).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from .. import __version__
+from ..cache import State
+from ..errors import (
+    BadRequest,
+    CorruptCheckpoint,
+    LimitExceeded,
+    LoadFailed,
+    PermissionDenied,
+    ProtocolVersionError,
+    WeightcacheError,
+)
+from ..protocol import PROTOCOL_VERSION
+from ..protocol.messages import OPS
+from ..protocol.packed import Packed
+from . import model_ops
+from .registry import redacted
+from .requests import Caller, Context, Handler, Reply, Request
+
+_FILE_DETAILS = frozenset({"file", "path", "roots"})  # error details that describe the daemon's files
+
+
+def hello(ctx: Context, args: dict[str, Any]) -> dict[str, Any]:
+    """The handshake (handled inline by the connection, so that pipelined requests behind
+    it find it done)."""
+    version = args.get("protocol")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolVersionError(
+            f"client speaks protocol {version!r}; this daemon speaks {PROTOCOL_VERSION}", supported=[PROTOCOL_VERSION]
+        )
+    d = ctx.settings.daemon
+    return {"protocol": PROTOCOL_VERSION, "server": f"weightcache/{__version__}", "pid": os.getpid(),
+            "max_frame_bytes": d.max_frame_bytes, "request_timeout_s": d.request_timeout_s}
+
+
+def redact(ctx: Context, caller: Caller, req: Request, exc: WeightcacheError) -> WeightcacheError:
+    """A load failure names files; a peer who may not see the model gets the code only."""
+    names_files = isinstance(exc, (LoadFailed, CorruptCheckpoint)) or bool(_FILE_DETAILS & exc.details.keys())
+    if not names_files or ctx.access.is_admin(caller.peer):
+        return exc
+    name = req.args.get("name")
+    models = ctx.registry.models
+    model = models.get(ctx.registry.groups[name][0] if name in ctx.registry.groups else name) if isinstance(name, str) else None
+    if model is not None and ctx.registry.may_see(caller.peer, model):
+        return exc
+    return type(exc)(redacted(exc.to_wire())["message"], **({"model": name} if isinstance(name, str) else {}))
+
+
+def describe(ctx: Context, entry: str, caller: Caller) -> dict[str, Any]:
+    return ctx.registry.describe(entry, caller.peer, ctx.loads.progress.get(entry))
+
+
+def describe_all(ctx: Context, entries: list[str], caller: Caller) -> dict[str, Any]:
+    """The reply of ops on a whole model: its first entry, and every rank."""
+    return {"model": describe(ctx, entries[0], caller), "shards": [describe(ctx, e, caller) for e in entries]}
+
+
+async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
+    devices = ctx.core.device_summary()
+    for dev, d in devices.items():
+        d["backend"] = ctx.backends[dev].kind if dev in ctx.backends else "pinned-host"
+    return {
+        "version": __version__, "pid": os.getpid(), "uptime_s": time.monotonic() - ctx.started,
+        "socket": ctx.socket_path, "devices": devices, "connections": ctx.connections(),
+        "leases": len(ctx.core.leases),
+        "loading": {name.partition("#")[0]: p.snapshot() for name, p in ctx.loads.progress.items()},
+        "shutting_down": ctx.shutting_down(),
+    }, []
+
+
+async def health(ctx: Context, caller: Caller, req: Request) -> Reply:
+    health = ctx.health()
+    if not ctx.access.is_admin(caller.peer):  # failures name files: for administrators
+        health["failed_preloads"] = {name: "failed (the daemon's log and administrators have the details)"
+                                     for name in health["failed_preloads"]}
+    return health, []
+
+
+async def models(ctx: Context, caller: Caller, req: Request) -> Reply:
+    names = [n for n in ctx.registry.models if "#" not in n]  # not a publish's staging entry
+    return {"models": [describe(ctx, name, caller) for name in names]}, []
+
+
+async def load(ctx: Context, caller: Caller, req: Request) -> Reply:
+    wait = ctx.wait_arg(req)
+    rank = req.arg("rank", int, None)
+    name = req.arg("name", str)
+    entries = [ctx.registry.entry_for(name, rank)] if rank is not None else ctx.registry.members(name)
+    await asyncio.gather(*(ctx.loads.ensure_resident(e, wait) for e in entries))
+    return describe_all(ctx, entries, caller), []
+
+
+async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
+    name = ctx.registry.entry_for(req.arg("name", str), req.arg("rank", int, None))
+    wait = ctx.wait_arg(req)
+    writable = req.arg("writable", bool, False)
+    if writable and not ctx.settings.daemon.allow_writable_attach:
+        raise PermissionDenied("read-write attachments are disabled (daemon.allow_writable_attach = false)", argument="writable")
+    device = req.arg("device", str, None)
+    entry = ctx.core.entry(name)
+    backend = ctx.backends[entry.device]
+    if writable and not backend.supports_writable_attach:
+        raise BadRequest(f"{entry.device} arenas are sealed memfds: they cannot be mapped writable", argument="writable")
+    if device is not None and not backend.names(device):
+        raise BadRequest(f"model {name!r} lives on {entry.device}, not {device}", model=name, device=device)
+    while True:
+        await ctx.loads.ensure_resident(name, wait)
+        # Another request may have evicted it between the load and here; retry then.
+        if ctx.core.entry(name).state is State.RESIDENT:
+            break
+    held = ctx.core.leases_held(caller.conn)
+    if held >= ctx.settings.daemon.max_leases_per_connection:
+        raise LimitExceeded(f"this connection holds {held} leases, the maximum", limit=held)
+    lease = ctx.core.attach(name, caller.conn)
+    m = ctx.registry.models[name]
+    assert m.arena is not None and m.checkpoint is not None
+    try:
+        fds, arena = backend.export(m.arena)
+    except BaseException:
+        ctx.core.detach(lease.id, caller.conn)
+        raise
+    return {
+        "lease": lease.id, "model": name, "rank": m.rank, "device": entry.device, "fingerprint": m.checkpoint.fingerprint,
+        "arena": {**arena, "writable": writable}, "tensors": Packed(m.table),
+    }, fds
+
+
+async def detach(ctx: Context, caller: Caller, req: Request) -> Reply:
+    lease = ctx.core.detach(req.arg("lease", int), caller.conn)
+    await ctx.loads.notify_space()
+    return {"lease": lease.id, "model": lease.model}, []
+
+
+async def evict(ctx: Context, caller: Caller, req: Request) -> Reply:
+    """One tier down for every rank: device -> host tier (where enabled) -> gone."""
+    entries = [ctx.core.entry(n) for n in ctx.registry.members(req.arg("name", str))]
+    movable = [e for e in entries if e.state in (State.RESIDENT, State.HOST)]
+    for e in movable:  # check every rank before moving any: all or nothing
+        if e.state is State.RESIDENT:
+            ctx.core.check_evictable(e.name)  # ATTACHED / PINNED with the reason
+    freed = sum(e.nbytes for e in movable if e.state is State.RESIDENT)
+    for e in movable:
+        await ctx.loads.carry_out(ctx.core.evict(e.name), reason="requested")
+    await ctx.loads.notify_space()
+    return {"evicted": bool(movable), "freed": freed, "state": str(entries[0].state)}, []
+
+
+async def pin(ctx: Context, caller: Caller, req: Request) -> Reply:
+    return await _set_pin(ctx, caller, req, True)
+
+
+async def unpin(ctx: Context, caller: Caller, req: Request) -> Reply:
+    return await _set_pin(ctx, caller, req, False)
+
+
+async def _set_pin(ctx: Context, caller: Caller, req: Request, pinned: bool) -> Reply:
+    entries = ctx.registry.members(req.arg("name", str))
+    for e in entries:
+        ctx.core.set_pinned(e, pinned)
+    if not pinned:
+        await ctx.loads.notify_space()
+    return describe_all(ctx, entries, caller), []
+
+
+async def reload(ctx: Context, caller: Caller, req: Request) -> Reply:
+    return {"report": await ctx.reload()}, []
+
+
+HANDLERS: dict[str, Handler] = {
+    "status": status, "health": health, "models": models, "load": load, "attach": attach, "detach": detach,
+    "evict": evict, "pin": pin, "unpin": unpin, "reload": reload,
+    "register": model_ops.register, "unregister": model_ops.unregister, "publish": model_ops.publish,
+}
+assert set(HANDLERS) | {"hello"} == OPS, "protocol/messages.py OPS and the handlers disagree"

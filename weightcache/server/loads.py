@@ -1,0 +1,371 @@
+"""Carrying out the cache core's plans: loads, promotions, publishes' copies, evictions,
+demotions, preloads and keep-alive.
+
+The core decides (``begin_load`` returns the victims and the reservation); this room
+does the I/O: frees and demotes the victims, allocates an arena, fills it with one of
+the ``fills`` strategies in a thread, seals it, and reports ``finish_load`` or
+``abort_load``. Loads are single-flight tasks that belong to the daemon, not to the
+request that started them: a client that disconnects mid-load does not cancel a load
+that others wait on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import msgpack
+
+from ..backends import Arena, Backend
+from ..cache import CacheCore, LoadPlan, State, StepDown
+from ..config import DaemonConfig
+from ..errors import LoadFailed, NoSpace, WeightcacheError
+from ..loader import Checkpoint, OpenedSource, Progress, open_source, parse_checkpoint
+from ..protocol.messages import tenant_fingerprint
+from .fills import FillStrategy, Promote, ReadFiles
+from .registry import Model, Registry
+
+log = logging.getLogger("weightcache.daemon")
+T = TypeVar("T")
+
+
+def encode_table(ckpt: Checkpoint) -> bytes:
+    return msgpack.packb(ckpt.wire_tensors(), use_bin_type=True)  # type: ignore[no-any-return]
+
+
+class Loads:
+    def __init__(self, settings: DaemonConfig, core: CacheCore, registry: Registry, backends: dict[str, Backend],
+                 shutting_down: Callable[[], bool]) -> None:
+        self.settings = settings
+        self.core = core
+        self.registry = registry
+        self.backends = backends
+        self._shutting_down = shutting_down
+        self.tasks: dict[str, asyncio.Task[None]] = {}  # entry -> its load in flight
+        self.demotions: dict[str, asyncio.Task[None]] = {}  # entry -> its host copy in flight
+        self.progress: dict[str, Progress] = {}
+        self.last_load_rate: dict[str, float] = {}  # bytes/s of each model's last load (metrics)
+        # Preloads decide readiness (the health op): pending until every rank is resident,
+        # failed with the error until a later preload of that model succeeds.
+        self.preloads_pending: set[str] = set()
+        self.preloads_failed: dict[str, str] = {}
+        self.space_freed = asyncio.Condition()
+        self.space_generation = 0  # counts notify_space calls: a waiter that missed one sees it
+        self.background: set[asyncio.Task[Any]] = set()
+        self._releasing: set[asyncio.Task[Any]] = set()  # arenas being freed in threads
+        # Opening and parsing what peers name or send: bounded, and apart from the loads.
+        self.io_pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="wc-io")
+
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self._background_done)
+        return task
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self.background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
+
+    # -- making models resident -----------------------------------------------------
+    async def ensure_resident(self, name: str, wait_s: float) -> None:
+        """Return once ``name`` is resident: at once if it is, else by joining the one
+        load in flight or starting it. The load is shielded: a caller that goes away does
+        not cancel it for the others.
+
+        A load never waits for room itself: it fails NO_SPACE at once, and each caller
+        waits up to its own ``wait_s`` for detaches, then tries again. So no request can
+        make the others that join its load wait longer than they asked to."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            generation = self.space_generation
+            try:
+                await self._resident_once(name)
+                return
+            except NoSpace as exc:
+                left = deadline - time.monotonic()
+                if left <= 0 or not exc.details.get("fits_ever"):
+                    raise
+                if self.space_generation != generation:
+                    continue  # room was freed while the refusal travelled back: try again now
+                async with self.space_freed:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.space_freed.wait(), left)
+
+    async def _resident_once(self, name: str) -> None:
+        e = self.core.entry(name)
+        if e.state is State.RESIDENT:
+            m = self.registry.models[name]
+            if m.checkpoint is not None and (e.attach_count or m.unchanged()):
+                self.core.touch(name)
+                return
+            # The files changed since it was loaded and nobody holds the old bytes:
+            # drop them so the new checkpoint is what gets served.
+            log.warning("model %s changed on disk; reloading it", name)
+            # a pin keeps a model, not stale bytes; and stale bytes do not go to the host tier
+            await self.carry_out(self.core.evict(name, ignore_pin=True, demote=False), reason="changed on disk")
+        task = self.tasks.get(name)
+        if task is None:
+            task = asyncio.ensure_future(self._load(name))
+            self.tasks[name] = task
+            task.add_done_callback(self._load_done)
+        await asyncio.shield(task)
+
+    def _load_done(self, task: asyncio.Task[None]) -> None:
+        # The load may outlive every request that waited on it; its error is already
+        # logged and kept in last_error, so mark it retrieved here.
+        self.tasks = {n: t for n, t in self.tasks.items() if t is not task}
+        if not task.cancelled():
+            task.exception()
+
+    async def _load(self, name: str) -> None:
+        """Decide where the bytes come from (the host tier, the files), then fill."""
+        model = self.registry.models[name]
+        entry = self.core.entry(name)
+        backend = self.backends[entry.device]
+        if name in self.demotions:
+            await asyncio.shield(self.demotions[name])  # its host copy is still being made
+        if entry.state is State.HOST and (model.host is None or not model.unchanged()):
+            log.warning("host copy of %s is stale or missing; loading from disk", name)
+            self.core.drop_host(name)
+            await self.carry_out(StepDown(drop_host=(name,)), reason="stale")
+        if entry.state is State.HOST:
+            assert model.checkpoint is not None and model.host is not None
+            await self.fill_new_arena(name, model.checkpoint, entry.nbytes, 0, Promote(backend, model.host),
+                                      verb="promoted")
+            return
+        if model.published:
+            raise LoadFailed(f"model {name!r} was published by an engine and has since been evicted; publish it again",
+                             model=name, reason="published model evicted")
+        d = self.settings
+        opened = model.files
+        try:
+            if opened is None:  # the daemon opens the files itself: the operator's or an admin's paths
+                opened = await self.io(open_source, model.path, roots=d.model_roots or None,
+                                       follow_symlinks=d.follow_symlinks, cleanup=OpenedSource.close)
+            ckpt = await self.io(parse_checkpoint, opened)
+            if model.owner is not None:  # a peer's model: nobody may pass it off as the operator's
+                ckpt = dataclasses.replace(ckpt, fingerprint=tenant_fingerprint(ckpt.fingerprint, model.owner))
+        except Exception as exc:
+            if opened is not None and opened is not model.files:
+                opened.close()
+            err = exc if isinstance(exc, WeightcacheError) else LoadFailed(f"{name}: {type(exc).__name__}: {exc}", model=name)
+            model.last_error = err.to_wire()
+            log.error("load %s refused: %s", name, err)
+            raise err from None
+        try:
+            await self.fill_new_arena(name, ckpt, backend.capacity(ckpt.arena_bytes), 0,
+                                      ReadFiles(backend, d, opened, cancelled=self._shutting_down, label=name),
+                                      verb="loaded")
+        finally:
+            if opened is not model.files:
+                opened.close()
+
+    async def io(self, fn: Callable[..., T], *args: Any, cleanup: Callable[[T], object] | None = None, **kwargs: Any) -> T:
+        """Run ``fn`` in the bounded io pool, for at most io_timeout_s: opening and parsing
+        what a peer names or sends. A call that overruns is abandoned (a thread cannot be
+        killed); ``cleanup`` then releases what it returns when it finally does."""
+        fut = asyncio.get_running_loop().run_in_executor(self.io_pool, functools.partial(fn, *args, **kwargs))
+        timeout = self.settings.io_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            if cleanup is not None:
+                fut.add_done_callback(lambda f: cleanup(f.result()) if not f.cancelled() and f.exception() is None else None)
+            log.error("%s did not finish within io_timeout_s=%gs; abandoned", getattr(fn, "__name__", fn), timeout)
+            raise LoadFailed(f"opening or parsing did not finish within {timeout:g}s (io_timeout_s)",
+                             reason="io timeout") from None
+
+    async def fill_new_arena(self, name: str, ckpt: Checkpoint, nbytes: int, wait_s: float, fill: FillStrategy,
+                             verb: str) -> None:
+        """Admit (evicting as planned), allocate, ``fill`` in a thread, seal, and make the
+        model resident; on any failure free the arena and return the reservation, so the
+        budget is exactly as before. Loads, promotions and publishes all come here."""
+        model = self.registry.models[name]
+        backend = self.backends[self.core.entry(name).device]
+        t0 = time.monotonic()
+        try:
+            plan = await self._admit(name, nbytes, wait_s)
+        except WeightcacheError as exc:
+            model.last_error = exc.to_wire()
+            # NO_SPACE that detaches could cure is routine: callers wait and try again.
+            level = logging.INFO if isinstance(exc, NoSpace) and exc.details.get("fits_ever") else logging.ERROR
+            log.log(level, "load %s refused: %s", name, exc)
+            raise
+        await self.carry_out(plan.step_down, reason=f"LRU, to make room for {name}")
+        progress = self.progress[name] = Progress(ckpt.data_bytes)
+        arena: Arena | None = None
+        if self._releasing:
+            # Victims' memory must be back before the allocation checks the device's free memory.
+            await asyncio.wait(list(self._releasing))
+        try:
+            arena = await asyncio.to_thread(backend.allocate, nbytes, name)
+            await asyncio.to_thread(fill, ckpt, arena, progress)
+            await asyncio.to_thread(backend.seal, arena)
+            # Encoded once, spliced into every attach reply: a 600,000-row table encoded
+            # per attach cost ~2 s of loop time each.
+            table = await asyncio.to_thread(encode_table, ckpt)
+        except BaseException as exc:
+            if arena is not None:
+                self.release(arena)
+            self.core.abort_load(name)
+            err = exc if isinstance(exc, WeightcacheError) else LoadFailed(f"{name}: {type(exc).__name__}: {exc}", model=name)
+            model.last_error = err.to_wire()
+            log.error("load %s failed: %s", name, err)
+            await self.notify_space()
+            if isinstance(exc, (WeightcacheError, asyncio.CancelledError)):
+                raise
+            raise err from exc
+        finally:
+            self.progress.pop(name, None)
+        model.arena, model.checkpoint, model.table, model.last_error = arena, ckpt, table, None
+        self.core.finish_load(name)
+        if plan.promote:
+            self.drop_host_copy(model)
+        dt = time.monotonic() - t0
+        self.last_load_rate[name] = ckpt.data_bytes / max(dt, 1e-9)
+        log.info("%s %s: %d tensors, %d bytes in %.2fs (%.2f GB/s)", verb, name.partition("#")[0],  # staged publish
+                 len(ckpt.tensors), ckpt.data_bytes, dt, ckpt.data_bytes / max(dt, 1e-9) / 1e9)
+
+    async def _admit(self, name: str, nbytes: int, wait_s: float) -> LoadPlan:
+        """Reserve room, evicting LRU models; on NO_SPACE wait up to ``wait_s`` for
+        detaches if waiting could ever help."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.core.begin_load(name, nbytes)
+            except NoSpace as exc:
+                left = deadline - time.monotonic()
+                if left <= 0 or not exc.details.get("fits_ever"):
+                    raise
+                async with self.space_freed:
+                    try:
+                        await asyncio.wait_for(self.space_freed.wait(), left)
+                    except TimeoutError:
+                        pass
+
+    # -- preloads and keep-alive ----------------------------------------------------
+    def start_preload(self, name: str, gates: bool = True) -> None:
+        """Load ``name`` in the background. Only the operator's and the admins' preloads
+        decide readiness (``gates``): a tenant's broken one must not take the node out of service."""
+        if gates:
+            self.preloads_pending.add(name)  # before the task runs: a health request may come first
+        self.spawn(self._preload(name, gates))
+
+    async def _preload(self, name: str, gates: bool) -> None:
+        try:
+            for entry in self.registry.groups.get(name, []):
+                try:
+                    await self.ensure_resident(entry, self.settings.no_space_wait_s)
+                except Exception as exc:  # any failure, not only ours: readiness must not lie
+                    log.error("preload of %s failed: %s", entry, exc)
+                    if gates:
+                        self.preloads_failed[name] = str(exc) if entry == name else f"{entry}: {exc}"
+                    return
+            self.preloads_failed.pop(name, None)
+        finally:
+            self.preloads_pending.discard(name)
+
+    def forget_preload(self, name: str) -> None:
+        self.preloads_pending.discard(name)
+        self.preloads_failed.pop(name, None)
+
+    async def keep_alive_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            for name in self.core.expired():
+                await self.carry_out(self.core.evict(name), reason="keep_alive expired")
+                await self.notify_space()
+
+    # -- freeing --------------------------------------------------------------------
+    async def carry_out(self, step: StepDown, reason: str) -> None:
+        """Do what the core decided: drop host copies, demote arenas to the host tier
+        (a device-to-host copy, awaited: the arena is freed only once its bytes are safe),
+        free the rest. A demotion that fails (no pinned memory) becomes an eviction."""
+        for name in step.drop_host:
+            log.info("dropped host copy of %s: %s", name, reason)
+            self.drop_host_copy(self.registry.models[name])
+        for name in step.evict:
+            self._free_arena(name, reason)
+        for name in step.demote:
+            task = asyncio.ensure_future(self._demote(name, reason))
+            self.demotions[name] = task
+            try:
+                await asyncio.shield(task)
+            finally:
+                self.demotions.pop(name, None)
+
+    async def _demote(self, name: str, reason: str) -> None:
+        model = self.registry.models[name]
+        assert model.arena is not None
+        backend = self.backends[model.arena.device]
+        t = time.monotonic()
+        try:
+            model.host = await asyncio.to_thread(backend.demote, model.arena)
+        except Exception as exc:
+            log.error("demoting %s to the host tier failed (%s); evicting it instead", name, exc)
+            self.core.demotion_failed(name)
+        else:
+            dt = time.monotonic() - t
+            log.info("demoted %s to the host tier (%d bytes, %.1f GB/s): %s", name, model.arena.nbytes,
+                     model.arena.nbytes / max(dt, 1e-9) / 1e9, reason)
+        self.release(model.arena)
+        model.arena = None
+
+    def forget(self, models: list[Model]) -> None:
+        """Free what unregistered entries held: arenas, host copies, a peer's files."""
+        for model in models:
+            if model.arena is not None:
+                self.release(model.arena)
+                model.arena = None
+            self.drop_host_copy(model)
+            if model.files is not None:
+                model.files.close()
+
+    def drop_host_copy(self, model: Model) -> None:
+        if model.host is not None:
+            host, model.host = model.host, None
+            self.spawn(asyncio.to_thread(self.backends[model.device].free_host, host))
+
+    def _free_arena(self, name: str, reason: str) -> None:
+        model = self.registry.models[name]
+        if model.arena is not None:
+            log.info("evicted %s (%d bytes): %s", name, model.arena.nbytes, reason)
+            self.release(model.arena)
+            model.arena = None
+
+    def release(self, arena: Arena) -> None:
+        """Free an arena off the event loop: the kernel takes ~63 ms per GiB to release a
+        memfd's pages (measured on the CI machine), which would stall every connection.
+        The core has already stopped counting these bytes."""
+        task = self.spawn(asyncio.to_thread(self.backends[arena.device].free, arena))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    async def notify_space(self) -> None:
+        self.space_generation += 1
+        async with self.space_freed:
+            self.space_freed.notify_all()
+
+    async def close(self) -> None:
+        """At shutdown, after every request ended: stop background work, free everything."""
+        for t in list(self.background):
+            t.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
+        for model in self.registry.models.values():
+            if model.arena is not None:
+                self.backends[model.arena.device].free(model.arena)
+                model.arena = None
+            if model.host is not None:
+                self.backends[model.device].free_host(model.host)
+                model.host = None
+            if model.files is not None:
+                model.files.close()
+        self.io_pool.shutdown(wait=False, cancel_futures=True)

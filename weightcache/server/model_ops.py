@@ -1,0 +1,180 @@
+"""The ops that add and remove models, and who may: register, unregister, publish.
+
+Rules (docs/protocol.md, "Who may connect"): by path only admins register (the daemon
+opens the files with its own rights, under model_roots); tenants may register with their
+own open fds where tenant_register allows; a peer owns what it registered or published,
+and only the owner or an admin unregisters or replaces it; configured models are the
+operator's. A peer's model gets a fingerprint bound to its uid.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from ..cache import State
+from ..config import ModelConfig, check_model_name, under_roots
+from ..errors import Attached, BadRequest, LimitExceeded, PermissionDenied, Pinned
+from ..loader import OpenedSource, adopt_fds
+from ..loader.checkpoint import published_checkpoint
+from ..protocol.messages import tenant_fingerprint
+from .access import Peer
+from .fills import CopyPublished
+from .registry import Model
+from .requests import Caller, Context, Reply, Request, arg
+
+log = logging.getLogger("weightcache.daemon")
+
+
+async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
+    """Add a model at run time, by path (admins) or with the peer's own fds (``files``)."""
+    d = ctx.settings.daemon
+    admin = ctx.access.is_admin(caller.peer)
+    files = req.args.get("files")
+    if files is None and not admin:
+        raise PermissionDenied("registering by path is for administrators; send the files' descriptors instead "
+                               "(Client.register does by default)", op="register")
+    if files is not None and not (admin or d.tenant_register):
+        raise PermissionDenied("registering models is for administrators here (daemon.tenant_register = false)",
+                               op="register")
+    fields = {k: req.args[k] for k in ("name", "path", "device", "shards", "pin", "preload", "keep_alive") if k in req.args}
+    try:
+        mc = ModelConfig(**fields)
+    except Exception as exc:
+        raise BadRequest(f"invalid model: {exc}") from None
+    if mc.pin and not admin:
+        raise PermissionDenied("pinning is for administrators", op="register", argument="pin")
+    sources: list[OpenedSource] | None = None
+    if files is None:
+        if req.fds:
+            raise BadRequest("file descriptors came without 'files' naming them", argument="files")
+        for path, _device in mc.parts:
+            if d.model_roots and not under_roots(path, d.model_roots):
+                raise PermissionDenied(f"{path} is not under daemon.model_roots", path=str(path))
+    else:
+        held = ctx.registry.files_held_by(caller.peer.uid)
+        if held + len(req.fds) > d.max_files_per_uid:
+            raise LimitExceeded(f"uid {caller.peer.uid}'s registered models hold {held} open files; "
+                                f"{len(req.fds)} more would pass max_files_per_uid={d.max_files_per_uid}",
+                                limit=d.max_files_per_uid)
+        sources = _adopt_files(mc, files, req)
+    try:
+        ctx.registry.register(mc, origin="register", owner=caller.peer.uid, sources=sources)
+    except BaseException:
+        for src in sources or ():
+            src.close()
+        raise
+    if mc.preload:
+        ctx.loads.start_preload(mc.name, gates=admin)
+    return {"model": ctx.registry.describe(ctx.registry.groups[mc.name][0], caller.peer, None)}, []
+
+
+def _adopt_files(mc: ModelConfig, files: Any, req: Request) -> list[OpenedSource]:
+    """The peer's fds for ``mc``: ``files`` holds one list of file names per rank, the
+    fds came in the same order. Takes the fds out of the request (they are the sources'
+    now, closed on failure and at unregister)."""
+    fds = req.fds
+    if not (isinstance(files, list) and len(files) == len(mc.parts)
+            and all(isinstance(f, list) and f and all(isinstance(n, str) for n in f) for f in files)):
+        raise BadRequest(f"'files' must be a list of {len(mc.parts)} non-empty list(s) of file names, one per rank",
+                         argument="files")
+    if sum(len(f) for f in files) != len(fds):
+        raise BadRequest(f"'files' names {sum(len(f) for f in files)} file(s) but {len(fds)} fd(s) arrived",
+                         argument="files")
+    req.fds = []
+    sources: list[OpenedSource] = []
+    start = 0
+    try:
+        for rank, names in enumerate(files):
+            part = fds[start : start + len(names)]
+            start += len(names)
+            sources.append(adopt_fds(f"fds:{mc.name}@{rank}", names, part))
+    except BaseException:
+        for src in sources:
+            src.close()
+        for fd in fds[start:]:
+            os.close(fd)
+        raise
+    return sources
+
+
+async def unregister(ctx: Context, caller: Caller, req: Request) -> Reply:
+    name = req.arg("name", str)
+    model = ctx.registry.first(name)
+    if not (ctx.access.is_admin(caller.peer) or (model.owner == caller.peer.uid and model.origin != "config")):
+        raise PermissionDenied(f"model {name!r} is not yours to unregister", model=name, op="unregister")
+    ctx.loads.forget(ctx.registry.unregister(name))
+    ctx.loads.forget_preload(name)
+    return {"unregistered": name}, []
+
+
+async def publish(ctx: Context, caller: Caller, req: Request) -> Reply:
+    """An engine hands over weights it processed itself (quantized, repacked) with the
+    memory they live in (fds, as in an attach reply). The daemon copies them into its
+    own arena, so the engine may exit; later starts attach the processed form.
+
+    Everything is validated, and the copy made under a staging entry, before an
+    existing model of that name is replaced: a failed publish changes nothing."""
+    name = req.arg("name", str)
+    try:
+        check_model_name(name)
+    except ValueError as exc:
+        raise BadRequest(str(exc), argument="name") from None
+    replace = req.arg("replace", bool, False)
+    _check_may_publish(ctx, caller.peer, name, replace)
+    device = ctx.registry.resolve_device(req.arg("device", str))
+    backend = ctx.backends[device]
+    desc = req.arg("arena", dict)
+    if desc.get("kind") != backend.kind:
+        raise BadRequest(f"{device} models are published as {backend.kind!r} arenas, not {desc.get('kind')!r}")
+    nbytes = arg(desc, "nbytes", int)
+    if nbytes <= 0:  # more than the budget is NO_SPACE at admission, like any load
+        raise BadRequest(f"arena nbytes must be positive, got {nbytes}", argument="nbytes")
+    wait = ctx.wait_arg(req)
+    fingerprint = tenant_fingerprint(req.arg("fingerprint", str), caller.peer.uid)
+    loads = ctx.loads
+    ckpt = await loads.io(published_checkpoint, name, req.arg("tensors", list), nbytes, fingerprint)
+    source = await loads.io(backend.open_published, desc, req.fds, cleanup=backend.close_published)
+    config = ModelConfig(name=name, path=Path(ckpt.source), device=device)
+    staging = ctx.registry.stage(name, Model(config=config, path=config.parts[0][0], device=device, rank=None,
+                                             origin="publish", owner=caller.peer.uid))
+    try:
+        await loads.fill_new_arena(staging, ckpt, backend.capacity(ckpt.arena_bytes), wait,
+                                   CopyPublished(backend, source, ckpt.arena_bytes),
+                                   verb=f"published by {caller.client} (pid {caller.peer.pid}, uid {caller.peer.uid}):")
+        if name in ctx.registry.groups:  # again: it may have been attached or pinned during the copy
+            _check_may_publish(ctx, caller.peer, name, replace)
+            loads.forget(ctx.registry.unregister(name))
+        ctx.registry.swap_in(staging, name)
+    except BaseException:
+        if staging in ctx.registry.models:
+            loads.forget([ctx.registry.drop_entry(staging)])  # a failed publish leaves nothing behind
+        raise
+    finally:
+        await loads.io(backend.close_published, source)
+    return {"model": ctx.registry.describe(name, caller.peer, None)}, []
+
+
+def _check_may_publish(ctx: Context, peer: Peer, name: str, replace: bool) -> None:
+    if name not in ctx.registry.groups:
+        return
+    if not replace:
+        raise BadRequest(f"a model named {name!r} exists; publish with replace=true to supersede it", model=name)
+    model = ctx.registry.first(name)
+    if not ctx.access.is_admin(peer):
+        if model.origin == "config":
+            raise PermissionDenied(f"model {name!r} is configured by the operator; only an administrator may replace it",
+                                   model=name)
+        if model.owner != peer.uid:
+            raise PermissionDenied(f"model {name!r} belongs to uid {model.owner}", model=name)
+    for entry in ctx.registry.groups[name]:
+        e = ctx.core.entry(entry)
+        if e.pinned:
+            raise Pinned(f"model {name!r} is pinned; unpin it before replacing it", model=name)
+        if e.leases:
+            raise Attached(f"model {name!r} has {e.attach_count} live attachment(s)", model=name,
+                           attach_count=e.attach_count)
+        if e.state is State.LOADING:
+            raise BadRequest(f"model {name!r} is loading; replace it when the load ends", model=name)

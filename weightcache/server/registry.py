@@ -1,0 +1,190 @@
+"""The model registry: what the daemon holds for each model beyond the core's accounting.
+
+A model is one cache entry named like the model, or, sharded, one entry per rank named
+``model@rank``, each on its own device. The registry maps names to entries and entries
+to their ``Model`` records, resolves the names clients use for models and devices, and
+describes models to a viewer (paths and errors only to their owner and admins). It
+decides nothing about memory and does no I/O: unregistering returns the records whose
+arenas, host copies and files the caller must free.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from ..backends import Arena, Backend, HostCopy
+from ..cache import CacheCore, State
+from ..config import ModelConfig
+from ..errors import BadRequest, UnknownModel
+from ..loader import Checkpoint, OpenedSource, Progress
+from .access import AccessPolicy, Peer
+
+# Where a model came from: the operator's config file, a peer's register, a peer's publish.
+Origin = Literal["config", "register", "publish"]
+
+
+@dataclass
+class Model:
+    """One cache entry's record."""
+
+    config: ModelConfig  # the whole model's config (all ranks)
+    path: Path  # this entry's checkpoint
+    device: str  # this entry's device
+    rank: int | None  # None for an unsharded model
+    origin: Origin = "config"
+    owner: int | None = None  # uid that registered or published it; None for the operator's config
+    files: OpenedSource | None = None  # a peer's own open files (register with fds), held while registered
+    checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident
+    table: bytes = b""  # the attach reply's tensor table, msgpack-encoded once per load
+    arena: Arena | None = None
+    host: HostCopy | None = None  # the backend's host-tier copy while the model is HOST
+    last_error: dict[str, Any] | None = None
+
+    @property
+    def published(self) -> bool:  # sent by an engine: no files to reload it from
+        return self.origin == "publish"
+
+    def unchanged(self) -> bool:
+        """The resident bytes still are what the files hold (the staleness check)."""
+        if self.checkpoint is None:
+            return False
+        if self.published:
+            return True
+        if self.files is not None:  # a peer's fds: the same inodes, unchanged since parsed
+            return self.checkpoint.matches(self.files)
+        return self.checkpoint.unchanged_on_disk()
+
+
+def redacted(error: dict[str, Any]) -> dict[str, Any]:
+    """A load error as a peer who may not see the model's files gets it: the code, and
+    nothing about paths, sizes or bytes (those answer questions about the daemon's disks)."""
+    return {"code": error.get("code", "INTERNAL"),
+            "message": "the checkpoint could not be loaded; the daemon's log and administrators have the details"}
+
+
+class Registry:
+    def __init__(self, core: CacheCore, backends: dict[str, Backend], access: AccessPolicy) -> None:
+        self.core = core
+        self.backends = backends
+        self.access = access
+        self.models: dict[str, Model] = {}  # by entry name
+        self.groups: dict[str, list[str]] = {}  # model name -> its entries, in rank order
+        self._staging_ids = itertools.count(1)
+
+    # -- registering ----------------------------------------------------------------
+    def register(self, mc: ModelConfig, *, origin: Origin = "config", owner: int | None = None,
+                 sources: list[OpenedSource] | None = None) -> None:
+        """Add a model's entries. ``sources`` are a peer's own open files, one per rank;
+        the entries hold them until unregistered."""
+        if mc.name in self.groups or mc.name in self.models:
+            raise BadRequest(f"model {mc.name!r} is already registered", model=mc.name)
+        sharded = bool(mc.shards)
+        entries = [f"{mc.name}@{r}" if sharded else mc.name for r in range(len(mc.parts))]
+        for i, (entry, (path, device)) in enumerate(zip(entries, mc.parts, strict=True)):
+            try:
+                self.core.register(entry, device, pinned=mc.pin, keep_alive=mc.keep_alive)
+            except BaseException:
+                for done in entries[:i]:
+                    self.core.unregister(done)
+                    del self.models[done]
+                raise
+            self.models[entry] = Model(config=mc, path=path, device=device, rank=i if sharded else None, origin=origin,
+                                       owner=owner, files=sources[i] if sources else None)
+        self.groups[mc.name] = entries
+
+    def unregister(self, name: str) -> list[Model]:
+        """Forget a whole model (every rank), only if no rank is attached or loading.
+        Returns the records whose arenas, host copies and files the caller frees."""
+        if name not in self.groups:
+            raise UnknownModel(f"no model named {name!r} is registered", model=name)
+        for entry in self.groups[name]:
+            self.core.check_removable(entry)  # ATTACHED / BAD_REQUEST with the reason
+        return [self.drop_entry(entry) for entry in self.groups.pop(name)]
+
+    def drop_entry(self, entry: str) -> Model:
+        """Forget one entry (a rank, or a publish's staging entry); the caller frees what
+        the returned record holds."""
+        if self.core.entry(entry).state is State.LOADING:
+            self.core.abort_load(entry)
+        self.core.unregister(entry)
+        return self.models.pop(entry)
+
+    def stage(self, name: str, model: Model) -> str:
+        """An entry for ``name``'s next version that nobody can reach by name yet (a
+        publish fills it, then ``swap_in`` makes it the model). '#' is never in a model
+        name, so the entry cannot clash."""
+        staging = f"{name}#{next(self._staging_ids)}"
+        self.core.register(staging, model.device)
+        self.models[staging] = model
+        return staging
+
+    def swap_in(self, staging: str, name: str) -> None:
+        """Make a staged entry the (unsharded) model ``name``; an old one must be gone."""
+        self.core.rename(staging, name)
+        self.models[name] = self.models.pop(staging)
+        self.groups[name] = [name]
+
+    def files_held_by(self, uid: int) -> int:
+        return sum(len(m.files.files) for m in self.models.values() if m.files is not None and m.owner == uid)
+
+    # -- names ----------------------------------------------------------------------
+    def first(self, name: str) -> Model:
+        """The record of ``name``'s first entry (rank 0)."""
+        return self.models[self.members(name)[0]]
+
+    def members(self, name: str) -> list[str]:
+        """The entries an op on ``name`` acts on: every rank of a sharded model, or the
+        one entry (a shard may also be named directly as ``model@rank``)."""
+        if name in self.groups:
+            return self.groups[name]
+        if name in self.models and "#" not in name:
+            return [name]
+        raise UnknownModel(f"no model named {name!r} is registered", model=name)
+
+    def entry_for(self, name: str, rank: int | None) -> str:
+        """The entry an attach of ``name`` (with ``rank``) maps."""
+        members = self.members(name)
+        if self.models[members[0]].rank is None:
+            if rank not in (None, 0):
+                raise BadRequest(f"model {name!r} is not sharded; rank {rank} does not exist", model=name, rank=rank)
+            return members[0]
+        if rank is None:
+            raise BadRequest(f"model {name!r} is sharded over {len(members)} ranks: attach with rank=", model=name)
+        if not 0 <= rank < len(members):
+            raise BadRequest(f"model {name!r} has ranks 0..{len(members) - 1}, not {rank}", model=name, rank=rank)
+        return members[rank]
+
+    def resolve_device(self, device: str) -> str:
+        """This daemon's name for ``device`` (given as its name or as cuda:GPU-<uuid>)."""
+        for mine, backend in self.backends.items():
+            if backend.names(device):
+                return mine
+        raise BadRequest(f"device {device!r} has no budget in this daemon; configured: {sorted(self.backends)}", device=device)
+
+    # -- describing -----------------------------------------------------------------
+    def may_see(self, peer: Peer, model: Model) -> bool:
+        """Paths and load errors of a model are its owner's and the administrators' to see:
+        for anyone else they would tell what exists on the daemon's disks."""
+        return model.owner == peer.uid or self.access.is_admin(peer)
+
+    def describe(self, name: str, viewer: Peer, progress: Progress | None) -> dict[str, Any]:
+        """The ``models`` entry of one cache entry, as ``viewer`` may see it."""
+        e = self.core.entry(name)
+        m = self.models[name]
+        private = not self.may_see(viewer, m)
+        return {
+            "name": name, "state": str(e.state), "device": e.device,
+            "device_uuid": self.backends[e.device].uuid, "nbytes": e.nbytes,
+            "attach_count": e.attach_count, "pinned": e.pinned, "keep_alive": e.keep_alive,
+            "shard_of": m.config.name if m.rank is not None else None, "rank": m.rank,
+            "origin": m.origin, "owner": m.owner,
+            "path": None if private else str(m.path), "fingerprint": m.checkpoint.fingerprint if m.checkpoint else None,
+            "tensors": len(m.checkpoint.tensors) if m.checkpoint else None,
+            "idle_s": self.core.idle_s(name),
+            "loads": e.loads, "evictions": e.evictions, "demotions": e.demotions, "promotions": e.promotions,
+            "last_error": redacted(m.last_error) if private and m.last_error else m.last_error,
+            "progress": progress.snapshot() if progress is not None else None,
+        }

@@ -1,0 +1,20 @@
+"""systemd readiness: Type=notify units learn READY=1 and STOPPING=1 from us."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def sd_notify(message: str) -> bool:
+    """Tell systemd (Type=notify units) about our state: "READY=1", "STOPPING=1". The
+    protocol is one datagram to $NOTIFY_SOCKET; no libsystemd needed. False when not
+    under systemd."""
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return False
+    addr = "\0" + path[1:] if path.startswith("@") else path  # '@' = abstract namespace
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        s.connect(addr)
+        s.sendall(message.encode())
+    return True
