@@ -1,4 +1,4 @@
-"""The client never waits on the daemon without a bound (Note [timeouts] in client.py),
+"""The client never waits on the daemon without a bound (Note [timeouts] in connection.py),
 and registers with its own file descriptors.
 
 Real processes and real sockets, no mocks of the client: a real daemon (stopped with
@@ -296,8 +296,10 @@ def test_sync_client_request_to_a_stopped_daemon_times_out(start_daemon, ckpts):
 
 
 def public_methods(cls: type) -> dict[str, inspect.Signature]:
-    return {name: inspect.signature(fn) for name, fn in vars(cls).items()
-            if not name.startswith("_") and callable(fn)} | {"__init__": inspect.signature(vars(cls)["__init__"])}
+    """Every public method of ``cls``, inherited ones included (Client's transport methods
+    live in Connection), and ``__init__``."""
+    names = {name for name in dir(cls) if not name.startswith("_")} | {"__init__"}
+    return {name: inspect.signature(getattr(cls, name)) for name in names if callable(getattr(cls, name))}
 
 
 def test_sync_client_methods_have_the_async_clients_signatures():
@@ -308,6 +310,13 @@ def test_sync_client_methods_have_the_async_clients_signatures():
         assert list(sig.parameters.values()) == list(want.parameters.values()), f"SyncClient.{name}{sig} != Client.{name}{want}"
         if name != "attach":  # a context manager: Iterator vs AsyncIterator
             assert sig.return_annotation == want.return_annotation, name
+        # Most are made from Client's method of the same name (sync.py's _blocking), which
+        # makes their signatures equal by construction: check that it is the right one.
+        made_from = inspect.unwrap(getattr(SyncClient, name))
+        if inspect.iscoroutinefunction(made_from):
+            assert made_from is inspect.unwrap(getattr(Client, name)), f"SyncClient.{name} runs {made_from.__qualname__}"
+        else:  # written out by hand
+            assert name in ("__init__", "close", "attach"), name
 
 
 # -- register with the client's own files -----------------------------------------------

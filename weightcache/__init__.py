@@ -4,24 +4,34 @@ Public surface: :class:`Client` (async), :class:`SyncClient`, :class:`AttachedMo
 :func:`load_into_module` (with :func:`empty_parameters` for its skeleton),
 :func:`tenant_fingerprint` (the fingerprint of a model a peer published or
 registered), and the error classes in :mod:`weightcache.errors`.
+
+Importing the package imports neither torch nor the client: the daemon and the CLI import
+it too. ``Client`` and ``SyncClient`` are torch-free; the torch names are imported when
+first asked for (weightcache/client/__init__.py).
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
 from .errors import WeightcacheError
 from .protocol.messages import tenant_fingerprint
 
+if TYPE_CHECKING:
+    from .client import AttachedModel, Client, SyncClient, empty_parameters, load_into_module
 
-def __getattr__(name: str):  # type: ignore[no-untyped-def]
-    # Lazy: the CLI and the daemon import this package without paying for torch.
-    if name in ("Client", "SyncClient", "AttachedModel"):
+_FROM_CLIENT = frozenset({"Client", "SyncClient", "AttachedModel", "load_into_module", "empty_parameters"})
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the CLI and the daemon import this package without paying for the client, and
+    # weightcache.client in turn imports torch only for the names that need it.
+    if name in _FROM_CLIENT:
         from . import client
 
         return getattr(client, name)
-    if name in ("load_into_module", "empty_parameters"):
-        from .client import torch_utils
-
-        return getattr(torch_utils, name)
     raise AttributeError(f"module 'weightcache' has no attribute {name!r}")
 
 

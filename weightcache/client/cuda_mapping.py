@@ -35,8 +35,8 @@ class VmmMapping:
 
 def map_vmm(arena: dict[str, Any], fds: list[int], *, read_only: bool = True) -> torch.Tensor:
     """fds (closed here) + the reply's arena description -> a uint8 tensor on the GPU."""
-    sizes = [int(s) for s in arena["chunks"]]
     try:
+        sizes = [int(s) for s in arena["chunks"]]  # inside the try: a bad description still closes the fds
         if len(fds) != len(sizes):
             raise drv.CudaError(f"arena has {len(sizes)} chunks but {len(fds)} fds arrived")
         ordinal = drv.ordinal_of(f"cuda:{arena['device_uuid']}")

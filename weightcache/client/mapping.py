@@ -1,4 +1,6 @@
-"""Turn the fds and tensor table of an attach reply into torch tensors, zero-copy.
+"""Turn the fds and tensor table of an attach reply into torch tensors, zero-copy, and
+hand them out as an :class:`AttachedModel`. This is where the client needs torch: client.py
+imports this module at the first ``attach``, not before.
 
 Note [lifetime]
 ---------------
@@ -15,6 +17,7 @@ import math
 import mmap
 import os
 import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -43,16 +46,27 @@ def map_memfd(fd: int, nbytes: int) -> torch.Tensor:
 
 
 def map_arena(arena: dict[str, Any], fds: list[int]) -> torch.Tensor:
-    kind = arena.get("kind")
-    if kind == "memfd":
-        if len(fds) != 1:
-            raise BadRequest(f"memfd arena needs 1 fd, got {len(fds)}")
-        return map_memfd(fds[0], int(arena["nbytes"]))
-    if kind == "cuda_vmm":
-        from .cuda_mapping import map_vmm
+    """The reply's arena description + its fds -> one uint8 tensor over the whole arena.
+    Takes the fds: each is closed exactly once, here or by the mapper it is handed to,
+    whether this returns or raises (the mapping keeps the memory)."""
+    unclaimed = list(fds)
+    try:
+        kind = arena.get("kind")
+        if kind == "memfd":
+            if len(fds) != 1:
+                raise BadRequest(f"memfd arena needs 1 fd, got {len(fds)}")
+            nbytes = int(arena["nbytes"])
+            unclaimed = []  # map_memfd closes it
+            return map_memfd(fds[0], nbytes)
+        if kind == "cuda_vmm":
+            from .cuda_mapping import map_vmm
 
-        return map_vmm(arena, fds, read_only=not arena.get("writable", False))
-    raise BadRequest(f"unknown arena kind {kind!r}")
+            unclaimed = []  # map_vmm closes them
+            return map_vmm(arena, fds, read_only=not arena.get("writable", False))
+        raise BadRequest(f"unknown arena kind {kind!r}")
+    finally:
+        for fd in unclaimed:
+            os.close(fd)
 
 
 def tensor_views(slab: torch.Tensor, table: list[list[Any]]) -> dict[str, torch.Tensor]:
@@ -80,3 +94,41 @@ def tensor_views(slab: torch.Tensor, table: list[list[Any]]) -> dict[str, torch.
             strides[i - 1] = strides[i] * shape[i]
         out[name] = base.as_strided(shape, strides, offset // itemsize)
     return out
+
+
+class AttachedModel(Mapping[str, torch.Tensor]):
+    """A read-only mapping of tensor name -> tensor, backed by the daemon's arena.
+
+    >>> async with client.attach("qwen-7b") as m:   # doctest: +SKIP
+    ...     logits = model_forward(m["lm_head.weight"], ...)
+    """
+
+    def __init__(self, name: str, lease: int, fingerprint: str, device: str, tensors: dict[str, torch.Tensor]) -> None:
+        self.name = name
+        self.lease = lease
+        self.fingerprint = fingerprint
+        self.device = device
+        self._tensors = tensors
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._tensors[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    def __repr__(self) -> str:
+        return f"AttachedModel({self.name!r}, lease={self.lease}, tensors={len(self)}, device={self.device!r})"
+
+
+def attached_model(name: str, reply: dict[str, Any], fds: list[int]) -> AttachedModel:
+    """An attach reply and its fds (taken, as by :func:`map_arena`) -> the model's tensors.
+    The lease stays the caller's to end."""
+    slab = map_arena(reply.get("arena") or {}, fds)
+    return AttachedModel(name, reply["lease"], reply["fingerprint"], reply["device"], tensor_views(slab, reply["tensors"]))

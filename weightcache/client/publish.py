@@ -1,6 +1,7 @@
 """Pack an engine's tensors into shareable memory for ``publish``: a sealed memfd for CPU
 tensors, a VMM allocation exported as fds for CUDA tensors. Same layout as an arena
-(256-byte-aligned offsets), same description as an attach reply's ``arena``."""
+(256-byte-aligned offsets, the daemon's seals and VMM chunk sizes), same description as
+an attach reply's ``arena``. Imports torch: client.py imports it at the first publish."""
 
 from __future__ import annotations
 
@@ -8,18 +9,31 @@ import fcntl
 import mmap
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..loader.checkpoint import ARENA_ALIGN
+from ..protocol.messages import MEMFD_SEALS
 from .mapping import TORCH_DTYPES
 
 SAFETENSORS_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
-SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+@dataclass(frozen=True)
+class Packed:
+    """What a publish request carries, and how to let go of it afterwards."""
+
+    fds: list[int]
+    arena: dict[str, Any]  # as in an attach reply: kind, nbytes (+ chunks, device_uuid)
+    table: list[list[Any]]  # [name, dtype, shape, offset, nbytes] per tensor
+    device: str  # the wire's name for the device: "cpu" or "cuda:<uuid>"
+    release: Callable[[], None]  # closes the fds and frees this process's copy; call after the reply
 
 
 def layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[list[Any]], int]:
+    """The tensor table of an arena holding ``tensors`` in order, and its size in bytes."""
     table, cursor = [], 0
     for name, t in tensors.items():
         if t.dtype not in SAFETENSORS_NAMES:
@@ -35,9 +49,14 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def pack(tensors: Mapping[str, torch.Tensor]) -> tuple[list[int], dict[str, Any], list[list[Any]], Callable[[], None]]:
-    """-> (fds, arena description, tensor table, release). Call release after the daemon
-    replied: it closes the fds and frees this process's copy."""
+def pack(tensors: Mapping[str, torch.Tensor]) -> Packed:
+    """Copy ``tensors`` (all on one device) into memory the daemon can take.
+
+    >>> packed = pack({"w": torch.ones(4)})
+    >>> packed.device, packed.arena, packed.table
+    ('cpu', {'kind': 'memfd', 'nbytes': 4096}, [['w', 'F32', [4], 0, 16]])
+    >>> packed.release()
+    """
     devices = {t.device for t in tensors.values()}
     if len(devices) != 1:
         raise ValueError(f"publish tensors from one device at a time, not {sorted(map(str, devices))}")
@@ -50,7 +69,7 @@ def pack(tensors: Mapping[str, torch.Tensor]) -> tuple[list[int], dict[str, Any]
     raise ValueError(f"cannot publish tensors on {device}")
 
 
-def _pack_memfd(tensors: Mapping[str, torch.Tensor], table: list[list[Any]], size: int):  # type: ignore[no-untyped-def]
+def _pack_memfd(tensors: Mapping[str, torch.Tensor], table: list[list[Any]], size: int) -> Packed:
     size = max(mmap.PAGESIZE, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
     fd = os.memfd_create("weightcache-publish", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
@@ -59,14 +78,14 @@ def _pack_memfd(tensors: Mapping[str, torch.Tensor], table: list[list[Any]], siz
             for (_name, t), (_, _, _, off, n) in zip(tensors.items(), table, strict=True):
                 if n:
                     m[off : off + n] = _bytes_of(t).numpy().tobytes()
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # the daemon refuses memory we could still change
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, MEMFD_SEALS)  # the daemon refuses memory we could still change
     except BaseException:
         os.close(fd)
         raise
-    return [fd], {"kind": "memfd", "nbytes": size}, table, lambda: os.close(fd)
+    return Packed([fd], {"kind": "memfd", "nbytes": size}, table, "cpu", lambda: os.close(fd))
 
 
-def _pack_vmm(tensors: Mapping[str, torch.Tensor], table: list[list[Any]], size: int, ordinal: int):  # type: ignore[no-untyped-def]
+def _pack_vmm(tensors: Mapping[str, torch.Tensor], table: list[list[Any]], size: int, ordinal: int) -> Packed:
     from cuda.bindings import driver as cu
 
     from .. import cuda_driver as drv
@@ -76,8 +95,7 @@ def _pack_vmm(tensors: Mapping[str, torch.Tensor], table: list[list[Any]], size:
     ctx = drv.primary_context(ordinal)
     gran = drv.granularity(ordinal)
     total = max(gran, -(-size // gran) * gran)
-    chunk = -(-(1 << 30) // gran) * gran
-    sizes = [min(chunk, total - off) for off in range(0, total, chunk)]
+    sizes = drv.chunk_sizes(total, gran)  # ~1 GiB chunks like the daemon's arenas (backends/cuda.py says why)
     prop = drv.allocation_prop(ordinal)
     fds: list[int] = []
     with drv.current(ctx):
@@ -93,7 +111,8 @@ def _pack_vmm(tensors: Mapping[str, torch.Tensor], table: list[list[Any]], size:
         if n:
             slab[off : off + n].copy_(_bytes_of(t))
     torch.cuda.synchronize(ordinal)
-    desc = {"kind": "cuda_vmm", "nbytes": total, "chunks": sizes, "device_uuid": drv.device_uuid(ordinal)}
+    uuid = drv.device_uuid(ordinal)
+    desc = {"kind": "cuda_vmm", "nbytes": total, "chunks": sizes, "device_uuid": uuid}
 
     def release() -> None:
         nonlocal slab
@@ -101,4 +120,4 @@ def _pack_vmm(tensors: Mapping[str, torch.Tensor], table: list[list[Any]], size:
             os.close(fd)
         del slab  # unmaps; the daemon has its own copy by now
 
-    return fds, desc, table, release
+    return Packed(fds, desc, table, f"cuda:{uuid}", release)

@@ -6,18 +6,22 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import os
 import sys
 import threading
 import weakref
-from collections.abc import Coroutine, Iterator, Mapping
-from typing import Any, TypeVar
-
-import torch
+from collections.abc import Callable, Coroutine, Iterator
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from ..errors import DaemonUnavailable
-from .client import DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_FRAME_BYTES, DEFAULT_REQUEST_TIMEOUT, AttachedModel, Client
+from .client import Client
+from .connection import DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_FRAME_BYTES, DEFAULT_REQUEST_TIMEOUT
 
+if TYPE_CHECKING:
+    from .mapping import AttachedModel
+
+P = ParamSpec("P")
 T = TypeVar("T")
 _open_clients: weakref.WeakSet[SyncClient] = weakref.WeakSet()
 
@@ -33,13 +37,28 @@ def _close_open_clients() -> None:
         client.close()
 
 
-class SyncClient:
-    """>>> with SyncClient() as c, c.attach("qwen-7b") as weights:   # doctest: +SKIP
-    ...     module.load_state_dict(...)
+def _blocking(method: Callable[Concatenate[Client, P], Coroutine[Any, Any, T]]) -> Callable[Concatenate[SyncClient, P], T]:
+    """The SyncClient method that runs ``method`` (a Client coroutine method) on the
+    client's loop thread and returns its result. ``inspect.signature`` and ``help`` show
+    ``method``'s own signature and docstring (``functools.wraps`` sets ``__wrapped__``)."""
 
-    The same arguments as :class:`Client` (tests/test_client_timeouts.py keeps every
-    method's signature equal to Client's), timeouts included: each call returns, or
-    raises, within its timeout (Note [timeouts] in client.py)."""
+    @functools.wraps(method)
+    def blocking(self: SyncClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._call(method(self._client, *args, **kwargs))
+
+    blocking.__qualname__ = f"SyncClient.{method.__name__}"
+    return blocking
+
+
+class SyncClient:
+    """:class:`Client` for code that is not asyncio: the same methods with the same
+    arguments, blocking. It connects in ``__init__``.
+
+    >>> with SyncClient() as c, c.attach("qwen-7b") as weights:   # doctest: +SKIP
+    ...     model = load_into_module(skeleton, weights)
+
+    Each call returns, or raises, within its timeout (Note [timeouts] in connection.py).
+    Importing it does not import torch; ``attach`` and ``publish`` do, like Client's."""
 
     def __init__(self, socket_path: str | os.PathLike[str] | None = None, *, name: str | None = None,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
@@ -77,6 +96,7 @@ class SyncClient:
         self._loop.close()
 
     def close(self) -> None:
+        """Close the connection (the daemon ends its leases) and stop the loop thread."""
         if self._loop.is_closed():
             return
         _open_clients.discard(self)
@@ -97,51 +117,26 @@ class SyncClient:
     def load_timeout(self) -> float:
         return self._client.load_timeout
 
-    def request(self, op: str, *, timeout: float | None = None, **args: Any) -> dict[str, Any]:
-        return self._call(self._client.request(op, timeout=timeout, **args))
-
-    def status(self, *, timeout: float | None = None) -> dict[str, Any]:
-        return self._call(self._client.status(timeout=timeout))
-
-    def health(self, *, timeout: float | None = None) -> dict[str, Any]:
-        return self._call(self._client.health(timeout=timeout))
-
-    def models(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
-        return self._call(self._client.models(timeout=timeout))
-
-    def load(self, name: str, *, wait_s: float | None = None, timeout: float | None = None) -> dict[str, Any]:
-        return self._call(self._client.load(name, wait_s=wait_s, timeout=timeout))
-
-    def evict(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
-        return self._call(self._client.evict(name, timeout=timeout))
-
-    def pin(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
-        return self._call(self._client.pin(name, timeout=timeout))
-
-    def unpin(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
-        return self._call(self._client.unpin(name, timeout=timeout))
-
-    def register(self, name: str, path: str | os.PathLike[str] | None = None, *, device: str = "cpu",
-                 shards: list[dict[str, str]] | None = None, pin: bool = False, preload: bool = False,
-                 keep_alive: float | None = None, send_files: bool = True,
-                 timeout: float | None = None) -> dict[str, Any]:
-        return self._call(self._client.register(name, path, device=device, shards=shards, pin=pin, preload=preload,
-                                                keep_alive=keep_alive, send_files=send_files, timeout=timeout))
-
-    def unregister(self, name: str, *, timeout: float | None = None) -> None:
-        self._call(self._client.unregister(name, timeout=timeout))
-
-    def publish(self, name: str, tensors: Mapping[str, torch.Tensor], *, fingerprint: str, replace: bool = False,
-                wait_s: float | None = None, timeout: float | None = None) -> dict[str, Any]:
-        return self._call(self._client.publish(name, tensors, fingerprint=fingerprint, replace=replace, wait_s=wait_s,
-                                               timeout=timeout))
-
-    def reload(self, *, timeout: float | None = None) -> dict[str, list[str]]:
-        return self._call(self._client.reload(timeout=timeout))
+    # The plain calls, made from Client's own methods (_blocking): the same parameters,
+    # defaults and docstrings, so they cannot drift. A Client method missing here fails
+    # tests/test_client_timeouts.py, which compares the two classes' methods.
+    request = _blocking(Client.request)
+    status = _blocking(Client.status)
+    health = _blocking(Client.health)
+    models = _blocking(Client.models)
+    load = _blocking(Client.load)
+    evict = _blocking(Client.evict)
+    pin = _blocking(Client.pin)
+    unpin = _blocking(Client.unpin)
+    register = _blocking(Client.register)
+    unregister = _blocking(Client.unregister)
+    publish = _blocking(Client.publish)
+    reload = _blocking(Client.reload)
 
     @contextlib.contextmanager
     def attach(self, name: str, device: str | None = None, rank: int | None = None, *, wait_s: float | None = None,
                timeout: float | None = None, writable: bool = False) -> Iterator[AttachedModel]:
+        """:meth:`Client.attach` as a plain context manager: the lease ends when the block does."""
         cm = self._client.attach(name, device, rank, wait_s=wait_s, timeout=timeout, writable=writable)
         model = self._call(cm.__aenter__())
         try:

@@ -13,11 +13,11 @@ import grp
 import os
 import socket
 import stat
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import DaemonConfig
+from ..peercred import peer_credentials
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,7 @@ class Peer:
 
     @classmethod
     def of(cls, sock: socket.socket) -> Peer:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid, uid, gid = struct.unpack("3i", raw)
+        pid, uid, gid = peer_credentials(sock)
         return cls(pid, uid, gid, frozenset({gid, *_supplementary_groups(pid)}))
 
 

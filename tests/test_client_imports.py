@@ -1,0 +1,98 @@
+"""The client imports torch only when it handles weights.
+
+``weightcache health`` (Kubernetes probes), the CLI and engines that only ask for status
+must not pay for torch (~1.5 s, ~300 MB). Each check runs in a fresh interpreter: this
+one imported torch long ago.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import weightcache.client
+
+
+def run_python(code: str, *args: str) -> str:
+    """Run ``code`` in a fresh interpreter; return its stdout, failing with its stderr."""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+def test_control_calls_do_not_import_torch(start_daemon, ckpts):
+    d = start_daemon(models={"tiny": ckpts["tiny"]})
+    out = run_python("""
+        import asyncio, sys
+        import weightcache, weightcache.client
+        from weightcache import Client, SyncClient
+
+        def no_torch(when):
+            assert "torch" not in sys.modules, f"torch imported {when}"
+
+        no_torch("by the imports")
+        Client(sys.argv[1])
+        no_torch("by constructing a Client")
+
+        async def control():
+            async with Client(sys.argv[1]) as c:
+                st, health, models = await c.status(), await c.health(), await c.models()
+                await c.load("tiny")
+            return st, health, models
+
+        st, health, models = asyncio.run(control())
+        assert "cpu" in st["devices"] and health["serving"] and [m["name"] for m in models] == ["tiny"]
+        no_torch("by async control calls")
+        with SyncClient(sys.argv[1]) as c:
+            assert c.status()["devices"]["cpu"]["used"] > 0 and c.health()["serving"]
+        no_torch("by a SyncClient")
+        print("OK")
+    """, d.socket)
+    assert out.strip() == "OK"
+
+
+def test_attach_imports_torch_when_first_used_and_the_tensors_work(start_daemon, ckpts):
+    d = start_daemon(models={"tiny": ckpts["tiny"]})
+    out = run_python("""
+        import asyncio, sys
+        import weightcache
+        from weightcache import Client, SyncClient
+
+        async def attach():
+            async with Client(sys.argv[1]) as c:
+                assert "torch" not in sys.modules
+                async with c.attach("tiny") as w:
+                    assert "torch" in sys.modules  # imported by the attach
+                    assert isinstance(w, weightcache.AttachedModel)
+                    from safetensors.torch import load_file
+                    import torch
+
+                    ref = load_file(sys.argv[2])
+                    assert set(w) == set(ref) and all(torch.equal(w[k], v) for k, v in ref.items())
+                    doubled = {k: v * 2 for k, v in w.items() if v.is_floating_point()}
+                    # The other half of the torch path: publish, then attach what was published.
+                    await c.publish("tiny-x2", doubled, fingerprint=w.fingerprint + "+x2")
+                async with c.attach("tiny-x2") as p:
+                    assert set(p) == set(doubled) and all(torch.equal(p[k], v) for k, v in doubled.items())
+            return len(ref)
+
+        n = asyncio.run(attach())
+        with SyncClient(sys.argv[1]) as c, c.attach("tiny") as w:
+            assert len(w) == n and w.nbytes > 0
+        print("OK", n)
+    """, d.socket, str(ckpts["tiny"]))
+    assert out.split() == ["OK", "5"]
+
+
+def test_the_torch_names_are_lazy_attributes():
+    assert {"AttachedModel", "load_into_module", "empty_parameters"} <= set(dir(weightcache.client))
+    from weightcache.client.mapping import AttachedModel
+    from weightcache.client.torch_utils import load_into_module
+
+    assert weightcache.client.AttachedModel is AttachedModel
+    assert weightcache.load_into_module is load_into_module
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        weightcache.client.nope  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        weightcache.nope  # noqa: B018

@@ -1,0 +1,313 @@
+"""One connection to the daemon: the socket, the check of who serves it, framing, requests
+matched by id, timeouts and cancellation. It knows no op beyond what its timeouts and
+Note [cancellation] need; :class:`~weightcache.client.client.Client` speaks the protocol
+on top of it.
+
+No torch here or in client.py: ``weightcache health`` (which Kubernetes probes run), the
+CLI and every control call import only this, msgpack and the standard library. Tensors
+are made in mapping.py, imported at the first attach.
+
+Note [timeouts]
+---------------
+Nothing waits on the daemon without a bound, so a stopped (SIGSTOP), hung or overloaded
+daemon cannot hang its engines. Connecting (the socket connect and the hello exchange)
+is bounded by ``connect_timeout`` (-> DaemonUnavailable). A request, from waiting for
+the write lock through sending to its reply, is bounded by ``request_timeout``, except
+``load``, ``attach`` and ``publish``, which may legitimately take minutes: they get
+``load_timeout``, by default the daemon's own ``request_timeout_s`` (from its hello
+reply; 900 s if it does not say) plus 30 s, so that the daemon's own TIMEOUT, which
+says more, normally arrives first. Every method takes ``timeout=`` to override its
+default; ``math.inf`` waits without a bound. A request that runs out of time raises
+RequestTimeout and is abandoned as in Note [cancellation]. One that ran out of time
+while its frame was half sent leaves the stream out of step: the connection is closed.
+
+Note [cancellation]
+-------------------
+A request cancelled (or timed out) between send and reply leaves its id behind; the
+reader drops that reply when it comes, closes any fds it carried and, if it granted a
+lease, detaches it, so no stale reply reaches a later caller and no lease leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import os
+import socket
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..defaults import DAEMON_UID_ENV, client_socket_path
+from ..errors import DaemonUnavailable, PermissionDenied, RequestTimeout, WeightcacheError, error_from_wire
+from ..peercred import peer_credentials
+from ..protocol import FrameDecoder, decode_payload, encode_frame
+from ..protocol.transport import recv_with_fds, send_with_fds
+
+DEFAULT_MAX_FRAME_BYTES = 256 * 2**20  # replies: an attach's tensor table can be long
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_REQUEST_TIMEOUT = 60.0
+LONG_OPS = frozenset({"load", "attach", "publish"})  # may take minutes: they get load_timeout
+DAEMON_REQUEST_TIMEOUT_S = 900.0  # the daemon's default request_timeout_s, for one whose hello does not say
+LOAD_TIMEOUT_MARGIN_S = 30.0  # past the daemon's own timeout, so its TIMEOUT reply arrives first
+
+Reply = tuple[dict[str, Any], list[int]]  # a reply map and the fds that came with it
+
+
+def check_daemon_identity(sock: socket.socket, path: str) -> None:
+    """Trust only a daemon running as root, as ourselves, or as $WEIGHTCACHE_DAEMON_UID:
+    anyone who could create a socket at that path could otherwise serve us weights."""
+    _pid, uid, _gid = peer_credentials(sock)
+    trusted = {0, os.geteuid()}
+    if want := os.environ.get(DAEMON_UID_ENV):
+        import pwd
+
+        try:
+            trusted.add(int(want) if want.isdigit() else pwd.getpwnam(want).pw_uid)
+        except KeyError:
+            raise PermissionDenied(f"${DAEMON_UID_ENV}={want!r} names no user") from None
+    if uid not in trusted:
+        raise PermissionDenied(f"the process serving {path} runs as uid {uid}, which is not trusted "
+                               f"(root, this user, or ${DAEMON_UID_ENV})", uid=uid)
+
+
+class Connection:
+    """The transport under :class:`~weightcache.Client`; not used on its own.
+
+    ``socket_path`` defaults to ``$WEIGHTCACHE_SOCKET``, then /run/weightcache/weightcache.sock.
+    Timeouts are in seconds (Note [timeouts]): ``connect_timeout`` bounds the connect and
+    hello, ``request_timeout`` control requests, ``load_timeout`` load/attach/publish
+    (None: the daemon's ``request_timeout_s`` plus 30 s). ``math.inf`` means no bound.
+    """
+
+    def __init__(self, socket_path: str | os.PathLike[str] | None = None, *, name: str | None = None,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, load_timeout: float | None = None) -> None:
+        for what, value in (("connect_timeout", connect_timeout), ("request_timeout", request_timeout),
+                            ("load_timeout", load_timeout)):
+            if value is not None and not value > 0:  # also refuses NaN
+                raise ValueError(f"{what} must be a positive number of seconds (math.inf for no bound), not {value!r}")
+        self.socket_path = client_socket_path(socket_path)
+        self.name = name or f"python/{os.getpid()}"
+        self.connect_timeout = connect_timeout
+        self.request_timeout = request_timeout
+        self._load_timeout = load_timeout
+        self._max_frame = max_frame_bytes
+        self._sock: socket.socket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._pending: dict[int, asyncio.Future[Reply]] = {}
+        self._ids = itertools.count(1)
+        self._write_lock = asyncio.Lock()
+        self._closed_error: WeightcacheError | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self.server_info: dict[str, Any] = {}
+        self.events: deque[dict[str, Any]] = deque(maxlen=64)  # events the daemon announced, newest last
+
+    @property
+    def load_timeout(self) -> float:
+        """The default timeout of load, attach and publish (Note [timeouts])."""
+        if self._load_timeout is not None:
+            return self._load_timeout
+        daemon_s = self.server_info.get("request_timeout_s")
+        if isinstance(daemon_s, int | float) and not isinstance(daemon_s, bool) and daemon_s > 0:
+            return float(daemon_s) + LOAD_TIMEOUT_MARGIN_S
+        return DAEMON_REQUEST_TIMEOUT_S + LOAD_TIMEOUT_MARGIN_S
+
+    def _limit(self, op: str, timeout: float | None) -> float | None:
+        """The seconds ``op`` may take: the override, else its default; None for no bound."""
+        if timeout is None:
+            timeout = self.load_timeout if op in LONG_OPS else self.request_timeout
+        return None if math.isinf(timeout) else timeout
+
+    # -- connecting -----------------------------------------------------------------
+    async def _open(self, hello: dict[str, Any]) -> None:
+        """Connect, check who serves the socket, start the reader and send ``hello``, all
+        within ``connect_timeout`` (else DaemonUnavailable). The hello's reply becomes
+        ``server_info``. On any failure nothing is left open."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        deadline = asyncio.timeout(None if math.isinf(self.connect_timeout) else self.connect_timeout)
+        try:
+            async with deadline:
+                try:
+                    if os.path.islink(self.socket_path):
+                        raise PermissionDenied(f"{self.socket_path} is a symlink; refusing to connect through it")
+                    await asyncio.get_running_loop().sock_connect(sock, self.socket_path)
+                    check_daemon_identity(sock, self.socket_path)
+                except OSError as exc:
+                    raise DaemonUnavailable(f"cannot connect to weightcache at {self.socket_path}: {exc.strerror or exc}",
+                                            socket=self.socket_path) from exc
+                self._sock = sock
+                self._closed_error = None
+                self._reader = asyncio.ensure_future(self._read_loop())
+                # Unbounded here: the connect deadline around it is the bound.
+                self.server_info = await self.request("hello", timeout=math.inf, **hello)
+        except BaseException as exc:
+            if self._sock is sock:
+                await self.close()
+            else:
+                sock.close()
+            if isinstance(exc, TimeoutError) and deadline.expired():
+                raise DaemonUnavailable(
+                    f"weightcache at {self.socket_path} did not answer within {self.connect_timeout:g}s "
+                    "(connect and hello); is the daemon stopped, hung or overloaded?", socket=self.socket_path) from None
+            raise
+
+    async def close(self) -> None:
+        """Close the connection. Requests in flight fail with DaemonUnavailable, and the
+        daemon ends every lease this connection held."""
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._fail_pending(DaemonUnavailable("client closed"))
+
+    # -- requests -------------------------------------------------------------------
+    async def request(self, op: str, *, timeout: float | None = None, **args: Any) -> dict[str, Any]:
+        """Send one request; return the reply map or raise the error class of its code.
+        Arguments that are None are left out.
+
+        >>> await c.request("status", timeout=5)          # doctest: +SKIP
+        {'id': 3, 'ok': True, 'devices': {...}, ...}
+        """
+        reply, fds = await self._request(op, timeout, args)
+        for fd in fds:  # only attach takes fds; anything else carrying them is closed
+            os.close(fd)
+        return reply
+
+    async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None) -> Reply:
+        """``request`` that also sends ``send_fds`` (SCM_RIGHTS, on the same frame) and
+        returns the fds of the reply, which the caller must close."""
+        if self._closed_error is not None:  # the reader has stopped: nobody would read a reply
+            raise self._closed_error
+        if self._sock is None:
+            raise DaemonUnavailable("not connected; use 'async with Client()' or connect()")
+        limit = self._limit(op, timeout)
+        rid = next(self._ids)
+        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        msg = {"id": rid, "op": op, **{k: v for k, v in args.items() if v is not None}}
+        if send_fds:
+            msg["fds"] = len(send_fds)
+        frame = encode_frame(msg)
+        deadline = asyncio.timeout(limit)
+        sending = False
+        try:
+            async with deadline:
+                async with self._write_lock:
+                    if self._sock is None:
+                        raise self._closed_error or DaemonUnavailable("client closed")
+                    sending = True
+                    await send_with_fds(self._sock, frame, send_fds or [])
+                    sending = False
+                reply, fds = await fut
+        except BaseException as exc:
+            timed_out = isinstance(exc, TimeoutError) and deadline.expired()
+            if sending and (timed_out or not isinstance(exc, OSError)):  # part of the frame may be out (Note [timeouts])
+                self._break_connection(DaemonUnavailable(
+                    f"connection to {self.socket_path} closed: a {op!r} request was abandoned while its frame was "
+                    "being sent", socket=self.socket_path))
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                if not timed_out:  # cancelled after the reply arrived, before we resumed: give it back
+                    self._drop_reply(*fut.result())
+                    raise
+                reply, fds = fut.result()  # it did answer in time; we had not resumed yet
+            elif timed_out:
+                assert limit is not None
+                raise RequestTimeout(
+                    f"the daemon at {self.socket_path} did not answer {op!r} within {limit:g}s; it may be stopped, "
+                    "hung or overloaded (a late reply is dropped)", op=op, timeout_s=limit) from None
+            elif isinstance(exc, OSError):
+                raise DaemonUnavailable(f"connection to {self.socket_path} broke: {exc}") from exc
+            else:
+                raise
+        finally:
+            self._pending.pop(rid, None)  # a late reply for rid is now dropped (Note [cancellation])
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            raise error_from_wire(reply.get("error") or {})
+        return reply, fds
+
+    async def _read_loop(self) -> None:
+        assert self._sock is not None
+        decoder = FrameDecoder(self._max_frame)
+        fd_queue: deque[int] = deque()  # fds arrive with the first byte of the frame that names them
+        try:
+            while True:
+                data, fds = await recv_with_fds(self._sock)
+                fd_queue.extend(fds)
+                if not data:
+                    raise DaemonUnavailable(f"weightcache at {self.socket_path} closed the connection")
+                for payload in decoder.feed(data):
+                    # Replies may hold long arrays (an attach's tensor table) and maps keyed
+                    # by model: as long as this client's frame limit, not a request's limits.
+                    reply = decode_payload(payload, max_map_len=self._max_frame, max_array_len=self._max_frame,
+                                           max_str_len=self._max_frame, max_bin_len=self._max_frame)
+                    if "event" in reply:  # unsolicited, e.g. {"event": "shutting_down", "grace_s": 10}
+                        self.events.append(reply)
+                        continue
+                    mine = [fd_queue.popleft() for _ in range(int(reply.get("fds", 0)))]
+                    fut = self._pending.get(reply.get("id"))  # type: ignore[arg-type]
+                    if fut is not None and not fut.done():
+                        fut.set_result((reply, mine))
+                    else:
+                        self._drop_reply(reply, mine)
+        except asyncio.CancelledError:
+            raise
+        except (WeightcacheError, OSError) as exc:
+            err = exc if isinstance(exc, WeightcacheError) else DaemonUnavailable(f"connection broke: {exc}")
+            if self._closed_error is None:  # else _break_connection said why first
+                self._closed_error = err
+            self._fail_pending(self._closed_error)
+        finally:
+            while fd_queue:
+                os.close(fd_queue.popleft())
+
+    def _drop_reply(self, reply: dict[str, Any], fds: list[int]) -> None:
+        """A reply nobody waits for (Note [cancellation]): close its fds, give back its lease."""
+        for fd in fds:
+            os.close(fd)
+        if reply.get("id") is None and not reply.get("ok"):
+            # An error about the connection itself (e.g. FRAME_TOO_LARGE): fail everyone.
+            self._fail_pending(error_from_wire(reply.get("error") or {}))
+        elif reply.get("ok") and "lease" in reply and "tensors" in reply:
+            task = asyncio.ensure_future(self._detach_quietly(reply["lease"]))
+            self._background.add(task)  # keep a reference until it is done
+            task.add_done_callback(self._background.discard)
+
+    async def _detach_quietly(self, lease: int) -> None:
+        # If this fails the connection is gone, and the daemon ended the lease with it.
+        with contextlib.suppress(WeightcacheError, OSError):
+            await self.request("detach", lease=lease)
+
+    @contextlib.asynccontextmanager
+    async def _lease(self, lease: int) -> AsyncIterator[None]:
+        """Detach ``lease`` when the block exits, however it exits. Shielded: a cancelled
+        engine task must still give its lease back."""
+        try:
+            yield
+        finally:
+            if self._sock is not None:  # else the connection is closed and the lease ended with it
+                await asyncio.shield(self._detach_quietly(lease))
+
+    def _break_connection(self, err: WeightcacheError) -> None:
+        """The stream is out of step: fail every request and stop using the connection.
+        Shut down, not closed: the reader wakes, sees the end, and exits; close() closes."""
+        if self._closed_error is None:
+            self._closed_error = err
+        self._fail_pending(err)
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+
+    def _fail_pending(self, exc: WeightcacheError) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._pending.clear()
