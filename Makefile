@@ -21,7 +21,7 @@ demo: install
 	$(BIN)/weightcache demo
 
 lint: install
-	$(BIN)/ruff check weightcache tests examples
+	$(BIN)/ruff check weightcache tests examples scripts
 	$(BIN)/mypy
 
 test: lint
@@ -31,9 +31,11 @@ bench: install
 	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/weightcache bench --size-gib 1 --big-gib 2 --out docs/bench-cpu.json
 
-# Longer reliability runs (docs/reliability.md): churn with SIGKILLs, and a longer fuzz.
+# Longer reliability runs (docs/reliability.md): churn with SIGKILLs, tenants abusing the
+# daemon, and a longer fuzz.
 stress: install
-	$(BIN)/python tests/stress_churn.py --clients 200 --seconds 30 --out docs/churn.json
+	$(BIN)/python scripts/stress_churn.py --clients 200 --seconds 30 --out docs/churn.json
+	$(BIN)/python scripts/stress_abuse.py --seconds 20 --out docs/abuse.json
 	WC_FUZZ_EXAMPLES=5000 $(BIN)/pytest -q -s tests/test_fuzz.py
 
 clean:

@@ -111,7 +111,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local
 
     from weightcache import SyncClient
-    from weightcache.spawn import DaemonProcess, config_text
+    from weightcache.tools.spawn import DaemonProcess, config_text
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="wc-example-", dir="/tmp"))
     model_dir = work / f"{MODEL}-{args.preset}"

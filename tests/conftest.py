@@ -22,8 +22,8 @@ import uvloop
 
 from weightcache.protocol import encode_frame
 from weightcache.protocol.framing import HEADER, decode_payload
-from weightcache.spawn import DaemonProcess, config_text
-from weightcache.synth import write_checkpoint
+from weightcache.tools.spawn import DaemonProcess, config_text
+from weightcache.tools.synth import write_checkpoint
 
 MIB = 2**20
 

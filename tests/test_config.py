@@ -81,7 +81,7 @@ def test_serve_with_invalid_config_exits_2_with_one_clear_message(tmp_path):
 
 def test_config_text_writes_what_load_settings_reads(tmp_path):
     # spawn.config_text writes the configs of the demo, the benchmarks and the tests.
-    from weightcache.spawn import config_text
+    from weightcache.tools.spawn import config_text
 
     shards = [{"path": "/m/rank0", "device": "cuda:0"}, {"path": "/m/rank1", "device": "cuda:1"}]
     models = [{"name": "tp", "shards": shards}, {"name": "odd", "path": '/m/a "b"\\c', "pin": True, "keep_alive": 1.5}]

@@ -27,7 +27,7 @@ from weightcache.errors import (
     UnknownOp,
 )
 from weightcache.protocol import encode_frame
-from weightcache.spawn import wait_for_socket
+from weightcache.tools.spawn import wait_for_socket
 
 CHILD = str(Path(__file__).with_name("attach_child.py"))
 

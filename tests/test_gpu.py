@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 from weightcache import Client  # noqa: E402
 from weightcache.errors import BadRequest, NoSpace  # noqa: E402
-from weightcache.synth import write_checkpoint  # noqa: E402
+from weightcache.tools.synth import write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 CHILD = str(Path(__file__).with_name("attach_child.py"))
@@ -192,7 +192,7 @@ async def test_publish_gpu_tensors_then_attach_them_elsewhere(start_daemon, tmp_
 
 
 def test_cold_load_reads_with_o_direct(start_daemon, gpu_ckpts):
-    from weightcache.bench import drop_page_cache
+    from weightcache.tools.bench_measure import drop_page_cache
 
     drop_page_cache(gpu_ckpts["z"])
     d = gpu_daemon(start_daemon, "2GiB", {"z": gpu_ckpts["z"]})

@@ -14,7 +14,7 @@ import pytest
 from conftest import eventually
 
 from weightcache import Client
-from weightcache.spawn import config_text, wait_for_socket
+from weightcache.tools.spawn import config_text, wait_for_socket
 
 
 def free_port() -> int:

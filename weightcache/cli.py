@@ -1,4 +1,10 @@
-"""``weightcache`` command line: parses arguments and calls into the package; no logic."""
+"""``weightcache`` command line: parses arguments and calls into the package; no logic.
+
+Kept light at import: the probes run ``weightcache health`` often, and every command pays
+for what this module imports. Heavy things (the daemon and its config loading, the
+attach/verify path, rich's tables, the bench and the demo) are imported inside the
+commands that use them.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import format_size, load_settings
 from .errors import ConfigError, WeightcacheError
+from .units import format_size
 
 
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -144,6 +150,7 @@ async def cmd_attach(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from .config import load_settings
     from .server import run_daemon
 
     settings = load_settings(args.config)
@@ -154,22 +161,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .tools.demo import run_demo
 
     return run_demo(workdir=args.workdir, restarts=args.restarts, model_mib=args.model_mib)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench, write_chart
-
     if args.chart:  # render the chart of an earlier run's JSON
+        from .tools.bench_report import write_chart
+
         png = Path(args.chart).with_suffix(".png")
         if not write_chart(json.loads(Path(args.chart).read_text()), png):
             print("weightcache: the chart needs matplotlib (pip install matplotlib)", file=sys.stderr)
             return 1
         print(f"wrote {png}")
         return 0
-    return run_bench(args)
+    from .tools.bench import BenchConfig, run_bench
+
+    return run_bench(BenchConfig(size_gib=args.size_gib, tensors=args.tensors, device=args.device, attaches=args.attaches,
+                                 reps=args.reps, cold_reps=args.cold_reps, restarts=args.restarts, big_gib=args.big_gib,
+                                 workdir=args.workdir, out=args.out))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,6 +21,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from .defaults import CONFIG_ENV, DEFAULT_SOCKET, SOCKET_ENV
 from .errors import ConfigError
+from .units import format_size
 
 _UNITS = {
     "": 1, "b": 1,
@@ -42,14 +43,6 @@ def parse_size(value: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a size: {value!r} (use bytes or a unit: KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def format_size(n: int | float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 class Budget(BaseModel):

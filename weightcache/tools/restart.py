@@ -36,7 +36,7 @@ class Restart:
 
 def time_restart(mode: str, *, path: str, model: str, socket: str, device: str = "cpu") -> Restart:
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "weightcache.restart", mode, path, model, socket, device],
+    proc = subprocess.Popen([sys.executable, "-m", "weightcache.tools.restart", mode, path, model, socket, device],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     info: dict[str, Any] = {}

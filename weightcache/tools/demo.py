@@ -17,7 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .config import format_size
+from ..units import format_size
 from .restart import Restart, time_restart
 from .spawn import DaemonProcess, config_text
 from .synth import write_checkpoint
@@ -51,7 +51,7 @@ def run_demo(workdir: str | None = None, restarts: int = 3, model_mib: int = 96)
         _restart_table(console, runs, model_mib)
 
         console.print("[bold]4.[/] engines attach beta, then gamma: the budget holds two, so the least recently used goes")
-        from .client import SyncClient
+        from ..client import SyncClient
 
         for name in ("beta", "gamma"):
             time_restart("cache", path=str(paths[name]), model=name, socket=sock)

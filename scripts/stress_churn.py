@@ -1,13 +1,13 @@
-"""Churn stress (issue 5, ``make stress``): hundreds of engine processes attaching and
+"""Churn stress (``make stress``): hundreds of engine processes attaching and
 detaching at random for a bounded time, some SIGKILLed mid-flight; then the daemon's
 books and file descriptors must be exactly as if nothing had happened.
 
-The clients speak the wire protocol directly (tests/stress_churn.py --client): written
+The clients speak the wire protocol directly (scripts/stress_churn.py --client): written
 from docs/protocol.md alone, without torch, so that 200 of them fit in memory and the
 spec is exercised by a second implementation. Each maps the memfd it receives read-only
 and reads a byte of every tensor, like an engine would.
 
-Run: python tests/stress_churn.py --clients 200 --seconds 30   (prints a JSON summary)
+Run: python scripts/stress_churn.py --clients 200 --seconds 30   (prints a JSON summary)
 """
 
 from __future__ import annotations
@@ -115,8 +115,8 @@ def main() -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from weightcache.client import SyncClient
-    from weightcache.spawn import DaemonProcess, config_text
-    from weightcache.synth import write_checkpoint
+    from weightcache.tools.spawn import DaemonProcess, config_text
+    from weightcache.tools.synth import write_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="wc-churn-", dir="/tmp"))
     names = [f"m{i}" for i in range(4)]

@@ -1,0 +1,252 @@
+"""``weightcache bench``: every contender measured side by side in one run.
+
+For one generated checkpoint (default 1 GiB, 200 bf16 tensors) on one device:
+
+- ``safetensors.torch.load_file`` to the device, page cache warm and cold;
+- the weightcache loader (daemon ``load``), warm and cold;
+- attach latency through the real client API (p50/p99 over many attaches);
+- restart-to-ready of a fresh engine process: the floor (spawn + import torch + CUDA
+  init), with load_file, and with attach;
+- ``status`` latency while a bigger model loads (the control plane must stay fast).
+
+Cold runs drop the file's pages with ``posix_fadvise(DONTNEED)`` (no root needed);
+each figure says which it is. Results print as a table and go to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from .bench_measure import (
+    attach_and_touch,
+    attach_latencies,
+    daemon_load,
+    disk_ceiling,
+    drop_page_cache,
+    host_tier_round_trip,
+    pct,
+    status_under_load,
+    time_fastsafetensors,
+    time_load_file,
+    time_load_file_and_touch,
+    warm_page_cache,
+)
+from .bench_report import print_table, write_chart
+from .bench_result import (
+    AttachFigures,
+    BenchResult,
+    ControlPlaneFigures,
+    DiskCeiling,
+    Environment,
+    HostTierFigures,
+    LoaderFigures,
+    LoadFileFigures,
+    PeerLoaderFigures,
+    RestartFigures,
+    RestartTimes,
+)
+from .restart import Restart, time_restart
+from .spawn import DaemonProcess, config_text
+from .synth import write_checkpoint
+
+GIB = 2**30
+MODEL = "bench"  # the model every figure is about
+BIG = "big"  # the bigger model loaded while the control plane is measured
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure; ``weightcache bench`` builds it from its arguments (the defaults
+    live there)."""
+
+    size_gib: float  # the checkpoint every figure is about
+    tensors: int  # ... in this many tensors
+    device: str  # "cpu" or "cuda:N"
+    attaches: int  # attaches timed for the latency percentiles
+    reps: int  # repetitions of each warm load
+    cold_reps: int  # repetitions of each cold load (0: skip cold runs and the disk ceiling)
+    restarts: int  # engine restarts per way
+    big_gib: float  # the model loaded while status latency is measured
+    workdir: str | None = None  # checkpoints, config, socket and daemon log (default /tmp/wc-bench)
+    out: str | None = None  # JSON results here, and a PNG chart beside it
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    work: Path
+    model: Path  # the bench model
+    big: Path  # the control-plane model
+
+
+def run_bench(cfg: BenchConfig) -> int:
+    """Measure everything side by side, print the table, write ``cfg.out``. Returns the exit status."""
+    console = Console()
+    files = _generate(console, cfg)
+    env = _environment(cfg, files)
+    load_file = _measure_load_file(cfg, files.model)
+    ceiling = _measure_disk_ceiling(cfg, files.model)
+    peer = _measure_fastsafetensors(cfg, files.model)
+    if cfg.cuda:
+        import torch
+
+        torch.cuda.empty_cache()
+    sock = str(files.work / "bench.sock")
+    log = files.work / "bench-daemon.log"
+    log.unlink(missing_ok=True)
+    with DaemonProcess(_write_daemon_config(cfg, files, sock), sock, log):
+        loader = _measure_loader(cfg, files.model, sock)
+        attach = _measure_attach(cfg, sock)
+        host_tier = _measure_host_tier(cfg, sock) if cfg.cuda else None
+        restart = _measure_restarts(cfg, files.model, sock)
+        control_plane = _measure_control_plane(files.big, sock)
+    result = BenchResult(env=env, load_file=load_file, disk_ceiling=ceiling, fastsafetensors=peer, loader=loader, attach=attach,
+                         host_tier=host_tier, restart=restart, control_plane=control_plane)
+    print_table(console, result)
+    if cfg.out:
+        _write_outputs(console, result, Path(cfg.out))
+    return 0
+
+
+def _generate(console: Console, cfg: BenchConfig) -> Checkpoints:
+    """The two synthetic checkpoints, made once per size and kept in the workdir."""
+    work = Path(cfg.workdir or "/tmp/wc-bench")
+    work.mkdir(parents=True, exist_ok=True)
+    files = Checkpoints(work=work, model=work / f"bench-{cfg.size_gib:g}g-{cfg.tensors}t.safetensors",
+                        big=work / f"big-{cfg.big_gib:g}g.safetensors")
+    with console.status("generating checkpoints"):
+        if not files.model.exists():
+            write_checkpoint(files.model, int(cfg.size_gib * GIB), cfg.tensors, seed=1)
+        if not files.big.exists():
+            write_checkpoint(files.big, int(cfg.big_gib * GIB), 40, seed=2)
+    return files
+
+
+def _environment(cfg: BenchConfig, files: Checkpoints) -> Environment:
+    import torch
+
+    return Environment(device=cfg.device, checkpoint_bytes=files.model.stat().st_size, tensors=cfg.tensors,
+                       python=platform.python_version(), torch=torch.__version__, cpus=os.cpu_count(), host=platform.node(),
+                       gpu=torch.cuda.get_device_name(torch.device(cfg.device)) if cfg.cuda else None)
+
+
+def _cold_runs(cfg: BenchConfig, path: Path, measure: Callable[[], float]) -> list[float]:
+    """``measure()`` once per cold repetition, the file's pages dropped before each."""
+    out = []
+    for _ in range(cfg.cold_reps):
+        drop_page_cache(path)
+        out.append(measure())
+    return out
+
+
+def _measure_load_file(cfg: BenchConfig, ckpt: Path) -> LoadFileFigures:
+    """safetensors.load_file, warm then cold, then load + read every byte (warm)."""
+    warm_page_cache(ckpt)
+    time_load_file(ckpt, cfg.device)  # first call pays one-time costs (CUDA context, allocator)
+    warm = [time_load_file(ckpt, cfg.device) for _ in range(cfg.reps)]
+    cold = _cold_runs(cfg, ckpt, lambda: time_load_file(ckpt, cfg.device))
+    warm_page_cache(ckpt)
+    touch = statistics.median(time_load_file_and_touch(ckpt, cfg.device) for _ in range(cfg.reps))
+    return LoadFileFigures(warm_s=statistics.median(warm), touch_warm_s=touch, cold_s=statistics.median(cold) if cold else None)
+
+
+def _measure_disk_ceiling(cfg: BenchConfig, ckpt: Path) -> DiskCeiling:
+    if not cfg.cold_reps:
+        return DiskCeiling()
+    try:
+        return DiskCeiling(gbps=max(disk_ceiling(ckpt) for _ in range(cfg.cold_reps)) / 1e9)
+    except OSError as exc:  # a file system without O_DIRECT
+        return DiskCeiling(error=str(exc))
+
+
+def _measure_fastsafetensors(cfg: BenchConfig, ckpt: Path) -> PeerLoaderFigures:
+    """The peer loader, where it can be installed; why not, in the results, where it cannot."""
+    warm: float | None = None
+    try:
+        time_fastsafetensors(ckpt, cfg.device)
+        warm = statistics.median(time_fastsafetensors(ckpt, cfg.device) for _ in range(cfg.reps))
+        cold = _cold_runs(cfg, ckpt, lambda: time_fastsafetensors(ckpt, cfg.device))
+        return PeerLoaderFigures(warm_s=warm, cold_s=statistics.median(cold) if cold else None)
+    except Exception as exc:  # not installed, or fails on this host: say so in the results
+        return PeerLoaderFigures(warm_s=warm, error=f"{type(exc).__name__}: {exc}"[:300])
+
+
+def _write_daemon_config(cfg: BenchConfig, files: Checkpoints, sock: str) -> Path:
+    """A daemon with room for both models (and, on CUDA, a host tier for the bench model)."""
+    nbytes = files.model.stat().st_size
+    budget = {cfg.device: f"{int((nbytes + files.big.stat().st_size) * 1.1)}"}
+    daemon_opts: dict[str, Any] = {"log_level": "info"}
+    if cfg.cuda:
+        daemon_opts["host_budget"] = int(nbytes * 1.1)  # room to demote the bench model
+    path = files.work / "bench.toml"
+    path.write_text(config_text(sock, budget, [{"name": MODEL, "path": str(files.model), "device": cfg.device},
+                                               {"name": BIG, "path": str(files.big), "device": cfg.device}],
+                                daemon=daemon_opts))
+    return path
+
+
+def _measure_loader(cfg: BenchConfig, ckpt: Path, sock: str) -> LoaderFigures:
+    """The daemon's loader, warm then cold (the first warm load is not counted)."""
+    warm_page_cache(ckpt)
+    asyncio.run(daemon_load(sock, MODEL))
+    warm = [asyncio.run(daemon_load(sock, MODEL)) for _ in range(cfg.reps)]
+    cold = _cold_runs(cfg, ckpt, lambda: asyncio.run(daemon_load(sock, MODEL)))
+    return LoaderFigures(warm_s=statistics.median(warm), cold_s=statistics.median(cold) if cold else None)
+
+
+def _measure_attach(cfg: BenchConfig, sock: str) -> AttachFigures:
+    lat = asyncio.run(attach_latencies(sock, MODEL, cfg.attaches))
+    # Ready to compute: both ways, then every byte read once. In a fresh mapping each
+    # time, so first-touch costs (page faults) are counted for both.
+    touch = statistics.median(asyncio.run(attach_and_touch(sock, MODEL)) for _ in range(cfg.reps))
+    return AttachFigures(n=len(lat), p50_ms=pct(lat, 50) * 1e3, p99_ms=pct(lat, 99) * 1e3, touch_s=touch)
+
+
+def _measure_host_tier(cfg: BenchConfig, sock: str) -> HostTierFigures:
+    trips = [asyncio.run(host_tier_round_trip(sock, MODEL)) for _ in range(cfg.reps)]
+    return HostTierFigures(demote_s=statistics.median(t[0] for t in trips), promote_s=statistics.median(t[1] for t in trips))
+
+
+def _measure_restarts(cfg: BenchConfig, ckpt: Path, sock: str) -> RestartFigures:
+    """A fresh engine process to ready, the three ways interleaved, page cache warm."""
+    runs: dict[str, list[Restart]] = {"floor": [], "disk": [], "cache": []}
+    warm_page_cache(ckpt)
+    for _ in range(cfg.restarts):
+        for mode in ("floor", "disk", "cache"):
+            runs[mode].append(time_restart(mode, path=str(ckpt), model=MODEL, socket=sock, device=cfg.device))
+
+    def medians(mode: str) -> RestartTimes:
+        return RestartTimes(ready_s=statistics.median(x.ready_s for x in runs[mode]),
+                            weights_s=statistics.median(x.weights_s for x in runs[mode]))
+
+    extra = [x.extra_device_bytes for x in runs["cache"] if x.extra_device_bytes is not None]
+    return RestartFigures(floor=medians("floor"), disk=medians("disk"), cache=medians("cache"),
+                          checksums_equal=len({x.checksum for x in runs["disk"] + runs["cache"]}) == 1,
+                          attached_client_extra_device_bytes=max(extra) if extra else None)
+
+
+def _measure_control_plane(big: Path, sock: str) -> ControlPlaneFigures:
+    drop_page_cache(big)
+    return ControlPlaneFigures(status_during_load=asyncio.run(status_under_load(sock, BIG)), big_bytes=big.stat().st_size)
+
+
+def _write_outputs(console: Console, result: BenchResult, out: Path) -> None:
+    out.write_text(result.to_json())
+    console.print(f"wrote {out}")
+    png = out.with_suffix(".png")
+    if write_chart(result.as_dict(), png):
+        console.print(f"wrote {png}")
+    else:
+        console.print("matplotlib is not installed: no chart (pip install matplotlib; weightcache bench --chart FILE.json)")

@@ -1,0 +1,197 @@
+"""The timings ``weightcache bench`` is made of, each one measurement of one contender.
+
+Cold runs drop the file's pages with ``posix_fadvise(DONTNEED)`` (no root needed).
+Functions that talk to the daemon are coroutines, each with its own connection(s);
+torch and safetensors are imported inside the functions that use them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .bench_result import StatusLatency
+
+
+def drop_page_cache(path: str | os.PathLike[str]) -> None:
+    os.sync()  # DONTNEED skips dirty pages
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def warm_page_cache(path: str | os.PathLike[str]) -> None:
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+def touch_all(tensors: Any) -> None:
+    """Read every byte once (what a first forward pass does), device-side if on a GPU."""
+    import torch
+
+    for t in tensors.values():
+        if t.numel():
+            t.reshape(-1).view(torch.uint8).max()
+    if any(t.is_cuda for t in tensors.values()):
+        torch.cuda.synchronize()
+
+
+def time_load_file_and_touch(path: Path, device: str) -> float:
+    from safetensors.torch import load_file
+
+    t = time.perf_counter()
+    touch_all(load_file(str(path), device=device))
+    return time.perf_counter() - t
+
+
+async def attach_and_touch(sock: str, name: str) -> float:
+    from ..client import Client
+
+    async with Client(sock) as c:
+        t = time.perf_counter()
+        async with c.attach(name) as m:
+            touch_all(m)
+            return time.perf_counter() - t
+
+
+def time_load_file(path: Path, device: str) -> float:
+    import torch
+    from safetensors.torch import load_file
+
+    t = time.perf_counter()
+    tensors = load_file(str(path), device=device)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    del tensors
+    return dt
+
+
+async def evict_fully(c: Any, name: str) -> None:
+    """Evict until the model is gone from every tier (with a host tier, one evict only
+    demotes it, and the next load would be a promotion, not a read)."""
+    for _ in range(3):
+        if (await c.evict(name))["state"] not in ("resident", "host"):
+            return
+
+
+async def daemon_load(sock: str, name: str) -> float:
+    from ..client import Client
+
+    async with Client(sock) as c:
+        await evict_fully(c, name)
+        t = time.perf_counter()
+        await c.load(name)
+        return time.perf_counter() - t
+
+
+async def host_tier_round_trip(sock: str, name: str) -> tuple[float, float]:
+    """(demote time, promote time): evict once (device -> pinned host), load (-> device)."""
+    from ..client import Client
+
+    async with Client(sock) as c:
+        await c.load(name)
+        t = time.perf_counter()
+        assert (await c.evict(name))["state"] == "host", "the host tier did not take the model"
+        demote = time.perf_counter() - t
+        t = time.perf_counter()
+        await c.load(name)
+        return demote, time.perf_counter() - t
+
+
+def disk_ceiling(path: Path, threads: int = 8, chunk: int = 16 << 20) -> float:
+    """Cold read rate of the file with parallel O_DIRECT preads and nothing else (no
+    copies): what any loader can at best reach from this disk. Bytes per second."""
+    import mmap
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..loader.reader import pread_direct
+
+    drop_page_cache(path)
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    local = threading.local()
+
+    def read(off: int) -> None:
+        if not hasattr(local, "buf"):
+            local.buf = memoryview(mmap.mmap(-1, chunk + 8192))  # anonymous maps are page-aligned
+        pread_direct(fd, local.buf, off, min(chunk, size - off))
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read, range(0, size, chunk)))
+    dt = time.perf_counter() - t
+    os.close(fd)
+    return size / dt
+
+
+def time_fastsafetensors(path: Path, device: str) -> float:
+    import torch
+    from fastsafetensors import fastsafe_open
+
+    t = time.perf_counter()
+    with fastsafe_open(str(path), device=device, nogds=True) as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118  (not a dict)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    del tensors
+    return dt
+
+
+async def attach_latencies(sock: str, name: str, n: int) -> list[float]:
+    from ..client import Client
+
+    out = []
+    async with Client(sock) as c:
+        for _ in range(n):
+            t = time.perf_counter()
+            async with c.attach(name) as m:
+                out.append(time.perf_counter() - t)
+                assert len(m)
+            del m  # unmap now (a sync on CUDA), not inside the next attach's timing
+    return out
+
+
+async def status_under_load(sock: str, name: str) -> StatusLatency:
+    # This process holds torch's large heap: a gen-2 collection here took tens of ms and
+    # showed up as *daemon* latency. Freeze the heap so the figure is the daemon's.
+    gc.collect()
+    gc.freeze()
+    try:
+        return await _status_probe(sock, name)
+    finally:
+        gc.unfreeze()
+
+
+async def _status_probe(sock: str, name: str) -> StatusLatency:
+    from ..client import Client
+
+    async with Client(sock) as c, Client(sock) as s:
+        await evict_fully(c, name)
+        load = asyncio.ensure_future(c.load(name))
+        lat: list[float] = []
+        seen_loading = 0
+        while not load.done():
+            t = time.perf_counter()
+            st = await s.status()
+            lat.append(time.perf_counter() - t)
+            seen_loading += name in st["loading"]
+            await asyncio.sleep(0.001)
+        t0 = time.perf_counter()
+        await load
+        return StatusLatency(n=len(lat), n_during_load=seen_loading, p50_ms=pct(lat, 50) * 1e3, p99_ms=pct(lat, 99) * 1e3,
+                             max_ms=max(lat) * 1e3, load_tail_s=time.perf_counter() - t0)

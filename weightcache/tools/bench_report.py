@@ -1,0 +1,96 @@
+"""How ``weightcache bench`` shows its results: a table on the console, and a PNG chart
+drawn from the JSON object (so that ``weightcache bench --chart FILE.json`` can draw an
+earlier run's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .bench_result import BenchResult
+
+GIB = 2**30
+
+
+def write_chart(r: dict[str, Any], png: Path) -> bool:
+    """A bar chart of GB/s per way of getting the weights onto the device, from the JSON
+    object (:meth:`BenchResult.as_dict`). False when matplotlib is missing (it is
+    optional: the numbers are in the JSON either way)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    n = r["checkpoint_bytes"]
+    timed = [("load_file warm", r.get("load_file_warm_s")), ("load_file cold", r.get("load_file_cold_s")),
+            ("fastsafetensors warm", r.get("fastsafetensors_warm_s")), ("fastsafetensors cold", r.get("fastsafetensors_cold_s")),
+            ("weightcache loader warm", r.get("loader_warm_s")), ("weightcache loader cold", r.get("loader_cold_s")),
+            ("host-tier promotion", r.get("host_promote_s"))]
+    rows: list[tuple[str, float]] = [(label, n / s / 1e9) for label, s in timed if s]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
+    ax.barh([x[0] for x in rows][::-1], [x[1] for x in rows][::-1],
+            color=["#4c72b0" if "weightcache" in x[0] or "host" in x[0] else "#999999" for x in rows][::-1])
+    for i, (_, v) in enumerate(rows[::-1]):
+        ax.text(v, i, f" {v:.1f}", va="center")
+    ax.set_xlabel("GB/s into device memory (higher is better)")
+    ax.set_title(f"{r.get('gpu', 'CPU')}: {n / GIB:.1f} GiB, {r['tensors']} tensors; attach p50 {r['attach_p50_ms']:.2f} ms")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def print_table(console: Console, r: BenchResult) -> None:
+    nbytes = r.env.checkpoint_bytes
+
+    def gbps(s: float | None) -> str:
+        return "-" if not s else f"{nbytes / s / 1e9:.2f}"
+
+    def ms(s: float) -> str:
+        return f"{s * 1e3:.1f} ms"
+
+    t = Table(title=f"weightcache bench on {r.env.device} ({r.env.gpu or 'CPU'}), {nbytes / GIB:.2f} GiB, {r.env.tensors} tensors")
+    t.add_column("what")
+    t.add_column("time", justify="right")
+    t.add_column("GB/s", justify="right")
+    t.add_column("vs load_file (same run)", justify="right")
+    lw, lc = r.load_file.warm_s, r.load_file.cold_s
+    t.add_row("safetensors load_file, page cache warm", ms(lw), gbps(lw), "1x")
+    if lc:
+        t.add_row("safetensors load_file, cold", ms(lc), gbps(lc), "1x")
+    loader = r.loader
+    t.add_row("weightcache loader, warm", ms(loader.warm_s), gbps(loader.warm_s), f"{lw / loader.warm_s:.2f}x")
+    if loader.cold_s:
+        t.add_row("weightcache loader, cold", ms(loader.cold_s), gbps(loader.cold_s), f"{lc / loader.cold_s:.2f}x" if lc else "-")
+    if ceiling := r.disk_ceiling.gbps:
+        share = f", loader cold = {nbytes / loader.cold_s / 1e9 / ceiling:.0%} of it" if loader.cold_s else ""
+        t.add_row("disk ceiling: parallel O_DIRECT reads alone", "", f"{ceiling:.2f}", share.lstrip(", "))
+    if fw := r.fastsafetensors.warm_s:
+        fc = r.fastsafetensors.cold_s
+        t.add_row("fastsafetensors, warm", ms(fw), gbps(fw), f"{lw / fw:.2f}x")
+        if fc:
+            t.add_row("fastsafetensors, cold", ms(fc), gbps(fc), f"{lc / fc:.2f}x" if lc else "-")
+    if (host := r.host_tier) and host.promote_s:
+        t.add_row("host tier: demote (device -> pinned host)", ms(host.demote_s), gbps(host.demote_s), "")
+        t.add_row("host tier: promote (pinned host -> device)", ms(host.promote_s), gbps(host.promote_s), f"{lw / host.promote_s:.2f}x")
+    a = r.attach
+    t.add_row(f"attach p50 (n={a.n})", f"{a.p50_ms:.2f} ms", "", f"{lw * 1e3 / a.p50_ms:.0f}x faster than warm")
+    t.add_row("attach p99", f"{a.p99_ms:.2f} ms", "", "")
+    lt = r.load_file.touch_warm_s
+    t.add_row("load_file + read every byte once, warm", ms(lt), "", "1x")
+    t.add_row("attach + read every byte once", ms(a.touch_s), "", f"{lt / a.touch_s:.2f}x")
+    rs = r.restart
+    t.add_row("engine restart: floor (spawn+import torch)", f"{rs.floor.ready_s:.3f} s", "", "")
+    t.add_row("engine restart: with load_file", f"{rs.disk.ready_s:.3f} s", "", "")
+    t.add_row("engine restart: with attach", f"{rs.cache.ready_s:.3f} s", "", f"floor + {rs.cache_minus_floor_ms:.0f} ms")
+    s = r.control_plane.status_during_load
+    t.add_row(f"status during a {r.control_plane.big_bytes / GIB:.1f} GiB cold load (n={s.n})",
+              f"p50 {s.p50_ms:.2f} / p99 {s.p99_ms:.2f} / max {s.max_ms:.2f} ms", "", "")
+    console.print(t)
+    console.print(f"disk and cache restarts saw identical weights: {rs.checksums_equal}; "
+                  f"extra device memory of an attached client: {rs.attached_client_extra_device_bytes}")
