@@ -19,6 +19,7 @@ from typing import Any
 from cuda.bindings import driver as cu
 
 from .errors import WeightcacheError
+from .units import capacity
 
 FD_HANDLE = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
@@ -128,7 +129,7 @@ def chunk_sizes(total: int, granularity: int) -> list[int]:
     """The chunks an arena of ``total`` bytes (a multiple of ``granularity``) is made of:
     ~1 GiB each, granularity-rounded, the last one the rest. The daemon's arenas and an
     engine's published memory are laid out alike."""
-    chunk = max(granularity, -(-CHUNK_BYTES // granularity) * granularity)
+    chunk = capacity(CHUNK_BYTES, granularity)
     return [min(chunk, total - off) for off in range(0, total, chunk)]
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import BadRequest, NoSpace
 from ..loader.reader import pread_full
 from ..protocol.messages import MEMFD_SEALS
+from ..units import capacity
 from .base import Arena, Backend, PublishedSource
 
 PAGE = mmap.PAGESIZE
@@ -64,7 +65,7 @@ class CpuBackend(Backend):
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
     def capacity(self, nbytes: int) -> int:
-        return max(PAGE, -(-nbytes // PAGE) * PAGE)
+        return capacity(nbytes, PAGE)
 
     def allocate(self, nbytes: int, label: str) -> MemfdArena:
         size = self.capacity(nbytes)

@@ -24,6 +24,7 @@ from cuda.bindings import driver as cu
 from .. import cuda_driver as drv
 from ..errors import BadRequest, NoSpace
 from ..loader.reader import DIRECT_ALIGN, pread_direct, pread_full
+from ..units import capacity
 from .base import Arena, Backend, HostCopy, HostPool, PublishedSource
 from .firstfit import FirstFit
 
@@ -184,7 +185,7 @@ class CudaBackend(Backend):
 
     def capacity(self, nbytes: int) -> int:
         g = self.granularity
-        return max(g, -(-nbytes // g) * g)
+        return capacity(nbytes, g)
 
 
     def allocate(self, nbytes: int, label: str) -> VmmArena:

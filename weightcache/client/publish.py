@@ -16,6 +16,7 @@ import torch
 
 from ..loader.checkpoint import ARENA_ALIGN
 from ..protocol.messages import MEMFD_SEALS
+from ..units import capacity, round_up
 from .mapping import TORCH_DTYPES
 
 SAFETENSORS_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
@@ -38,7 +39,7 @@ def layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[list[Any]], int]:
     for name, t in tensors.items():
         if t.dtype not in SAFETENSORS_NAMES:
             raise TypeError(f"tensor {name!r}: dtype {t.dtype} cannot be published")
-        cursor = -(-cursor // ARENA_ALIGN) * ARENA_ALIGN
+        cursor = round_up(cursor, ARENA_ALIGN)
         nbytes = t.numel() * t.element_size()
         table.append([name, SAFETENSORS_NAMES[t.dtype], list(t.shape), cursor, nbytes])
         cursor += nbytes
@@ -70,7 +71,7 @@ def pack(tensors: Mapping[str, torch.Tensor]) -> Packed:
 
 
 def _pack_memfd(tensors: Mapping[str, torch.Tensor], table: list[list[Any]], size: int) -> Packed:
-    size = max(mmap.PAGESIZE, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+    size = capacity(size, mmap.PAGESIZE)
     fd = os.memfd_create("weightcache-publish", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
@@ -94,7 +95,7 @@ def _pack_vmm(tensors: Mapping[str, torch.Tensor], table: list[list[Any]], size:
     torch.cuda.init()
     ctx = drv.primary_context(ordinal)
     gran = drv.granularity(ordinal)
-    total = max(gran, -(-size // gran) * gran)
+    total = capacity(size, gran)
     sizes = drv.chunk_sizes(total, gran)  # ~1 GiB chunks like the daemon's arenas (backends/cuda.py says why)
     prop = drv.allocation_prop(ordinal)
     fds: list[int] = []

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import BadRequest, CorruptCheckpoint, LoadFailed
+from ..units import round_up
 from .sources import INDEX_SUFFIX, MAX_INDEX_BYTES, OpenedSource, SourceFile, index_names, open_source, read_capped
 
 # safetensors dtype name -> bytes per element
@@ -95,28 +96,18 @@ class Checkpoint:
         """Cheap staleness check by path: every file is still the same file (dev, inode) with
         the size and mtime we parsed. Only meaningful for files the daemon opened by path;
         for adopted fds use :meth:`matches`."""
-        for f in self.files:
-            try:
-                st = os.stat(f.path)
-            except OSError:
-                return False
-            if not f.same_file(st):
-                return False
-        return True
+        return self._unchanged(lambda i: os.stat(self.files[i].path))
 
     def matches(self, opened: OpenedSource) -> bool:
         """The open files are still those we parsed, unmodified: fstat of each fd matches the
         recorded dev, inode, size and mtime."""
-        if len(opened.files) != len(self.files):
+        return len(opened.files) == len(self.files) and self._unchanged(lambda i: os.fstat(opened.files[i].fd))
+
+    def _unchanged(self, stat_of: Callable[[int], os.stat_result]) -> bool:
+        try:
+            return all(rec.same_file(stat_of(i)) for i, rec in enumerate(self.files))
+        except OSError:
             return False
-        for rec, f in zip(self.files, opened.files, strict=True):
-            try:
-                st = os.fstat(f.fd)
-            except OSError:
-                return False
-            if not rec.same_file(st):
-                return False
-        return True
 
     def wire_tensors(self) -> list[list[Any]]:
         """The tensor table sent with an attach: [name, dtype, shape, arena_offset, nbytes]."""
@@ -373,7 +364,7 @@ def parse_checkpoint(opened: OpenedSource) -> Checkpoint:
                 raise _corrupt(f.path, f"tensor {_show(name)} also appears in {seen[name]}")
             seen[name] = f.path
             start, end = e["data_offsets"]
-            cursor = -(-cursor // ARENA_ALIGN) * ARENA_ALIGN
+            cursor = round_up(cursor, ARENA_ALIGN)
             tensors.append(TensorInfo(
                 name=name, dtype=e["dtype"], shape=tuple(e["shape"]), file=i,
                 file_offset=rec.data_start + start, nbytes=end - start, arena_offset=cursor,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import CorruptCheckpoint, LoadFailed
+from ..units import round_up
 from .checkpoint import Checkpoint
 from .sources import OpenedSource
 
@@ -72,7 +73,7 @@ def pread_direct(fd: int, buf: memoryview, offset: int, nbytes: int) -> int:
     alignment O_DIRECT needs. Returns where the wanted bytes start in ``buf``."""
     start = offset // DIRECT_ALIGN * DIRECT_ALIGN
     skew = offset - start
-    want = -(-(skew + nbytes) // DIRECT_ALIGN) * DIRECT_ALIGN
+    want = round_up(skew + nbytes, DIRECT_ALIGN)
     got = 0
     while got < skew + nbytes:
         n = os.preadv(fd, [buf[got:want]], start + got)
