@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from weightcache.errors import BadRequest, CorruptCheckpoint, LoadFailed
 from weightcache.loader import ARENA_ALIGN, TensorInfo, open_checkpoint
-from weightcache.loader.checkpoint import DTYPE_SIZES, _checked_table, _fast_table, published_checkpoint
+from weightcache.loader.checkpoint import DTYPE_SIZES
+from weightcache.loader.published import _checked_table, _fast_table, published_checkpoint
 from weightcache.loader.reader import copy_ranges
 
 

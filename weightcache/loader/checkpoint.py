@@ -12,24 +12,19 @@ was validated is what gets loaded (sources.py says why).
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import hashlib
 import itertools
 import json
-import math
-import operator
 import os
 import re
 import stat
 import struct
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..errors import BadRequest, CorruptCheckpoint, LoadFailed
+from ..errors import CorruptCheckpoint, LoadFailed
 from ..units import round_up
 from .sources import INDEX_SUFFIX, MAX_INDEX_BYTES, OpenedSource, SourceFile, index_names, open_source, read_capped
 
@@ -118,13 +113,13 @@ def _corrupt(path: str, reason: str) -> CorruptCheckpoint:
     return CorruptCheckpoint(f"{path}: {reason}", file=path, reason=reason)
 
 
-def _show(v: Any, limit: int = 80) -> str:
+def show(v: Any, limit: int = 80) -> str:
     """repr for a message, cut short: values come from files and requests of any size."""
     r = repr(v)
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
-def _nbytes(shape: list[int], itemsize: int) -> int | None:
+def nbytes_of(shape: list[int], itemsize: int) -> int | None:
     """prod(shape) * itemsize, or None past LIMIT. Stops early: a long shape of huge dims
     would otherwise make one enormous product."""
     if 0 in shape:
@@ -152,7 +147,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             if k in seen:
                 # The top level maps tensor names to entries (objects); inside an entry it is a field.
                 what = "tensor" if isinstance(v, dict) else "key"
-                raise _HeaderError(f"{what} {_show(k)} appears twice in the header")
+                raise _HeaderError(f"{what} {show(k)} appears twice in the header")
             seen.add(k)
     return d
 
@@ -272,31 +267,31 @@ def read_header(file: SourceFile) -> tuple[CheckpointFile, dict[str, Any]]:
     spans = []
     for name, e in header.items():
         if len(name) > MAX_NAME_CHARS:
-            raise _corrupt(path, f"tensor {_show(name)}: name longer than {MAX_NAME_CHARS} characters")
+            raise _corrupt(path, f"tensor {show(name)}: name longer than {MAX_NAME_CHARS} characters")
         if not isinstance(e, dict) or e.keys() != {"dtype", "shape", "data_offsets"}:
-            raise _corrupt(path, f"tensor {_show(name)}: entry must have exactly dtype, shape, data_offsets")
+            raise _corrupt(path, f"tensor {show(name)}: entry must have exactly dtype, shape, data_offsets")
         dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
         if type(dtype) is not str or dtype not in DTYPE_SIZES:
-            raise _corrupt(path, f"tensor {_show(name)}: unsupported dtype {_show(dtype)}")
+            raise _corrupt(path, f"tensor {show(name)}: unsupported dtype {show(dtype)}")
         if type(shape) is not list or not all(type(d) is int and 0 <= d <= LIMIT for d in shape):
-            raise _corrupt(path, f"tensor {_show(name)}: shape must be a list of non-negative integers of at most 2**62")
+            raise _corrupt(path, f"tensor {show(name)}: shape must be a list of non-negative integers of at most 2**62")
         if not (type(offs) is list and len(offs) == 2 and all(type(o) is int and 0 <= o <= LIMIT for o in offs)):
-            raise _corrupt(path, f"tensor {_show(name)}: data_offsets must be two integers in [0, 2**62]")
+            raise _corrupt(path, f"tensor {show(name)}: data_offsets must be two integers in [0, 2**62]")
         start, end = offs
         if start > end:
-            raise _corrupt(path, f"tensor {_show(name)}: data_offsets {offs} are not ordered")
-        expected = _nbytes(shape, DTYPE_SIZES[dtype])
+            raise _corrupt(path, f"tensor {show(name)}: data_offsets {offs} are not ordered")
+        expected = nbytes_of(shape, DTYPE_SIZES[dtype])
         if expected is None:
-            raise _corrupt(path, f"tensor {_show(name)}: shape {_show(shape)} of {dtype} is more than 2**62 bytes")
+            raise _corrupt(path, f"tensor {show(name)}: shape {show(shape)} of {dtype} is more than 2**62 bytes")
         if end - start != expected:
-            raise _corrupt(path, f"tensor {_show(name)}: {end - start} bytes for shape {_show(shape)} of {dtype} (needs {expected})")
+            raise _corrupt(path, f"tensor {show(name)}: {end - start} bytes for shape {show(shape)} of {dtype} (needs {expected})")
         if end > data_len:
-            raise _corrupt(path, f"tensor {_show(name)}: bytes {start}..{end} run past the data ({data_len} bytes; truncated?)")
+            raise _corrupt(path, f"tensor {show(name)}: bytes {start}..{end} run past the data ({data_len} bytes; truncated?)")
         spans.append((start, end, name))
     spans.sort()
     for (_s0, e0, n0), (s1, _e1, n1) in itertools.pairwise(spans):
         if s1 < e0:
-            raise _corrupt(path, f"tensors {_show(n0)} and {_show(n1)} overlap")
+            raise _corrupt(path, f"tensors {show(n0)} and {show(n1)} overlap")
     rec = CheckpointFile(path=path, size=st.st_size, mtime_ns=st.st_mtime_ns, dev=st.st_dev, ino=st.st_ino, data_start=8 + n,
                          header=raw)
     return rec, header
@@ -361,7 +356,7 @@ def parse_checkpoint(opened: OpenedSource) -> Checkpoint:
         digest.update(rec.header)
         for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             if name in seen:
-                raise _corrupt(f.path, f"tensor {_show(name)} also appears in {seen[name]}")
+                raise _corrupt(f.path, f"tensor {show(name)} also appears in {seen[name]}")
             seen[name] = f.path
             start, end = e["data_offsets"]
             cursor = round_up(cursor, ARENA_ALIGN)
@@ -384,134 +379,3 @@ def open_checkpoint(source: str | os.PathLike[str]) -> Checkpoint:
 
 
 # -- published tables ---------------------------------------------------------------------------
-
-
-def published_checkpoint(name: str, table: Any, arena_nbytes: int, fingerprint: str) -> Checkpoint:
-    """Validate the tensor table an engine publishes ([name, dtype, shape, offset, nbytes]
-    rows describing its own memory) as strictly as a file header: string names of at most
-    1024 characters, each once; known dtypes (strings); dimensions, offsets and byte counts
-    integers in [0, 2**62]; bytes that match shapes; aligned offsets; everything inside the
-    arena (of > 0 bytes); no overlaps. Every failure is a BadRequest.
-
-    Speed: a 600,000-row table of 2-D tensors validates in 0.76 s sent in arena order and
-    0.87 s shuffled (reversed), median of 7, against 2.0 s and 2.2 s for the row-by-row loop
-    it replaced (CPython 3.11 on the project's idle 2-core VM, where a bare 10M-iteration
-    ``for`` loop takes 0.8 s). Tables are checked column by column with C-level builtins;
-    only a table that fails that check (or has a shape of more than 16 dimensions) goes
-    through the row-by-row check, which finds the first problem and names it."""
-
-    def bad(reason: str) -> BadRequest:
-        return BadRequest(f"publish {_show(name)}: {reason}", model=name, reason=reason)
-
-    if type(arena_nbytes) is not int or not 0 < arena_nbytes <= LIMIT:
-        raise bad(f"arena nbytes {_show(arena_nbytes)} must be a positive integer of at most 2**62")
-    if type(table) is not list or not table:
-        raise bad("'tensors' must be a non-empty list of [name, dtype, shape, offset, nbytes]")
-    with _gc_paused() if len(table) > 10_000 else contextlib.nullcontext():
-        tensors = _fast_table(table, arena_nbytes)
-        if tensors is None:
-            tensors = _checked_table(table, arena_nbytes, bad)
-    end = tensors[-1].arena_offset + tensors[-1].nbytes  # sorted and disjoint: the last one ends last
-    return Checkpoint(source=f"published:{name}", files=(), tensors=tensors, arena_bytes=max(end, 1), fingerprint=fingerprint)
-
-
-_gc_lock = threading.Lock()
-_gc_pausers = 0
-_gc_was_enabled = False
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Collector off while a big table becomes objects. Building 600k TensorInfos set off
-    enough collections, each walking every live object, to take 0.6-0.9 s instead of
-    0.27 s here (nothing built here forms a cycle). Counted, so that overlapping calls
-    from several threads re-enable it once, and only if it was on."""
-    global _gc_pausers, _gc_was_enabled
-    with _gc_lock:
-        if _gc_pausers == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_pausers += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_pausers -= 1
-            if _gc_pausers == 0 and _gc_was_enabled:
-                gc.enable()
-
-
-_FAST_MAX_DIMS = 16  # longer shapes take the row-by-row path, whose product stops early
-
-
-def _fast_table(table: list[Any], arena_nbytes: int) -> tuple[TensorInfo, ...] | None:
-    """The tensors of a valid table, sorted by offset, or None if anything is off (or
-    unusual): then _checked_table decides and explains. Every test here is one a row of
-    _checked_table also makes, so this never accepts what that would refuse."""
-    if set(map(type, table)) != {list} or set(map(len, table)) != {5}:
-        return None
-    names, dtypes, shapes, offsets, nbytes = (list(map(operator.itemgetter(i), table)) for i in range(5))
-    if set(map(type, names)) != {str} or max(map(len, names)) > MAX_NAME_CHARS or len(set(names)) != len(names):
-        return None
-    if set(map(type, dtypes)) != {str} or not set(dtypes) <= DTYPE_SIZES.keys():
-        return None
-    if set(map(type, shapes)) != {list} or max(map(len, shapes)) > _FAST_MAX_DIMS:
-        return None
-    dims = list(itertools.chain.from_iterable(shapes))
-    if dims and (set(map(type, dims)) != {int} or min(dims) < 0 or max(dims) > LIMIT):
-        return None
-    # Both >= 0 here and offset + nbytes <= arena_nbytes <= 2**62 below bound them above.
-    if set(map(type, offsets)) != {int} or set(map(type, nbytes)) != {int} or min(offsets) < 0 or min(nbytes) < 0:
-        return None
-    expected = map(operator.mul, map(math.prod, shapes), map(DTYPE_SIZES.__getitem__, dtypes))
-    if not all(map(operator.eq, expected, nbytes)):
-        return None
-    if any(map(operator.mod, offsets, itertools.repeat(ARENA_ALIGN))) or max(map(operator.add, offsets, nbytes)) > arena_nbytes:
-        return None
-    if all(map(operator.le, offsets, itertools.islice(offsets, 1, None))):
-        starts, sizes = offsets, nbytes  # already in arena order: what engines send
-    else:
-        # Stable by offset alone: where that puts an empty tensor after a non-empty one at the
-        # same offset, the overlap test below fails and the row-by-row check (which sorts
-        # by offset, then size) decides. When this path accepts, both orders are the same.
-        order = sorted(range(len(table)), key=offsets.__getitem__)
-        names, dtypes, shapes, starts, sizes = (list(map(col.__getitem__, order)) for col in (names, dtypes, shapes, offsets, nbytes))
-    if not all(map(operator.ge, itertools.islice(starts, 1, None), map(operator.add, starts, sizes))):
-        return None  # some tensor starts before the previous one ends
-    # tuple.__new__ on zipped columns: no Python frame per tensor (0.14 s for 600k rows vs 0.23 through TensorInfo())
-    rows = zip(names, dtypes, map(tuple, shapes), itertools.repeat(-1), itertools.repeat(-1), sizes, starts)
-    return tuple(map(tuple.__new__, itertools.repeat(TensorInfo), rows))  # type: ignore[arg-type]
-
-
-def _checked_table(table: list[Any], arena_nbytes: int, bad: Callable[[str], BadRequest]) -> tuple[TensorInfo, ...]:
-    """Row by row: raises ``bad(reason)`` for the first problem."""
-    tensors: list[TensorInfo] = []
-    seen: set[str] = set()
-    for row in table:
-        if type(row) is not list or len(row) != 5:
-            raise bad(f"tensor row {_show(row)} is not [name, dtype, shape, offset, nbytes]")
-        tname, dtype, shape, offset, nbytes = row
-        if type(tname) is not str or len(tname) > MAX_NAME_CHARS:
-            raise bad(f"tensor name {_show(tname)} is not a string of at most {MAX_NAME_CHARS} characters")
-        if tname in seen:
-            raise bad(f"tensor name {_show(tname)} appears twice")
-        seen.add(tname)
-        itemsize = DTYPE_SIZES.get(dtype) if type(dtype) is str else None
-        if itemsize is None:
-            raise bad(f"tensor {_show(tname)}: unsupported dtype {_show(dtype)}")
-        if type(shape) is not list or not all(type(d) is int and 0 <= d <= LIMIT for d in shape):
-            raise bad(f"tensor {_show(tname)}: shape must be a list of non-negative integers of at most 2**62")
-        if type(offset) is not int or type(nbytes) is not int or not (0 <= offset <= LIMIT and 0 <= nbytes <= LIMIT):
-            raise bad(f"tensor {_show(tname)}: offset and nbytes must be integers in [0, 2**62]")
-        if nbytes != _nbytes(shape, itemsize):
-            raise bad(f"tensor {_show(tname)}: {nbytes} bytes for shape {_show(shape)} of {dtype}")
-        if offset % ARENA_ALIGN or offset + nbytes > arena_nbytes:
-            raise bad(f"tensor {_show(tname)}: bytes {offset}..{offset + nbytes} are not {ARENA_ALIGN}-aligned inside the "
-                      f"{arena_nbytes}-byte arena")
-        tensors.append(TensorInfo(tname, dtype, tuple(shape), -1, -1, nbytes, offset))
-    # Empty tensors first among equal offsets: one at the start of another occupies none of its bytes.
-    tensors.sort(key=operator.attrgetter("arena_offset", "nbytes"))
-    for a, b in itertools.pairwise(tensors):
-        if b.arena_offset < a.arena_offset + a.nbytes:
-            raise bad(f"tensors {_show(a.name)} and {_show(b.name)} overlap")
-    return tuple(tensors)

@@ -18,7 +18,7 @@ from ..cache import State
 from ..config import ModelConfig, check_model_name, under_roots
 from ..errors import Attached, BadRequest, LimitExceeded, PermissionDenied, Pinned
 from ..loader import OpenedSource, adopt_fds
-from ..loader.checkpoint import published_checkpoint
+from ..loader.published import published_checkpoint
 from ..protocol.messages import tenant_fingerprint
 from .access import Peer
 from .fills import CopyPublished

@@ -1,0 +1,76 @@
+"""The package's shape: arrows point one way (no import cycle, not even one only for
+type checking), and the CLI and the client's control calls do not pay for torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import weightcache
+from weightcache.protocol.messages import OPS
+
+PACKAGE = Path(weightcache.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every weightcache module ``path`` imports, at any level, TYPE_CHECKING blocks and
+    function bodies included."""
+    mod = _module_name(path)
+    pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("weightcache")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = pkg.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base.startswith("weightcache"):
+                out.add(base)
+                out |= {f"{base}.{a.name}" for a in node.names}
+    return out
+
+
+def test_no_import_cycles():
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {m: {i for i in _imports(p) if i in modules and i != m} for m, p in modules.items()}
+    # A package imports its own modules to re-export them: that is not an arrow back.
+    graph = {m: {i for i in deps if not (modules[m].name == "__init__.py" and i.startswith(m + "."))}
+             for m, deps in graph.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_the_cli_does_not_import_torch():
+    code = "import sys, weightcache.cli, weightcache.client; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_every_op_has_a_handler():
+    from weightcache.server.handlers import HANDLERS
+
+    assert set(HANDLERS) | {"hello"} == OPS
