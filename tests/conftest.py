@@ -2,6 +2,9 @@
 
 A test fails if the daemon logged a traceback it did not expect (the loop swallowed an
 exception), or if the daemon did not exit cleanly on SIGTERM.
+
+A test that takes ``backend`` runs once per memory backend: ``cpu`` (sealed memfd) and
+``cuda`` (VMM, marked ``gpu``), which skips without cuda-bindings or a CUDA device.
 """
 
 from __future__ import annotations
@@ -12,13 +15,14 @@ import signal
 import socket
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import uvloop
+from helpers import gpu_daemon, skip_without_cuda
 
 from weightcache.protocol import encode_frame
 from weightcache.protocol.framing import HEADER, decode_payload
@@ -41,6 +45,33 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out["sharded"] = write_checkpoint(d / "sharded", 8 * MIB, 30, shards=3, seed=7)
     out["tiny"] = write_checkpoint(d / "tiny.safetensors", 64 * 1024, 5, seed=11)
     return out
+
+
+@pytest.fixture(scope="session")
+def gpu_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Checkpoints for the GPU tests, made once per session: x, y, z of 256 MiB."""
+    d = tmp_path_factory.mktemp("gpu")
+    return {n: write_checkpoint(d / f"{n}.safetensors", 256 * MIB, 60, seed=i) for i, n in enumerate("xyz")}
+
+
+@dataclass
+class Backend:
+    """A memory backend a test runs over: its name, the checkpoints sized for it, and
+    ``start(budget, models)``, a daemon with that budget on its device and every model there."""
+
+    name: str
+    ckpts: dict[str, Path]
+    start: Callable[[str, dict[str, Path]], DaemonProc]
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def backend(request: pytest.FixtureRequest, start_daemon: Any) -> Backend:
+    """Runs a test on the CPU backend (``ckpts``) and on cuda:0 (``gpu_ckpts``, made only
+    once CUDA is known to be there)."""
+    if request.param == "cpu":
+        return Backend("cpu", request.getfixturevalue("ckpts"), lambda budget, models: start_daemon(budget=budget, models=models))
+    skip_without_cuda()
+    return Backend("cuda", request.getfixturevalue("gpu_ckpts"), lambda budget, models: gpu_daemon(start_daemon, budget, models))
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""examples/transformers_engine.py end to end (issue 6): a transformers model restarted
-with and without the cache gives bit-identical forward outputs."""
+"""examples/transformers_engine.py end to end: a transformers model restarted with and
+without the cache gives bit-identical forward outputs."""
 
 import subprocess
 import sys

@@ -1,5 +1,5 @@
-"""Fault injection (issue 5): each fault gets its error and leaves the budget and the
-daemon's file descriptors exactly as before."""
+"""Fault injection: each fault gets its error and leaves the budget and the daemon's file
+descriptors exactly as before."""
 
 import asyncio
 import os

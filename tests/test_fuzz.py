@@ -1,5 +1,5 @@
-"""Protocol fuzzing (issue 5): random requests, garbage payloads and byte-mutated valid
-frames against one live daemon. Every reply must be well formed, the daemon must stay
+"""Protocol fuzzing: random requests, garbage payloads and byte-mutated valid frames
+against one live daemon. Every reply must be well formed, the daemon must stay
 up and keep its books straight, and it must log no traceback (conftest)."""
 
 import os

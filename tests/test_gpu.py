@@ -1,53 +1,32 @@
 """GPU backend tests: CUDA VMM arenas. Skipped unless CUDA and cuda-bindings are present.
 
 Run on an H200 with the device tool; CI has no GPU and skips them (the closing notes and
-docs/benchmarks.md say what ran where).
+docs/benchmarks.md say what ran where). Behaviour the two backends share is tested once,
+over both, by the tests that take the ``backend`` fixture (``pytest -m gpu tests`` selects
+their CUDA cases with these); this file holds what only a GPU has.
 """
 
 import asyncio
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import eventually, no_leases
+from conftest import MIB, eventually, no_leases
+from helpers import CHILD, gpu_daemon, skip_without_cuda
 from safetensors.torch import load_file
 
-cuda_bindings = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings not installed")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
+skip_without_cuda()
 
 from weightcache import Client  # noqa: E402
 from weightcache.errors import BadRequest, NoSpace  # noqa: E402
-from weightcache.tools.synth import write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-CHILD = str(Path(__file__).with_name("attach_child.py"))
-MIB = 2**20
-
-
-@pytest.fixture(scope="module")
-def gpu_ckpts(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gpu")
-    return {n: write_checkpoint(d / f"{n}.safetensors", 256 * MIB, 60, seed=i) for i, n in enumerate("xyz")}
-
-
-def gpu_daemon(start_daemon, budget, models, device="cuda:0", daemon=None, **opts):
-    """A daemon with ``budget`` on ``device`` and every model placed there."""
-    placed = {n: {"device": device, **opts.get(n, {})} for n in models}
-    return start_daemon(budget="1GiB", models=models, extra_daemon=daemon, budgets={device: budget}, **placed)
 
 
 def child(d, model, path, mode):
     return subprocess.run([sys.executable, CHILD, d.socket, model, str(path), mode], capture_output=True, text=True, timeout=300)
-
-
-def test_attach_from_another_process_equals_load_file(start_daemon, gpu_ckpts):
-    d = gpu_daemon(start_daemon, "2GiB", {"x": gpu_ckpts["x"]})
-    r = child(d, "x", gpu_ckpts["x"], "verify")
-    assert r.returncode == 0 and r.stdout.startswith("OK"), r.stderr[-2000:]
 
 
 async def test_attach_in_process_zero_copy_and_zero_extra_memory(start_daemon, gpu_ckpts):
@@ -68,7 +47,7 @@ async def test_attach_in_process_zero_copy_and_zero_extra_memory(start_daemon, g
 
 
 async def test_engine_exiting_inside_an_attach_block_exits_promptly(start_daemon, gpu_ckpts):
-    # As the CPU test in test_daemon.py, with CUDA mappings to undo at exit.
+    # As the CPU test in test_attach.py, with CUDA mappings to undo at exit.
     d = gpu_daemon(start_daemon, "2GiB", {"x": gpu_ckpts["x"]})
     r = await asyncio.to_thread(child, d, "x", gpu_ckpts["x"], "leave")
     assert r.returncode == 0 and r.stdout.startswith("ATTACHED"), r.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""Operations (issue 6): systemd readiness, SIGHUP reload, JSON logs, Prometheus metrics."""
+"""Running the daemon in production: systemd readiness, SIGHUP reload, JSON logs, Prometheus metrics."""
 
 import json
 import os

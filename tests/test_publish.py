@@ -1,4 +1,5 @@
-"""publish (issue 6): an engine hands the daemon weights it processed itself."""
+"""publish: an engine hands the daemon weights it processed itself (quantized, repacked),
+so that the next engine attaches the processed form instead of redoing the work."""
 
 import asyncio
 import os

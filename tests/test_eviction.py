@@ -1,0 +1,81 @@
+"""Eviction against a real daemon process, CPU (memfd) backend: LRU order under a budget
+for two of three models, NO_SPACE (at once when waiting cannot help, otherwise after a
+detach), pins, the evict and unregister ops, keep_alive."""
+
+import asyncio
+import time
+
+import pytest
+from conftest import eventually
+from helpers import first, states
+
+from weightcache import Client
+from weightcache.errors import Attached, NoSpace, Pinned, UnknownModel
+
+
+async def test_lru_eviction_order_three_models_budget_for_two(start_daemon, ckpts):
+    d = start_daemon(budget="18MiB", models={k: ckpts[k] for k in "abc"})
+    async with Client(d.socket) as c:
+        await c.load("a")
+        await c.load("b")
+        async with c.attach("a"):  # a becomes the most recently used
+            pass
+        await c.load("c")
+        assert await states(c) == {"a": "resident", "b": "evicted", "c": "resident"}
+        await c.load("b")  # now a is least recently used
+        assert await states(c) == {"a": "evicted", "b": "resident", "c": "resident"}
+        st = (await c.status())["devices"]["cpu"]
+        sizes = {m["name"]: m["nbytes"] for m in await c.models()}
+        assert st["used"] == sizes["b"] + sizes["c"] and st["used"] <= st["budget"]
+    assert "LRU, to make room for c" in d.log_text()
+
+
+async def test_no_space_waits_for_a_detach(start_daemon, ckpts):
+    d = start_daemon(budget="9MiB", models={"a": ckpts["a"], "b": ckpts["b"]})
+    async with Client(d.socket) as holder, Client(d.socket) as c:
+        async with holder.attach("a"):
+            waiting = asyncio.ensure_future(c.load("b", wait_s=30))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()
+        assert (await asyncio.wait_for(waiting, 30))["state"] == "resident"
+
+
+async def test_model_larger_than_budget_fails_at_once(start_daemon, ckpts):
+    d = start_daemon(budget="4MiB", models={"a": ckpts["a"], "tiny": ckpts["tiny"]})
+    async with Client(d.socket) as c:
+        t = time.monotonic()
+        with pytest.raises(NoSpace, match="needs"):
+            await c.load("a", wait_s=30)  # waiting cannot help: no wait
+        assert time.monotonic() - t < 5
+        assert (await c.status())["devices"]["cpu"]["reserved"] == 0
+        await c.load("tiny")  # still serving
+
+
+async def test_pin_evict_unregister_rules(start_daemon, ckpts):
+    d = start_daemon(budget="9MiB", models={"a": ckpts["a"], "b": ckpts["b"]})
+    async with Client(d.socket) as c:
+        await c.load("a")
+        await c.pin("a")
+        with pytest.raises(Pinned):
+            await c.evict("a")
+        with pytest.raises(NoSpace):
+            await c.load("b")
+        await c.unpin("a")
+        async with c.attach("a"):
+            with pytest.raises(Attached):
+                await c.evict("a")
+            with pytest.raises(Attached):
+                await c.unregister("a")
+        assert (await c.evict("a"))["evicted"] is True
+        assert (await c.evict("a"))["evicted"] is False
+        await c.unregister("a")
+        with pytest.raises(UnknownModel):
+            await c.load("a")
+
+
+async def test_keep_alive_evicts_idle_models(start_daemon, ckpts):
+    d = start_daemon(models={"tiny": ckpts["tiny"]}, tiny={"keep_alive": 1})
+    async with Client(d.socket) as c:
+        await c.load("tiny")
+        await eventually(lambda: first(c, "state", "evicted"))
+    assert "keep_alive expired" in d.log_text()

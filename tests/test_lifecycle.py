@@ -1,0 +1,95 @@
+"""The daemon's life and its model registry, with a real daemon process on the CPU (memfd)
+backend: the tests' loop is uvloop like the daemon's, preloads run behind a socket that
+answers at once, config reload, register at runtime, SIGTERM with live leases, a stale
+socket replaced and a live one left alone."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import eventually
+from helpers import first, spawn_child
+
+from weightcache import Client
+from weightcache.errors import BadRequest
+from weightcache.tools.spawn import wait_for_socket
+
+
+async def test_runs_under_uvloop():
+    import uvloop
+
+    assert isinstance(asyncio.get_running_loop(), uvloop.Loop)
+
+
+async def test_preload_does_not_delay_the_socket(start_daemon, ckpts):
+    d = start_daemon(models={"a": ckpts["a"]}, a={"preload": True})
+    async with Client(d.socket) as c:
+        await eventually(lambda: first(c, "state", "resident"))
+
+
+async def test_reload_applies_config_changes(start_daemon, ckpts):
+    d = start_daemon(models={"a": ckpts["a"], "b": ckpts["b"]})
+    async with Client(d.socket) as c, c.attach("a"):
+        text = d.config.read_text()
+        # drop a (attached: kept) and b; add c
+        head = text.split("[[models]]")[0]
+        d.config.write_text(head + f'[[models]]\nname = "c"\npath = "{ckpts["c"]}"\n')
+        report = await c.reload()
+        assert report["added"] == ["c"] and report["removed"] == ["b"]
+        assert report["kept"] and report["kept"][0].startswith("a:")
+        assert {m["name"] for m in await c.models()} == {"a", "c"}
+    # change a model's path and the budget: the model is re-registered, the budget applied
+    async with Client(d.socket) as c:
+        await c.load("c")
+        d.config.write_text(d.config.read_text().replace(str(ckpts["c"]), str(ckpts["b"])).replace('"cpu" = "20MiB"', '"cpu" = "12MiB"'))
+        report = await c.reload()
+        assert report["changed"] == ["c"] and report["budgets"] == [f"cpu: {12 * 2**20}"]
+        assert (await c.status())["devices"]["cpu"]["budget"] == 12 * 2**20
+        assert {m["name"]: m["path"] for m in await c.models()}["c"] == str(ckpts["b"])
+
+
+async def test_register_at_runtime_and_bad_register(start_daemon, ckpts):
+    d = start_daemon()
+    async with Client(d.socket) as c:
+        m = await c.register("late", ckpts["tiny"])
+        assert m["state"] == "registered"
+        async with c.attach("late") as w:
+            assert len(w) == 5
+        with pytest.raises(BadRequest, match="already registered"):
+            await c.register("late", ckpts["tiny"])
+        with pytest.raises(BadRequest, match="no budget"):
+            await c.register("gpu", ckpts["tiny"], device="cuda:3")
+        with pytest.raises(BadRequest, match="invalid model"):
+            await c.register("bad name", ckpts["tiny"])
+
+
+def test_sigterm_shutdown_with_live_leases_removes_the_socket(start_daemon, ckpts):
+    d = start_daemon(models={"a": ckpts["a"]})
+    kid = spawn_child(d, "a", ckpts["a"], "hold")
+    assert kid.stdout.readline().startswith("ATTACHED")
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=30) == 0
+    assert not os.path.exists(d.socket)
+    kid.kill()
+    kid.wait()
+
+
+def test_stale_socket_is_replaced_but_a_live_one_is_not(start_daemon, ckpts, tmp_path):
+    d = start_daemon()
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    assert os.path.exists(d.socket)  # SIGKILL leaves it behind
+    cfg = d.config
+    p = subprocess.Popen([sys.executable, "-m", "weightcache", "serve", "--config", str(cfg)], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_socket(d.socket, p)
+        # a second daemon on the same, now live, socket refuses to start
+        r = subprocess.run([sys.executable, "-m", "weightcache", "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and "already serving" in r.stderr
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0
+        assert "removing stale socket" in p.stderr.read()
