@@ -100,6 +100,7 @@ class Connections:
         self._stopping = stopping
         self.conns: dict[int, Connection] = {}
         self.partial_bytes = 0  # half-received frames over every connection (max_partial_frame_bytes)
+        self.partial_by_uid: dict[int, int] = {}  # the same per peer uid (max_partial_frame_bytes_per_uid)
         self._ids = itertools.count(1)
         self.background: set[asyncio.Task[Any]] = set()
 
@@ -192,12 +193,9 @@ class Connections:
                     await self._drop(conn, exc)
                     break
                 grew = decoder.pending > conn.partial
-                self.partial_bytes += decoder.pending - conn.partial
-                conn.partial = decoder.pending
-                if grew and self.partial_bytes > d.max_partial_frame_bytes:  # refuse who added, not a bystander
-                    await self._drop(conn, LimitExceeded(
-                        f"the daemon holds {d.max_partial_frame_bytes} bytes of unfinished frames; send whole frames",
-                        limit=d.max_partial_frame_bytes))
+                self._count_partial(conn, decoder.pending)
+                if grew and (refusal := self._check_partial(conn)) is not None:  # refuse who added, not a bystander
+                    await self._drop(conn, refusal)
                     break
                 # fds ride on a frame's first byte: a frame must start in this read.
                 started_here = pending_before == 0 or len(frames) > 1 or (len(frames) == 1 and decoder.pending > 0)
@@ -216,8 +214,7 @@ class Connections:
                 if not decoder.pending:  # fds no frame claimed: nobody will
                     conn.close_fds()
         finally:
-            self.partial_bytes -= conn.partial
-            conn.partial = 0
+            self._count_partial(conn, 0)
             conn.close_fds()
             await self._close(conn)
 
@@ -226,9 +223,25 @@ class Connections:
         error frame, then the caller closes it."""
         log.warning("conn %d (uid %d): %s; closing it", conn.id, conn.peer.uid, exc.message)
         conn.close_fds()
-        self.partial_bytes -= conn.partial  # its half frame no longer counts against the others
-        conn.partial = 0
+        self._count_partial(conn, 0)  # its half frame no longer counts against the others
         await self._send_final(conn, exc)
+
+    def _count_partial(self, conn: Connection, pending: int) -> None:
+        self.partial_bytes += pending - conn.partial
+        self.partial_by_uid[conn.peer.uid] = self.partial_by_uid.get(conn.peer.uid, 0) + pending - conn.partial
+        conn.partial = pending
+
+    def _check_partial(self, conn: Connection) -> WeightcacheError | None:
+        """Half-received frames: a share per uid, so that one tenant cannot hold the
+        whole budget and make every other peer's large frame fail; and a total."""
+        d = self.settings
+        if self.partial_by_uid[conn.peer.uid] > d.max_partial_frame_bytes_per_uid:
+            return LimitExceeded(f"uid {conn.peer.uid} holds {d.max_partial_frame_bytes_per_uid} bytes of unfinished "
+                                 "frames; send whole frames", limit=d.max_partial_frame_bytes_per_uid)
+        if self.partial_bytes > d.max_partial_frame_bytes:
+            return LimitExceeded(f"the daemon holds {d.max_partial_frame_bytes} bytes of unfinished frames; "
+                                 "send whole frames", limit=d.max_partial_frame_bytes)
+        return None
 
     def _check_fds(self, conn: Connection, arrived: int) -> WeightcacheError | None:
         d = self.settings

@@ -145,7 +145,7 @@ class Loads:
             raise LoadFailed(f"model {name!r} was published by an engine and has since been evicted; publish it again",
                              model=name, reason="published model evicted")
         d = self.settings
-        opened = model.files
+        opened, model.parked = model.files or model.parked, None
         try:
             if opened is None:  # the daemon opens the files itself: the operator's or an admin's paths
                 opened = await self.io(open_source, model.path, roots=d.model_roots or None,
@@ -164,8 +164,12 @@ class Loads:
             await self.fill_new_arena(name, ckpt, backend.capacity(ckpt.arena_bytes), 0,
                                       ReadFiles(backend, d, opened, cancelled=self._shutting_down, label=name),
                                       verb="loaded")
-        finally:
+        except NoSpace:
             if opened is not model.files:
+                model.parked = opened  # the caller waits for room, then retries with these same files
+            raise
+        finally:
+            if opened is not model.files and opened is not model.parked:
                 opened.close()
 
     async def io(self, fn: Callable[..., T], *args: Any, cleanup: Callable[[T], object] | None = None, **kwargs: Any) -> T:
@@ -326,8 +330,9 @@ class Loads:
                 self.release(model.arena)
                 model.arena = None
             self.drop_host_copy(model)
-            if model.files is not None:
-                model.files.close()
+            for files in (model.files, model.parked):
+                if files is not None:
+                    files.close()
 
     def drop_host_copy(self, model: Model) -> None:
         if model.host is not None:
@@ -366,6 +371,7 @@ class Loads:
             if model.host is not None:
                 self.backends[model.device].free_host(model.host)
                 model.host = None
-            if model.files is not None:
-                model.files.close()
+            for files in (model.files, model.parked):
+                if files is not None:
+                    files.close()
         self.io_pool.shutdown(wait=False, cancel_futures=True)

@@ -37,6 +37,9 @@ class Model:
     origin: Origin = "config"
     owner: int | None = None  # uid that registered or published it; None for the operator's config
     files: OpenedSource | None = None  # a peer's own open files (register with fds), held while registered
+    # Files a load opened and then found no room for: the retry (when detaches made room)
+    # reads these same files, so a path swapped meanwhile changes nothing.
+    parked: OpenedSource | None = None
     checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident
     table: bytes = b""  # the attach reply's tensor table, msgpack-encoded once per load
     arena: Arena | None = None

@@ -1,0 +1,420 @@
+#!/usr/bin/env python3
+"""Abuse a real daemon from several processes at once while a well-behaved engine works.
+
+Abusers (each in its own process, as an untrusted uid when run as root, reconnecting
+whenever the daemon closes them):
+
+- ``pipeline``: pipelines ``models`` and ``attach`` requests as fast as it can write and
+  never reads a reply;
+- ``fdpark``:   starts a frame and never finishes it, sending 253 SCM_RIGHTS fds with
+  every byte;
+- ``slowloris``: starts a frame and sends one byte every 0.2 s;
+- ``nohello``:  connects and says nothing;
+- ``partial``:  sends a header and almost a whole maximum-size frame, then stops.
+
+Meanwhile a well-behaved client (root, its own process) attaches, reads, detaches and asks
+``status`` (and every --publish-every rounds publishes a table of 8000 tensors, a frame
+that arrives in several reads), recording latencies. The daemon's RSS and open fds are sampled every 0.2 s.
+
+Exit 1 unless: peak RSS growth < --rss-bound-mib, peak fd count < --fd-bound, the
+well-behaved client never failed (every request answered, ok, within --request-timeout),
+and the daemon exits 0 on SIGTERM within its grace period plus 10 s.
+
+    .venv/bin/python scripts/stress_abuse.py --seconds 30 --out docs/abuse.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import select
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from weightcache.protocol import encode_frame
+from weightcache.protocol.framing import HEADER
+from weightcache.tools.spawn import DaemonProcess, config_text
+from weightcache.tools.synth import write_checkpoint
+
+MIB = 2**20
+NOBODY = 65534
+MAX_FRAME = 4 * MIB
+
+
+# ------------------------------------------------------------------ measurements
+def rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def nfds(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+# ------------------------------------------------------------------ abusers
+def _connect(path: str, greet: bool = True) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(path)
+    if greet:
+        s.sendall(encode_frame({"id": 0, "op": "hello", "protocol": 1, "client": "abuser"}))
+    s.setblocking(False)
+    return s
+
+
+def _hung_up(s: socket.socket) -> bool:
+    """Whether the daemon closed ``s``, without reading what it sent (POLLRDHUP)."""
+    p = select.poll()
+    p.register(s, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    return bool(p.poll(0))
+
+
+def _closed(s: socket.socket) -> bool:
+    """Whether the daemon closed ``s`` (reads and discards whatever is pending)."""
+    try:
+        while select.select([s], [], [], 0)[0]:
+            if not s.recv(1 << 20):
+                return True
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+    return False
+
+
+class Slot:
+    """One abusive connection that is re-opened whenever the daemon drops it."""
+
+    def __init__(self, path: str, stats: dict[str, int], greet: bool = True) -> None:
+        self.path, self.stats, self.greet = path, stats, greet
+        self.sock: socket.socket | None = None
+        self.state: dict[str, Any] = {}
+
+    def ensure(self) -> socket.socket | None:
+        if self.sock is None:
+            try:
+                self.sock = _connect(self.path, self.greet)
+                self.stats["connects"] += 1
+                self.state = {"t": time.monotonic()}
+            except OSError:
+                self.stats["connect_errors"] += 1
+                return None
+        return self.sock
+
+    def drop(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+            self.stats["dropped_by_daemon"] += 1
+
+
+def abuser(kind: str, path: str, conns: int, seconds: float, uid: int | None, out: Any) -> None:
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    stats = {"connects": 0, "connect_errors": 0, "dropped_by_daemon": 0, "bytes": 0, "fds_sent": 0}
+    slots = [Slot(path, stats, greet=(kind != "nohello")) for _ in range(conns)]
+    null = os.open("/dev/null", os.O_RDONLY)
+    fds = array.array("i", [null] * 253)
+    pipeline_batch = (encode_frame({"id": 1, "op": "models"}) + encode_frame({"id": 2, "op": "attach", "name": "tiny"})) * 128
+    partial = b"\0" * (MAX_FRAME - 64)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for slot in slots:
+            s = slot.ensure()
+            if s is None:
+                continue
+            st = slot.state
+            try:
+                if kind == "pipeline":
+                    stats["bytes"] += s.send(pipeline_batch)
+                elif kind == "fdpark":
+                    if "started" not in st:
+                        s.send(HEADER.pack(MIB))
+                        st["started"] = True
+                    s.sendmsg([b"\0"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+                    stats["fds_sent"] += 253
+                    stats["bytes"] += 1
+                elif kind == "slowloris":
+                    if "started" not in st:
+                        s.send(HEADER.pack(1000))
+                        st["started"] = True
+                    if time.monotonic() - st.get("last", 0) >= 0.2:
+                        stats["bytes"] += s.send(b"\0")
+                        st["last"] = time.monotonic()
+                elif kind == "partial":
+                    if "started" not in st:
+                        # replies it never reads fill its socket first: a refusal cannot reach it at once
+                        s.send(b"".join(encode_frame({"id": 100 + i, "op": "models"}) for i in range(30)))
+                        s.send(HEADER.pack(MAX_FRAME - 16))
+                        st["started"] = True
+                        st["left"] = memoryview(partial)
+                    if st["left"]:
+                        n = s.send(st["left"])
+                        st["left"] = st["left"][n:]
+                        stats["bytes"] += n
+                # nohello: nothing to send
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                slot.drop()
+                continue
+            if kind in ("pipeline", "partial"):  # they never read: they notice a hang-up
+                if _hung_up(s):
+                    slot.drop()
+            elif _closed(s):
+                slot.drop()
+        time.sleep(0.02)
+    for slot in slots:
+        if slot.sock is not None:
+            slot.sock.close()
+    os.close(null)
+    out.put({"kind": kind, **stats})
+
+
+# ------------------------------------------------------------------ the well-behaved engine
+def good_client(path: str, seconds: float, timeout: float, publish_every: int, out: Any) -> None:
+    import torch
+
+    from weightcache import Client
+
+    pub_tensors = {f"layer.{i}.scale": torch.full((1,), i % 251, dtype=torch.uint8) for i in range(8000)}
+    lat: dict[str, list[float]] = {"attach": [], "status": [], "detach+read": [], "publish": [], "connect": []}
+    failures: list[str] = []
+    t0 = time.monotonic()
+
+    async def connect() -> Any:
+        c = Client(path, name="well-behaved")
+        t = time.monotonic()
+        try:
+            await asyncio.wait_for(c.connect(), timeout)
+        except Exception as exc:
+            failures.append(f"{time.monotonic() - t0:.1f}s connect: {type(exc).__name__}: {exc}")
+            await c.close()
+            return None
+        lat["connect"].append(time.monotonic() - t)
+        return c
+
+    async def main() -> None:
+        deadline = time.monotonic() + seconds
+        c = None
+        i = 0
+        while time.monotonic() < deadline and len(failures) <= 200:
+            if c is None:  # (re)connect: a dropped connection is one failure, then measuring goes on
+                c = await connect()
+                if c is None:
+                    await asyncio.sleep(0.2)
+                    continue
+            i += 1
+            name = "small" if i % 2 else "tiny"
+            op = f"attach {name}"
+            try:
+                t = time.monotonic()
+                cm = c.attach(name)
+                w = await asyncio.wait_for(cm.__aenter__(), timeout)
+                lat["attach"].append(time.monotonic() - t)
+                t = time.monotonic()
+                total = sum(int(v.reshape(-1)[:16].float().sum().item() != 0) for v in list(w.values())[:8])
+                assert total >= 0
+                await asyncio.wait_for(cm.__aexit__(None, None, None), timeout)
+                lat["detach+read"].append(time.monotonic() - t)
+                op = "status"
+                t = time.monotonic()
+                await asyncio.wait_for(c.status(), timeout)
+                lat["status"].append(time.monotonic() - t)
+                if publish_every and i % publish_every == 0:
+                    # an engine hands back processed weights: a ~250 KB frame, read in several pieces
+                    op = "publish"
+                    t = time.monotonic()
+                    await asyncio.wait_for(c.publish("good-published", pub_tensors, fingerprint="good", replace=True), timeout)
+                    lat["publish"].append(time.monotonic() - t)
+            except Exception as exc:
+                failures.append(f"{time.monotonic() - t0:.1f}s {op}: {type(exc).__name__}: {exc}")
+                await c.close()
+                c = None
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.01)
+        if c is not None:
+            await c.close()
+
+    try:
+        asyncio.run(main())
+    except Exception as exc:
+        failures.append(f"client: {type(exc).__name__}: {exc}")
+    summary = {op: {"n": len(v), "p50_ms": (pct(v, 0.5) or 0) * 1e3, "p99_ms": (pct(v, 0.99) or 0) * 1e3,
+                    "max_ms": max(v, default=0) * 1e3} for op, v in lat.items()}
+    out.put({"kind": "good", "failures": failures, "latency": summary})
+
+
+# ------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
+    ap.add_argument("--rss-bound-mib", type=float, default=256.0, help="peak RSS growth allowed (default 256 MiB)")
+    ap.add_argument("--fd-bound", type=int, default=2048, help="peak open fds allowed in the daemon (default 2048)")
+    ap.add_argument("--request-timeout", type=float, default=5.0, help="the good client's per-request limit (s)")
+    ap.add_argument("--scale", type=int, default=1, help="multiply the number of abusive connections")
+    ap.add_argument("--publish-every", type=int, default=20,
+                    help="the good client also publishes 8000 tiny tensors every N rounds (0: never)")
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds after the abusers stop before the 'after' sample")
+    ap.add_argument("--plain-config", action="store_true",
+                    help="leave out the limit keys (hello_timeout_s, max_partial_frame_bytes[_per_uid]): for daemons that predate them")
+    args = ap.parse_args(argv)
+
+    uid = NOBODY if os.geteuid() == 0 else None
+    work = Path(tempfile.mkdtemp(prefix="wc-abuse-"))
+    sockdir = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
+    sock = str(sockdir / "d.sock")
+    tiny = write_checkpoint(work / "tiny.safetensors", 64 * 1024, 5, seed=1)
+    small = write_checkpoint(work / "small.safetensors", 8 * MIB, 40, seed=2)
+    daemon_cfg: dict[str, Any] = {"log_level": "info", "shutdown_grace_s": 2, "max_frame_bytes": MAX_FRAME, "frame_read_timeout_s": 2}
+    if not args.plain_config:
+        daemon_cfg.update(max_partial_frame_bytes=4 * MAX_FRAME, max_partial_frame_bytes_per_uid=2 * MAX_FRAME, hello_timeout_s=2)
+    if uid is not None:
+        daemon_cfg.update(socket_mode=0o666, allowed_uids=[0, uid])
+    cfg = work / "daemon.toml"
+    # 24 more entries make each `models` reply ~10 KB: unread replies fill a socket quickly
+    models = [{"name": "tiny", "path": str(tiny)}, {"name": "small", "path": str(small)}]
+    models += [{"name": f"extra{i:02d}", "path": str(tiny)} for i in range(24)]
+    cfg.write_text(config_text(sock, {"cpu": "64MiB"}, models, daemon_cfg))
+    if uid is not None:
+        os.chmod(sockdir, 0o755)
+    log = work / "daemon.log"
+    daemon = DaemonProcess(cfg, sock, log).start()
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    time.sleep(0.5)
+    base_rss, base_fds = rss(pid), nfds(pid)
+    samples: list[tuple[float, int, int]] = []
+    stop = threading.Event()
+    t0 = time.monotonic()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append((time.monotonic() - t0, rss(pid), nfds(pid)))
+            stop.wait(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    k = args.scale
+    # partial: 5 frames of almost max_frame_bytes against a budget of 4 of them
+    plan = {"pipeline": 4 * k, "fdpark": 4 * k, "slowloris": 8 * k, "nohello": 16 * k, "partial": 5 * k}
+    procs = [ctx.Process(target=abuser, args=(kind, sock, n, args.seconds, uid, q)) for kind, n in plan.items()]
+    procs.append(ctx.Process(target=good_client, args=(sock, args.seconds, args.request_timeout, args.publish_every, q)))
+    for p in procs:
+        p.start()
+    results: dict[str, Any] = {}
+    deadline = time.monotonic() + args.seconds + 60
+    while len(results) < len(procs) and time.monotonic() < deadline:
+        try:
+            r = q.get(timeout=1)
+            results[r.pop("kind")] = r
+        except Exception:
+            if not any(p.is_alive() for p in procs) and q.empty():
+                break
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    time.sleep(args.settle)  # let the daemon notice the closed connections
+    after_rss, after_fds = rss(pid), nfds(pid)
+    stop.set()
+    sampler.join()
+
+    daemon.proc.send_signal(signal.SIGTERM)
+    t = time.monotonic()
+    try:
+        rc: int | None = daemon.proc.wait(timeout=2 + 10)
+    except Exception:
+        daemon.proc.kill()
+        daemon.proc.wait()
+        rc = None
+    stop_s = time.monotonic() - t
+
+    peak_rss = max((s[1] for s in samples), default=base_rss)
+    peak_fds = max((s[2] for s in samples), default=base_fds)
+    good = results.get("good", {"failures": ["the well-behaved client reported nothing"], "latency": {}})
+    problems = []
+    if (peak_rss - base_rss) / MIB >= args.rss_bound_mib:
+        problems.append(f"RSS grew {(peak_rss - base_rss) / MIB:.0f} MiB (bound {args.rss_bound_mib:.0f} MiB)")
+    if peak_fds >= args.fd_bound:
+        problems.append(f"daemon held {peak_fds} fds (bound {args.fd_bound})")
+    if good["failures"]:
+        problems.append(f"the well-behaved client failed {len(good['failures'])} time(s): {good['failures'][:3]}")
+    if not good["latency"].get("attach", {}).get("n"):
+        problems.append("the well-behaved client completed no attach")
+    if rc != 0:
+        problems.append(f"daemon exit on SIGTERM: {rc} after {stop_s:.1f}s")
+    log_text = log.read_text(errors="replace")
+    tracebacks = log_text.count("Traceback")
+
+    report = {
+        "seconds": args.seconds, "abuser_uid": uid, "plan": plan, "daemon_config": daemon_cfg,
+        "bounds": {"rss_growth_mib": args.rss_bound_mib, "fds": args.fd_bound, "request_timeout_s": args.request_timeout},
+        "baseline": {"rss_mib": base_rss / MIB, "fds": base_fds},
+        "peak": {"rss_mib": peak_rss / MIB, "rss_growth_mib": (peak_rss - base_rss) / MIB, "fds": peak_fds},
+        "after_abusers": {"rss_mib": after_rss / MIB, "fds": after_fds},
+        "good_client": good, "abusers": {k: v for k, v in results.items() if k != "good"},
+        "daemon_exit": {"code": rc, "seconds": stop_s}, "daemon_tracebacks": tracebacks,
+        "samples": [{"t": round(s[0], 2), "rss_mib": round(s[1] / MIB, 1), "fds": s[2]} for s in samples],
+        "rss_stdev_mib": statistics.pstdev([s[1] / MIB for s in samples]) if len(samples) > 1 else 0.0,
+        "problems": problems, "passed": not problems,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+    print(f"abuse for {args.seconds:.0f}s as uid {uid if uid is not None else os.geteuid()}: "
+          + ", ".join(f"{k} x{n}" for k, n in plan.items()))
+    for kind, r in report["abusers"].items():
+        print(f"  {kind:10s} connects {r['connects']:6d}  dropped by daemon {r['dropped_by_daemon']:6d}  "
+              f"bytes {r['bytes']:>11,d}  fds sent {r['fds_sent']:>8,d}")
+    print(f"daemon RSS {base_rss / MIB:.0f} -> peak {peak_rss / MIB:.0f} MiB (growth {(peak_rss - base_rss) / MIB:.0f}, "
+          f"bound {args.rss_bound_mib:.0f}); fds {base_fds} -> peak {peak_fds} (bound {args.fd_bound}); "
+          f"after: {after_rss / MIB:.0f} MiB, {after_fds} fds")
+    for op, s in good["latency"].items():
+        print(f"  good {op:12s} n={s['n']:6d} p50 {s['p50_ms']:7.2f} ms  p99 {s['p99_ms']:7.2f} ms  max {s['max_ms']:7.2f} ms")
+    print(f"daemon exit on SIGTERM: {rc} in {stop_s:.1f}s; tracebacks in its log: {tracebacks}")
+    if problems:
+        print("FAIL:\n  " + "\n  ".join(problems))
+        print(f"daemon log: {log}")
+        return 1
+    print("PASS")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

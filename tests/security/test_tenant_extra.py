@@ -1,0 +1,214 @@
+"""Beyond the brief: what a tenant can still do once tenant_register lets it register by fds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from safetensors.torch import save_file
+
+from weightcache.protocol.framing import HEADER
+
+from ._util import (
+    MIB,
+    NOBODY,
+    Conn,
+    as_uid,
+    calls,
+    code,
+    config_text,
+    held_as_uid,
+    multi_tenant,
+    nfds,
+    public_dir,
+    publish_msg,
+    raw_safetensors,
+    root_only,
+    sealed_memfd,
+    synth_tensors,
+    write_checkpoint,
+)
+
+pytestmark = root_only
+
+
+def _register_by_fds(path: str, name: str, files: list[str], preload: bool = False) -> dict:
+    from weightcache import Client
+
+    async def go():
+        async with Client(path) as c:
+            try:
+                return {"model": await c.register(name, files[0], preload=preload, send_files=True)}
+            except Exception as exc:
+                return {"code": getattr(exc, "code", None), "error": f"{type(exc).__name__}: {exc}"}
+
+    return asyncio.run(go())
+
+
+def test_tenant_preload_cannot_make_the_daemon_unready(start_daemon, tmp_path, ckpts):
+    """health.ready gates readiness probes (a DaemonSet rollout): a tenant's own broken
+    preload must not take the node's daemon out of service."""
+    pub = public_dir()
+    broken = raw_safetensors(pub / "broken.safetensors", '{"t": {"dtype": "U8", "shape": [64], "data_offsets": [0, 64]}}', b"\0")
+    os.chmod(broken, 0o644)
+    d = multi_tenant(start_daemon, {"allowed_uids": [0, NOBODY], "tenant_register": True}, models={"tiny": ckpts["tiny"]},
+                     tiny={"preload": True})
+    deadline = time.monotonic() + 10
+    while calls(d.socket, [{"id": 1, "op": "health"}])[0]["preloading"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert calls(d.socket, [{"id": 1, "op": "health"}])[0]["ready"] is True
+    got = as_uid(NOBODY, lambda: _register_by_fds(d.socket, "mine", [str(broken)], preload=True))
+    time.sleep(1.0)
+    (h,) = calls(d.socket, [{"id": 2, "op": "health"}])
+    if "model" in got:  # accepted: its failure must not count against the daemon's readiness
+        assert h["ready"] is True, f"a tenant's broken preload made the daemon unready: {h}"
+    else:
+        assert got.get("code") == "PERMISSION_DENIED", got
+
+
+def test_tenant_registered_model_cannot_claim_a_config_models_fingerprint(start_daemon, tmp_path):
+    """The fingerprint of a checkpoint is sha256(file name, size, header): a tenant who
+    knows a public model's header registers a same-sized file with other bytes (a backdoor)
+    under the same file name, by fds. Its fingerprint must not be the genuine one."""
+    genuine_dir = tmp_path / "models"
+    genuine = write_checkpoint(genuine_dir / "model.safetensors", 64 * 1024, 4, seed=61)
+    pub = public_dir()
+    fake = pub / "model.safetensors"
+    tensors = synth_tensors(64 * 1024, 4, seed=61)
+    save_file({k: -v for k, v in tensors.items()}, str(fake), metadata={"format": "pt"})  # same header, other bytes
+    os.chmod(fake, 0o644)
+    assert fake.stat().st_size == genuine.stat().st_size and fake.read_bytes() != genuine.read_bytes()
+    d = multi_tenant(start_daemon, {"allowed_uids": [0, NOBODY], "tenant_register": True}, models={"genuine": genuine})
+    (r,) = calls(d.socket, [{"id": 1, "op": "load", "name": "genuine"}])
+    fp = r["model"]["fingerprint"]
+    got = as_uid(NOBODY, lambda: _register_by_fds(d.socket, "genuine-fast", [str(fake)]))
+    assert "model" in got, got
+    c = Conn(d.socket)
+    try:
+        r2 = c.call({"id": 2, "op": "attach", "name": "genuine-fast"})
+        for fd in c.take_fds():
+            os.close(fd)
+        assert r2["ok"], r2
+        assert r2["fingerprint"] != fp, "a tenant's different bytes carry the operator model's fingerprint"
+    finally:
+        c.close()
+
+
+def test_tenant_registrations_cannot_hold_unbounded_fds(start_daemon, tmp_path):
+    """Each model registered by fds keeps its files open while registered: without a
+    per-tenant limit a tenant makes the daemon hold any number of fds (and entries)."""
+    pub = public_dir()
+    f = write_checkpoint(pub / "m.safetensors", 4096, 1, seed=62)
+    os.chmod(f, 0o644)
+    d = multi_tenant(start_daemon, {"allowed_uids": [0, NOBODY], "tenant_register": True})
+    pid = d.proc.pid
+    base = nfds(pid)
+    n = 3000
+
+    def tenant():
+        c = Conn(d.socket, timeout=30)
+        fd = os.open(f, os.O_RDONLY)
+        ok = refused = 0
+        try:
+            for i in range(n):
+                r = c.call({"id": i + 1, "op": "register", "name": f"r{i}", "path": "m.safetensors",
+                            "files": [["m.safetensors"]], "fds": 1}, fds=[fd])
+                if r is None:
+                    break
+                if r.get("ok"):
+                    ok += 1
+                else:
+                    refused += 1
+                    if refused > 20:
+                        break
+        finally:
+            os.close(fd)
+            c.close()
+        return {"ok": ok, "refused": refused}
+
+    got = as_uid(NOBODY, tenant, timeout=120)
+    assert "ok" in got, got
+    growth = nfds(pid) - base
+    assert growth < 1024 + 64, f"a tenant made the daemon hold {growth} more fds ({got['ok']} registrations accepted)"
+    assert code(calls(d.socket, [{"id": 1, "op": "status"}])[0]) is None
+
+
+def test_tenant_cannot_squat_a_name_the_operator_adds_later(start_daemon, tmp_path, ckpts):
+    """A tenant publishes under a name before the operator adds that name to the config
+    and reloads (SIGHUP): engines that attach the operator's name must then get the
+    operator's checkpoint, not the tenant's bytes."""
+    d = multi_tenant(start_daemon, models={"tiny": ckpts["tiny"]})
+
+    def tenant():
+        import torch
+
+        from weightcache import Client
+
+        async def go():
+            async with Client(d.socket) as c:
+                return {"model": await c.publish("llama-next", {"w": torch.full((4096,), 0x66, dtype=torch.uint8)},
+                                                 fingerprint="whatever")}
+
+        return asyncio.run(go())
+
+    got = as_uid(NOBODY, tenant)
+    assert "model" in got, got
+
+    text = d.config.read_text()
+    sock_line = next(line for line in text.splitlines() if line.startswith("socket"))
+    sock = sock_line.split("=", 1)[1].strip().strip('"')
+    extra = {"socket_mode": 0o666, "allowed_uids": [0, NOBODY, 65533], "log_level": "debug", "shutdown_grace_s": 2}
+    d.config.write_text(config_text(sock, {"cpu": "20MiB"}, [{"name": "tiny", "path": str(ckpts["tiny"])},
+                                                           {"name": "llama-next", "path": str(ckpts["a"])}], extra))
+    (rep,) = calls(d.socket, [{"id": 1, "op": "reload"}])
+    assert rep["ok"], rep
+    c = Conn(d.socket)
+    try:
+        r = c.call({"id": 2, "op": "attach", "name": "llama-next"})
+        fds = c.take_fds()
+        for fd in fds:
+            os.close(fd)
+        assert r["ok"], r
+        names = [t[0] for t in r["tensors"]]
+        assert names != ["w"], f"the operator's 'llama-next' is still the tenant's publish (reload report: {rep['report']})"
+    finally:
+        c.close()
+
+
+def test_one_tenant_cannot_use_up_the_partial_frame_budget_of_all(start_daemon):
+    """max_partial_frame_bytes is one budget over every connection: a tenant that kept it
+    full with frames it never finishes (each for frame_read_timeout_s, then again) made
+    every other tenant's frame that arrives in more than one read fail (a publish table,
+    a register of many files). max_partial_frame_bytes_per_uid gives each uid a share."""
+    d = multi_tenant(start_daemon, {"allowed_uids": [0, NOBODY], "max_partial_frame_bytes": 4 * MIB,
+                                    "max_partial_frame_bytes_per_uid": 2 * MIB + MIB // 2,
+                                    "max_frame_bytes": 2 * MIB, "hello_timeout_s": 30})
+
+    def hog(keep):
+        for _ in range(2):  # the second passes the uid's share: refused, whatever the total
+            c = Conn(d.socket)
+            keep.append(c)
+            try:
+                c.sock.sendall(HEADER.pack(2 * MIB - 16) + b"\0" * (2 * MIB - 64 * 1024))
+            except OSError:
+                pass
+        return {"held": len(keep)}
+
+    n = 40_000  # a ~1 MB publish frame: it reaches the daemon in several reads
+    fd = sealed_memfd(b"\x05", n * 256)
+    table = [[f"t{i}", "U8", [1], i * 256, 1] for i in range(n)]
+    try:
+        with held_as_uid(NOBODY, hog) as got:
+            assert got == {"held": 2}, got
+            time.sleep(0.3)
+            c = Conn(d.socket, timeout=30)
+            try:
+                r = c.call(publish_msg(1, "big-table", table, n * 256), fds=[fd])
+            except OSError as exc:
+                r = {"ok": False, "error": {"code": f"connection: {exc!r}"}}
+            finally:
+                c.close()
+            assert r is not None and r["ok"], f"another tenant's unfinished frames made root's publish fail: {r}"
+    finally:
+        os.close(fd)
