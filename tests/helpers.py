@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import select
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,3 +50,54 @@ def gpu_daemon(start_daemon: Any, budget: str, models: dict[str, Path], device: 
     """A daemon with ``budget`` on ``device`` and every model placed there."""
     placed = {n: {"device": device, **opts.get(n, {})} for n in models}
     return start_daemon(budget="1GiB", models=models, extra_daemon=daemon, budgets={device: budget}, **placed)
+
+
+NOBODY = 65534  # the untrusted peer of the multi-uid tests
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+
+
+def _child_run(uid: int, fn: Callable[[], Any]) -> Any:
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    return fn()
+
+
+def as_uid(uid: int, fn: Callable[[], Any], timeout: float = 60) -> Any:
+    """Run ``fn`` in a forked child that dropped to ``uid``; return its (JSON) result, or
+    {"exception": repr} if it raised. The parent must not be running an event loop."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        out: Any = {}
+        try:
+            os.close(r)
+            out = _child_run(uid, fn)
+        except BaseException as exc:
+            out = {"exception": repr(exc)}
+        finally:
+            try:
+                data = json.dumps(out, default=repr).encode()
+            except BaseException as exc:
+                data = json.dumps({"exception": f"unserialisable result: {exc!r}"}).encode()
+            os.write(w, data)
+            os._exit(0)
+    os.close(w)
+    data = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                raise AssertionError(f"child as uid {uid} did not finish within {timeout}s")
+            chunk = os.read(r, 65536)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(r)
+        with contextlib.suppress(ProcessLookupError):
+            if not data:
+                os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    return json.loads(data)

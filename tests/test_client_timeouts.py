@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import eventually, no_leases
+from helpers import NOBODY, as_uid
 from safetensors.torch import load_file
 
 from weightcache import Client, SyncClient
@@ -34,7 +35,6 @@ from weightcache.errors import DaemonUnavailable, LoadFailed, PermissionDenied, 
 from weightcache.loader.checkpoint import discover_files
 from weightcache.protocol import FrameDecoder, decode_payload, encode_frame
 
-NOBODY = 65534
 HANG_GUARD_S = 10  # not a benchmark: only proves the call returned instead of hanging
 
 
@@ -367,30 +367,7 @@ async def test_register_of_a_file_that_cannot_be_opened_sends_nothing(fake, ckpt
 def run_unprivileged(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``fn()`` as an unprivileged uid: in a forked child that drops to nobody when we are
     root (root opens any file), else right here."""
-    if os.geteuid() != 0:
-        return fn()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        out: dict[str, Any] = {}
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            out = fn()
-        except BaseException as exc:
-            out = {"exception": repr(exc)}
-        finally:
-            os.write(w, json.dumps(out).encode())
-            os._exit(0)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 65536):
-        data += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
-    return json.loads(data)
+    return fn() if os.geteuid() != 0 else as_uid(NOBODY, fn)  # type: ignore[no-any-return]
 
 
 def test_register_of_a_file_this_peer_may_not_read_is_permission_denied(fake, ckpts):

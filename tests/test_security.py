@@ -1,7 +1,6 @@
 """Issue 5: who may connect, limits, timeouts, and an announced, lease-aware shutdown."""
 
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -13,40 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import NOBODY, as_uid, root_only
 
 from weightcache import Client
 from weightcache.errors import LimitExceeded, NoSpace, PermissionDenied, RequestTimeout
 from weightcache.protocol import encode_frame
-
-NOBODY = 65534
-root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
-
-
-def as_uid(uid: int, fn) -> dict:
-    """Run ``fn`` in a forked child that has dropped to ``uid``; return what it returned.
-    Forked after every import, so the child needs no file access to run."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        out: dict = {}
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            out = fn()
-        except BaseException as exc:  # report anything to the parent
-            out = {"exception": repr(exc)}
-        finally:
-            os.write(w, json.dumps(out).encode())
-            os._exit(0)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 65536):
-        data += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
-    return json.loads(data)
 
 
 def open_to_all(d) -> None:

@@ -17,19 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import pytest
+from helpers import NOBODY, _child_run
 
 from weightcache.protocol import encode_frame
 from weightcache.tools.spawn import DaemonProcess, config_text
 from weightcache.tools.synth import synth_tensors, write_checkpoint
 
-NOBODY = 65534
 OTHER = 65533  # a second untrusted tenant (no passwd entry needed: setuid takes any uid)
 MIB = 2**20
 
 __all__ = ["DaemonProcess", "config_text", "synth_tensors", "write_checkpoint"]
 
-root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other uids")
 
 MULTI = {"socket_mode": 0o666, "allowed_uids": [0, NOBODY, OTHER]}
 
@@ -55,53 +53,6 @@ def public_dir(prefix: str = "wcpub-") -> Path:
     p = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     os.chmod(p, 0o755)
     return p
-
-
-def _child_run(uid: int, fn: Callable[[], Any]) -> Any:
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-    return fn()
-
-
-def as_uid(uid: int, fn: Callable[[], Any], timeout: float = 60) -> Any:
-    """Run ``fn`` in a forked child that dropped to ``uid``; return its (JSON) result, or
-    {"exception": repr} if it raised. The parent must not be running an event loop."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        out: Any = {}
-        try:
-            os.close(r)
-            out = _child_run(uid, fn)
-        except BaseException as exc:
-            out = {"exception": repr(exc)}
-        finally:
-            try:
-                data = json.dumps(out, default=repr).encode()
-            except BaseException as exc:
-                data = json.dumps({"exception": f"unserialisable result: {exc!r}"}).encode()
-            os.write(w, data)
-            os._exit(0)
-    os.close(w)
-    data = b""
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([r], [], [], left)[0]:
-                raise AssertionError(f"child as uid {uid} did not finish within {timeout}s")
-            chunk = os.read(r, 65536)
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(r)
-        with contextlib.suppress(ProcessLookupError):
-            if not data:
-                os.kill(pid, 9)
-        os.waitpid(pid, 0)
-    return json.loads(data)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,9 @@ import os
 import struct
 import time
 
-from ._util import NOBODY, as_uid, calls, code, multi_tenant, raw_safetensors, root_only, write_checkpoint
+from helpers import NOBODY, as_uid, root_only
+
+from ._util import calls, code, multi_tenant, raw_safetensors, write_checkpoint
 
 pytestmark = root_only
 

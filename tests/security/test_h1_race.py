@@ -10,9 +10,10 @@ import time
 
 import pytest
 import torch
+from helpers import root_only
 from safetensors.torch import save_file
 
-from ._util import Conn, attached_bytes, code, root_only, write_checkpoint
+from ._util import Conn, attached_bytes, code, write_checkpoint
 
 pytestmark = root_only
 

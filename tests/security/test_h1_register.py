@@ -11,7 +11,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ._util import NOBODY, Conn, as_uid, calls, code, config_text, multi_tenant, public_dir, root_only, write_checkpoint
+from helpers import NOBODY, as_uid, root_only
+
+from ._util import Conn, calls, code, config_text, multi_tenant, public_dir, write_checkpoint
 
 pytestmark = root_only
 

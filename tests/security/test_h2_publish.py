@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import asyncio
 
+from helpers import NOBODY, as_uid, root_only
 from safetensors.torch import load_file
 
 from ._util import (
-    NOBODY,
     OTHER,
     Conn,
-    as_uid,
     attached_bytes,
     calls,
     multi_tenant,
     publish_msg,
-    root_only,
     sealed_memfd,
 )
 

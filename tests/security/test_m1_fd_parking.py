@@ -9,9 +9,11 @@ import socket
 import threading
 import time
 
+from helpers import NOBODY, as_uid, root_only
+
 from weightcache.protocol.framing import HEADER
 
-from ._util import NOBODY, Conn, as_uid, code, multi_tenant, nfds, root_only
+from ._util import Conn, code, multi_tenant, nfds
 
 MAX_PER_CONN = 512  # the default max_fds_per_connection
 

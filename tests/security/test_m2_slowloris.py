@@ -5,10 +5,12 @@ from __future__ import annotations
 import select
 import time
 
+from helpers import NOBODY, as_uid, root_only
+
 from weightcache.protocol import encode_frame
 from weightcache.protocol.framing import HEADER
 
-from ._util import MIB, NOBODY, Conn, as_uid, code, held_as_uid, hello, multi_tenant, root_only, rss, wait_closed
+from ._util import MIB, Conn, code, held_as_uid, hello, multi_tenant, rss, wait_closed
 
 
 def test_frame_read_timeout_is_one_deadline_per_frame(start_daemon):

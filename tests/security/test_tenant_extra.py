@@ -6,15 +6,14 @@ import asyncio
 import os
 import time
 
+from helpers import NOBODY, as_uid, root_only
 from safetensors.torch import save_file
 
 from weightcache.protocol.framing import HEADER
 
 from ._util import (
     MIB,
-    NOBODY,
     Conn,
-    as_uid,
     calls,
     code,
     config_text,
@@ -24,7 +23,6 @@ from ._util import (
     public_dir,
     publish_msg,
     raw_safetensors,
-    root_only,
     sealed_memfd,
     synth_tensors,
     write_checkpoint,
