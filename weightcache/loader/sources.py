@@ -122,23 +122,29 @@ class _Opener:
         with ``want_dir`` (``None`` for the top-level source, which may be either)."""
         target = path if name is None else name
         try:
-            # Not authoritative (the fstat below is), but it keeps us from ever opening a
-            # device, socket or FIFO: opening some devices has side effects.
-            pre = os.stat(target, dir_fd=dir_fd, follow_symlinks=self.follow)
+            # O_PATH first: it opens nothing (no device or FIFO open with side effects), and
+            # what it names is then checked and reopened by inode, never by path again.
+            pfd = os.open(target, os.O_PATH | os.O_CLOEXEC | (0 if self.follow else os.O_NOFOLLOW), dir_fd=dir_fd)
         except OSError as exc:
             raise self._refuse(path, target, dir_fd, self._open_error(path, exc)) from None
         except ValueError:  # an embedded NUL
             raise LoadFailed(f"{path}: invalid path", file=path, reason="invalid path") from None
-        if stat.S_ISLNK(pre.st_mode):  # only when not following symlinks
-            raise self._symlink(path)
-        if not (stat.S_ISREG(pre.st_mode) or (want_dir and stat.S_ISDIR(pre.st_mode))):
-            raise self._refuse(path, target, dir_fd, self._not_regular(path, pre.st_mode, want_dir))
         try:
-            fd = os.open(target, self.flags, dir_fd=dir_fd)
-        except OSError as exc:
-            raise self._refuse(path, target, dir_fd, self._open_error(path, exc)) from None
+            pre = os.fstat(pfd)
+            if stat.S_ISLNK(pre.st_mode):  # only when not following symlinks
+                raise self._symlink(path)
+            if not (stat.S_ISREG(pre.st_mode) or (want_dir and stat.S_ISDIR(pre.st_mode))):
+                raise self._refuse(path, target, dir_fd, self._not_regular(path, pre.st_mode, want_dir))
+            try:
+                fd = os.open(f"/proc/self/fd/{pfd}", self.flags & ~os.O_NOFOLLOW)
+            except OSError as exc:
+                raise self._refuse(path, target, dir_fd, self._open_error(path, exc)) from None
+        finally:
+            os.close(pfd)
         self.fds.append(fd)
         st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (pre.st_dev, pre.st_ino):  # cannot happen through /proc; say so if it does
+            raise LoadFailed(f"{path}: changed while being opened", file=path, reason="changed while opening")
         if not self.follow:
             # O_NOFOLLOW covers the last component only: a symlinked directory on the way
             # shows as a real path that differs from the one asked for.
