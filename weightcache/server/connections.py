@@ -61,6 +61,7 @@ from .requests import Caller, Context, Request
 log = logging.getLogger("weightcache.daemon")
 
 _REFUSED_WHILE_STOPPING = frozenset({"load", "attach", "register", "publish"})
+_CLIENT_NAME_CHARS = 128
 
 
 @dataclass
@@ -82,6 +83,15 @@ class Connection:
     def close_fds(self) -> None:
         while self.fds:
             os.close(self.fds.popleft())
+
+
+def client_name(name: Any) -> str:
+    """The name a peer gave in hello, as the daemon keeps and logs it: a peer's string, so
+    bounded (it lives as long as the connection) and printable (it goes into the log)."""
+    if not isinstance(name, str) or not name:
+        return "?"
+    clean = "".join(ch if ch.isprintable() else "?" for ch in name[:_CLIENT_NAME_CHARS])
+    return clean + ("..." if len(name) > _CLIENT_NAME_CHARS else "")
 
 
 def error_reply(rid: int | None, exc: WeightcacheError) -> dict[str, Any]:
@@ -206,11 +216,8 @@ class Connections:
                     frame_deadline = None
                 elif frames or frame_deadline is None:  # a new frame began in this read
                     frame_deadline = time.monotonic() + d.frame_read_timeout_s
-                for payload in frames:
-                    # One read may hold hundreds of small frames: the in-flight limit
-                    # holds between them too, not only between reads.
-                    await conn.readable.wait()
-                    self._dispatch(conn, payload)
+                await self._dispatch_all(conn, frames)
+                frames = []  # an idle connection must not keep its last frame (up to max_frame_bytes) alive
                 if not decoder.pending:  # fds no frame claimed: nobody will
                     conn.close_fds()
         finally:
@@ -268,11 +275,18 @@ class Connections:
             t.add_done_callback(self.loads.background.discard)
         dropped = self.core.drop_connection(conn.id)
         if dropped:
-            log.info("conn %d (%s, pid %d) closed holding %d lease(s); released", conn.id, conn.client, conn.peer.pid, len(dropped))
+            log.info("conn %d (%r, pid %d) closed holding %d lease(s); released", conn.id, conn.client, conn.peer.pid, len(dropped))
             await self.loads.notify_space()
         conn.sock.close()
 
     # -- requests -------------------------------------------------------------------
+    async def _dispatch_all(self, conn: Connection, frames: list[bytes]) -> None:
+        for payload in frames:
+            # One read may hold hundreds of small frames: the in-flight limit holds
+            # between them too, not only between reads.
+            await conn.readable.wait()
+            self._dispatch(conn, payload)
+
     def _dispatch(self, conn: Connection, payload: bytes) -> None:
         try:
             args = decode_payload(payload)
@@ -296,8 +310,7 @@ class Connections:
             # Handled inline so that requests pipelined behind it see greeted=True.
             try:
                 reply = {"id": rid, "ok": True, **hello(self._context(), args)}
-                client = args.get("client", "?")
-                conn.client = client if isinstance(client, str) else "?"
+                conn.client = client_name(args.get("client", "?"))
                 conn.greeted = True
             except WeightcacheError as exc:
                 reply = error_reply(rid, exc)

@@ -143,7 +143,7 @@ async def publish(ctx: Context, caller: Caller, req: Request) -> Reply:
     try:
         await loads.fill_new_arena(staging, ckpt, backend.capacity(ckpt.arena_bytes), wait,
                                    CopyPublished(backend, source, ckpt.arena_bytes),
-                                   verb=f"published by {caller.client} (pid {caller.peer.pid}, uid {caller.peer.uid}):")
+                                   verb=f"published by {caller.client!r} (pid {caller.peer.pid}, uid {caller.peer.uid}):")
         if name in ctx.registry.groups:  # again: it may have been attached or pinned during the copy
             _check_may_publish(ctx, caller.peer, name, replace)
             loads.forget(ctx.registry.unregister(name))
