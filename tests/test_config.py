@@ -1,11 +1,13 @@
 """Config: sizes, budgets, precedence of env over file, and messages that name the key."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from weightcache.config import Budget, load_settings, parse_size
+from weightcache.config import Budget, DaemonConfig, load_settings, parse_size
 from weightcache.errors import ConfigError
 
 
@@ -92,3 +94,12 @@ def test_config_text_writes_what_load_settings_reads(tmp_path):
     tp, odd = s.models
     assert [(str(p.path), p.device) for p in tp.shards] == [("/m/rank0", "cuda:0"), ("/m/rank1", "cuda:1")]
     assert (str(odd.path), odd.pin, odd.keep_alive) == ('/m/a "b"\\c', True, 1.5)
+
+
+def test_the_example_config_shows_every_daemon_key():
+    """configs/example.toml says it shows every key: each [daemon] setting appears, set or
+    commented out, so an operator finds every knob (new limits included) in one place."""
+    text = (Path(__file__).parents[1] / "configs" / "example.toml").read_text()
+    shown = set(re.findall(r"^#? ?([a-z_]+) = ", text, re.M))
+    missing = sorted(set(DaemonConfig.model_fields) - shown)
+    assert not missing, f"configs/example.toml does not show: {missing}"
