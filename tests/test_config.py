@@ -63,6 +63,8 @@ def test_file_then_env_precedence(tmp_path, monkeypatch):
         ('[[models]]\nname = "bad name!"\npath = "/x"', "models.0.name"),
         ('[[models]]\nname = "m"\npath = "/x"\n[[models]]\nname = "m"\npath = "/y"', "appears twice"),
         ("[daemon\n", "not valid TOML"),
+        ('[budgets]\ncpu = "1.5"', "for a size give a unit"),  # was a budget of 1 byte
+        ('[budgets]\ncpu = "0"', "holds nothing"),
     ],
 )
 def test_invalid_configs_name_the_key(tmp_path, body, expect):
@@ -79,6 +81,15 @@ def test_serve_with_invalid_config_exits_2_with_one_clear_message(tmp_path):
     r = subprocess.run([sys.executable, "-m", "weightcache", "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "budgets" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_byte_budget_larger_than_the_device_refuses_to_start(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[daemon]\nsocket = "{tmp_path}/s.sock"\n[budgets]\ncpu = "900TiB"\n')
+    r = subprocess.run([sys.executable, "-m", "weightcache", "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "budgets.cpu" in r.stderr and "more than the device" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "s.sock").exists()
 
 
 def test_config_text_writes_what_load_settings_reads(tmp_path):

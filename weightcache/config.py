@@ -57,12 +57,18 @@ class Budget(BaseModel):
     def parse(cls, value: Any) -> Budget:
         if isinstance(value, Budget):
             return value
-        if isinstance(value, float) or (isinstance(value, str) and re.fullmatch(r"\s*0?\.[0-9]+\s*|\s*1(\.0*)?\s*", value)):
+        if isinstance(value, float) or (isinstance(value, str) and re.fullmatch(r"\s*[0-9]*\.[0-9]*\s*|\s*1\s*", value)):
+            # A bare number with a point is a fraction: "1.5" meant as 1.5 GiB must not
+            # become a budget of one byte.
             frac = float(value)
             if not 0.0 < frac <= 1.0:
-                raise ValueError(f"a fraction budget must be in (0, 1], got {value!r}")
+                raise ValueError(f"{value!r} reads as a fraction of the device's memory, which must be in (0, 1]; "
+                                 "for a size give a unit, e.g. '1.5GiB'")
             return cls(fraction=frac)
-        return cls(nbytes=parse_size(value))
+        nbytes = parse_size(value)
+        if nbytes == 0:
+            raise ValueError(f"a budget of {value!r} holds nothing; give a size with a unit or a fraction in (0, 1]")
+        return cls(nbytes=nbytes)
 
     def resolve(self, total_bytes: int) -> int:
         if self.nbytes is not None:

@@ -19,7 +19,8 @@ import time
 from ..backends import Backend, backend_for
 from ..cache import CacheCore
 from ..config import Settings
-from ..errors import WeightcacheError
+from ..errors import ConfigError, WeightcacheError
+from ..units import format_size
 from .daemon import Daemon
 from .logs import setup_logging
 
@@ -33,7 +34,11 @@ def build(settings: Settings, config_path: str | None = None) -> Daemon:
     budgets = {}
     for device, budget in settings.budgets.items():
         backend = backends[device] = backend_for(device)
-        budgets[device] = budget.resolve(backend.total_memory())
+        total = backend.total_memory()
+        if budget.nbytes is not None and budget.nbytes > total:
+            raise ConfigError(f"budgets.{device}: {budget} is more than the device's {format_size(total)}; "
+                              "give a size it has, or a fraction such as \"0.8\"")
+        budgets[device] = budget.resolve(total)
         log.info("device %s: backend %s, budget %d bytes (%s)", device, backend.kind, budgets[device], budget)
     host_budget = settings.daemon.host_budget
     tiered = [b for b in backends.values() if b.supports_host_tier]
