@@ -65,6 +65,7 @@ def test_file_then_env_precedence(tmp_path, monkeypatch):
         ("[daemon\n", "not valid TOML"),
         ('[budgets]\ncpu = "1.5"', "for a size give a unit"),  # was a budget of 1 byte
         ('[budgets]\ncpu = "0"', "holds nothing"),
+        ('[[models]]\nname = "m"\npath = "/x"\nkeep_alive = "1 week"', "use seconds, or a number with s, m, h or d"),
     ],
 )
 def test_invalid_configs_name_the_key(tmp_path, body, expect):
@@ -114,3 +115,11 @@ def test_the_example_config_shows_every_daemon_key():
     shown = set(re.findall(r"^#? ?([a-z_]+) = ", text, re.M))
     missing = sorted(set(DaemonConfig.model_fields) - shown)
     assert not missing, f"configs/example.toml does not show: {missing}"
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("30s", 30), ("5m", 300), ("1h", 3600), ("1.5h", 5400), (90, 90)])
+def test_keep_alive_takes_durations(tmp_path, text, seconds):
+    cfg = tmp_path / "c.toml"
+    value = f'"{text}"' if isinstance(text, str) else text
+    cfg.write_text(f'[[models]]\nname = "m"\npath = "/x"\nkeep_alive = {value}\n')
+    assert load_settings(cfg).models[0].keep_alive == seconds

@@ -45,6 +45,22 @@ def parse_size(value: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+_DURATION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(s|m|h|d)?\s*$")
+_DURATION_UNITS = {None: 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: Any) -> float:
+    """``"90s"``, ``"5m"``, ``"1h"``, ``"1d"``, or a number of seconds -> seconds."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a duration: {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    m = _DURATION_RE.match(str(value))
+    if not m:
+        raise ValueError(f"not a duration: {value!r} (use seconds, or a number with s, m, h or d: '30s', '5m', '1h')")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+
+
 class Budget(BaseModel):
     """A per-device budget: absolute bytes, or a fraction of the device's total memory."""
 
@@ -129,12 +145,17 @@ class ModelConfig(BaseModel):
     shards: tuple[ShardConfig, ...] = ()
     pin: bool = False
     preload: bool = False
-    keep_alive: float | None = Field(default=None, gt=0, description="seconds unused and unattached before eviction")
+    keep_alive: float | None = Field(default=None, gt=0, description="seconds (or '30m', '1h') unused and unattached before eviction")
 
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
         return check_model_name(v)
+
+    @field_validator("keep_alive", mode="before")
+    @classmethod
+    def _keep_alive(cls, v: Any) -> float | None:
+        return None if v is None else parse_duration(v)
 
     @field_validator("device")
     @classmethod
