@@ -103,11 +103,15 @@ class AttachedModel(Mapping[str, torch.Tensor]):
     ...     logits = model_forward(m["lm_head.weight"], ...)
     """
 
-    def __init__(self, name: str, lease: int, fingerprint: str, device: str, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, name: str, lease: int, fingerprint: str, device: str, tensors: dict[str, torch.Tensor],
+                 source: str = "resident") -> None:
         self.name = name
         self.lease = lease
         self.fingerprint = fingerprint
         self.device = device
+        # Where the daemon got the bytes for this attach: "resident" (a hit), "host" (it
+        # waited for a promotion from the host tier) or "files" (for a load from disk).
+        self.source = source
         self._tensors = tensors
 
     def __getitem__(self, key: str) -> torch.Tensor:
@@ -131,4 +135,5 @@ def attached_model(name: str, reply: dict[str, Any], fds: list[int]) -> Attached
     """An attach reply and its fds (taken, as by :func:`map_arena`) -> the model's tensors.
     The lease stays the caller's to end."""
     slab = map_arena(reply.get("arena") or {}, fds)
-    return AttachedModel(name, reply["lease"], reply["fingerprint"], reply["device"], tensor_views(slab, reply["tensors"]))
+    return AttachedModel(name, reply["lease"], reply["fingerprint"], reply["device"], tensor_views(slab, reply["tensors"]),
+                         source=reply.get("source", "resident"))
