@@ -26,7 +26,7 @@ from ..errors import BadRequest, NoSpace
 from ..loader.reader import DIRECT_ALIGN, pread_direct, pread_full
 from ..units import capacity
 from .base import Arena, Backend, HostCopy, HostPool, PublishedSource
-from .firstfit import FirstFit
+from .extents import ExtentAllocator
 
 
 @dataclass
@@ -103,9 +103,10 @@ class _VmmWriter:
 @dataclass
 class PinnedCopy(HostCopy):
     """An arena's bytes in page-locked host memory: the host tier. Pinned so the copy
-    back runs at PCIe speed (55 GB/s both ways on the H200 vs 6.3 pageable)."""
+    back runs at PCIe speed (55 GB/s both ways on the H200 vs 6.3 pageable). The bytes
+    may be in several pieces (``pieces``: host address, length; in arena order)."""
 
-    ptr: int = 0
+    pieces: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -122,15 +123,15 @@ class PinnedPool(HostPool):
     unpinning it (cuMemFreeHost) ~0.8 s during which the next load's driver calls waited
     (the warm loader fell from 30 to 8 GB/s in docs/benchmarks.md's run). Pinned once
     at start, in a thread (the socket answers meanwhile), with PORTABLE so every GPU's
-    context may copy from it. If fragmentation leaves no contiguous range, ``alloc``
-    returns None and the daemon evicts instead of demoting (logged; never wrong).
+    context may copy from it. A copy takes any free bytes, in pieces (backends/extents.py):
+    the pool never refuses a copy while the tier's budget has room.
     """
 
     def __init__(self, ctx: Any, nbytes: int) -> None:
         self.nbytes = nbytes
         self._ctx = ctx
         self._base = 0
-        self._ranges = FirstFit(nbytes)
+        self._ranges = ExtentAllocator(nbytes)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         threading.Thread(target=self._pin, name="wc-pin-host-pool", daemon=True).start()
@@ -144,15 +145,16 @@ class PinnedPool(HostPool):
         finally:
             self._ready.set()
 
-    def alloc(self, n: int) -> int | None:
+    def alloc(self, n: int) -> list[tuple[int, int]] | None:
+        """Host pieces (address, length) adding up to ``n`` bytes; None if fewer are free."""
         self._ready.wait()
         if self._error is not None:
             raise RuntimeError(f"the pinned host pool could not be allocated: {self._error}")
-        off = self._ranges.alloc(n)
-        return None if off is None else self._base + off
+        pieces = self._ranges.alloc(n)
+        return None if pieces is None else [(self._base + off, length) for off, length in pieces]
 
-    def free(self, ptr: int, n: int) -> None:
-        self._ranges.free(ptr - self._base, n)
+    def free(self, pieces: list[tuple[int, int]]) -> None:
+        self._ranges.free([(ptr - self._base, length) for ptr, length in pieces])
 
     def close(self) -> None:
         self._ready.wait()
@@ -272,25 +274,31 @@ class CudaBackend(Backend):
 
     def demote(self, arena: Arena) -> PinnedCopy:
         assert isinstance(arena, VmmArena) and self.host_pool is not None
-        ptr = self.host_pool.alloc(arena.nbytes)
-        if ptr is None:
-            raise RuntimeError(f"no contiguous {arena.nbytes} bytes free in the pinned pool (fragmented)")
+        pieces = self.host_pool.alloc(arena.nbytes)
+        if pieces is None:  # the core admits a demotion only within the tier's budget: a bug if seen
+            raise RuntimeError(f"fewer than {arena.nbytes} bytes free in the pinned pool")
         try:
             with drv.current(self.ctx):
-                drv.check(cu.cuMemcpyDtoH(ptr, arena.va, arena.nbytes))
+                pos = 0
+                for ptr, length in pieces:
+                    drv.check(cu.cuMemcpyDtoH(ptr, arena.va + pos, length))
+                    pos += length
         except BaseException:
-            self.host_pool.free(ptr, arena.nbytes)
+            self.host_pool.free(pieces)
             raise
-        return PinnedCopy(arena.nbytes, ptr)
+        return PinnedCopy(arena.nbytes, pieces)
 
     def promote(self, host: HostCopy, arena: Arena) -> None:
         assert isinstance(arena, VmmArena) and isinstance(host, PinnedCopy) and host.nbytes == arena.nbytes
         with drv.current(self.ctx):
-            drv.check(cu.cuMemcpyHtoD(arena.va, host.ptr, host.nbytes))
+            pos = 0
+            for ptr, length in host.pieces:
+                drv.check(cu.cuMemcpyHtoD(arena.va + pos, ptr, length))
+                pos += length
 
     def free_host(self, host: HostCopy) -> None:
         assert self.host_pool is not None and isinstance(host, PinnedCopy)
-        self.host_pool.free(host.ptr, host.nbytes)
+        self.host_pool.free(host.pieces)
 
     def close(self) -> None:
         if self.host_pool is not None:  # shared: the first backend to close frees it
