@@ -68,3 +68,67 @@ async def test_checkpoint_changed_on_disk_is_reloaded_not_served_stale(start_dae
         async with c.attach("m") as m:
             assert m.fingerprint != old_fp and m["w"].shape == (2048,) and bool((m["w"] == 1).all())
     assert "changed on disk" in d.log_text()
+
+
+def _sparse_checkpoint(path, nbytes: int) -> None:
+    """One U8 tensor of ``nbytes`` zeros, written sparse: big loads without writing GiBs."""
+    import json
+    import struct
+
+    header = json.dumps({"w": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + nbytes)
+
+
+async def test_a_load_nobody_waits_for_is_cancelled_and_returns_its_reservation(start_daemon, tmp_path):
+    big = tmp_path / "big.safetensors"
+    _sparse_checkpoint(big, 2**29)
+    d = start_daemon(budget="1GiB", models={"big": big}, extra_daemon={"load_threads": 1, "load_chunk_bytes": 2**20})
+    engine = d.raw()
+    engine.send(encode_frame({"id": 1, "op": "attach", "name": "big"}))
+    async with Client(d.socket) as c:
+        while True:  # the engine dies early in the load, while it waits for it
+            st = await c.status()
+            p = st["loading"].get("big")
+            if p and p["bytes_done"]:
+                break
+            await asyncio.sleep(0.002)
+        assert p["bytes_done"] < 0.3 * p["bytes_total"], f"the load ran too fast to test cancellation: {p}"
+        engine.close()
+
+        async def cancelled() -> bool:
+            st = await c.status()
+            return st["counters"]["cancelled_loads"] == 1 and not st["loading"]
+
+        await eventually(cancelled)
+        st = await c.status()
+        assert st["devices"]["cpu"]["reserved"] == 0 and st["devices"]["cpu"]["used"] == 0, st["devices"]
+        assert st["counters"]["loads"] == 0 and st["counters"]["wasted_loads"] == 0
+        assert (await c.models())[0]["state"] == "registered"
+        assert "cancelling it" in d.log_text() and "cancelled after" in d.log_text()
+        # Asked for again, it loads from scratch (not the abandoned load's error).
+        async with c.attach("big", wait_s=30) as m:
+            assert m.source == "files" and m.nbytes == 2**29
+        async with c.attach("big") as m:
+            assert m.source == "resident"
+        assert (await c.status())["counters"]["loads"] == 1
+
+
+async def test_waiters_for_room_are_woken_oldest_first():
+    from weightcache.server.loads import SpaceFreed
+
+    room = SpaceFreed()
+    woken: list[int] = []
+    tickets = [room.ticket() for _ in range(3)]
+
+    async def waiter(t: int) -> None:
+        await room.wait(t, 5)
+        woken.append(t)
+
+    tasks = [asyncio.ensure_future(waiter(t)) for t in reversed(tickets)]  # the youngest waits first
+    await asyncio.sleep(0)
+    room.notify()
+    await asyncio.gather(*tasks)
+    assert woken == tickets and room.generation == 1

@@ -222,7 +222,7 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
                 return
             if cancelled():
                 failed.set()
-                raise LoadFailed("load cancelled (daemon shutting down)", reason="cancelled")
+                raise LoadFailed("load cancelled", reason="cancelled")
             try:
                 writer.write_from_file(fds[r.file], r.file_offset, r.arena_offset, r.nbytes, direct[r.file])
             except CorruptCheckpoint as exc:

@@ -139,7 +139,7 @@ class Daemon:
             self._listener.close()
         # Tell every client; engines holding leases should detach (or restart elsewhere).
         await self.connections.broadcast({"event": "shutting_down", "grace_s": grace, "leases": len(self.core.leases)})
-        pending = self.connections.in_flight() + list(self.loads.tasks.values())
+        pending = self.connections.in_flight() + self.loads.tasks
         if pending:
             log.info("waiting up to %.1fs for %d request(s) in flight", grace, len(pending))
             _, still = await asyncio.wait(pending, timeout=grace or None) if grace else (set(), set(pending))
@@ -148,12 +148,9 @@ class Daemon:
             await asyncio.gather(*still, return_exceptions=True)
         if self.core.leases:
             log.info("waiting up to %.1fs for %d lease(s) to end", max(0.0, deadline - time.monotonic()), len(self.core.leases))
-            async with self.loads.space_freed:
-                while self.core.leases and time.monotonic() < deadline:
-                    try:
-                        await asyncio.wait_for(self.loads.space_freed.wait(), deadline - time.monotonic())
-                    except TimeoutError:
-                        break
+            ticket = self.loads.space_freed.ticket()
+            while self.core.leases and time.monotonic() < deadline:
+                await self.loads.space_freed.wait(ticket, deadline - time.monotonic())
             if self.core.leases:
                 log.warning("exiting with %d lease(s) still held; their mappings stay valid (memory is refcounted)",
                             len(self.core.leases))
@@ -189,7 +186,7 @@ class Daemon:
         health = self.health()
         return Snapshot(devices=devices, models=models, last_load_rate=dict(self.loads.last_load_rate),
                         connections=len(self.connections), leases=len(core.leases), ready=health["ready"],
-                        failed_preloads=list(health["failed_preloads"]))
+                        failed_preloads=list(health["failed_preloads"]), counters=dict(self.loads.counters))
 
     # -- reload ---------------------------------------------------------------------
     async def reload_config(self) -> dict[str, list[str]]:

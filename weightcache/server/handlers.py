@@ -74,7 +74,7 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
     return {
         "version": __version__, "pid": os.getpid(), "uptime_s": time.monotonic() - ctx.started,
         "socket": ctx.socket_path, "devices": devices, "connections": ctx.connections(),
-        "leases": len(ctx.core.leases),
+        "leases": len(ctx.core.leases), "counters": dict(ctx.loads.counters),
         "loading": {name.partition("#")[0]: p.snapshot() for name, p in ctx.loads.progress.items()},
         "shutting_down": ctx.shutting_down(),
     }, []
@@ -115,8 +115,11 @@ async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
         raise BadRequest(f"{entry.device} arenas are sealed memfds: they cannot be mapped writable", argument="writable")
     if device is not None and not backend.names(device):
         raise BadRequest(f"model {name!r} lives on {entry.device}, not {device}", model=name, device=device)
+    source = "resident"
     while True:
-        await ctx.loads.ensure_resident(name, wait)
+        got = await ctx.loads.ensure_resident(name, wait)
+        if got != "resident":
+            source = got  # a miss stays a miss, even if a retry then found it resident
         # Another request may have evicted it between the load and here; retry then.
         if ctx.core.entry(name).state is State.RESIDENT:
             break
@@ -133,7 +136,7 @@ async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
         raise
     return {
         "lease": lease.id, "model": name, "rank": m.rank, "device": entry.device, "fingerprint": m.checkpoint.fingerprint,
-        "arena": {**arena, "writable": writable}, "tensors": Packed(m.table),
+        "arena": {**arena, "writable": writable}, "source": source, "tensors": Packed(m.table),
     }, fds
 
 

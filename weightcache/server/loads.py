@@ -15,10 +15,14 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
+import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgpack
@@ -40,6 +44,58 @@ def encode_table(ckpt: Checkpoint) -> bytes:
     return msgpack.packb(ckpt.wire_tensors(), use_bin_type=True)  # type: ignore[no-any-return]
 
 
+# Daemon-wide totals for ``status`` and the metrics (per-model ones live on the core's
+# entries, and go when a model is unregistered).
+COUNTERS = ("loads", "promotions", "evictions", "demotions", "failed_demotions", "wasted_loads", "cancelled_loads")
+# An orphaned load (every waiter gone) further along than this finishes: throwing away
+# more than half the work to save the rest is the worse bet if anyone asks again.
+FINISH_ORPHAN_AFTER = 0.5
+
+
+@dataclass
+class LoadJob:
+    """One load in flight: the requests waiting on it, and whether it was given up."""
+
+    name: str
+    source: str = "files"  # where its bytes come from: "files" or "host" (a promotion)
+    waiters: int = 0
+    # Set when every waiter went and the load was not worth finishing: the filling
+    # threads check it between chunks, the load task between phases.
+    abandoned: threading.Event = field(default_factory=threading.Event)
+    task: asyncio.Task[str] | None = None
+
+
+class SpaceFreed:
+    """Requests waiting for room, woken in the order they first waited: one that is
+    refused again keeps its place instead of going to the back (asyncio.Condition would
+    re-queue it behind later arrivals)."""
+
+    def __init__(self) -> None:
+        self.generation = 0  # counts notifications: a waiter that missed one sees it
+        self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._tickets = itertools.count()
+
+    def ticket(self) -> int:
+        return next(self._tickets)
+
+    async def wait(self, ticket: int, timeout: float) -> None:
+        """Until the next notification or ``timeout`` seconds, whichever comes first."""
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters[ticket] = fut
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fut, timeout)
+        finally:
+            self._waiters.pop(ticket, None)
+
+    def notify(self) -> None:
+        self.generation += 1
+        for ticket in sorted(self._waiters):  # their tasks resume in this order
+            fut = self._waiters.pop(ticket)
+            if not fut.done():
+                fut.set_result(None)
+
+
 class Loads:
     def __init__(self, settings: DaemonConfig, core: CacheCore, registry: Registry, backends: dict[str, Backend],
                  shutting_down: Callable[[], bool]) -> None:
@@ -48,7 +104,7 @@ class Loads:
         self.registry = registry
         self.backends = backends
         self._shutting_down = shutting_down
-        self.tasks: dict[str, asyncio.Task[None]] = {}  # entry -> its load in flight
+        self.jobs: dict[str, LoadJob] = {}  # entry -> its load in flight
         self.demotions: dict[str, asyncio.Task[None]] = {}  # entry -> its host copy in flight
         self.progress: dict[str, Progress] = {}
         self.last_load_rate: dict[str, float] = {}  # bytes/s of each model's last load (metrics)
@@ -56,8 +112,8 @@ class Loads:
         # failed with the error until a later preload of that model succeeds.
         self.preloads_pending: set[str] = set()
         self.preloads_failed: dict[str, str] = {}
-        self.space_freed = asyncio.Condition()
-        self.space_generation = 0  # counts notify_space calls: a waiter that missed one sees it
+        self.space_freed = SpaceFreed()
+        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self.background: set[asyncio.Task[Any]] = set()
         self._releasing: set[asyncio.Task[Any]] = set()  # arenas being freed in threads
         # Opening and parsing what peers name or send: bounded, and apart from the loads.
@@ -75,58 +131,92 @@ class Loads:
             log.error("background task failed", exc_info=task.exception())
 
     # -- making models resident -----------------------------------------------------
-    async def ensure_resident(self, name: str, wait_s: float) -> None:
+    @property
+    def tasks(self) -> list[asyncio.Task[str]]:
+        """The loads in flight (shutdown waits for them)."""
+        return [j.task for j in self.jobs.values() if j.task is not None]
+
+    async def ensure_resident(self, name: str, wait_s: float) -> str:
         """Return once ``name`` is resident: at once if it is, else by joining the one
-        load in flight or starting it. The load is shielded: a caller that goes away does
-        not cancel it for the others.
+        load in flight or starting it. Returns where the bytes came from: "resident"
+        (already there), "host" (promoted from the host tier) or "files".
 
         A load never waits for room itself: it fails NO_SPACE at once, and each caller
-        waits up to its own ``wait_s`` for detaches, then tries again. So no request can
-        make the others that join its load wait longer than they asked to."""
+        waits up to its own ``wait_s`` for detaches, then tries again; callers waiting
+        for room are woken oldest first. So no request can make the others that join its
+        load wait longer than they asked to."""
         deadline = time.monotonic() + wait_s
+        ticket: int | None = None
         while True:
-            generation = self.space_generation
+            generation = self.space_freed.generation
             try:
-                await self._resident_once(name)
-                return
+                return await self._resident_once(name)
             except NoSpace as exc:
                 left = deadline - time.monotonic()
                 if left <= 0 or not exc.details.get("fits_ever"):
                     raise
-                if self.space_generation != generation:
+                if self.space_freed.generation != generation:
                     continue  # room was freed while the refusal travelled back: try again now
-                async with self.space_freed:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.space_freed.wait(), left)
+                if ticket is None:
+                    ticket = self.space_freed.ticket()  # kept across retries: our place in line
+                await self.space_freed.wait(ticket, left)
 
-    async def _resident_once(self, name: str) -> None:
+    async def _resident_once(self, name: str) -> str:
         e = self.core.entry(name)
         if e.state is State.RESIDENT:
             m = self.registry.models[name]
             if m.checkpoint is not None and (e.attach_count or m.unchanged()):
                 self.core.touch(name)
-                return
+                return "resident"
             # The files changed since it was loaded and nobody holds the old bytes:
             # drop them so the new checkpoint is what gets served.
             log.warning("model %s changed on disk; reloading it", name)
             # a pin keeps a model, not stale bytes; and stale bytes do not go to the host tier
             await self.carry_out(self.core.evict(name, ignore_pin=True, demote=False), reason="changed on disk")
-        task = self.tasks.get(name)
-        if task is None:
-            task = asyncio.ensure_future(self._load(name))
-            self.tasks[name] = task
-            task.add_done_callback(self._load_done)
-        await asyncio.shield(task)
+        job = self.jobs.get(name)
+        if job is not None and job.abandoned.is_set():
+            # Given up, and stopping at its next chunk: let it stop, then load afresh.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(job.task)  # type: ignore[arg-type]
+            return await self._resident_once(name)
+        if job is None:
+            job = self.jobs[name] = LoadJob(name)
+            job.task = asyncio.ensure_future(self._load(job))
+            job.task.add_done_callback(functools.partial(self._load_done, job))
+        job.waiters += 1
+        try:
+            assert job.task is not None
+            return await asyncio.shield(job.task)
+        finally:
+            job.waiters -= 1
+            if not job.waiters and job.task is not None and not job.task.done():
+                self._orphaned(job)
 
-    def _load_done(self, task: asyncio.Task[None]) -> None:
+    def _orphaned(self, job: LoadJob) -> None:
+        """Every request waiting on this load went away (their engines died or gave up):
+        cancel it, or finish it if that is cheaper; the log says which."""
+        progress = self.progress.get(job.name)
+        done = progress.done / max(progress.total, 1) if progress is not None else 0.0
+        if job.source == "host":
+            log.info("load %s: no one waits for it any more; finishing it (a promotion is one copy from the host tier)",
+                     job.name)
+        elif done >= FINISH_ORPHAN_AFTER:
+            log.info("load %s: no one waits for it any more; finishing it (%.0f%% done)", job.name, 100 * done)
+        else:
+            log.info("load %s: no one waits for it any more; cancelling it (%.0f%% done)", job.name, 100 * done)
+            job.abandoned.set()
+
+    def _load_done(self, job: LoadJob, task: asyncio.Task[str]) -> None:
         # The load may outlive every request that waited on it; its error is already
         # logged and kept in last_error, so mark it retrieved here.
-        self.tasks = {n: t for n, t in self.tasks.items() if t is not task}
+        if self.jobs.get(job.name) is job:
+            del self.jobs[job.name]
         if not task.cancelled():
             task.exception()
 
-    async def _load(self, name: str) -> None:
+    async def _load(self, job: LoadJob) -> str:
         """Decide where the bytes come from (the host tier, the files), then fill."""
+        name = job.name
         model = self.registry.models[name]
         entry = self.core.entry(name)
         backend = self.backends[entry.device]
@@ -138,14 +228,16 @@ class Loads:
             await self.carry_out(StepDown(drop_host=(name,)), reason="stale")
         if entry.state is State.HOST:
             assert model.checkpoint is not None and model.host is not None
+            job.source = "host"
             await self.fill_new_arena(name, model.checkpoint, entry.nbytes, 0, Promote(backend, model.host),
-                                      verb="promoted")
-            return
+                                      verb="promoted", job=job)
+            return job.source
         if model.published:
             raise LoadFailed(f"model {name!r} was published by an engine and has since been evicted; publish it again",
                              model=name, reason="published model evicted")
         d = self.settings
         opened, model.parked = model.files or model.parked, None
+        t_open = time.monotonic()
         try:
             if opened is None:  # the daemon opens the files itself: the operator's or an admin's paths
                 opened = await self.io(open_source, model.path, roots=d.model_roots or None,
@@ -160,10 +252,13 @@ class Loads:
             model.last_error = err.to_wire()
             log.error("load %s refused: %s", name, err)
             raise err from None
+        opening = time.monotonic() - t_open
         try:
             await self.fill_new_arena(name, ckpt, backend.capacity(ckpt.arena_bytes), 0,
-                                      ReadFiles(backend, d, opened, cancelled=self._shutting_down, label=name),
-                                      verb="loaded")
+                                      ReadFiles(backend, d, opened, label=name,
+                                                cancelled=lambda: self._shutting_down() or job.abandoned.is_set()),
+                                      verb="loaded", job=job, phases={"open": opening})
+            return job.source
         except NoSpace:
             if opened is not model.files:
                 model.parked = opened  # the caller waits for room, then retries with these same files
@@ -188,13 +283,29 @@ class Loads:
                              reason="io timeout") from None
 
     async def fill_new_arena(self, name: str, ckpt: Checkpoint, nbytes: int, wait_s: float, fill: FillStrategy,
-                             verb: str) -> None:
+                             verb: str, job: LoadJob | None = None, phases: dict[str, float] | None = None) -> None:
         """Admit (evicting as planned), allocate, ``fill`` in a thread, seal, and make the
         model resident; on any failure free the arena and return the reservation, so the
-        budget is exactly as before. Loads, promotions and publishes all come here."""
+        budget is exactly as before. Loads, promotions and publishes all come here.
+
+        Every phase is timed and logged with the load: the fixed costs a small model pays
+        (making room, allocating, sealing) are hidden in a big one's GB/s (issue 12)."""
         model = self.registry.models[name]
         backend = self.backends[self.core.entry(name).device]
-        t0 = time.monotonic()
+        phases = dict(phases or {})
+        t0 = mark = time.monotonic()
+
+        def phase(label: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            phases[label] = phases.get(label, 0.0) + now - mark
+            mark = now
+
+        def check_wanted() -> None:
+            if job is not None and job.abandoned.is_set():
+                raise LoadFailed(f"load of {name!r} cancelled: no one waits for it", model=name, reason="cancelled")
+
+        check_wanted()
         try:
             plan = await self._admit(name, nbytes, wait_s)
         except WeightcacheError as exc:
@@ -203,45 +314,69 @@ class Loads:
             level = logging.INFO if isinstance(exc, NoSpace) and exc.details.get("fits_ever") else logging.ERROR
             log.log(level, "load %s refused: %s", name, exc)
             raise
-        await self.carry_out(plan.step_down, reason=f"LRU, to make room for {name}")
-        progress = self.progress[name] = Progress(ckpt.data_bytes)
+        phase("admit")
         arena: Arena | None = None
-        if self._releasing:
-            # Victims' memory must be back before the allocation checks the device's free memory.
-            await asyncio.wait(list(self._releasing))
         try:
+            await self.carry_out(plan.step_down, reason=f"LRU, to make room for {name}")
+            phase("make room")
+            progress = self.progress[name] = Progress(ckpt.data_bytes)
+            if self._releasing:
+                # Victims' memory must be back before the allocation checks the device's free memory.
+                await asyncio.wait(list(self._releasing))
+                phase("wait for frees")
+            check_wanted()
             arena = await asyncio.to_thread(backend.allocate, nbytes, name)
+            phase("allocate")
             await asyncio.to_thread(fill, ckpt, arena, progress)
+            phase("fill")
+            check_wanted()
             await asyncio.to_thread(backend.seal, arena)
+            phase("seal")
             # Encoded once, spliced into every attach reply: a 600,000-row table encoded
             # per attach cost ~2 s of loop time each.
             table = await asyncio.to_thread(encode_table, ckpt)
+            phase("table")
         except BaseException as exc:
             if arena is not None:
                 self.release(arena)
             self.core.abort_load(name)
             err = exc if isinstance(exc, WeightcacheError) else LoadFailed(f"{name}: {type(exc).__name__}: {exc}", model=name)
-            model.last_error = err.to_wire()
-            log.error("load %s failed: %s", name, err)
+            if job is not None and job.abandoned.is_set() and not self._shutting_down():
+                self.counters["cancelled_loads"] += 1
+                log.info("load %s cancelled after %.2fs: no one waits for it; its reservation is returned",
+                         name, time.monotonic() - t0)
+                err = LoadFailed(f"load of {name!r} cancelled: no one waits for it", model=name, reason="cancelled")
+            else:
+                model.last_error = err.to_wire()
+                log.error("load %s failed: %s", name, err)
             await self.notify_space()
-            if isinstance(exc, (WeightcacheError, asyncio.CancelledError)):
+            if err is exc or isinstance(exc, asyncio.CancelledError):
                 raise
             raise err from exc
         finally:
             self.progress.pop(name, None)
         model.arena, model.checkpoint, model.table, model.last_error = arena, ckpt, table, None
         self.core.finish_load(name)
+        self.counters["loads"] += 1  # from files or the host tier, as the core counts them per model
+        if plan.promote:
+            self.counters["promotions"] += 1
         if plan.promote:
             self.drop_host_copy(model)
         dt = time.monotonic() - t0
         self.last_load_rate[name] = ckpt.data_bytes / max(dt, 1e-9)
-        log.info("%s %s: %d tensors, %d bytes in %.2fs (%.2f GB/s)", verb, name.partition("#")[0],  # staged publish
-                 len(ckpt.tensors), ckpt.data_bytes, dt, ckpt.data_bytes / max(dt, 1e-9) / 1e9)
+        wasted = job is not None and not job.waiters
+        if wasted:
+            self.counters["wasted_loads"] += 1
+        log.info("%s %s: %d tensors, %d bytes in %.3fs (%.2f GB/s; %s)%s", verb, name.partition("#")[0],  # staged publish
+                 len(ckpt.tensors), ckpt.data_bytes, dt, ckpt.data_bytes / max(dt, 1e-9) / 1e9,
+                 ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items()),
+                 "; finished with no one waiting for it" if wasted else "")
 
     async def _admit(self, name: str, nbytes: int, wait_s: float) -> LoadPlan:
         """Reserve room, evicting LRU models; on NO_SPACE wait up to ``wait_s`` for
         detaches if waiting could ever help."""
         deadline = time.monotonic() + wait_s
+        ticket: int | None = None
         while True:
             try:
                 return self.core.begin_load(name, nbytes)
@@ -249,11 +384,9 @@ class Loads:
                 left = deadline - time.monotonic()
                 if left <= 0 or not exc.details.get("fits_ever"):
                     raise
-                async with self.space_freed:
-                    try:
-                        await asyncio.wait_for(self.space_freed.wait(), left)
-                    except TimeoutError:
-                        pass
+                if ticket is None:
+                    ticket = self.space_freed.ticket()
+                await self.space_freed.wait(ticket, left)
 
     # -- preloads and keep-alive ----------------------------------------------------
     def start_preload(self, name: str, gates: bool = True) -> None:
@@ -296,6 +429,7 @@ class Loads:
         for name in step.drop_host:
             log.info("dropped host copy of %s: %s", name, reason)
             self.drop_host_copy(self.registry.models[name])
+        self.counters["evictions"] += len(step.evict) + len(step.demote)
         for name in step.evict:
             self._free_arena(name, reason)
         for name in step.demote:
@@ -316,7 +450,9 @@ class Loads:
         except Exception as exc:
             log.error("demoting %s to the host tier failed (%s); evicting it instead", name, exc)
             self.core.demotion_failed(name)
+            self.counters["failed_demotions"] += 1
         else:
+            self.counters["demotions"] += 1
             dt = time.monotonic() - t
             log.info("demoted %s to the host tier (%d bytes, %.1f GB/s): %s", name, model.arena.nbytes,
                      model.arena.nbytes / max(dt, 1e-9) / 1e9, reason)
@@ -355,9 +491,7 @@ class Loads:
         task.add_done_callback(self._releasing.discard)
 
     async def notify_space(self) -> None:
-        self.space_generation += 1
-        async with self.space_freed:
-            self.space_freed.notify_all()
+        self.space_freed.notify()
 
     async def close(self) -> None:
         """At shutdown, after every request ended: stop background work, free everything."""

@@ -42,6 +42,7 @@ class Snapshot:
     leases: int
     ready: bool
     failed_preloads: list[str]
+    counters: dict[str, int]  # daemon-wide: server/loads.py COUNTERS
 
 
 class Metrics:
@@ -89,6 +90,8 @@ class _SnapshotCollector(Collector):
         for name, bps in snap.last_load_rate.items():
             rate.add_metric([name], bps)
         yield rate
+        for k, v in snap.counters.items():
+            yield CounterMetricFamily(f"weightcache_{k}", f"Since the daemon started: {k.replace('_', ' ')}", value=v)
         yield GaugeMetricFamily("weightcache_connections", "Open client connections", value=snap.connections)
         yield GaugeMetricFamily("weightcache_leases", "Live leases", value=snap.leases)
         yield GaugeMetricFamily("weightcache_ready", "1 when serving with every preload resident (the health op)",
