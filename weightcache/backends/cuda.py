@@ -40,13 +40,50 @@ class VmmArena(Arena):
 
 @dataclass
 class _Staging:
-    """One loader thread's pinned buffer and stream. The buffer is reused once the
-    previous copy out of it has completed (stream sync)."""
+    """A loader thread's pinned buffer and stream. The buffer is reused once the previous
+    copy out of it has completed (stream sync)."""
 
     host_ptr: int
     view: memoryview
     stream: Any
+    size: int
     busy: bool = False
+
+
+class _StagingPool:
+    """Pinned staging buffers kept across loads. Allocating them per load (8 threads x
+    16 MiB: cuMemHostAlloc, and cuMemFreeHost at the end) was part of the fixed cost
+    every load paid (issue 12); kept, they cost load_threads x load_chunk_bytes of
+    pinned host memory for the daemon's life."""
+
+    def __init__(self, ctx: Any) -> None:
+        self._ctx = ctx
+        self._free: list[_Staging] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> _Staging:
+        with self._lock:
+            for i, st in enumerate(self._free):
+                if st.size == size:
+                    return self._free.pop(i)
+        ptr = int(drv.check(cu.cuMemHostAlloc(size, 0)))
+        view = memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
+        stream = drv.check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        return _Staging(ptr, view, stream, size)
+
+    def give_back(self, st: _Staging) -> None:
+        """Called with the stream synchronized: nothing reads the buffer any more."""
+        st.busy = False
+        with self._lock:
+            self._free.append(st)
+
+    def close(self) -> None:
+        with self._lock, drv.current(self._ctx):
+            for st in self._free:
+                drv.check(cu.cuStreamDestroy(st.stream))
+                st.view.release()
+                drv.check(cu.cuMemFreeHost(st.host_ptr))
+            self._free.clear()
 
 
 class _VmmWriter:
@@ -59,7 +96,7 @@ class _VmmWriter:
     def __init__(self, backend: CudaBackend, arena: VmmArena, chunk: int) -> None:
         self._b = backend
         self._arena = arena
-        self._chunk = chunk
+        self._size = chunk + 2 * DIRECT_ALIGN  # room to widen a read to O_DIRECT alignment
         self._local = threading.local()
         self._all: list[_Staging] = []
         self._lock = threading.Lock()
@@ -67,11 +104,7 @@ class _VmmWriter:
     def _staging(self) -> _Staging:
         st = getattr(self._local, "st", None)
         if st is None:
-            size = self._chunk + 2 * DIRECT_ALIGN  # room to widen a read to O_DIRECT alignment
-            ptr = int(drv.check(cu.cuMemHostAlloc(size, 0)))
-            view = memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
-            stream = drv.check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
-            st = self._local.st = _Staging(ptr, view, stream)
+            st = self._local.st = self._b.staging.take(self._size)
             with self._lock:
                 self._all.append(st)
         return st
@@ -92,12 +125,13 @@ class _VmmWriter:
 
     def finish(self) -> None:
         with drv.current(self._b.ctx):
-            for st in self._all:
-                drv.check(cu.cuStreamSynchronize(st.stream))
-                drv.check(cu.cuStreamDestroy(st.stream))
-                st.view.release()
-                drv.check(cu.cuMemFreeHost(st.host_ptr))
-            self._all.clear()
+            try:
+                for st in self._all:
+                    drv.check(cu.cuStreamSynchronize(st.stream))
+            finally:
+                for st in self._all:
+                    self._b.staging.give_back(st)
+                self._all.clear()
 
 
 @dataclass
@@ -178,6 +212,7 @@ class CudaBackend(Backend):
         self.granularity = drv.granularity(self.ordinal)
         self._prop = drv.allocation_prop(self.ordinal)
         self.host_pool: PinnedPool | None = None  # shared by every GPU's backend (use_host_pool)
+        self.staging = _StagingPool(self.ctx)
 
     def total_memory(self) -> int:
         return drv.total_memory(self.ordinal)
@@ -301,6 +336,7 @@ class CudaBackend(Backend):
         self.host_pool.free(host.pieces)
 
     def close(self) -> None:
+        self.staging.close()
         if self.host_pool is not None:  # shared: the first backend to close frees it
             self.host_pool.close()
 
