@@ -1,5 +1,7 @@
 """The bench's typed result writes exactly the JSON that docs/bench-*.json hold (tooling
-and the docs read those files): same keys, same order, same values."""
+and the docs read those files): same keys, same order, same values. The rows added later
+(runai-model-streamer, ready to compute, fresh-process attach) keep to the same rules, and
+a small bench runs end to end against a real daemon."""
 
 import json
 from dataclasses import replace
@@ -8,33 +10,48 @@ from typing import Any
 
 import pytest
 
+from weightcache.tools.bench import BenchConfig, run_bench
 from weightcache.tools.bench_result import (
     AttachFigures,
     BenchResult,
     ControlPlaneFigures,
     DiskCeiling,
     Environment,
+    FreshAttachFigures,
     HostTierFigures,
     LoaderFigures,
     LoadFileFigures,
     PeerLoaderFigures,
+    ReadyToComputeFigures,
     RestartFigures,
     RestartTimes,
+    Spread,
     StatusLatency,
 )
+from weightcache.tools.restart import time_fresh_attach
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
+PUBLISHED = ["bench-cpu.json", "bench-h200.json"]
+
+
+def peer(r: dict[str, Any], name: str) -> PeerLoaderFigures | None:
+    if not any(k.startswith(f"{name}_") for k in r):
+        return None
+    return PeerLoaderFigures(warm_s=r.get(f"{name}_warm_s"), cold_s=r.get(f"{name}_cold_s"), error=r.get(f"{name}_error"),
+                             version=r.get(f"{name}_version"), name=name)
 
 
 def typed(r: dict[str, Any]) -> BenchResult:
     """The records a bench run with the figures of ``r`` builds."""
     return BenchResult(
         env=Environment(device=r["device"], checkpoint_bytes=r["checkpoint_bytes"], tensors=r["tensors"], python=r["python"],
-                        torch=r["torch"], cpus=r["cpus"], host=r["host"], gpu=r.get("gpu")),
+                        torch=r["torch"], cpus=r["cpus"], host=r["host"], gpu=r.get("gpu"), load_avg_1m=r.get("load_avg_1m")),
         load_file=LoadFileFigures(warm_s=r["load_file_warm_s"], touch_warm_s=r["load_file_touch_warm_s"], cold_s=r["load_file_cold_s"]),
         disk_ceiling=DiskCeiling(gbps=r.get("disk_ceiling_GBps"), error=r.get("disk_ceiling_error")),
-        fastsafetensors=PeerLoaderFigures(warm_s=r.get("fastsafetensors_warm_s"), cold_s=r.get("fastsafetensors_cold_s"),
-                                          error=r.get("fastsafetensors_error")),
+        fastsafetensors=peer(r, "fastsafetensors") or PeerLoaderFigures(),
+        runai_streamer=peer(r, "runai_streamer"),
+        ready=ReadyToComputeFigures.from_dict(r["ready_to_compute"]) if "ready_to_compute" in r else None,
+        fresh_attach=FreshAttachFigures.from_dict(r["fresh_attach"]) if "fresh_attach" in r else None,
         loader=LoaderFigures(warm_s=r["loader_warm_s"], cold_s=r["loader_cold_s"]),
         attach=AttachFigures(n=r["attach_n"], p50_ms=r["attach_p50_ms"], p99_ms=r["attach_p99_ms"], touch_s=r["attach_touch_s"]),
         host_tier=HostTierFigures(demote_s=r["host_demote_s"], promote_s=r["host_promote_s"]) if "host_demote_s" in r else None,
@@ -48,7 +65,7 @@ def typed(r: dict[str, Any]) -> BenchResult:
     )
 
 
-@pytest.mark.parametrize("name", ["bench-cpu.json", "bench-h200.json"])
+@pytest.mark.parametrize("name", PUBLISHED)
 def test_to_json_writes_the_published_keys_in_order(name):
     text = (DOCS / name).read_text()
     r = json.loads(text)
@@ -75,3 +92,85 @@ def test_optional_figures_keep_their_absent_or_null_rule():
     assert [k for k in d if k.startswith("fastsafetensors")] == ["fastsafetensors_error"]
     # CPU: no gpu key, no host-tier keys; the extra device bytes stay (null)
     assert "gpu" not in d and "host_demote_s" not in d and d["attached_client_extra_device_bytes"] is None
+
+
+def new_rows(base: BenchResult) -> BenchResult:
+    return replace(
+        base,
+        fastsafetensors=PeerLoaderFigures(warm_s=0.7, cold_s=1.0),
+        runai_streamer=PeerLoaderFigures(warm_s=0.5, cold_s=0.9, version="0.17.0", name="runai_streamer"),
+        ready=ReadyToComputeFigures(attach_s=Spread((0.1, 0.3, 0.2)), load_file_s=Spread((0.6, 0.4, 0.5)), read="max per tensor"),
+        # per process, connect + first attach = 11, 11, 2: the median is 11, while the sum of
+        # the two medians would be 1 + 1 = 2
+        fresh_attach=FreshAttachFigures(import_client_ms=Spread((3.0, 4.0, 5.0)), connect_ms=Spread((1.0, 10.0, 1.0)),
+                                        first_attach_ms=Spread((10.0, 1.0, 1.0)), second_attach_ms=Spread((0.5, 0.7, 0.6)),
+                                        lazy_imports=("cuda", "weightcache.client.mapping")))
+
+
+def test_new_rows_sit_beside_their_kin_and_read_back():
+    base = typed(json.loads((DOCS / "bench-cpu.json").read_text()))
+    d = new_rows(base).as_dict()
+    keys = list(d)
+    # runai's keys right after the other peer loader's, ready to compute after attach, fresh before the restarts
+    assert keys[keys.index("fastsafetensors_cold_s") + 1:][:3] == ["runai_streamer_version", "runai_streamer_warm_s", "runai_streamer_cold_s"]
+    assert keys[keys.index("attach_touch_s") + 1] == "ready_to_compute"
+    assert keys[keys.index("restart_floor_s") - 1] == "fresh_attach"
+    assert (d["runai_streamer_warm_s"], d["runai_streamer_cold_s"], d["runai_streamer_version"]) == (0.5, 0.9, "0.17.0")
+    # the JSON the bench writes reads back into the same records
+    assert typed(json.loads(new_rows(base).to_json())) == new_rows(base)
+
+
+def test_ready_to_compute_is_medians_and_their_ratio():
+    d = new_rows(typed(json.loads((DOCS / "bench-cpu.json").read_text()))).as_dict()["ready_to_compute"]
+    assert d["reps"] == 3 and d["read"] == "max per tensor"
+    assert d["attach_s"] == {"p50": 0.2, "min": 0.1, "max": 0.3, "runs": [0.1, 0.3, 0.2]}
+    assert d["load_file_s"]["p50"] == 0.5
+    assert d["ratio_load_file_over_attach"] == pytest.approx(2.5)  # > 1: attach is ready sooner
+    assert Spread((4.0, 1.0, 2.0, 3.0)).p50 == 2.5
+    with pytest.raises(ValueError):
+        Spread(())
+
+
+def test_fresh_attach_connect_to_tensors_is_per_process():
+    d = new_rows(typed(json.loads((DOCS / "bench-cpu.json").read_text()))).as_dict()["fresh_attach"]
+    assert d["n"] == 3
+    assert d["connect_to_tensors_ms"] == {"p50": 11.0, "min": 2.0, "max": 11.0, "runs": [11.0, 11.0, 2.0]}
+    assert d["import_client_ms"]["p50"] == 4.0 and d["second_attach_ms"]["max"] == 0.7
+    assert d["lazy_imports"] == ["cuda", "weightcache.client.mapping"]
+    with pytest.raises(ValueError):  # a phase missing for one process is a bug, not a shorter median
+        _ = FreshAttachFigures(Spread((1.0,)), Spread((1.0, 2.0)), Spread((1.0,)), Spread((1.0,))).connect_to_tensors_ms
+
+
+def test_a_peer_loader_that_is_absent_or_fails_says_so():
+    assert PeerLoaderFigures(error="ModuleNotFoundError: x", name="runai_streamer").as_dict() == {"runai_streamer_error": "ModuleNotFoundError: x"}
+    # installed but failing on this host: the version, and why
+    d = PeerLoaderFigures(error="OSError: y", version="0.17.0", name="runai_streamer").as_dict()
+    assert d == {"runai_streamer_version": "0.17.0", "runai_streamer_error": "OSError: y"}
+
+
+def test_a_fresh_engine_times_its_attach(start_daemon, ckpts):
+    d = start_daemon(models={"a": ckpts["a"]})
+    f = time_fresh_attach(model="a", socket=d.socket)
+    assert f.tensors == 40
+    assert 0 < f.import_client_ms < 10_000 and 0 < f.connect_ms < 10_000 and 0 < f.first_attach_ms < 10_000 and f.second_attach_ms > 0
+    assert f.connect_to_tensors_ms == f.connect_ms + f.first_attach_ms
+
+
+def test_bench_runs_end_to_end_small(tmp_path, capsys):
+    """Every row on the CPU backend, tiny; a peer loader that is not installed is skipped
+    with its reason, one that is installed is measured."""
+    out = tmp_path / "bench.json"
+    cfg = BenchConfig(size_gib=16 / 1024, tensors=20, device="cpu", attaches=5, reps=1, cold_reps=1, restarts=1, big_gib=32 / 1024,
+                      workdir=str(tmp_path), out=str(out), ready_reps=3, fresh=2)
+    assert run_bench(cfg) == 0
+    r = json.loads(out.read_text())
+    assert r["ready_to_compute"]["reps"] == 3 and r["load_file_touch_warm_s"] == r["ready_to_compute"]["load_file_s"]["p50"]
+    assert r["attach_touch_s"] == r["ready_to_compute"]["attach_s"]["p50"]
+    assert r["fresh_attach"]["n"] == 2 and r["fresh_attach"]["first_attach_ms"]["p50"] > 0
+    printed = capsys.readouterr()
+    for name, dist in (("fastsafetensors", "fastsafetensors"), ("runai_streamer", "runai-model-streamer")):
+        if f"{name}_error" in r:
+            assert f"{dist}: skipped" in printed.out + printed.err
+        else:
+            assert r[f"{name}_warm_s"] > 0 and r[f"{name}_cold_s"] > 0 and r[f"{name}_version"]
+    assert typed(r).as_dict().keys() == r.keys()

@@ -3,8 +3,15 @@
 For one generated checkpoint (default 1 GiB, 200 bf16 tensors) on one device:
 
 - ``safetensors.torch.load_file`` to the device, page cache warm and cold;
+- the peer loaders where installed (fastsafetensors; runai-model-streamer as vLLM's
+  ``--load-format runai_streamer`` uses it), warm and cold; a missing one is skipped and
+  the reason printed;
 - the weightcache loader (daemon ``load``), warm and cold;
 - attach latency through the real client API (p50/p99 over many attaches);
+- ready to compute: attach + read every byte once vs ``load_file`` + read every byte
+  once, alternating, medians and range;
+- attach in fresh engine processes (torch and CUDA ready first): client import,
+  connect, first and second attach, phase by phase, medians and range;
 - restart-to-ready of a fresh engine process: the floor (spawn + import torch + CUDA
   init), with load_file, and with attach;
 - ``status`` latency while a bigger model loads (the control plane must stay fast).
@@ -16,6 +23,7 @@ each figure says which it is. Results print as a table and go to ``--out`` as JS
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import os
 import platform
 import statistics
@@ -27,6 +35,7 @@ from typing import Any
 from rich.console import Console
 
 from .bench_measure import (
+    READ_EVERY_BYTE,
     attach_and_touch,
     attach_latencies,
     daemon_load,
@@ -38,6 +47,7 @@ from .bench_measure import (
     time_fastsafetensors,
     time_load_file,
     time_load_file_and_touch,
+    time_runai_streamer,
     warm_page_cache,
 )
 from .bench_report import print_table, write_chart
@@ -47,14 +57,17 @@ from .bench_result import (
     ControlPlaneFigures,
     DiskCeiling,
     Environment,
+    FreshAttachFigures,
     HostTierFigures,
     LoaderFigures,
     LoadFileFigures,
     PeerLoaderFigures,
+    ReadyToComputeFigures,
     RestartFigures,
     RestartTimes,
+    Spread,
 )
-from .restart import Restart, time_restart
+from .restart import FreshAttach, Restart, time_fresh_attach, time_restart
 from .spawn import DaemonProcess, config_text
 from .synth import write_checkpoint
 
@@ -78,6 +91,8 @@ class BenchConfig:
     big_gib: float  # the model loaded while status latency is measured
     workdir: str | None = None  # checkpoints, config, socket and daemon log (default /tmp/wc-bench)
     out: str | None = None  # JSON results here, and a PNG chart beside it
+    ready_reps: int = 7  # ready-to-compute repetitions of each way (alternating)
+    fresh: int = 7  # fresh engine processes timed for the fresh-process attach row
 
     @property
     def cuda(self) -> bool:
@@ -96,9 +111,10 @@ def run_bench(cfg: BenchConfig) -> int:
     console = Console()
     files = _generate(console, cfg)
     env = _environment(cfg, files)
-    load_file = _measure_load_file(cfg, files.model)
+    load_file_warm_s, load_file_cold_s = _measure_load_file(cfg, files.model)
     ceiling = _measure_disk_ceiling(cfg, files.model)
-    peer = _measure_fastsafetensors(cfg, files.model)
+    peer = _measure_peer(cfg, files.model, "fastsafetensors", "fastsafetensors", time_fastsafetensors)
+    runai = _measure_peer(cfg, files.model, "runai_streamer", "runai-model-streamer", time_runai_streamer)
     if cfg.cuda:
         import torch
 
@@ -108,12 +124,19 @@ def run_bench(cfg: BenchConfig) -> int:
     log.unlink(missing_ok=True)
     with DaemonProcess(_write_daemon_config(cfg, files, sock), sock, log):
         loader = _measure_loader(cfg, files.model, sock)
-        attach = _measure_attach(cfg, sock)
+        attach_lat = asyncio.run(attach_latencies(sock, MODEL, cfg.attaches))
+        ready = _measure_ready(cfg, files.model, sock)
         host_tier = _measure_host_tier(cfg, sock) if cfg.cuda else None
+        fresh = _measure_fresh(cfg, sock)
         restart = _measure_restarts(cfg, files.model, sock)
         control_plane = _measure_control_plane(files.big, sock)
+    # The older figures "load_file + read" and "attach + read" are the ready-to-compute row's medians.
+    load_file = LoadFileFigures(warm_s=load_file_warm_s, touch_warm_s=ready.load_file_s.p50, cold_s=load_file_cold_s)
+    attach = AttachFigures(n=len(attach_lat), p50_ms=pct(attach_lat, 50) * 1e3, p99_ms=pct(attach_lat, 99) * 1e3,
+                           touch_s=ready.attach_s.p50)
     result = BenchResult(env=env, load_file=load_file, disk_ceiling=ceiling, fastsafetensors=peer, loader=loader, attach=attach,
-                         host_tier=host_tier, restart=restart, control_plane=control_plane)
+                         host_tier=host_tier, restart=restart, control_plane=control_plane, runai_streamer=runai, ready=ready,
+                         fresh_attach=fresh)
     print_table(console, result)
     if cfg.out:
         _write_outputs(console, result, Path(cfg.out))
@@ -139,7 +162,7 @@ def _environment(cfg: BenchConfig, files: Checkpoints) -> Environment:
 
     return Environment(device=cfg.device, checkpoint_bytes=files.model.stat().st_size, tensors=cfg.tensors,
                        python=platform.python_version(), torch=torch.__version__, cpus=os.cpu_count(), host=platform.node(),
-                       gpu=torch.cuda.get_device_name(torch.device(cfg.device)) if cfg.cuda else None)
+                       gpu=torch.cuda.get_device_name(torch.device(cfg.device)) if cfg.cuda else None, load_avg_1m=os.getloadavg()[0])
 
 
 def _cold_runs(cfg: BenchConfig, path: Path, measure: Callable[[], float]) -> list[float]:
@@ -151,15 +174,14 @@ def _cold_runs(cfg: BenchConfig, path: Path, measure: Callable[[], float]) -> li
     return out
 
 
-def _measure_load_file(cfg: BenchConfig, ckpt: Path) -> LoadFileFigures:
-    """safetensors.load_file, warm then cold, then load + read every byte (warm)."""
+def _measure_load_file(cfg: BenchConfig, ckpt: Path) -> tuple[float, float | None]:
+    """safetensors.load_file, warm then cold: the medians (cold None without cold runs).
+    Its "+ read every byte" figure is the ready-to-compute row's, side by side with attach."""
     warm_page_cache(ckpt)
     time_load_file(ckpt, cfg.device)  # first call pays one-time costs (CUDA context, allocator)
     warm = [time_load_file(ckpt, cfg.device) for _ in range(cfg.reps)]
     cold = _cold_runs(cfg, ckpt, lambda: time_load_file(ckpt, cfg.device))
-    warm_page_cache(ckpt)
-    touch = statistics.median(time_load_file_and_touch(ckpt, cfg.device) for _ in range(cfg.reps))
-    return LoadFileFigures(warm_s=statistics.median(warm), touch_warm_s=touch, cold_s=statistics.median(cold) if cold else None)
+    return statistics.median(warm), statistics.median(cold) if cold else None
 
 
 def _measure_disk_ceiling(cfg: BenchConfig, ckpt: Path) -> DiskCeiling:
@@ -171,16 +193,24 @@ def _measure_disk_ceiling(cfg: BenchConfig, ckpt: Path) -> DiskCeiling:
         return DiskCeiling(error=str(exc))
 
 
-def _measure_fastsafetensors(cfg: BenchConfig, ckpt: Path) -> PeerLoaderFigures:
-    """The peer loader, where it can be installed; why not, in the results, where it cannot."""
+def _measure_peer(cfg: BenchConfig, ckpt: Path, name: str, dist: str, measure: Callable[[Path, str], float]) -> PeerLoaderFigures:
+    """A peer loader (``dist`` the package, ``name`` its keys' prefix), where it can be
+    installed; why not, in the results and on the console, where it cannot."""
     warm: float | None = None
     try:
-        time_fastsafetensors(ckpt, cfg.device)
-        warm = statistics.median(time_fastsafetensors(ckpt, cfg.device) for _ in range(cfg.reps))
-        cold = _cold_runs(cfg, ckpt, lambda: time_fastsafetensors(ckpt, cfg.device))
-        return PeerLoaderFigures(warm_s=warm, cold_s=statistics.median(cold) if cold else None)
+        version: str | None = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    try:
+        warm_page_cache(ckpt)
+        measure(ckpt, cfg.device)  # the first call pays its imports and one-time set-up
+        warm = statistics.median(measure(ckpt, cfg.device) for _ in range(cfg.reps))
+        cold = _cold_runs(cfg, ckpt, lambda: measure(ckpt, cfg.device))
+        return PeerLoaderFigures(warm_s=warm, cold_s=statistics.median(cold) if cold else None, version=version, name=name)
     except Exception as exc:  # not installed, or fails on this host: say so in the results
-        return PeerLoaderFigures(warm_s=warm, error=f"{type(exc).__name__}: {exc}"[:300])
+        error = f"{type(exc).__name__}: {exc}"[:300]
+        Console(stderr=True).print(f"{dist}: {'failed' if warm else 'skipped'} ({error})")
+        return PeerLoaderFigures(warm_s=warm, error=error, version=version, name=name)
 
 
 def _write_daemon_config(cfg: BenchConfig, files: Checkpoints, sock: str) -> Path:
@@ -206,12 +236,37 @@ def _measure_loader(cfg: BenchConfig, ckpt: Path, sock: str) -> LoaderFigures:
     return LoaderFigures(warm_s=statistics.median(warm), cold_s=statistics.median(cold) if cold else None)
 
 
-def _measure_attach(cfg: BenchConfig, sock: str) -> AttachFigures:
-    lat = asyncio.run(attach_latencies(sock, MODEL, cfg.attaches))
-    # Ready to compute: both ways, then every byte read once. In a fresh mapping each
-    # time, so first-touch costs (page faults) are counted for both.
-    touch = statistics.median(asyncio.run(attach_and_touch(sock, MODEL)) for _ in range(cfg.reps))
-    return AttachFigures(n=len(lat), p50_ms=pct(lat, 50) * 1e3, p99_ms=pct(lat, 99) * 1e3, touch_s=touch)
+def _measure_ready(cfg: BenchConfig, ckpt: Path, sock: str) -> ReadyToComputeFigures:
+    """Ready to compute, both ways alternating (which goes first alternates too), page
+    cache warm, each in a fresh mapping: the same conditions for both, in one run."""
+    warm_page_cache(ckpt)
+    asyncio.run(attach_and_touch(sock, MODEL))  # one of each first, not counted: lazy imports, kernels, allocator
+    time_load_file_and_touch(ckpt, cfg.device)
+    attach: list[float] = []
+    load_file: list[float] = []
+    for i in range(cfg.ready_reps):
+        for way in ("attach", "load_file") if i % 2 == 0 else ("load_file", "attach"):
+            if way == "attach":
+                attach.append(asyncio.run(attach_and_touch(sock, MODEL)))
+            else:
+                load_file.append(time_load_file_and_touch(ckpt, cfg.device))
+    if cfg.cuda:
+        import torch
+
+        torch.cuda.empty_cache()  # give load_file's cached blocks back before the engines start
+    return ReadyToComputeFigures(attach_s=Spread(tuple(attach)), load_file_s=Spread(tuple(load_file)), read=READ_EVERY_BYTE)
+
+
+def _measure_fresh(cfg: BenchConfig, sock: str) -> FreshAttachFigures:
+    """``cfg.fresh`` fresh engine processes, one after the other, each attaching twice."""
+    runs: list[FreshAttach] = [time_fresh_attach(model=MODEL, socket=sock, device=cfg.device) for _ in range(cfg.fresh)]
+
+    def spread(attr: str) -> Spread:
+        return Spread(tuple(getattr(x, attr) for x in runs))
+
+    return FreshAttachFigures(import_client_ms=spread("import_client_ms"), connect_ms=spread("connect_ms"),
+                              first_attach_ms=spread("first_attach_ms"), second_attach_ms=spread("second_attach_ms"),
+                              lazy_imports=tuple(sorted({m for x in runs for m in x.lazy_imports})))
 
 
 def _measure_host_tier(cfg: BenchConfig, sock: str) -> HostTierFigures:

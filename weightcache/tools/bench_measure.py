@@ -37,6 +37,9 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
 
 
+READ_EVERY_BYTE = "t.reshape(-1).view(torch.uint8).max() for every tensor, then a device sync"  # what touch_all does
+
+
 def touch_all(tensors: Any) -> None:
     """Read every byte once (what a first forward pass does), device-side if on a GPU."""
     import torch
@@ -146,6 +149,28 @@ def time_fastsafetensors(path: Path, device: str) -> float:
     with fastsafe_open(str(path), device=device, nogds=True) as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118  (not a dict)
     if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    del tensors
+    return dt
+
+
+def time_runai_streamer(path: Path, device: str) -> float:
+    """runai-model-streamer as vLLM's ``--load-format runai_streamer`` uses it (one process,
+    not distributed): stream the file into CPU memory with the library's defaults, and
+    copy each tensor to the device as it arrives (vLLM's weight loader copies it into the
+    parameter), then sync."""
+    import torch
+    from runai_model_streamer import SafetensorsStreamer
+
+    cuda = device.startswith("cuda")
+    t = time.perf_counter()
+    tensors = {}
+    with SafetensorsStreamer() as streamer:
+        streamer.stream_files([str(path)], device="cpu")
+        for name, tensor in streamer.get_tensors():
+            tensors[name] = tensor.to(device) if cuda else tensor
+    if cuda:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t
     del tensors

@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .bench_result import BenchResult
+from .bench_result import BenchResult, PeerLoaderFigures, Spread
 
 GIB = 2**30
 
@@ -29,6 +29,7 @@ def write_chart(r: dict[str, Any], png: Path) -> bool:
     n = r["checkpoint_bytes"]
     timed = [("load_file warm", r.get("load_file_warm_s")), ("load_file cold", r.get("load_file_cold_s")),
             ("fastsafetensors warm", r.get("fastsafetensors_warm_s")), ("fastsafetensors cold", r.get("fastsafetensors_cold_s")),
+            ("runai-model-streamer warm", r.get("runai_streamer_warm_s")), ("runai-model-streamer cold", r.get("runai_streamer_cold_s")),
             ("weightcache loader warm", r.get("loader_warm_s")), ("weightcache loader cold", r.get("loader_cold_s")),
             ("host-tier promotion", r.get("host_promote_s"))]
     rows: list[tuple[str, float]] = [(label, n / s / 1e9) for label, s in timed if s]
@@ -70,20 +71,29 @@ def print_table(console: Console, r: BenchResult) -> None:
     if ceiling := r.disk_ceiling.gbps:
         share = f", loader cold = {nbytes / loader.cold_s / 1e9 / ceiling:.0%} of it" if loader.cold_s else ""
         t.add_row("disk ceiling: parallel O_DIRECT reads alone", "", f"{ceiling:.2f}", share.lstrip(", "))
-    if fw := r.fastsafetensors.warm_s:
-        fc = r.fastsafetensors.cold_s
-        t.add_row("fastsafetensors, warm", ms(fw), gbps(fw), f"{lw / fw:.2f}x")
-        if fc:
-            t.add_row("fastsafetensors, cold", ms(fc), gbps(fc), f"{lc / fc:.2f}x" if lc else "-")
+    for label, peer in (("fastsafetensors", r.fastsafetensors), ("runai-model-streamer", r.runai_streamer)):
+        _peer_rows(t, label, peer, lw, lc, ms, gbps)
     if (host := r.host_tier) and host.promote_s:
         t.add_row("host tier: demote (device -> pinned host)", ms(host.demote_s), gbps(host.demote_s), "")
         t.add_row("host tier: promote (pinned host -> device)", ms(host.promote_s), gbps(host.promote_s), f"{lw / host.promote_s:.2f}x")
     a = r.attach
     t.add_row(f"attach p50 (n={a.n})", f"{a.p50_ms:.2f} ms", "", f"{lw * 1e3 / a.p50_ms:.0f}x faster than warm")
     t.add_row("attach p99", f"{a.p99_ms:.2f} ms", "", "")
-    lt = r.load_file.touch_warm_s
-    t.add_row("load_file + read every byte once, warm", ms(lt), "", "1x")
-    t.add_row("attach + read every byte once", ms(a.touch_s), "", f"{lt / a.touch_s:.2f}x")
+    if rd := r.ready:
+        n = len(rd.attach_s.runs)
+        t.add_row(f"ready to compute: load_file + read every byte, warm (p50 of {n}, range)", _range(rd.load_file_s, 1e3, "ms"), "", "1x")
+        t.add_row(f"ready to compute: attach + read every byte (p50 of {n}, range)", _range(rd.attach_s, 1e3, "ms"), "",
+                  f"{rd.ratio:.2f}x")
+    else:  # a run from before the ready-to-compute row
+        lt = r.load_file.touch_warm_s
+        t.add_row("load_file + read every byte once, warm", ms(lt), "", "1x")
+        t.add_row("attach + read every byte once", ms(a.touch_s), "", f"{lt / a.touch_s:.2f}x")
+    if f := r.fresh_attach:
+        n = len(f.connect_ms.runs)
+        t.add_row(f"fresh process: connect -> first usable tensors (p50 of {n}, range)", _range(f.connect_to_tensors_ms, 1, "ms"), "", "")
+        for label, sp in (("import the client on top of torch", f.import_client_ms), ("connect", f.connect_ms),
+                          ("first attach", f.first_attach_ms), ("second attach, same process", f.second_attach_ms)):
+            t.add_row(f"  fresh process: {label}", _range(sp, 1, "ms"), "", "")
     rs = r.restart
     t.add_row("engine restart: floor (spawn+import torch)", f"{rs.floor.ready_s:.3f} s", "", "")
     t.add_row("engine restart: with load_file", f"{rs.disk.ready_s:.3f} s", "", "")
@@ -92,5 +102,27 @@ def print_table(console: Console, r: BenchResult) -> None:
     t.add_row(f"status during a {r.control_plane.big_bytes / GIB:.1f} GiB cold load (n={s.n})",
               f"p50 {s.p50_ms:.2f} / p99 {s.p99_ms:.2f} / max {s.max_ms:.2f} ms", "", "")
     console.print(t)
+    for label, peer in (("fastsafetensors", r.fastsafetensors), ("runai-model-streamer", r.runai_streamer)):
+        if peer is not None and peer.error:
+            console.print(f"{label}: {'failed' if peer.warm_s else 'skipped'}: {peer.error}")
+    if r.fresh_attach and r.fresh_attach.lazy_imports:
+        console.print(f"fresh process: packages first imported by connect or the first attach: {', '.join(r.fresh_attach.lazy_imports)}")
     console.print(f"disk and cache restarts saw identical weights: {rs.checksums_equal}; "
                   f"extra device memory of an attached client: {rs.attached_client_extra_device_bytes}")
+
+
+def _range(sp: Spread, scale: float, unit: str) -> str:
+    """The figures (times ``scale``) as "p50 (min-max) unit"."""
+    digits = 2 if sp.p50 * scale < 10 else 1
+    return f"{sp.p50 * scale:.{digits}f} ({min(sp.runs) * scale:.{digits}f}-{max(sp.runs) * scale:.{digits}f}) {unit}"
+
+
+def _peer_rows(t: Table, label: str, peer: PeerLoaderFigures | None, lw: float, lc: float | None, ms: Any, gbps: Any) -> None:
+    if peer is None or not peer.warm_s:
+        if peer is not None:
+            t.add_row(f"{label}: skipped", "", "", "(reason below)")
+        return
+    name = f"{label} {peer.version}" if peer.version else label
+    t.add_row(f"{name}, warm", ms(peer.warm_s), gbps(peer.warm_s), f"{lw / peer.warm_s:.2f}x")
+    if peer.cold_s:
+        t.add_row(f"{name}, cold", ms(peer.cold_s), gbps(peer.cold_s), f"{lc / peer.cold_s:.2f}x" if lc else "-")

@@ -13,6 +13,7 @@ No torch and no rich here: the records are plain data.
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -29,11 +30,13 @@ class Environment:
     cpus: int | None
     host: str
     gpu: str | None = None  # the device's name, on CUDA only
+    load_avg_1m: float | None = None  # the host's 1-minute load average when the bench started (absent in older runs)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        if self.gpu is None:
-            del out["gpu"]
+        for key in ("gpu", "load_avg_1m"):
+            if out[key] is None:
+                del out[key]
         return out
 
 
@@ -67,21 +70,48 @@ class DiskCeiling:
 
 @dataclass(frozen=True)
 class PeerLoaderFigures:
-    """fastsafetensors, where it can be installed: medians warm and cold, or why not."""
+    """Another loader (fastsafetensors, runai-model-streamer), where it can be installed:
+    medians warm and cold, or why not. Its keys are ``<name>_warm_s`` and so on."""
 
     warm_s: float | None = None
     cold_s: float | None = None  # None with a warm figure: no cold runs
     error: str | None = None  # "ExceptionType: message", cut to 300 characters
+    version: str | None = None  # the installed package's version, where it is installed
+    name: str = "fastsafetensors"  # the prefix of its keys
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        if self.version is not None:
+            out[f"{self.name}_version"] = self.version
         if self.warm_s is not None:
-            out["fastsafetensors_warm_s"] = self.warm_s
+            out[f"{self.name}_warm_s"] = self.warm_s
             if self.error is None:  # the cold step ran to its end
-                out["fastsafetensors_cold_s"] = self.cold_s
+                out[f"{self.name}_cold_s"] = self.cold_s
         if self.error is not None:
-            out["fastsafetensors_error"] = self.error
+            out[f"{self.name}_error"] = self.error
         return out
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Repeated measurements of one figure: the median and the range, and every run."""
+
+    runs: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.runs:
+            raise ValueError("a spread needs at least one run")
+
+    @property
+    def p50(self) -> float:
+        return statistics.median(self.runs)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"p50": self.p50, "min": min(self.runs), "max": max(self.runs), "runs": list(self.runs)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Spread:
+        return cls(tuple(d["runs"]))
 
 
 @dataclass(frozen=True)
@@ -106,6 +136,57 @@ class AttachFigures:
 
     def as_dict(self) -> dict[str, Any]:
         return {"attach_n": self.n, "attach_p50_ms": self.p50_ms, "attach_p99_ms": self.p99_ms, "attach_touch_s": self.touch_s}
+
+
+@dataclass(frozen=True)
+class ReadyToComputeFigures:
+    """Ready to compute, side by side: attach + read every byte once, and ``load_file`` +
+    read every byte once, the two alternating in one run (page cache warm; each in a fresh
+    mapping, so first-touch costs count for both). ``ratio`` > 1: attach is ready sooner."""
+
+    attach_s: Spread
+    load_file_s: Spread
+    read: str  # how every byte is read
+
+    @property
+    def ratio(self) -> float:
+        return self.load_file_s.p50 / self.attach_s.p50
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ready_to_compute": {"read": self.read, "reps": len(self.attach_s.runs), "attach_s": self.attach_s.as_dict(),
+                                     "load_file_s": self.load_file_s.as_dict(), "ratio_load_file_over_attach": self.ratio}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ReadyToComputeFigures:
+        return cls(attach_s=Spread.from_dict(d["attach_s"]), load_file_s=Spread.from_dict(d["load_file_s"]), read=d["read"])
+
+
+@dataclass(frozen=True)
+class FreshAttachFigures:
+    """Attach in fresh engine processes (torch imported and, on a GPU, CUDA initialised
+    first), phase by phase, one run per process, in milliseconds."""
+
+    import_client_ms: Spread  # the client's import on top of torch
+    connect_ms: Spread
+    first_attach_ms: Spread  # attach entered -> tensors usable, lazy imports included
+    second_attach_ms: Spread  # the same process's next attach
+    lazy_imports: tuple[str, ...] = ()  # modules connect or the first attach imported (union over the processes)
+
+    @property
+    def connect_to_tensors_ms(self) -> Spread:
+        """connect -> first usable tensors, per process (not the sum of two medians)."""
+        return Spread(tuple(c + a for c, a in zip(self.connect_ms.runs, self.first_attach_ms.runs, strict=True)))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"fresh_attach": {"n": len(self.connect_ms.runs), "connect_to_tensors_ms": self.connect_to_tensors_ms.as_dict(),
+                                 "import_client_ms": self.import_client_ms.as_dict(), "connect_ms": self.connect_ms.as_dict(),
+                                 "first_attach_ms": self.first_attach_ms.as_dict(), "second_attach_ms": self.second_attach_ms.as_dict(),
+                                 "lazy_imports": list(self.lazy_imports)}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FreshAttachFigures:
+        return cls(**{k: Spread.from_dict(d[k]) for k in ("import_client_ms", "connect_ms", "first_attach_ms", "second_attach_ms")},
+                   lazy_imports=tuple(d["lazy_imports"]))
 
 
 @dataclass(frozen=True)
@@ -184,12 +265,17 @@ class BenchResult:
     host_tier: HostTierFigures | None  # None on CPU
     restart: RestartFigures
     control_plane: ControlPlaneFigures
+    # Added later (issues 12 and 13): absent from the JSON of runs made before them.
+    runai_streamer: PeerLoaderFigures | None = None
+    ready: ReadyToComputeFigures | None = None
+    fresh_attach: FreshAttachFigures | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The flat object of docs/bench-*.json, keys in the order they always had."""
+        """The flat object of docs/bench-*.json, keys in the order they always had (the
+        later rows' keys beside their kin)."""
         out: dict[str, Any] = {}
-        for part in (self.env, self.load_file, self.disk_ceiling, self.fastsafetensors, self.loader, self.attach,
-                     self.host_tier, self.restart, self.control_plane):
+        for part in (self.env, self.load_file, self.disk_ceiling, self.fastsafetensors, self.runai_streamer, self.loader, self.attach,
+                     self.ready, self.host_tier, self.fresh_attach, self.restart, self.control_plane):
             if part is not None:
                 out.update(part.as_dict())
         return out
