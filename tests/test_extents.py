@@ -58,3 +58,36 @@ def test_accounting_holds_under_random_demote_promote_free(ops):
     for copy in held:
         pool.free(copy)
     assert pool.free_bytes == size and pool.free_extents == 1
+
+
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=8), st.lists(st.integers(1, 50), min_size=1, max_size=8))
+def test_split_by_chunks_covers_every_byte_once(piece_lens, chunk_sizes):
+    from weightcache.backends.extents import split_by_chunks
+
+    total = min(sum(piece_lens), sum(chunk_sizes))
+    chunks = []
+    for size in chunk_sizes:  # chunks adding up to exactly what the pieces hold
+        if sum(chunks) < total:
+            chunks.append(min(size, total - sum(chunks)))
+    pieces, base, left = [], 1000, total
+    for length in piece_lens:
+        if left:
+            pieces.append((base, min(length, left)))
+            base += 10_000  # pieces are far apart in the pool
+            left -= pieces[-1][1]
+    segments = split_by_chunks(pieces, chunks)
+    offsets = []
+    for c, segs in enumerate(segments):
+        start = sum(chunks[:c])
+        assert sum(n for _, _, n in segs) == chunks[c] and all(start <= off < start + chunks[c] for _, off, _ in segs)
+        offsets += [(off, n, ptr) for ptr, off, n in segs]
+    # Arena offsets tile [0, total) in order, and map to the pieces' bytes in order.
+    flat = [(ptr, length) for ptr, length in pieces]
+    pos, k, used = 0, 0, 0
+    for off, n, ptr in offsets:
+        assert off == pos and ptr == flat[k][0] + used
+        pos += n
+        used += n
+        if used == flat[k][1]:
+            k, used = k + 1, 0
+    assert pos == total

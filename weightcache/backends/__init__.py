@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Arena, Backend, HostCopy, HostPool, PublishedSource
+from .base import Arena, Backend, HostCopy, HostPool, PublishedSource, Room
 from .cpu import CpuBackend
 
 
@@ -18,4 +18,4 @@ def backend_for(device: str) -> Backend:
     raise ValueError(f"no backend for device {device!r}")
 
 
-__all__ = ["Arena", "Backend", "CpuBackend", "HostCopy", "HostPool", "PublishedSource", "backend_for"]
+__all__ = ["Arena", "Backend", "CpuBackend", "HostCopy", "HostPool", "PublishedSource", "Room", "backend_for"]

@@ -7,7 +7,9 @@ The server picks the backend by the model's device (``cpu`` -> memfd, ``cuda:N``
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,33 @@ class Arena:
     device: str
     nbytes: int  # capacity after the backend's rounding (page or VMM granularity)
     label: str  # the model name, for logs and /proc listings
+
+
+class Room:
+    """The bytes a new arena may take on its device while its load's victims are still
+    being demoted: it starts at what is free within the budget and grows as each victim
+    chunk is copied to the host tier and freed. So a demotion (device to host) and the
+    load that needed its room (host to device) overlap on PCIe's two directions, and the
+    daemon never holds more than its budget (issue 12: a 3 GiB miss under churn spent
+    59 ms demoting its victim before filling anything)."""
+
+    def __init__(self, available: int, timeout_s: float = 120.0) -> None:
+        self._available = available
+        self._timeout_s = timeout_s
+        self._cond = threading.Condition()
+
+    def give(self, nbytes: int) -> None:
+        with self._cond:
+            self._available += nbytes
+            self._cond.notify_all()
+
+    def take(self, nbytes: int) -> None:
+        """Block until ``nbytes`` are free, then take them."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._available >= nbytes, self._timeout_s):
+                raise TimeoutError(f"the victims' demotions freed too little room for {nbytes} bytes "
+                                   f"within {self._timeout_s:g}s")
+            self._available -= nbytes
 
 
 @dataclass
@@ -72,6 +101,13 @@ class Backend(ABC):
     @abstractmethod
     def allocate(self, nbytes: int, label: str) -> Arena: ...
 
+    def allocate_as_room_frees(self, nbytes: int, label: str, room: Room) -> Arena:
+        """Allocate while the load's victims are still being freed, taking ``room`` as
+        it comes. This default waits for all of it; a backend that can map an arena
+        piece by piece (CUDA) starts filling the first pieces meanwhile."""
+        room.take(nbytes)
+        return self.allocate(nbytes, label)
+
     @abstractmethod
     def writer(self, arena: Arena, chunk_bytes: int) -> ArenaWriter:
         """A writer for one load; the loader never hands it more than ``chunk_bytes`` at once."""
@@ -100,8 +136,10 @@ class Backend(ABC):
         """Demote into ``pool`` (one pool serves every GPU's backend)."""
         raise RuntimeError(f"{type(self).__name__} has no host tier")  # callers check supports_host_tier
 
-    def demote(self, arena: Arena) -> HostCopy:
-        """Copy the arena into pinned host memory; return the copy (for ``promote``)."""
+    def demote(self, arena: Arena, freed: Callable[[int], None] | None = None) -> HostCopy:
+        """Copy the arena into pinned host memory and free it, piece by piece, calling
+        ``freed(nbytes)`` as each piece's device memory is released; return the copy (for
+        ``promote``). The arena is freed when this returns, whether it succeeded or not."""
         raise RuntimeError(f"{type(self).__name__} has no host tier")  # callers check supports_host_tier
 
     def promote(self, host: HostCopy, arena: Arena) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,17 +26,24 @@ from .. import cuda_driver as drv
 from ..errors import BadRequest, NoSpace
 from ..loader.reader import DIRECT_ALIGN, pread_direct, pread_full
 from ..units import capacity
-from .base import Arena, Backend, HostCopy, HostPool, PublishedSource
-from .extents import ExtentAllocator
+from .base import Arena, Backend, HostCopy, HostPool, PublishedSource, Room
+from .extents import ExtentAllocator, split_by_chunks
 
 
 @dataclass
 class VmmArena(Arena):
+    """Chunks mapped back to back in one reserved range. While it fills, chunks may be
+    created as the load's room frees (``room``); ``mapped`` bytes of it are usable."""
+
     ordinal: int = 0
-    handles: list[Any] = field(default_factory=list)  # CUmemGenericAllocationHandle per chunk
-    sizes: list[int] = field(default_factory=list)  # bytes per chunk, granularity-aligned
+    # Per chunk, in order: its handle (None once released) and size (granularity-aligned).
+    handles: list[Any] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)  # planned at allocation: chunk_sizes(nbytes)
     va: int = 0  # base of the daemon's own mapping (read-write while filling, read-only after)
+    mapped: int = 0  # bytes from va that are mapped (chunks created so far)
     export_fds: list[int] = field(default_factory=list)  # exported once at seal; attach sends dups
+    room: Room | None = None
+    grow_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -120,6 +128,8 @@ class _VmmWriter:
                 skew = 0
                 with st.view[:nbytes] as dst:
                     pread_full(fd, dst, file_offset)
+            if self._arena.mapped < arena_offset + nbytes:  # its chunk waits for a victim's room
+                self._b.grow(self._arena, arena_offset + nbytes)
             drv.check(cu.cuMemcpyHtoDAsync(self._arena.va + arena_offset, st.host_ptr + skew, nbytes, st.stream))
             st.busy = True
 
@@ -226,24 +236,58 @@ class CudaBackend(Backend):
 
 
     def allocate(self, nbytes: int, label: str) -> VmmArena:
+        arena = self._reserve(nbytes, label, None)
+        self.grow(arena, arena.nbytes)
+        return arena
+
+    def allocate_as_room_frees(self, nbytes: int, label: str, room: Room) -> VmmArena:
+        # Chunks are created as the writer reaches them (``grow``), each once ``room``
+        # has its bytes: the first while the victims' first chunks are still copied out.
+        return self._reserve(nbytes, label, room)
+
+    def _reserve(self, nbytes: int, label: str, room: Room | None) -> VmmArena:
         total = self.capacity(nbytes)
-        arena = VmmArena(device=self.device, nbytes=total, label=label, ordinal=self.ordinal)
+        arena = VmmArena(device=self.device, nbytes=total, label=label, ordinal=self.ordinal, room=room,
+                         sizes=drv.chunk_sizes(total, self.granularity))
         with drv.current(self.ctx):
             free = drv.free_memory(self.ctx)
-            if free < total:
+            if room is None and free < total:
                 # The budget allowed it, but other processes (engines' KV caches) hold the GPU.
                 raise NoSpace(f"{self.device} has {free} bytes free on the device, {label} needs {total} "
                               f"(memory outside weightcache's budget is in use)", device=self.device, needed=total,
                               device_free=free, fits_ever=False)
-            try:
-                for size in drv.chunk_sizes(total, self.granularity):
-                    arena.handles.append(drv.check(cu.cuMemCreate(size, self._prop, 0)))
-                    arena.sizes.append(size)
-                arena.va = drv.map_chunks(arena.handles, arena.sizes, self.ordinal, read_only=False)
-            except BaseException:
-                self._release_handles(arena)  # roll back a half-built arena
-                raise
+            arena.va = int(drv.check(cu.cuMemAddressReserve(total, 0, 0, 0)))
         return arena
+
+    def grow(self, arena: VmmArena, upto: int) -> None:
+        """Create and map chunks until ``upto`` bytes of the arena are usable (read-write),
+        each after taking its bytes from the arena's room, if it has one."""
+        with arena.grow_lock, drv.current(self.ctx):
+            while arena.mapped < upto:
+                size = arena.sizes[len(arena.handles)]
+                if arena.room is not None:
+                    arena.room.take(size)
+                try:
+                    handle = drv.check(cu.cuMemCreate(size, self._prop, 0))
+                except drv.CudaError as exc:
+                    if arena.room is not None:
+                        arena.room.give(size)
+                    free = drv.free_memory(self.ctx)
+                    raise NoSpace(f"{self.device}: cannot allocate {size} bytes for {arena.label} ({exc.message}; "
+                                  f"{free} bytes free on the device: memory outside weightcache's budget is in use)",
+                                  device=self.device, needed=size, device_free=free, fits_ever=False) from None
+                mapped = False
+                try:
+                    drv.check(cu.cuMemMap(arena.va + arena.mapped, size, 0, handle, 0))
+                    mapped = True
+                    drv.set_access(arena.va + arena.mapped, size, self.ordinal, read_only=False)
+                except BaseException:
+                    if mapped:
+                        cu.cuMemUnmap(arena.va + arena.mapped, size)
+                    cu.cuMemRelease(handle)
+                    raise
+                arena.handles.append(handle)
+                arena.mapped += size
 
     def writer(self, arena: Arena, chunk_bytes: int) -> _VmmWriter:
         assert isinstance(arena, VmmArena)
@@ -252,6 +296,8 @@ class CudaBackend(Backend):
     def seal(self, arena: Arena) -> None:
         # The daemon's own mapping becomes read-only too: nothing may change served bytes.
         assert isinstance(arena, VmmArena)
+        self.grow(arena, arena.nbytes)  # the padding after the last tensor, if nothing wrote there
+        arena.room = None
         with drv.current(self.ctx):
             drv.check(cu.cuCtxSynchronize())
             drv.set_access(arena.va, arena.nbytes, self.ordinal, read_only=True)
@@ -307,29 +353,49 @@ class CudaBackend(Backend):
         assert isinstance(pool, PinnedPool)
         self.host_pool = pool
 
-    def demote(self, arena: Arena) -> PinnedCopy:
+    def demote(self, arena: Arena, freed: Callable[[int], None] | None = None) -> PinnedCopy:
+        # Chunk by chunk: copy it out, then release it at once, so the load that needed
+        # the room fills its first chunks while the rest are still being copied here.
         assert isinstance(arena, VmmArena) and self.host_pool is not None
-        pieces = self.host_pool.alloc(arena.nbytes)
-        if pieces is None:  # the core admits a demotion only within the tier's budget: a bug if seen
-            raise RuntimeError(f"fewer than {arena.nbytes} bytes free in the pinned pool")
         try:
-            with drv.current(self.ctx):
-                pos = 0
-                for ptr, length in pieces:
-                    drv.check(cu.cuMemcpyDtoH(ptr, arena.va + pos, length))
-                    pos += length
-        except BaseException:
-            self.host_pool.free(pieces)
-            raise
-        return PinnedCopy(arena.nbytes, pieces)
+            pieces = self.host_pool.alloc(arena.nbytes)
+            if pieces is None:  # the core admits a demotion only within the tier's budget: a bug if seen
+                raise RuntimeError(f"fewer than {arena.nbytes} bytes free in the pinned pool")
+            try:
+                with drv.current(self.ctx):
+                    # No context-wide synchronize: seal synchronized this arena's writes,
+                    # and a load filling meanwhile must not be waited for.
+                    stream = drv.check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+                    try:
+                        for i, segments in enumerate(split_by_chunks(pieces, arena.sizes)):
+                            for ptr, off, n in segments:
+                                drv.check(cu.cuMemcpyDtoHAsync(ptr, arena.va + off, n, stream))
+                            drv.check(cu.cuStreamSynchronize(stream))
+                            self._release_chunk(arena, i, freed)
+                    finally:
+                        drv.check(cu.cuStreamDestroy(stream))
+            except BaseException:
+                self.host_pool.free(pieces)
+                raise
+            return PinnedCopy(arena.nbytes, pieces)
+        finally:
+            self._free(arena, freed, synchronize=False)  # what the loop did not get to, on failure
 
     def promote(self, host: HostCopy, arena: Arena) -> None:
+        # On a stream of its own, not the legacy default stream: that one would serialize
+        # this copy with a demotion running at the same time in the other direction.
         assert isinstance(arena, VmmArena) and isinstance(host, PinnedCopy) and host.nbytes == arena.nbytes
         with drv.current(self.ctx):
-            pos = 0
-            for ptr, length in host.pieces:
-                drv.check(cu.cuMemcpyHtoD(arena.va + pos, ptr, length))
-                pos += length
+            stream = drv.check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+            try:
+                for segments in split_by_chunks(host.pieces, arena.sizes):
+                    for ptr, off, n in segments:
+                        if arena.mapped < off + n:
+                            self.grow(arena, off + n)
+                        drv.check(cu.cuMemcpyHtoDAsync(arena.va + off, ptr, n, stream))
+                drv.check(cu.cuStreamSynchronize(stream))
+            finally:
+                drv.check(cu.cuStreamDestroy(stream))
 
     def free_host(self, host: HostCopy) -> None:
         assert self.host_pool is not None and isinstance(host, PinnedCopy)
@@ -342,19 +408,36 @@ class CudaBackend(Backend):
 
     def free(self, arena: Arena) -> None:
         assert isinstance(arena, VmmArena)
-        for fd in arena.export_fds:
-            os.close(fd)
-        arena.export_fds.clear()
-        with drv.current(self.ctx):
-            if arena.va:
-                drv.unmap(arena.va, arena.nbytes)
-                arena.va = 0
-            self._release_handles(arena)
+        self._free(arena, None)
 
-    @staticmethod
-    def _release_handles(arena: VmmArena) -> None:
-        # A client that imported a chunk keeps its memory alive past this (refcounted).
-        for h in arena.handles:
-            drv.check(cu.cuMemRelease(h))
-        arena.handles.clear()
-        arena.sizes.clear()
+    def _free(self, arena: VmmArena, freed: Callable[[int], None] | None, synchronize: bool = True) -> None:
+        """Release every chunk still held, then the address range."""
+        with drv.current(self.ctx):
+            if synchronize and arena.mapped:
+                drv.check(cu.cuCtxSynchronize())  # no copy may still touch what is unmapped
+            for i in range(len(arena.handles)):
+                self._release_chunk(arena, i, freed)
+            for fd in arena.export_fds:
+                if fd >= 0:
+                    os.close(fd)
+            arena.export_fds.clear()
+            if arena.va:
+                drv.check(cu.cuMemAddressFree(arena.va, arena.nbytes))
+                arena.va = 0
+            arena.handles.clear()
+            arena.mapped = 0
+
+    def _release_chunk(self, arena: VmmArena, i: int, freed: Callable[[int], None] | None) -> None:
+        # A client that imported the chunk keeps its memory alive past this (refcounted).
+        handle = arena.handles[i]
+        if handle is None:
+            return
+        off = sum(arena.sizes[:i])
+        if i < len(arena.export_fds) and arena.export_fds[i] >= 0:
+            os.close(arena.export_fds[i])
+            arena.export_fds[i] = -1
+        drv.check(cu.cuMemUnmap(arena.va + off, arena.sizes[i]))
+        drv.check(cu.cuMemRelease(handle))
+        arena.handles[i] = None
+        if freed is not None:
+            freed(arena.sizes[i])

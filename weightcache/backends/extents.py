@@ -65,3 +65,24 @@ class ExtentAllocator:
         """How many pieces the free space is in (1 when unfragmented)."""
         with self._lock:
             return len(self._free)
+
+
+def split_by_chunks(pieces: list[Extent], chunks: list[int]) -> list[list[tuple[int, int, int]]]:
+    """Where each chunk of an arena lies in a host copy: for chunk *i* (sizes ``chunks``,
+    back to back), the (host address, arena offset, length) segments of ``pieces`` (host
+    address, length; in arena order) that hold its bytes."""
+    out: list[list[tuple[int, int, int]]] = [[] for _ in chunks]
+    i = 0  # the piece being consumed
+    used = 0  # bytes of it consumed
+    pos = 0
+    for c, size in enumerate(chunks):
+        end = pos + size
+        while pos < end:
+            ptr, length = pieces[i]
+            take = min(length - used, end - pos)
+            out[c].append((ptr + used, pos, take))
+            pos += take
+            used += take
+            if used == length:
+                i, used = i + 1, 0
+    return out
