@@ -38,11 +38,17 @@ class Client(Connection):
     hello, ``request_timeout`` control requests, ``load_timeout`` load/attach/publish
     (None: the daemon's ``request_timeout_s`` plus 30 s). ``math.inf`` means no bound.
     Every method takes ``timeout=``: None is the op's default, ``math.inf`` no bound.
+    ``wait_for_daemon``: how long connecting waits for a daemon that is not running yet
+    (None: ``$WEIGHTCACHE_WAIT_FOR_DAEMON``, else 5 s; 0 tries once).
     """
 
     async def connect(self) -> Client:
-        """Connect and say hello, within ``connect_timeout`` (else DaemonUnavailable); a
-        daemon that speaks another protocol version raises ProtocolVersionError."""
+        """Connect and say hello. A daemon not running yet is waited for, up to
+        ``wait_for_daemon`` (Note [waiting for the daemon] in connection.py); then
+        DaemonUnavailable says how to start it. A socket this user may not use raises
+        PermissionDenied at once. The connect and hello are bounded by ``connect_timeout``
+        (else DaemonUnavailable); a daemon that speaks another protocol version raises
+        ProtocolVersionError."""
         await self._open({"protocol": PROTOCOL_VERSION, "client": self.name})
         return self
 

@@ -21,6 +21,18 @@ default; ``math.inf`` waits without a bound. A request that runs out of time rai
 RequestTimeout and is abandoned as in Note [cancellation]. One that ran out of time
 while its frame was half sent leaves the stream out of step: the connection is closed.
 
+Note [waiting for the daemon]
+-----------------------------
+An engine may start before the daemon (systemd ordering races, pods started together).
+While the socket does not exist (ENOENT) or nobody listens on it (ECONNREFUSED: not yet,
+or a socket left behind by a daemon that died), connecting retries with backoff, 10 ms
+doubling to 200 ms, for up to ``wait_for_daemon`` seconds (default 5; 0 tries once;
+``$WEIGHTCACHE_WAIT_FOR_DAEMON`` sets the default). Then DaemonUnavailable says which
+socket and how to start the daemon. Nothing else is retried: EACCES and EPERM
+(PermissionDenied: this user may not use that socket, and waiting will not change it)
+and every other error fail at once. ``connect_timeout`` bounds each attempt's connect,
+and the hello exchange counts from the start of the attempt that connected.
+
 Note [cancellation]
 -------------------
 A request cancelled (or timed out) between send and reply leaves its id behind; the
@@ -32,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import math
 import os
@@ -40,7 +53,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..defaults import DAEMON_UID_ENV, client_socket_path
+from ..defaults import DAEMON_UID_ENV, SOCKET_ENV, client_socket_path
 from ..errors import DaemonUnavailable, PermissionDenied, RequestTimeout, WeightcacheError, error_from_wire
 from ..peercred import peer_credentials
 from ..protocol import FrameDecoder, decode_payload, encode_frame
@@ -48,12 +61,32 @@ from ..protocol.transport import recv_with_fds, send_with_fds
 
 DEFAULT_MAX_FRAME_BYTES = 256 * 2**20  # replies: an attach's tensor table can be long
 DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_WAIT_FOR_DAEMON = 5.0  # Note [waiting for the daemon]
+WAIT_FOR_DAEMON_ENV = "WEIGHTCACHE_WAIT_FOR_DAEMON"
+RETRY_FIRST_S, RETRY_MAX_S = 0.01, 0.2  # the backoff between connect attempts
+RETRY_ERRNOS = frozenset({errno.ENOENT, errno.ECONNREFUSED})  # the daemon is not there (yet)
+START_DAEMON_HINT = ("start it with `weightcache serve --config /etc/weightcache/weightcache.toml` (or `systemctl start weightcache`), "
+                     f"or point ${SOCKET_ENV} at the socket it serves")
 DEFAULT_REQUEST_TIMEOUT = 60.0
 LONG_OPS = frozenset({"load", "attach", "publish"})  # may take minutes: they get load_timeout
 DAEMON_REQUEST_TIMEOUT_S = 900.0  # the daemon's default request_timeout_s, for one whose hello does not say
 LOAD_TIMEOUT_MARGIN_S = 30.0  # past the daemon's own timeout, so its TIMEOUT reply arrives first
 
 Reply = tuple[dict[str, Any], list[int]]  # a reply map and the fds that came with it
+
+
+def wait_for_daemon_from_env() -> float:
+    """``$WEIGHTCACHE_WAIT_FOR_DAEMON`` in seconds, else the default (5)."""
+    raw = os.environ.get(WAIT_FOR_DAEMON_ENV, "").strip()
+    if not raw:
+        return DEFAULT_WAIT_FOR_DAEMON
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:
+        raise ValueError(f"${WAIT_FOR_DAEMON_ENV} must be a number of seconds >= 0 (e.g. 5 or 0.5), not {raw!r}")
+    return value
 
 
 def check_daemon_identity(sock: socket.socket, path: str) -> None:
@@ -80,18 +113,26 @@ class Connection:
     Timeouts are in seconds (Note [timeouts]): ``connect_timeout`` bounds the connect and
     hello, ``request_timeout`` control requests, ``load_timeout`` load/attach/publish
     (None: the daemon's ``request_timeout_s`` plus 30 s). ``math.inf`` means no bound.
+    ``wait_for_daemon``: how long connecting waits for a daemon that is not running yet
+    (None: ``$WEIGHTCACHE_WAIT_FOR_DAEMON``, else 5 s; 0 tries once; Note [waiting for the daemon]).
     """
 
     def __init__(self, socket_path: str | os.PathLike[str] | None = None, *, name: str | None = None,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, load_timeout: float | None = None) -> None:
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, load_timeout: float | None = None,
+                 wait_for_daemon: float | None = None) -> None:
         for what, value in (("connect_timeout", connect_timeout), ("request_timeout", request_timeout),
                             ("load_timeout", load_timeout)):
             if value is not None and not value > 0:  # also refuses NaN
                 raise ValueError(f"{what} must be a positive number of seconds (math.inf for no bound), not {value!r}")
+        if wait_for_daemon is None:
+            wait_for_daemon = wait_for_daemon_from_env()
+        elif not wait_for_daemon >= 0:  # also refuses NaN
+            raise ValueError(f"wait_for_daemon must be a number of seconds >= 0 (math.inf for no bound), not {wait_for_daemon!r}")
         self.socket_path = client_socket_path(socket_path)
         self.name = name or f"python/{os.getpid()}"
         self.connect_timeout = connect_timeout
+        self.wait_for_daemon = wait_for_daemon
         self.request_timeout = request_timeout
         self._load_timeout = load_timeout
         self._max_frame = max_frame_bytes
@@ -123,22 +164,15 @@ class Connection:
 
     # -- connecting -----------------------------------------------------------------
     async def _open(self, hello: dict[str, Any]) -> None:
-        """Connect, check who serves the socket, start the reader and send ``hello``, all
-        within ``connect_timeout`` (else DaemonUnavailable). The hello's reply becomes
-        ``server_info``. On any failure nothing is left open."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.setblocking(False)
-        deadline = asyncio.timeout(None if math.isinf(self.connect_timeout) else self.connect_timeout)
+        """Connect (waiting for the daemon as in Note [waiting for the daemon]), check who
+        serves the socket, start the reader and send ``hello``; the connect and hello of
+        the attempt that got through within ``connect_timeout`` (else DaemonUnavailable).
+        The hello's reply becomes ``server_info``. On any failure nothing is left open."""
+        loop = asyncio.get_running_loop()
+        sock, started = await self._connect_socket(loop)
+        deadline = asyncio.timeout_at(None if math.isinf(self.connect_timeout) else started + self.connect_timeout)
         try:
             async with deadline:
-                try:
-                    if os.path.islink(self.socket_path):
-                        raise PermissionDenied(f"{self.socket_path} is a symlink; refusing to connect through it")
-                    await asyncio.get_running_loop().sock_connect(sock, self.socket_path)
-                    check_daemon_identity(sock, self.socket_path)
-                except OSError as exc:
-                    raise DaemonUnavailable(f"cannot connect to weightcache at {self.socket_path}: {exc.strerror or exc}",
-                                            socket=self.socket_path) from exc
                 self._sock = sock
                 self._closed_error = None
                 self._reader = asyncio.ensure_future(self._read_loop())
@@ -150,10 +184,66 @@ class Connection:
             else:
                 sock.close()
             if isinstance(exc, TimeoutError) and deadline.expired():
-                raise DaemonUnavailable(
-                    f"weightcache at {self.socket_path} did not answer within {self.connect_timeout:g}s "
-                    "(connect and hello); is the daemon stopped, hung or overloaded?", socket=self.socket_path) from None
+                raise self._no_answer() from None
             raise
+
+    async def _connect_socket(self, loop: asyncio.AbstractEventLoop) -> tuple[socket.socket, float]:
+        """A connected socket whose peer we trust, and the loop time its attempt began.
+        Retries while the daemon is not there, up to ``wait_for_daemon`` (Note [waiting for
+        the daemon]); each attempt's connect is bounded by ``connect_timeout``."""
+        give_up = loop.time() + self.wait_for_daemon
+        delay = RETRY_FIRST_S
+        while True:
+            started = loop.time()
+            attempt = asyncio.timeout_at(None if math.isinf(self.connect_timeout) else started + self.connect_timeout)
+            try:
+                async with attempt:
+                    return await self._connect_once(loop), started
+            except TimeoutError:
+                if attempt.expired():
+                    raise self._no_answer() from None
+                raise
+            except OSError as exc:
+                left = give_up - loop.time()
+                if exc.errno not in RETRY_ERRNOS or left <= 0:
+                    raise self._connect_error(exc) from exc
+            await asyncio.sleep(min(delay, left))
+            delay = min(2 * delay, RETRY_MAX_S)
+
+    async def _connect_once(self, loop: asyncio.AbstractEventLoop) -> socket.socket:
+        """One attempt: connect and check who serves the socket. OSError as connect raised it."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.setblocking(False)
+            if os.path.islink(self.socket_path):
+                raise PermissionDenied(f"{self.socket_path} is a symlink; refusing to connect through it")
+            await loop.sock_connect(sock, self.socket_path)
+            check_daemon_identity(sock, self.socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _connect_error(self, exc: OSError) -> WeightcacheError:
+        """What a connect that failed for good raises: a clear message by errno."""
+        path = self.socket_path
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return PermissionDenied(
+                f"permission denied connecting to weightcache at {path} as uid {os.geteuid()}: the socket's owner, group "
+                "and mode (and its directories') decide who may connect; the daemon's socket_group and socket_mode set "
+                "them (docs/deployment.md)", socket=path)
+        if exc.errno in RETRY_ERRNOS:
+            what = "the socket does not exist" if exc.errno == errno.ENOENT else \
+                "nothing is listening on it (a daemon that stopped may have left it behind)"
+            return DaemonUnavailable(f"cannot connect to weightcache at {path}: {what}, after waiting "
+                                     f"{self.wait_for_daemon:g}s for the daemon. Is it running? {START_DAEMON_HINT}",
+                                     socket=path, waited_s=self.wait_for_daemon)
+        return DaemonUnavailable(f"cannot connect to weightcache at {path}: {exc.strerror or exc}", socket=path)
+
+    def _no_answer(self) -> DaemonUnavailable:
+        return DaemonUnavailable(
+            f"weightcache at {self.socket_path} did not answer within {self.connect_timeout:g}s "
+            "(connect and hello); is the daemon stopped, hung or overloaded?", socket=self.socket_path)
 
     async def close(self) -> None:
         """Close the connection. Requests in flight fail with DaemonUnavailable, and the

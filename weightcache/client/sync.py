@@ -57,14 +57,17 @@ class SyncClient:
     >>> with SyncClient() as c, c.attach("qwen-7b") as weights:   # doctest: +SKIP
     ...     model = load_into_module(skeleton, weights)
 
-    Each call returns, or raises, within its timeout (Note [timeouts] in connection.py).
-    Importing it does not import torch; ``attach`` and ``publish`` do, like Client's."""
+    Each call returns, or raises, within its timeout (Note [timeouts] in connection.py);
+    the constructor waits up to ``wait_for_daemon`` for a daemon not started yet (Note
+    [waiting for the daemon]). Importing it does not import torch; ``attach`` and
+    ``publish`` do, like Client's."""
 
     def __init__(self, socket_path: str | os.PathLike[str] | None = None, *, name: str | None = None,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, load_timeout: float | None = None) -> None:
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, load_timeout: float | None = None,
+                 wait_for_daemon: float | None = None) -> None:
         self._client = Client(socket_path, name=name, max_frame_bytes=max_frame_bytes, connect_timeout=connect_timeout,
-                              request_timeout=request_timeout, load_timeout=load_timeout)
+                              request_timeout=request_timeout, load_timeout=load_timeout, wait_for_daemon=wait_for_daemon)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="weightcache-client", daemon=True)
         self._thread.start()
