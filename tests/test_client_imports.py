@@ -96,3 +96,20 @@ def test_the_torch_names_are_lazy_attributes():
         weightcache.client.nope  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         weightcache.nope  # noqa: B018
+
+
+def test_the_client_and_its_gpu_half_import_nothing_heavy():
+    # An engine pays for every import on its restart path: importing cuda-bindings for
+    # the driver calls cost 15.5-16 ms on the H200 (issue 13); the ctypes binding
+    # (client/libcuda.py) costs nothing that torch has not imported already.
+    out = run_python("""
+        import sys
+        import torch
+        before = set(sys.modules)
+        from weightcache import Client, SyncClient
+        from weightcache.client import cuda_mapping, libcuda, mapping
+        print(" ".join(sorted({m.split(".")[0] for m in set(sys.modules) - before})))
+    """)
+    extra = {m for m in out.split() if m not in sys.stdlib_module_names and m != "weightcache" and m != "msgpack"
+             and not m.startswith(("_cython", "cython_runtime"))}
+    assert not extra, f"the client imported {sorted(extra)}"

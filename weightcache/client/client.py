@@ -178,9 +178,9 @@ class Client(Connection):
         from .mapping import attached_model
 
         if device is not None and device.startswith("cuda:") and device[5:].isdigit():
-            from .. import cuda_driver
+            from .libcuda import driver  # ctypes, not cuda-bindings: cuda_mapping.py's Note [first attach]
 
-            device = f"cuda:{cuda_driver.device_uuid(int(device[5:]))}"  # this process's numbering -> UUID
+            device = f"cuda:{driver().device_uuid(int(device[5:]))}"  # this process's numbering -> UUID
         reply, fds = await self._request("attach", timeout, {"name": name, "device": device, "rank": rank, "wait_s": wait_s,
                                                        "writable": writable or None})
         async with self._lease(reply["lease"]):  # ends the lease even if mapping fails
