@@ -1,0 +1,259 @@
+"""Time a fresh engine's attach, phase by phase (issue 13): connect -> usable tensors.
+
+Each measured process is new. It imports torch and initialises CUDA first (the engine's
+own start, reported but not counted), then times what the client adds:
+
+  import_ms             ``import weightcache`` + ``from weightcache import SyncClient``
+  connect_ms            ``SyncClient(socket)``: connect, check who serves it, hello
+  import_mapping_ms     the client's torch half (mapping.py, cuda_mapping.py, libcuda.py),
+                        imported by the first attach; timed on its own here
+  attach_ms             ``c.attach(model, device=...)`` until it returns: tensors usable
+    driver_load_ms        of which: loading libcuda and cuInit (first GPU attach only)
+    request_ms            the attach request until its reply and fds are in
+    map_ms                fds -> one tensor over the arena (GPU: driver_map_ms of it is
+                          import + reserve + map + set access; CPU: the mmap)
+    views_ms              the tensor views
+  connect_to_usable_ms  connect_ms + import_mapping_ms + attach_ms: the target
+                        (<= 5 ms p50 on the H200 for a ~10 GB model in 10 chunks)
+  first_touch_ms        reading one element of the first and last tensor back (on a GPU
+                        a kernel launch and a sync: torch's cost, not the client's)
+  second_attach_ms      detach, then attach again in the same process
+
+Prints one JSON object: the setup, every process's phases, and median / min / max / p90
+of each phase over the processes. Without ``--socket`` it writes a synthetic checkpoint
+(kept in ``--dir`` for the next run), starts a daemon, loads the model and stops the
+daemon at the end. A warm-up process (not counted) runs first, so every measured one
+finds Python's bytecode cache written.
+
+    python scripts/fresh_attach.py --device cuda:0 --size-gib 9.15 --tensors 183 --procs 7
+    python scripts/fresh_attach.py --device cpu --size-gib 0.5 --tensors 100 --procs 5
+    python scripts/fresh_attach.py --socket /run/weightcache/weightcache.sock --model qwen-7b --device cuda:0
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+RESULT = "RESULT "
+PHASES = ["import_ms", "connect_ms", "import_mapping_ms", "attach_ms", "driver_load_ms", "request_ms", "map_ms", "driver_map_ms",
+          "views_ms", "connect_to_usable_ms", "first_touch_ms", "second_attach_ms"]
+TARGET_MS = 5.0
+
+
+# ------------------------------------------------------------------------------ the engine
+def child(sock: str, model: str, device: str, breakdown: bool) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    import torch
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.empty(1, device=device)  # the engine's CUDA context: part of every engine's start
+        torch.cuda.synchronize(device)
+        free0 = torch.cuda.mem_get_info(torch.device(device))[0]
+    floor_ms = (time.perf_counter() - t0) * 1e3
+    before = set(sys.modules)
+    out: dict[str, Any] = {"floor_ms": floor_ms}
+
+    t = time.perf_counter()
+    import weightcache
+    from weightcache import SyncClient
+
+    out["import_ms"] = (time.perf_counter() - t) * 1e3
+    times: dict[str, float] = {}
+    if breakdown:
+        t = time.perf_counter()
+        from weightcache.client import connection, mapping
+
+        if cuda:
+            from weightcache.client import cuda_mapping, libcuda
+        out["import_mapping_ms"] = (time.perf_counter() - t) * 1e3
+        _timed(mapping, "tensor_views", "views_ms", times)
+        if cuda:
+            _timed(cuda_mapping, "map_vmm", "map_ms", times)
+            _timed(libcuda.Driver, "import_and_map", "driver_map_ms", times)
+            _timed(libcuda, "load", "driver_load_ms", times)
+        else:
+            _timed(mapping, "map_memfd", "map_ms", times)
+        request = connection.Connection._request
+
+        async def timed_request(self: Any, op: str, *args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return await request(self, op, *args, **kwargs)
+            finally:
+                if op == "attach":
+                    times["request_ms"] = times.get("request_ms", 0.0) + (time.perf_counter() - t) * 1e3
+
+        connection.Connection._request = timed_request  # type: ignore[method-assign]
+    else:
+        out["import_mapping_ms"] = 0.0  # inside attach_ms then
+
+    t = time.perf_counter()
+    c = SyncClient(sock, name="fresh-attach")
+    out["connect_ms"] = (time.perf_counter() - t) * 1e3
+    with c:
+        t = time.perf_counter()
+        cm = c.attach(model, device=device if cuda else None)
+        weights = cm.__enter__()
+        out["attach_ms"] = (time.perf_counter() - t) * 1e3
+        out.update({k: round(v, 4) for k, v in times.items()})
+        times.clear()
+        if cuda:  # before any kernel runs: torch loads kernels lazily, into device memory
+            out["extra_device_bytes"] = free0 - torch.cuda.mem_get_info(torch.device(device))[0]
+        t = time.perf_counter()
+        tensors = list(weights.values())
+        for x in (tensors[0], tensors[-1]):
+            float(x.reshape(-1)[0].float())
+        out["first_touch_ms"] = (time.perf_counter() - t) * 1e3
+        out["tensors"] = len(tensors)
+        out["nbytes"] = weights.nbytes
+        del tensors, weights
+        cm.__exit__(None, None, None)
+        t = time.perf_counter()
+        with c.attach(model, device=device if cuda else None) as again:
+            out["second_attach_ms"] = (time.perf_counter() - t) * 1e3
+            assert len(again) == out["tensors"]
+    out["connect_to_usable_ms"] = out["connect_ms"] + out["import_mapping_ms"] + out["attach_ms"]
+    new = set(sys.modules) - before
+    out["cuda_bindings_imported"] = any(m == "cuda.bindings" or m.startswith("cuda.bindings.") for m in new)
+    out["new_top_level_modules"] = sorted({m.split(".")[0] for m in new})
+    if cuda:
+        from weightcache.client import libcuda
+
+        out["driver_version"] = libcuda.driver().version()
+        out["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    import importlib.util
+
+    pyc = importlib.util.cache_from_source(str(Path(weightcache.__file__)))
+    out["bytecode_cached"] = os.path.exists(pyc)
+    out["torch"] = torch.__version__
+    out["python"] = sys.version.split()[0]
+    return out
+
+
+def _timed(owner: Any, name: str, key: str, times: dict[str, float]) -> None:
+    """Replace ``owner.name`` with a wrapper adding its wall time to ``times[key]``."""
+    fn = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            times[key] = times.get(key, 0.0) + (time.perf_counter() - t) * 1e3
+
+    setattr(owner, name, wrapper)
+
+
+# ------------------------------------------------------------------------------ the parent
+def run_child(sock: str, model: str, device: str, breakdown: bool) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # engines have their bytecode cached
+    cmd = [sys.executable, __file__, "--child", "--socket", sock, "--model", model, "--device", device]
+    if not breakdown:
+        cmd.append("--no-breakdown")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    lines = [line for line in r.stdout.splitlines() if line.startswith(RESULT)]
+    if r.returncode != 0 or not lines:
+        raise RuntimeError(f"engine process failed ({r.returncode}): {r.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(lines[-1][len(RESULT):])
+    return result
+
+
+def summary(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    out = {}
+    for phase in PHASES:
+        xs = sorted(r[phase] for r in results if phase in r)
+        if xs:
+            out[phase] = {"p50": round(statistics.median(xs), 3), "min": round(xs[0], 3), "max": round(xs[-1], 3),
+                          "p90": round(xs[min(len(xs) - 1, int(0.9 * len(xs)))], 3)}
+    return out
+
+
+def start_daemon(args: argparse.Namespace, work: Path) -> tuple[Any, str, str, float]:
+    """Write (or reuse) the checkpoint, start a daemon with it, load it. Returns the daemon,
+    its socket, the model's name and the load's seconds."""
+    from weightcache import Client
+    from weightcache.tools.spawn import DaemonProcess, config_text
+    from weightcache.tools.synth import write_checkpoint
+
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = work / f"fresh-{args.size_gib:g}gib-{args.tensors}t.safetensors"
+    if not ckpt.exists():
+        print(f"writing {ckpt} ...", file=sys.stderr, flush=True)
+        tmp = ckpt.with_suffix(".tmp.safetensors")
+        write_checkpoint(tmp, int(args.size_gib * 2**30), args.tensors)
+        tmp.rename(ckpt)
+    sockdir = tempfile.mkdtemp(prefix="wc-fa-", dir="/tmp")  # Unix socket paths are short
+    sock = os.path.join(sockdir, "d.sock")
+    budget = f"{int(args.size_gib * 1.25) + 1}GiB"
+    budgets = {"cpu": budget} if args.device == "cpu" else {"cpu": "1GiB", args.device: budget}
+    cfg = work / "fresh-attach.toml"
+    cfg.write_text(config_text(sock, budgets, [{"name": "fresh", "path": str(ckpt), "device": args.device}],
+                               {"log_level": "warning"}))
+    daemon = DaemonProcess(cfg, sock, work / "fresh-attach-daemon.log").start()
+
+    async def load() -> float:
+        async with Client(sock) as c:
+            t = time.perf_counter()
+            await c.load("fresh")
+            return time.perf_counter() - t
+
+    return daemon, sock, "fresh", asyncio.run(load())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda:0", help="cuda:N or cpu (default cuda:0)")
+    ap.add_argument("--size-gib", type=float, default=9.15, help="synthetic checkpoint size (default 9.15: 10 x 1 GiB chunks)")
+    ap.add_argument("--tensors", type=int, default=183)
+    ap.add_argument("--procs", type=int, default=7, help="fresh processes to measure (default 7)")
+    ap.add_argument("--socket", help="a running daemon's socket (then --model names a model it has)")
+    ap.add_argument("--model", default="fresh")
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "wc-fresh-attach"), help="where the checkpoint is kept")
+    ap.add_argument("--no-breakdown", action="store_true", help="time only the whole phases (no wrappers)")
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(RESULT + json.dumps(child(args.socket, args.model, args.device, not args.no_breakdown)), flush=True)
+        return
+
+    daemon, load_s = None, None
+    sock, model = args.socket, args.model
+    if sock is None:
+        daemon, sock, model, load_s = start_daemon(args, Path(args.dir))
+    try:
+        warmup = run_child(sock, model, args.device, not args.no_breakdown)  # writes the bytecode cache; not counted
+        results = [run_child(sock, model, args.device, not args.no_breakdown) for _ in range(args.procs)]
+    finally:
+        if daemon is not None:
+            daemon.stop()
+    s = summary(results)
+    report = {
+        "what": "fresh engine process: torch + CUDA ready, then import weightcache, connect, first attach -> usable tensors",
+        "device": args.device, "model": model, "procs": len(results), "daemon_load_s": load_s,
+        "tensors": results[0].get("tensors"), "nbytes": results[0].get("nbytes"),
+        "target_connect_to_usable_p50_ms": TARGET_MS,
+        "met": s["connect_to_usable_ms"]["p50"] <= TARGET_MS,
+        "summary": s,
+        "warmup": warmup,
+        "runs": results,
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
