@@ -66,7 +66,8 @@ async def test_a_mapping_goes_when_its_last_view_does(start_daemon, gpu_ckpts):
     # only after the client dropped its last tensor shows our unmap ran, and not before.
     d = gpu_daemon(start_daemon, "2GiB", {"x": gpu_ckpts["x"]})
     async with Client(d.socket) as c:
-        nbytes = (await c.load("x"))["nbytes"]
+        await c.load("x")
+        nbytes = (await c.models())[0]["nbytes"]
         async with c.attach("x", device="cuda:0") as m:
             kept = next(iter(m.values()))  # a view of the whole mapping
             total = float(kept.float().sum())
