@@ -38,17 +38,17 @@ def test_a_fresh_engine_attaches_through_ctypes_without_cuda_bindings(start_daem
         import torch
         from safetensors.torch import load_file
         torch.empty(1, device="cuda:0")  # the engine's CUDA context
-        before = set(sys.modules)
+        ref = load_file(sys.argv[2], device="cuda:0")
+        free0 = torch.cuda.mem_get_info()[0]
+        before = set(sys.modules)  # what the client imports from here to usable tensors
         t0 = time.perf_counter()
         from weightcache import SyncClient
         import_ms = (time.perf_counter() - t0) * 1e3
-        ref = load_file(sys.argv[2], device="cuda:0")
-        free0 = torch.cuda.mem_get_info()[0]
         with SyncClient(sys.argv[1]) as c, c.attach("x", device="cuda:0") as w:
+            new = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in ("cuda", "cupy", "numba", "pycuda"))
             extra = free0 - torch.cuda.mem_get_info()[0]
             same = set(w) == set(ref) and all(torch.equal(w[k], v) for k, v in ref.items())
             on_gpu = all(t.is_cuda and t.device.index == 0 for t in w.values())
-        new = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in ("cuda", "cupy", "numba", "pycuda"))
         print(json.dumps({"same": same, "extra": extra, "cuda_modules": new, "import_ms": import_ms, "on_gpu": on_gpu}))
     """)
     r = subprocess.run([sys.executable, "-c", code, d.socket, str(gpu_ckpts["x"])], capture_output=True, text=True, timeout=300)
