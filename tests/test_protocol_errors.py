@@ -50,7 +50,7 @@ async def test_client_maps_error_codes_to_classes(start_daemon):
     with pytest.raises(DaemonUnavailable, match="not connected"):
         await Client(d.socket).status()
     with pytest.raises(DaemonUnavailable, match="cannot connect"):
-        await Client("/tmp/definitely-not-a-weightcache.sock").connect()
+        await Client("/tmp/definitely-not-a-weightcache.sock", wait_for_daemon=0).connect()
 
 
 async def test_hello_version_mismatch_is_an_exception(start_daemon, monkeypatch):

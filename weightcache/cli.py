@@ -23,7 +23,9 @@ from .units import format_size
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from .client import Client
 
-    return Client(args.socket, name="weightcache-cli")
+    # An operator's command and a health probe answer about now: no waiting for a
+    # daemon that is not running (engines wait; see Client's wait_for_daemon).
+    return Client(args.socket, name="weightcache-cli", wait_for_daemon=0)
 
 
 def _print_json(obj: Any) -> None:
