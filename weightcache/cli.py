@@ -185,6 +185,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                  workdir=args.workdir, out=args.out))
 
 
+def cmd_workload(args: argparse.Namespace) -> int:
+    if args.chart:  # render the chart of an earlier run's JSON
+        from .tools.workload_report import write_chart as write_workload_chart
+
+        png = Path(args.chart).with_suffix(".png")
+        if not write_workload_chart(json.loads(Path(args.chart).read_text()), png):
+            print("weightcache: the chart needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 1
+        print(f"wrote {png}")
+        return 0
+    from .tools.workload import run_workload, workload_config, write_trace_only
+
+    try:
+        cfg = workload_config(
+            engines=args.engines, models=args.models, model_sizes=args.model_sizes, device=args.device, budget_models=args.budget_models,
+            budget=args.budget, host_budget=args.host_budget, duration=args.duration, zipf=args.zipf, seed=args.seed, hold=args.hold,
+            gap=args.gap, trace=args.trace, policies=args.policies, tensors=args.tensors, kill_every=args.kill_every, cold=args.cold,
+            wait_s=args.wait_s, reps=args.reps, drain_s=args.drain_s, mem_slack=args.mem_slack, workdir=args.workdir, out=args.out)
+        return write_trace_only(cfg, args.write_trace) if args.write_trace else run_workload(cfg)
+    except ValueError as exc:
+        print(f"weightcache workload: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightcache", description="Keep model weights resident; engines attach them zero-copy.")
     p.add_argument("--socket", help="daemon socket (default: $WEIGHTCACHE_SOCKET, else the config's, else /run/weightcache/weightcache.sock)")
@@ -243,6 +267,34 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="write results as JSON here (and a PNG chart beside it)")
     s.add_argument("--chart", default=None, metavar="JSON", help="only draw the chart of an earlier run's JSON")
     s.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("workload", help="N engines attaching M models under a budget, per eviction policy: hit ratio, miss speed vs isolated")
+    s.add_argument("--engines", type=int, default=4, help="engine processes (a trace file may name more slots)")
+    s.add_argument("--models", default=None, help="model sizes in GiB, comma-separated (models m0, m1, ...), e.g. 1,2,4,8")
+    s.add_argument("--model-sizes", default=None, help="model sizes with units, e.g. 4MiB,4MiB,8MiB (default: 32,64,128,256 MiB)")
+    s.add_argument("--tensors", type=int, default=64, help="tensors per generated model")
+    s.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    s.add_argument("--budget-models", type=float, default=None, help="device budget as this many mean-sized models (default 2)")
+    s.add_argument("--budget", default=None, help="device budget as a size instead, e.g. 6GiB")
+    s.add_argument("--host-budget", default=None, help="host tier size for demoted GPU models, e.g. 8GiB")
+    s.add_argument("--duration", type=float, default=20.0, help="seconds of generated trace")
+    s.add_argument("--zipf", type=float, default=1.1, help="popularity: Zipf exponent")
+    s.add_argument("--seed", type=int, default=0, help="seed of the trace and of the kills")
+    s.add_argument("--hold", default="0-0.4", help="seconds an engine holds each attach, LO-HI")
+    s.add_argument("--gap", default="0-0.05", help="seconds between an engine's detach and its next attach, LO-HI")
+    s.add_argument("--trace", default=None, help="replay this trace file (JSON lines, docs/workload.md) instead of Zipf")
+    s.add_argument("--write-trace", default=None, metavar="FILE", help="only write the generated trace here, and exit")
+    s.add_argument("--policies", default="lru,gdsf", help="eviction policies to run the same trace under, each with a fresh daemon")
+    s.add_argument("--kill-every", default=None, metavar="LO-HI", help="SIGKILL a random engine every LO-HI seconds and replace it")
+    s.add_argument("--cold", action="store_true", help="keep dropping the page cache of models not resident: misses read the disk")
+    s.add_argument("--wait-s", type=float, default=30.0, help="how long an attach may wait for room before NO_SPACE")
+    s.add_argument("--reps", type=int, default=2, help="repetitions of each isolated measurement")
+    s.add_argument("--drain-s", type=float, default=None, help="skip events not started this long after the trace's end (default: run every event)")
+    s.add_argument("--mem-slack", default="512MiB", help="device memory that may stay missing after evicting everything (CUDA)")
+    s.add_argument("--workdir", default=None, help="models, trace and logs (default /tmp/wc-workload)")
+    s.add_argument("--out", default=None, help="write results as JSON here (and a PNG chart beside it)")
+    s.add_argument("--chart", default=None, metavar="JSON", help="only draw the chart of an earlier run's JSON")
+    s.set_defaults(func=cmd_workload)
     return p
 
 
