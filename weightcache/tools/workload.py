@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from .workload_setup import WorkloadConfig, check_policies, make_trace, prepare, workload_config
 from .workload_trace import write_trace
@@ -96,5 +97,5 @@ def run_workload(cfg: WorkloadConfig) -> int:
         else:
             console.print("matplotlib is not installed: no chart (pip install matplotlib; weightcache workload --chart FILE.json)")
     for f in result["failures"]:
-        console.print(f"[bold red]FAIL[/] {f}")
+        console.print(f"[bold red]FAIL[/] {escape(f)}")  # tracebacks hold [n], which rich reads as markup
     return 1 if result["failures"] else 0

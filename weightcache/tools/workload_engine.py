@@ -44,6 +44,11 @@ def tensor_sum(t: torch.Tensor) -> torch.Tensor:
     import torch
 
     u8 = t.detach().reshape(-1).view(torch.uint8)
+    if u8.storage_offset() % 4:
+        # The int32 words start at the tensor's first byte (as in the files' own tensors);
+        # a tensor only dtype-aligned in its arena (a CPU page-cache arena maps the file
+        # as it is) cannot be viewed so in place, so it is summed from a copy.
+        u8 = u8.clone()
     n4 = u8.numel() // 4 * 4
     s = u8[:n4].view(torch.int32).sum(dtype=torch.int64)
     if n4 < u8.numel():

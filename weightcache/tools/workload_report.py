@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..units import format_size
@@ -69,7 +70,7 @@ def summarize_run(cfg: WorkloadConfig, prep: Prepared, run: PolicyRun) -> dict[s
     attaches = [r for r in recs if "source" in r]
     errors = Counter(str(r["error"]) for r in recs if "error" in r)
     ended = {(r["slot"], r["ev"]) for r in recs if "model" in r}
-    killed = {(r["slot"], r["ev"]) for r in recs if "begin" in r} - ended
+    lost = {(r["slot"], r["ev"]) for r in recs if "begin" in r} - ended  # its engine was killed or crashed
     skipped = sum(int(r["skipped"]) for r in recs if "skipped" in r)
     by_class: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in attaches:
@@ -87,8 +88,8 @@ def summarize_run(cfg: WorkloadConfig, prep: Prepared, run: PolicyRun) -> dict[s
         "miss_rates": {cls: _miss_rates(run, prep, cls, rs) for cls, rs in by_class.items() if cls != HIT},
         "total_miss_s": sum(r["attach_s"] for r in misses),
         "mismatches": sum(1 for r in recs if "mismatch" in r),
-        "events": {"in_trace": len(prep.trace.events), "ended": len(ended), "errors": dict(errors), "killed_in_flight": len(killed),
-                   "skipped_late": skipped, "not_run": len(prep.trace.events) - len(ended) - len(killed) - skipped},
+        "events": {"in_trace": len(prep.trace.events), "ended": len(ended), "errors": dict(errors), "lost_in_flight": len(lost),
+                   "skipped_late": skipped, "not_run": len(prep.trace.events) - len(ended) - len(lost) - skipped},
         "counters": run.counters, "peak": run.peak, "status_samples": run.samples, "leases_after": run.leases_after,
         "memory": run.memory, "kills": run.kills, "wall_s": run.wall_s, "phases_s": run.phases_s, "daemon_exit": run.daemon_exit,
         "lateness_s": _spread([r["late_s"] for r in recs if "late_s" in r]),
@@ -138,7 +139,7 @@ def print_report(console: Console, r: dict[str, Any]) -> None:
         t.add_row(label, *cells)
 
     row("attaches / events in the trace", lambda s: f"{s['attaches']} / {s['events']['in_trace']}")
-    row("killed in flight / skipped (late) / not run", lambda s: "{killed_in_flight} / {skipped_late} / {not_run}".format(**s["events"]))
+    row("lost in flight / skipped (late) / not run", lambda s: "{lost_in_flight} / {skipped_late} / {not_run}".format(**s["events"]))
     row("attach errors", lambda s: ", ".join(f"{k} {v}" for k, v in s["events"]["errors"].items()) or "0")
     row("hit ratio", lambda s: f"{s['hit_ratio']:.1%}")
     row("hit latency p50 / p99", lambda s: _ms(s["latency_ms"][HIT]))
@@ -177,7 +178,7 @@ def print_report(console: Console, r: dict[str, Any]) -> None:
     console.print(t)
     for policy, summary in pols.items():
         for note in summary["notes"]:
-            console.print(f"[yellow]{policy}: {note}[/]")
+            console.print(f"[yellow]{policy}: {escape(note)}[/]")
 
 
 def write_chart(r: dict[str, Any], png: Path) -> bool:

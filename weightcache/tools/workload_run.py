@@ -88,6 +88,9 @@ def run_policy(cfg: WorkloadConfig, prep: Prepared, pool: EnginePool, policy: st
     (run_dir / "daemon.toml").write_text(daemon_config(cfg, prep, policy, socket))
     log = run_dir / "daemon.log"
     log.unlink(missing_ok=True)
+    # Every engine started, its CUDA context made, before the first free-memory reading: an
+    # engine replaced at the end of the last run must not make its context mid-run.
+    pool.start()
     if cfg.cuda:
         run.memory["free_before_daemon"] = _cuda_free(cfg.device)
     clock = time.monotonic()
