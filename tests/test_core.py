@@ -1,5 +1,6 @@
 """The pure cache core: examples, then a hypothesis state machine for the invariants of
-core.py's Note [invariants]."""
+core.py's Note [invariants], run under each eviction policy (GDSF's own examples are in
+tests/test_policy.py)."""
 
 import pytest
 from hypothesis import settings
@@ -223,21 +224,51 @@ def test_cpu_models_have_no_tier_below():
     assert core.evict("a").evict == ("a",) and core.host.used == 0
 
 
+def check_victims(core: CacheCore, ranks: dict, victims: tuple[str, ...], need: int) -> None:
+    """Note [invariants], 3, for any policy: the victims make room, were evictable, and the
+    highest-ranked one was needed; under GDSF none could have been spared.
+    ``ranks``: the policy's rank of every evictable model of the device, before the step."""
+    sizes = {n: core.entry(n).nbytes for n in ranks}
+    assert set(victims) <= set(ranks), "a victim was not evictable"
+    if need <= 0:
+        assert not victims
+        return
+    freed = sum(sizes[v] for v in victims)
+    assert freed >= need
+    top = max(ranks[v] for v in victims)
+    assert sum(sizes[n] for n, r in ranks.items() if r < top) < need, "the highest-ranked victim was not needed"
+    if core.policy.name == "gdsf":
+        assert all(freed - sizes[v] < need for v in victims), "a victim could have been spared"
+
+
 class CoreMachine(RuleBasedStateMachine):
     """Random sequences of every operation; the invariants hold after each step."""
 
+    policy = "lru"
     names = st.sampled_from(["m0", "m1", "m2", "m3", "m4", "g0", "g1", "g2", "g3"])
     conns = st.integers(1, 3)
 
     def __init__(self) -> None:
         super().__init__()
-        # CPU models, and GPU models with a host tier below them
-        self.core = CacheCore({"cpu": 1000, "cuda:0": 1000}, clock=Clock(), host_budget=900)
+        # CPU models, and GPU models with a host tier below them; budgets a few models fill,
+        # so that most loads must evict
+        self.core = CacheCore({"cpu": 600, "cuda:0": 600}, clock=Clock(), host_budget=500, policy=self.policy)
+        self.clocks = {dev: 0.0 for dev in self.core.devices}
         for n in ["m0", "m1", "m2", "m3", "m4"]:
             self.core.register(n, "cpu")
         for n in ["g0", "g1", "g2", "g3"]:
             self.core.register(n, "cuda:0")
         self.held: set[str] = set()  # resident and attached or pinned after the last step
+
+    def _before(self, device: str) -> tuple[dict, dict]:
+        """Rank and priority of every evictable model on ``device``, before a step."""
+        ev = [x for x in self.core.entries.values() if x.device == device and x.evictable]
+        return {x.name: self.core.policy.rank(x) for x in ev}, {x.name: self.core.priority(x.name) for x in ev}
+
+    def _check_clock(self, device: str, priorities: dict, victims: tuple[str, ...]) -> None:
+        """GDSF's L is the priority of the last victim (never going back); LRU has none."""
+        expected = max([self.clocks[device], *(priorities[v] for v in victims)]) if self.core.policy.name == "gdsf" else 0.0
+        assert self.core.policy.clock(device) == expected
 
     @rule(name=names, nbytes=st.integers(1, 700), fail=st.booleans())
     def load(self, name, nbytes, fail):
@@ -247,10 +278,15 @@ class CoreMachine(RuleBasedStateMachine):
         if e.host_copy:
             nbytes = e.nbytes  # a promotion reloads the same bytes
         before = {x.name: (x.state, x.last_used) for x in self.core.entries.values()}
+        ranks, priorities = self._before(e.device)
+        need = nbytes - self.core.devices[e.device].free
         try:
             plan = self.core.begin_load(name, nbytes)
         except NoSpace:
+            assert sum(self.core.entry(n).nbytes for n in ranks) < need  # all the evictable would not do
             return
+        check_victims(self.core, ranks, plan.evict, need)
+        self._check_clock(e.device, priorities, plan.evict)
         # Victims: evictable before, and each older than every evictable model kept.
         for v in plan.evict:
             assert self.core.entry(v).state in (State.EVICTED, State.HOST)
@@ -260,12 +296,40 @@ class CoreMachine(RuleBasedStateMachine):
             assert before[v][0] is State.HOST and self.core.entry(v).state is State.EVICTED
         assert plan.promote == (before[name][0] is State.HOST)
         kept = [x for x in self.core.entries.values() if x.evictable and x.device == e.device]
-        if plan.evict and kept:
+        if plan.evict and kept and self.core.policy.name == "lru":
             assert max(before[v][1] for v in plan.evict) < min(x.last_used for x in kept)
         if fail:
             self.core.abort_load(name)
         else:
             self.core.finish_load(name)
+
+    @rule(name=names, nbytes=st.integers(1, 250))
+    def load_small(self, name, nbytes):
+        """Small models that stay: later loads then need several victims, and GDSF may spare some."""
+        self.load(name, nbytes, fail=False)
+
+    @rule(device=st.sampled_from(["cpu", "cuda:0"]), budget=st.integers(300, 600))
+    def set_budget(self, device, budget):
+        acct = self.core.devices[device]
+        need = acct.used + acct.reserved - budget
+        ranks, priorities = self._before(device)
+        try:
+            step = self.core.set_budget(device, budget)
+        except NoSpace:
+            assert need > 0
+            return
+        check_victims(self.core, ranks, step.demote + step.evict, need)
+        self._check_clock(device, priorities, step.demote + step.evict)
+
+    @rule(name=names, source=st.sampled_from(["files", "host"]), nbytes=st.integers(0, 700),
+          seconds=st.floats(1e-6, 5.0))
+    def observe(self, name, source, nbytes, seconds):
+        self.core.observe_load(name, source, nbytes, seconds)
+
+    @rule(name=names)
+    def touch(self, name):
+        if self.core.entry(name).state is State.RESIDENT:
+            self.core.touch(name)
 
     @rule(name=names, conn=conns)
     def attach(self, name, conn):
@@ -295,6 +359,7 @@ class CoreMachine(RuleBasedStateMachine):
         except (Attached, Pinned, BadRequest):
             return
         assert was is State.HOST or (not was_attached and not was_pinned)
+        assert self.core.policy.clock(e.device) == self.clocks[e.device]  # not the policy's victim: L stays
 
     @invariant()
     def invariants(self):
@@ -307,10 +372,21 @@ class CoreMachine(RuleBasedStateMachine):
             if e.leases:
                 assert e.state is State.RESIDENT
         self.held = {e.name for e in self.core.entries.values() if e.state is State.RESIDENT and (e.leases or e.pinned)}
+        for dev, before in self.clocks.items():
+            assert self.core.policy.clock(dev) >= before  # GDSF's L never goes back
+            self.clocks[dev] = self.core.policy.clock(dev)
+
+
+class GDSFMachine(CoreMachine):
+    """The same operations and invariants under the cost-aware policy."""
+
+    policy = "gdsf"
 
 
 TestCoreMachine = CoreMachine.TestCase
-TestCoreMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestCoreMachine.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
+TestGDSFMachine = GDSFMachine.TestCase
+TestGDSFMachine.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
 
 
 def test_lowering_a_budget_evicts_lru_or_refuses():

@@ -194,6 +194,9 @@ class DaemonConfig(BaseModel):
     load_nice: int = Field(default=19, ge=0, le=19, description="scheduling niceness of loader threads")
     no_space_wait_s: float = Field(default=0.0, ge=0, description="default time a load waits for detaches")
     host_budget: int = Field(default=0, ge=0, description="pinned host memory for demoted GPU models (0: no host tier)")
+    eviction_policy: Literal["lru", "gdsf"] = Field(default="lru", description=(
+        "which unattached models a load evicts: 'lru' (least recently used) or 'gdsf' (cost-aware: "
+        "size, uses, and the measured time to bring each back; docs/architecture.md)"))
     metrics_listen: str | None = Field(default=None, description="host:port for the Prometheus /metrics endpoint")
     log_format: Literal["text", "json"] = "text"
     allow_writable_attach: bool = Field(default=False, description="let clients ask for read-write GPU mappings")
@@ -238,6 +241,15 @@ class DaemonConfig(BaseModel):
         if v not in ("debug", "info", "warning", "error"):
             raise ValueError("log_level must be one of debug, info, warning, error")
         return v
+
+    @field_validator("eviction_policy", mode="before")
+    @classmethod
+    def _policy(cls, v: Any) -> Any:
+        # pydantic's own message for a Literal does not repeat what was written; say it, and
+        # which one is the default, so that "gsdf" is spotted at once.
+        if isinstance(v, str) and v.lower() in ("lru", "gdsf"):
+            return v.lower()
+        raise ValueError(f"eviction_policy must be 'lru' (the default) or 'gdsf', not {v!r}")
 
     @field_validator("max_frame_bytes", "load_chunk_bytes", "host_budget", "max_queued_reply_bytes", "max_partial_frame_bytes",
                      "max_partial_frame_bytes_per_uid", mode="before")

@@ -1,5 +1,6 @@
-"""The cache policy: budgets, states, LRU, pins, keep-alive and leases. Pure: no I/O, no
-await, no torch. The server asks it what to do, carries the plan out, and reports back.
+"""The cache policy: budgets, states, eviction (policy.py: LRU, or GDSF), pins, keep-alive
+and leases. Pure: no I/O, no await, no torch. The server asks it what to do, carries the
+plan out, and reports back (``finish_load``, ``observe_load``).
 
 Note [invariants]
 -----------------
@@ -10,13 +11,33 @@ tests in tests/test_core.py drive random operation sequences against them):
    the sum of ``nbytes`` of its LOADING models; ``used + reserved <= budget``.
 2. A model's attach count is the number of live leases on it, never negative; only a
    RESIDENT model has leases.
-3. A model with a lease, or pinned, is never chosen for eviction; victims are taken in
-   least-recently-used order (oldest ``last_used`` first) and no more than needed.
+3. A model with a lease, or pinned, is never chosen for eviction. Victims are evictable
+   models of the loading model's device, taken in the policy's order and no more than
+   needed: the highest-ranked victim was needed (the evictable models ranked below it
+   could not make room without it). LRU (the default) ranks by ``last_used``, oldest
+   first, and takes the shortest such prefix. GDSF ranks by its priority H, then
+   ``last_used``; it takes the shortest prefix that makes room, then spares every victim
+   the others make room without (highest H first), so no victim could have been kept.
 4. The host tier: ``host.used`` is the sum of ``nbytes`` of entries holding a host copy,
    within ``host.budget``; an entry holds one exactly when it is HOST, or LOADING while
    being promoted from it. Eviction moves a GPU model one tier down: to the host tier
    if that is enabled and the model fits (dropping the host tier's own LRU copies to
    make room), else out. CPU models have no tier below.
+5. GDSF's clock L, per device, never decreases, and every entry's ``clock_base`` (the L
+   at its last use) is at most its device's L. Only victims the policy chose move L (to
+   the highest H among them): explicit evictions, keep_alive expiries and host-tier
+   drops are not the policy's choices and leave it alone. Frequencies (``refs``) are
+   never negative and only attaches raise them.
+
+What the policy changes, and what it does not: the policy decides only *which* evictable
+models leave a device, to admit a load (``begin_load``) or to lower a budget
+(``set_budget``). Under both policies pins and leases keep a model (3), keep_alive
+expires a model by time alone, ``evict`` moves exactly the model named, a victim steps
+down one tier exactly as in 4 (to the host tier if enabled and it fits, else out), the
+host tier drops its own copies least recently used first, loads are single-flight, and
+NoSpace is raised, with the same ``fits_ever``, exactly when all evictable models
+together could not make room. Rates (``observe_load``) and frequencies are kept under
+LRU too, so the cost shown for a model means the same whichever policy runs.
 
 Loads are single-flight by construction: ``begin_load`` refuses a model that is already
 LOADING, so the server keeps one in-flight load per model and lets other callers wait on it.
@@ -32,6 +53,7 @@ from enum import StrEnum
 from typing import Any
 
 from ..errors import Attached, BadRequest, NoSpace, Pinned, UnknownModel
+from .policy import Candidate, EvictionPolicy, LoadRates, PolicyName, Source, make_policy
 
 
 class State(StrEnum):
@@ -51,6 +73,10 @@ class Entry:
     state: State = State.REGISTERED
     nbytes: int = 0  # arena size; set when a load is admitted
     last_used: float = 0.0
+    # GDSF's frequency: attaches since registration, halved on the whole device as its
+    # attaches pass AGING_USES_PER_MODEL per model (CacheCore._count_use).
+    refs: int = 0
+    clock_base: float = 0.0  # the device's GDSF clock L when it was last used (0 under LRU)
     leases: set[int] = field(default_factory=set)
     host_copy: bool = False  # bytes held in the host tier (HOST, or LOADING while promoting)
     loads: int = 0  # fills of a device arena, from files or from the host tier
@@ -112,8 +138,20 @@ class LoadPlan:
         return self.step_down.demote + self.step_down.evict
 
 
+# Frequencies age TinyLFU's way: when the attaches counted on a device reach this many per
+# model registered there, every count on it is halved (and the tally with them), so a model
+# popular an hour ago does not outweigh one popular now. Replaying Zipf traces through this
+# core (`python tests/test_policy.py`, docs/architecture.md), GDSF with counts kept so took
+# 0.77-0.91 of LRU's miss time; never aged 0.76-0.96 (worst where popularity shifted);
+# forgotten whenever the model left the cache and never aged, GreedyDual's own rule,
+# 0.82-1.04: worse than LRU after a shift, as the newly popular model kept starting from
+# nothing while the old favourite, still resident, kept its count.
+AGING_USES_PER_MODEL = 16
+
+
 class CacheCore:
-    def __init__(self, budgets: dict[str, int], clock: Callable[[], float] = time.monotonic, host_budget: int = 0) -> None:
+    def __init__(self, budgets: dict[str, int], clock: Callable[[], float] = time.monotonic, host_budget: int = 0,
+                 policy: PolicyName = "lru") -> None:
         self.devices = {dev: DeviceAccount(budget=b) for dev, b in budgets.items()}
         self.host = DeviceAccount(budget=host_budget)  # the pinned host tier (0: disabled)
         self.entries: dict[str, Entry] = {}
@@ -121,6 +159,10 @@ class CacheCore:
         self._by_conn: dict[int, set[int]] = {}  # connection -> its lease ids (O(1) counts and drops)
         self._clock = clock
         self._lease_ids = itertools.count(1)
+        self.rates = LoadRates()  # learned under every policy: reload_cost means the same under each
+        self.policy: EvictionPolicy = make_policy(policy, self.rates, self._comes_back_from)
+        self._models_on: dict[str, int] = dict.fromkeys(budgets, 0)  # device -> models registered on it
+        self._uses: dict[str, int] = dict.fromkeys(budgets, 0)  # device -> attaches tallied towards aging
 
     # -- registry -------------------------------------------------------------------
     def entry(self, name: str) -> Entry:
@@ -136,6 +178,7 @@ class CacheCore:
             raise BadRequest(f"device {device!r} has no budget; configured: {sorted(self.devices)}", device=device)
         e = Entry(name=name, device=device, pinned=pinned, keep_alive=keep_alive)
         self.entries[name] = e
+        self._models_on[device] += 1
         return e
 
     def check_removable(self, name: str) -> Entry:
@@ -155,6 +198,8 @@ class CacheCore:
         if e.host_copy:
             self.host.used -= e.nbytes
         del self.entries[name]
+        self._models_on[e.device] -= 1
+        self.rates.forget(name)
         return e
 
     def rename(self, name: str, new: str) -> Entry:
@@ -167,13 +212,28 @@ class CacheCore:
         del self.entries[name]
         e.name = new
         self.entries[new] = e
+        self.rates.rename(name, new)
         return e
 
     def touch(self, name: str) -> Entry:
         """A resident model was asked for: it is the most recently used now."""
         e = self.entry(name)
-        e.last_used = self._clock()
+        self._used(e)
         return e
+
+    def _used(self, e: Entry) -> None:
+        e.last_used = self._clock()
+        e.clock_base = self.policy.clock(e.device)
+
+    def _count_use(self, e: Entry) -> None:
+        """One more attach of ``e``: its frequency, aged per device (AGING_USES_PER_MODEL)."""
+        e.refs += 1
+        self._uses[e.device] += 1
+        if self._uses[e.device] >= AGING_USES_PER_MODEL * self._models_on[e.device]:
+            for x in self.entries.values():
+                if x.device == e.device:
+                    x.refs //= 2
+            self._uses[e.device] //= 2
 
     def idle_s(self, name: str) -> float | None:
         """Seconds since ``name`` was last used (attached, detached, asked for), by the core's clock."""
@@ -187,7 +247,7 @@ class CacheCore:
 
     # -- loading --------------------------------------------------------------------
     def begin_load(self, name: str, nbytes: int) -> LoadPlan:
-        """Admit a load of ``nbytes``: reserve them, evicting LRU victims as needed.
+        """Admit a load of ``nbytes``: reserve them, evicting the policy's victims as needed.
 
         The victims are marked EVICTED and their bytes released at once; the caller frees
         their arenas. Raises NoSpace (naming the holders) when evicting everything
@@ -200,7 +260,7 @@ class CacheCore:
         if e.host_copy and nbytes != e.nbytes:
             raise BadRequest(f"model {name!r}: host copy is {e.nbytes} bytes, not {nbytes}; drop it first", model=name)
         acct = self.devices[e.device]
-        victims = self._lru_victims(e.device, nbytes - acct.free)
+        victims = self._victims(e.device, nbytes - acct.free)
         if victims is None:
             raise self._no_space(e, nbytes)
         step = self._step_down(victims, keep=e)
@@ -209,16 +269,21 @@ class CacheCore:
         acct.reserved += nbytes
         return LoadPlan(name=name, nbytes=nbytes, step_down=step, promote=e.host_copy)
 
-    def _lru_victims(self, device: str, need: int) -> list[Entry] | None:
-        """The fewest least-recently-used evictable models on ``device`` whose bytes add up
-        to ``need``; None if all of them would not."""
-        victims: list[Entry] = []
-        for v in sorted((x for x in self.entries.values() if x.device == device and x.evictable), key=lambda x: x.last_used):
-            if need <= 0:
-                break
-            victims.append(v)
-            need -= v.nbytes
-        return victims if need <= 0 else None
+    def _victims(self, device: str, need: int) -> list[Entry] | None:
+        """The policy's victims among the evictable models on ``device`` whose bytes add up
+        to ``need`` (Note [invariants], 3), its clock moved past them; None if all of them
+        would not."""
+        victims = self.policy.choose((x for x in self.entries.values() if x.device == device and x.evictable), need)
+        if victims:
+            self.policy.evicted(device, victims)
+        return victims
+
+    def _demotable(self, e: Candidate) -> bool:
+        """Whether evicting ``e`` now would move it to the host tier (the step down's rule)."""
+        return e.device != "cpu" and 0 < e.nbytes <= self.host.budget
+
+    def _comes_back_from(self, e: Candidate) -> Source:
+        return "host" if self._demotable(e) else "files"
 
     def _step_down(self, victims: list[Entry], keep: Entry | None = None) -> StepDown:
         """Move RESIDENT victims off their device: to the host tier where it is enabled and
@@ -229,7 +294,7 @@ class CacheCore:
         for v in victims:
             self.devices[v.device].used -= v.nbytes
             v.evictions += 1
-            if v.device != "cpu" and 0 < v.nbytes <= self.host.budget:
+            if self._demotable(v):
                 droppable = sorted((x for x in self.entries.values() if x.state is State.HOST and x is not keep),
                                    key=lambda x: x.last_used)
                 while self.host.free < v.nbytes and droppable:
@@ -252,10 +317,10 @@ class CacheCore:
 
     def set_budget(self, device: str, budget: int) -> StepDown:
         """Change a device's budget (config reload). Lowering it evicts unattached,
-        unpinned models in LRU order until everything fits; if attached or pinned models
-        hold too much, nothing changes and NoSpace says what holds the memory."""
+        unpinned models in the policy's order until everything fits; if attached or pinned
+        models hold too much, nothing changes and NoSpace says what holds the memory."""
         acct = self.devices[device]
-        victims = self._lru_victims(device, acct.used + acct.reserved - budget)
+        victims = self._victims(device, acct.used + acct.reserved - budget)
         if victims is None:
             held = sorted(f"{x.name} ({x.nbytes} B)" for x in self.entries.values()
                           if x.device == device and x.state in (State.RESIDENT, State.LOADING) and not x.evictable)
@@ -289,8 +354,26 @@ class CacheCore:
             e.promotions += 1
         e.state = State.RESIDENT
         e.loads += 1
-        e.last_used = self._clock()
+        self._used(e)
         return e
+
+    def observe_load(self, name: str, source: Source, nbytes: int, seconds: float) -> None:
+        """The server measured a load of ``name`` that succeeded: ``nbytes`` (its arena's
+        size, ``LoadPlan.nbytes``) brought in from ``source`` ("files", or "host" for a
+        promotion) in ``seconds`` (allocating, filling and sealing the arena; not the wait
+        for room). GDSF's cost of evicting a model is learned from these (policy.LoadRates)."""
+        self.rates.observe(self.entry(name).device, name, source, nbytes, seconds)
+
+    def reload_cost(self, name: str) -> float:
+        """Seconds it would take to bring ``name`` back if it were evicted now, from the
+        host tier or its files (whichever the step down would leave it in)."""
+        e = self.entry(name)
+        return self.rates.cost(e.device, e.name, self._comes_back_from(e), e.nbytes)
+
+    def priority(self, name: str) -> float:
+        """The policy's eviction priority of ``name``: lowest goes first (LRU: the time of
+        its last use; GDSF: H)."""
+        return self.policy.priority(self.entry(name))
 
     def abort_load(self, name: str) -> Entry:
         """Roll a failed load back: the reservation is returned, the budget is as before."""
@@ -379,7 +462,8 @@ class CacheCore:
         self.leases[lease.id] = lease
         self._by_conn.setdefault(conn, set()).add(lease.id)
         e.leases.add(lease.id)
-        e.last_used = self._clock()
+        self._count_use(e)
+        self._used(e)
         return lease
 
     def leases_held(self, conn: int) -> int:
@@ -403,7 +487,9 @@ class CacheCore:
             del self._by_conn[lease.conn]
         e = self.entries[lease.model]
         e.leases.discard(lease.id)
-        e.last_used = self._clock()  # detaching counts as use: keep_alive runs from here
+        # Detaching counts as use: keep_alive runs from here, and under GDSF a model in use
+        # while others were evicted does not come out of its lease behind the clock.
+        self._used(e)
         return lease
 
     # -- introspection --------------------------------------------------------------
@@ -417,6 +503,9 @@ class CacheCore:
             assert all(self.leases[i].model == e.name for i in e.leases)
             assert not e.leases or e.state is State.RESIDENT, e.name
             assert e.host_copy == (e.state is State.HOST) or (e.host_copy and e.state is State.LOADING), e.name
+            assert e.clock_base <= self.policy.clock(e.device), e.name
+            assert e.refs >= 0, e.name
+        assert self._models_on == {dev: sum(e.device == dev for e in self.entries.values()) for dev in self.devices}
         assert sum(e.attach_count for e in self.entries.values()) == len(self.leases)
         assert {i for held in self._by_conn.values() for i in held} == set(self.leases)
         assert all(self.leases[i].conn == conn and held for conn, held in self._by_conn.items() for i in held)
