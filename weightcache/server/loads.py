@@ -371,6 +371,11 @@ class Loads:
             self.progress.pop(name, None)
         model.arena, model.checkpoint, model.table, model.last_error = arena, ckpt, table, None
         self.core.finish_load(name)
+        if verb in ("loaded", "promoted"):  # what the cost-aware policy prices a return with
+            # The fill's own time: waiting in the queue, for frees or for a victim's
+            # chunks (inside "allocate" and "fill" when room is set) is not the model's cost.
+            own = ("open", "fill", "seal", "table") if room is not None else ("open", "allocate", "fill", "seal", "table")
+            self.core.observe_load(name, "host" if plan.promote else "files", nbytes, sum(phases.get(k, 0.0) for k in own))
         self.counters["loads"] += 1  # from files or the host tier, as the core counts them per model
         if plan.promote:
             self.counters["promotions"] += 1
