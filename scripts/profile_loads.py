@@ -90,7 +90,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 try:
                     await c.evict(n)
                     await c.evict(n)  # and out of the host tier
-                except Exception:  # noqa: BLE001  (not resident: fine)
+                except Exception:
                     pass
             conc: dict[str, Any] = {}
             # From files: two at once, then the same two one after the other.

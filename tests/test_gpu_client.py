@@ -31,8 +31,10 @@ from weightcache.client.libcuda import CudaError  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-def test_a_fresh_engine_attaches_through_ctypes_without_cuda_bindings(start_daemon, gpu_ckpts):
+async def test_a_fresh_engine_attaches_through_ctypes_without_cuda_bindings(start_daemon, gpu_ckpts):
     d = gpu_daemon(start_daemon, "2GiB", {"x": gpu_ckpts["x"]})
+    async with Client(d.socket) as c:
+        await c.load("x")  # resident first: the engine's free-memory reading is device-wide
     code = textwrap.dedent("""
         import json, sys, time
         import torch

@@ -186,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
 
         index = torch.device(device).index or 0
         torch.cuda.set_device(index)
-        torch.zeros(1, device=device)  # the CUDA context, before any run's clock starts
+        # The CUDA context, and the byte check's kernels (loaded lazily, into device
+        # memory), before any run's clock starts and before its free-memory readings.
+        model_sums({"warm-up": torch.arange(1 << 20, dtype=torch.int32, device=device)})
+        torch.cuda.synchronize()
         # The wire names GPUs by UUID; resolved once here rather than in every attach's time.
         device = f"cuda:{cuda_driver.device_uuid(index)}"
     print("ready", flush=True)
