@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
 import tempfile
 import time
@@ -27,25 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from weightcache import Client
+from weightcache.tools.daemon_log import load_lines
 from weightcache.tools.spawn import DaemonProcess, config_text
 from weightcache.tools.synth import write_checkpoint
 
 GIB = 2**30
-PHASE_LINE = re.compile(r"(loaded|promoted) (\S+): \d+ tensors, (\d+) bytes in ([\d.]+)s \(([\d.]+) GB/s; ([^)]*)\)")
-
-
-def phases_from_log(text: str) -> list[dict[str, Any]]:
-    out = []
-    for m in PHASE_LINE.finditer(text):
-        phases = {}
-        for part in m.group(6).split(", "):
-            label, value, _unit = part.rsplit(" ", 2)
-            phases[label] = float(value)
-        out.append({"verb": m.group(1), "model": m.group(2), "bytes": int(m.group(3)), "s": float(m.group(4)),
-                    "gb_s": float(m.group(5)), "phases_ms": phases})
-    return out
-
-
 async def timed_attach(c: Client, name: str) -> dict[str, Any]:
     t = time.perf_counter()
     async with c.attach(name, wait_s=60) as m:
@@ -116,7 +101,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             results["concurrent"] = conc
             results["status"] = await c.status()
     text = log.read_text()
-    results["daemon_loads"] = phases_from_log(text)
+    results["daemon_loads"] = load_lines(text)
     results["log_tail"] = text[-6000:]
     return results
 

@@ -117,6 +117,10 @@ def test_workload_smoke_on_cpu(tmp_path: Path) -> None:
         assert set(iso) == {str(2 * MIB), str(3 * MIB)} and all(x["page_cache_GBps"] > 0 for x in iso.values())
         rates = p["miss_rates"]["page cache"]
         assert rates["median_GBps"] > 0 and rates["median_vs_isolated"] > 0
+        # The daemon's own account of the workload's loads, read from its log.
+        fills = p["daemon_fills"]
+        assert sum(f["n"] for f in fills.values() if f["verb"] == "loaded") == p["counters"]["loads"]
+        assert all(f["median_GBps"] > 0 and f["vs_isolated"] > 0 and "fill" in f["median_phases_ms"] for f in fills.values())
     if (tmp_path / "out.png").exists():  # matplotlib is optional
         assert (tmp_path / "out.png").stat().st_size > 1000
 

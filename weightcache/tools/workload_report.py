@@ -17,6 +17,7 @@ from rich.table import Table
 
 from ..units import format_size
 from .bench_measure import pct
+from .daemon_log import fill_rates
 
 if TYPE_CHECKING:
     from .workload_run import PolicyRun
@@ -65,6 +66,18 @@ def _miss_rates(run: PolicyRun, prep: Prepared, cls: str, recs: list[dict[str, A
     }
 
 
+def _daemon_fills(run: PolicyRun, prep: Prepared, cold: bool) -> dict[str, Any]:
+    """The daemon's own rate for each size and source during the workload (its time less
+    the waiting for the queue, frees and room), against the isolated rate."""
+    out = fill_rates(run.daemon_loads, lambda model: int(prep.trace.models[model]))
+    for f in out.values():
+        key = "host_tier_GBps" if f["verb"] == "promoted" else "disk_cold_GBps" if cold else "page_cache_GBps"
+        iso = run.isolated.get(str(f["bytes"]), {}).get(key)
+        f["isolated_GBps"] = iso
+        f["vs_isolated"] = f["median_GBps"] / iso if iso else None
+    return out
+
+
 def summarize_run(cfg: WorkloadConfig, prep: Prepared, run: PolicyRun) -> dict[str, Any]:
     recs = run.records
     attaches = [r for r in recs if "source" in r]
@@ -86,6 +99,7 @@ def summarize_run(cfg: WorkloadConfig, prep: Prepared, run: PolicyRun) -> dict[s
         "attaches": len(attaches), "hits": len(by_class[HIT]), "misses": {cls: len(rs) for cls, rs in by_class.items() if cls != HIT},
         "latency_ms": {cls: _spread([r["attach_s"] for r in rs], 1e3) for cls, rs in by_class.items()},
         "miss_rates": {cls: _miss_rates(run, prep, cls, rs) for cls, rs in by_class.items() if cls != HIT},
+        "daemon_fills": _daemon_fills(run, prep, cfg.cold),
         "total_miss_s": sum(r["attach_s"] for r in misses),
         "mismatches": sum(1 for r in recs if "mismatch" in r),
         "events": {"in_trace": len(prep.trace.events), "ended": len(ended), "errors": dict(errors), "lost_in_flight": len(lost),
@@ -151,6 +165,12 @@ def print_report(console: Console, r: dict[str, Any]) -> None:
             s["miss_rates"][c]["median_GBps"], "-" if s["miss_rates"][c]["median_vs_isolated"] is None
             else f"{s['miss_rates'][c]['median_vs_isolated']:.2f}x"))
     row("total miss time", lambda s: f"{s['total_miss_s']:.2f} s")
+    fills = sorted({k for s in pols.values() for k in s["daemon_fills"]}, key=lambda k: (k.split()[0], int(k.split()[1])))
+    for key in fills:  # the loader's own speed under churn, without the queueing an engine also waits for
+        verb, nbytes = key.split()
+        row(f"daemon {verb} {_size(nbytes)}: n, GB/s, vs isolated", lambda s, k=key: "{}, {:.1f}, {}".format(
+            s["daemon_fills"][k]["n"], s["daemon_fills"][k]["median_GBps"],
+            "-" if s["daemon_fills"][k]["vs_isolated"] is None else f"{s['daemon_fills'][k]['vs_isolated']:.2f}x"))
     for k in ("loads", "promotions", "evictions", "demotions", "failed_demotions", "wasted_loads", "cancelled_loads"):
         row(k.replace("_", " "), lambda s, k=k: s["counters"][k])
     devices = sorted({d for s in pols.values() for d in s["peak"]})

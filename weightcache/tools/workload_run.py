@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .bench_measure import drop_page_cache, warm_page_cache
+from .daemon_log import load_lines
 from .spawn import DaemonProcess, config_text
 from .workload_pool import EnginePool, Replay, read_records
 from .workload_probes import Sampler, evict_all, measure_isolated
@@ -40,6 +41,7 @@ class PolicyRun:
     phases_s: dict[str, float] = field(default_factory=dict)  # where the bench's own time went
     daemon_exit: int | None = None
     failures: list[str] = field(default_factory=list)
+    daemon_loads: list[dict[str, Any]] = field(default_factory=list)  # the workload's loads, from the daemon's log
 
 
 def _wait_no_leases(c: SyncClient, timeout: float = 10) -> int:
@@ -103,7 +105,9 @@ def run_policy(cfg: WorkloadConfig, prep: Prepared, pool: EnginePool, policy: st
             clock = time.monotonic()
             run.isolated = measure_isolated(c, cfg, prep)
             run.phases_s["isolated"] = time.monotonic() - clock
+            log_from = log.stat().st_size  # the workload's loads are logged after this
             _workload(cfg, prep, pool, run, c, socket, run_dir)
+            run.daemon_loads = load_lines(log.read_bytes()[log_from:].decode(errors="replace"))
             clock = time.monotonic()
             evict_all(c, list(prep.files))
             if cfg.cuda:

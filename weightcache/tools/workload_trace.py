@@ -101,6 +101,7 @@ def zipf_trace(models: dict[str, int], engines: int, duration_s: float, alpha: f
 def write_trace(trace: Trace, path: str | Path) -> None:
     lines = [json.dumps(trace.header())]
     lines += [json.dumps({"t": e.t, "engine": e.engine, "model": e.model, "hold": e.hold}) for e in trace.events]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # --write-trace /tmp/new/x.jsonl was a traceback
     Path(path).write_text("\n".join(lines) + "\n")
 
 
