@@ -31,7 +31,7 @@ from weightcache.tools.bench_result import (
 from weightcache.tools.restart import time_fresh_attach
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-PUBLISHED = ["bench-cpu.json", "bench-h200.json"]
+PUBLISHED = ["bench-cpu.json", "bench-h200.json", "bench-cpu-2026-11-30.json"]
 
 
 def peer(r: dict[str, Any], name: str) -> PeerLoaderFigures | None:
