@@ -263,16 +263,28 @@ def raw_safetensors(path: Path, header: bytes | str, data: bytes = b"") -> Path:
 
 
 def attached_bytes(reply: dict[str, Any], fds: list[int], tensor: str | None = None) -> bytes:
-    """The bytes an attach reply maps (the whole arena, or one tensor), fds closed."""
+    """The bytes an attach reply maps (the whole arena, or one tensor), fds closed. A
+    "file" arena (the checkpoint's page cache) is put together from its segments."""
     try:
-        nbytes = reply["arena"]["nbytes"]
-        with mmap.mmap(fds[0], nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as m:
+        arena = reply["arena"]
+        nbytes = arena["nbytes"]
+        if arena["kind"] == "file":
+            image = bytearray(nbytes)
+            for f, fo, ao, n in struct.iter_unpack("<4Q", arena["segments"]):
+                image[ao : ao + n] = os.pread(fds[f], n, fo)
+            m: Any = image
+        else:
+            m = mmap.mmap(fds[0], nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        try:
             if tensor is None:
                 return bytes(m[:nbytes])
             for name, _dt, _shape, off, n in reply["tensors"]:
                 if name == tensor:
                     return bytes(m[off : off + n])
             raise KeyError(tensor)
+        finally:
+            if isinstance(m, mmap.mmap):
+                m.close()
     finally:
         for fd in fds:
             os.close(fd)

@@ -2,7 +2,8 @@
 
 A backend owns the arenas of one device: it allocates them, gives the loader a writer to
 fill them, seals them, exports them as file descriptors for attach, and frees them.
-The server picks the backend by the model's device (``cpu`` -> memfd, ``cuda:N`` -> VMM).
+The server picks the backend by the model's device (``cpu`` -> the files' page cache or a
+memfd, ``cuda:N`` -> VMM).
 """
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..loader.reader import ArenaWriter
+
+if TYPE_CHECKING:
+    from ..loader.checkpoint import Checkpoint
+    from ..loader.sources import OpenedSource
 
 
 @dataclass
@@ -107,6 +112,13 @@ class Backend(ABC):
         piece by piece (CUDA) starts filling the first pieces meanwhile."""
         room.take(nbytes)
         return self.allocate(nbytes, label)
+
+    def bind_files(self, arena: Arena, ckpt: Checkpoint, files: OpenedSource) -> None:  # noqa: B027  (a hook)
+        """Offer a freshly allocated ``arena`` the open files a load will fill it from,
+        before ``writer``. A backend that can serve the files' own pages instead of a copy
+        (the CPU backend: their page cache, where it can trust them) takes them here; its
+        writer then makes those pages resident instead of copying them. By default every
+        byte is copied."""
 
     @abstractmethod
     def writer(self, arena: Arena, chunk_bytes: int) -> ArenaWriter:

@@ -1,34 +1,192 @@
-"""CPU backend: arenas are sealed memfds.
+"""CPU backend: a model's arena is its files' page cache where those files can be
+trusted not to change, else a sealed memfd.
 
-Lifecycle: ``memfd_create`` + ``ftruncate`` -> writable shared mapping that the loader
-``preadv``s into -> mapping closed -> seals ``F_SEAL_WRITE|SHRINK|GROW|SEAL`` so nobody,
-the daemon included, can change the bytes again. Clients receive a dup of the fd and map
-it ``PROT_READ``; sealing makes a writable mapping impossible for them too.
+Note [page-cache arenas]
+------------------------
+Why not always a memfd: on a host without shmem huge pages (the CI VM:
+``shmem_enabled = never``) a memfd is mapped 4 KiB at a time, 16 pages per fault, and
+an engine's first read of 1 GiB paid ~80 ms of faults, while the same file's page
+cache, in 2 MiB folios, maps a whole folio per fault (~10 ms): attach + read was 0.4x
+``load_file`` + read. And the memfd was a second copy of what the page cache already
+held. Prefaulting a memfd in the client (MADV_POPULATE_READ) costs the same as the
+faults it saves. Figures: scripts/cpu_arena_options.py, docs/benchmarks.md.
+
+A **file arena** (wire kind ``"file"``, docs/protocol.md): at bind time the arena opens
+each checkpoint file anew (its own read-only open file description, reached through the
+loader's fd, so the very inode that was parsed) and maps it read-only. The fill makes
+the tensors' pages resident (MADV_POPULATE_READ over each range the reader hands it, in
+the reader's threads; MADV_HUGEPAGE first, so a cold read fills 2 MiB folios), and the
+seal mlocks the whole pages inside the tensor bytes where the daemon may (root or
+CAP_IPC_LOCK, else within RLIMIT_MEMLOCK; otherwise they stay populated but
+reclaimable, and that is logged). Held mapped, the pages are also safe from reclaim
+that takes only unmapped page cache (this VM's DAMON pages out unmapped file pages
+idle for a minute). Clients get a dup of each file's fd and the arena-to-file segments,
+and map the files themselves: no copy, no second copy.
+
+The budget counts ``capacity(arena_bytes)``, at least the tensor bytes, and what is
+mlocked is only whole pages inside those bytes, so never more. The header's page and
+the partial pages at the ends of each file's tensor bytes are ordinary page cache.
+
+Nothing seals a file, so a file is served this way only if nobody the daemon does not
+trust can change it (``_page_cache_refusal``); every other load is copied into a memfd:
+
+- owned by root or the daemon's user and not writable by its group or others (a POSIX
+  ACL's named entries are capped by the group bits, its mask), or immutable
+  (``chattr +i``, which only root can undo) or fs-verity (never writable again);
+- on a local file system: on NFS, CIFS, FUSE or virtiofs another machine or a user
+  daemon can change the bytes behind the page cache whatever the mode says;
+- every tensor aligned to its dtype within the file (a zero-copy view needs it);
+- Linux >= 5.14 (MADV_POPULATE_READ).
+
+What attached engines see when a file changes:
+
+- replaced by rename (how downloads and ``mv`` update a checkpoint): the arena holds the
+  old inode, so engines keep the old bytes, whole; once nobody is attached the daemon
+  notices the path's new inode and reloads.
+- rewritten in place (``cp`` over it, ``truncate``): only root or the daemon's user can
+  (the trusted operator, docs/reliability.md); engines attached then see the new bytes
+  as they are written, and SIGBUS past a truncated end. The daemon cannot prevent that,
+  only refuse to hand it out: each attach checks the held file's size and mtime and
+  answers CORRUPT_CHECKPOINT when it changed, until nobody is attached and the
+  model is reloaded from the new bytes. Operators update checkpoints by rename, or
+  ``chattr +i`` them; ``CpuBackend(page_cache=False)`` copies everything to memfds.
+
+A **memfd arena**: ``memfd_create`` + ``ftruncate`` + ``posix_fallocate`` (running out
+of memory while *filling* a memfd cannot be caught: SIGBUS or the OOM killer; here it
+is an error before any read) -> a writable shared mapping that the loader ``preadv``s
+into, or a publish copies into -> mapping closed -> seals
+``F_SEAL_WRITE|SHRINK|GROW|SEAL``: nobody, the daemon included, can change the bytes
+again; clients map a dup ``PROT_READ``. Published weights always get one. When it was
+filled from files, the pages the reader brought into the page cache are dropped again
+(POSIX_FADV_DONTNEED; the kernel keeps pages someone maps), so the memfd is the only copy.
+
+An arena is created empty; a load from files offers it the files first (``bind_files``)
+and it becomes a file arena or, at its first write, a memfd.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
+import logging
 import mmap
 import os
+import stat
+import struct
+import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BadRequest, NoSpace
+from ..errors import BadRequest, CorruptCheckpoint, LoadFailed, NoSpace
+from ..loader.checkpoint import DTYPE_SIZES, Checkpoint
 from ..loader.reader import pread_full
+from ..loader.sources import OpenedSource
 from ..protocol.messages import MEMFD_SEALS
-from ..units import capacity
+from ..units import capacity, round_up
 from .base import Arena, Backend, PublishedSource
 
+log = logging.getLogger("weightcache.daemon")
+
 PAGE = mmap.PAGESIZE
+MADV_POPULATE_READ = 22  # Linux >= 5.14; not in Python's mmap module
+FS_IOC_GETFLAGS = 0x80086601
+FS_IMMUTABLE_FL = 0x00000010
+FS_VERITY_FL = 0x00100000
+# One segment on the wire: file index, file offset, arena offset, byte count (docs/protocol.md).
+SEGMENT = struct.Struct("<4Q")
+# File systems on which only this kernel changes a file, through its page cache: the
+# owner and mode rules then say who can. (On NFS, CIFS, FUSE or virtiofs another machine
+# or a user-space daemon can change the bytes whatever the mode says.)
+LOCAL_FILE_SYSTEMS = frozenset({
+    "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs", "jfs", "reiserfs", "zfs", "tmpfs", "ramfs", "overlay",
+    "squashfs", "erofs", "iso9660",
+})
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+
+
+def _madvise(addr: int, length: int, advice: int) -> None:
+    # ctypes releases the GIL for the call: populating a range reads it from disk when cold.
+    _check(_libc.madvise(addr, length, advice), "madvise")
+
+
+def _populate_supported() -> bool:
+    """MADV_POPULATE_READ exists (Linux >= 5.14): an unknown advice is EINVAL even for an
+    empty range, which is otherwise a no-op."""
+    return _libc.madvise(None, 0, MADV_POPULATE_READ) == 0
+
+
+def _file_system(fd: int) -> str:
+    """The type of the file system ``fd`` is on, from its mount id (/proc/self/fdinfo)."""
+    mnt = ""
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        for line in f:
+            if line.startswith("mnt_id:"):
+                mnt = line.split()[1]
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields and fields[0] == mnt and "-" in fields:
+                return fields[fields.index("-") + 1]
+    return "unknown"
+
+
+def _inode_flags(fd: int) -> int:
+    try:
+        return int.from_bytes(fcntl.ioctl(fd, FS_IOC_GETFLAGS, bytes(8))[:4], "little")
+    except OSError:  # a file system without inode flags
+        return 0
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    # Not ctime: unlinking the old file (a rename over it) moves its ctime too, and that
+    # leaves its bytes as they were.
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass
+class HeldFile:
+    """One checkpoint file of a file arena."""
+
+    path: str  # for messages
+    source_fd: int  # the loader's fd of this file: the reader names the file by it
+    fd: int  # the arena's own read-only open of the same inode; clients get dups of it
+    size: int
+    identity: tuple[int, ...]  # dev, ino, size, mtime when bound
+    addr: int = 0  # the daemon's read-only mapping of the whole file (0: not mapped)
+    lock_start: int = 0  # [lock_start, lock_end): whole pages inside the tensor bytes, mlocked at seal
+    lock_end: int = 0
 
 
 @dataclass
 class MemfdArena(Arena):
-    fd: int = -1  # the memfd; owned by the arena until free()
-    mapping: mmap.mmap | None = None  # writable mapping, only while filling
+    """A CPU arena: empty until a load binds files to it (a file arena) or it is first
+    written (a memfd)."""
+
+    fd: int = -1  # the memfd, once the arena is one; owned by the arena until free()
+    mapping: mmap.mmap | None = None  # the memfd's writable mapping, only while filling
+    files: list[HeldFile] | None = None  # a file arena's files, in checkpoint order
+    segments: bytes = b""  # a file arena's arena -> file ranges, packed as on the wire
+    locked: int = 0  # bytes mlocked
+    why_memfd: str = ""  # why the files were not served from the page cache (logs)
+
+    @property
+    def kind(self) -> str:
+        return "file" if self.files is not None else "memfd"
 
 
 @dataclass
@@ -43,6 +201,8 @@ class _MemfdWriter:
         assert arena.mapping is not None
         self._arena = arena
         self._view: memoryview | None = memoryview(arena.mapping)
+        self._read: dict[int, list[int]] = {}  # fd -> [start, end] of what was read from it
+        self._lock = threading.Lock()
 
     def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False) -> None:
         assert self._view is not None and not direct
@@ -50,16 +210,60 @@ class _MemfdWriter:
         # alive would pin the mapping (mmap.close() -> BufferError) and leak the arena.
         with self._view[arena_offset : arena_offset + nbytes] as dst:
             pread_full(fd, dst, file_offset)
+        with self._lock:
+            span = self._read.setdefault(fd, [file_offset, file_offset + nbytes])
+            span[0], span[1] = min(span[0], file_offset), max(span[1], file_offset + nbytes)
 
     def finish(self) -> None:
         # The view pins the mapping; drop it so seal() can close the mapping.
         if self._view is not None:
             self._view.release()
             self._view = None
+        # The memfd now holds these bytes: their page cache would be a second copy.
+        # (On a failed load too: the pages are as useless then.)
+        for fd, (start, end) in self._read.items():
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        self._read.clear()
+
+
+class _PageCacheWriter:
+    """Makes a file arena's pages resident: each range the reader hands it is populated
+    in the daemon's mapping of that file instead of being copied."""
+
+    direct_io = False  # the page cache is the arena: O_DIRECT would bypass it
+
+    def __init__(self, arena: MemfdArena) -> None:
+        assert arena.files is not None
+        self._by_fd = {f.source_fd: f for f in arena.files}
+
+    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False) -> None:
+        f = self._by_fd.get(fd)
+        if f is None or direct:  # the reader reads the fds the arena was bound to, buffered
+            raise RuntimeError(f"fd {fd} is not a file bound to this arena")
+        start = file_offset // PAGE * PAGE
+        end = min(round_up(file_offset + nbytes, PAGE), round_up(f.size, PAGE))
+        try:
+            _madvise(f.addr + start, end - start, MADV_POPULATE_READ)
+        except OSError as exc:
+            if exc.errno == errno.EFAULT:  # a page past the end of the file: it shrank since it was parsed
+                raise CorruptCheckpoint(f"{f.path}: file ended before byte {file_offset + nbytes} while loading (truncated?)",
+                                        file=f.path, reason="truncated") from None
+            raise LoadFailed(f"{f.path}: read failed: {os.strerror(exc.errno or 0)}", file=f.path,
+                             reason=os.strerror(exc.errno or 0)) from None
+
+    def finish(self) -> None:
+        pass
 
 
 class CpuBackend(Backend):
-    kind = "memfd"
+    kind = "memfd"  # what engines publish on this device; attach replies say "file" or "memfd" per arena
+
+    def __init__(self, device: str, page_cache: bool = True) -> None:
+        super().__init__(device)
+        # Off: every arena is a sealed memfd, the files' page cache never served.
+        self.page_cache = page_cache and _populate_supported()
+        self._warned_mlock = False
 
     def total_memory(self) -> int:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -68,37 +272,151 @@ class CpuBackend(Backend):
         return capacity(nbytes, PAGE)
 
     def allocate(self, nbytes: int, label: str) -> MemfdArena:
-        size = self.capacity(nbytes)
-        fd = os.memfd_create(f"weightcache:{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        # Nothing yet: whether this is a memfd or the files' pages is known at bind_files
+        # or the first write.
+        return MemfdArena(device=self.device, nbytes=self.capacity(nbytes), label=label)
+
+    def _make_memfd(self, arena: MemfdArena) -> None:
+        """Turn an empty arena into a memfd of its full size, with its pages taken now."""
+        if arena.fd >= 0 or arena.files is not None:
+            return
+        size = arena.nbytes
+        fd = os.memfd_create(f"weightcache:{arena.label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
-            # Take the pages now: running out of memory while *filling* a memfd cannot be
-            # caught (SIGBUS or the OOM killer); here it is an error before any read. It
-            # costs nothing measurable (2.78 vs 2.77 GB/s fill rate, 1 GiB, this VM).
+            # It costs nothing measurable (2.78 vs 2.77 GB/s fill rate, 1 GiB, the CI VM).
             os.posix_fallocate(fd, 0, size)
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
             os.close(fd)
             if exc.errno in (errno.ENOMEM, errno.ENOSPC):
-                raise NoSpace(f"host memory exhausted allocating {size} bytes for {label} ({exc.strerror})",
+                raise NoSpace(f"host memory exhausted allocating {size} bytes for {arena.label} ({exc.strerror})",
                               device=self.device, needed=size, fits_ever=False) from None
             raise
         except BaseException:
             os.close(fd)
             raise
-        return MemfdArena(device=self.device, nbytes=size, label=label, fd=fd, mapping=mapping)
+        arena.fd, arena.mapping = fd, mapping
 
-    def writer(self, arena: Arena, chunk_bytes: int) -> _MemfdWriter:
+    # -- page-cache arenas (Note [page-cache arenas]) ---------------------------------
+    def bind_files(self, arena: Arena, ckpt: Checkpoint, files: OpenedSource) -> None:
+        assert isinstance(arena, MemfdArena) and arena.fd < 0 and arena.files is None
+        why = self._page_cache_refusal(ckpt, files)
+        held: list[HeldFile] = []
+        try:
+            if why is None:
+                for rec, sf in zip(ckpt.files, files.files, strict=True):
+                    held.append(self._hold(rec.path, sf.fd))
+                    f = held[-1]
+                    if f.identity != (rec.dev, rec.ino, rec.size, rec.mtime_ns):
+                        why = f"{rec.path} changed since it was parsed"
+                        break
+        except OSError as exc:
+            why = f"{exc.filename or 'a file'}: {exc.strerror}"
+        if why is not None:
+            for f in held:
+                _release(f)
+            arena.why_memfd = why
+            log.info("load %s: copied into a sealed memfd, not served from the page cache: %s", arena.label, why)
+            return
+        # Whole pages inside each file's tensor bytes: what seal() mlocks.
+        for i, f in enumerate(held):
+            spans = [(t.file_offset, t.file_offset + t.nbytes) for t in ckpt.tensors if t.file == i and t.nbytes]
+            if spans:
+                f.lock_start = round_up(min(s for s, _ in spans), PAGE)
+                f.lock_end = max(e for _, e in spans) // PAGE * PAGE
+        arena.files = held
+        arena.segments = _segments(ckpt)
+
+    def _page_cache_refusal(self, ckpt: Checkpoint, files: OpenedSource) -> str | None:
+        """Why ``files`` must be copied into a memfd rather than served from the page
+        cache, or None (Note [page-cache arenas])."""
+        if not self.page_cache:
+            return "page-cache arenas are off (or the kernel lacks MADV_POPULATE_READ, Linux < 5.14)"
+        me = os.geteuid()
+        for rec, sf in zip(ckpt.files, files.files, strict=True):
+            st = os.fstat(sf.fd)
+            immutable = _inode_flags(sf.fd) & (FS_IMMUTABLE_FL | FS_VERITY_FL)
+            if not immutable and st.st_uid not in (0, me):
+                return f"{rec.path} is owned by uid {st.st_uid}, who could rewrite it under attached engines"
+            if not immutable and st.st_mode & 0o022:
+                return (f"{rec.path} is writable by its group or others (mode {stat.S_IMODE(st.st_mode):o}), "
+                        "who could rewrite it under attached engines")
+            fs = _file_system(sf.fd)
+            if fs not in LOCAL_FILE_SYSTEMS:
+                return f"{rec.path} is on {fs}, where the bytes can change behind the page cache"
+        for t in ckpt.tensors:
+            if t.nbytes and t.file_offset % DTYPE_SIZES[t.dtype]:
+                return f"tensor {t.name!r} is not aligned to its {t.dtype} elements in {ckpt.files[t.file].path}"
+        return None
+
+    @staticmethod
+    def _hold(path: str, source_fd: int) -> HeldFile:
+        """Open the inode behind ``source_fd`` anew (an open file description of the arena's
+        own: flags clients set on their dups never reach the loader's), and map it."""
+        fd = os.open(f"/proc/self/fd/{source_fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not os.path.samestat(st, os.fstat(source_fd)):  # cannot happen through /proc's magic links
+                raise OSError(errno.ESTALE, "reopened another file", path)
+            f = HeldFile(path=path, source_fd=source_fd, fd=fd, size=st.st_size, identity=_identity(st))
+            if f.size:
+                addr = _libc.mmap(None, f.size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+                if addr in (None, _MAP_FAILED):
+                    e = ctypes.get_errno()
+                    raise OSError(e, os.strerror(e), path)
+                f.addr = addr
+                # Cold pages are then read in 2 MiB folios, which engines map whole (a hint:
+                # refused where transparent huge pages are off, and then nothing changes).
+                with contextlib.suppress(OSError):
+                    _madvise(addr, f.size, mmap.MADV_HUGEPAGE)
+            return f
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _lock(self, arena: MemfdArena) -> None:
+        assert arena.files is not None
+        for f in arena.files:
+            n = f.lock_end - f.lock_start
+            if n <= 0:
+                continue
+            if _libc.mlock(f.addr + f.lock_start, n) == 0:
+                arena.locked += n
+                continue
+            e = ctypes.get_errno()
+            if not self._warned_mlock:
+                self._warned_mlock = True
+                log.warning("mlock refused (%s): page-cache arenas stay resident while mapped but the kernel may reclaim "
+                            "them under memory pressure (engines then fault them back from disk); run the daemon as root, "
+                            "with CAP_IPC_LOCK, or with LimitMEMLOCK=infinity", os.strerror(e))
+            return
+
+    def writer(self, arena: Arena, chunk_bytes: int) -> _MemfdWriter | _PageCacheWriter:
         assert isinstance(arena, MemfdArena)
+        if arena.files is not None:
+            return _PageCacheWriter(arena)
+        self._make_memfd(arena)
         return _MemfdWriter(arena)
 
     def seal(self, arena: Arena) -> None:
         assert isinstance(arena, MemfdArena)
+        if arena.files is not None:
+            for f in arena.files:
+                if _identity(os.fstat(f.fd)) != f.identity:
+                    raise CorruptCheckpoint(f"{f.path}: checkpoint changed on disk while it was loading", file=f.path,
+                                            reason="changed during load")
+            self._lock(arena)
+            log.info("load %s: served from the page cache of its %d file(s), %d bytes mlocked", arena.label,
+                     len(arena.files), arena.locked)
+            return
+        self._make_memfd(arena)  # a model of no tensor bytes was never written to
         if arena.mapping is not None:
             arena.mapping.close()  # F_SEAL_WRITE fails (EBUSY) while a writable mapping exists
             arena.mapping = None
         fcntl.fcntl(arena.fd, fcntl.F_ADD_SEALS, MEMFD_SEALS)
 
+    # -- publish ----------------------------------------------------------------------
     def open_published(self, arena: dict[str, Any], fds: list[int]) -> MemfdSource:
         if len(fds) != 1:
             raise BadRequest(f"a memfd arena is published with 1 fd, not {len(fds)}")
@@ -123,8 +441,11 @@ class CpuBackend(Backend):
             raise BadRequest(f"the published memfd cannot be mapped: {exc}") from None
 
     def copy_published(self, source: PublishedSource, arena: Arena, nbytes: int) -> None:
-        assert isinstance(arena, MemfdArena) and arena.mapping is not None
+        # Published weights are memory of their own: always a memfd, never a file.
+        assert isinstance(arena, MemfdArena) and arena.files is None
         assert isinstance(source, MemfdSource) and source.mapping is not None
+        self._make_memfd(arena)
+        assert arena.mapping is not None
         arena.mapping[:nbytes] = source.mapping[:nbytes]
 
     def close_published(self, source: PublishedSource) -> None:
@@ -133,12 +454,36 @@ class CpuBackend(Backend):
             source.mapping.close()
             source.mapping = None
 
+    # -- attach and free ----------------------------------------------------------------
     def export(self, arena: Arena) -> tuple[list[int], dict[str, Any]]:
         assert isinstance(arena, MemfdArena)
-        return [os.dup(arena.fd)], {"kind": self.kind, "nbytes": arena.nbytes}
+        if arena.files is None:
+            return [os.dup(arena.fd)], {"kind": "memfd", "nbytes": arena.nbytes}
+        for f in arena.files:
+            # The held inode rewritten in place (by its owner or root): the bytes engines
+            # would map are no longer the ones loaded. Say so rather than hand them out.
+            if _identity(os.fstat(f.fd)) != f.identity:
+                raise CorruptCheckpoint(
+                    f"{f.path}: the checkpoint file was changed in place since it was loaded; attaches are refused until "
+                    "no engine is attached, then it is reloaded (replace checkpoint files by rename instead)",
+                    file=f.path, reason="changed in place")
+        fds: list[int] = []
+        try:
+            for f in arena.files:
+                fds.append(os.dup(f.fd))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds, {"kind": "file", "nbytes": arena.nbytes, "files": [f.size for f in arena.files], "segments": arena.segments}
 
     def free(self, arena: Arena) -> None:
         assert isinstance(arena, MemfdArena)
+        if arena.files is not None:
+            for f in arena.files:
+                _release(f)  # unmapping unlocks; the pages stay page cache, reclaimable
+            arena.files = None
+            arena.locked = 0
         if arena.fd >= 0:
             os.close(arena.fd)
             arena.fd = -1
@@ -147,3 +492,28 @@ class CpuBackend(Backend):
             with contextlib.suppress(BufferError):
                 arena.mapping.close()
             arena.mapping = None
+
+
+def _release(f: HeldFile) -> None:
+    if f.addr:
+        _libc.munmap(f.addr, f.size)
+        f.addr = 0
+    if f.fd >= 0:
+        os.close(f.fd)
+        f.fd = -1
+
+
+def _segments(ckpt: Checkpoint) -> bytes:
+    """The arena's byte ranges that are contiguous in one file, as wire segments: tensors
+    contiguous in both the file and the arena merged (the arena pads each tensor to 256
+    bytes; the file does not)."""
+    runs: list[list[int]] = []  # [file, file_offset, arena_offset, nbytes]
+    for t in ckpt.tensors:
+        if not t.nbytes:
+            continue
+        last = runs[-1] if runs else None
+        if last and last[0] == t.file and last[1] + last[3] == t.file_offset and last[2] + last[3] == t.arena_offset:
+            last[3] += t.nbytes
+        else:
+            runs.append([t.file, t.file_offset, t.arena_offset, t.nbytes])
+    return b"".join(SEGMENT.pack(*r) for r in runs)

@@ -4,18 +4,23 @@ imports this module at the first ``attach``, not before.
 
 Note [lifetime]
 ---------------
-Every tensor is a view of one slab tensor that wraps the whole mapped arena. The slab
-holds the mapping (a Python ``mmap`` for memfd arenas); the mapping is unmapped when the
-last view is garbage collected, never earlier. The daemon's memory is reference counted
-by the kernel (memfd) or driver (VMM), so a mapping stays valid even if the daemon evicts
-the model; the lease is what keeps the daemon from evicting it while you use it.
+Every tensor is a view of one slab tensor that wraps the whole mapped arena, or, for a
+``file`` arena (the daemon serves the checkpoint files' own page cache), the whole mapped
+file the tensor lies in. The slab holds the mapping (a Python ``mmap`` for memfd and file
+arenas); the mapping is unmapped when the last view is garbage collected, never earlier.
+The daemon's memory is reference counted by the kernel (memfd, and a mapped file's inode
+and pages) or driver (VMM), so a mapping stays valid even if the daemon evicts the model;
+the lease is what keeps the daemon from evicting it while you use it.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import mmap
 import os
+import stat
+import struct
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -32,8 +37,12 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# One segment of a "file" arena: file index, file offset, arena offset, byte count (docs/protocol.md).
+SEGMENT = struct.Struct("<4Q")
+
+
 def map_memfd(fd: int, nbytes: int) -> torch.Tensor:
-    """Map a sealed memfd read-only and wrap it as a uint8 tensor (closes ``fd``)."""
+    """Map a sealed memfd (or a file) read-only and wrap it as a uint8 tensor (closes ``fd``)."""
     try:
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     finally:
@@ -43,6 +52,69 @@ def map_memfd(fd: int, nbytes: int) -> torch.Tensor:
         # these tensors faults (SIGSEGV) in this process; the daemon's bytes are sealed.
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def map_files(arena: dict[str, Any], fds: list[int]) -> list[torch.Tensor]:
+    """A ``file`` arena's fds (one read-only regular file each) -> one uint8 tensor per
+    file over its first ``arena["files"][i]`` bytes. Takes the fds: each is closed here,
+    whether this returns or raises (the mappings keep the files)."""
+    slabs: list[torch.Tensor] = []
+    pending = list(fds)
+    try:
+        sizes = arena.get("files")
+        if not isinstance(sizes, list) or len(sizes) != len(fds) or not all(type(n) is int and n > 0 for n in sizes):
+            raise BadRequest(f"file arena: 'files' must list one positive size per fd ({len(fds)} fds), got {sizes!r}"[:300])
+        for fd, size in zip(fds, sizes, strict=True):
+            st = os.fstat(fd)
+            # Past a file's end a mapping raises SIGBUS, not an error: refuse a short file here.
+            if not stat.S_ISREG(st.st_mode) or st.st_size < size:
+                raise BadRequest(f"file arena: fd {fd} is not a regular file of at least {size} bytes")
+            pending.remove(fd)
+            slabs.append(map_memfd(fd, size))
+    finally:
+        for fd in pending:
+            os.close(fd)
+    return slabs
+
+
+def file_tensor_views(slabs: list[torch.Tensor], segments: Any, table: list[list[Any]]) -> dict[str, torch.Tensor]:
+    """[name, dtype, shape, offset, nbytes] rows of a ``file`` arena -> views of the mapped
+    files (no copies). ``offset`` is in the arena; the segment that holds it says which
+    file, and where in it."""
+    if not isinstance(segments, bytes) or len(segments) % SEGMENT.size:
+        raise BadRequest("file arena: 'segments' must be bytes, 32 per segment")
+    if not slabs:
+        raise BadRequest("file arena without files")
+    segs = list(SEGMENT.iter_unpack(segments))
+    starts = [s[2] for s in segs]
+    end = 0
+    for f, fo, ao, n in segs:
+        if f >= len(slabs) or fo + n > slabs[f].numel() or ao < end:
+            raise BadRequest(f"file arena: segment {(f, fo, ao, n)} is outside its file or out of order")
+        end = ao + n
+    out = {}
+    typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    for name, dtype_name, shape, offset, nbytes in table:
+        dtype = TORCH_DTYPES[dtype_name]
+        itemsize = dtype.itemsize
+        if nbytes:
+            i = bisect.bisect_right(starts, offset) - 1
+            f, fo, ao, n = segs[i] if i >= 0 else (0, 0, 0, 0)
+        else:
+            f, fo, ao, n = 0, 0, offset, 0  # an empty tensor: any place will do
+        at = fo + offset - ao
+        if math.prod(shape) * itemsize != nbytes or offset + nbytes > ao + n or at < 0 or at % itemsize:
+            raise BadRequest(f"tensor {name!r}: {dtype_name}{list(shape)} at offset {offset} ({nbytes} bytes) "
+                             "lies in no segment of the file arena")
+        base = typed.get((f, dtype))
+        if base is None:
+            size = slabs[f].numel()
+            base = typed[(f, dtype)] = slabs[f][: size - size % itemsize].view(dtype)
+        strides = [1] * len(shape)
+        for k in range(len(shape) - 1, 0, -1):
+            strides[k - 1] = strides[k] * shape[k]
+        out[name] = base.as_strided(shape, strides, at // itemsize)
+    return out
 
 
 def map_arena(arena: dict[str, Any], fds: list[int]) -> torch.Tensor:
@@ -63,7 +135,7 @@ def map_arena(arena: dict[str, Any], fds: list[int]) -> torch.Tensor:
 
             unclaimed = []  # map_vmm closes them
             return map_vmm(arena, fds, read_only=not arena.get("writable", False))
-        raise BadRequest(f"unknown arena kind {kind!r}")
+        raise BadRequest(f"unknown arena kind {kind!r}" + (" (one slab per file: map_files)" if kind == "file" else ""))
     finally:
         for fd in unclaimed:
             os.close(fd)
@@ -104,7 +176,7 @@ class AttachedModel(Mapping[str, torch.Tensor]):
     """
 
     def __init__(self, name: str, lease: int, fingerprint: str, device: str, tensors: dict[str, torch.Tensor],
-                 source: str = "resident") -> None:
+                 source: str = "resident", arena_kind: str | None = None) -> None:
         self.name = name
         self.lease = lease
         self.fingerprint = fingerprint
@@ -112,6 +184,9 @@ class AttachedModel(Mapping[str, torch.Tensor]):
         # Where the daemon got the bytes for this attach: "resident" (a hit), "host" (it
         # waited for a promotion from the host tier) or "files" (for a load from disk).
         self.source = source
+        # How the bytes are mapped: "file" (the checkpoint files' page cache, on CPU),
+        # "memfd" (a sealed copy, on CPU) or "cuda_vmm".
+        self.arena_kind = arena_kind
         self._tensors = tensors
 
     def __getitem__(self, key: str) -> torch.Tensor:
@@ -132,8 +207,12 @@ class AttachedModel(Mapping[str, torch.Tensor]):
 
 
 def attached_model(name: str, reply: dict[str, Any], fds: list[int]) -> AttachedModel:
-    """An attach reply and its fds (taken, as by :func:`map_arena`) -> the model's tensors.
+    """An attach reply and its fds (taken, as by :func:`map_arena` and :func:`map_files`) -> the model's tensors.
     The lease stays the caller's to end."""
-    slab = map_arena(reply.get("arena") or {}, fds)
-    return AttachedModel(name, reply["lease"], reply["fingerprint"], reply["device"], tensor_views(slab, reply["tensors"]),
-                         source=reply.get("source", "resident"))
+    arena = reply.get("arena") or {}
+    if arena.get("kind") == "file":
+        tensors = file_tensor_views(map_files(arena, fds), arena.get("segments"), reply["tensors"])
+    else:
+        tensors = tensor_views(map_arena(arena, fds), reply["tensors"])
+    return AttachedModel(name, reply["lease"], reply["fingerprint"], reply["device"], tensors,
+                         source=reply.get("source", "resident"), arena_kind=arena.get("kind"))

@@ -36,6 +36,7 @@ class ReadFiles:
 
     def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> None:
         d = self.settings
+        self.backend.bind_files(arena, ckpt, self.files)  # CPU: the page cache itself, where it can be trusted
         read_checkpoint(
             ckpt, self.files, self.backend.writer(arena, d.load_chunk_bytes), threads=d.load_threads,
             chunk=d.load_chunk_bytes, nice=d.load_nice, progress=progress, cancelled=self.cancelled,

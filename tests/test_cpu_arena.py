@@ -1,0 +1,383 @@
+"""The CPU backend's two arenas (backends/cpu.py, Note [page-cache arenas]): a checkpoint
+whose files nobody untrusted can change is served from its own page cache (wire kind
+"file"), anything else is copied into a sealed memfd. What an engine sees when a file is
+replaced or rewritten while attached, what a model keeps resident, and that published
+weights still get memory of their own."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import fcntl
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from weightcache import Client
+from weightcache.backends.cpu import CpuBackend, _populate_supported
+from weightcache.client.mapping import SEGMENT, file_tensor_views, map_files
+from weightcache.errors import BadRequest, CorruptCheckpoint
+from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
+from weightcache.tools.synth import write_checkpoint
+
+MIB = 2**20
+PAGE = mmap.PAGESIZE
+
+pytestmark = pytest.mark.skipif(not _populate_supported(), reason="page-cache arenas need MADV_POPULATE_READ (Linux >= 5.14)")
+
+
+def same(attached, expected) -> bool:
+    return set(attached) == set(expected) and all(
+        attached[k].dtype == v.dtype and attached[k].shape == v.shape
+        and torch.equal(attached[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+        for k, v in expected.items())
+
+
+def snapshot(path: Path) -> dict[str, torch.Tensor]:
+    """The file's tensors as copies (load_file maps the file: a later rewrite would show)."""
+    return {k: v.clone() for k, v in load_file(str(path)).items()}
+
+
+def cached_bytes(path: Path) -> int:
+    """Bytes of the file in the page cache (mincore over a fresh mapping faults nothing in)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    assert addr not in (None, ctypes.c_void_p(-1).value)
+    try:
+        vec = ctypes.create_string_buffer((size + PAGE - 1) // PAGE)
+        assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+        return sum(b & 1 for b in vec.raw) * PAGE
+    finally:
+        libc.munmap(addr, size)
+
+
+def proc_status(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def held(pid: int, path: Path) -> int:
+    """How many of the daemon's fds are open on ``path``."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.path.realpath(f"/proc/{pid}/fd/{fd}") == str(path)
+        except OSError:
+            pass
+    return n
+
+
+def memfd_bytes(pid: int) -> int:
+    """Bytes of memory in the daemon's memfds."""
+    total = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        link = f"/proc/{pid}/fd/{fd}"
+        try:
+            if os.readlink(link).startswith("/memfd:"):
+                total += os.stat(link).st_blocks * 512
+        except OSError:
+            pass
+    return total
+
+
+def misaligned_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """A valid safetensors file whose BF16 tensor starts at an odd byte (not what
+    safetensors writes, but nothing forbids it): it cannot be viewed in place."""
+    a = torch.tensor([7], dtype=torch.uint8)
+    b = torch.arange(64, dtype=torch.float32).to(torch.bfloat16)
+    header = json.dumps({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+                         "b": {"dtype": "BF16", "shape": [64], "data_offsets": [1, 129]}}).encode()
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(struct.pack("<Q", len(header)) + header + a.numpy().tobytes() + b.view(torch.uint8).numpy().tobytes())
+    return {"a": a, "b": b}
+
+
+# -- in process: the backend and the client's mapping, without a daemon ----------------------
+
+
+def load_in_process(path: Path, backend: CpuBackend):
+    """A load as the daemon does it (bind, read, seal) and an attach as the client maps it."""
+    from weightcache.client.mapping import attached_model
+
+    with open_source(path) as opened:
+        ckpt = parse_checkpoint(opened)
+        arena = backend.allocate(ckpt.arena_bytes, "t")
+        backend.bind_files(arena, ckpt, opened)
+        read_checkpoint(ckpt, opened, backend.writer(arena, 1 << 20), threads=2, chunk=1 << 20)
+        backend.seal(arena)
+    fds, desc = backend.export(arena)
+    reply = {"lease": 1, "fingerprint": ckpt.fingerprint, "device": "cpu", "arena": desc, "tensors": ckpt.wire_tensors()}
+    return arena, attached_model("t", reply, fds)
+
+
+def test_a_trusted_checkpoint_is_served_from_its_page_cache(ckpts):
+    backend = CpuBackend("cpu")
+    for name in ("a", "sharded"):  # one file; three files through an index
+        arena, m = load_in_process(ckpts[name], backend)
+        try:
+            assert m.arena_kind == "file" and arena.fd == -1  # no memfd: no copy
+            files = [ckpts[name]] if name == "a" else sorted(Path(ckpts[name]).parent.glob("*.safetensors"))
+            expected = {k: v for f in files for k, v in load_file(str(f)).items()}
+            assert same(m, expected)
+        finally:
+            del m
+            backend.free(arena)
+
+
+def test_without_mlock_the_pages_are_served_populated(ckpts, monkeypatch, caplog):
+    from weightcache.backends import cpu
+
+    def refused(addr: int, length: int) -> int:  # what RLIMIT_MEMLOCK without CAP_IPC_LOCK gives
+        ctypes.set_errno(12)
+        return -1
+
+    monkeypatch.setattr(cpu._libc, "mlock", refused)
+    backend = CpuBackend("cpu")
+    arena, m = load_in_process(ckpts["a"], backend)
+    try:
+        assert m.arena_kind == "file" and arena.locked == 0 and same(m, load_file(str(ckpts["a"])))
+        assert "mlock refused" in caplog.text
+    finally:
+        del m
+        backend.free(arena)
+
+
+def test_page_cache_off_copies_into_a_sealed_memfd(ckpts):
+    backend = CpuBackend("cpu", page_cache=False)
+    arena, m = load_in_process(ckpts["a"], backend)
+    try:
+        assert m.arena_kind == "memfd" and arena.files is None and "off" in arena.why_memfd
+        assert same(m, load_file(str(ckpts["a"])))
+    finally:
+        del m
+        backend.free(arena)
+
+
+def test_files_others_can_change_are_copied(tmp_path):
+    p = write_checkpoint(tmp_path / "m.safetensors", MIB, 8, seed=3)
+    backend = CpuBackend("cpu")
+    p.chmod(0o664)
+    arena, m = load_in_process(p, backend)
+    assert m.arena_kind == "memfd" and "writable by its group or others (mode 664)" in arena.why_memfd
+    assert same(m, load_file(str(p)))
+    del m
+    backend.free(arena)
+    p.chmod(0o644)
+    if os.geteuid() == 0:  # only root can give a file away
+        os.chown(p, 65534, 65534)
+        arena, m = load_in_process(p, backend)
+        assert m.arena_kind == "memfd" and "owned by uid 65534" in arena.why_memfd
+        assert same(m, load_file(str(p)))
+        del m
+        backend.free(arena)
+
+
+def test_an_immutable_file_is_served_whoever_may_write_it(tmp_path):
+    from weightcache.backends.cpu import FS_IMMUTABLE_FL, _inode_flags
+
+    p = write_checkpoint(tmp_path / "m.safetensors", MIB, 8, seed=6)
+    p.chmod(0o666)  # writable by anyone, but immutable: nobody, root included, can write it until root clears +i
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        flags = _inode_flags(fd)
+        try:
+            fcntl.ioctl(fd, 0x40086602, struct.pack("<q", flags | FS_IMMUTABLE_FL))  # FS_IOC_SETFLAGS (chattr +i)
+        except OSError as exc:
+            pytest.skip(f"cannot set the immutable flag here: {exc.strerror}")
+        try:
+            backend = CpuBackend("cpu")
+            arena, m = load_in_process(p, backend)
+            assert m.arena_kind == "file" and same(m, load_file(str(p)))
+            del m
+            backend.free(arena)
+        finally:
+            fcntl.ioctl(fd, 0x40086602, struct.pack("<q", flags))
+    finally:
+        os.close(fd)
+
+
+def test_a_tensor_not_aligned_in_its_file_is_copied(tmp_path):
+    p = tmp_path / "odd.safetensors"
+    expected = misaligned_checkpoint(p)
+    backend = CpuBackend("cpu")
+    arena, m = load_in_process(p, backend)
+    assert m.arena_kind == "memfd" and "not aligned" in arena.why_memfd
+    assert same(m, expected)
+    del m
+    backend.free(arena)
+
+
+def test_the_client_refuses_segments_that_do_not_fit(tmp_path):
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(256)) * 32)  # 8 KiB
+    row = ["w", "U8", [16], 4096, 16]
+
+    def slabs(size: int = 8192) -> list[torch.Tensor]:
+        return map_files({"files": [size]}, [os.open(p, os.O_RDONLY)])
+
+    ok = file_tensor_views(slabs(), SEGMENT.pack(0, 256, 4096, 4096), [row])
+    assert ok["w"].tolist() == list(range(16))  # arena offset 4096 is file offset 256
+    for seg in (SEGMENT.pack(1, 0, 4096, 16), SEGMENT.pack(0, 8000, 4096, 400), SEGMENT.pack(0, 0, 4100, 16), b"x"):
+        with pytest.raises(BadRequest):
+            file_tensor_views(slabs(), seg, [row])
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(BadRequest, match="at least 9000 bytes"):  # past its end a mapping is SIGBUS: refused
+        slabs(9000)
+    with pytest.raises(BadRequest):
+        map_files({"files": [8192, 8192]}, [os.open(p, os.O_RDONLY)])
+    assert len(os.listdir("/proc/self/fd")) == before  # every fd closed, on errors too
+
+
+# -- against a daemon: files changing under attached engines ----------------------------------
+
+
+async def test_attach_reads_every_byte_from_the_page_cache(start_daemon, ckpts):
+    d = start_daemon(budget="64MiB", models={"a": ckpts["a"], "s": ckpts["sharded"]})
+    async with Client(d.socket) as c:
+        async with c.attach("a") as m:
+            assert m.arena_kind == "file" and same(m, load_file(str(ckpts["a"])))
+        async with c.attach("s") as m:
+            files = sorted(Path(ckpts["sharded"]).parent.glob("*.safetensors"))
+            assert m.arena_kind == "file" and same(m, {k: v for f in files for k, v in load_file(str(f)).items()})
+    assert "served from the page cache" in d.log_text()
+
+
+async def test_a_cold_checkpoint_is_read_into_the_page_cache(start_daemon, tmp_path):
+    p = write_checkpoint(tmp_path / "m.safetensors", 16 * MIB, 20, seed=8)
+    fd = os.open(p, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    assert cached_bytes(p) < MIB
+    d = start_daemon(models={"m": p}, extra_daemon={"load_chunk_bytes": MIB})
+    async with Client(d.socket) as c, c.attach("m") as m:
+        assert m.arena_kind == "file" and m.source == "files"
+        assert cached_bytes(p) >= p.stat().st_size - 2 * PAGE  # the load made it resident
+        assert same(m, snapshot(p))
+
+
+async def test_a_file_replaced_by_rename_while_attached_keeps_the_old_bytes(start_daemon, tmp_path):
+    p = write_checkpoint(tmp_path / "m.safetensors", 2 * MIB, 10, seed=1)
+    old = snapshot(p)
+    d = start_daemon(models={"m": p})
+    async with Client(d.socket) as c:
+        async with c.attach("m") as m:
+            assert m.arena_kind == "file"
+            new = write_checkpoint(tmp_path / "new.safetensors", 2 * MIB, 10, seed=2)
+            os.replace(new, p)  # how downloads and `mv` update a checkpoint
+            assert same(m, old)  # the daemon holds the old inode: whole, old bytes
+            async with c.attach("m") as again:  # attached: still the loaded copy
+                assert again.fingerprint == m.fingerprint and same(again, old)
+            kept = dict(m)
+        assert same(kept, old)  # a mapping outlives its lease (and the old file's name)
+        async with c.attach("m") as m:  # nobody attached: the new file is loaded
+            assert same(m, snapshot(p)) and not same(m, old)
+
+
+async def test_a_file_rewritten_in_place_while_attached_is_refused_to_new_attaches(start_daemon, tmp_path):
+    p = tmp_path / "m.safetensors"
+    save_file({"w": torch.zeros(4096), "b": torch.zeros(16)}, str(p))
+    d = start_daemon(models={"m": p})
+    async with Client(d.socket) as c:
+        async with c.attach("m") as m:
+            assert m.arena_kind == "file"
+            save_file({"w": torch.ones(4096), "b": torch.ones(16)}, str(tmp_path / "new.safetensors"))
+            p.write_bytes((tmp_path / "new.safetensors").read_bytes())  # as `cp` does: truncate, write, same inode
+            # The trusted owner's in-place write reaches the attached engine: the one hazard
+            # of page-cache arenas (documented); nobody else may write a file served this way.
+            assert bool((m["w"] == 1).all())
+            with pytest.raises(CorruptCheckpoint, match="changed in place") as info:
+                async with c.attach("m"):
+                    pass
+            assert info.value.details["reason"] == "changed in place"
+            assert (await c.models())[0]["attach_count"] == 1  # the refused attach left no lease
+        async with c.attach("m") as m:  # nobody attached: reloaded from what the file now holds
+            assert bool((m["w"] == 1).all()) and bool((m["b"] == 1).all())
+
+
+async def test_a_file_others_may_write_is_copied_and_its_rewrite_changes_nothing(start_daemon, tmp_path):
+    p = tmp_path / "m.safetensors"
+    save_file({"w": torch.zeros(4096)}, str(p))
+    p.chmod(0o666)
+    d = start_daemon(models={"m": p})
+    async with Client(d.socket) as c, c.attach("m") as m:
+        assert m.arena_kind == "memfd"
+        with open(p, "r+b") as f:  # anyone could: in place, same size
+            f.seek(-4 * 4096, os.SEEK_END)
+            f.write(torch.ones(4096).numpy().tobytes())
+        assert bool((m["w"] == 0).all())  # sealed: the engine keeps the bytes it attached
+    assert "writable by its group or others" in d.log_text()
+
+
+# -- memory ---------------------------------------------------------------------------------
+
+
+async def test_resident_memory_of_a_model_is_its_size(start_daemon, tmp_path):
+    a = write_checkpoint(tmp_path / "a.safetensors", 32 * MIB, 40, seed=4)
+    b = write_checkpoint(tmp_path / "b.safetensors", 32 * MIB, 40, seed=5)
+    b.chmod(0o664)  # copied into a memfd
+    d = start_daemon(budget="128MiB", models={"a": a, "b": b})
+    pid = d.proc.pid
+    async with Client(d.socket) as c:
+        for p in (a, b):
+            fd = os.open(p, os.O_RDONLY)
+            os.fsync(fd)  # clean, as a checkpoint is by the time it is served (the kernel drops no dirty page)
+            os.close(fd)
+            p.read_bytes()  # and in the page cache
+        async with c.attach("a") as m, c.attach("b") as n:
+            assert (m.arena_kind, n.arena_kind) == ("file", "memfd")
+            for t in (*m.values(), *n.values()):
+                t.view(-1).view(torch.uint8).max()  # an engine read every byte
+            st = (await c.status())["devices"]["cpu"]
+            sizes = {x["name"]: x["nbytes"] for x in await c.models()}
+            # a: the file's pages, once; no memfd. b: the memfd; its file's pages dropped.
+            resident_a = cached_bytes(a)
+            resident_b = cached_bytes(b) + memfd_bytes(pid)
+            assert resident_a <= 1.05 * a.stat().st_size and resident_b <= 1.05 * b.stat().st_size, (resident_a, resident_b)
+            assert memfd_bytes(pid) >= b.stat().st_size - 2 * PAGE
+            assert st["used"] == sizes["a"] + sizes["b"]
+            # What is pinned is within what the budget counts for it: whole pages inside
+            # the tensor bytes (all of them where mlock is allowed: root here).
+            locked = proc_status(pid, "VmLck")
+            assert locked <= sizes["a"]
+            if os.geteuid() == 0:
+                assert locked >= a.stat().st_size - 64 * 1024
+        await c.evict("a")
+        await c.evict("b")
+        for _ in range(100):  # freed in a thread
+            if proc_status(pid, "VmLck") == 0 and held(pid, a) == 0 and memfd_bytes(pid) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert proc_status(pid, "VmLck") == 0 and held(pid, a) == 0 and memfd_bytes(pid) == 0  # evicted: nothing held
+
+
+async def test_published_weights_get_memory_of_their_own(start_daemon, ckpts):
+    d = start_daemon(budget="64MiB", models={"a": ckpts["a"]})
+    async with Client(d.socket) as c:
+        async with c.attach("a") as m:
+            assert m.arena_kind == "file"
+            mine = {k: (v.float() * 2).to(torch.bfloat16) for k, v in list(m.items())[:8]}
+            await c.publish("a-x2", mine, fingerprint=f"{m.fingerprint}+x2")
+        used = (await c.status())["devices"]["cpu"]["used"]
+        sizes = {x["name"]: x["nbytes"] for x in await c.models()}
+        assert used == sizes["a"] + sizes["a-x2"] and sizes["a-x2"] > 0
+        async with c.attach("a-x2") as p:
+            assert p.arena_kind == "memfd" and same(p, mine)
+        assert memfd_bytes(d.proc.pid) >= sum(t.numel() * t.element_size() for t in mine.values())
