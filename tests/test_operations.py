@@ -179,3 +179,29 @@ async def test_health_is_ready_once_preloads_are_resident_and_reports_failures(s
         assert {m["name"]: m["state"] for m in await c.models()} == {"a": "evicted", "b": "resident"}
     r = health_cli(d, "--ready")
     assert r.returncode == 0 and r.stdout.strip() == "ready"
+
+
+async def test_json_logs_carry_fields(start_daemon):
+    """conn, pid, uid, op, code, model as top-level keys (issue 14), not only in msg."""
+    d = start_daemon(extra_daemon={"log_format": "json", "log_level": "debug"})
+    async with Client(d.socket) as c:
+        with pytest.raises(Exception, match="nope"):
+            await c.load("nope")
+
+    def logged() -> list[dict]:
+        return [json.loads(line) for line in d.log_text().splitlines() if line.strip()]
+
+    recs = logged()
+    error = next(r for r in recs if r.get("code") == "UNKNOWN_MODEL")
+    assert (error["op"], error["model"], error["pid"], error["uid"]) == ("load", "nope", os.getpid(), os.getuid())
+    conn = error["conn"]  # not the first: the test's wait for the socket was one
+
+    async def closed() -> bool:
+        return any(r.get("conn") == conn and " closed" in r["msg"] for r in logged())
+
+    await eventually(closed)
+    recs = logged()
+    opened = next(r for r in recs if r.get("conn") == conn and " open" in r["msg"])
+    assert (opened["pid"], opened["uid"]) == (os.getpid(), os.getuid())
+    gone = next(r for r in recs if r.get("conn") == conn and " closed" in r["msg"])
+    assert gone["client"] == error["client"] != "?" and gone["leases"] == 0

@@ -98,6 +98,17 @@ def error_reply(rid: int | None, exc: WeightcacheError) -> dict[str, Any]:
     return {"id": rid, "ok": False, "error": exc.to_wire()}
 
 
+def _peer_fields(conn: Connection, **more: Any) -> dict[str, Any]:
+    """The log record's fields (top-level keys in JSON logs) for a line about ``conn``."""
+    fields = {"conn": conn.id, "pid": conn.peer.pid, "uid": conn.peer.uid, "client": conn.client, **more}
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _op_label(op: str) -> str:
+    """An op as a metrics label: a known op, else "other" (a peer chooses the string)."""
+    return op if op in HANDLERS or op == "hello" else "other"
+
+
 class Connections:
     def __init__(self, settings: DaemonConfig, access: AccessPolicy, core: CacheCore, loads: Loads, metrics: Metrics,
                  context: Callable[[], Context], stopping: asyncio.Event) -> None:
@@ -116,6 +127,17 @@ class Connections:
 
     def __len__(self) -> int:
         return len(self.conns)
+
+    def _error(self, conn: Connection, rid: int | None, exc: WeightcacheError, op: str,
+               told: WeightcacheError | None = None) -> dict[str, Any]:
+        """Every error reply goes through here: counted by code and op
+        (weightcache_errors_total), and logged at debug with its fields. ``told`` is the
+        error as the peer may see it (handlers.redact); the log has the whole one."""
+        code = str(exc.code)
+        self.metrics.count_error(code, op)
+        log.debug("conn %d: %s error %s: %s", conn.id, op, code, exc.message,
+                  extra=_peer_fields(conn, op=op, code=code, model=exc.details.get("model")))
+        return error_reply(rid, told or exc)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -138,14 +160,16 @@ class Connections:
             refusal: WeightcacheError | None = None
             if not self.access.allows(conn.peer):
                 log.warning("refused conn from pid %d uid %d gid %d: not in allowed uids/gids",
-                            conn.peer.pid, conn.peer.uid, conn.peer.gid)
+                            conn.peer.pid, conn.peer.uid, conn.peer.gid, extra=_peer_fields(conn, code=PermissionDenied.code))
                 refusal = PermissionDenied(f"uid {conn.peer.uid} may not use this weightcache daemon", uid=conn.peer.uid)
             elif len(self.conns) >= d.max_connections:
-                log.warning("refused conn from pid %d: %d connections open", conn.peer.pid, len(self.conns))
+                log.warning("refused conn from pid %d: %d connections open", conn.peer.pid, len(self.conns),
+                            extra=_peer_fields(conn, code=LimitExceeded.code))
                 refusal = LimitExceeded(f"the daemon holds its maximum of {len(self.conns)} connections",
                                         limit=d.max_connections)
             elif (mine := sum(1 for c in self.conns.values() if c.peer.uid == conn.peer.uid)) >= d.max_connections_per_uid:
-                log.warning("refused conn from pid %d: uid %d holds %d connections", conn.peer.pid, conn.peer.uid, mine)
+                log.warning("refused conn from pid %d: uid %d holds %d connections", conn.peer.pid, conn.peer.uid, mine,
+                            extra=_peer_fields(conn, code=LimitExceeded.code))
                 refusal = LimitExceeded(f"uid {conn.peer.uid} holds its maximum of {mine} connections",
                                         limit=d.max_connections_per_uid)
             if refusal is not None:
@@ -164,7 +188,7 @@ class Connections:
     async def _serve(self, conn: Connection) -> None:
         d = self.settings
         decoder = FrameDecoder(d.max_frame_bytes)
-        log.debug("conn %d open: pid %d uid %d", conn.id, conn.peer.pid, conn.peer.uid)
+        log.debug("conn %d open: pid %d uid %d", conn.id, conn.peer.pid, conn.peer.uid, extra=_peer_fields(conn))
         hello_deadline = time.monotonic() + d.hello_timeout_s
         frame_deadline: float | None = None  # set when a frame's first byte arrives
         conn.readable.set()
@@ -228,7 +252,7 @@ class Connections:
     async def _drop(self, conn: Connection, exc: WeightcacheError) -> None:
         """A connection broke a limit: its fds go now (not after the goodbye), then one
         error frame, then the caller closes it."""
-        log.warning("conn %d (uid %d): %s; closing it", conn.id, conn.peer.uid, exc.message)
+        log.warning("conn %d (uid %d): %s; closing it", conn.id, conn.peer.uid, exc.message, extra=_peer_fields(conn, code=exc.code))
         conn.close_fds()
         self._count_partial(conn, 0)  # its half frame no longer counts against the others
         await self._send_final(conn, exc)
@@ -275,8 +299,11 @@ class Connections:
             t.add_done_callback(self.loads.background.discard)
         dropped = self.core.drop_connection(conn.id)
         if dropped:
-            log.info("conn %d (%r, pid %d) closed holding %d lease(s); released", conn.id, conn.client, conn.peer.pid, len(dropped))
+            log.info("conn %d (%r, pid %d) closed holding %d lease(s); released", conn.id, conn.client, conn.peer.pid, len(dropped),
+                     extra=_peer_fields(conn, leases=len(dropped)))
             await self.loads.notify_space()
+        else:
+            log.debug("conn %d (%r, pid %d) closed", conn.id, conn.client, conn.peer.pid, extra=_peer_fields(conn, leases=0))
         conn.sock.close()
 
     # -- requests -------------------------------------------------------------------
@@ -291,16 +318,16 @@ class Connections:
         try:
             args = decode_payload(payload)
         except WeightcacheError as exc:
-            self._reply_later(conn, error_reply(None, exc))
+            self._reply_later(conn, self._error(conn, None, exc, "other"))
             return
         rid = args.pop("id", None)
         if not isinstance(rid, int) or isinstance(rid, bool):
-            self._reply_later(conn, error_reply(None, BadRequest("request needs an integer 'id'")))
+            self._reply_later(conn, self._error(conn, None, BadRequest("request needs an integer 'id'"), _op_label(str(args.get("op")))))
             return
         nfds = args.pop("fds", 0)
         if not isinstance(nfds, int) or isinstance(nfds, bool) or not 0 <= nfds <= len(conn.fds):
             err = BadRequest(f"'fds' is {nfds!r} but {len(conn.fds)} file descriptor(s) arrived with the frame")
-            self._reply_later(conn, error_reply(rid, err))
+            self._reply_later(conn, self._error(conn, rid, err, _op_label(str(args.get("op")))))
             return
         op = args.pop("op", None)
         req = Request(rid, op if isinstance(op, str) else repr(op), args, [conn.fds.popleft() for _ in range(nfds)])
@@ -313,7 +340,7 @@ class Connections:
                 conn.client = client_name(args.get("client", "?"))
                 conn.greeted = True
             except WeightcacheError as exc:
-                reply = error_reply(rid, exc)
+                reply = self._error(conn, rid, exc, "hello")
             self._reply_later(conn, reply)
             return
         self._track(conn, asyncio.ensure_future(self._handle(conn, req)), req.op)
@@ -349,7 +376,8 @@ class Connections:
             if handler is None:
                 raise UnknownOp(f"unknown op {req.op!r}", op=req.op)
             if req.op in ADMIN_OPS and not self.access.is_admin(conn.peer):
-                log.warning("conn %d: uid %d refused admin op %r", conn.id, conn.peer.uid, req.op)
+                log.warning("conn %d: uid %d refused admin op %r", conn.id, conn.peer.uid, req.op,
+                            extra=_peer_fields(conn, op=req.op, code=PermissionDenied.code))
                 raise PermissionDenied(f"op {req.op!r} is for administrators; uid {conn.peer.uid} is not one", op=req.op)
             if self._stopping.is_set() and req.op in _REFUSED_WHILE_STOPPING:
                 raise ShuttingDown("the daemon is shutting down")
@@ -364,12 +392,12 @@ class Connections:
                 self.metrics.observe(req.op, started)
             msg = {"id": req.id, "ok": True, **reply}
         except WeightcacheError as exc:
-            msg = error_reply(req.id, redact(ctx, caller, req, exc))
+            msg = self._error(conn, req.id, exc, _op_label(req.op), told=redact(ctx, caller, req, exc))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("conn %d: op %r failed unexpectedly", conn.id, req.op)
-            msg = error_reply(req.id, InternalError(f"{type(exc).__name__}: {exc}"))
+            log.exception("conn %d: op %r failed unexpectedly", conn.id, req.op, extra=_peer_fields(conn, op=req.op, code=InternalError.code))
+            msg = self._error(conn, req.id, InternalError(f"{type(exc).__name__}: {exc}"), _op_label(req.op))
         finally:
             for fd in req.fds:  # the fds the request brought and did not hand on
                 os.close(fd)
@@ -403,7 +431,7 @@ class Connections:
         """An error about the connection itself, just before closing it: never waits long
         on a peer that does not read."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._send(conn, error_reply(None, exc)), 1.0)
+            await asyncio.wait_for(self._send(conn, self._error(conn, None, exc, "connection")), 1.0)
 
     async def broadcast(self, event: dict[str, Any]) -> None:
         """An event to every connection; a peer that does not read gets a second."""

@@ -382,7 +382,10 @@ class Loads:
         if plan.promote:
             self.drop_host_copy(model)
         dt = time.monotonic() - t0
-        self.last_load_rate[name] = ckpt.data_bytes / max(dt, 1e-9)
+        # Keyed by the entry a publish ends as (its staging entry is renamed), and only for
+        # entries still registered: removed models' rates go (the dict grew with every name).
+        self.last_load_rate = {k: v for k, v in self.last_load_rate.items() if k in self.registry.models}
+        self.last_load_rate[name.partition("#")[0]] = ckpt.data_bytes / max(dt, 1e-9)
         wasted = job is not None and not job.waiters
         if wasted:
             self.counters["wasted_loads"] += 1

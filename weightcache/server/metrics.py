@@ -1,20 +1,25 @@
 """The Prometheus endpoint, built from a snapshot the daemon hands out.
 
 Metrics are read when Prometheus scrapes, so nothing is counted twice; only request
-latencies are observed as they happen. The collector never holds the daemon: it calls a
-function that returns a ``Snapshot`` of plain values. That function runs in the HTTP
-server's thread, so it only copies containers (atomic under the GIL).
+latencies and error replies are counted as they happen. The collector never holds the
+daemon: it calls a function that returns a ``Snapshot`` of plain values. That function
+runs in the HTTP server's thread, so it only copies containers (atomic under the GIL).
+Per-model series come from the models registered now: a removed model's series go with it.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -51,15 +56,62 @@ class Metrics:
         self.requests = Histogram("weightcache_request_seconds", "Time to answer a request, by op", ["op"],
                                   registry=self.registry,
                                   buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5, 30, 120))
+        # Labels are bounded: codes are the daemon's own, ops are known ops or "other"
+        # (a peer's made-up op name must not add series), "connection" for errors about
+        # the connection itself (refused, dropped).
+        self.errors = Counter("weightcache_errors", "Error replies sent, by error code and op", ["code", "op"],
+                              registry=self.registry)
         self.registry.register(_SnapshotCollector(snapshot))
+        self._server: WSGIServer | None = None
 
     def observe(self, op: str, started: float) -> None:
         self.requests.labels(op=op).observe(time.monotonic() - started)
 
+    def count_error(self, code: str, op: str) -> None:
+        self.errors.labels(code=code, op=op).inc()
+
+    def bind(self, listen: str) -> None:
+        """Claim the port now, before the daemon binds its socket, so that a busy port stops
+        the start with nothing left behind. ValueError for a malformed address, OSError
+        when the port cannot be had."""
+        if self._server is not None:
+            return
+        host, sep, port = listen.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"{listen!r} is not host:port")
+        host = host.strip("[]") or "127.0.0.1"  # [::1]:9464 for IPv6
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        server_class = type("MetricsServer", (_ThreadingWSGIServer,), {"address_family": family})
+        self._server = make_server(str(sockaddr[0]), int(port), _only_metrics(make_wsgi_app(self.registry)), server_class,
+                                   handler_class=_QuietHandler)
+
     def serve(self, listen: str) -> None:
-        host, _, port = listen.rpartition(":")
-        start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
+        self.bind(listen)
+        assert self._server is not None
+        threading.Thread(target=self._server.serve_forever, name="wc-metrics", daemon=True).start()
         log.info("metrics on http://%s/metrics", listen)
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a slow scraper never holds up the daemon's exit
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # one stderr line per scrape otherwise
+        pass
+
+
+def _only_metrics(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
+    """/metrics, and 404 elsewhere (prometheus_client's own server answers every path,
+    which hides a mistyped scrape path and answers scanners)."""
+
+    def wrapped(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"weightcache serves its metrics at /metrics only\n"]
+        return app(environ, start_response)
+
+    return wrapped
 
 
 class _SnapshotCollector(Collector):
@@ -68,6 +120,7 @@ class _SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         snap = self._snapshot()
+        names = {m.name for m in snap.models}
         dev = {k: GaugeMetricFamily(f"weightcache_device_{k}_bytes", f"Per device: {k} bytes", labels=["device"])
                for k in ("budget", "used", "reserved")}
         for name, acct in snap.devices.items():
@@ -88,7 +141,8 @@ class _SnapshotCollector(Collector):
         yield from (state, size, attached, *counters.values())
         rate = GaugeMetricFamily("weightcache_last_load_bytes_per_second", "Rate of each model's last load", labels=["model"])
         for name, bps in snap.last_load_rate.items():
-            rate.add_metric([name], bps)
+            if name in names:  # a removed model's last rate is not shown (nor a publish's staging entry)
+                rate.add_metric([name], bps)
         yield rate
         for k, v in snap.counters.items():
             yield CounterMetricFamily(f"weightcache_{k}", f"Since the daemon started: {k.replace('_', ' ')}", value=v)

@@ -1,0 +1,68 @@
+"""The Prometheus endpoint (issue 14): /metrics only, removed models' series go, error
+replies counted by code and op."""
+
+import struct
+import urllib.error
+import urllib.request
+
+import pytest
+from test_operations import free_port
+
+from weightcache import Client
+from weightcache.errors import WeightcacheError
+
+
+def scrape(port: int, path: str = "/metrics") -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10).read().decode()
+
+
+def series(body: str) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line and not line.startswith("#")}
+
+
+async def test_only_metrics_is_served(start_daemon):
+    port = free_port()
+    start_daemon(extra_daemon={"metrics_listen": f"127.0.0.1:{port}"})
+    assert "weightcache_ready 1.0" in scrape(port)
+    for path in ("/", "/metricsx", "/metrics/", "/favicon.ico"):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            scrape(port, path)
+        assert info.value.code == 404, path
+
+
+async def test_removed_models_series_go(start_daemon, ckpts):
+    port = free_port()
+    d = start_daemon(budget="40MiB", models={"a": ckpts["a"], "b": ckpts["b"]}, extra_daemon={"metrics_listen": f"127.0.0.1:{port}"})
+    async with Client(d.socket) as c:
+        await c.load("a")
+        await c.load("b")
+        before = series(scrape(port))
+        assert before['weightcache_last_load_bytes_per_second{model="b"}'] > 0
+        assert before['weightcache_model_state{model="b",state="resident"}'] == 1
+        head = d.config.read_text().split("[[models]]")[0]
+        d.config.write_text(head + f'[[models]]\nname = "a"\npath = "{ckpts["a"]}"\n')
+        assert (await c.reload())["removed"] == ["b"]
+        after = series(scrape(port))
+    assert not [k for k in after if 'model="b"' in k], [k for k in after if 'model="b"' in k]
+    assert after['weightcache_last_load_bytes_per_second{model="a"}'] > 0
+
+
+async def test_error_replies_are_counted_by_code_and_op(start_daemon, tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", 4) + b"\xff\xfe{}")  # no JSON header: not a safetensors file
+    port = free_port()
+    d = start_daemon(models={"bad": bad}, extra_daemon={"metrics_listen": f"127.0.0.1:{port}"})
+    codes = []
+    async with Client(d.socket) as c:
+        for name in ("bad", "bad", "nope"):
+            with pytest.raises(WeightcacheError) as info:
+                await c.load(name)
+            codes.append(info.value.code)
+    assert codes == ["CORRUPT_CHECKPOINT", "CORRUPT_CHECKPOINT", "UNKNOWN_MODEL"]
+    raw = d.raw()
+    assert raw.call({"id": 1, "op": "no-such-op-" + "x" * 40})["error"]["code"] == "UNKNOWN_OP"
+    raw.close()
+    got = {k: v for k, v in series(scrape(port)).items() if k.startswith("weightcache_errors_total")}
+    assert got == {'weightcache_errors_total{code="CORRUPT_CHECKPOINT",op="load"}': 2,
+                   'weightcache_errors_total{code="UNKNOWN_MODEL",op="load"}': 1,
+                   'weightcache_errors_total{code="UNKNOWN_OP",op="other"}': 1}  # a peer's op name is no label
