@@ -158,8 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
     if args.socket:
         settings = settings.model_copy(update={"daemon": settings.daemon.model_copy(update={"socket": args.socket})})
-    run_daemon(settings, args.config)
-    return 0
+    return run_daemon(settings, args.config)  # 2 when it could not start: the reason is logged
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -13,8 +13,10 @@ import logging
 import os
 import resource
 import signal
+import socket
 import threading
 import time
+from pathlib import Path
 
 from ..backends import Backend, backend_for
 from ..cache import CacheCore
@@ -25,6 +27,58 @@ from .daemon import Daemon
 from .logs import setup_logging
 
 log = logging.getLogger("weightcache.daemon")
+
+# sockaddr_un's sun_path: 108 bytes on Linux, one of them the terminating NUL.
+AF_UNIX_PATH_MAX = 107
+
+
+class StartupError(Exception):
+    """The daemon cannot start as configured: one line naming the key or path and what to
+    do, logged (as JSON in JSON mode) and exit status 2, never a traceback."""
+
+    def __init__(self, message: str, **fields: object) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = fields
+
+
+def check_socket_path(path: Path) -> None:
+    """What would make binding ``daemon.socket`` fail or take over someone else's socket,
+    checked before anything is created (daemon.py's _bind checks again, for races)."""
+    raw = os.fsencode(path)
+    if len(raw) > AF_UNIX_PATH_MAX:
+        raise StartupError(f"daemon.socket: {path} is {len(raw)} bytes long; a Unix socket path holds at most "
+                           f"{AF_UNIX_PATH_MAX}: choose a shorter path (e.g. /run/weightcache/weightcache.sock)",
+                           key="daemon.socket", path=str(path))
+    for parent in path.parents:  # the nearest one that exists must be a directory (_bind makes the rest)
+        if parent.is_symlink() or parent.exists():
+            if not parent.is_dir():
+                raise StartupError(f"daemon.socket: {parent}, the socket's parent, is not a directory: remove it "
+                                   "or choose a socket path in a directory", key="daemon.socket", path=str(parent))
+            break
+    if path.is_socket():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(path))
+            except OSError:
+                return  # no daemon answers: _bind replaces it as stale
+        raise StartupError(f"daemon.socket: another daemon is already serving on {path}: stop it first "
+                           "(weightcache --socket PATH status shows its pid), or give this one another socket",
+                           key="daemon.socket", path=str(path))
+    if path.is_symlink() or path.exists():
+        raise StartupError(f"daemon.socket: {path} exists and is not a socket: remove it or choose another path",
+                           key="daemon.socket", path=str(path))
+
+
+def claim_metrics_port(daemon: Daemon, listen: str) -> None:
+    try:
+        daemon.metrics.bind(listen)
+    except ValueError as exc:
+        raise StartupError(f"daemon.metrics_listen: {exc}; give it as host:port, e.g. \"127.0.0.1:9464\"",
+                           key="daemon.metrics_listen") from None
+    except OSError as exc:  # EADDRINUSE, EACCES below 1024, an unknown host
+        raise StartupError(f"daemon.metrics_listen: cannot listen on {listen} ({exc.strerror or exc}): stop what "
+                           "listens there or choose another port", key="daemon.metrics_listen", listen=listen) from None
 
 
 def build(settings: Settings, config_path: str | None = None) -> Daemon:
@@ -53,44 +107,70 @@ def build(settings: Settings, config_path: str | None = None) -> Daemon:
     return Daemon(settings, backends, CacheCore(budgets, host_budget=host_budget, policy=settings.daemon.eviction_policy), config_path)
 
 
-def run_daemon(settings: Settings, config_path: str | None = None) -> None:
-    """Run until SIGTERM/SIGINT; a second signal forces exit; SIGHUP reloads the config."""
+def run_daemon(settings: Settings, config_path: str | None = None) -> int:
+    """Run until SIGTERM/SIGINT; a second signal forces exit; SIGHUP reloads the config.
+    Returns the exit status: 0, or 2 when it could not start (logged as one line)."""
     import uvloop
 
     setup_logging(settings.daemon.log_level, settings.daemon.log_format)
     _raise_fd_limit()
+    try:
+        check_socket_path(Path(settings.daemon.socket))  # before the devices: nothing made yet
+        uvloop.run(_main(settings, config_path))
+    except (StartupError, ConfigError) as exc:
+        fields = exc.fields if isinstance(exc, StartupError) else {"code": exc.code}
+        log.error("%s", exc.message, extra=fields)
+        _exit_past_stuck_threads(2)
+        return 2
+    _exit_past_stuck_threads(0)
+    return 0
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        daemon = build(settings, config_path)
-        signals = {"count": 0}
 
-        def on_signal(sig: signal.Signals) -> None:
-            signals["count"] += 1
-            if signals["count"] > 1:
-                log.warning("second %s: exiting now", sig.name)
-                os._exit(1)
-            daemon.request_stop(sig.name)
+async def _main(settings: Settings, config_path: str | None) -> None:
+    loop = asyncio.get_running_loop()
+    daemon = build(settings, config_path)
+    if settings.daemon.metrics_listen:
+        # Before the socket: a busy port must not leave a bound socket behind.
+        claim_metrics_port(daemon, settings.daemon.metrics_listen)
+    signals = {"count": 0}
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal, sig)
+    def on_signal(sig: signal.Signals) -> None:
+        signals["count"] += 1
+        if signals["count"] > 1:
+            log.warning("second %s: exiting now", sig.name)
+            os._exit(1)
+        daemon.request_stop(sig.name)
 
-        def on_hup() -> None:  # reload the config, like the reload op
-            async def reload() -> None:
-                try:
-                    await daemon.reload_config()
-                except WeightcacheError as exc:
-                    log.error("SIGHUP reload failed: %s", exc)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
 
-            daemon.loads.spawn(reload())
+    def on_hup() -> None:  # reload the config, like the reload op
+        async def reload() -> None:
+            try:
+                await daemon.reload_config()
+            except WeightcacheError as exc:
+                log.error("SIGHUP reload failed: %s", exc)
 
-        loop.add_signal_handler(signal.SIGHUP, on_hup)
-        # Handlers first: systemd may send SIGTERM as soon as READY=1 went out in start().
+        daemon.loads.spawn(reload())
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
+    # Handlers first: systemd may send SIGTERM as soon as READY=1 went out in start().
+    try:
         await daemon.start()
-        await daemon.serve()
+    except (RuntimeError, OSError) as exc:  # _bind's own refusals, or a race with the checks above
+        _unbind(daemon)
+        raise StartupError(f"daemon.socket: cannot serve on {daemon.socket_path}: {exc}",
+                           key="daemon.socket", path=daemon.socket_path) from None
+    await daemon.serve()
 
-    uvloop.run(main())
-    _exit_past_stuck_threads()
+
+def _unbind(daemon: Daemon) -> None:
+    """A start that failed after binding the socket leaves no socket behind."""
+    listener = daemon._listener
+    if listener is not None:
+        listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(daemon.socket_path)
 
 
 def _raise_fd_limit() -> None:
@@ -102,7 +182,7 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _exit_past_stuck_threads() -> None:
+def _exit_past_stuck_threads(status: int) -> None:
     """Interpreter exit joins worker threads; one stuck in a system call (a hung network
     file system) would keep a stopped daemon alive. Everything is released by now."""
     deadline = time.monotonic() + 2.0
@@ -113,4 +193,4 @@ def _exit_past_stuck_threads() -> None:
     if stuck:
         log.warning("exiting with %d worker thread(s) still blocked: %s", len(stuck), ", ".join(stuck))
         logging.shutdown()
-        os._exit(0)
+        os._exit(status)
