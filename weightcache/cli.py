@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,20 +21,89 @@ from .errors import ConfigError, WeightcacheError
 from .units import format_size
 
 
+def _socket(args: argparse.Namespace) -> str | None:
+    """The socket a client command uses: --socket, else $WEIGHTCACHE_SOCKET (or
+    $WEIGHTCACHE_DAEMON__SOCKET, which the daemon also reads), else the ``[daemon] socket``
+    of $WEIGHTCACHE_CONFIG's file, else None (the client's default). Only that key is
+    read: a client command must not fail on parts of the daemon's config it does not use."""
+    from .defaults import CONFIG_ENV, SOCKET_ENV
+
+    if args.socket:
+        return str(args.socket)
+    for env in (SOCKET_ENV, "WEIGHTCACHE_DAEMON__SOCKET"):
+        if os.environ.get(env):
+            return os.environ[env]
+    path = os.environ.get(CONFIG_ENV)
+    if not path:
+        return None
+    import tomllib
+
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"${CONFIG_ENV} names {path}, which cannot be read ({exc.strerror}); "
+                          "pass --socket or fix the variable") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    daemon = data.get("daemon", {})
+    sock = daemon.get("socket") if isinstance(daemon, dict) else None
+    if sock is not None and not isinstance(sock, str):
+        raise ConfigError(f"daemon.socket in {path} must be a string, got {type(sock).__name__}")
+    return sock
+
+
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from .client import Client
 
     # An operator's command and a health probe answer about now: no waiting for a
     # daemon that is not running (engines wait; see Client's wait_for_daemon).
-    return Client(args.socket, name="weightcache-cli", wait_for_daemon=0)
+    return Client(_socket(args), name="weightcache-cli", wait_for_daemon=0)
 
 
 def _print_json(obj: Any) -> None:
+    if isinstance(obj, dict):  # a reply's protocol fields are not the command's result
+        obj = {k: v for k, v in obj.items() if k not in ("id", "ok")}
     print(json.dumps(obj, indent=2, default=str))
 
 
 def _size(n: int | None) -> str:
     return "-" if n is None else format_size(n)
+
+
+def _duration(s: float | None) -> str:
+    """``42s``, ``5m 03s``, ``2h 04m``, ``3d 02h``: seconds as people read them."""
+    if s is None:
+        return "-"
+    n = round(s)
+    for unit, size, sub, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
+        if n >= size:
+            return f"{n // size}{unit} {(n % size) // sub_size:02d}{sub}"
+    return f"{n}s"
+
+
+def _print(*renderables: Any) -> None:
+    """Print rich renderables (tables) to stdout, never cut. On a terminal rich fits a
+    table to its width, folding long cells (columns use overflow="fold"). Piped or
+    redirected, rich would assume 80 columns and cut cells to "small-fp…": a script or
+    a log wants whole names, so each table gets the width it needs."""
+    from rich.console import Console
+
+    console = Console()
+    for r in renderables:
+        if not console.is_terminal and not isinstance(r, str):
+            width = Console(width=1 << 16).measure(r).maximum
+            Console(width=max(width, 1)).print(r)
+        else:
+            console.print(r, highlight=False)
+
+
+def _table(*columns: str, right: tuple[str, ...] = ()) -> Any:
+    from rich.table import Table
+
+    t = Table()
+    for col in columns:
+        t.add_column(col, justify="right" if col in right else "left", overflow="fold")
+    return t
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
@@ -42,19 +112,15 @@ async def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(st)
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=f"weightcache {st['version']} (pid {st['pid']}, up {st['uptime_s']:.0f}s) on {st['socket']}")
-    for col in ("device", "backend", "budget", "used", "reserved", "free"):
-        t.add_column(col, justify="left" if col in ("device", "backend") else "right")
+    t = _table("device", "backend", "budget", "used", "reserved", "free", right=("budget", "used", "reserved", "free"))
     for dev, d in st["devices"].items():
         t.add_row(dev, d["backend"], _size(d["budget"]), _size(d["used"]), _size(d["reserved"]), _size(d["free"]))
-    console = Console()
-    console.print(t)
-    console.print(f"connections: {st['connections']}  leases: {st['leases']}")
+    lines: list[Any] = [f"weightcache {st['version']} (pid {st['pid']}, up {_duration(st['uptime_s'])}) on {st['socket']}", t,
+                        f"connections: {st['connections']}  leases: {st['leases']}  resident: {len(st.get('resident', []))} "
+                        "(weightcache ps)"]
     for name, p in st["loading"].items():
-        console.print(f"loading {name}: {_size(p['bytes_done'])} / {_size(p['bytes_total'])} at {p['bytes_per_s'] / 1e9:.2f} GB/s")
+        lines.append(f"loading {name}: {_size(p['bytes_done'])} / {_size(p['bytes_total'])} at {_size(p['bytes_per_s'])}/s")
+    _print(*lines)
     return 0
 
 
@@ -64,47 +130,172 @@ async def cmd_models(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(models)
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table()
-    for col in ("name", "state", "device", "size", "attached", "pinned", "loads", "evictions"):
-        t.add_column(col, no_wrap=True)
+    t = _table("name", "state", "device", "size", "attached", "pinned", "loads", "evictions",
+               right=("size", "attached", "loads", "evictions"))
     for m in models:
         t.add_row(m["name"], m["state"], m["device"], _size(m["nbytes"] or None), str(m["attach_count"]),
                   "yes" if m["pinned"] else "", str(m["loads"]), str(m["evictions"]))
-    Console().print(t)
+    _print(t)
+    return 0
+
+
+def _until(m: dict[str, Any]) -> str:
+    """When keep_alive will evict a model, as `weightcache ps` shows it."""
+    if m["pinned"]:
+        return "never (pinned)"
+    if m["state"] != "resident":
+        return "-"
+    if m["keep_alive"] is None:
+        return "when room is needed"
+    if m["attach_count"]:
+        return f"{_duration(m['keep_alive'])} after the last detach"
+    return f"in {_duration(m['expires_in_s'])}" if m.get("expires_in_s") is not None else "-"
+
+
+def _lease_lines(m: dict[str, Any]) -> str:
+    lines = [f"pid {h['pid']} {h['client']} (uid {h['uid']}), {_duration(h['since_s'])}" for h in m["leases"]]
+    hidden = m["attach_count"] - len(m["leases"])
+    if hidden > 0:  # the daemon shows other users' holders to admins only
+        lines.append(f"{hidden} of other users")
+    return "\n".join(lines) or "-"
+
+
+async def cmd_ps(args: argparse.Namespace) -> int:
+    """Like `ollama ps`: what holds memory now, who holds it, and until when."""
+    async with _client(args) as c:
+        resident = (await c.status())["resident"]
+    if args.json:
+        _print_json(resident)
+        return 0
+    if not resident:
+        print("no model is resident")
+        return 0
+    t = _table("name", "state", "device", "size", "leases (pid, client, uid, held for)", "idle", "until",
+               right=("size", "idle"))
+    for m in resident:
+        t.add_row(m["name"], m["state"], m["device"], _size(m["nbytes"]), _lease_lines(m),
+                  "-" if m["attach_count"] else _duration(m["idle_s"]), _until(m))
+    _print(t)
     return 0
 
 
 async def cmd_load(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     async with _client(args) as c:
+        before = {m["name"]: m for m in await c.models()}
         job = asyncio.ensure_future(c.load(args.name, wait_s=args.wait))
-        with Progress("[bold]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                      TimeRemainingColumn(), transient=True, disable=args.quiet) as bar:
-            task = bar.add_task(f"load {args.name}", total=None)
+        console = Console(stderr=True)  # stdout keeps only the result, for scripts
+        quiet = args.quiet or args.json or not console.is_terminal
+        with Progress("[bold]{task.description}", BarColumn(), TextColumn("{task.fields[sizes]}"),
+                      TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=console, transient=True,
+                      disable=quiet) as bar:
+            # Shown only once the daemon knows the size: a small load is often done before
+            # the first poll, and a bar without a total would read "0/? bytes".
+            task = bar.add_task(f"load {args.name}", total=None, visible=False, sizes="", rate="")
             while not job.done():
                 await asyncio.wait([job], timeout=0.2)
                 p = (await c.status())["loading"].get(args.name)
-                if p:
-                    bar.update(task, completed=p["bytes_done"], total=p["bytes_total"])
+                if p and p["bytes_total"]:
+                    bar.update(task, visible=True, completed=p["bytes_done"], total=p["bytes_total"],
+                               sizes=f"{_size(p['bytes_done'])} / {_size(p['bytes_total'])}",
+                               rate=f"{_size(p['bytes_per_s'])}/s")
         model = await job
+        after = await c.models()
+    # What left its device while this load ran: the room it made (or, rarely, what a
+    # concurrent eviction took); the daemon counts every model's evictions.
+    evicted = [{"name": m["name"], "nbytes": before[m["name"]]["nbytes"], "state": m["state"]} for m in after
+               if m["name"] in before and m["evictions"] > before[m["name"]]["evictions"]]
+    if args.json:
+        _print_json({"model": model, "evicted": evicted})
+        return 0
     print(f"{model['name']}: {model['state']} on {model['device']}, {_size(model['nbytes'])}, {model['tensors']} tensors")
+    if evicted:
+        print("evicted to make room: " + ", ".join(
+            f"{e['name']} ({_size(e['nbytes'])}{', to the host tier' if e['state'] == 'host' else ''})" for e in evicted))
     return 0
 
 
-async def cmd_simple(args: argparse.Namespace) -> int:
+async def cmd_evict(args: argparse.Namespace) -> int:
     async with _client(args) as c:
-        result = await getattr(c, args.command)(args.name)
-    _print_json(result)
+        result = await c.evict(args.name)
+    if args.json:
+        _print_json(result)
+    elif not result["evicted"]:
+        print(f"{args.name}: nothing to evict ({result['state']})")
+    else:
+        where = "moved to the host tier" if result["state"] == "host" else "evicted"
+        print(f"{args.name}: {where}, {_size(result['freed'])} freed")
+    return 0
+
+
+async def cmd_pin(args: argparse.Namespace) -> int:
+    async with _client(args) as c:
+        model = await (c.pin(args.name) if args.command == "pin" else c.unpin(args.name))
+    if args.json:
+        _print_json(model)
+    else:
+        print(f"{args.name}: {'pinned' if model['pinned'] else 'not pinned'} ({model['state']} on {model['device']}"
+              f"{', ' + _size(model['nbytes']) if model['nbytes'] else ''})")
+    return 0
+
+
+async def cmd_register(args: argparse.Namespace) -> int:
+    from .config import parse_duration
+
+    if (args.path is None) == (not args.shard):
+        print("weightcache register: give PATH, or one --shard DEVICE=PATH per rank", file=sys.stderr)
+        return 2
+    try:
+        keep_alive = None if args.keep_alive is None else parse_duration(args.keep_alive)
+    except ValueError as exc:
+        print(f"weightcache register: --keep-alive: {exc}", file=sys.stderr)
+        return 2
+    shards = None
+    if args.shard:
+        shards = []
+        for spec in args.shard:
+            device, eq, path = spec.partition("=")
+            if not eq or not device or not path:
+                print(f"weightcache register: --shard {spec!r}: expected DEVICE=PATH, e.g. cuda:0=/models/m/rank0",
+                      file=sys.stderr)
+                return 2
+            # Absolute: with --by-path the daemon opens it, from its own working directory.
+            shards.append({"device": device, "path": str(Path(path).absolute())})
+    path = None if args.path is None else str(Path(args.path).absolute())
+    async with _client(args) as c:
+        model = await c.register(args.name, path, device=args.device, shards=shards, pin=args.pin, preload=args.preload,
+                                 keep_alive=keep_alive, send_files=not args.by_path)
+    if args.json:
+        _print_json(model)
+    else:
+        sent = "the daemon opened the paths" if args.by_path else "sent as open files"
+        print(f"registered {model['name']}: {model['state']} on {model['device']}"
+              f"{f' and {len(shards) - 1} more rank(s)' if shards and len(shards) > 1 else ''} ({sent}); "
+              "kept until `weightcache unregister` (a reload leaves it alone)")
+    return 0
+
+
+async def cmd_unregister(args: argparse.Namespace) -> int:
+    async with _client(args) as c:
+        await c.unregister(args.name)
+    if args.json:
+        _print_json({"unregistered": args.name})
+    else:
+        print(f"unregistered {args.name}")
     return 0
 
 
 async def cmd_reload(args: argparse.Namespace) -> int:
     async with _client(args) as c:
-        _print_json(await c.reload())
+        report = await c.reload()
+    if args.json:
+        _print_json(report)
+        return 0
+    done = [f"{what}: {', '.join(map(str, names)) if isinstance(names, list) else names}"
+            for what, names in report.items() if names]
+    print("reloaded: " + ("; ".join(done) if done else "no changes"))
     return 0
 
 
@@ -134,19 +325,27 @@ async def cmd_attach(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         async with c.attach(args.name) as m:
             dt = time.perf_counter() - t0
-            print(f"attached {m.name}: lease {m.lease}, {len(m)} tensors, {_size(m.nbytes)} on {m.device} "
-                  f"in {dt * 1e3:.2f} ms; fingerprint {m.fingerprint[:16]}")
+            result: dict[str, Any] = {"name": m.name, "lease": m.lease, "tensors": len(m), "nbytes": m.nbytes,
+                                      "device": m.device, "attach_ms": dt * 1e3, "fingerprint": m.fingerprint}
+            if not args.json:
+                print(f"attached {m.name}: lease {m.lease}, {len(m)} tensors, {_size(m.nbytes)} on {m.device} "
+                      f"in {dt * 1e3:.2f} ms; fingerprint {m.fingerprint[:16]}")
             if args.verify:
                 path = next(x["path"] for x in await c.models() if x["name"] == args.name)
                 from .client.verify import verify_against_files
 
                 bad = await asyncio.to_thread(verify_against_files, m, path)
-                if bad:
-                    print(f"VERIFY FAILED: {len(bad)} tensor(s) differ from {path}: {bad[:10]}")
-                    return 1
-                print(f"verified: all {len(m)} tensors equal the bytes in {path}")
+                result["differ"] = bad
+                if not args.json:
+                    print(f"VERIFY FAILED: {len(bad)} tensor(s) differ from {path}: {bad[:10]}" if bad
+                          else f"verified: all {len(m)} tensors equal the bytes in {path}")
+            if args.json:
+                _print_json(result)
+            if args.verify and result["differ"]:
+                return 1
             if args.hold:
-                print(f"holding the lease for {args.hold}s")
+                if not args.json:
+                    print(f"holding the lease for {args.hold}s")
                 await asyncio.sleep(args.hold)
     return 0
 
@@ -209,39 +408,71 @@ def cmd_workload(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    socket_help = ("daemon socket (default: $WEIGHTCACHE_SOCKET, else the [daemon] socket of the file $WEIGHTCACHE_CONFIG "
+                   "names, else /run/weightcache/weightcache.sock)")
     p = argparse.ArgumentParser(prog="weightcache", description="Keep model weights resident; engines attach them zero-copy.")
-    p.add_argument("--socket", help="daemon socket (default: $WEIGHTCACHE_SOCKET, else the config's, else /run/weightcache/weightcache.sock)")
+    p.add_argument("--socket", help=socket_help)
+    # --socket also after the subcommand; SUPPRESS keeps one given before it when absent after.
+    sock = argparse.ArgumentParser(add_help=False)
+    sock.add_argument("--socket", default=argparse.SUPPRESS, help=socket_help)
+    client = argparse.ArgumentParser(add_help=False, parents=[sock])
+    client.add_argument("--json", action="store_true", help="print the result as JSON, for scripts")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="run the daemon")
+    s = sub.add_parser("serve", help="run the daemon", parents=[sock])
     s.add_argument("--config", help="TOML config (default: $WEIGHTCACHE_CONFIG)")
     s.set_defaults(func=cmd_serve)
 
-    for name, fn, text in (("status", cmd_status, "devices, budgets, loads in progress"), ("models", cmd_models, "registered models")):
-        s = sub.add_parser(name, help=text)
-        s.add_argument("--json", action="store_true")
+    for name, fn, text in (("status", cmd_status, "devices, budgets, loads in progress"),
+                           ("models", cmd_models, "every registered model"),
+                           ("ps", cmd_ps, "resident models: size, device, who holds them, idle time, keep_alive expiry")):
+        s = sub.add_parser(name, help=text, parents=[client])
         s.set_defaults(func=fn)
 
-    s = sub.add_parser("health", help="exit 0 if the daemon serves (--ready: and its preloads are resident); for probes")
+    s = sub.add_parser("health", help="exit 0 if the daemon serves (--ready: and its preloads are resident); for probes",
+                       parents=[client])
     s.add_argument("--ready", action="store_true", help="also require every configured preload to be resident")
-    s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_health)
 
-    s = sub.add_parser("load", help="make a model resident, with a progress bar")
+    s = sub.add_parser("load", help="make a model resident, with a progress bar; says what it evicted", parents=[client])
     s.add_argument("name")
     s.add_argument("--wait", type=float, default=None, help="seconds to wait for attached models to detach if memory is short")
-    s.add_argument("--quiet", action="store_true")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_load)
 
-    for name in ("evict", "pin", "unpin"):
-        s = sub.add_parser(name, help=f"{name} a model")
+    s = sub.add_parser("evict", help="move a model one tier down (to the host tier, or out)", parents=[client])
+    s.add_argument("name")
+    s.set_defaults(func=cmd_evict)
+    for name, text in (("pin", "never evict a model while pinned"), ("unpin", "make a pinned model evictable again")):
+        s = sub.add_parser(name, help=text, parents=[client])
         s.add_argument("name")
-        s.set_defaults(func=cmd_simple)
+        s.set_defaults(func=cmd_pin)
 
-    s = sub.add_parser("reload", help="make the daemon re-read its config file")
+    s = sub.add_parser("register", help="add a model at run time (until unregistered; a reload leaves it alone)",
+                       parents=[client])
+    s.add_argument("name")
+    s.add_argument("path", nargs="?", help="a .safetensors file, a directory, or a model.safetensors.index.json")
+    s.add_argument("--device", default="cpu", help="cpu, cuda:N or cuda:GPU-<uuid> (default cpu)")
+    s.add_argument("--shard", action="append", metavar="DEVICE=PATH",
+                   help="one per rank, in rank order, instead of PATH: a tensor-parallel model")
+    s.add_argument("--pin", action="store_true", help="never evict it (administrators only)")
+    s.add_argument("--preload", action="store_true", help="load it now, in the background")
+    s.add_argument("--keep-alive", default=None, help="evict after this long unused and unattached: '30s', '5m', '1h' or seconds")
+    s.add_argument("--by-path", action="store_true",
+                   help="send only the paths: the daemon opens them with its own rights (administrators only); "
+                        "by default this command opens the files and passes them")
+    s.set_defaults(func=cmd_register)
+
+    s = sub.add_parser("unregister", help="forget a model and free its memory (refused while attached or loading)",
+                       parents=[client])
+    s.add_argument("name")
+    s.set_defaults(func=cmd_unregister)
+
+    s = sub.add_parser("reload", help="make the daemon re-read its config file", parents=[client])
     s.set_defaults(func=cmd_reload)
 
-    s = sub.add_parser("attach", help="attach a model and report; --verify compares every byte with the files")
+    s = sub.add_parser("attach", help="attach a model and report; --verify compares every byte with the files",
+                       parents=[client])
     s.add_argument("name")
     s.add_argument("--verify", action="store_true")
     s.add_argument("--hold", type=float, default=0, help="keep the lease this many seconds")
@@ -307,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"weightcache: {exc.message}", file=sys.stderr)
         return 2
     except WeightcacheError as exc:
+        if getattr(args, "json", False):  # a script reads the code and details, not the sentence
+            _print_json({"error": exc.to_wire()})
         print(f"weightcache: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

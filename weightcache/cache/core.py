@@ -109,6 +109,7 @@ class Lease:
     id: int
     model: str
     conn: int  # the connection that holds it; closing the connection ends the lease
+    since: float = 0.0  # when it began, by the core's clock (`weightcache ps` shows its age)
 
 
 @dataclass(frozen=True)
@@ -458,13 +459,20 @@ class CacheCore:
         e = self.entry(name)
         if e.state is not State.RESIDENT:
             raise BadRequest(f"model {name!r} is not resident (state {e.state})", model=name)
-        lease = Lease(id=next(self._lease_ids), model=name, conn=conn)
+        lease = Lease(id=next(self._lease_ids), model=name, conn=conn, since=self._clock())
         self.leases[lease.id] = lease
         self._by_conn.setdefault(conn, set()).add(lease.id)
         e.leases.add(lease.id)
         self._count_use(e)
         self._used(e)
         return lease
+
+    def leases_on(self, name: str) -> list[tuple[Lease, float]]:
+        """The leases on ``name``, oldest first, each with its age in seconds. The core
+        knows only connection ids; the server says who is behind them."""
+        now = self._clock()
+        return [(lease, now - lease.since) for lease in sorted((self.leases[i] for i in self.entry(name).leases),
+                                                               key=lambda x: x.id)]
 
     def leases_held(self, conn: int) -> int:
         return len(self._by_conn.get(conn, ()))

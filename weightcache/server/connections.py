@@ -438,6 +438,12 @@ class Connections:
         await asyncio.gather(*(asyncio.wait_for(self._send(c, {"id": None, **event}), 1.0) for c in list(self.conns.values())),
                              return_exceptions=True)
 
+    def caller(self, conn_id: int) -> Caller | None:
+        """Who is behind a connection: pid and uid from SO_PEERCRED, the name it gave in
+        hello. None once it closed (its leases are being released)."""
+        c = self.conns.get(conn_id)
+        return None if c is None else Caller(c.id, c.peer, c.client)
+
     def in_flight(self) -> list[asyncio.Task[None]]:
         return [t for c in self.conns.values() for t in c.tasks]
 

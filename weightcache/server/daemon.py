@@ -51,6 +51,7 @@ class Daemon:
         self.context = Context(
             settings=settings, core=core, registry=self.registry, loads=self.loads, access=self.access, backends=backends,
             started=self.started, socket_path=self.socket_path, connections=lambda: len(self.connections),
+            caller_of=lambda conn: self.connections.caller(conn),
             shutting_down=self._stopping.is_set, health=self.health, reload=self.reload_config,
         )
         self.connections = Connections(settings.daemon, self.access, core, self.loads, self.metrics,

@@ -14,10 +14,12 @@ from typing import Any
 from .. import __version__
 from ..cache import State
 from ..errors import (
+    Attached,
     BadRequest,
     CorruptCheckpoint,
     LimitExceeded,
     LoadFailed,
+    NoSpace,
     PermissionDenied,
     ProtocolVersionError,
     WeightcacheError,
@@ -25,7 +27,9 @@ from ..errors import (
 from ..protocol import PROTOCOL_VERSION
 from ..protocol.messages import OPS
 from ..protocol.packed import Packed
+from ..units import format_size
 from . import model_ops
+from .access import Peer
 from .registry import redacted
 from .requests import Caller, Context, Handler, Reply, Request
 
@@ -46,7 +50,10 @@ def hello(ctx: Context, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def redact(ctx: Context, caller: Caller, req: Request, exc: WeightcacheError) -> WeightcacheError:
-    """A load failure names files; a peer who may not see the model gets the code only."""
+    """The error as the requester gets it: NO_SPACE and ATTACHED name who holds the
+    leases (as far as this peer may see them); a load failure names files, and a peer
+    who may not see the model gets the code only."""
+    exc = _name_holders(ctx, caller.peer, exc)
     names_files = isinstance(exc, (LoadFailed, CorruptCheckpoint)) or bool(_FILE_DETAILS & exc.details.keys())
     if not names_files or ctx.access.is_admin(caller.peer):
         return exc
@@ -58,8 +65,74 @@ def redact(ctx: Context, caller: Caller, req: Request, exc: WeightcacheError) ->
     return type(exc)(redacted(exc.to_wire())["message"], **({"model": name} if isinstance(name, str) else {}))
 
 
+def lease_holders(ctx: Context, entries: list[str], viewer: Peer) -> list[dict[str, Any]]:
+    """Who holds leases on ``entries``, oldest first, as ``viewer`` may see them. Peers
+    are tenants who need not trust each other: a holder's pid, uid and client name are
+    shown to admins and to peers of the holder's own uid only. The count of leases is
+    not secret (``attach_count``), so others' leases are left out, not disguised."""
+    admin = ctx.access.is_admin(viewer)
+    out = []
+    for entry in entries:
+        for lease, age in ctx.core.leases_on(entry):
+            who = ctx.caller_of(lease.conn)
+            if who is None:  # its connection is closing: the lease ends in a moment
+                continue
+            if admin or who.peer.uid == viewer.uid:
+                out.append({"pid": who.peer.pid, "uid": who.peer.uid, "client": who.client, "since_s": round(age, 3)})
+    return out
+
+
+def _holders_text(holders: list[dict[str, Any]], attach_count: int) -> str:
+    """``attached by pid 4242 (vllm, uid 1000) for 12s``: what an operator needs to find
+    the engine that keeps a model in memory. Leases the viewer may not see are counted."""
+    shown = [f"pid {h['pid']} ({h['client']}, uid {h['uid']}) for {h['since_s']:.0f}s" for h in holders]
+    others = attach_count - len(holders)
+    if not shown:
+        return f"{attach_count} attached (by other users)"
+    return "attached by " + ", ".join(shown) + (f" and {others} other(s)" if others > 0 else "")
+
+
+def _entries_named(ctx: Context, name: Any) -> list[str]:
+    """The cache entries an error's ``model`` detail means (a model, or one of its ranks)."""
+    if isinstance(name, str) and name in ctx.registry.groups:
+        return ctx.registry.groups[name]
+    return [name] if isinstance(name, str) and name in ctx.core.entries else []
+
+
+def _name_holders(ctx: Context, viewer: Peer, exc: WeightcacheError) -> WeightcacheError:
+    """A new error (the original may be shared by every request that joined one load)
+    whose message and details say who holds the memory or the model, with sizes in the
+    units the CLI prints. The core raises these knowing only connection ids."""
+    if isinstance(exc, Attached):
+        entries = _entries_named(ctx, exc.details.get("model"))
+        if not entries:
+            return exc
+        holders = lease_holders(ctx, entries, viewer)
+        count = sum(ctx.core.entry(e).attach_count for e in entries)
+        if not count:  # detached meanwhile: the core's message stands
+            return exc
+        return Attached(f"{exc.message}: {_holders_text(holders, count)}", **{**exc.details, "holders": holders})
+    if isinstance(exc, NoSpace) and isinstance(exc.details.get("holders"), list):
+        d = exc.details
+        held = []
+        holders = []
+        for h in d["holders"]:
+            entries = _entries_named(ctx, h.get("name"))
+            leases = lease_holders(ctx, entries, viewer) if entries and h.get("attach_count") else []
+            holders.append({**h, "leases": leases})
+            who = _holders_text(leases, h["attach_count"]) if h.get("attach_count") else "not attached"
+            held.append(f"{h['name']} ({format_size(h['nbytes'])}, {h['state']}, {who}{', pinned' if h.get('pinned') else ''})")
+        message = (f"model {d['model']!r} needs {format_size(d['needed'])} on {d['device']}; budget "
+                   f"{format_size(d['budget'])}, free {format_size(d['free'])}; held by: {', '.join(held) or 'nothing'}")
+        return NoSpace(message, **{**d, "holders": holders})
+    return exc
+
+
 def describe(ctx: Context, entry: str, caller: Caller) -> dict[str, Any]:
-    return ctx.registry.describe(entry, caller.peer, ctx.loads.progress.get(entry))
+    """The ``models`` entry: the registry's view, and who holds its leases (the registry
+    knows no connections)."""
+    return {**ctx.registry.describe(entry, caller.peer, ctx.loads.progress.get(entry)),
+            "leases": lease_holders(ctx, [entry], caller.peer)}
 
 
 def describe_all(ctx: Context, entries: list[str], caller: Caller) -> dict[str, Any]:
@@ -77,6 +150,9 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
         "leases": len(ctx.core.leases), "counters": dict(ctx.loads.counters),
         "loading": {name.partition("#")[0]: p.snapshot() for name, p in ctx.loads.progress.items()},
         "shutting_down": ctx.shutting_down(),
+        # What `weightcache ps` shows: the models that hold memory, with their leases.
+        "resident": [describe(ctx, name, caller) for name in _listed(ctx)
+                     if ctx.core.entry(name).state in (State.RESIDENT, State.LOADING, State.HOST)],
     }, []
 
 
@@ -88,9 +164,12 @@ async def health(ctx: Context, caller: Caller, req: Request) -> Reply:
     return health, []
 
 
+def _listed(ctx: Context) -> list[str]:
+    return [n for n in ctx.registry.models if "#" not in n]  # not a publish's staging entry
+
+
 async def models(ctx: Context, caller: Caller, req: Request) -> Reply:
-    names = [n for n in ctx.registry.models if "#" not in n]  # not a publish's staging entry
-    return {"models": [describe(ctx, name, caller) for name in names]}, []
+    return {"models": [describe(ctx, name, caller) for name in _listed(ctx)]}, []
 
 
 async def load(ctx: Context, caller: Caller, req: Request) -> Reply:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..backends import Arena, Backend, HostCopy
-from ..cache import CacheCore, State
+from ..cache import CacheCore, Entry, State
 from ..config import ModelConfig
 from ..errors import BadRequest, UnknownModel
 from ..loader import Checkpoint, OpenedSource, Progress
@@ -173,11 +173,21 @@ class Registry:
         for anyone else they would tell what exists on the daemon's disks."""
         return model.owner == peer.uid or self.access.is_admin(peer)
 
+    @staticmethod
+    def _expires_in(e: Entry, idle: float | None) -> float | None:
+        """Seconds until keep_alive evicts the entry (CacheCore.expired), or None when it
+        will not: no keep_alive, pinned, attached (the clock restarts at the last
+        detach), or not resident. The daemon's sweep may act up to a second later."""
+        if e.keep_alive is None or idle is None or not e.evictable:
+            return None
+        return max(0.0, e.keep_alive - idle)
+
     def describe(self, name: str, viewer: Peer, progress: Progress | None) -> dict[str, Any]:
         """The ``models`` entry of one cache entry, as ``viewer`` may see it."""
         e = self.core.entry(name)
         m = self.models[name]
         private = not self.may_see(viewer, m)
+        idle = self.core.idle_s(name)
         return {
             "name": name, "state": str(e.state), "device": e.device,
             "device_uuid": self.backends[e.device].uuid, "nbytes": e.nbytes,
@@ -186,7 +196,7 @@ class Registry:
             "origin": m.origin, "owner": m.owner,
             "path": None if private else str(m.path), "fingerprint": m.checkpoint.fingerprint if m.checkpoint else None,
             "tensors": len(m.checkpoint.tensors) if m.checkpoint else None,
-            "idle_s": self.core.idle_s(name),
+            "idle_s": idle, "expires_in_s": self._expires_in(e, idle),
             "loads": e.loads, "evictions": e.evictions, "demotions": e.demotions, "promotions": e.promotions,
             "last_error": redacted(m.last_error) if private and m.last_error else m.last_error,
             "progress": progress.snapshot() if progress is not None else None,

@@ -54,6 +54,7 @@ class Context:
     started: float  # monotonic time the daemon started
     socket_path: str
     connections: Callable[[], int]
+    caller_of: Callable[[int], Caller | None]  # who holds a connection (a lease's holder); None once it closed
     shutting_down: Callable[[], bool]
     health: Callable[[], dict[str, Any]]
     reload: Callable[[], Awaitable[dict[str, list[str]]]]

@@ -1,0 +1,265 @@
+"""Issue 14, "CLI and output" and "seeing who holds what": the commands' output (human and
+--json), tables that are not cut when piped, one size convention, --socket anywhere and
+from $WEIGHTCACHE_CONFIG, the load's progress and what it evicted, `ps` with the lease
+holders, NO_SPACE and ATTACHED naming the holders (as far as the requester may see
+them), and register / unregister.
+
+The CLI runs in this process (``main``, with capsys: stdout is not a terminal, as when
+piped), against a real daemon; a lease is held by a SyncClient of this process, so its
+holder is this pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from helpers import NOBODY, as_uid, root_only
+
+from weightcache import SyncClient
+from weightcache.cache import CacheCore
+from weightcache.cli import main
+from weightcache.config import DaemonConfig
+from weightcache.errors import Attached, NoSpace
+from weightcache.server.access import AccessPolicy, Peer
+from weightcache.server.requests import Caller, Request
+
+LONG = "small-fp16-model-" + "x" * 90  # a table cell far wider than 80 columns
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()  # drop what came before
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
+    rc, out, err = cli(capsys, *argv, "--json")
+    assert rc == 0, err
+    return json.loads(out)
+
+
+@pytest.fixture(autouse=True)
+def no_socket_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tests say where the daemon is; the environment of whoever runs them must not.
+    for env in ("WEIGHTCACHE_SOCKET", "WEIGHTCACHE_DAEMON__SOCKET", "WEIGHTCACHE_CONFIG"):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("COLUMNS", "80")  # what rich assumes when piped, made explicit
+
+
+# -- CLI and output ----------------------------------------------------------------------
+def test_every_command_prints_a_line_and_json_without_the_protocol_fields(start_daemon, ckpts, capsys):
+    d = start_daemon(budget="20MiB", models={"tiny": ckpts["tiny"]})
+    s = ("--socket", d.socket)
+    rc, out, _ = cli(capsys, *s, "load", "tiny")
+    assert rc == 0 and out == "tiny: resident on cpu, 64.0 KiB, 5 tensors\n"
+    rc, out, _ = cli(capsys, *s, "pin", "tiny")
+    assert rc == 0 and out == "tiny: pinned (resident on cpu, 64.0 KiB)\n"
+    pinned = cli_json(capsys, *s, "unpin", "tiny")
+    assert pinned["name"] == "tiny" and pinned["pinned"] is False and "id" not in pinned
+    rc, out, _ = cli(capsys, *s, "evict", "tiny")
+    assert rc == 0 and out == "tiny: evicted, 64.0 KiB freed\n"
+    assert cli_json(capsys, *s, "evict", "tiny") == {"evicted": False, "freed": 0, "state": "evicted"}
+    rc, out, _ = cli(capsys, *s, "evict", "tiny")
+    assert out == "tiny: nothing to evict (evicted)\n"
+    assert cli_json(capsys, *s, "load", "tiny")["model"]["state"] == "resident"
+    rc, out, _ = cli(capsys, *s, "attach", "tiny")
+    assert rc == 0 and out.startswith("attached tiny: lease ") and " KiB on cpu in " in out
+    attached = cli_json(capsys, *s, "attach", "tiny")
+    assert attached["name"] == "tiny" and attached["tensors"] == 5 and 0 < attached["nbytes"] <= 64 * 1024
+    rc, out, _ = cli(capsys, *s, "reload")
+    assert rc == 0 and out.startswith("reloaded: ")
+    assert "id" not in cli_json(capsys, *s, "reload")
+    # A failure with --json is JSON too: the code and details, for a script.
+    rc, out, err = cli(capsys, *s, "evict", "nope", "--json")
+    assert rc == 1 and json.loads(out)["error"]["code"] == "UNKNOWN_MODEL" and "UNKNOWN_MODEL" in err
+
+
+def test_tables_are_not_cut_when_piped_and_sizes_are_binary(start_daemon, ckpts, capsys):
+    d = start_daemon(budget="20MiB", models={LONG: ckpts["tiny"], "a": ckpts["a"]}, **{LONG: {"keep_alive": "5m"}})
+    s = ("--socket", d.socket)
+    assert cli(capsys, *s, "load", LONG)[0] == 0
+    for command in ("models", "ps", "status"):
+        rc, out, _ = cli(capsys, *s, command)
+        assert rc == 0 and "…" not in out, out
+        if command != "status":
+            row = next(line for line in out.splitlines() if LONG in line)  # the whole name, on one line
+            assert "64.0 KiB" in row, row
+    rc, out, _ = cli(capsys, *s, "status")
+    assert "20.0 MiB" in out and "64.0 KiB" in out and not re.search(r"\b(GB|MB|kB)\b|\d{4,} B", out), out
+
+
+def test_socket_before_or_after_the_command_or_from_the_config_file(start_daemon, ckpts, capsys, tmp_path, monkeypatch):
+    d = start_daemon(models={"tiny": ckpts["tiny"]})
+    assert cli(capsys, "--socket", d.socket, "status")[0] == 0
+    assert cli(capsys, "status", "--socket", d.socket)[0] == 0
+    assert cli(capsys, "--socket", "/nonexistent/x.sock", "models", "--socket", d.socket)[0] == 0  # the later one wins
+    # Only [daemon] socket is read: the rest of the file is the daemon's business (here
+    # a key this version does not know and a budget it would refuse).
+    cfg = tmp_path / "client.toml"
+    cfg.write_text(f'[daemon]\nsocket = "{d.socket}"\nfuture_key = 1\n[budgets]\ncpu = "1.5"\n')
+    monkeypatch.setenv("WEIGHTCACHE_CONFIG", str(cfg))
+    rc, out, err = cli(capsys, "models")
+    assert rc == 0 and "tiny" in out, err
+    monkeypatch.setenv("WEIGHTCACHE_SOCKET", "/nonexistent/x.sock")  # the environment wins over the file, as for the daemon
+    assert cli(capsys, "models")[0] == 1
+    monkeypatch.delenv("WEIGHTCACHE_SOCKET")
+    monkeypatch.setenv("WEIGHTCACHE_CONFIG", str(tmp_path / "missing.toml"))
+    rc, _, err = cli(capsys, "models")
+    assert rc == 2 and "missing.toml" in err
+
+
+def test_help_of_socket_names_the_config_file(capsys):
+    with pytest.raises(SystemExit):
+        main(["status", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--socket" in out and "[daemon] socket of the file $WEIGHTCACHE_CONFIG names" in out
+
+
+def test_a_small_load_shows_no_unknown_total_and_a_load_says_what_it_evicted(start_daemon, ckpts, capsys, monkeypatch):
+    d = start_daemon(budget="9MiB", models={"a": ckpts["a"], "b": ckpts["b"], "tiny": ckpts["tiny"]})
+    s = ("--socket", d.socket)
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich draws the progress bar as on a terminal (to stderr)
+    rc, out, err = cli(capsys, *s, "load", "tiny")
+    assert rc == 0 and "0/?" not in out + err and " bytes" not in out + err, (out, err)
+    monkeypatch.delenv("FORCE_COLOR")
+    assert cli(capsys, *s, "load", "a")[0] == 0
+    rc, out, _ = cli(capsys, *s, "load", "b")  # 9 MiB holds one 8 MiB model: a and then tiny go (LRU)
+    assert rc == 0 and out.splitlines()[1] == "evicted to make room: a (8.0 MiB), tiny (64.0 KiB)", out
+    got = cli_json(capsys, *s, "load", "a")
+    assert got["model"]["name"] == "a" and [(e["name"], e["state"]) for e in got["evicted"]] == [("b", "evicted")]
+    assert got["evicted"][0]["nbytes"] > 8_000_000
+    assert cli_json(capsys, *s, "load", "a")["evicted"] == []  # already resident
+
+
+# -- seeing who holds what -----------------------------------------------------------------
+def test_ps_status_and_models_show_holders_idle_time_and_expiry(start_daemon, ckpts, capsys):
+    d = start_daemon(budget="20MiB", models={"a": ckpts["a"], "tiny": ckpts["tiny"], "c": ckpts["c"]},
+                     a={"keep_alive": "5m"}, tiny={"keep_alive": "10m"})
+    s = ("--socket", d.socket)
+    rc, out, _ = cli(capsys, *s, "ps")
+    assert rc == 0 and out == "no model is resident\n"
+    cli(capsys, *s, "load", "tiny")
+    me = f"pid {os.getpid()} engine-x (uid {os.geteuid()})"
+    with SyncClient(d.socket, name="engine-x") as c, c.attach("a"):
+        rc, out, _ = cli(capsys, *s, "ps")
+        rows = {line.split()[1]: line for line in out.splitlines() if line.startswith("│")}
+        assert set(rows) == {"a", "tiny"}, out  # c is not resident
+        assert me in rows["a"] and "5m 00s after the last detach" in rows["a"], out
+        assert "8.0 MiB" in rows["a"] and "cpu" in rows["a"]
+        assert re.search(r"│\s+\d+s │ in (9m \d\ds|10m 00s)", rows["tiny"]), out  # idle, then keep_alive's expiry
+        resident = cli_json(capsys, *s, "ps")  # the same dicts as status's and models' (times move on)
+        assert [(m["name"], sorted(m)) for m in resident] == [(m["name"], sorted(m)) for m in cli_json(capsys, *s, "status")["resident"]]
+        by_name = {m["name"]: m for m in cli_json(capsys, *s, "status")["resident"]}
+        (lease,) = by_name["a"]["leases"]
+        assert lease["pid"] == os.getpid() and lease["uid"] == os.geteuid() and lease["client"] == "engine-x"
+        assert 0 <= lease["since_s"] < 60 and by_name["a"]["expires_in_s"] is None
+        assert 590 < by_name["tiny"]["expires_in_s"] <= 600 and by_name["tiny"]["leases"] == []
+        models = {m["name"]: m for m in cli_json(capsys, *s, "models")}
+        assert models["a"]["leases"] == [{**lease, "since_s": models["a"]["leases"][0]["since_s"]}]
+        assert models["c"]["leases"] == [] and models["c"]["expires_in_s"] is None
+
+
+def test_no_space_and_attached_errors_name_the_holders(start_daemon, ckpts, capsys):
+    d = start_daemon(budget="9MiB", models={"a": ckpts["a"], "b": ckpts["b"]})
+    s = ("--socket", d.socket)
+    me = f"pid {os.getpid()} (engine-x, uid {os.geteuid()})"
+    with SyncClient(d.socket, name="engine-x") as c, c.attach("a"):
+        rc, _, err = cli(capsys, *s, "evict", "a")
+        assert rc == 1 and f"ATTACHED: model 'a' has 1 live attachment(s): attached by {me} for " in err, err
+        rc, _, err = cli(capsys, *s, "load", "b", "--wait", "0")
+        assert rc == 1 and "needs 8.0 MiB on cpu; budget 9.0 MiB" in err and f"a (8.0 MiB, resident, attached by {me}" in err, err
+        with pytest.raises(NoSpace) as exc:
+            c.load("b", wait_s=0)
+        (holder,) = exc.value.details["holders"]
+        assert [(h["pid"], h["client"]) for h in holder["leases"]] == [(os.getpid(), "engine-x")]
+
+
+@root_only
+def test_a_tenant_sees_only_its_own_uids_holders(start_daemon, ckpts):
+    """Peers are tenants: another uid's pid and client name are not theirs to learn, in
+    `models`, `status` or an error; their own are."""
+    d = start_daemon(budget="9MiB", models={"a": ckpts["a"], "tiny": ckpts["tiny"], "b": ckpts["b"]},
+                     extra_daemon={"socket_mode": 0o666, "allowed_uids": [0, NOBODY], "admin_uids": [0]})
+    os.chmod(os.path.dirname(d.socket), 0o755)
+
+    def tenant() -> dict[str, Any]:
+        with SyncClient(d.socket, name="tenant-engine") as c, c.attach("tiny"):
+            models = {m["name"]: m for m in c.models()}
+            resident = {m["name"]: m for m in c.status()["resident"]}
+            try:
+                c.load("b", wait_s=0)
+                error: Any = None
+            except NoSpace as exc:
+                error = exc.to_wire()
+            return {"models": models, "resident": resident, "error": error, "pid": os.getpid()}
+
+    with SyncClient(d.socket, name="root-engine") as c, c.attach("a"):
+        got = as_uid(NOBODY, tenant)
+        assert "exception" not in got, got
+        for view in (got["models"], got["resident"]):
+            assert view["a"]["attach_count"] == 1 and view["a"]["leases"] == []  # root's lease: counted, not described
+            assert view["tiny"]["leases"] == [{"pid": got["pid"], "uid": NOBODY, "client": "tenant-engine",
+                                               "since_s": view["tiny"]["leases"][0]["since_s"]}]
+        message = got["error"]["message"]
+        assert "root-engine" not in message and f"pid {os.getpid()}" not in message, message
+        assert "a (8.0 MiB, resident, 1 attached (by other users))" in message and "tenant-engine" in message, message
+        assert "root-engine" not in json.dumps(got)
+        assert [h["client"] for h in {m["name"]: m for m in c.models()}["a"]["leases"]] == ["root-engine"]
+
+
+def test_holders_are_described_to_admins_and_their_own_uid_only():
+    """The rule itself, without a daemon and without root: lease_holders and the errors
+    built from them."""
+    from weightcache.server.handlers import lease_holders, redact
+
+    core = CacheCore({"cpu": 1 << 20})
+    core.register("m", "cpu")
+    core.finish_load(core.begin_load("m", 1000).name)
+    admin, alice, bob = (Peer(pid, uid, uid, frozenset({uid})) for pid, uid in ((10, 0), (11, 1001), (12, 1002)))
+    conns = {1: Caller(1, alice, "alice-engine"), 2: Caller(2, bob, "bob-engine")}
+    core.attach("m", 1)
+    core.attach("m", 2)
+    ctx: Any = SimpleNamespace(core=core, caller_of=conns.get, registry=SimpleNamespace(groups={}, models={}),
+                               access=AccessPolicy(DaemonConfig(admin_uids=[0], allowed_uids=[0, 1001, 1002])))
+    assert [h["client"] for h in lease_holders(ctx, ["m"], admin)] == ["alice-engine", "bob-engine"]
+    assert lease_holders(ctx, ["m"], alice) == [{"pid": 11, "uid": 1001, "client": "alice-engine",
+                                                 "since_s": lease_holders(ctx, ["m"], alice)[0]["since_s"]}]
+    req = Request(1, "unregister", {"name": "m"})
+    err = redact(ctx, Caller(3, bob, "cli"), req, Attached("model 'm' has 2 live attachment(s)", model="m", attach_count=2))
+    assert "pid 12 (bob-engine, uid 1002)" in err.message and "and 1 other(s)" in err.message and "alice" not in err.message
+    assert [h["client"] for h in err.details["holders"]] == ["bob-engine"]
+    err = redact(ctx, Caller(3, admin, "cli"), req, Attached("model 'm' has 2 live attachment(s)", model="m", attach_count=2))
+    assert "pid 11 (alice-engine, uid 1001)" in err.message and "pid 12 (bob-engine" in err.message
+    carol = Peer(13, 1003, 1003, frozenset({1003}))
+    err = redact(ctx, Caller(3, carol, "cli"), req, Attached("model 'm' has 2 live attachment(s)", model="m", attach_count=2))
+    assert err.message.endswith(": 2 attached (by other users)") and err.details["holders"] == []
+
+
+# -- register / unregister -----------------------------------------------------------------
+def test_register_and_unregister(start_daemon, ckpts, capsys, tmp_path, monkeypatch):
+    d = start_daemon(budget="20MiB")
+    s = ("--socket", d.socket)
+    monkeypatch.chdir(ckpts["tiny"].parent)  # a relative path is this shell's, not the daemon's
+    rc, out, err = cli(capsys, *s, "register", "t", ckpts["tiny"].name, "--keep-alive", "5m")
+    assert rc == 0 and out.startswith("registered t: registered on cpu (sent as open files)"), err
+    got = cli_json(capsys, *s, "register", "u", ckpts["a"].name, "--by-path", "--preload")
+    assert got["name"] == "u" and got["path"] == str(ckpts["a"]) and got["keep_alive"] is None
+    models = {m["name"]: m for m in cli_json(capsys, *s, "models")}
+    assert models["t"]["keep_alive"] == 300 and models["t"]["path"] == str(ckpts["tiny"])
+    assert cli(capsys, *s, "load", "t")[0] == 0
+    rc, out, _ = cli(capsys, *s, "unregister", "t")
+    assert rc == 0 and out == "unregistered t\n"
+    assert cli_json(capsys, *s, "unregister", "u") == {"unregistered": "u"}
+    assert cli_json(capsys, *s, "models") == []
+    rc, _, err = cli(capsys, *s, "unregister", "t")
+    assert rc == 1 and "UNKNOWN_MODEL" in err
+    for bad in (["register", "v"], ["register", "v", "x.safetensors", "--shard", "cpu=/x"], ["register", "v", "--shard", "/x"],
+                ["register", "v", "x", "--keep-alive", "soon"]):
+        rc, _, err = cli(capsys, *s, *bad)
+        assert rc == 2 and err.startswith("weightcache register: "), (bad, err)
