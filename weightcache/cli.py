@@ -273,7 +273,7 @@ async def cmd_register(args: argparse.Namespace) -> int:
         sent = "the daemon opened the paths" if args.by_path else "sent as open files"
         print(f"registered {model['name']}: {model['state']} on {model['device']}"
               f"{f' and {len(shards) - 1} more rank(s)' if shards and len(shards) > 1 else ''} ({sent}); "
-              "kept until `weightcache unregister` (a reload leaves it alone)")
+              "kept across reloads until `weightcache unregister`, unless the config file comes to name it")
     return 0
 
 
@@ -294,7 +294,7 @@ async def cmd_reload(args: argparse.Namespace) -> int:
         _print_json(report)
         return 0
     done = [f"{what}: {', '.join(map(str, names)) if isinstance(names, list) else names}"
-            for what, names in report.items() if names]
+            for what, names in report.items() if names and what != "unchanged"]  # as the daemon's log line
     print("reloaded: " + ("; ".join(done) if done else "no changes"))
     return 0
 
@@ -448,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("name")
         s.set_defaults(func=cmd_pin)
 
-    s = sub.add_parser("register", help="add a model at run time (until unregistered; a reload leaves it alone)",
+    s = sub.add_parser("register", help="add a model at run time (kept across reloads unless the config file comes to name it)",
                        parents=[client])
     s.add_argument("name")
     s.add_argument("path", nargs="?", help="a .safetensors file, a directory, or a model.safetensors.index.json")
