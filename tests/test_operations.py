@@ -181,12 +181,14 @@ async def test_health_is_ready_once_preloads_are_resident_and_reports_failures(s
     assert r.returncode == 0 and r.stdout.strip() == "ready"
 
 
-async def test_json_logs_carry_fields(start_daemon):
-    """conn, pid, uid, op, code, model as top-level keys (issue 14), not only in msg."""
-    d = start_daemon(extra_daemon={"log_format": "json", "log_level": "debug"})
+async def test_json_logs_carry_fields(start_daemon, ckpts):
+    """conn, pid, uid, op, code, model, bytes, seconds as top-level keys (issue 14), not only in msg."""
+    d = start_daemon(models={"a": ckpts["a"]}, extra_daemon={"log_format": "json", "log_level": "debug"})
     async with Client(d.socket) as c:
         with pytest.raises(Exception, match="nope"):
             await c.load("nope")
+        await c.load("a")
+        await c.evict("a")
 
     def logged() -> list[dict]:
         return [json.loads(line) for line in d.log_text().splitlines() if line.strip()]
@@ -205,3 +207,7 @@ async def test_json_logs_carry_fields(start_daemon):
     assert (opened["pid"], opened["uid"]) == (os.getpid(), os.getuid())
     gone = next(r for r in recs if r.get("conn") == conn and " closed" in r["msg"])
     assert gone["client"] == error["client"] != "?" and gone["leases"] == 0
+    loaded = next(r for r in recs if r["msg"].startswith("loaded a:"))
+    assert loaded["model"] == "a" and loaded["bytes"] > 0 and loaded["seconds"] > 0 and loaded["tensors"] == 40
+    evicted = next(r for r in recs if r["msg"].startswith("evicted a "))
+    assert (evicted["model"], evicted["reason"]) == ("a", "requested") and evicted["bytes"] >= loaded["bytes"]

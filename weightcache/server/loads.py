@@ -46,7 +46,8 @@ def encode_table(ckpt: Checkpoint) -> bytes:
 
 # Daemon-wide totals for ``status`` and the metrics (per-model ones live on the core's
 # entries, and go when a model is unregistered).
-COUNTERS = ("loads", "promotions", "evictions", "demotions", "failed_demotions", "wasted_loads", "cancelled_loads")
+COUNTERS = ("loads", "promotions", "evictions", "demotions", "failed_demotions", "failed_loads", "wasted_loads",
+            "cancelled_loads")
 # An orphaned load (every waiter gone) further along than this finishes: throwing away
 # more than half the work to save the rest is the worse bet if anyone asks again.
 FINISH_ORPHAN_AFTER = 0.5
@@ -174,7 +175,7 @@ class Loads:
                 return "resident"
             # The files changed since it was loaded and nobody holds the old bytes:
             # drop them so the new checkpoint is what gets served.
-            log.warning("model %s changed on disk; reloading it", name)
+            log.warning("model %s changed on disk; reloading it", name, extra={"model": name})
             # a pin keeps a model, not stale bytes; and stale bytes do not go to the host tier
             await self.carry_out(self.core.evict(name, ignore_pin=True, demote=False), reason="changed on disk")
         job = self.jobs.get(name)
@@ -254,7 +255,8 @@ class Loads:
                 opened.close()
             err = exc if isinstance(exc, WeightcacheError) else LoadFailed(f"{name}: {type(exc).__name__}: {exc}", model=name)
             model.last_error = err.to_wire()
-            log.error("load %s refused: %s", name, err)
+            self.counters["failed_loads"] += 1  # opening or parsing failed: a load that failed before it filled
+            log.error("load %s refused: %s", name, err, extra={"model": name, "code": err.code})
             raise err from None
         opening = time.monotonic() - t_open
         try:
@@ -316,7 +318,7 @@ class Loads:
             model.last_error = exc.to_wire()
             # NO_SPACE that detaches could cure is routine: callers wait and try again.
             level = logging.INFO if isinstance(exc, NoSpace) and exc.details.get("fits_ever") else logging.ERROR
-            log.log(level, "load %s refused: %s", name, exc)
+            log.log(level, "load %s refused: %s", name, exc, extra={"model": name, "code": exc.code})
             raise
         phase("admit")
         arena: Arena | None = None
@@ -358,11 +360,14 @@ class Loads:
             if job is not None and job.abandoned.is_set() and not self._shutting_down():
                 self.counters["cancelled_loads"] += 1
                 log.info("load %s cancelled after %.2fs: no one waits for it; its reservation is returned",
-                         name, time.monotonic() - t0)
+                         name, time.monotonic() - t0,
+                         extra={"model": name, "code": "LOAD_FAILED", "reason": "cancelled", "seconds": round(time.monotonic() - t0, 6)})
                 err = LoadFailed(f"load of {name!r} cancelled: no one waits for it", model=name, reason="cancelled")
             else:
                 model.last_error = err.to_wire()
-                log.error("load %s failed: %s", name, err)
+                self.counters["failed_loads"] += 1
+                log.error("load %s failed: %s", name, err,
+                          extra={"model": name, "code": err.code, "seconds": round(time.monotonic() - t0, 6)})
             await self.notify_space()
             if err is exc or isinstance(exc, asyncio.CancelledError):
                 raise
@@ -392,7 +397,9 @@ class Loads:
         log.info("%s %s: %d tensors, %d bytes in %.3fs (%.2f GB/s; %s)%s", verb, name.partition("#")[0],  # staged publish
                  len(ckpt.tensors), ckpt.data_bytes, dt, ckpt.data_bytes / max(dt, 1e-9) / 1e9,
                  ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items()),
-                 "; finished with no one waiting for it" if wasted else "")
+                 "; finished with no one waiting for it" if wasted else "",
+                 extra={"model": name.partition("#")[0], "bytes": ckpt.data_bytes, "seconds": round(dt, 6),
+                        "tensors": len(ckpt.tensors)})
 
     async def _admit(self, name: str, nbytes: int, wait_s: float) -> LoadPlan:
         """Reserve room, evicting LRU models; on NO_SPACE wait up to ``wait_s`` for
@@ -424,7 +431,7 @@ class Loads:
                 try:
                     await self.ensure_resident(entry, self.settings.no_space_wait_s)
                 except Exception as exc:  # any failure, not only ours: readiness must not lie
-                    log.error("preload of %s failed: %s", entry, exc)
+                    log.error("preload of %s failed: %s", entry, exc, extra={"model": entry, "code": getattr(exc, "code", "INTERNAL")})
                     if gates:
                         self.preloads_failed[name] = str(exc) if entry == name else f"{entry}: {exc}"
                     return
@@ -454,7 +461,7 @@ class Loads:
         safe, and given to ``room``). Returns the demotions' tasks. A demotion that
         fails becomes an eviction."""
         for name in step.drop_host:
-            log.info("dropped host copy of %s: %s", name, reason)
+            log.info("dropped host copy of %s: %s", name, reason, extra={"model": name, "reason": reason})
             self.drop_host_copy(self.registry.models[name])
         self.counters["evictions"] += len(step.evict) + len(step.demote)
         for name in step.evict:
@@ -480,14 +487,16 @@ class Loads:
             # The backend frees the arena as it copies, whether the copy succeeds or not.
             model.host = await asyncio.to_thread(backend.demote, arena, room.give if room is not None else None)
         except Exception as exc:
-            log.error("demoting %s to the host tier failed (%s); evicting it instead", name, exc)
+            log.error("demoting %s to the host tier failed (%s); evicting it instead", name, exc,
+                      extra={"model": name, "reason": str(exc)})
             self.core.demotion_failed(name)
             self.counters["failed_demotions"] += 1
         else:
             self.counters["demotions"] += 1
             dt = time.monotonic() - t
             log.info("demoted %s to the host tier (%d bytes, %.1f GB/s): %s", name, arena.nbytes,
-                     arena.nbytes / max(dt, 1e-9) / 1e9, reason)
+                     arena.nbytes / max(dt, 1e-9) / 1e9, reason,
+                     extra={"model": name, "bytes": arena.nbytes, "seconds": round(dt, 6), "reason": reason})
 
     def forget(self, models: list[Model]) -> None:
         """Free what unregistered entries held: arenas, host copies, a peer's files."""
@@ -511,7 +520,8 @@ class Loads:
     def _free_arena(self, name: str, reason: str) -> None:
         model = self.registry.models[name]
         if model.arena is not None:
-            log.info("evicted %s (%d bytes): %s", name, model.arena.nbytes, reason)
+            log.info("evicted %s (%d bytes): %s", name, model.arena.nbytes, reason,
+                     extra={"model": name, "bytes": model.arena.nbytes, "reason": reason})
             self.release(model.arena)
             model.arena = None
 
