@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,6 +177,7 @@ class PinnedPool(HostPool):
         self._ctx = ctx
         self._base = 0
         self._ranges = ExtentAllocator(nbytes)
+        self._returned = threading.Condition()  # notified when pieces come back
         self._ready = threading.Event()
         self._error: BaseException | None = None
         threading.Thread(target=self._pin, name="wc-pin-host-pool", daemon=True).start()
@@ -189,16 +191,27 @@ class PinnedPool(HostPool):
         finally:
             self._ready.set()
 
-    def alloc(self, n: int) -> list[tuple[int, int]] | None:
-        """Host pieces (address, length) adding up to ``n`` bytes; None if fewer are free."""
+    def alloc(self, n: int, wait_s: float = 30.0) -> list[tuple[int, int]] | None:
+        """Host pieces (address, length) adding up to ``n`` bytes; None if fewer are free
+        after ``wait_s``. The core admits a demotion only within the tier's budget, but
+        a copy it dropped may still be on its way back: a demotion of it in flight
+        returns its pieces when it ends."""
         self._ready.wait()
         if self._error is not None:
             raise RuntimeError(f"the pinned host pool could not be allocated: {self._error}")
-        pieces = self._ranges.alloc(n)
-        return None if pieces is None else [(self._base + off, length) for off, length in pieces]
+        deadline = time.monotonic() + wait_s
+        with self._returned:
+            while (pieces := self._ranges.alloc(n)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._returned.wait(left)
+        return [(self._base + off, length) for off, length in pieces]
 
     def free(self, pieces: list[tuple[int, int]]) -> None:
-        self._ranges.free([(ptr - self._base, length) for ptr, length in pieces])
+        with self._returned:
+            self._ranges.free([(ptr - self._base, length) for ptr, length in pieces])
+            self._returned.notify_all()
 
     def close(self) -> None:
         self._ready.wait()

@@ -485,7 +485,16 @@ class Loads:
         t = time.monotonic()
         try:
             # The backend frees the arena as it copies, whether the copy succeeds or not.
-            model.host = await asyncio.to_thread(backend.demote, arena, room.give if room is not None else None)
+            copy = await asyncio.to_thread(backend.demote, arena, room.give if room is not None else None)
+            entry = self.core.entries.get(name)
+            if entry is None or not entry.host_copy or self.registry.models.get(name) is not model:
+                # The core dropped this host copy (to make room for another) or the model
+                # went while the copy was made: kept, its pool bytes would leak, and the
+                # next demotion, counting them free, would not find them.
+                backend.free_host(copy)
+                log.info("demoted %s, but its host copy was dropped meanwhile; freed it", name, extra={"model": name})
+                return
+            model.host = copy
         except Exception as exc:
             log.error("demoting %s to the host tier failed (%s); evicting it instead", name, exc,
                       extra={"model": name, "reason": str(exc)})

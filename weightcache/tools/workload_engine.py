@@ -116,6 +116,10 @@ def _attach_once(client: Any, model: str, device: str | None, wait_s: float, ref
         attach_s = time.perf_counter() - t
         tv = time.perf_counter()
         bad = differences(ref, model_sums(m))
+        if device is not None:
+            # The check's scratch stays in torch's cache otherwise: GiBs across 8 engines
+            # by the first policy's end, read as daemon memory not given back.
+            torch.cuda.empty_cache()
         verify_s = time.perf_counter() - tv
         rec = {"source": m.source, "attach_s": attach_s, "verify_s": verify_s, "nbytes": m.nbytes, "fingerprint": m.fingerprint}
         if bad:
