@@ -117,6 +117,8 @@ def _attach_once(client: Any, model: str, device: str | None, wait_s: float, ref
         tv = time.perf_counter()
         bad = differences(ref, model_sums(m))
         if device is not None:
+            import torch  # imported by main() already: a dict lookup
+
             # The check's scratch stays in torch's cache otherwise: GiBs across 8 engines
             # by the first policy's end, read as daemon memory not given back.
             torch.cuda.empty_cache()
