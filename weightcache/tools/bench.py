@@ -232,7 +232,7 @@ def _measure_loader(cfg: BenchConfig, ckpt: Path, sock: str) -> LoaderFigures:
     warm_page_cache(ckpt)
     asyncio.run(daemon_load(sock, MODEL))
     warm = [asyncio.run(daemon_load(sock, MODEL)) for _ in range(cfg.reps)]
-    cold = _cold_runs(cfg, ckpt, lambda: asyncio.run(daemon_load(sock, MODEL)))
+    cold = [asyncio.run(daemon_load(sock, MODEL, cold=ckpt)) for _ in range(cfg.cold_reps)]
     return LoaderFigures(warm_s=statistics.median(warm), cold_s=statistics.median(cold) if cold else None)
 
 

@@ -90,11 +90,33 @@ async def evict_fully(c: Any, name: str) -> None:
             return
 
 
-async def daemon_load(sock: str, name: str) -> float:
+async def _drop_when_unmapped(path: str | os.PathLike[str], timeout: float = 10.0) -> None:
+    """Drop the file's pages; the daemon unmaps an evicted arena in a thread, so retry
+    until they are gone (a mapped page is not dropped)."""
+    from ..loader.reader import resident_fraction
+
+    deadline = time.monotonic() + timeout
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while True:
+            drop_page_cache(path)
+            if resident_fraction(fd, os.fstat(fd).st_size) < 0.05 or time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.05)
+    finally:
+        os.close(fd)
+
+
+async def daemon_load(sock: str, name: str, cold: str | os.PathLike[str] | None = None) -> float:
+    """One load of ``name`` after evicting it; with ``cold``, that checkpoint's pages are
+    dropped after the eviction: a CPU model served from its page cache keeps it mapped
+    (and mlocked) while resident, where a drop could not reach it."""
     from ..client import Client
 
     async with Client(sock) as c:
         await evict_fully(c, name)
+        if cold is not None:
+            await _drop_when_unmapped(cold)
         t = time.perf_counter()
         await c.load(name)
         return time.perf_counter() - t
