@@ -82,6 +82,7 @@ from safetensors.torch import load_file
 from weightcache.client.mapping import tensor_views
 from weightcache.loader.checkpoint import Checkpoint, open_checkpoint
 from weightcache.protocol.messages import MEMFD_SEALS
+from weightcache.tools.bench_measure import drop_page_cache
 from weightcache.tools.spawn import DaemonProcess, config_text
 from weightcache.tools.synth import write_checkpoint
 
@@ -194,12 +195,7 @@ def settle() -> None:
 
 
 def drop(path: Path) -> None:
-    os.sync()  # DONTNEED skips dirty pages
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_page_cache(path)
 
 
 def prepare_page_cache(path: Path, how: str) -> None:

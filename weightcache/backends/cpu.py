@@ -81,7 +81,7 @@ from typing import Any
 
 from ..errors import BadRequest, CorruptCheckpoint, LoadFailed, NoSpace
 from ..loader.checkpoint import DTYPE_SIZES, Checkpoint
-from ..loader.reader import pread_full
+from ..loader.reader import contiguous_runs, pread_full
 from ..loader.sources import OpenedSource
 from ..protocol.messages import MEMFD_SEALS
 from ..units import capacity, round_up
@@ -504,16 +504,5 @@ def _release(f: HeldFile) -> None:
 
 
 def _segments(ckpt: Checkpoint) -> bytes:
-    """The arena's byte ranges that are contiguous in one file, as wire segments: tensors
-    contiguous in both the file and the arena merged (the arena pads each tensor to 256
-    bytes; the file does not)."""
-    runs: list[list[int]] = []  # [file, file_offset, arena_offset, nbytes]
-    for t in ckpt.tensors:
-        if not t.nbytes:
-            continue
-        last = runs[-1] if runs else None
-        if last and last[0] == t.file and last[1] + last[3] == t.file_offset and last[2] + last[3] == t.arena_offset:
-            last[3] += t.nbytes
-        else:
-            runs.append([t.file, t.file_offset, t.arena_offset, t.nbytes])
-    return b"".join(SEGMENT.pack(*r) for r in runs)
+    """The arena's byte ranges that are contiguous in one file, as wire segments."""
+    return b"".join(SEGMENT.pack(r.file, r.file_offset, r.arena_offset, r.nbytes) for r in contiguous_runs(ckpt))

@@ -45,9 +45,10 @@ class CopyRange:
     nbytes: int
 
 
-def copy_ranges(ckpt: Checkpoint, chunk: int) -> list[CopyRange]:
-    """Merge tensors that are contiguous both in their file and in the arena, then cut
-    the runs into chunks of at most ``chunk`` bytes."""
+def contiguous_runs(ckpt: Checkpoint) -> list[CopyRange]:
+    """The checkpoint's bytes as runs contiguous both in one file and in the arena:
+    neighbouring tensors merged (the arena pads each tensor to 256 bytes; the file does
+    not, so a run ends where padding begins)."""
     runs: list[list[int]] = []  # [file, file_offset, arena_offset, nbytes]
     for t in ckpt.tensors:
         if t.nbytes == 0:
@@ -57,8 +58,13 @@ def copy_ranges(ckpt: Checkpoint, chunk: int) -> list[CopyRange]:
             last[3] += t.nbytes
         else:
             runs.append([t.file, t.file_offset, t.arena_offset, t.nbytes])
+    return [CopyRange(*r) for r in runs]
+
+
+def copy_ranges(ckpt: Checkpoint, chunk: int) -> list[CopyRange]:
+    """The contiguous runs cut into chunks of at most ``chunk`` bytes."""
     out = []
-    for f, fo, ao, n in runs:
+    for f, fo, ao, n in ((r.file, r.file_offset, r.arena_offset, r.nbytes) for r in contiguous_runs(ckpt)):
         for off in range(0, n, chunk):
             out.append(CopyRange(f, fo + off, ao + off, min(chunk, n - off)))
     return out
