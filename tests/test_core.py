@@ -399,3 +399,23 @@ def test_lowering_a_budget_evicts_lru_or_refuses():
         core.set_budget("cpu", 50)  # b could go, c is attached: refused, nothing changed
     assert core.devices["cpu"].budget == 200 and core.entry("b").state is State.RESIDENT
     core.check_invariants()
+
+
+def test_request_keep_alive_replaces_the_configured_one():
+    """Per-request keep_alive (load/attach): 0 expires the model once its last lease
+    ends, None never expires it; the configured value is kept to cap tenants with."""
+    clock = Clock()
+    core = CacheCore({"cpu": 100}, clock=clock)
+    core.register("a", "cpu", keep_alive=5)
+    loaded(core, "a", 10)
+    lease = core.attach("a", conn=1)
+    core.set_keep_alive("a", 0)
+    assert core.expired() == []  # leased: never expires
+    core.detach(lease.id, conn=1)
+    assert core.expired() == ["a"]  # at once, no time passed
+    core.set_keep_alive("a", None)
+    clock.t += 10**6
+    assert core.expired() == []
+    assert core.entry("a").configured_keep_alive == 5
+    with pytest.raises(BadRequest):
+        core.set_keep_alive("a", -1)

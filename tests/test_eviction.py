@@ -10,7 +10,7 @@ from conftest import eventually
 from helpers import first, states
 
 from weightcache import Client
-from weightcache.errors import Attached, NoSpace, Pinned, UnknownModel
+from weightcache.errors import Attached, BadRequest, NoSpace, Pinned, UnknownModel
 
 
 async def test_lru_eviction_order_three_models_budget_for_two(start_daemon, ckpts):
@@ -79,3 +79,28 @@ async def test_keep_alive_evicts_idle_models(start_daemon, ckpts):
         await c.load("tiny")
         await eventually(lambda: first(c, "state", "evicted"))
     assert "keep_alive expired" in d.log_text()
+
+
+async def test_request_keep_alive(start_daemon, ckpts):
+    """keep_alive on attach and load: 0 evicts once the last lease ends, -1 outlives the
+    configured 1 s, and a bad value is BAD_REQUEST naming the argument."""
+    d = start_daemon(models={"tiny": ckpts["tiny"], "a": ckpts["a"]}, a={"keep_alive": 1})
+    async with Client(d.socket) as c:
+        async def evicted(name: str) -> bool:
+            return (await states(c))[name] == "evicted"
+
+        with pytest.raises(BadRequest) as bad:
+            await c.load("tiny", keep_alive="5 fortnights")
+        assert bad.value.details["argument"] == "keep_alive" and "keep_alive" in bad.value.message
+        with pytest.raises(BadRequest):
+            await c.load("tiny", keep_alive=-2)
+        async with c.attach("tiny", keep_alive=0):
+            await asyncio.sleep(1.5)  # the keep_alive loop runs every second: leased, it stays
+            assert (await states(c))["tiny"] == "resident"
+        await eventually(lambda: evicted("tiny"))  # tiny has no configured keep_alive
+        assert (await c.load("a", keep_alive=-1))["keep_alive"] is None
+        await asyncio.sleep(2.2)
+        assert (await states(c))["a"] == "resident"  # configured 1 s, overridden by -1
+        assert (await c.load("a", keep_alive="1s"))["keep_alive"] == 1
+        await eventually(lambda: evicted("a"))
+

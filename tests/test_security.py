@@ -74,6 +74,20 @@ def test_admin_ops_can_be_limited_to_admins(start_daemon, ckpts):
     assert evict["error"]["code"] == "PERMISSION_DENIED"
 
 
+@root_only
+def test_tenant_keep_alive_is_capped_by_the_configured_one(start_daemon, ckpts):
+    """A peer that is not an administrator cannot keep a model resident longer than the
+    operator configured, least of all forever (-1); shorter is its own business."""
+    d = start_daemon(models={"tiny": ckpts["tiny"]}, tiny={"keep_alive": "1h"},
+                     extra_daemon={"socket_mode": 0o666, "allowed_uids": [0, NOBODY], "admin_uids": [0]})
+    open_to_all(d)
+    msgs = [HELLO] + [{"id": i, "op": "load", "name": "tiny", "keep_alive": v} for i, v in ((2, -1), (3, "2h"), (4, "30s"))]
+    _, never, longer, shorter = as_uid(NOBODY, lambda: {"r": raw_calls(d.socket, msgs)})["r"]
+    assert [r["model"]["keep_alive"] for r in (never, longer, shorter)] == [3600, 3600, 30]
+    root_never = raw_calls(d.socket, [HELLO, {"id": 2, "op": "load", "name": "tiny", "keep_alive": -1}])[1]
+    assert root_never["model"]["keep_alive"] is None  # an administrator's -1 stands
+
+
 def test_socket_mode_and_group(start_daemon):
     d = start_daemon(extra_daemon={"socket_mode": 0o660, "socket_group": "nogroup"})
     st = os.stat(d.socket)

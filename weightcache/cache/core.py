@@ -69,7 +69,10 @@ class Entry:
     name: str
     device: str
     pinned: bool = False
-    keep_alive: float | None = None  # seconds unused and unattached before eviction
+    keep_alive: float | None = None  # seconds unused and unattached before eviction (None: never)
+    # The model's configured keep_alive. ``keep_alive`` is what applies now: a load or
+    # attach that passes keep_alive replaces it until the next one does (set_keep_alive).
+    configured_keep_alive: float | None = None
     state: State = State.REGISTERED
     nbytes: int = 0  # arena size; set when a load is admitted
     last_used: float = 0.0
@@ -177,7 +180,7 @@ class CacheCore:
             raise BadRequest(f"model {name!r} is already registered", model=name)
         if device not in self.devices:
             raise BadRequest(f"device {device!r} has no budget; configured: {sorted(self.devices)}", device=device)
-        e = Entry(name=name, device=device, pinned=pinned, keep_alive=keep_alive)
+        e = Entry(name=name, device=device, pinned=pinned, keep_alive=keep_alive, configured_keep_alive=keep_alive)
         self.entries[name] = e
         self._models_on[device] += 1
         return e
@@ -244,6 +247,15 @@ class CacheCore:
     def set_pinned(self, name: str, pinned: bool) -> Entry:
         e = self.entry(name)
         e.pinned = pinned
+        return e
+
+    def set_keep_alive(self, name: str, seconds: float | None) -> Entry:
+        """A request's keep_alive (None: never expire; 0: expire as soon as unattached)
+        replaces the one in force until the next request sets it (ollama's rule)."""
+        if seconds is not None and not seconds >= 0:
+            raise BadRequest(f"keep_alive must be >= 0 seconds or never, not {seconds!r}", argument="keep_alive")
+        e = self.entry(name)
+        e.keep_alive = seconds
         return e
 
     # -- loading --------------------------------------------------------------------

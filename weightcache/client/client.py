@@ -77,9 +77,13 @@ class Client(Connection):
         """One dict per model: name, state, device, nbytes, attach_count, pinned, ..."""
         return (await self.request("models", timeout=timeout))["models"]
 
-    async def load(self, name: str, *, wait_s: float | None = None, timeout: float | None = None) -> dict[str, Any]:
-        """Make ``name`` resident (evicting LRU unattached models if needed)."""
-        return (await self.request("load", name=name, wait_s=wait_s, timeout=timeout))["model"]
+    async def load(self, name: str, *, wait_s: float | None = None, timeout: float | None = None,
+                   keep_alive: float | str | None = None) -> dict[str, Any]:
+        """Make ``name`` resident (evicting LRU unattached models if needed).
+
+        ``keep_alive`` (seconds, ``"5m"``, ``0``: evict when unattached, ``-1``: never)
+        replaces the model's keep_alive until the next request sets one (docs/protocol.md)."""
+        return (await self.request("load", name=name, wait_s=wait_s, timeout=timeout, keep_alive=keep_alive))["model"]
 
     async def evict(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
         """Move ``name`` one tier down (to the host tier, or out): ``{"evicted", "freed", "state"}``.
@@ -161,11 +165,13 @@ class Client(Connection):
 
     @contextlib.asynccontextmanager
     async def attach(self, name: str, device: str | None = None, rank: int | None = None, *, wait_s: float | None = None,
-                     timeout: float | None = None, writable: bool = False) -> AsyncIterator[AttachedModel]:
+                     timeout: float | None = None, writable: bool = False,
+                     keep_alive: float | str | None = None) -> AsyncIterator[AttachedModel]:
         """Attach ``name`` (loading it first if needed) and yield its tensors, zero-copy.
 
         Read-only unless ``writable=True`` and the daemon allows it (GPU arenas only):
-        writes then change the bytes every other attached engine sees.
+        writes then change the bytes every other attached engine sees. ``keep_alive`` is
+        as for :meth:`load`: ``0`` evicts the model once its last lease ends.
 
         The lease lasts until the block exits (or the connection closes). Keep the block
         open while the tensors are in use: only a lease keeps the daemon from evicting.
@@ -182,6 +188,6 @@ class Client(Connection):
 
             device = f"cuda:{driver().device_uuid(int(device[5:]))}"  # this process's numbering -> UUID
         reply, fds = await self._request("attach", timeout, {"name": name, "device": device, "rank": rank, "wait_s": wait_s,
-                                                       "writable": writable or None})
+                                                       "writable": writable or None, "keep_alive": keep_alive})
         async with self._lease(reply["lease"]):  # ends the lease even if mapping fails
             yield attached_model(name, reply, fds)

@@ -138,9 +138,10 @@ class SyncClient:
 
     @contextlib.contextmanager
     def attach(self, name: str, device: str | None = None, rank: int | None = None, *, wait_s: float | None = None,
-               timeout: float | None = None, writable: bool = False) -> Iterator[AttachedModel]:
+               timeout: float | None = None, writable: bool = False,
+               keep_alive: float | str | None = None) -> Iterator[AttachedModel]:
         """:meth:`Client.attach` as a plain context manager: the lease ends when the block does."""
-        cm = self._client.attach(name, device, rank, wait_s=wait_s, timeout=timeout, writable=writable)
+        cm = self._client.attach(name, device, rank, wait_s=wait_s, timeout=timeout, writable=writable, keep_alive=keep_alive)
         model = self._call(cm.__aenter__())
         try:
             yield model

@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import __version__
 from ..cache import State
+from ..config import parse_duration
 from ..errors import (
     Attached,
     BadRequest,
@@ -172,18 +173,60 @@ async def models(ctx: Context, caller: Caller, req: Request) -> Reply:
     return {"models": [describe(ctx, name, caller) for name in _listed(ctx)]}, []
 
 
+_UNSET = object()
+
+
+def keep_alive_arg(req: Request) -> Any:
+    """``keep_alive`` of a load or attach, in seconds: ``-1`` (or ``"-1"``) is None,
+    never expire; ``0`` expires the model as soon as its last lease goes; durations follow
+    config.parse_duration ("30s", "5m", "1h"). ``_UNSET`` when the request has none."""
+    v = req.args.get("keep_alive")
+    if v is None:
+        return _UNSET
+    if not isinstance(v, bool) and v in (-1, "-1"):
+        return None
+    try:
+        seconds = parse_duration(v)
+    except ValueError as exc:
+        raise BadRequest(f"keep_alive: {exc}", argument="keep_alive") from None
+    if not 0 <= seconds < float("inf"):  # NaN too; -1 is the one negative that means something
+        raise BadRequest(f"keep_alive: {v!r} is neither -1 (never expire) nor a duration >= 0", argument="keep_alive")
+    return seconds
+
+
+def apply_keep_alive(ctx: Context, caller: Caller, entries: list[str], seconds: Any) -> None:
+    """Set a request's keep_alive on ``entries``. Administrators' values apply as given.
+    A tenant's is capped at the model's configured keep_alive (when it has one): peers
+    share the host's memory, and one tenant must not keep a model resident past what the
+    operator configured, least of all forever (-1). Shorter values, 0 included, are
+    allowed: they only drop an unattached copy sooner, which any tenant's load under
+    memory pressure may do already, and never touch a model while it is leased."""
+    if seconds is _UNSET:
+        return
+    admin = ctx.access.is_admin(caller.peer)
+    for e in entries:
+        cap = ctx.core.entry(e).configured_keep_alive
+        value = seconds
+        if not admin and cap is not None:
+            value = cap if seconds is None else min(seconds, cap)
+        ctx.core.set_keep_alive(e, value)
+
+
 async def load(ctx: Context, caller: Caller, req: Request) -> Reply:
     wait = ctx.wait_arg(req)
+    keep_alive = keep_alive_arg(req)
     rank = req.arg("rank", int, None)
     name = req.arg("name", str)
     entries = [ctx.registry.entry_for(name, rank)] if rank is not None else ctx.registry.members(name)
     await asyncio.gather(*(ctx.loads.ensure_resident(e, wait) for e in entries))
+    apply_keep_alive(ctx, caller, entries, keep_alive)
     return describe_all(ctx, entries, caller), []
 
 
 async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
     name = ctx.registry.entry_for(req.arg("name", str), req.arg("rank", int, None))
     wait = ctx.wait_arg(req)
+    keep_alive = keep_alive_arg(req)
     writable = req.arg("writable", bool, False)
     if writable and not ctx.settings.daemon.allow_writable_attach:
         raise PermissionDenied("read-write attachments are disabled (daemon.allow_writable_attach = false)", argument="writable")
@@ -206,6 +249,7 @@ async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
     if held >= ctx.settings.daemon.max_leases_per_connection:
         raise LimitExceeded(f"this connection holds {held} leases, the maximum", limit=held)
     lease = ctx.core.attach(name, caller.conn)
+    apply_keep_alive(ctx, caller, [name], keep_alive)
     m = ctx.registry.models[name]
     assert m.arena is not None and m.checkpoint is not None
     try:
