@@ -67,3 +67,38 @@ async def test_error_replies_are_counted_by_code_and_op(start_daemon, tmp_path):
     assert got == {'weightcache_errors_total{code="CORRUPT_CHECKPOINT",op="load"}': 2,
                    'weightcache_errors_total{code="UNKNOWN_MODEL",op="load"}': 1,
                    'weightcache_errors_total{code="UNKNOWN_OP",op="other"}': 1}  # a peer's op name is no label
+
+
+async def test_half_sent_scrapes_cannot_pile_up_threads(start_daemon):
+    """Any local user reaches the port: a review parked 250 threads in the daemon with
+    requests it never finished. At most MAX_SCRAPES (4) are served at once."""
+    import os
+    import socket
+    import time
+
+    port = free_port()
+    d = start_daemon(extra_daemon={"metrics_listen": f"127.0.0.1:{port}"})
+    scrape(port)
+
+    def threads() -> int:
+        return len(os.listdir(f"/proc/{d.proc.pid}/task"))
+
+    base = threads()
+    held = []
+    for _ in range(30):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+        held.append(s)
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert threads() <= base + 4, (base, threads())
+    for s in held:
+        s.close()
+    for _ in range(50):  # the parked handlers see EOF and give their slots back
+        try:
+            assert "weightcache_ready 1.0" in scrape(port)
+            break
+        except (urllib.error.URLError, ConnectionError):
+            time.sleep(0.1)
+    else:
+        pytest.fail("the metrics endpoint did not recover once the slow clients went")

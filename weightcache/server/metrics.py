@@ -93,10 +93,37 @@ class Metrics:
 
 
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    """A thread per scrape, at most MAX_SCRAPES at once: any local user can reach a TCP
+    port, and a review (session 4) parked 250 threads in the daemon in under a minute with
+    half-sent requests. Connections beyond the limit are closed at once."""
+
     daemon_threads = True  # a slow scraper never holds up the daemon's exit
+    MAX_SCRAPES = 4
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(self.MAX_SCRAPES)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = 5  # seconds a scraper may take to send its request: a silent one is dropped
+
     def log_message(self, format: str, *args: Any) -> None:  # one stderr line per scrape otherwise
         pass
 

@@ -42,6 +42,9 @@ def write_checkpoint(path: str | os.PathLike[str], nbytes: int, n_tensors: int, 
     if shards == 1:
         p.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(p), metadata={"format": "pt"})
+        # As model files on a host are (safetensors writes 0600): the CPU backend serves only
+        # world-readable files from their page cache.
+        p.chmod(0o644)
         return p
     p.mkdir(parents=True, exist_ok=True)
     names = list(tensors)
@@ -50,6 +53,7 @@ def write_checkpoint(path: str | os.PathLike[str], nbytes: int, n_tensors: int, 
         part = names[s::shards]
         fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         save_file({k: tensors[k] for k in part}, str(p / fname), metadata={"format": "pt"})
+        (p / fname).chmod(0o644)
         weight_map.update(dict.fromkeys(part, fname))
     index = p / "model.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}))
