@@ -294,6 +294,7 @@ async def test_a_file_replaced_by_rename_while_attached_keeps_the_old_bytes(star
 async def test_a_file_rewritten_in_place_while_attached_is_refused_to_new_attaches(start_daemon, tmp_path):
     p = tmp_path / "m.safetensors"
     save_file({"w": torch.zeros(4096), "b": torch.zeros(16)}, str(p))
+    p.chmod(0o644)  # readable by every user: served from its page cache
     d = start_daemon(models={"m": p})
     async with Client(d.socket) as c:
         async with c.attach("m") as m:
@@ -381,3 +382,37 @@ async def test_published_weights_get_memory_of_their_own(start_daemon, ckpts):
         async with c.attach("a-x2") as p:
             assert p.arena_kind == "memfd" and same(p, mine)
         assert memfd_bytes(d.proc.pid) >= sum(t.numel() * t.element_size() for t in mine.values())
+
+
+# The attacker review of session 4: who else could change or read a file served from
+# its page cache. Each refusal falls back to a sealed memfd, and the log says why.
+
+async def test_a_file_someone_holds_open_for_writing_is_copied(start_daemon, tmp_path):
+    p = write_checkpoint(tmp_path / "m.safetensors", MIB, 8, seed=4)
+    writer = os.open(p, os.O_WRONLY)  # e.g. opened while the file was still 0666, then chmod'ed
+    try:
+        d = start_daemon(models={"m": p})
+        async with Client(d.socket) as c, c.attach("m") as m:
+            assert m.arena_kind == "memfd"
+        assert "some process has it open for writing" in d.log_text()
+    finally:
+        os.close(writer)
+
+
+async def test_a_file_not_everyone_may_read_is_copied(start_daemon, tmp_path):
+    p = write_checkpoint(tmp_path / "m.safetensors", MIB, 8, seed=5)
+    p.chmod(0o640)  # an engine's fd would hand a tenant a file it cannot open
+    d = start_daemon(models={"m": p})
+    async with Client(d.socket) as c, c.attach("m") as m:
+        assert m.arena_kind == "memfd"
+    assert "is not readable by every user" in d.log_text()
+
+
+async def test_files_a_peer_sends_are_copied(start_daemon, tmp_path):
+    p = write_checkpoint(tmp_path / "m.safetensors", MIB, 8, seed=6)
+    d = start_daemon()
+    async with Client(d.socket) as c:
+        await c.register("sent", p)  # by open files: the peer chose them
+        async with c.attach("sent") as m:
+            assert m.arena_kind == "memfd" and same(m, snapshot(p))
+    assert "sent by a peer as open files" in d.log_text()

@@ -333,9 +333,20 @@ class CpuBackend(Backend):
         cache, or None (Note [page-cache arenas])."""
         if not self.page_cache:
             return "page-cache arenas are off (or the kernel lacks MADV_POPULATE_READ, Linux < 5.14)"
+        if files.adopted:
+            # A peer chose these files and may keep a writable fd or mapping of them from
+            # before any chmod: its bytes must never reach other tenants' engines.
+            return "its files were sent by a peer as open files"
         me = os.geteuid()
         for rec, sf in zip(ckpt.files, files.files, strict=True):
             st = os.fstat(sf.fd)
+            if not st.st_mode & 0o004:
+                # An engine's read-only fd would hand it a file it cannot open itself
+                # (its path through /proc, its header, the bytes around the tensors).
+                return f"{rec.path} is not readable by every user (mode {stat.S_IMODE(st.st_mode):o})"
+            writer = _open_for_writing(sf.fd)
+            if writer is not None:
+                return f"{rec.path}: {writer}"
             immutable = _inode_flags(sf.fd) & (FS_IMMUTABLE_FL | FS_VERITY_FL)
             if not immutable and st.st_uid not in (0, me):
                 return f"{rec.path} is owned by uid {st.st_uid}, who could rewrite it under attached engines"
@@ -506,3 +517,22 @@ def _release(f: HeldFile) -> None:
 def _segments(ckpt: Checkpoint) -> bytes:
     """The arena's byte ranges that are contiguous in one file, as wire segments."""
     return b"".join(SEGMENT.pack(r.file, r.file_offset, r.arena_offset, r.nbytes) for r in contiguous_runs(ckpt))
+
+
+def _open_for_writing(fd: int) -> str | None:
+    """Whether some process holds the file open for writing (an fd or a shared writable
+    mapping, perhaps from before a chmod): a read lease is refused exactly then. Taken
+    and dropped at once (held, a writer's open would signal the daemon with SIGIO). If
+    the lease cannot be taken at all (not the owner, no CAP_LEASE), say so: unknown is
+    not safe."""
+    probe = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.fcntl(probe, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        fcntl.fcntl(probe, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return None
+    except OSError as exc:
+        if exc.errno == errno.EAGAIN:
+            return "some process has it open for writing"
+        return f"cannot tell whether some process has it open for writing (read lease: {exc.strerror})"
+    finally:
+        os.close(probe)

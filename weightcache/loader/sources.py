@@ -52,6 +52,7 @@ class OpenedSource:
         self.source = source  # label: the path given, or e.g. 'fds:<name>'
         self.files = files
         self.closed = False
+        self.adopted = False  # fds a peer sent (adopt_fds): the peer chose the files
 
     def close(self) -> None:
         if self.closed:
@@ -342,4 +343,6 @@ def adopt_fds(label: str, names: Sequence[str], fds: Sequence[int]) -> OpenedSou
         if flags & os.O_ACCMODE not in (os.O_RDONLY, os.O_RDWR):
             raise bad(shown, "is not opened for reading (O_WRONLY)")
         files.append(SourceFile(str(name), fd))
-    return OpenedSource(label, files)
+    opened = OpenedSource(label, files)
+    opened.adopted = True
+    return opened
