@@ -290,13 +290,14 @@ async def cmd_unregister(args: argparse.Namespace) -> int:
 async def cmd_reload(args: argparse.Namespace) -> int:
     async with _client(args) as c:
         report = await c.reload()
+    failed = 1 if report.get("failed") else 0  # a change the daemon could not apply: scripts must see it
     if args.json:
         _print_json(report)
-        return 0
+        return failed
     done = [f"{what}: {', '.join(map(str, names)) if isinstance(names, list) else names}"
             for what, names in report.items() if names and what != "unchanged"]  # as the daemon's log line
     print("reloaded: " + ("; ".join(done) if done else "no changes"))
-    return 0
+    return failed
 
 
 async def cmd_health(args: argparse.Namespace) -> int:

@@ -19,7 +19,8 @@ from .. import __version__
 from ..backends import Backend
 from ..cache import CacheCore
 from ..config import ModelConfig, Settings, load_settings
-from ..errors import BadRequest, NoSpace, WeightcacheError
+from ..errors import BadRequest, LoadFailed, NoSpace, WeightcacheError
+from ..loader import OpenedSource, open_source, parse_checkpoint
 from .access import AccessPolicy, check_socket_dir, resolve_gid
 from .connections import Connections
 from .loads import Loads
@@ -27,6 +28,12 @@ from .metrics import MODEL_COUNTERS, Metrics, ModelFigures, Snapshot
 from .registry import Registry
 from .requests import Context
 from .systemd import sd_notify
+
+# The fields a reload changes in place: the rest say which bytes and where.
+POLICY_FIELDS = ("keep_alive", "pin", "preload")
+# last_error["reason"] of a failed start/reload check, which a later good check clears
+# (a load's own error stays until a load succeeds).
+CHECK_FAILED = "checkpoint check failed"
 
 log = logging.getLogger("weightcache.daemon")
 
@@ -75,6 +82,9 @@ class Daemon:
         sd_notify(f"READY=1\nSTATUS=serving on {self.socket_path}")
         for mc in self.settings.models:
             self._preload_if_asked(mc)
+        # Paths and headers are checked behind the socket (in the io pool): a bad one shows
+        # in `models` as last_error long before anyone asks to load it.
+        self.loads.spawn(self._check_config_models([mc.name for mc in self.settings.models]))
         self.loads.spawn(self.loads.keep_alive_loop())
 
     def _preload_if_asked(self, mc: ModelConfig) -> None:
@@ -191,22 +201,39 @@ class Daemon:
 
     # -- reload ---------------------------------------------------------------------
     async def reload_config(self) -> dict[str, list[str]]:
-        """Re-read the config file: register new models, unregister removed ones (kept,
-        and reported, while attached or loading), re-register changed ones when unattached.
-        The ``reload`` op and SIGHUP both land here."""
+        """Re-read the config file. New models are registered, removed ones unregistered
+        (kept, and reported, while attached or loading). A model whose policy alone
+        changed (keep_alive, pin, preload) is updated in place and stays resident; one
+        whose path, device or shards changed is replaced only once the new checkpoint
+        opens and its header parses, else it keeps its old state and the reason goes in
+        ``failed``. Models that peers registered or published are left alone unless the
+        config now names them. The ``reload`` op and SIGHUP both land here."""
         if self.config_path is None:
             raise BadRequest("the daemon was started without a config file; nothing to reload")
         new = await asyncio.to_thread(load_settings, self.config_path)
-        report: dict[str, list[str]] = {"added": [], "removed": [], "changed": [], "kept": [], "unchanged": [], "budgets": [],
-                                        "displaced": []}
+        report: dict[str, list[str]] = {"added": [], "removed": [], "changed": [], "updated": [], "kept": [],
+                                        "failed": [], "unchanged": [], "budgets": [], "displaced": []}
         await self._reload_budgets(new, report)
         registry = self.registry
         wanted = {m.name: m for m in new.models}
         # Only the config's own models: what peers registered or published stays.
         for name in [n for n in registry.groups if registry.first(n).origin == "config"]:
-            if name in wanted and wanted[name] == registry.first(name).config:
+            old = registry.first(name).config
+            mc = wanted.get(name)
+            if mc == old:
                 report["unchanged"].append(name)
                 continue
+            if mc is not None and mc == old.model_copy(update={f: getattr(mc, f) for f in POLICY_FIELDS}):
+                self._update_policy(name, old, mc)
+                report["updated"].append(name)
+                wanted.pop(name)
+                continue
+            if mc is not None:
+                reason = await self._checkpoint_problem(mc)
+                if reason is not None:  # keep what works until the file is fixed
+                    report["failed"].append(f"{name}: {reason}")
+                    wanted.pop(name)
+                    continue
             try:
                 self.loads.forget(registry.unregister(name))
             except WeightcacheError as exc:
@@ -230,12 +257,88 @@ class Daemon:
                 if missing:
                     report["kept"].append(f"{name}: device {missing[0]} has no backend in the running daemon")
                     continue
+                # Checked before it is registered: what `models` shows from then on is final.
+                reason = None if name in report["changed"] else await self._checkpoint_problem(mc)
                 registry.register(mc)
                 if name not in report["changed"]:
                     report["added"].append(name)
+                    if reason is not None:
+                        # A new model with a bad file is registered (the operator sees it and
+                        # its last_error in `models`) but the reload reports it as failed.
+                        self._mark_bad(name, reason)
+                        report["failed"].append(f"{name}: {reason}")
                 self._preload_if_asked(mc)
         log.info("reload: %s", {k: v for k, v in report.items() if v and k != "unchanged"})
+        # The models the file left as they were get the same check: a file deleted or
+        # replaced since the last one shows now, not at the next load (the check logs it).
+        await self._check_config_models(report["unchanged"] + report["updated"])
         return report
+
+    def _update_policy(self, name: str, old: ModelConfig, mc: ModelConfig) -> None:
+        """Apply a new keep_alive, pin or preload to a registered model without touching
+        what is resident. A pin the file changed is applied; an unchanged one leaves a
+        runtime pin or unpin (the ``pin`` op) as the operator set it."""
+        for entry in self.registry.groups[name]:
+            self.registry.models[entry].config = mc
+            e = self.core.entry(entry)
+            if mc.keep_alive != old.keep_alive:
+                # The configured value, and the one in force: a request's keep_alive is
+                # replaced by the operator's new one, as a fresh registration would be.
+                e.configured_keep_alive = mc.keep_alive
+                self.core.set_keep_alive(entry, mc.keep_alive)
+            if mc.pin != old.pin:
+                self.core.set_pinned(entry, mc.pin)
+        if mc.preload and not old.preload:
+            self._preload_if_asked(mc)
+        elif not mc.preload:
+            self.loads.forget_preload(name)  # no longer gates readiness
+
+    async def _checkpoint_problem(self, mc: ModelConfig) -> str | None:
+        """Why ``mc``'s checkpoints cannot be loaded (the path opened and the header parsed,
+        as a load does, in the io pool), or None when they can."""
+        d = self.loads.settings
+        for path, _device in mc.parts:
+            opened = None
+            try:
+                opened = await self.loads.io(open_source, path, roots=d.model_roots or None,
+                                             follow_symlinks=d.follow_symlinks, cleanup=OpenedSource.close)
+                await self.loads.io(parse_checkpoint, opened)
+            except WeightcacheError as exc:
+                return exc.message
+            except Exception as exc:  # an OSError and the like: the reason, not a traceback
+                return f"{type(exc).__name__}: {exc}"
+            finally:
+                if opened is not None:
+                    opened.close()
+        return None
+
+    async def _check_config_models(self, names: list[str]) -> list[str]:
+        """Check each named config model's files; a bad one gets last_error (shown by
+        ``models``, redacted for peers like a load's error) and a log line. Returns
+        the names that failed."""
+        bad = []
+        for name in names:
+            if name not in self.registry.groups:
+                continue
+            reason = await self._checkpoint_problem(self.registry.first(name).config)
+            if name not in self.registry.groups:
+                continue
+            if reason is None:  # fixed since the last check: its error no longer applies
+                for entry in self.registry.groups[name]:
+                    m = self.registry.models[entry]
+                    if m.last_error is not None and m.last_error.get("reason") == CHECK_FAILED:
+                        m.last_error = None
+                continue
+            bad.append(name)
+            self._mark_bad(name, reason)
+        return bad
+
+    def _mark_bad(self, name: str, reason: str) -> None:
+        err = LoadFailed(f"{name}: {reason}", model=name, reason=CHECK_FAILED).to_wire()
+        for entry in self.registry.groups[name]:
+            if self.registry.models[entry].last_error is None:  # a real load's error says more
+                self.registry.models[entry].last_error = err
+        log.error("model %s cannot be loaded: %s", name, reason, extra={"model": name, "code": err["code"]})
 
     async def _reload_budgets(self, new: Settings, report: dict[str, list[str]]) -> None:
         for device, budget in new.budgets.items():
