@@ -66,6 +66,8 @@ def test_file_then_env_precedence(tmp_path, monkeypatch):
         ('[budgets]\ncpu = "1.5"', "for a size give a unit"),  # was a budget of 1 byte
         ('[budgets]\ncpu = "0"', "holds nothing"),
         ('[[models]]\nname = "m"\npath = "/x"\nkeep_alive = "1 week"', "use seconds, or a number with s, m, h or d"),
+        ('[daemon]\nmax_loaded_models = {cpu = 0}', "max_loaded_models.cpu must be a whole number >= 1"),
+        ('[daemon]\nmax_loaded_models = {"cuda:0" = 2}', "max_loaded_models names device 'cuda:0'"),
     ],
 )
 def test_invalid_configs_name_the_key(tmp_path, body, expect):

@@ -224,21 +224,23 @@ def test_cpu_models_have_no_tier_below():
     assert core.evict("a").evict == ("a",) and core.host.used == 0
 
 
-def check_victims(core: CacheCore, ranks: dict, victims: tuple[str, ...], need: int) -> None:
-    """Note [invariants], 3, for any policy: the victims make room, were evictable, and the
-    highest-ranked one was needed; under GDSF none could have been spared.
+def check_victims(core: CacheCore, ranks: dict, victims: tuple[str, ...], need: int, count: int = 0) -> None:
+    """Note [invariants], 3, for any policy: the victims make room (``need`` bytes and
+    ``count`` places under max_loaded), were evictable, and the highest-ranked one was
+    needed; under GDSF none could have been spared.
     ``ranks``: the policy's rank of every evictable model of the device, before the step."""
     sizes = {n: core.entry(n).nbytes for n in ranks}
     assert set(victims) <= set(ranks), "a victim was not evictable"
-    if need <= 0:
+    if need <= 0 and count <= 0:
         assert not victims
         return
     freed = sum(sizes[v] for v in victims)
-    assert freed >= need
+    assert freed >= need and len(victims) >= count
     top = max(ranks[v] for v in victims)
-    assert sum(sizes[n] for n, r in ranks.items() if r < top) < need, "the highest-ranked victim was not needed"
+    below = [n for n, r in ranks.items() if r < top]
+    assert sum(sizes[n] for n in below) < need or len(below) < count, "the highest-ranked victim was not needed"
     if core.policy.name == "gdsf":
-        assert all(freed - sizes[v] < need for v in victims), "a victim could have been spared"
+        assert all(freed - sizes[v] < need or len(victims) - 1 < count for v in victims), "a victim could have been spared"
 
 
 class CoreMachine(RuleBasedStateMachine):
@@ -252,7 +254,9 @@ class CoreMachine(RuleBasedStateMachine):
         super().__init__()
         # CPU models, and GPU models with a host tier below them; budgets a few models fill,
         # so that most loads must evict
-        self.core = CacheCore({"cpu": 600, "cuda:0": 600}, clock=Clock(), host_budget=500, policy=self.policy)
+        # and a count limit on the CPU that binds before its bytes do, for small models
+        self.core = CacheCore({"cpu": 600, "cuda:0": 600}, clock=Clock(), host_budget=500, policy=self.policy,
+                              max_loaded={"cpu": 3})
         self.clocks = {dev: 0.0 for dev in self.core.devices}
         for n in ["m0", "m1", "m2", "m3", "m4"]:
             self.core.register(n, "cpu")
@@ -280,12 +284,15 @@ class CoreMachine(RuleBasedStateMachine):
         before = {x.name: (x.state, x.last_used) for x in self.core.entries.values()}
         ranks, priorities = self._before(e.device)
         need = nbytes - self.core.devices[e.device].free
+        limit = self.core.max_loaded.get(e.device)
+        count = 0 if limit is None else self.core.loaded_on(e.device) + 1 - limit
         try:
             plan = self.core.begin_load(name, nbytes)
         except NoSpace:
-            assert sum(self.core.entry(n).nbytes for n in ranks) < need  # all the evictable would not do
+            # all the evictable would not do: too few bytes, or too few models
+            assert sum(self.core.entry(n).nbytes for n in ranks) < need or len(ranks) < count
             return
-        check_victims(self.core, ranks, plan.evict, need)
+        check_victims(self.core, ranks, plan.evict, need, count)
         self._check_clock(e.device, priorities, plan.evict)
         # Victims: evictable before, and each older than every evictable model kept.
         for v in plan.evict:
@@ -419,3 +426,27 @@ def test_request_keep_alive_replaces_the_configured_one():
     assert core.entry("a").configured_keep_alive == 5
     with pytest.raises(BadRequest):
         core.set_keep_alive("a", -1)
+
+
+def test_max_loaded_models_evicts_like_bytes_do():
+    """A device's count limit: a load beyond it evicts the LRU model though bytes are
+    plentiful; when every model there is held, NoSpace names the limit."""
+    core = CacheCore({"cpu": 1000}, clock=Clock(), max_loaded={"cpu": 2})
+    for n in "abc":
+        core.register(n, "cpu")
+    loaded(core, "a", 10)
+    loaded(core, "b", 10)
+    plan = core.begin_load("c", 10)
+    assert plan.evict == ("a",)  # the least recently used, for the count alone
+    core.finish_load("c")
+    core.check_invariants()
+    core.attach("b", conn=1)
+    core.set_pinned("c", True)
+    with pytest.raises(NoSpace) as full:
+        core.begin_load("a", 10)
+    assert full.value.details["max_loaded_models"] == 2 and "max_loaded_models" in full.value.message
+    assert full.value.details["fits_ever"]  # b's lease may end
+    core.set_pinned("b", True)
+    with pytest.raises(NoSpace) as never:
+        core.begin_load("a", 10)
+    assert not never.value.details["fits_ever"]  # both pinned: no detach helps

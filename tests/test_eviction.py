@@ -104,3 +104,19 @@ async def test_request_keep_alive(start_daemon, ckpts):
         assert (await c.load("a", keep_alive="1s"))["keep_alive"] == 1
         await eventually(lambda: evicted("a"))
 
+
+
+async def test_max_loaded_models(start_daemon, ckpts):
+    """daemon.max_loaded_models: a third load on a device limited to two evicts the least
+    recently used though the bytes fit; with both held, NO_SPACE names the key."""
+    d = start_daemon(budget="20MiB", models={k: ckpts[k] for k in ("tiny", "a", "b")},
+                     extra_daemon={"max_loaded_models": {"cpu": 2}})
+    async with Client(d.socket) as c:
+        await c.load("tiny")
+        await c.load("a")
+        await c.load("b")
+        assert await states(c) == {"tiny": "evicted", "a": "resident", "b": "resident"}
+        async with c.attach("a"), c.attach("b"):
+            with pytest.raises(NoSpace) as full:
+                await c.load("tiny")
+        assert "max_loaded_models" in full.value.message and full.value.details["max_loaded_models"] == 2

@@ -194,6 +194,9 @@ class DaemonConfig(BaseModel):
     load_nice: int = Field(default=19, ge=0, le=19, description="scheduling niceness of loader threads")
     no_space_wait_s: float = Field(default=0.0, ge=0, description="default time a load waits for detaches")
     host_budget: int = Field(default=0, ge=0, description="pinned host memory for demoted GPU models (0: no host tier)")
+    max_loaded_models: dict[str, int] = Field(default_factory=dict, description=(
+        "per device, the most models resident or loading there at once, as well as the byte budget "
+        "(OLLAMA_MAX_LOADED_MODELS); a device not named has no count limit"))
     eviction_policy: Literal["lru", "gdsf"] = Field(default="lru", description=(
         "which unattached models a load evicts: 'lru' (least recently used) or 'gdsf' (cost-aware: "
         "size, uses, and the measured time to bring each back; docs/architecture.md)"))
@@ -251,6 +254,18 @@ class DaemonConfig(BaseModel):
             return v.lower()
         raise ValueError(f"eviction_policy must be 'lru' (the default) or 'gdsf', not {v!r}")
 
+    @field_validator("max_loaded_models", mode="before")
+    @classmethod
+    def _max_loaded(cls, v: Any) -> dict[str, int]:
+        if not isinstance(v, dict):
+            raise ValueError('max_loaded_models must be a table of device = count, e.g. {"cuda:0" = 3}')
+        out = {}
+        for k, n in v.items():
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"max_loaded_models.{k} must be a whole number >= 1, not {n!r}")
+            out[check_device(str(k))] = n
+        return out
+
     @field_validator("max_frame_bytes", "load_chunk_bytes", "host_budget", "max_queued_reply_bytes", "max_partial_frame_bytes",
                      "max_partial_frame_bytes_per_uid", mode="before")
     @classmethod
@@ -278,6 +293,9 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _models_consistent(self) -> Settings:
+        for dev in self.daemon.max_loaded_models:
+            if dev not in self.budgets:
+                raise ValueError(f"daemon.max_loaded_models names device {dev!r}, which has no entry in [budgets]")
         seen: set[str] = set()
         for m in self.models:
             if m.name in seen:

@@ -8,13 +8,14 @@ Held after every public method returns (``check_invariants`` asserts them; the p
 tests in tests/test_core.py drive random operation sequences against them):
 
 1. Per device, ``used`` is the sum of ``nbytes`` of its RESIDENT models and ``reserved``
-   the sum of ``nbytes`` of its LOADING models; ``used + reserved <= budget``.
+   the sum of ``nbytes`` of its LOADING models; ``used + reserved <= budget``. Where the
+   device has a ``max_loaded`` count, its RESIDENT and LOADING models number at most that.
 2. A model's attach count is the number of live leases on it, never negative; only a
    RESIDENT model has leases.
 3. A model with a lease, or pinned, is never chosen for eviction. Victims are evictable
    models of the loading model's device, taken in the policy's order and no more than
    needed: the highest-ranked victim was needed (the evictable models ranked below it
-   could not make room without it). LRU (the default) ranks by ``last_used``, oldest
+   could not make room without it; room is bytes, and a place under ``max_loaded``). LRU (the default) ranks by ``last_used``, oldest
    first, and takes the shortest such prefix. GDSF ranks by its priority H, then
    ``last_used``; it takes the shortest prefix that makes room, then spares every victim
    the others make room without (highest H first), so no victim could have been kept.
@@ -155,8 +156,10 @@ AGING_USES_PER_MODEL = 16
 
 class CacheCore:
     def __init__(self, budgets: dict[str, int], clock: Callable[[], float] = time.monotonic, host_budget: int = 0,
-                 policy: PolicyName = "lru") -> None:
+                 policy: PolicyName = "lru", max_loaded: dict[str, int] | None = None) -> None:
         self.devices = {dev: DeviceAccount(budget=b) for dev, b in budgets.items()}
+        # device -> the most models RESIDENT or LOADING on it at once (daemon.max_loaded_models)
+        self.max_loaded = dict(max_loaded or {})
         self.host = DeviceAccount(budget=host_budget)  # the pinned host tier (0: disabled)
         self.entries: dict[str, Entry] = {}
         self.leases: dict[int, Lease] = {}
@@ -273,7 +276,7 @@ class CacheCore:
         if e.host_copy and nbytes != e.nbytes:
             raise BadRequest(f"model {name!r}: host copy is {e.nbytes} bytes, not {nbytes}; drop it first", model=name)
         acct = self.devices[e.device]
-        victims = self._victims(e.device, nbytes - acct.free)
+        victims = self._victims(e.device, nbytes - acct.free, self._over_count(e.device))
         if victims is None:
             raise self._no_space(e, nbytes)
         step = self._step_down(victims, keep=e)
@@ -282,11 +285,20 @@ class CacheCore:
         acct.reserved += nbytes
         return LoadPlan(name=name, nbytes=nbytes, step_down=step, promote=e.host_copy)
 
-    def _victims(self, device: str, need: int) -> list[Entry] | None:
+    def loaded_on(self, device: str) -> int:
+        """Models counted against ``device``'s max_loaded: RESIDENT or LOADING there."""
+        return sum(x.device == device and x.state in (State.RESIDENT, State.LOADING) for x in self.entries.values())
+
+    def _over_count(self, device: str) -> int:
+        """How many models must leave ``device`` before one more may load there."""
+        limit = self.max_loaded.get(device)
+        return 0 if limit is None else self.loaded_on(device) + 1 - limit
+
+    def _victims(self, device: str, need: int, count: int = 0) -> list[Entry] | None:
         """The policy's victims among the evictable models on ``device`` whose bytes add up
-        to ``need`` (Note [invariants], 3), its clock moved past them; None if all of them
-        would not."""
-        victims = self.policy.choose((x for x in self.entries.values() if x.device == device and x.evictable), need)
+        to ``need`` and that number at least ``count`` (Note [invariants], 3), its clock
+        moved past them; None if all of them would not."""
+        victims = self.policy.choose((x for x in self.entries.values() if x.device == device and x.evictable), need, count)
         if victims:
             self.policy.evicted(device, victims)
         return victims
@@ -413,13 +425,20 @@ class CacheCore:
             for h in holders
         )
         # Memory that no detach can ever free: pinned models and in-flight loads.
-        unfreeable = sum(x.nbytes for x in self.entries.values() if x.device == e.device and (x.pinned and x.state is State.RESIDENT))
-        fits_ever = nbytes <= acct.budget - unfreeable
+        pinned = [x for x in self.entries.values() if x.device == e.device and x.pinned and x.state is State.RESIDENT]
+        fits_ever = nbytes <= acct.budget - sum(x.nbytes for x in pinned)
+        limit = self.max_loaded.get(e.device)
+        count: dict[str, Any] = {}
+        if limit is not None and self._over_count(e.device) > 0:
+            # The count, not the bytes, may be what is full: say so, naming the key.
+            count = {"max_loaded_models": limit, "loaded": self.loaded_on(e.device)}
+            fits_ever = fits_ever and len(pinned) < limit
+        why = (f"{e.device} holds {count['loaded']} models, its max_loaded_models; " if count else "")
         return NoSpace(
-            f"model {e.name!r} needs {nbytes} B on {e.device}; budget {acct.budget} B, "
+            f"model {e.name!r} needs {nbytes} B on {e.device}; {why}budget {acct.budget} B, "
             f"free {acct.free} B; held by: {held or 'nothing'}",
             model=e.name, device=e.device, needed=nbytes, budget=acct.budget, free=acct.free,
-            holders=holders, fits_ever=fits_ever,
+            holders=holders, fits_ever=fits_ever, **count,
         )
 
     # -- eviction -------------------------------------------------------------------
@@ -519,6 +538,8 @@ class CacheCore:
             assert acct.used == sum(e.nbytes for e in mine if e.state is State.RESIDENT), dev
             assert acct.reserved == sum(e.nbytes for e in mine if e.state is State.LOADING), dev
             assert acct.used + acct.reserved <= acct.budget, dev
+            if dev in self.max_loaded:
+                assert sum(e.state in (State.RESIDENT, State.LOADING) for e in mine) <= self.max_loaded[dev], dev
         for e in self.entries.values():
             assert all(self.leases[i].model == e.name for i in e.leases)
             assert not e.leases or e.state is State.RESIDENT, e.name

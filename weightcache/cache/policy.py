@@ -148,9 +148,10 @@ class EvictionPolicy(Protocol):
     def rank(self, e: Candidate) -> tuple[float, ...]:
         """Total order of eviction: priority, then ties broken."""
 
-    def choose(self, candidates: Iterable[C], need: int) -> list[C] | None:
+    def choose(self, candidates: Iterable[C], need: int, count: int = 0) -> list[C] | None:
         """Victims among ``candidates`` (all evictable, one device) freeing at least
-        ``need`` bytes, in eviction order; None if all of them would not."""
+        ``need`` bytes, and at least ``count`` of them (the device's max_loaded_models),
+        in eviction order; None if all of them would not."""
 
     def evicted(self, device: str, victims: list[C]) -> None:
         """``victims`` (chosen by ``choose``) are about to leave ``device``."""
@@ -170,14 +171,14 @@ class LRU:
     def rank(self, e: Candidate) -> tuple[float, ...]:
         return (e.last_used,)
 
-    def choose(self, candidates: Iterable[C], need: int) -> list[C] | None:
+    def choose(self, candidates: Iterable[C], need: int, count: int = 0) -> list[C] | None:
         victims: list[C] = []
         for v in sorted(candidates, key=lambda x: x.last_used):
-            if need <= 0:
+            if need <= 0 and len(victims) >= count:
                 break
             victims.append(v)
             need -= v.nbytes
-        return victims if need <= 0 else None
+        return victims if need <= 0 and len(victims) >= count else None
 
     def evicted(self, device: str, victims: list[C]) -> None:
         pass
@@ -207,24 +208,25 @@ class GDSF:
         # Equal priorities go least recently used first, as GreedyDual's ties are usually broken.
         return (self.priority(e), e.last_used)
 
-    def choose(self, candidates: Iterable[C], need: int) -> list[C] | None:
-        if need <= 0:
+    def choose(self, candidates: Iterable[C], need: int, count: int = 0) -> list[C] | None:
+        if need <= 0 and count <= 0:
             return []
         victims: list[C] = []
         freed = 0
         for v in sorted(candidates, key=self.rank):
-            if freed >= need:
+            if freed >= need and len(victims) >= count:
                 break
             victims.append(v)
             freed += v.nbytes
-        if freed < need:
+        if freed < need or len(victims) < count:
             return None
         # The lowest priorities until there is room may take more than needed (a small model
         # first, then a large one that alone was enough). Spare every victim the others make
         # room without, the most valuable first; the last one taken is always needed.
+        # Sparing one must leave enough victims for ``count`` too.
         spared: set[int] = set()
         for v in sorted(victims[:-1], key=self.rank, reverse=True):
-            if freed - v.nbytes >= need:
+            if freed - v.nbytes >= need and len(victims) - len(spared) - 1 >= count:
                 spared.add(id(v))
                 freed -= v.nbytes
         return [v for v in victims if id(v) not in spared]

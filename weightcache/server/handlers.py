@@ -123,7 +123,9 @@ def _name_holders(ctx: Context, viewer: Peer, exc: WeightcacheError) -> Weightca
             holders.append({**h, "leases": leases})
             who = _holders_text(leases, h["attach_count"]) if h.get("attach_count") else "not attached"
             held.append(f"{h['name']} ({format_size(h['nbytes'])}, {h['state']}, {who}{', pinned' if h.get('pinned') else ''})")
-        message = (f"model {d['model']!r} needs {format_size(d['needed'])} on {d['device']}; budget "
+        full = (f"{d['device']} holds {d['loaded']} models, its max_loaded_models; "
+                if d.get("max_loaded_models") is not None else "")
+        message = (f"model {d['model']!r} needs {format_size(d['needed'])} on {d['device']}; {full}budget "
                    f"{format_size(d['budget'])}, free {format_size(d['free'])}; held by: {', '.join(held) or 'nothing'}")
         return NoSpace(message, **{**d, "holders": holders})
     return exc

@@ -104,7 +104,8 @@ def build(settings: Settings, config_path: str | None = None) -> Daemon:
         for b in tiered:
             b.use_host_pool(pool)
         log.info("host tier: pinning %d bytes of host memory for demoted GPU models (in the background)", host_budget)
-    return Daemon(settings, backends, CacheCore(budgets, host_budget=host_budget, policy=settings.daemon.eviction_policy), config_path)
+    return Daemon(settings, backends, CacheCore(budgets, host_budget=host_budget, policy=settings.daemon.eviction_policy,
+                                                max_loaded=settings.daemon.max_loaded_models), config_path)
 
 
 def run_daemon(settings: Settings, config_path: str | None = None) -> int:
