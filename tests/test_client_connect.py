@@ -123,7 +123,7 @@ async def test_giving_up_names_the_socket_and_how_to_start_the_daemon(sockdir, a
     with pytest.raises(DaemonUnavailable) as info:
         await Client(sock, wait_for_daemon=1.0).connect()
     took = time.monotonic() - t0
-    assert 1.0 <= took < 2.0, took
+    assert 0.95 <= took < 2.0, took  # the last backoff sleep is cut to the deadline: timers round
     msg = info.value.message
     assert msg.startswith(f"cannot connect to weightcache at {sock}: ")
     assert ("nothing is listening on it" if left_behind else "the socket does not exist") in msg

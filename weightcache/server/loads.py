@@ -279,11 +279,22 @@ class Loads:
         killed); ``cleanup`` then releases what it returns when it finally does."""
         fut = asyncio.get_running_loop().run_in_executor(self.io_pool, functools.partial(fn, *args, **kwargs))
         timeout = self.settings.io_timeout_s
+
+        def abandoned(f: asyncio.Future[T]) -> None:
+            # Nobody awaits it any more: retrieve its error (else asyncio logs "never
+            # retrieved"), and release what it opened.
+            if f.cancelled() or f.exception() is not None:
+                return
+            if cleanup is not None:
+                cleanup(f.result())
+
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.CancelledError:
+            fut.add_done_callback(abandoned)  # the caller went (shutdown, a cancelled check)
+            raise
         except TimeoutError:
-            if cleanup is not None:
-                fut.add_done_callback(lambda f: cleanup(f.result()) if not f.cancelled() and f.exception() is None else None)
+            fut.add_done_callback(abandoned)
             log.error("%s did not finish within io_timeout_s=%gs; abandoned", getattr(fn, "__name__", fn), timeout)
             raise LoadFailed(f"opening or parsing did not finish within {timeout:g}s (io_timeout_s)",
                              reason="io timeout") from None
