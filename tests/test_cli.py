@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -263,3 +264,14 @@ def test_register_and_unregister(start_daemon, ckpts, capsys, tmp_path, monkeypa
                 ["register", "v", "x", "--keep-alive", "soon"]):
         rc, _, err = cli(capsys, *s, *bad)
         assert rc == 2 and err.startswith("weightcache register: "), (bad, err)
+
+
+def test_models_shows_why_a_model_cannot_load(start_daemon, tmp_path, capsys):
+    """A path typo is found at start; the table says so, not only --json (issue 14)."""
+    d = start_daemon(models={"typo": tmp_path / "nope.safetensors"})
+    for _ in range(100):  # the start-up check runs in the background
+        rc, out, _ = cli(capsys, "--socket", d.socket, "models")
+        if "does not exist" in out:
+            break
+        time.sleep(0.05)
+    assert rc == 0 and "LOAD_FAILED" in out and "does not exist" in out, out

@@ -130,11 +130,15 @@ async def cmd_models(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(models)
         return 0
-    t = _table("name", "state", "device", "size", "attached", "pinned", "loads", "evictions",
+    t = _table("name", "state", "device", "size", "attached", "pinned", "loads", "evictions", "last error",
                right=("size", "attached", "loads", "evictions"))
     for m in models:
+        # A bad path or format is found at start and at reload, before any load: say so here,
+        # not only in --json (the daemon shows the reason to owners and admins only).
+        err = m.get("last_error") or {}
         t.add_row(m["name"], m["state"], m["device"], _size(m["nbytes"] or None), str(m["attach_count"]),
-                  "yes" if m["pinned"] else "", str(m["loads"]), str(m["evictions"]))
+                  "yes" if m["pinned"] else "", str(m["loads"]), str(m["evictions"]),
+                  f"{err.get('code', '')}: {err.get('message', '')}" if err else "")
     _print(t)
     return 0
 
