@@ -275,3 +275,13 @@ def test_models_shows_why_a_model_cannot_load(start_daemon, tmp_path, capsys):
             break
         time.sleep(0.05)
     assert rc == 0 and "LOAD_FAILED" in out and "does not exist" in out, out
+
+
+def test_load_takes_a_keep_alive(start_daemon, ckpts, capsys):
+    d = start_daemon(models={"tiny": ckpts["tiny"]})
+    rc, _, err = cli(capsys, "--socket", d.socket, "load", "tiny", "--keep-alive", "5m", "--quiet")
+    assert rc == 0, err
+    (m,) = cli_json(capsys, "--socket", d.socket, "models")
+    assert m["keep_alive"] == 300
+    rc, out, err = cli(capsys, "--socket", d.socket, "load", "tiny", "--keep-alive", "5 weeks", "--quiet")
+    assert rc != 0 and "not a duration" in out + err

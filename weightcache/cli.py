@@ -189,7 +189,7 @@ async def cmd_load(args: argparse.Namespace) -> int:
 
     async with _client(args) as c:
         before = {m["name"]: m for m in await c.models()}
-        job = asyncio.ensure_future(c.load(args.name, wait_s=args.wait))
+        job = asyncio.ensure_future(c.load(args.name, wait_s=args.wait, keep_alive=args.keep_alive))
         console = Console(stderr=True)  # stdout keeps only the result, for scripts
         quiet = args.quiet or args.json or not console.is_terminal
         with Progress("[bold]{task.description}", BarColumn(), TextColumn("{task.fields[sizes]}"),
@@ -443,6 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("name")
     s.add_argument("--wait", type=float, default=None, help="seconds to wait for attached models to detach if memory is short")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--keep-alive", default=None, metavar="DURATION",
+                   help="keep it this long once unattached: seconds or 30s/5m/1h, 0 = evict when unattached, "
+                        "-1 = never (capped at the configured value for non-admins)")
     s.set_defaults(func=cmd_load)
 
     s = sub.add_parser("evict", help="move a model one tier down (to the host tier, or out)", parents=[client])
