@@ -82,7 +82,7 @@ from safetensors.torch import load_file
 from weightcache.client.mapping import tensor_views
 from weightcache.loader.checkpoint import Checkpoint, open_checkpoint
 from weightcache.protocol.messages import MEMFD_SEALS
-from weightcache.tools.bench_measure import drop_page_cache
+from weightcache.tools.bench_measure import drop_page_cache, memfd_bytes
 from weightcache.tools.spawn import DaemonProcess, config_text
 from weightcache.tools.synth import write_checkpoint
 
@@ -145,18 +145,6 @@ def proc_status(pid: int | str, key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-def memfd_bytes(pid: int | str) -> int:
-    total = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        link = f"/proc/{pid}/fd/{fd}"
-        try:
-            if os.readlink(link).startswith("/memfd:"):
-                total += os.stat(link).st_blocks * 512
-        except OSError:
-            pass
-    return total
 
 
 def smaps_of(addr: int) -> dict[str, int]:

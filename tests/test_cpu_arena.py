@@ -24,6 +24,7 @@ from weightcache.backends.cpu import CpuBackend, _populate_supported
 from weightcache.client.mapping import SEGMENT, file_tensor_views, map_files
 from weightcache.errors import BadRequest, CorruptCheckpoint
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
+from weightcache.tools.bench_measure import memfd_bytes
 from weightcache.tools.synth import write_checkpoint
 
 MIB = 2**20
@@ -82,19 +83,6 @@ def held(pid: int, path: Path) -> int:
         except OSError:
             pass
     return n
-
-
-def memfd_bytes(pid: int) -> int:
-    """Bytes of memory in the daemon's memfds."""
-    total = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        link = f"/proc/{pid}/fd/{fd}"
-        try:
-            if os.readlink(link).startswith("/memfd:"):
-                total += os.stat(link).st_blocks * 512
-        except OSError:
-            pass
-    return total
 
 
 def misaligned_checkpoint(path: Path) -> dict[str, torch.Tensor]:

@@ -17,6 +17,19 @@ from typing import Any
 from .bench_result import StatusLatency
 
 
+def memfd_bytes(pid: int | str) -> int:
+    """Bytes of memory in a process's memfds (a CPU daemon's sealed copies)."""
+    total = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        link = f"/proc/{pid}/fd/{fd}"
+        try:
+            if os.readlink(link).startswith("/memfd:"):
+                total += os.stat(link).st_blocks * 512
+        except OSError:  # closed while we looked
+            pass
+    return total
+
+
 def drop_page_cache(path: str | os.PathLike[str]) -> None:
     os.sync()  # DONTNEED skips dirty pages
     fd = os.open(path, os.O_RDONLY)
