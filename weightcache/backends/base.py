@@ -9,8 +9,8 @@ memfd, ``cuda:N`` -> VMM).
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,33 +26,46 @@ class Arena:
     device: str
     nbytes: int  # capacity after the backend's rounding (page or VMM granularity)
     label: str  # the model name, for logs and /proc listings
+    room_wait_s: float = 0.0  # time its pieces waited for the device's room (victims' chunks leaving)
 
 
 class Room:
-    """The bytes a new arena may take on its device while its load's victims are still
-    being demoted: it starts at what is free within the budget and grows as each victim
-    chunk is copied to the host tier and freed. So a demotion (device to host) and the
-    load that needed its room (host to device) overlap on PCIe's two directions, and the
-    daemon never holds more than its budget (issue 12: a 3 GiB miss under churn spent
-    59 ms demoting its victim before filling anything)."""
+    """The bytes of a device's budget that no arena chunk holds: the physical side of the
+    core's accounting. Every chunk a backend creates takes its bytes from here first
+    (waiting if they are not yet free), and every chunk it releases gives them back. The
+    core admits a load as soon as its victims are chosen; their bytes come back here
+    chunk by chunk as they are copied to the host tier and freed. So a load fills its
+    first chunks while its victims' last ones are still copied out (device to host and
+    host to device overlap on PCIe's two directions), and the daemon never holds more
+    than its budget, even while an earlier load's victims are still leaving (issue 12: a
+    3 GiB miss under churn spent 59 ms demoting its victim before filling anything; a
+    per-load room, started at "need less victims", made a load wait for victim bytes it
+    did not need whenever its victims were bigger than its need)."""
 
     def __init__(self, available: int, timeout_s: float = 120.0) -> None:
         self._available = available
         self._timeout_s = timeout_s
         self._cond = threading.Condition()
 
+    @property
+    def available(self) -> int:
+        return self._available
+
     def give(self, nbytes: int) -> None:
+        """Return ``nbytes`` (negative: take them away, as a lowered budget does)."""
         with self._cond:
             self._available += nbytes
             self._cond.notify_all()
 
-    def take(self, nbytes: int) -> None:
-        """Block until ``nbytes`` are free, then take them."""
+    def take(self, nbytes: int) -> float:
+        """Block until ``nbytes`` are free, then take them; returns the seconds waited."""
+        t0 = time.monotonic()
         with self._cond:
             if not self._cond.wait_for(lambda: self._available >= nbytes, self._timeout_s):
-                raise TimeoutError(f"the victims' demotions freed too little room for {nbytes} bytes "
-                                   f"within {self._timeout_s:g}s")
+                raise TimeoutError(f"{nbytes} bytes of the device's budget were not freed within {self._timeout_s:g}s "
+                                   f"({self._available} free): an arena that left the cache was never released")
             self._available -= nbytes
+        return time.monotonic() - t0
 
 
 @dataclass
@@ -106,12 +119,18 @@ class Backend(ABC):
     @abstractmethod
     def allocate(self, nbytes: int, label: str) -> Arena: ...
 
-    def allocate_as_room_frees(self, nbytes: int, label: str, room: Room) -> Arena:
-        """Allocate while the load's victims are still being freed, taking ``room`` as
-        it comes. This default waits for all of it; a backend that can map an arena
-        piece by piece (CUDA) starts filling the first pieces meanwhile."""
-        room.take(nbytes)
+    def allocate_as_room_frees(self, nbytes: int, label: str) -> Arena:
+        """Allocate while the load's victims are still being freed. This default is
+        ``allocate``; a backend that maps an arena piece by piece (CUDA) creates each
+        piece as the writer reaches it, once its budget's room has the bytes, so the
+        first pieces fill while the victims' last ones are still copied out."""
         return self.allocate(nbytes, label)
+
+    def limit(self, budget: int) -> None:  # noqa: B027  (a hook)
+        """The device's budget in bytes, at start and at each reload. A backend whose
+        arenas can outlive the core's decision to free them (CUDA: a victim's chunks
+        leave as its demotion copies them out) gates each new piece on it; the others
+        rely on the core's accounting alone."""
 
     def bind_files(self, arena: Arena, ckpt: Checkpoint, files: OpenedSource) -> None:  # noqa: B027  (a hook)
         """Offer a freshly allocated ``arena`` the open files a load will fill it from,
@@ -148,9 +167,9 @@ class Backend(ABC):
         """Demote into ``pool`` (one pool serves every GPU's backend)."""
         raise RuntimeError(f"{type(self).__name__} has no host tier")  # callers check supports_host_tier
 
-    def demote(self, arena: Arena, freed: Callable[[int], None] | None = None) -> HostCopy:
-        """Copy the arena into pinned host memory and free it, piece by piece, calling
-        ``freed(nbytes)`` as each piece's device memory is released; return the copy (for
+    def demote(self, arena: Arena) -> HostCopy:
+        """Copy the arena into pinned host memory and free it, piece by piece, each
+        piece's device memory released as soon as it is copied; return the copy (for
         ``promote``). The arena is freed when this returns, whether it succeeded or not."""
         raise RuntimeError(f"{type(self).__name__} has no host tier")  # callers check supports_host_tier
 

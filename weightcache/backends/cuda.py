@@ -17,7 +17,6 @@ import ctypes
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +33,8 @@ from .extents import ExtentAllocator, split_by_chunks
 @dataclass
 class VmmArena(Arena):
     """Chunks mapped back to back in one reserved range. While it fills, chunks may be
-    created as the load's room frees (``room``); ``mapped`` bytes of it are usable."""
+    created as the device's room frees (``CudaBackend.grow``); ``mapped`` bytes of it
+    are usable."""
 
     ordinal: int = 0
     # Per chunk, in order: its handle (None once released) and size (granularity-aligned).
@@ -43,7 +43,6 @@ class VmmArena(Arena):
     va: int = 0  # base of the daemon's own mapping (read-write while filling, read-only after)
     mapped: int = 0  # bytes from va that are mapped (chunks created so far)
     export_fds: list[int] = field(default_factory=list)  # exported once at seal; attach sends dups
-    room: Room | None = None
     grow_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -236,6 +235,10 @@ class CudaBackend(Backend):
         self._prop = drv.allocation_prop(self.ordinal)
         self.host_pool: PinnedPool | None = None  # shared by every GPU's backend (use_host_pool)
         self.staging = _StagingPool(self.ctx)
+        # The budget not held by chunks (``limit``): each chunk created takes from it,
+        # each released gives back. Unlimited until the daemon sets the budget.
+        self.room = Room(1 << 62)
+        self._budget = 1 << 62
 
     def total_memory(self) -> int:
         return drv.total_memory(self.ordinal)
@@ -249,22 +252,26 @@ class CudaBackend(Backend):
 
 
     def allocate(self, nbytes: int, label: str) -> VmmArena:
-        arena = self._reserve(nbytes, label, None)
+        arena = self._reserve(nbytes, label)
         self.grow(arena, arena.nbytes)
         return arena
 
-    def allocate_as_room_frees(self, nbytes: int, label: str, room: Room) -> VmmArena:
-        # Chunks are created as the writer reaches them (``grow``), each once ``room``
-        # has its bytes: the first while the victims' first chunks are still copied out.
-        return self._reserve(nbytes, label, room)
+    def limit(self, budget: int) -> None:
+        self.room.give(budget - self._budget)
+        self._budget = budget
 
-    def _reserve(self, nbytes: int, label: str, room: Room | None) -> VmmArena:
+    def allocate_as_room_frees(self, nbytes: int, label: str) -> VmmArena:
+        # Chunks are created as the writer reaches them (``grow``), each once the room
+        # has its bytes: the first while the victims' first chunks are still copied out.
+        return self._reserve(nbytes, label, lazy=True)
+
+    def _reserve(self, nbytes: int, label: str, lazy: bool = False) -> VmmArena:
         total = self.capacity(nbytes)
-        arena = VmmArena(device=self.device, nbytes=total, label=label, ordinal=self.ordinal, room=room,
+        arena = VmmArena(device=self.device, nbytes=total, label=label, ordinal=self.ordinal,
                          sizes=drv.chunk_sizes(total, self.granularity))
         with drv.current(self.ctx):
             free = drv.free_memory(self.ctx)
-            if room is None and free < total:
+            if not lazy and free < total:
                 # The budget allowed it, but other processes (engines' KV caches) hold the GPU.
                 raise NoSpace(f"{self.device} has {free} bytes free on the device, {label} needs {total} "
                               f"(memory outside weightcache's budget is in use)", device=self.device, needed=total,
@@ -274,33 +281,39 @@ class CudaBackend(Backend):
 
     def grow(self, arena: VmmArena, upto: int) -> None:
         """Create and map chunks until ``upto`` bytes of the arena are usable (read-write),
-        each after taking its bytes from the arena's room, if it has one."""
+        each after taking its bytes from the device's room (waiting for victims' chunks
+        still being copied out)."""
         with arena.grow_lock, drv.current(self.ctx):
             while arena.mapped < upto:
                 size = arena.sizes[len(arena.handles)]
-                if arena.room is not None:
-                    arena.room.take(size)
+                arena.room_wait_s += self.room.take(size)
                 try:
-                    handle = drv.check(cu.cuMemCreate(size, self._prop, 0))
-                except drv.CudaError as exc:
-                    if arena.room is not None:
-                        arena.room.give(size)
-                    free = drv.free_memory(self.ctx)
-                    raise NoSpace(f"{self.device}: cannot allocate {size} bytes for {arena.label} ({exc.message}; "
-                                  f"{free} bytes free on the device: memory outside weightcache's budget is in use)",
-                                  device=self.device, needed=size, device_free=free, fits_ever=False) from None
-                mapped = False
-                try:
-                    drv.check(cu.cuMemMap(arena.va + arena.mapped, size, 0, handle, 0))
-                    mapped = True
-                    drv.set_access(arena.va + arena.mapped, size, self.ordinal, read_only=False)
+                    self._create_chunk(arena, size)
                 except BaseException:
-                    if mapped:
-                        cu.cuMemUnmap(arena.va + arena.mapped, size)
-                    cu.cuMemRelease(handle)
+                    self.room.give(size)
                     raise
-                arena.handles.append(handle)
-                arena.mapped += size
+
+    def _create_chunk(self, arena: VmmArena, size: int) -> None:
+        """One chunk created, mapped read-write and appended (memory that fails half-way is released)."""
+        try:
+            handle = drv.check(cu.cuMemCreate(size, self._prop, 0))
+        except drv.CudaError as exc:
+            free = drv.free_memory(self.ctx)
+            raise NoSpace(f"{self.device}: cannot allocate {size} bytes for {arena.label} ({exc.message}; "
+                          f"{free} bytes free on the device: memory outside weightcache's budget is in use)",
+                          device=self.device, needed=size, device_free=free, fits_ever=False) from None
+        mapped = False
+        try:
+            drv.check(cu.cuMemMap(arena.va + arena.mapped, size, 0, handle, 0))
+            mapped = True
+            drv.set_access(arena.va + arena.mapped, size, self.ordinal, read_only=False)
+        except BaseException:
+            if mapped:
+                cu.cuMemUnmap(arena.va + arena.mapped, size)
+            cu.cuMemRelease(handle)
+            raise
+        arena.handles.append(handle)
+        arena.mapped += size
 
     def writer(self, arena: Arena, chunk_bytes: int) -> _VmmWriter:
         assert isinstance(arena, VmmArena)
@@ -310,7 +323,6 @@ class CudaBackend(Backend):
         # The daemon's own mapping becomes read-only too: nothing may change served bytes.
         assert isinstance(arena, VmmArena)
         self.grow(arena, arena.nbytes)  # the padding after the last tensor, if nothing wrote there
-        arena.room = None
         with drv.current(self.ctx):
             drv.check(cu.cuCtxSynchronize())
             drv.set_access(arena.va, arena.nbytes, self.ordinal, read_only=True)
@@ -366,7 +378,7 @@ class CudaBackend(Backend):
         assert isinstance(pool, PinnedPool)
         self.host_pool = pool
 
-    def demote(self, arena: Arena, freed: Callable[[int], None] | None = None) -> PinnedCopy:
+    def demote(self, arena: Arena) -> PinnedCopy:
         # Chunk by chunk: copy it out, then release it at once, so the load that needed
         # the room fills its first chunks while the rest are still being copied here.
         assert isinstance(arena, VmmArena) and self.host_pool is not None
@@ -384,7 +396,7 @@ class CudaBackend(Backend):
                             for ptr, off, n in segments:
                                 drv.check(cu.cuMemcpyDtoHAsync(ptr, arena.va + off, n, stream))
                             drv.check(cu.cuStreamSynchronize(stream))
-                            self._release_chunk(arena, i, freed)
+                            self._release_chunk(arena, i)
                     finally:
                         drv.check(cu.cuStreamDestroy(stream))
             except BaseException:
@@ -392,7 +404,7 @@ class CudaBackend(Backend):
                 raise
             return PinnedCopy(arena.nbytes, pieces)
         finally:
-            self._free(arena, freed, synchronize=False)  # what the loop did not get to, on failure
+            self._free(arena, synchronize=False)  # what the loop did not get to, on failure
 
     def promote(self, host: HostCopy, arena: Arena) -> None:
         # On a stream of its own, not the legacy default stream: that one would serialize
@@ -421,15 +433,15 @@ class CudaBackend(Backend):
 
     def free(self, arena: Arena) -> None:
         assert isinstance(arena, VmmArena)
-        self._free(arena, None)
+        self._free(arena)
 
-    def _free(self, arena: VmmArena, freed: Callable[[int], None] | None, synchronize: bool = True) -> None:
+    def _free(self, arena: VmmArena, synchronize: bool = True) -> None:
         """Release every chunk still held, then the address range."""
         with drv.current(self.ctx):
             if synchronize and arena.mapped:
                 drv.check(cu.cuCtxSynchronize())  # no copy may still touch what is unmapped
             for i in range(len(arena.handles)):
-                self._release_chunk(arena, i, freed)
+                self._release_chunk(arena, i)
             for fd in arena.export_fds:
                 if fd >= 0:
                     os.close(fd)
@@ -440,7 +452,7 @@ class CudaBackend(Backend):
             arena.handles.clear()
             arena.mapped = 0
 
-    def _release_chunk(self, arena: VmmArena, i: int, freed: Callable[[int], None] | None) -> None:
+    def _release_chunk(self, arena: VmmArena, i: int) -> None:
         # A client that imported the chunk keeps its memory alive past this (refcounted).
         handle = arena.handles[i]
         if handle is None:
@@ -452,5 +464,4 @@ class CudaBackend(Backend):
         drv.check(cu.cuMemUnmap(arena.va + off, arena.sizes[i]))
         drv.check(cu.cuMemRelease(handle))
         arena.handles[i] = None
-        if freed is not None:
-            freed(arena.sizes[i])
+        self.room.give(arena.sizes[i])

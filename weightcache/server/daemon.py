@@ -352,6 +352,7 @@ class Daemon:
                 except NoSpace as exc:
                     report["kept"].append(f"budget {device}: {exc.message}")
                     continue
+                self.backends[device].limit(nbytes)
                 await self.loads.carry_out(step, reason=f"{device} budget lowered")
                 await self.loads.notify_space()
                 report["budgets"].append(f"{device}: {nbytes}")

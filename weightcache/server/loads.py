@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from ..backends import Arena, Backend, Room
+from ..backends import Arena, Backend
 from ..cache import CacheCore, LoadPlan, State, StepDown
 from ..config import DaemonConfig
 from ..errors import LoadFailed, NoSpace, WeightcacheError
@@ -336,10 +336,10 @@ class Loads:
         demotions: list[asyncio.Task[None]] = []
         try:
             # The victims' demotions run while this arena fills: each victim chunk copied
-            # out gives its bytes to ``room``, which the new arena's chunks take as it grows.
-            demoted = sum(self.core.entry(v).nbytes for v in plan.step_down.demote)
-            room = Room(nbytes - demoted) if demoted else None
-            demotions = self.start_step_down(plan.step_down, f"LRU, to make room for {name}", room)
+            # out gives its bytes back to the device's room, which the new arena's chunks
+            # take as it grows (backends/base.py, Room).
+            lazy = bool(plan.step_down.demote)
+            demotions = self.start_step_down(plan.step_down, f"LRU, to make room for {name}")
             progress = self.progress[name] = Progress(ckpt.data_bytes)
             if self._releasing:
                 # Evicted victims' memory must be back before the allocation checks the device's free memory.
@@ -348,13 +348,16 @@ class Loads:
             async with self._fill_locks.setdefault(backend.device, asyncio.Lock()):
                 phase("queued")
                 check_wanted()
-                if room is None:
-                    arena = await asyncio.to_thread(backend.allocate, nbytes, name)
-                else:
-                    arena = await asyncio.to_thread(backend.allocate_as_room_frees, nbytes, name, room)
+                allocate = backend.allocate_as_room_frees if lazy else backend.allocate
+                arena = await asyncio.to_thread(allocate, nbytes, name)
                 phase("allocate")
+                waited = arena.room_wait_s
                 await asyncio.to_thread(fill, ckpt, arena, progress)
                 phase("fill")
+                if arena.room_wait_s:  # waiting for victims' chunks to leave is not the fill's own time
+                    phases["allocate"] -= waited
+                    phases["fill"] -= arena.room_wait_s - waited
+                    phases["wait for room"] = arena.room_wait_s
                 check_wanted()
                 await asyncio.to_thread(backend.seal, arena)
                 phase("seal")
@@ -389,8 +392,8 @@ class Loads:
         self.core.finish_load(name)
         if verb in ("loaded", "promoted"):  # what the cost-aware policy prices a return with
             # The fill's own time: waiting in the queue, for frees or for a victim's
-            # chunks (inside "allocate" and "fill" when room is set) is not the model's cost.
-            own = ("open", "fill", "seal", "table") if room is not None else ("open", "allocate", "fill", "seal", "table")
+            # chunks ("wait for room", taken out of "fill") is not the model's cost.
+            own = ("open", "allocate", "fill", "seal", "table")
             self.core.observe_load(name, "host" if plan.promote else "files", nbytes, sum(phases.get(k, 0.0) for k in own))
         self.counters["loads"] += 1  # from files or the host tier, as the core counts them per model
         if plan.promote:
@@ -466,10 +469,10 @@ class Loads:
         """Do what the core decided and wait for the demotions to finish."""
         await asyncio.gather(*self.start_step_down(step, reason))
 
-    def start_step_down(self, step: StepDown, reason: str, room: Room | None = None) -> list[asyncio.Task[None]]:
+    def start_step_down(self, step: StepDown, reason: str) -> list[asyncio.Task[None]]:
         """Drop host copies, free the evicted arenas, and start the demotions (a
         device-to-host copy each, chunk by chunk; a chunk is freed once its bytes are
-        safe, and given to ``room``). Returns the demotions' tasks. A demotion that
+        safe, and given back to the device's room). Returns the demotions' tasks. A demotion that
         fails becomes an eviction."""
         for name in step.drop_host:
             log.info("dropped host copy of %s: %s", name, reason, extra={"model": name, "reason": reason})
@@ -479,7 +482,7 @@ class Loads:
             self._free_arena(name, reason)
         tasks = []
         for name in step.demote:
-            task = self.demotions[name] = self.spawn(self._demote(name, reason, room))
+            task = self.demotions[name] = self.spawn(self._demote(name, reason))
             task.add_done_callback(functools.partial(self._demotion_done, name))
             tasks.append(task)
         return tasks
@@ -488,7 +491,7 @@ class Loads:
         if self.demotions.get(name) is task:
             del self.demotions[name]
 
-    async def _demote(self, name: str, reason: str, room: Room | None) -> None:
+    async def _demote(self, name: str, reason: str) -> None:
         model = self.registry.models[name]
         arena, model.arena = model.arena, None
         assert arena is not None
@@ -496,7 +499,7 @@ class Loads:
         t = time.monotonic()
         try:
             # The backend frees the arena as it copies, whether the copy succeeds or not.
-            copy = await asyncio.to_thread(backend.demote, arena, room.give if room is not None else None)
+            copy = await asyncio.to_thread(backend.demote, arena)
             entry = self.core.entries.get(name)
             if entry is None or not entry.host_copy or self.registry.models.get(name) is not model:
                 # The core dropped this host copy (to make room for another) or the model

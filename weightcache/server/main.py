@@ -93,6 +93,7 @@ def build(settings: Settings, config_path: str | None = None) -> Daemon:
             raise ConfigError(f"budgets.{device}: {budget} is more than the device's {format_size(total)}; "
                               "give a size it has, or a fraction such as \"0.8\"")
         budgets[device] = budget.resolve(total)
+        backend.limit(budgets[device])
         log.info("device %s: backend %s, budget %d bytes (%s)", device, backend.kind, budgets[device], budget)
     host_budget = settings.daemon.host_budget
     tiered = [b for b in backends.values() if b.supports_host_tier]
