@@ -450,3 +450,22 @@ def test_max_loaded_models_evicts_like_bytes_do():
     with pytest.raises(NoSpace) as never:
         core.begin_load("a", 10)
     assert not never.value.details["fits_ever"]  # both pinned: no detach helps
+
+
+def test_set_max_loaded_evicts_down_to_the_count_or_changes_nothing():
+    """A lowered count (reload) evicts unattached models in LRU order; one that held
+    models exceed raises NoSpace and keeps the old count; None lifts it."""
+    core = CacheCore({"cpu": 1000}, clock=Clock())
+    for n in "abc":
+        core.register(n, "cpu")
+        loaded(core, n, 10)
+    core.attach("b", conn=1)
+    core.attach("c", conn=1)
+    with pytest.raises(NoSpace) as held:
+        core.set_max_loaded("cpu", 1)
+    assert "max_loaded_models.cpu" in held.value.message and "b, c" in held.value.message
+    assert core.max_loaded == {} and core.loaded_on("cpu") == 3
+    step = core.set_max_loaded("cpu", 2)
+    assert step.evict == ("a",) and core.max_loaded == {"cpu": 2}
+    core.check_invariants()
+    assert core.set_max_loaded("cpu", None).evict == () and core.max_loaded == {}

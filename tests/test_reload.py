@@ -3,9 +3,11 @@ in place to a resident model; a changed path that does not open or parse keeps t
 model and fails the reload; models peers registered survive reloads and SIGHUP; a config
 model whose file is bad shows its reason in `models` from the start."""
 
+import asyncio
 import signal
 
 from conftest import eventually
+from helpers import states
 
 from weightcache import Client
 from weightcache.cli import main
@@ -117,3 +119,36 @@ async def test_bad_config_models_show_their_error_from_the_start(start_daemon, c
 async def _both(errors) -> bool:
     got = await errors()
     return bool(got["gone"] and got["junk"])
+
+
+async def test_max_loaded_models_changes_in_place_at_reload(start_daemon, ckpts, capsys):
+    """daemon.max_loaded_models at reload: lowered, it evicts unattached models in LRU order
+    down to the count; a count the attached models exceed is not applied, is reported
+    under failed, and `weightcache reload` exits 1; removed, it lifts the limit."""
+    d = start_daemon(budget="20MiB", models={k: ckpts[k] for k in ("tiny", "a", "b")},
+                     extra_daemon={"max_loaded_models": {"cpu": 3}})
+    three = d.config.read_text()
+    async with Client(d.socket) as c:
+        for name in ("tiny", "a", "b"):
+            await c.load(name)
+        async with c.attach("a"), c.attach("b"):
+            d.config.write_text(three.replace("max_loaded_models = {cpu = 3}", "max_loaded_models = {cpu = 1}"))
+            report = await c.reload()
+            assert len(report["failed"]) == 1 and report["failed"][0].startswith("max_loaded_models.cpu: "), report
+            assert "a" in report["failed"][0] and "b" in report["failed"][0]
+            assert await states(c) == {"tiny": "resident", "a": "resident", "b": "resident"}  # nothing evicted
+            capsys.readouterr()
+            assert await asyncio.to_thread(main, ["--socket", d.socket, "reload"]) == 1  # main runs its own loop
+            assert "failed: max_loaded_models.cpu: " in capsys.readouterr().out
+        # detached: 2 applies, the least recently used (tiny) goes
+        d.config.write_text(three.replace("max_loaded_models = {cpu = 3}", "max_loaded_models = {cpu = 2}"))
+        report = await c.reload()
+        assert not report["failed"] and report["budgets"] == ["max_loaded_models.cpu: 2"], report
+        assert await states(c) == {"tiny": "evicted", "a": "resident", "b": "resident"}
+        await c.load("tiny")  # the count holds: a third load evicts (b, detached before a, is the LRU)
+        assert await states(c) == {"tiny": "resident", "a": "resident", "b": "evicted"}
+        # the key removed: no count any more
+        d.config.write_text(three.replace("max_loaded_models = {cpu = 3}\n", ""))
+        assert (await c.reload())["budgets"] == ["max_loaded_models.cpu: no limit"]
+        await c.load("b")
+        assert await states(c) == {"tiny": "resident", "a": "resident", "b": "resident"}

@@ -355,6 +355,31 @@ class CacheCore:
         acct.budget = budget
         return step
 
+    def set_max_loaded(self, device: str, limit: int | None) -> StepDown:
+        """Change a device's max_loaded count (config reload; None: no count). Lowering it
+        evicts unattached, unpinned models in the policy's order down to the count, as a
+        lowered budget does; if attached or pinned models are more than the count,
+        nothing changes and NoSpace names them."""
+        if device not in self.devices:
+            raise BadRequest(f"device {device!r} has no budget; configured: {sorted(self.devices)}", device=device)
+        over = 0 if limit is None else self.loaded_on(device) - limit
+        victims: list[Entry] = []
+        if over > 0:
+            found = self._victims(device, 0, over)
+            if found is None:
+                held = sorted(x.name for x in self.entries.values()
+                              if x.device == device and x.state in (State.RESIDENT, State.LOADING) and not x.evictable)
+                raise NoSpace(f"cannot lower max_loaded_models.{device} to {limit}: {self.loaded_on(device)} models are "
+                              f"loaded and {', '.join(held)} cannot be evicted now",
+                              device=device, max_loaded_models=limit, loaded=self.loaded_on(device))
+            victims = found
+        step = self._step_down(victims)
+        if limit is None:
+            self.max_loaded.pop(device, None)
+        else:
+            self.max_loaded[device] = limit
+        return step
+
     def _drop_host_copy(self, e: Entry) -> None:
         self.host.used -= e.nbytes
         e.host_copy = False

@@ -214,6 +214,7 @@ class Daemon:
         report: dict[str, list[str]] = {"added": [], "removed": [], "changed": [], "updated": [], "kept": [],
                                         "failed": [], "unchanged": [], "budgets": [], "displaced": []}
         await self._reload_budgets(new, report)
+        await self._reload_max_loaded(new, report)
         registry = self.registry
         wanted = {m.name: m for m in new.models}
         # Only the config's own models: what peers registered or published stays.
@@ -339,6 +340,28 @@ class Daemon:
             if self.registry.models[entry].last_error is None:  # a real load's error says more
                 self.registry.models[entry].last_error = err
         log.error("model %s cannot be loaded: %s", name, reason, extra={"model": name, "code": err["code"]})
+
+    async def _reload_max_loaded(self, new: Settings, report: dict[str, list[str]]) -> None:
+        """Apply a changed daemon.max_loaded_models in place: a lowered count evicts
+        unattached models in the policy's order, as a lowered budget does. A count that
+        attached or pinned models exceed is not applied (the old one stays) and goes in
+        ``failed``: the reload then exits non-zero."""
+        wanted = new.daemon.max_loaded_models
+        for device in sorted(set(wanted) | set(self.core.max_loaded)):
+            limit = wanted.get(device)
+            if limit == self.core.max_loaded.get(device):
+                continue
+            if device not in self.backends:
+                report["failed"].append(f"max_loaded_models.{device}: a new device needs a daemon restart")
+                continue
+            try:
+                step = self.core.set_max_loaded(device, limit)
+            except NoSpace as exc:
+                report["failed"].append(f"max_loaded_models.{device}: {exc.message}")
+                continue
+            await self.loads.carry_out(step, reason=f"{device} max_loaded_models lowered")
+            await self.loads.notify_space()
+            report["budgets"].append(f"max_loaded_models.{device}: {limit if limit is not None else 'no limit'}")
 
     async def _reload_budgets(self, new: Settings, report: dict[str, list[str]]) -> None:
         for device, budget in new.budgets.items():
