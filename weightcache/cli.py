@@ -412,6 +412,14 @@ def cmd_workload(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_supervise(args: argparse.Namespace) -> int:
+    from .supervisor import SupervisorOptions, supervise
+
+    preload = tuple(m.strip() for arg in args.preload for m in arg.split(",") if m.strip())
+    return supervise(args.engine, SupervisorOptions(preload=preload, record=args.record, status=args.status,
+                                                    stop_timeout_s=args.stop_timeout, backoff_max_s=args.backoff_max))
+
+
 def build_parser() -> argparse.ArgumentParser:
     socket_help = ("daemon socket (default: $WEIGHTCACHE_SOCKET, else the [daemon] socket of the file $WEIGHTCACHE_CONFIG "
                    "names, else /run/weightcache/weightcache.sock)")
@@ -533,6 +541,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="write results as JSON here (and a PNG chart beside it)")
     s.add_argument("--chart", default=None, metavar="JSON", help="only draw the chart of an earlier run's JSON")
     s.set_defaults(func=cmd_workload)
+
+    s = sub.add_parser("supervise", help="fork an engine from a process that has its imports done; restart it at once when it exits",
+                       usage="weightcache supervise [--preload MODULES] [--record FILE] [--status FILE] -- python engine.py ARGS")
+    s.add_argument("--preload", action="append", default=[], metavar="MODULES", help="modules to import before forking, comma-separated")
+    s.add_argument("--record", default=None, metavar="FILE",
+                   help="engines write their imported modules here at weightcache.engine.ready(); the next start preloads them")
+    s.add_argument("--status", default=None, metavar="FILE", help="write the supervisor's state, restart counts and last exits here (JSON)")
+    s.add_argument("--stop-timeout", type=float, default=30.0, help="seconds from SIGTERM to SIGKILL of the engine (default 30)")
+    s.add_argument("--backoff-max", type=float, default=30.0, help="longest wait before restarting a crashing engine (default 30 s)")
+    s.add_argument("engine", nargs=argparse.REMAINDER, help="-- python engine.py ARGS, or -- python -m module ARGS")
+    s.set_defaults(func=cmd_supervise)
     return p
 
 

@@ -1,0 +1,434 @@
+"""weightcache supervise (issue 16): a real supervisor process forking real engines.
+
+Each test runs ``python -m weightcache supervise ... -- python ENGINE`` with an engine
+script written for the test, and reads what the engine wrote, the supervisor's log
+(stderr) and its --status file.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from weightcache.engine import RESTART_EXIT_CODE, read_record, recordable_modules
+from weightcache.errors import ConfigError
+from weightcache.supervisor import EngineExit, RestartPolicy, parse_command
+
+PY = sys.executable
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def supervise(args: list[str], engine: list[str], cwd: Path, **kw) -> subprocess.Popen[str]:
+    env = kw.pop("env", None) or {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(cwd)])}
+    return subprocess.Popen([PY, "-m", "weightcache", "supervise", *args, "--", PY, *engine], cwd=cwd, env=env,
+                            stdout=kw.pop("stdout", subprocess.PIPE), stderr=kw.pop("stderr", subprocess.PIPE), text=True, **kw)
+
+
+def wait_for(check, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.02)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# -- the pure parts ---------------------------------------------------------------------
+
+
+def ex(status: int, uptime: float = 0.1) -> EngineExit:
+    return EngineExit(pid=1, status=status, uptime_s=uptime, ready_s=None, reason=None)
+
+
+def test_policy_restarts_at_once_then_backs_off_and_resets():
+    p = RestartPolicy(backoff_max_s=4, stable_after_s=10)
+    assert [p.decide(ex(1)) for _ in range(5)] == [0, 1, 2, 4, 4]
+    assert p.crashes == 5 and p.crash_streak == 5
+    assert p.decide(ex(-signal.SIGKILL, uptime=11)) == 0  # ran long enough: a new streak
+    assert p.crash_streak == 1
+    assert p.decide(ex(1)) == 1
+    assert p.decide(ex(RESTART_EXIT_CODE)) == 0 and p.crash_streak == 0 and p.planned == 1
+    assert p.decide(ex(1)) == 0  # a planned restart ended the streak
+    assert p.decide(ex(0)) is None  # finished: stop
+
+
+def test_parse_command(tmp_path):
+    script = write(tmp_path / "e.py", "")
+    cmd = parse_command(["--", PY, str(script), "a", "--b"])
+    assert cmd.argv == (str(script), "a", "--b") and cmd.script == str(script) and cmd.path0 == str(tmp_path)
+    mod = parse_command([PY, "-m", "json.tool", "x"])
+    assert mod.module == "json.tool" and mod.argv == ("-m", "x") and mod.path0 == os.getcwd()
+    for bad, says in (([], "no engine"), ([PY], "no engine"), ([PY, "-u", str(script)], "PYTHONUNBUFFERED"),
+                      ([PY, str(tmp_path / "missing.py")], "can't open file"), (["/bin/sh", str(script)], "start the supervisor with"),
+                      ([PY, "-m"], "-m needs")):
+        with pytest.raises(ConfigError, match=says):
+            parse_command(bad)
+
+
+def test_recordable_modules_leave_out_the_engines_own_code(tmp_path):
+    own = tmp_path / "mine.py"
+    mods = {"mine": type("M", (), {"__file__": str(own)}), "json": json, "__main__": None, "already": None}
+    assert recordable_modules(["json", "mine", "__main__", "already"], mods, frozenset({"already"}), str(tmp_path)) == ["json"]
+
+
+# -- restarts ---------------------------------------------------------------------------
+
+COUNTING = """
+    import os, sys, time
+    from weightcache import engine
+    here = os.path.dirname(os.path.abspath(__file__))
+    starts = open(os.path.join(here, "starts"), "a+")
+    starts.write(f"{os.getpid()} {time.monotonic()}\\n"); starts.flush()
+    n = sum(1 for _ in open(os.path.join(here, "starts"))) - 1
+    engine.ready()
+    PLAN = PLAN_HERE
+    what = PLAN[n] if n < len(PLAN) else "exit0"
+    if what == "crash": sys.exit(3)
+    if what == "raise": raise RuntimeError("engine bug")
+    if what == "kill": os.kill(os.getpid(), signal.SIGKILL)
+    if what == "restart": engine.restart("switch to model B")
+    sys.exit(0)
+"""
+
+
+def counting_engine(tmp_path: Path, plan: list[str]) -> Path:
+    return write(tmp_path / "engine.py", "import signal\n" + textwrap.dedent(COUNTING).replace("PLAN_HERE", repr(plan)))
+
+
+def test_restart_after_crash_then_backoff(tmp_path):
+    engine = counting_engine(tmp_path, ["crash", "raise", "restart", "kill"])
+    p = supervise(["--status", "st.json"], [str(engine)], tmp_path)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    starts = [float(line.split()[1]) for line in (tmp_path / "starts").read_text().splitlines()]
+    assert len(starts) == 5
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert gaps[0] < 0.9  # the first crash restarts at once
+    assert gaps[1] >= 1.0  # the second crash in a row waits 1 s
+    assert gaps[2] < 0.9  # a planned restart never waits
+    assert gaps[3] < 0.9  # ... and ended the streak: the next crash is a first again
+    st = json.loads((tmp_path / "st.json").read_text())
+    assert [e["status"] for e in st["exits"]] == [3, 1, RESTART_EXIT_CODE, -signal.SIGKILL, 0]
+    assert [e["kind"] for e in st["exits"]] == ["crash", "crash", "planned", "crash", "finished"]
+    assert st["exits"][2]["reason"] == "switch to model B"
+    assert all(e["ready_s"] is not None for e in st["exits"])
+    assert (st["forks"], st["restarts"], st["planned_restarts"], st["crashes"], st["state"]) == (5, 4, 1, 3, "finished")
+    assert "exited with status 3" in err and "crash 2 in a row); restart 2 in 1 s" in err
+    assert "asking for a restart: switch to model B (planned restart); restart 3 now" in err
+    assert "was killed by SIGKILL" in err and "RuntimeError: engine bug" in err  # the engine's traceback, on its stderr
+
+
+# -- signals and stopping ---------------------------------------------------------------
+
+SIGNALLED = """
+    import os, signal, sys, time
+    from weightcache import engine
+    log = open("signals", "a", buffering=1)
+    def on(sig, frame):
+        log.write(f"{{signal.Signals(sig).name}}\\n")
+        if sig == signal.SIGTERM:
+            time.sleep({term_delay})  # a clean shutdown takes a while
+            log.write("engine done\\n")
+            sys.exit(0)
+    for s in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH):
+        signal.signal(s, on)
+    signal.signal(signal.SIGTERM, on if {handle_term} else signal.SIG_IGN)
+    log.write(f"ready {{os.getpid()}}\\n")
+    engine.ready()
+    while True:
+        time.sleep(0.05)
+"""
+
+
+def signalled_engine(tmp_path: Path, term_delay: float = 0.5, handle_term: bool = True) -> Path:
+    return write(tmp_path / "engine.py", textwrap.dedent(SIGNALLED).format(term_delay=term_delay, handle_term=handle_term))
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def engine_pid(tmp_path: Path) -> int:
+    wait_for(lambda: any(x.startswith("ready") for x in lines(tmp_path / "signals")))
+    return int(next(x for x in lines(tmp_path / "signals") if x.startswith("ready")).split()[1])
+
+
+def test_signals_pass_through_and_sigterm_stops_in_order(tmp_path):
+    p = supervise(["--status", "st.json"], [str(signalled_engine(tmp_path))], tmp_path)
+    pid = engine_pid(tmp_path)
+    for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH):
+        p.send_signal(sig)
+        wait_for(lambda sig=sig: sig.name in lines(tmp_path / "signals"))
+    assert p.poll() is None and alive(pid)  # passed on, and nobody stopped
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 0, err
+    assert lines(tmp_path / "signals")[-2:] == ["SIGTERM", "engine done"]  # the engine finished its shutdown ...
+    assert not alive(pid)  # ... before the supervisor exited
+    assert "SIGTERM: stopping the engine" in err and "exited with status 0" in err and "stopped" in err
+    assert json.loads((tmp_path / "st.json").read_text())["forks"] == 1  # not restarted
+
+
+def test_stop_timeout_kills_an_engine_that_ignores_sigterm(tmp_path):
+    p = supervise(["--stop-timeout", "1"], [str(signalled_engine(tmp_path, handle_term=False))], tmp_path)
+    pid = engine_pid(tmp_path)
+    t = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 1, err
+    assert 0.9 < time.monotonic() - t < 10
+    assert not alive(pid) and "SIGKILL" in err
+
+
+def test_second_stop_signal_kills_at_once(tmp_path):
+    p = supervise(["--stop-timeout", "60"], [str(signalled_engine(tmp_path, term_delay=60))], tmp_path)
+    pid = engine_pid(tmp_path)
+    p.send_signal(signal.SIGTERM)
+    wait_for(lambda: "SIGTERM" in lines(tmp_path / "signals"))
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=20)
+    assert p.returncode == 1 and not alive(pid) and "second SIGINT" in err
+
+
+def test_stop_during_backoff_exits_without_a_new_engine(tmp_path):
+    engine = counting_engine(tmp_path, ["crash"] * 10)
+    p = supervise(["--backoff-max", "60"], [str(engine)], tmp_path)
+    wait_for(lambda: len(lines(tmp_path / "starts")) >= 3)  # the third start is followed by a 2 s wait
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=20)
+    assert p.returncode == 0, err
+    assert len(lines(tmp_path / "starts")) == 3
+
+
+def test_orphans_of_the_engine_are_reaped(tmp_path):
+    # The engine leaves a child behind (as a worker pool might); it becomes the supervisor's
+    # (PR_SET_CHILD_SUBREAPER, as with PID 1 in a container) and is reaped, not left a zombie.
+    write(tmp_path / "engine.py", """
+        import os, sys, time
+        from weightcache import engine
+        if not os.path.exists("orphan"):
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(0.5)
+                os._exit(0)
+            open("orphan", "w").write(str(pid))
+            engine.restart("leave the child behind")
+        time.sleep(3)
+    """)
+    p = supervise([], [str(tmp_path / "engine.py")], tmp_path)
+    wait_for(lambda: (tmp_path / "orphan").exists() and (tmp_path / "orphan").read_text() != "")
+    orphan = int((tmp_path / "orphan").read_text())
+    wait_for(lambda: not os.path.exists(f"/proc/{orphan}"), timeout=10)  # reaped while the second engine runs
+    assert p.poll() is None
+    _, err = p.communicate(timeout=20)
+    assert p.returncode == 0, err
+
+
+# -- fork safety --------------------------------------------------------------------------
+
+
+def refused(tmp_path: Path, template_module: str, *more: str) -> str:
+    write(tmp_path / "tmpl.py", template_module)
+    write(tmp_path / "engine.py", "open('started', 'w')\n")
+    p = supervise(["--preload", ",".join(["tmpl", *more])], [str(tmp_path / "engine.py")], tmp_path)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 2, err
+    assert not (tmp_path / "started").exists()  # no engine was forked
+    return err
+
+
+def test_refuses_when_the_cuda_driver_is_mapped(tmp_path):
+    # What /proc/self/maps shows once something loaded the driver: a file named libcuda.so.1.
+    err = refused(tmp_path, """
+        import mmap, os
+        path = os.path.join(os.path.dirname(__file__), "libcuda.so.1")
+        with open(path, "wb") as f:
+            f.write(b"\\0" * 4096)
+        with open(path, "rb") as f:
+            DRIVER = mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ)
+    """)
+    assert "libcuda.so.1 is mapped" in err and "does not survive fork" in err
+
+
+def test_refuses_when_torch_says_cuda_is_initialised(tmp_path):
+    # torch.cuda.is_initialized() cannot become true without a GPU; the template module
+    # makes torch answer as it would after CUDA init, to show the supervisor asks.
+    err = refused(tmp_path, "import torch\ntorch.cuda.is_initialized = lambda: True\n")
+    assert "torch.cuda.is_initialized()" in err
+
+
+def test_refuses_when_a_thread_runs_and_names_the_module(tmp_path):
+    err = refused(tmp_path, """
+        import threading, time
+        threading.Thread(target=time.sleep, args=(60,), name="metrics-pusher", daemon=True).start()
+    """)
+    assert "'metrics-pusher' (Python)" in err and "tmpl (+1)" in err
+
+
+def test_refuses_when_a_native_thread_runs(tmp_path):
+    # torch's intra-op pool: started by the first parallel op, not by the import.
+    err = refused(tmp_path, "import torch\ntorch.set_num_threads(2)\ntorch.ones(512, 512) @ torch.ones(512, 512)\n")
+    assert "(native)" in err
+
+
+def test_refuses_a_socket_opened_by_the_template(tmp_path):
+    err = refused(tmp_path, "import socket\nCONN = socket.socketpair()\n")
+    assert "socket(s) open" in err
+
+
+def test_an_unknown_preload_is_an_error(tmp_path):
+    err = refused(tmp_path, "", "no_such_module_xyz")
+    assert "--preload no_such_module_xyz: cannot import it" in err
+
+
+def test_numpy_openblas_pool_is_stopped_not_refused_and_random_state_differs(tmp_path):
+    # numpy's OpenBLAS starts its thread pool at load: the supervisor stops it as OpenBLAS's
+    # own fork handler would, the engine's BLAS works, and engines draw different numbers.
+    write(tmp_path / "engine.py", """
+        import json, os, random, numpy, torch
+        from weightcache import engine
+        a = numpy.ones((300, 300))
+        draws = {"random": random.random(), "numpy": float(numpy.random.random()), "torch": float(torch.rand(1)),
+                 "blas_ok": float((a @ a)[0, 0]) == 300.0}
+        with open("draws", "a") as f:
+            f.write(json.dumps(draws) + "\\n")
+        if sum(1 for _ in open("draws")) < 2:
+            engine.restart("again")
+    """)
+    p = supervise(["--preload", "numpy,torch"], [str(tmp_path / "engine.py")], tmp_path)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    a, b = (json.loads(x) for x in lines(tmp_path / "draws"))
+    assert a["blas_ok"] and b["blas_ok"]
+    assert a["random"] != b["random"] and a["numpy"] != b["numpy"] and a["torch"] != b["torch"]
+
+
+# -- the engine sees what it would have seen ------------------------------------------------
+
+PROBE = """
+    import json, logging, os, signal, sys, threading
+    import weightcache.engine as wce
+    early = sorted(m for m in ("numpy", "json") if m in sys.modules)
+    def target(fd):
+        try:
+            st = os.fstat(fd)
+            return [st.st_dev, st.st_ino]
+        except OSError:
+            return None
+    link_fd = wce._link.fd if wce._link else None
+    fds = sorted(int(x) for x in os.listdir("/proc/self/fd") if int(x) > 2 and int(x) != link_fd)
+    fds = [fd for fd in fds if target(fd) is not None]
+    report = {
+        "argv": sys.argv, "orig_argv": sys.orig_argv, "cwd": os.getcwd(), "env": dict(os.environ), "path0": sys.path[0],
+        "name": __name__, "file": __file__, "spec": __spec__.name if __spec__ else None,
+        "loader": type(__loader__).__name__, "package": __package__,
+        "stdio": [target(0), target(1), target(2)], "stdin": sys.stdin.read(), "other_fds": len(fds),
+        "handlers": {s.name: repr(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGHUP,
+                                                                 signal.SIGCHLD, signal.SIGUSR1)},
+        "blocked": sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+        "root_handlers": len(logging.getLogger().handlers), "threads": threading.active_count(),
+        "main_thread": threading.current_thread() is threading.main_thread(),
+        "annotations_future": "annotations" in globals(), "supervised": wce.supervised(),
+    }
+    print("stdout line")
+    print("stderr line", file=sys.stderr)
+    with open(os.environ["PROBE_OUT"], "w") as f:
+        json.dump(report, f)
+"""
+
+
+@pytest.mark.parametrize("as_module", [False, True])
+def test_engine_sees_what_it_would_have_unsupervised(tmp_path, as_module):
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    write(work / "probe.py", PROBE)
+    engine = ["-m", "probe"] if as_module else ["probe.py"]
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "ODD": "x y\tz", "LANG": "C.UTF-8"}
+    reports = {}
+    for how in ("fresh", "supervised"):
+        out, err = tmp_path / f"{how}.out", tmp_path / f"{how}.err"
+        e = {**env, "PROBE_OUT": str(tmp_path / f"{how}.json")}
+        with open(out, "w") as o, open(err, "w") as r:
+            if how == "fresh":
+                p = subprocess.Popen([PY, *engine, "a", "--flag", "b c"], cwd=work, env=e, stdin=subprocess.PIPE, stdout=o, stderr=r,
+                                     text=True)
+            else:
+                p = supervise(["--preload", "json"], [*engine, "a", "--flag", "b c"], work, env=e, stdin=subprocess.PIPE, stdout=o,
+                              stderr=r)
+            p.communicate("stdin text", timeout=60)
+        assert p.returncode == 0, err.read_text()
+        rep = json.loads((tmp_path / f"{how}.json").read_text())
+        files = [[os.stat(f).st_dev, os.stat(f).st_ino] for f in (out, err)]
+        assert rep["stdio"][1:] == files  # its stdout and stderr are the files the caller gave
+        assert out.read_text() == "stdout line\n" and "stderr line\n" in err.read_text()
+        rep["stdio"][1:] = ["stdout", "stderr"]
+        rep["stdio"][0] = rep["stdio"][0] is not None
+        assert rep["env"].pop("PROBE_OUT") == e["PROBE_OUT"]  # the one variable the two runs differ in
+        reports[how] = rep
+    fresh, sup = reports["fresh"], reports["supervised"]
+    assert (fresh.pop("supervised"), sup.pop("supervised")) == (False, True)
+    assert sup == fresh
+    assert fresh["stdin"] == "stdin text" and fresh["env"]["ODD"] == "x y\tz" and fresh["cwd"] == str(work)
+
+
+# -- recording the engine's imports -----------------------------------------------------------
+
+
+def test_record_then_preload_at_the_next_start(tmp_path):
+    write(tmp_path / "helper.py", "X = 1\n")  # the engine's own code: never recorded
+    write(tmp_path / "engine.py", """
+        import sys
+        print("numpy at start:", "numpy" in sys.modules, flush=True)
+        import numpy, helper
+        from weightcache import engine
+        engine.ready()
+    """)
+    rec = tmp_path / "modules.txt"
+    first = supervise(["--record", str(rec)], [str(tmp_path / "engine.py")], tmp_path)
+    out1, err1 = first.communicate(timeout=60)
+    assert first.returncode == 0, err1
+    names = read_record(rec)
+    assert "numpy" in names and "numpy.linalg" in names and "helper" not in names and "__main__" not in names
+    assert "weightcache.engine" not in names  # the supervisor imports it anyway
+    assert "numpy at start: False" in out1
+    second = supervise(["--record", str(rec)], [str(tmp_path / "engine.py")], tmp_path)
+    out2, err2 = second.communicate(timeout=60)
+    assert second.returncode == 0, err2
+    assert "numpy at start: True" in out2
+    assert f"from {rec}" in err2 and "preloaded" in err2
+
+
+def test_a_stale_record_entry_is_skipped_not_fatal(tmp_path):
+    rec = write(tmp_path / "modules.txt", "# comment\njson\nno_such_module_xyz\n")
+    write(tmp_path / "engine.py", "")
+    p = supervise(["--record", str(rec)], [str(tmp_path / "engine.py")], tmp_path)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert "no_such_module_xyz (ModuleNotFoundError)" in err
+
+
+def test_a_bad_command_says_why(tmp_path):
+    p = subprocess.run([PY, "-m", "weightcache", "supervise", "--", PY, str(tmp_path / "nope.py")], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "can't open file" in p.stderr

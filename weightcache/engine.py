@@ -1,0 +1,142 @@
+"""What an engine calls when ``weightcache supervise`` runs it (docs/deployment.md, "Supervisor").
+
+- :func:`ready` once the engine serves: tells systemd (``READY=1`` to ``$NOTIFY_SOCKET``,
+  when set), tells the supervisor (it logs the time from fork to ready), and, when the
+  supervisor was started with ``--record FILE``, writes the modules the engine has
+  imported to FILE, for the next supervisor start to import before it forks.
+- :func:`restart` to be replaced by a fresh engine at once (a model switch, new code in
+  modules the supervisor did not preload): exits with :data:`RESTART_EXIT_CODE`, which the
+  supervisor restarts without backoff and does not count as a crash.
+
+Both work unsupervised too: :func:`ready` then only notifies systemd, and :func:`restart`
+exits with the same code (a plain ``systemd`` unit can list it in ``RestartForceExitStatus=``).
+
+>>> from weightcache import engine
+>>> engine.supervised()
+False
+
+Importing this module imports nothing heavy: the supervisor imports it before it forks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+# EX_TEMPFAIL in sysexits.h, "try again later": the engine asks to be replaced. Any other
+# non-zero status (or a signal) is a crash, restarted with backoff; 0 is "finished".
+RESTART_EXIT_CODE = 75
+
+
+@dataclass(frozen=True)
+class SupervisorLink:
+    """Set by the supervisor in the forked engine (never from the environment: the
+    engine's environment is the one it would have had unsupervised)."""
+
+    supervisor_pid: int
+    fd: int  # write end of a close-on-exec pipe to the supervisor: one JSON object per line
+    record: str | None  # --record FILE, or None
+    template_modules: frozenset[str]  # modules the supervisor had before preloading: never recorded
+    engine_dir: str  # sys.path[0] of the engine: its own code, never recorded (so new code is picked up)
+
+
+_link: SupervisorLink | None = None
+
+
+def supervised() -> bool:
+    """True in an engine that ``weightcache supervise`` forked."""
+    return _link is not None
+
+
+def _send(event: dict[str, object]) -> None:
+    if _link is None:
+        return
+    try:
+        os.write(_link.fd, (json.dumps(event) + "\n").encode())
+    except OSError:
+        pass  # the supervisor is gone; the engine carries on (it gets SIGTERM: PR_SET_PDEATHSIG)
+
+
+def recordable_modules(names: Iterable[str], modules: dict[str, object], exclude: frozenset[str], engine_dir: str) -> list[str]:
+    """The names worth importing in the template, in import order: not ``__main__``, not
+    what the supervisor imports anyway, and not the engine's own code (files under
+    ``engine_dir``), which must be re-read on each restart to pick up changes."""
+    out = []
+    prefix = os.path.join(os.path.realpath(engine_dir), "") if engine_dir else None
+    for name in names:
+        if name in exclude or name in ("__main__", "__mp_main__"):
+            continue
+        path = getattr(modules.get(name), "__file__", None)
+        if prefix and isinstance(path, str) and os.path.realpath(path).startswith(prefix):
+            continue
+        out.append(name)
+    return out
+
+
+def write_record(path: str | os.PathLike[str], names: list[str]) -> None:
+    """One module name a line, written atomically (a reader never sees half a file)."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"# modules an engine had imported when ready: weightcache supervise --record preloads them "
+                   f"({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, pid {os.getpid()})\n" + "".join(n + "\n" for n in names))
+    os.replace(tmp, p)
+
+
+def read_record(path: str | os.PathLike[str]) -> list[str]:
+    """The names in a record file; ``#`` starts a comment. A missing file is an empty list."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return []
+    return [s for s in (line.split("#", 1)[0].strip() for line in text.splitlines()) if s]
+
+
+def ready(notify: bool = True) -> None:
+    """Call once the engine serves. Sends ``READY=1`` to systemd when ``$NOTIFY_SOCKET``
+    is set and ``notify`` is true (under the supervisor the engine, not the supervisor,
+    says when the service is ready: the unit needs ``NotifyAccess=all``); tells the
+    supervisor; writes the ``--record`` file. Cheap: call it after every restart."""
+    t = time.monotonic()
+    if _link is not None and _link.record:
+        names = recordable_modules(list(sys.modules), dict(sys.modules), _link.template_modules, _link.engine_dir)
+        try:
+            write_record(_link.record, names)
+        except OSError as exc:
+            print(f"weightcache.engine: cannot write the module record {_link.record}: {exc}", file=sys.stderr)
+            names = []
+        _send({"event": "ready", "t": t, "recorded": len(names)})
+    else:
+        _send({"event": "ready", "t": t})
+    if notify:
+        sd_notify("READY=1")
+
+
+def sd_notify(message: str) -> bool:
+    """One datagram to ``$NOTIFY_SOCKET`` ("READY=1", "STATUS=..."); False when unset.
+    The daemon's weightcache/server/systemd.py does the same, but importing it imports
+    the daemon (0.36 s on the dev VM), on an engine's restart path."""
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return False
+    import socket
+
+    addr = "\0" + path[1:] if path.startswith("@") else path  # '@' = abstract namespace
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        s.connect(addr)
+        s.sendall(message.encode())
+    return True
+
+
+def restart(reason: str) -> NoReturn:
+    """Ask for a fresh engine now: raises ``SystemExit(RESTART_EXIT_CODE)`` after telling
+    the supervisor why (it logs the reason and forks a new engine without backoff).
+    Call it from the main thread; ``finally`` blocks and ``atexit`` handlers run as on
+    any exit, so leases are detached and files flushed."""
+    _send({"event": "restart", "reason": str(reason)[:500], "t": time.monotonic()})
+    raise SystemExit(RESTART_EXIT_CODE)

@@ -1,0 +1,153 @@
+"""May this process fork an engine? The supervisor's checks, and what the child resets.
+
+Note [fork safety]
+------------------
+``weightcache supervise`` imports an engine's modules once (the template) and forks each
+engine from it. A fork copies memory and file descriptors, but only the calling thread,
+so the template must hold nothing a child cannot own:
+
+1. **No CUDA.** A CUDA context does not survive fork (the child's calls fail or hang).
+   Refused when torch is imported and ``torch.cuda.is_initialized()``, or when any
+   ``libcuda.so*`` is mapped (``/proc/self/maps``): the driver is loaded only by something
+   that meant to use it, torch itself loads it at CUDA init, not at import.
+2. **One thread.** Another thread's locks (malloc's, the import lock, a library's) may be
+   held at the fork and are never released in the child. Refused when
+   ``/proc/self/task`` lists more than one task (native threads count: OpenMP, BLAS,
+   gRPC) or ``threading.active_count() > 1``. One pool is stopped instead of refused:
+   OpenBLAS, which numpy loads, starts ``cores - 1`` threads at load; OpenBLAS
+   registers ``blas_thread_shutdown_`` as its own fork handler and restarts the pool at
+   its next call, so calling it first is what a fork would do anyway (measured on the
+   dev VM: numpy's OpenBLAS pool gone after the call, back in the child at the first
+   matmul). A module that starts a thread when imported cannot be preloaded: the
+   supervisor names it and exits; leave it out of ``--preload`` / the record file and
+   the engine imports it itself after the fork.
+3. **No sockets of its own.** A socket the template opened (a connection made at import)
+   would be shared by every engine. Refused, naming the fd; the descriptors the
+   supervisor was started with (stdio, even when it is a socket as under journald) are
+   the engine's too, as they would be unsupervised. The weightcache client connects in
+   the engine, never in the template.
+4. **Fresh random state in each child** (:func:`reseed`): Python's ``random``, numpy's
+   global RandomState and torch's default generator are seeded from the OS, as in a fresh
+   process (torch 2.13 seeds its default generator randomly at start: three fresh
+   processes printed three ``torch.initial_seed()`` values on the dev VM), so that engines
+   never share a sequence.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+from collections.abc import Iterable
+
+
+class ForkUnsafe(Exception):
+    """The template holds something a forked engine cannot own; the message says what."""
+
+
+def mapped_libraries(maps: str = "/proc/self/maps") -> set[str]:
+    with open(maps) as f:
+        return {parts[5].rstrip("\n") for parts in (line.split(maxsplit=5) for line in f) if len(parts) == 6 and parts[5].startswith("/")}
+
+
+def check_cuda(libraries: Iterable[str]) -> None:
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        raise ForkUnsafe("CUDA is initialised in the template (torch.cuda.is_initialized()): a CUDA context does not "
+                         "survive fork. Something preloaded touched the GPU at import; leave it out of --preload")
+    for path in sorted(libraries):
+        if os.path.basename(path).startswith("libcuda.so"):
+            raise ForkUnsafe(f"the CUDA driver is loaded in the template ({path} is mapped): a CUDA context does not "
+                             "survive fork. Something preloaded loaded the driver at import; leave it out of --preload")
+
+
+def quiesce_openblas(libraries: Iterable[str]) -> int:
+    """Stop OpenBLAS thread pools as OpenBLAS's own fork handler does; their next call
+    restarts them. Returns how many libraries were asked."""
+    n = 0
+    for path in libraries:
+        if "openblas" in os.path.basename(path).lower():
+            lib = ctypes.CDLL(path)  # already loaded: this only finds it
+            shutdown = getattr(lib, "blas_thread_shutdown_", None)
+            if shutdown is not None:
+                shutdown()
+                n += 1
+    return n
+
+
+def thread_names() -> list[str]:
+    """Every thread but this one: Python's by name, native ones by tid and comm."""
+    me = threading.get_native_id()
+    names = {t.native_id: f"{t.name!r} (Python)" for t in threading.enumerate() if t.native_id is not None and t.native_id != me}
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) != me and int(tid) not in names:
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    comm = f.read().strip()
+            except OSError:
+                continue  # it ended
+            names[int(tid)] = f"tid {tid} {comm!r} (native)"
+    return [names[k] for k in sorted(names)]
+
+
+def check_threads(started_by: dict[str, int] | None = None) -> None:
+    others = thread_names()
+    if others or threading.active_count() > 1:
+        blame = ""
+        if started_by:
+            blame = "; threads appeared while importing " + ", ".join(f"{m} (+{n})" for m, n in started_by.items())
+        raise ForkUnsafe(f"{len(others)} other thread(s) running in the template: {', '.join(others)}{blame}. Forking "
+                         "with threads can leave locks held forever in the engine; leave the module that starts them "
+                         "out of --preload (and out of the --record file)")
+
+
+def socket_fds(allowed: Iterable[int]) -> list[str]:
+    """Sockets open in this process, except ``allowed`` (what it was started with)."""
+    keep = set(allowed)
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd in keep:
+            continue
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # listdir's own fd, closed already
+        if target.startswith("socket:"):
+            out.append(f"fd {fd} ({target})")
+    return out
+
+
+def check_sockets(allowed: Iterable[int]) -> None:
+    found = socket_fds(allowed)
+    if found:
+        raise ForkUnsafe(f"the template has socket(s) open that every engine would share: {', '.join(found)}. Something "
+                         "preloaded connected at import; leave it out of --preload, or connect in the engine")
+
+
+def open_fds() -> set[int]:
+    return {int(n) for n in os.listdir("/proc/self/fd")}
+
+
+def check_fork_safe(inherited_fds: Iterable[int], started_by: dict[str, int] | None = None) -> None:
+    """Raise :class:`ForkUnsafe` unless this process may fork an engine (Note [fork safety])."""
+    libraries = mapped_libraries()
+    check_cuda(libraries)
+    quiesce_openblas(libraries)
+    check_threads(started_by)
+    check_sockets(inherited_fds)
+
+
+def reseed() -> None:
+    """In the child, right after fork: every global random generator seeded from the OS."""
+    import random
+
+    random.seed()  # CPython also does this at fork (os.register_at_fork); said here for the reader
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()  # the legacy global RandomState; no argument = from the OS
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()  # the default generator; CUDA's generators are seeded lazily, without CUDA init

@@ -1,0 +1,577 @@
+"""``weightcache supervise``: keep an engine's imports in a template process and fork each
+engine from it, so a restart costs a fork instead of ``import torch, transformers``.
+
+    weightcache supervise [--preload MODULES] [--record FILE] [--status FILE] -- python engine.py ARGS
+
+In the spirit of gunicorn's ``--preload`` and Android's zygote. With the cache, an
+engine's imports, not its weights, decide its restart time (issue 16: on the H200 an
+8B transformers engine spent 13.8-14.6 s of a 16.6-17.7 s restart importing; a forked
+engine that found torch and transformers imported was ready in 0.36 s).
+
+The supervisor (docs/deployment.md, "Supervisor"):
+
+1. imports the ``--preload`` modules and those the last engine recorded (``--record``),
+   never touching CUDA; checks that forking is safe (weightcache/fork_safety.py);
+2. forks the engine, which runs ``engine.py`` (or ``-m module``) as ``__main__`` with the
+   argv, cwd, environment, stdio and signal state it would have had unsupervised;
+3. when the engine exits, forks the next one: at once after a planned restart (exit
+   status :data:`~weightcache.engine.RESTART_EXIT_CODE`, see
+   :func:`weightcache.engine.restart`) or a first crash, with backoff after repeated
+   crashes (:class:`RestartPolicy`); exit status 0 means "finished" and stops the
+   supervisor with 0;
+4. passes signals through (SIGHUP, SIGUSR1, SIGUSR2, SIGWINCH), and on SIGTERM, SIGINT or
+   SIGQUIT passes the signal on, waits up to ``--stop-timeout`` for the engine, SIGKILLs it
+   if it is still there, then exits (0, or 1 when it had to kill); a second stop signal
+   kills at once;
+5. reaps every child (it can be a container's PID 1) and logs each exit, its status and
+   the restart counts to stderr, and to ``--status FILE`` as JSON.
+
+It is single-threaded and waits with ``sigtimedwait``: signals are blocked in the
+supervisor and taken one at a time, so none is lost between a check and a wait.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import ctypes
+import gc
+import importlib
+import importlib.machinery
+import json
+import logging
+import os
+import runpy
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+from . import engine as engine_api
+from .errors import ConfigError
+from .fork_safety import ForkUnsafe, check_fork_safe, open_fds, reseed
+
+log = logging.getLogger("weightcache.supervisor")
+
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGQUIT})
+FORWARDED_SIGNALS = frozenset({signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH})
+WAITED_SIGNALS = STOP_SIGNALS | FORWARDED_SIGNALS | {signal.SIGCHLD}
+# siginfo's si_code for a signal the kernel sent, e.g. a terminal's Ctrl-C or hang-up to its
+# foreground process group. The engine is in that group too and got the signal already:
+# passing it on would deliver it twice. Signals sent by a process (kill, systemd, docker
+# stop) have SI_USER (0) or SI_QUEUE and are passed on. Not exported by Python's signal module.
+SI_KERNEL = 0x80
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+@dataclass(frozen=True)
+class EngineCommand:
+    """How to run the engine in a forked child, as ``python ...`` would have."""
+
+    orig_argv: tuple[str, ...]  # the command as given: sys.orig_argv
+    argv: tuple[str, ...]  # sys.argv at start (runpy rewrites argv[0] for -m, as python does)
+    script: str | None  # absolute path of the script, or None with -m
+    module: str | None  # -m MODULE
+    path0: str  # sys.path[0]: the script's directory (symlinks resolved), or the cwd with -m
+
+
+def parse_command(cmd: list[str], executable: str = sys.executable) -> EngineCommand:
+    """``python engine.py ARGS`` or ``python -m module ARGS``; the interpreter must be this
+    one (the engine runs in the supervisor's interpreter, so another one's packages and
+    version would silently not apply)."""
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    usage = "the engine command must be `python SCRIPT [ARGS]` or `python -m MODULE [ARGS]` (after --)"
+    if len(cmd) < 2:
+        raise ConfigError(f"no engine to run: {usage}")
+    found = shutil.which(cmd[0])
+    if found is None:
+        raise ConfigError(f"{cmd[0]!r} not found: {usage}")
+    same = os.path.abspath(found) == os.path.abspath(executable) or (
+        os.path.dirname(os.path.abspath(found)) == os.path.dirname(os.path.abspath(executable))
+        and os.path.realpath(found) == os.path.realpath(executable))
+    if not same:
+        raise ConfigError(f"the engine command names {found}, but the supervisor runs in {executable}, and the engine runs in "
+                          f"the supervisor's interpreter: start the supervisor with that one ({cmd[0]} -m weightcache supervise ...)")
+    if cmd[1] == "-m":
+        if len(cmd) < 3:
+            raise ConfigError(f"-m needs a module name: {usage}")
+        return EngineCommand(tuple(cmd), ("-m", *cmd[3:]), None, cmd[2], os.getcwd())
+    if cmd[1].startswith("-"):
+        raise ConfigError(f"python option {cmd[1]} cannot apply to an engine forked from a running interpreter: set it for the "
+                          f"supervisor instead (e.g. PYTHONUNBUFFERED=1 for -u); {usage}")
+    if not os.path.isfile(cmd[1]):
+        raise ConfigError(f"can't open file {os.path.abspath(cmd[1])!r}: {usage}")
+    script = os.path.abspath(cmd[1])
+    return EngineCommand(tuple(cmd), tuple(cmd[1:]), script, None, os.path.dirname(os.path.realpath(script)))
+
+
+@dataclass(frozen=True)
+class SupervisorOptions:
+    preload: tuple[str, ...] = ()  # imported before the first fork; a failure stops the supervisor
+    record: str | None = None  # engines write their modules here at ready(); preloaded (failures logged) at start
+    status: str | None = None  # JSON status written at every change
+    stop_timeout_s: float = 30.0  # from the stop signal to SIGKILL
+    backoff_max_s: float = 30.0
+    stable_after_s: float = 30.0  # an engine that ran this long before crashing starts a new crash streak
+
+
+@dataclass(frozen=True)
+class EngineExit:
+    pid: int
+    status: int  # os.waitstatus_to_exitcode: the exit status, or -N for signal N
+    uptime_s: float
+    ready_s: float | None  # from fork to weightcache.engine.ready(), if it was called
+    reason: str | None  # what weightcache.engine.restart() was given
+
+    @property
+    def planned(self) -> bool:
+        return self.status == engine_api.RESTART_EXIT_CODE
+
+    def describe(self) -> str:
+        how = f"was killed by {signal.Signals(-self.status).name}" if self.status < 0 else f"exited with status {self.status}"
+        text = f"engine pid {self.pid} {how} after {self.uptime_s:.2f} s"
+        if self.reason is not None:
+            text += f", asking for a restart: {self.reason}"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pid": self.pid, "status": self.status, "uptime_s": round(self.uptime_s, 3),
+                "ready_s": None if self.ready_s is None else round(self.ready_s, 3), "reason": self.reason,
+                "kind": "planned" if self.planned else "finished" if self.status == 0 else "crash", "at": time.time()}
+
+
+class RestartPolicy:
+    """What to do after an engine exits; pure (no clock, no I/O), so tested directly.
+
+    Status 0: the engine finished; stop. :data:`RESTART_EXIT_CODE`: restart now, and the
+    crash streak ends. Anything else is a crash: the first of a streak restarts at once,
+    the next ones wait 1, 2, 4 ... s up to ``backoff_max_s``. A crash after at least
+    ``stable_after_s`` of running starts a new streak.
+    """
+
+    def __init__(self, backoff_max_s: float = 30.0, stable_after_s: float = 30.0) -> None:
+        self.backoff_max_s = backoff_max_s
+        self.stable_after_s = stable_after_s
+        self.crash_streak = 0
+        self.crashes = 0
+        self.planned = 0
+
+    def decide(self, ex: EngineExit) -> float | None:
+        """Seconds to wait before the next fork, or None: stop."""
+        if ex.status == 0:
+            return None
+        if ex.planned:
+            self.planned += 1
+            self.crash_streak = 0
+            return 0.0
+        self.crashes += 1
+        self.crash_streak = 1 if ex.uptime_s >= self.stable_after_s else self.crash_streak + 1
+        return 0.0 if self.crash_streak == 1 else min(self.backoff_max_s, 2.0 ** (self.crash_streak - 2))
+
+
+def run_script(path: str) -> None:
+    """Run a file as ``__main__`` the way ``python path`` does. Not ``runpy.run_path``: that
+    sets ``__file__`` to the path as given (python makes it absolute), runs in a temporary
+    module that leaves ``sys.modules`` afterwards, and has no ``__loader__``."""
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__cached__ = None  # type: ignore[attr-defined]
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    main.__package__ = None
+    main.__spec__ = None
+    main.__builtins__ = builtins  # type: ignore[attr-defined]
+    sys.modules["__main__"] = main
+    with open(path, "rb") as f:
+        source = f.read()
+    # dont_inherit: this module's `from __future__ import annotations` must not apply to the engine.
+    exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
+
+
+def run_engine(cmd: EngineCommand) -> int | signal.Signals:
+    """Run the engine in this (forked) process and end it as the interpreter would: the
+    status to exit with, or the signal to die by (an uncaught KeyboardInterrupt)."""
+    sys.argv = list(cmd.argv)
+    sys.orig_argv = list(cmd.orig_argv)
+    if not sys.flags.safe_path and sys.path:
+        sys.path[0] = cmd.path0  # the supervisor's own entry (its script's directory) is not the engine's
+    result: int | signal.Signals = 0
+    try:
+        if cmd.module is not None:
+            runpy._run_module_as_main(cmd.module, alter_argv=True)  # type: ignore[attr-defined]  # what `python -m` calls
+        else:
+            assert cmd.script is not None
+            run_script(cmd.script)
+    except SystemExit as exc:
+        result = exit_status(exc)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        result = signal.SIGINT  # python >= 3.8 ends an uncaught KeyboardInterrupt by dying of SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        result = 1
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()  # the interpreter waits for non-daemon threads before atexit, so do we
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    return result
+
+
+def exit_status(exc: SystemExit) -> int:
+    """The status ``python`` exits with for this SystemExit."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _prctl(option: int, arg: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
+
+
+@dataclass
+class _Engine:
+    pid: int
+    started: float  # monotonic, just before the fork
+    pipe: int  # read end of the engine's message pipe
+    buffer: bytes = b""
+    ready_s: float | None = None
+    reason: str | None = None
+    killed: bool = False
+
+
+@dataclass
+class _Counters:
+    started_at: float = field(default_factory=time.time)
+    forks: int = 0
+    exits: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Supervisor:
+    """One supervisor process: preload, then fork engines until told to stop."""
+
+    def __init__(self, command: EngineCommand, options: SupervisorOptions) -> None:
+        self.command = command
+        self.options = options
+        self.policy = RestartPolicy(options.backoff_max_s, options.stable_after_s)
+        self.counters = _Counters()
+        self.engine: _Engine | None = None
+        self.state = "starting"
+        self.stopping = False
+        self.stop_deadline = 0.0
+        self.stop_status = 0
+        self.next_start: float | None = None
+        self.pid = os.getpid()
+        self.preloaded = 0
+        self.template_modules: frozenset[str] = frozenset()
+        self.inherited_fds: set[int] = set()
+        self.old_mask: set[int | signal.Signals] = set()
+
+    # -- start -----------------------------------------------------------------------
+
+    def preload(self) -> dict[str, int]:
+        """Import the modules; returns the modules during whose import threads appeared."""
+        started_by: dict[str, int] = {}
+        names = list(dict.fromkeys(self.options.preload))
+        explicit = set(names)
+        if self.options.record:
+            names += [n for n in engine_api.read_record(self.options.record) if n not in explicit]
+        failed: list[str] = []
+        t = time.perf_counter()
+        for name in names:
+            before = len(os.listdir("/proc/self/task"))
+            try:
+                importlib.import_module(name)
+            except Exception as exc:
+                if name in explicit:
+                    raise ConfigError(f"--preload {name}: cannot import it: {type(exc).__name__}: {exc}") from None
+                failed.append(f"{name} ({type(exc).__name__})")
+            after = len(os.listdir("/proc/self/task"))
+            if after > before:
+                started_by[name] = after - before
+        self.preloaded = len(names) - len(failed)
+        log.info("preloaded %d modules in %.2f s (%d named by --preload, %d from %s)%s", self.preloaded, time.perf_counter() - t,
+                 len(explicit), len(names) - len(explicit), self.options.record or "no record",
+                 f"; {len(failed)} from the record failed to import and were skipped: {', '.join(failed[:5])}" if failed else "")
+        return started_by
+
+    def run(self) -> int:
+        """Preload, check, then supervise until stopped. The exit status of the supervisor:
+        0 stopped or finished, 1 the engine had to be SIGKILLed, 2 could not start."""
+        self.template_modules = frozenset(sys.modules)
+        self.inherited_fds = open_fds()
+        try:
+            started_by = self.preload()
+            check_fork_safe(self.inherited_fds, started_by)
+        except ConfigError as exc:
+            log.error("cannot start: %s", exc.message)
+            return 2
+        except ForkUnsafe as exc:
+            log.error("cannot start: %s", exc)
+            return 2
+        # Objects imported so far are never freed: keep the collector from touching (and
+        # so copying into each engine) their pages; gunicorn --preload does the same.
+        gc.freeze()
+        # Orphans of the engine (a worker it left behind) become ours, as they would be
+        # PID 1's in a container, and are reaped: the same behaviour on a host and in a pod.
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        self.old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED_SIGNALS)
+        try:
+            return self._loop()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.old_mask)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def _loop(self) -> int:
+        delay = 0.0
+        while True:
+            if delay > 0:
+                self.state = "backoff"
+                self.next_start = time.monotonic() + delay
+                self._publish()
+                self._wait_until(self.next_start)
+                self.next_start = None
+            if self.stopping:
+                return self.stop_status
+            try:
+                check_fork_safe(self.inherited_fds)  # something in the template may have started a thread since
+            except ForkUnsafe as exc:
+                log.error("cannot fork the next engine: %s", exc)
+                return 2
+            self._fork()
+            ex = self._wait_engine()
+            if self.stopping:
+                log.info("%s; stopped", ex.describe())
+                return self.stop_status
+            delay_or_stop = self.policy.decide(ex)
+            if delay_or_stop is None:
+                log.info("%s: finished; the supervisor exits", ex.describe())
+                self.state = "finished"
+                self._publish()
+                return 0
+            delay = delay_or_stop
+            kind = "planned restart" if ex.planned else f"crash {self.policy.crash_streak} in a row"
+            log.info("%s (%s); restart %d %s", ex.describe(), kind, self.counters.forks,
+                     "now" if delay == 0 else f"in {delay:.0f} s")
+
+    def _fork(self) -> None:
+        r, w = os.pipe()
+        for stream in (sys.stdout, sys.stderr):  # else both processes would write what is buffered
+            with contextlib.suppress(Exception):
+                stream.flush()
+        started = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            self._child(r, w)
+        os.close(w)
+        os.set_blocking(r, False)
+        self.engine = _Engine(pid, started, r)
+        self.counters.forks += 1
+        self.state = "running"
+        log.info("engine pid %d started (%s)", pid, "first start" if self.counters.forks == 1 else f"restart {self.counters.forks - 1}")
+        self._publish()
+
+    def _child(self, r: int, w: int) -> NoReturn:
+        status: int | signal.Signals = 1
+        try:
+            os.close(r)
+            # An engine whose supervisor died (SIGKILL, OOM) gets SIGTERM, rather than
+            # running on beside the next supervisor's engine.
+            _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != self.pid:  # the supervisor died before the line above
+                os._exit(1)
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.old_mask)
+            _detach_logger()
+            reseed()
+            engine_api._link = engine_api.SupervisorLink(self.pid, w, self.options.record, self.template_modules, self.command.path0)
+            status = run_engine(self.command)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                traceback.print_exc()
+        finally:
+            if isinstance(status, signal.Signals):
+                signal.signal(status, signal.SIG_DFL)
+                os.kill(os.getpid(), status)
+                status = 128 + status
+            os._exit(status & 0xFF)
+
+    def _wait_engine(self) -> EngineExit:
+        while True:
+            assert self.engine is not None
+            eng = self.engine
+            timeout = 1.0
+            if self.stopping:
+                timeout = max(0.0, min(timeout, self.stop_deadline - time.monotonic()))
+            info = signal.sigtimedwait(WAITED_SIGNALS, timeout)
+            if info is not None:
+                self._on_signal(info)
+            self._read_messages(eng)
+            ex = self._reap()
+            if ex is not None:
+                return ex
+            if self.stopping and not eng.killed and time.monotonic() >= self.stop_deadline:
+                log.warning("engine pid %d still running %.0f s after the stop signal: SIGKILL", eng.pid, self.options.stop_timeout_s)
+                self._kill()
+
+    def _wait_until(self, deadline: float) -> None:
+        while not self.stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            info = signal.sigtimedwait(WAITED_SIGNALS, left)
+            if info is not None:
+                self._on_signal(info)
+            self._reap()
+
+    def _on_signal(self, info: Any) -> None:
+        sig = signal.Signals(info.si_signo)
+        if sig == signal.SIGCHLD:
+            return  # reaped by the caller
+        from_terminal = info.si_code == SI_KERNEL
+        if sig in STOP_SIGNALS:
+            if self.stopping:
+                log.warning("second %s: SIGKILL the engine", sig.name)
+                self._kill()
+                return
+            self.stopping = True
+            self.stop_status = 0
+            self.stop_deadline = time.monotonic() + self.options.stop_timeout_s
+            self.state = "stopping"
+            log.info("%s: stopping the engine%s", sig.name, f" (pid {self.engine.pid})" if self.engine else "")
+            with contextlib.suppress(OSError):
+                engine_api.sd_notify("STOPPING=1")
+        if self.engine is not None and not from_terminal:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.engine.pid, sig)
+        self._publish()
+
+    def _kill(self) -> None:
+        if self.engine is not None and not self.engine.killed:
+            self.engine.killed = True
+            self.stop_status = 1
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.engine.pid, signal.SIGKILL)
+
+    def _reap(self) -> EngineExit | None:
+        """Collect every child that ended (as PID 1, orphans of the engine too)."""
+        ex = None
+        while True:
+            try:
+                pid, wstatus = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return ex
+            if pid == 0:
+                return ex
+            eng = self.engine
+            if eng is None or pid != eng.pid:
+                log.debug("reaped pid %d (not the engine)", pid)
+                continue
+            self._read_messages(eng)
+            os.close(eng.pipe)
+            ex = EngineExit(pid, os.waitstatus_to_exitcode(wstatus), time.monotonic() - eng.started, eng.ready_s, eng.reason)
+            self.counters.exits = [*self.counters.exits[-19:], ex.to_json()]
+            self.engine = None
+
+    def _read_messages(self, eng: _Engine) -> None:
+        while True:
+            try:
+                chunk = os.read(eng.pipe, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            eng.buffer += chunk
+        *lines, eng.buffer = eng.buffer.split(b"\n")
+        for line in lines:
+            try:
+                msg = json.loads(line)
+                event = msg["event"]
+            except (ValueError, KeyError, TypeError):
+                continue  # the engine wrote something else on the fd; not ours to judge
+            if event == "ready" and eng.ready_s is None:
+                eng.ready_s = float(msg["t"]) - eng.started
+                log.info("engine pid %d ready %.3f s after the fork%s", eng.pid, eng.ready_s,
+                         f"; recorded {msg['recorded']} modules to {self.options.record}" if "recorded" in msg else "")
+                self._publish()
+            elif event == "restart":
+                eng.reason = str(msg.get("reason"))
+
+    # -- what others see ---------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        eng = self.engine
+        return {
+            "supervisor_pid": self.pid, "state": self.state, "command": list(self.command.orig_argv),
+            "started_at": self.counters.started_at, "preloaded_modules": self.preloaded,
+            "engine": None if eng is None else {"pid": eng.pid, "uptime_s": round(time.monotonic() - eng.started, 3),
+                                                "ready_s": None if eng.ready_s is None else round(eng.ready_s, 3)},
+            "forks": self.counters.forks, "restarts": max(0, self.counters.forks - 1), "planned_restarts": self.policy.planned,
+            "crashes": self.policy.crashes, "crash_streak": self.policy.crash_streak,
+            "next_start_in_s": None if self.next_start is None else round(max(0.0, self.next_start - time.monotonic()), 3),
+            "exits": self.counters.exits,
+        }
+
+    def _publish(self) -> None:
+        st = self.status()
+        if self.options.status:
+            path = Path(self.options.status)
+            tmp = path.with_name(f".{path.name}.tmp")
+            try:
+                tmp.write_text(json.dumps(st, indent=2) + "\n")
+                os.replace(tmp, path)
+            except OSError as exc:
+                log.warning("cannot write the status file %s: %s", path, exc)
+        eng = f"engine pid {st['engine']['pid']}" if st["engine"] else "no engine"
+        with contextlib.suppress(OSError):
+            engine_api.sd_notify(f"STATUS={st['state']}: {eng}; {st['restarts']} restarts "
+                                 f"({st['planned_restarts']} planned, {st['crashes']} crashes)")
+
+
+_handler: logging.Handler | None = None
+
+
+def _attach_logger() -> None:
+    global _handler
+    if log.handlers:
+        return  # configured by the embedding program (or a test)
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(logging.Formatter("%(asctime)s weightcache supervise[%(process)d]: %(message)s"))
+    log.addHandler(_handler)
+    log.setLevel(logging.INFO)
+    # Our own handler, not the root logger's: the engine's logging.basicConfig() must work
+    # as it would unsupervised.
+    log.propagate = False
+
+
+def _detach_logger() -> None:
+    if _handler is not None:
+        log.removeHandler(_handler)
+        log.setLevel(logging.NOTSET)
+        log.propagate = True
+
+
+def supervise(command: list[str], options: SupervisorOptions) -> int:
+    """The ``weightcache supervise`` command. Returns the supervisor's exit status."""
+    _attach_logger()
+    try:
+        cmd = parse_command(command)
+    except ConfigError as exc:
+        log.error("%s", exc.message)
+        return 2
+    return Supervisor(cmd, options).run()
