@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from weightcache.backends.cpu import CpuBackend
 from weightcache.errors import CorruptCheckpoint
-from weightcache.loader import Progress, open_source, parse_checkpoint, read_checkpoint
+from weightcache.loader import Progress, fingerprint_files, open_source, parse_checkpoint, read_checkpoint
 from weightcache.loader.reader import DIRECT_ALIGN, open_for_reading, pread_direct, pread_full, resident_fraction
 
 
@@ -115,7 +115,8 @@ class BytesArena:
         self.direct_calls = 0
         self.lock = threading.Lock()
 
-    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False) -> None:
+    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False,
+                        seen=None) -> None:
         if direct:
             with self.lock:
                 self.direct_calls += 1
@@ -127,6 +128,9 @@ class BytesArena:
         else:
             with memoryview(self.data)[arena_offset : arena_offset + nbytes] as dst:
                 pread_full(fd, dst, file_offset)
+        if seen is not None:
+            with memoryview(self.data)[arena_offset : arena_offset + nbytes] as done:
+                seen(done)
 
     def finish(self) -> None:
         pass
@@ -168,8 +172,9 @@ def test_read_checkpoint_with_o_direct_and_buffered(ckpts, mode):
         writer = BytesArena(ckpt.arena_bytes)
         before = len(os.listdir("/proc/self/fd"))
         logged: list[str] = []
-        read_checkpoint(ckpt, opened, writer, threads=3, chunk=1 << 20, direct_io=mode, log=logged.append)
+        fp = read_checkpoint(ckpt, opened, writer, threads=3, chunk=1 << 20, direct_io=mode, log=logged.append)
         assert bytes(writer.data) == expected_arena(ckpt, [Path(ckpts["a"]).read_bytes()])
+        assert fp == fingerprint_files(ckpts["a"])  # O_DIRECT or not, the same bytes hash the same
         assert len(os.listdir("/proc/self/fd")) == before  # the O_DIRECT fd was closed again
         if mode == "off":
             assert writer.direct_calls == 0 and logged == [f"{ckpts['a']}: buffered"]
@@ -186,10 +191,11 @@ class AppendingWriter(BytesArena):
         super().__init__(nbytes)
         self.path = path
 
-    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False) -> None:
+    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False,
+                        seen=None) -> None:
         with self.lock, open(self.path, "ab") as f:
             f.write(b"\0")
-        super().write_from_file(fd, file_offset, arena_offset, nbytes, direct)
+        super().write_from_file(fd, file_offset, arena_offset, nbytes, direct, seen)
 
 
 def test_a_file_changed_in_place_is_refused(tmp_path):

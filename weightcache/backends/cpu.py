@@ -76,6 +76,7 @@ import os
 import stat
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,12 +205,15 @@ class _MemfdWriter:
         self._read: dict[int, list[int]] = {}  # fd -> [start, end] of what was read from it
         self._lock = threading.Lock()
 
-    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False) -> None:
+    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False,
+                        seen: Callable[[memoryview], None] | None = None) -> None:
         assert self._view is not None and not direct
         # `with` releases the slice even when the read fails: a traceback that kept it
         # alive would pin the mapping (mmap.close() -> BufferError) and leak the arena.
         with self._view[arena_offset : arena_offset + nbytes] as dst:
             pread_full(fd, dst, file_offset)
+            if seen is not None:
+                seen(dst)  # hashed while the bytes just copied are still in the CPU's caches
         with self._lock:
             span = self._read.setdefault(fd, [file_offset, file_offset + nbytes])
             span[0], span[1] = min(span[0], file_offset), max(span[1], file_offset + nbytes)
@@ -232,12 +236,14 @@ class _PageCacheWriter:
     in the daemon's mapping of that file instead of being copied."""
 
     direct_io = False  # the page cache is the arena: O_DIRECT would bypass it
+    serves_files = True  # trusted files' own pages: their digests are reused by file identity (loader/content.py)
 
     def __init__(self, arena: MemfdArena) -> None:
         assert arena.files is not None
         self._by_fd = {f.source_fd: f for f in arena.files}
 
-    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False) -> None:
+    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False,
+                        seen: Callable[[memoryview], None] | None = None) -> None:
         f = self._by_fd.get(fd)
         if f is None or direct:  # the reader reads the fds the arena was bound to, buffered
             raise RuntimeError(f"fd {fd} is not a file bound to this arena")
@@ -251,6 +257,11 @@ class _PageCacheWriter:
                                         file=f.path, reason="truncated") from None
             raise LoadFailed(f"{f.path}: read failed: {os.strerror(exc.errno or 0)}", file=f.path,
                              reason=os.strerror(exc.errno or 0)) from None
+        if seen is not None:
+            # Nothing was copied: the hash is a pass over the populated mapping (read-only;
+            # the pages are resident, so it reads memory, not the disk).
+            with memoryview((ctypes.c_char * nbytes).from_address(f.addr + file_offset)).cast("B") as view:
+                seen(view)
 
     def finish(self) -> None:
         pass

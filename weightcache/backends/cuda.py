@@ -17,6 +17,7 @@ import ctypes
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,7 +118,8 @@ class _VmmWriter:
                 self._all.append(st)
         return st
 
-    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False) -> None:
+    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False,
+                        seen: Callable[[memoryview], None] | None = None) -> None:
         with drv.current(self._b.ctx):
             st = self._staging()
             if st.busy:
@@ -132,6 +134,11 @@ class _VmmWriter:
                 self._b.grow(self._arena, arena_offset + nbytes)
             drv.check(cu.cuMemcpyHtoDAsync(self._arena.va + arena_offset, st.host_ptr + skew, nbytes, st.stream))
             st.busy = True
+            if seen is not None:
+                # Hashed from the pinned buffer while the copy out of it runs (both only
+                # read it); the buffer is reused only after the next call's stream sync.
+                with st.view[skew : skew + nbytes] as view:
+                    seen(view)
 
     def finish(self) -> None:
         with drv.current(self._b.ctx):

@@ -1,4 +1,4 @@
-"""Safetensors checkpoints: header parsing, multi-file discovery, arena layout, fingerprint.
+"""Safetensors checkpoints: header parsing, multi-file discovery, arena layout, layout digest.
 
 We parse the header ourselves (8-byte little-endian length, then UTF-8 JSON) instead of
 asking the safetensors package, because the daemon must reject a malformed file with a
@@ -81,7 +81,14 @@ class Checkpoint:
     files: tuple[CheckpointFile, ...]
     tensors: tuple[TensorInfo, ...]  # in arena order
     arena_bytes: int  # bytes the tensors need, before a backend rounds up
-    fingerprint: str  # sha256 of every file's name, size and header
+    # What the tensors hold: names, dtypes, shapes and every byte (Note [content
+    # fingerprint], loader/content.py). Known only once the bytes were read: "" from
+    # parse_checkpoint until a load sets it (read_checkpoint returns it); a published
+    # model's is the publisher's, bound to its uid.
+    fingerprint: str
+    # sha256 of every file's name, size and header: what the files look like, not what
+    # their tensors hold (two files of the same shapes share it). Known at parse time.
+    layout: str = ""
 
     @property
     def data_bytes(self) -> int:
@@ -367,7 +374,7 @@ def parse_checkpoint(opened: OpenedSource) -> Checkpoint:
             cursor += end - start
     return Checkpoint(
         source=opened.source, files=tuple(files), tensors=tuple(tensors),
-        arena_bytes=max(cursor, 1), fingerprint=digest.hexdigest(),
+        arena_bytes=max(cursor, 1), fingerprint="", layout=digest.hexdigest(),
     )
 
 

@@ -20,19 +20,27 @@ from typing import Protocol
 
 from ..errors import CorruptCheckpoint, LoadFailed
 from ..units import round_up
-from .checkpoint import Checkpoint
-from .sources import OpenedSource
+from .checkpoint import Checkpoint, parse_checkpoint
+from .content import FILE_DIGESTS, HASH_BLOCK, FileIdentity, Task, TaskHasher, fingerprint, plan_tasks, tensor_digests
+from .sources import OpenedSource, open_source
 
 
 class ArenaWriter(Protocol):
     """Fills one arena. ``write_from_file`` is called from several threads at once, each
     with a disjoint destination range; it returns when the bytes are in place (or queued
     on a stream that ``finish`` synchronizes). A writer that can read O_DIRECT fds (it
-    owns page-aligned buffers) says so with ``direct_io``; it is then told per call."""
+    owns page-aligned buffers) says so with ``direct_io``; it is then told per call.
+
+    ``seen``, when given, is called once per call with a read-only view of exactly the
+    ``nbytes`` read (host memory, valid only during the call): the content hash (Note
+    [content fingerprint] in content.py). ``serves_files`` is true for a writer whose
+    arena is the files' own trusted pages (a CPU file arena): their digests may then be
+    reused by file identity."""
 
     direct_io: bool
 
-    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False) -> None: ...
+    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False,
+                        seen: Callable[[memoryview], None] | None = None) -> None: ...
 
     def finish(self) -> None: ...
 
@@ -187,28 +195,47 @@ def read_checkpoint(
     nice: int = 19,
     direct_io: str = "auto",
     log: Callable[[str], None] = lambda _msg: None,
-) -> None:
+    content_hash: bool = True,
+) -> str | None:
     """Read every tensor of ``ckpt`` into the arena behind ``writer`` from the fds of
-    ``opened`` (the files ``ckpt`` was parsed from; no path is opened here). Blocking: run
-    it in a thread. Raises CorruptCheckpoint if a file is short or changed while being read.
-    ``opened`` stays open: its owner closes it."""
+    ``opened`` (the files ``ckpt`` was parsed from; no path is opened here), hashing the
+    bytes on the way. Returns the content fingerprint (Note [content fingerprint]); None
+    only with ``content_hash=False``, which the bench uses to show what hashing costs.
+    Blocking: run it in a thread. Raises CorruptCheckpoint if a file is short or changed
+    while being read. ``opened`` stays open: its owner closes it."""
     try:
-        _read(ckpt, opened, writer, threads=threads, chunk=chunk, progress=progress, cancelled=cancelled, nice=nice,
-              direct_io=direct_io, log=log)
+        return _read(ckpt, opened, writer, threads=threads, chunk=chunk, progress=progress, cancelled=cancelled, nice=nice,
+                     direct_io=direct_io, log=log, content_hash=content_hash)
     finally:
         # On every failure too, the earliest included: the writer synchronizes and drops its
         # buffers (a view of a memfd arena kept alive pins its mapping: the arena leaks).
         writer.finish()
 
 
+def _identity(fd: int) -> FileIdentity:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, threads: int, chunk: int,
           progress: Progress | None, cancelled: Callable[[], bool], nice: int, direct_io: str,
-          log: Callable[[str], None]) -> None:
+          log: Callable[[str], None], content_hash: bool) -> str | None:
     if opened.closed or len(opened.files) != len(ckpt.files):
         raise ValueError(f"{opened!r} is not the open source of {ckpt.source} ({len(ckpt.files)} files)")
     if not ckpt.matches(opened):  # changed since parsing: say so before reading gigabytes
         raise CorruptCheckpoint(f"{ckpt.source}: checkpoint changed on disk before it was loaded", file=ckpt.source,
                                 reason="changed during load")
+    # Files whose tensor digests are known (page-cache arenas loaded before, unchanged):
+    # index -> (file offset, size) -> digest (the size too: an empty tensor shares its
+    # offset with the next one). Their bytes are made resident but not hashed again.
+    reuse = content_hash and getattr(writer, "serves_files", False)
+    identities = [_identity(sf.fd) for sf in opened.files] if reuse else []
+    known: dict[int, dict[tuple[int, int], bytes]] = {}
+    for i, ident in enumerate(identities):
+        got = FILE_DIGESTS.get(ident)
+        if got is not None and all((t.file_offset, t.nbytes) in got for t in ckpt.tensors if t.file == i):
+            known[i] = got
+    pieces: dict[tuple[int, int], bytes] = {}
     fds: list[int] = []
     direct: list[bool] = []
     extra: list[int] = []  # O_DIRECT fds opened here
@@ -220,34 +247,91 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
             fds.append(fd)
             direct.append(is_direct)
             log(f"{f.path}: {why}")
-        ranges = copy_ranges(ckpt, chunk)
+        tasks = plan_tasks(ckpt, chunk)
         failed = threading.Event()  # once one chunk fails, the others stop early
 
-        def work(r: CopyRange) -> None:
-            if failed.is_set():
-                return
-            if cancelled():
-                failed.set()
-                raise LoadFailed("load cancelled", reason="cancelled")
-            try:
-                writer.write_from_file(fds[r.file], r.file_offset, r.arena_offset, r.nbytes, direct[r.file])
-            except CorruptCheckpoint as exc:
-                failed.set()
-                path = ckpt.files[r.file].path
-                raise CorruptCheckpoint(f"{path}: {exc.details.get('reason', exc.message)}", file=path, reason=exc.details.get("reason")) from None
-            except OSError as exc:
-                failed.set()
-                path = ckpt.files[r.file].path
-                raise LoadFailed(f"{path}: read failed: {exc.strerror}", file=path, reason=exc.strerror) from None
-            if progress is not None:
-                progress.add(r.nbytes)
+        def work(task: Task) -> None:
+            seen = TaskHasher(task, pieces) if content_hash and task.file not in known else None
+            for off in range(0, task.nbytes, chunk):
+                n = min(chunk, task.nbytes - off)
+                if failed.is_set():
+                    return
+                if cancelled():
+                    failed.set()
+                    raise LoadFailed("load cancelled", reason="cancelled")
+                try:
+                    writer.write_from_file(fds[task.file], task.file_offset + off, task.arena_offset + off, n,
+                                           direct[task.file], seen=seen)
+                except CorruptCheckpoint as exc:
+                    failed.set()
+                    path = ckpt.files[task.file].path
+                    raise CorruptCheckpoint(f"{path}: {exc.details.get('reason', exc.message)}", file=path,
+                                            reason=exc.details.get("reason")) from None
+                except OSError as exc:
+                    failed.set()
+                    path = ckpt.files[task.file].path
+                    raise LoadFailed(f"{path}: read failed: {exc.strerror}", file=path, reason=exc.strerror) from None
+                if progress is not None:
+                    progress.add(n)
 
-        with ThreadPoolExecutor(max_workers=min(threads, max(1, len(ranges))), thread_name_prefix="wc-load",
+        with ThreadPoolExecutor(max_workers=min(threads, max(1, len(tasks))), thread_name_prefix="wc-load",
                                 initializer=_lower_priority, initargs=(nice,)) as pool:
             # list() re-raises the first worker error; the pool's exit waits for the rest.
-            list(pool.map(work, ranges))
+            list(pool.map(work, tasks))
     finally:
         for fd in extra:
             os.close(fd)
     if not ckpt.matches(opened):
         raise CorruptCheckpoint(f"{ckpt.source}: checkpoint changed on disk while it was loading", file=ckpt.source, reason="changed during load")
+    if not content_hash:
+        return None
+    digests: dict[int, bytes] = {}
+    hashed = [i for i in range(len(ckpt.tensors)) if ckpt.tensors[i].file not in known]
+    missing = [ckpt.tensors[i].name for i in hashed
+               if any((i, k) not in pieces for k in range(-(-ckpt.tensors[i].nbytes // HASH_BLOCK)))]
+    if missing:  # a writer that never reported the bytes it read: a bug, never a fingerprint
+        raise RuntimeError(f"{type(writer).__name__} did not report the bytes of {len(missing)} tensor(s), e.g. {missing[0]!r}")
+    digests.update(tensor_digests(ckpt, pieces, hashed))
+    for i, t in enumerate(ckpt.tensors):
+        if t.file in known:
+            digests[i] = known[t.file][(t.file_offset, t.nbytes)]
+    if reuse:
+        for i, ident in enumerate(identities):
+            # Kept only for a file unchanged from before the read to now (ctime included).
+            if i not in known and _identity(opened.files[i].fd) == ident:
+                FILE_DIGESTS.put(ident, {(t.file_offset, t.nbytes): digests[j] for j, t in enumerate(ckpt.tensors) if t.file == i})
+    return fingerprint(ckpt, digests)
+
+
+class _HashingWriter:
+    """Reads into a per-thread buffer only to hash it: the fingerprint without an arena."""
+
+    direct_io = False
+
+    def __init__(self, chunk: int) -> None:
+        self._chunk = chunk
+        self._local = threading.local()
+
+    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False,
+                        seen: Callable[[memoryview], None] | None = None) -> None:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = memoryview(bytearray(self._chunk))
+        with buf[:nbytes] as dst:
+            pread_full(fd, dst, file_offset)
+            if seen is not None:
+                seen(dst)
+
+    def finish(self) -> None:
+        pass
+
+
+def fingerprint_files(source: str | os.PathLike[str], *, threads: int = 4, chunk: int = 16 * 2**20) -> str:
+    """The fingerprint the daemon gives a load of ``source`` (a file, directory or index),
+    computed here by reading every byte: for tools and tests, and for an engine that
+    wants to know which files an attached model came from."""
+    with open_source(source) as opened:
+        ckpt = parse_checkpoint(opened)
+        fp = read_checkpoint(ckpt, opened, _HashingWriter(chunk), threads=threads, chunk=chunk, nice=0, direct_io="off")
+    assert fp is not None
+    return fp

@@ -20,8 +20,10 @@ log = logging.getLogger("weightcache.daemon")
 
 
 class FillStrategy(Protocol):
-    def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> None:
-        """Fill ``arena`` (allocated, unsealed) with ``ckpt``'s bytes; blocking."""
+    def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> str | None:
+        """Fill ``arena`` (allocated, unsealed) with ``ckpt``'s bytes; blocking. Returns
+        the content fingerprint of what it read, or None where ``ckpt``'s stands (a
+        promotion's bytes were hashed when first loaded; a publish names its own)."""
 
 
 @dataclass(frozen=True)
@@ -34,10 +36,10 @@ class ReadFiles:
     cancelled: Callable[[], bool]
     label: str
 
-    def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> None:
+    def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> str | None:
         d = self.settings
         self.backend.bind_files(arena, ckpt, self.files)  # CPU: the page cache itself, where it can be trusted
-        read_checkpoint(
+        return read_checkpoint(
             ckpt, self.files, self.backend.writer(arena, d.load_chunk_bytes), threads=d.load_threads,
             chunk=d.load_chunk_bytes, nice=d.load_nice, progress=progress, cancelled=self.cancelled,
             direct_io=d.load_direct_io, log=lambda msg: log.info("load %s: %s", self.label, msg),
@@ -51,9 +53,10 @@ class Promote:
     backend: Backend
     host: Any  # the backend's host copy
 
-    def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> None:
+    def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> str | None:
         self.backend.promote(self.host, arena)
         progress.add(ckpt.data_bytes)
+        return None
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class CopyPublished:
     source: Any  # what Backend.open_published returned
     nbytes: int
 
-    def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> None:
+    def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> str | None:
         self.backend.copy_published(self.source, arena, self.nbytes)
         progress.add(ckpt.data_bytes)
+        return None

@@ -247,9 +247,7 @@ class Loads:
             if opened is None:  # the daemon opens the files itself: the operator's or an admin's paths
                 opened = await self.io(open_source, model.path, roots=d.model_roots or None,
                                        follow_symlinks=d.follow_symlinks, cleanup=OpenedSource.close)
-            ckpt = await self.io(parse_checkpoint, opened)
-            if model.owner is not None:  # a peer's model: nobody may pass it off as the operator's
-                ckpt = dataclasses.replace(ckpt, fingerprint=tenant_fingerprint(ckpt.fingerprint, model.owner))
+            ckpt = await self.io(parse_checkpoint, opened)  # its fingerprint comes with the bytes, in the fill
         except Exception as exc:
             if opened is not None and opened is not model.files:
                 opened.close()
@@ -352,8 +350,12 @@ class Loads:
                 arena = await asyncio.to_thread(allocate, nbytes, name)
                 phase("allocate")
                 waited = arena.room_wait_s
-                await asyncio.to_thread(fill, ckpt, arena, progress)
+                content = await asyncio.to_thread(fill, ckpt, arena, progress)
                 phase("fill")
+                if content is not None:  # read from files: the fingerprint of the bytes just read
+                    # A peer's model: nobody may pass it off as the operator's (tenant_fingerprint).
+                    ckpt = dataclasses.replace(ckpt, fingerprint=content if model.owner is None
+                                               else tenant_fingerprint(content, model.owner))
                 if arena.room_wait_s:  # waiting for victims' chunks to leave is not the fill's own time
                     phases["allocate"] -= waited
                     phases["fill"] -= arena.room_wait_s - waited

@@ -1,0 +1,171 @@
+"""The content fingerprint (loader/content.py, Note [content fingerprint]): it covers the
+tensors' bytes, is the same whatever the file layout, chunk size or thread count, and the
+same whichever arena the bytes went to (a CPU file arena, a memfd)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from weightcache import Client
+from weightcache.backends.cpu import CpuBackend, _populate_supported
+from weightcache.loader import fingerprint_files, open_source, parse_checkpoint, read_checkpoint
+from weightcache.loader.content import FILE_DIGESTS, HASH_BLOCK, TaskHasher, plan_tasks
+
+
+def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        # more than two hash pieces, so pieces, tasks and chunks all cut it
+        "big": torch.randn(HASH_BLOCK // 4 * 2 + 12345, generator=g),
+        "w": torch.randn(64, 33, generator=g).to(torch.bfloat16),
+        "b": torch.randn(7, generator=g),
+        "empty": torch.zeros(0),
+        "i": torch.arange(1000, dtype=torch.int64),
+    }
+
+
+def rewrite_values_in_place(path: Path) -> None:
+    """Same header, same size, same inode: only tensor bytes change (as an in-place fine-tune would)."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size - 8)
+        last = f.read(8)
+        f.seek(size - 8)
+        f.write(bytes(b ^ 0xFF for b in last))
+    assert path.stat().st_size == size
+
+
+def in_process(path: Path, backend: CpuBackend, *, threads: int = 2, chunk: int = 1 << 20) -> tuple[str | None, str]:
+    """Load as the daemon does (bind, read, seal, free): the fingerprint and the arena kind."""
+    with open_source(path) as opened:
+        ckpt = parse_checkpoint(opened)
+        arena = backend.allocate(ckpt.arena_bytes, "t")
+        try:
+            backend.bind_files(arena, ckpt, opened)
+            fp = read_checkpoint(ckpt, opened, backend.writer(arena, chunk), threads=threads, chunk=chunk)
+            backend.seal(arena)
+            return fp, arena.kind
+        finally:
+            backend.free(arena)
+
+
+def test_rewriting_values_in_place_changes_the_fingerprint(tmp_path):
+    p = tmp_path / "m.safetensors"
+    save_file(tensors(), str(p))
+    before = fingerprint_files(p)
+    layout = parse_layout(p)
+    rewrite_values_in_place(p)
+    assert parse_layout(p) == layout  # the headers alone cannot tell
+    assert fingerprint_files(p) != before
+
+
+def parse_layout(p: Path) -> str:
+    with open_source(p) as opened:
+        return parse_checkpoint(opened).layout
+
+
+def test_two_checkpoints_of_the_same_shapes_differ(tmp_path):
+    a, b = tmp_path / "a" / "model.safetensors", tmp_path / "b" / "model.safetensors"
+    for seed, p in enumerate((a, b)):
+        p.parent.mkdir()
+        save_file(tensors(seed), str(p))
+    assert parse_layout(a) == parse_layout(b)  # the old, header-only fingerprint: one for both
+    assert fingerprint_files(a) != fingerprint_files(b)
+
+
+def test_the_same_tensors_in_another_layout_chunking_or_thread_count_hash_the_same(tmp_path):
+    t = tensors()
+    one = tmp_path / "one.safetensors"
+    save_file(t, str(one), metadata={"format": "pt"})
+    # the same tensors in another order and split over two files of a directory
+    (tmp_path / "split").mkdir()
+    save_file({"i": t["i"], "big": t["big"]}, str(tmp_path / "split" / "m-00001.safetensors"))
+    save_file({"b": t["b"], "empty": t["empty"], "w": t["w"]}, str(tmp_path / "split" / "m-00002.safetensors"))
+    want = fingerprint_files(one)
+    assert len(want) == 32 and int(want, 16) >= 0
+    assert fingerprint_files(tmp_path / "split") == want
+    for threads, chunk in ((1, 4096), (3, 65536 + 17), (4, HASH_BLOCK), (2, 3 * HASH_BLOCK + 4096)):
+        assert fingerprint_files(one, threads=threads, chunk=chunk) == want, (threads, chunk)
+    # a name, a dtype or a shape is part of what a tensor is
+    renamed = dict(t)
+    renamed["w2"] = renamed.pop("w")
+    save_file(renamed, str(tmp_path / "renamed.safetensors"))
+    reshaped = {**t, "w": t["w"].reshape(33, 64)}
+    save_file(reshaped, str(tmp_path / "reshaped.safetensors"))
+    assert len({want, fingerprint_files(tmp_path / "renamed.safetensors"), fingerprint_files(tmp_path / "reshaped.safetensors")}) == 3
+
+
+def test_tasks_hold_whole_pieces_and_cover_every_byte(tmp_path):
+    p = tmp_path / "m.safetensors"
+    save_file(tensors(), str(p))
+    with open_source(p) as opened:
+        ckpt = parse_checkpoint(opened)
+    for chunk in (4096, HASH_BLOCK, 5 * HASH_BLOCK):
+        tasks = plan_tasks(ckpt, chunk)
+        assert sum(task.nbytes for task in tasks) == ckpt.data_bytes
+        assert all(task.nbytes == sum(piece.nbytes for piece in task.pieces) <= max(chunk, HASH_BLOCK) for task in tasks)
+        assert all(piece.nbytes <= HASH_BLOCK for task in tasks for piece in task.pieces)
+    # a hasher fed the same bytes in any cut gives the same digests
+    task = plan_tasks(ckpt, HASH_BLOCK * 4)[0]
+    data = os.urandom(task.nbytes)
+    whole: dict = {}
+    TaskHasher(task, whole)(memoryview(data))
+    cut: dict = {}
+    h = TaskHasher(task, cut)
+    for off in range(0, len(data), 1_000_003):
+        h(memoryview(data)[off : off + 1_000_003])
+    assert whole == cut and len(whole) == len(task.pieces)
+
+
+@pytest.mark.skipif(not _populate_supported(), reason="page-cache arenas need MADV_POPULATE_READ (Linux >= 5.14)")
+def test_file_arenas_and_memfd_arenas_agree_and_file_digests_are_reused_until_the_file_changes(tmp_path):
+    p = tmp_path / "m.safetensors"
+    save_file(tensors(), str(p))
+    os.chmod(p, 0o644)
+    want = fingerprint_files(p)
+    FILE_DIGESTS.clear()
+    assert in_process(p, CpuBackend("cpu", page_cache=False)) == (want, "memfd")
+    assert FILE_DIGESTS.get(identity(p)) is None  # a copy is always hashed: nothing kept
+    fp, kind = in_process(p, CpuBackend("cpu"))
+    if kind != "file":
+        pytest.skip("this file system's files are not served from the page cache here")
+    assert fp == want
+    kept = FILE_DIGESTS.get(identity(p))
+    assert kept is not None
+    # loaded again unchanged: the digests come from the cache (poisoned here to prove it)
+    FILE_DIGESTS.put(identity(p), {off: b"\0" * 16 for off in kept})
+    assert in_process(p, CpuBackend("cpu"))[0] != want
+    FILE_DIGESTS.put(identity(p), kept)
+    assert in_process(p, CpuBackend("cpu"), threads=1, chunk=4096)[0] == want
+    # rewritten in place: its identity moved (mtime, ctime), so it is hashed again
+    rewrite_values_in_place(p)
+    assert in_process(p, CpuBackend("cpu"))[0] == fingerprint_files(p) != want
+
+
+def identity(p: Path) -> tuple[int, int, int, int, int]:
+    st = p.stat()
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+async def test_the_daemon_reports_the_content_fingerprint_and_an_in_place_rewrite_changes_it(start_daemon, tmp_path):
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file(tensors(0), str(a))
+    save_file(tensors(1), str(b))  # same shapes, other values
+    os.chmod(a, 0o644)
+    d = start_daemon(budget="200MiB", models={"a": a, "b": b})
+    async with Client(d.socket) as c:
+        assert {m["name"]: m["fingerprint"] for m in await c.models()} == {"a": None, "b": None}  # not loaded: not known
+        async with c.attach("a") as ma, c.attach("b") as mb:
+            assert ma.fingerprint == fingerprint_files(a) and mb.fingerprint == fingerprint_files(b)
+            assert ma.fingerprint != mb.fingerprint
+            listed = {m["name"]: m["fingerprint"] for m in await c.models()}
+            assert listed == {"a": ma.fingerprint, "b": mb.fingerprint}
+            old = ma.fingerprint
+        rewrite_values_in_place(a)
+        async with c.attach("a") as ma2:  # nobody attached: the changed file is loaded again
+            assert ma2.fingerprint == fingerprint_files(a) != old

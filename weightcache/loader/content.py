@@ -1,0 +1,186 @@
+"""Content fingerprints: an xxh3-128 of every tensor's bytes, hashed by the loader threads
+while the bytes pass through.
+
+Note [content fingerprint]
+--------------------------
+A checkpoint's ``fingerprint`` covers its tensors' values, not only its headers (issue
+14: a file rewritten in place with new values and the same shapes kept its old
+fingerprint, and engines key published, processed weights on it). It is
+
+    xxh3_128( for each tensor in name order: name \\0 dtype \\0 shape \\0 digest(tensor) )
+
+where ``digest(tensor)`` is the xxh3_128 of the concatenated xxh3_128 digests of the
+tensor's pieces: its bytes cut every HASH_BLOCK bytes from the tensor's first byte. So
+it depends on the tensors alone (names, dtypes, shapes, bytes), never on the chunk size,
+the number of loader threads, the order they finish in, which file of a sharded
+checkpoint a tensor sits in, its offset there, or ``__metadata__``: the same tensors
+saved as one file or as three give the same fingerprint.
+
+The reader (reader.py) cuts its work into *tasks*: runs of whole pieces, contiguous in
+file and arena, of at most max(chunk, HASH_BLOCK) bytes. A thread reads a task's chunks
+in order and feeds each piece's hasher from the bytes the writer just placed (the memfd
+mapping, the pinned staging buffer, the populated page-cache mapping), so a piece never
+spans two threads. xxh3 releases the GIL for the buffers it hashes (measured by
+scripts/content_hash_cost.py), so hashing runs in parallel across loader threads.
+
+Files served from their own page cache (CPU file arenas, backends/cpu.py) are not
+copied, so their hash is a pass over the mapping. Their tensor digests are kept per
+file identity (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns; FileDigests): a
+reload after eviction does not hash again. Only those files use the cache: nobody the
+daemon does not trust can write them, and any write moves st_ctime. Every other load
+hashes the bytes it copies (a peer's file could change under a stale cache entry).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import xxhash
+
+from .checkpoint import Checkpoint
+
+# Piece size. Big enough that the per-piece Python work (a slice, an update, a digest,
+# ~1 us) is nothing next to hashing it (16 MiB at ~18 GB/s: ~1 ms), and equal to the
+# default chunk, so default loads keep their chunks.
+HASH_BLOCK = 16 * 2**20
+DIGEST_BYTES = 16  # xxh3_128
+
+
+@dataclass(frozen=True)
+class Piece:
+    """HASH_BLOCK bytes (or fewer at the tensor's end) of one tensor."""
+
+    tensor: int  # index into Checkpoint.tensors
+    index: int  # which block of the tensor
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Task:
+    """Bytes contiguous in one file and in the arena, read in order by one thread."""
+
+    file: int
+    file_offset: int
+    arena_offset: int
+    nbytes: int
+    pieces: tuple[Piece, ...]  # covering exactly these bytes, in order
+
+
+def plan_tasks(ckpt: Checkpoint, chunk: int) -> list[Task]:
+    """The checkpoint's bytes as tasks of whole pieces, at most max(chunk, HASH_BLOCK)
+    bytes each (a task longer than ``chunk`` is read as several chunks, in order)."""
+    cap = max(chunk, HASH_BLOCK)
+    tasks: list[Task] = []
+    cur: list[Piece] = []
+    start = (0, 0, 0)  # file, file offset, arena offset of the current task
+    size = 0
+    end = (-1, -1, -1)  # where the current task's bytes end, in file and arena
+
+    def close() -> None:
+        nonlocal cur, size
+        if cur:
+            tasks.append(Task(start[0], start[1], start[2], size, tuple(cur)))
+        cur, size = [], 0
+
+    for i, t in enumerate(ckpt.tensors):
+        if t.nbytes == 0:
+            continue
+        if (t.file, t.file_offset, t.arena_offset) != end:
+            close()  # not contiguous with what came before: a new run
+        for k, off in enumerate(range(0, t.nbytes, HASH_BLOCK)):
+            n = min(HASH_BLOCK, t.nbytes - off)
+            if size + n > cap:
+                close()
+            if not cur:
+                start = (t.file, t.file_offset + off, t.arena_offset + off)
+            cur.append(Piece(i, k, n))
+            size += n
+        end = (t.file, t.file_offset + t.nbytes, t.arena_offset + t.nbytes)
+    close()
+    return tasks
+
+
+class TaskHasher:
+    """Feeds one task's pieces from the bytes as they arrive, chunk by chunk, in order."""
+
+    def __init__(self, task: Task, out: dict[tuple[int, int], bytes]) -> None:
+        self._pieces = iter(task.pieces)
+        self._out = out
+        self._piece: Piece | None = None
+        self._left = 0
+        self._h = xxhash.xxh3_128()
+
+    def __call__(self, view: memoryview) -> None:
+        pos, n = 0, len(view)
+        while pos < n:
+            if self._piece is None:
+                self._piece = next(self._pieces)
+                self._left = self._piece.nbytes
+                self._h.reset()
+            take = min(self._left, n - pos)
+            self._h.update(view[pos : pos + take] if take != n else view)
+            pos += take
+            self._left -= take
+            if not self._left:
+                # Dict stores are atomic under the GIL; each key is written by one thread.
+                self._out[(self._piece.tensor, self._piece.index)] = self._h.digest()
+                self._piece = None
+
+
+def tensor_digest(piece_digests: Iterable[bytes]) -> bytes:
+    return xxhash.xxh3_128_digest(b"".join(piece_digests))
+
+
+def tensor_digests(ckpt: Checkpoint, pieces: Mapping[tuple[int, int], bytes], which: Iterable[int]) -> dict[int, bytes]:
+    """The digests of the tensors ``which`` (indexes) from their pieces' (``pieces``:
+    (tensor, block) -> digest)."""
+    return {i: tensor_digest(pieces[(i, k)] for k in range(-(-ckpt.tensors[i].nbytes // HASH_BLOCK))) for i in which}
+
+
+def fingerprint(ckpt: Checkpoint, digests: Mapping[int, bytes]) -> str:
+    """The checkpoint's content fingerprint (Note [content fingerprint]), 32 hex digits."""
+    h = xxhash.xxh3_128()
+    for i in sorted(range(len(ckpt.tensors)), key=lambda j: ckpt.tensors[j].name):
+        t = ckpt.tensors[i]
+        h.update(f"{t.name}\0{t.dtype}\0{','.join(map(str, t.shape))}\0".encode())
+        h.update(digests[i])
+    return h.hexdigest()
+
+
+FileIdentity = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
+
+
+class FileDigests:
+    """Tensor digests of files served from their page cache, by file identity: a file
+    loaded again unchanged (after an eviction) is not hashed again. Bounded: the least
+    recently used files' digests go first (a file's cost is 16 bytes per tensor)."""
+
+    def __init__(self, max_files: int = 4096) -> None:
+        self._max = max_files
+        # identity -> (file offset, size) -> tensor digest
+        self._by_file: OrderedDict[FileIdentity, dict[tuple[int, int], bytes]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, identity: FileIdentity) -> dict[tuple[int, int], bytes] | None:
+        with self._lock:
+            got = self._by_file.get(identity)
+            if got is not None:
+                self._by_file.move_to_end(identity)
+            return got
+
+    def put(self, identity: FileIdentity, digests: dict[tuple[int, int], bytes]) -> None:
+        with self._lock:
+            self._by_file[identity] = digests
+            self._by_file.move_to_end(identity)
+            while len(self._by_file) > self._max:
+                self._by_file.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_file.clear()
+
+
+FILE_DIGESTS = FileDigests()
