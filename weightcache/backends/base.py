@@ -46,6 +46,7 @@ class Room:
         self._available = available
         self._timeout_s = timeout_s
         self._cond = threading.Condition()
+        self.waiting = 0  # takers blocked now: a demotion releases its copied chunks at once only for them
 
     @property
     def available(self) -> int:
@@ -61,7 +62,13 @@ class Room:
         """Block until ``nbytes`` are free, then take them; returns the seconds waited."""
         t0 = time.monotonic()
         with self._cond:
-            if not self._cond.wait_for(lambda: self._available >= nbytes, self._timeout_s):
+            short = self._available < nbytes
+            self.waiting += short
+            try:
+                ok = self._cond.wait_for(lambda: self._available >= nbytes, self._timeout_s)
+            finally:
+                self.waiting -= short
+            if not ok:
                 raise TimeoutError(f"{nbytes} bytes of the device's budget were not freed within {self._timeout_s:g}s "
                                    f"({self._available} free): an arena that left the cache was never released")
             self._available -= nbytes
