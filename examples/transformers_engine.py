@@ -3,13 +3,18 @@ weightcache daemon, restarted with and without the cache. The forward outputs mu
 bit-identical every time.
 
     python examples/transformers_engine.py [--preset tiny|llama-8b] [--device cpu|cuda:0]
-                                           [--restarts 2] [--workdir DIR]
+                                           [--restarts 2] [--workdir DIR] [--supervised]
 
 Each restart is a fresh process: `import torch, transformers`, initialize CUDA (timed
 apart), then either `from_pretrained` (weights from disk) or an `empty_parameters()`
 skeleton + attach + `load_into_module` (weights from the cache, zero-copy), then one
 forward pass. `--preset llama-8b` needs a GPU with ~40 GB free (the daemon's copy and a
 disk-loaded engine's) and ~16 GB of disk.
+
+``--supervised`` adds restarts under ``weightcache supervise`` (docs/deployment.md,
+"Supervisor"): engines forked from a template that imported torch and transformers,
+compared with fresh processes on restart-to-first-logits. scripts/supervised_restart.py
+measures the same with a recorded template, and writes JSON.
 """
 
 from __future__ import annotations
@@ -52,7 +57,14 @@ def build(out: Path, preset: str, device: str) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
-def engine(mode: str, model_dir: str, socket: str, device: str) -> None:
+def engine(mode: str, model_dir: str, socket: str, device: str, starts_file: str = "", starts: str = "1") -> None:
+    """One engine start. ``mode`` is "disk", "cache", or "supervised": the cache path in an
+    engine forked by ``weightcache supervise``, which after its logits calls
+    ``weightcache.engine.ready()`` and asks for a restart until ``starts`` engines have run
+    (counted in ``starts_file``). ``t_start``, ``t_logits`` and ``t_done`` are
+    ``time.monotonic()`` (one clock for every process of the host), so a driver can time a
+    restart from one engine's ``t_done`` to the next one's ``t_logits``."""
+    t_start = time.monotonic()
     phases: dict[str, float] = {}
     t = time.perf_counter()
     import torch
@@ -94,11 +106,58 @@ def engine(mode: str, model_dir: str, socket: str, device: str) -> None:
     ids = torch.arange(64, device=device).remainder(2048).unsqueeze(0)
     with torch.no_grad():
         logits = model(ids).logits.float().cpu()
+    t_logits = time.monotonic()
     digest = hashlib.sha256(logits.numpy().tobytes()).hexdigest()
-    print("RESULT " + json.dumps({**phases, "logits_sha256": digest}), flush=True)
+    print("RESULT " + json.dumps({**phases, "logits_sha256": digest, "t_start": t_start, "t_logits": t_logits,
+                                  "t_done": time.monotonic()}), flush=True)
     if lease is not None:
         lease.__exit__(None, None, None)
         client.close()
+    if mode == "supervised":
+        from weightcache import engine as supervised_engine
+
+        supervised_engine.ready()  # with --record, writes the modules the next supervisor start preloads
+        with open(starts_file, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        if len(Path(starts_file).read_text().splitlines()) < int(starts):
+            supervised_engine.restart("benchmark: next start")
+
+
+def restart_series(model_dir: Path, sock: str, device: str, starts: int, supervise: list[str] | None = None,
+                   work: Path | None = None) -> list[dict]:
+    """``starts`` engine starts from the cache, one after the other: fresh processes, or
+    (``supervise`` = the supervisor's options) engines forked by one ``weightcache
+    supervise``. Each row has ``restart_to_logits_s``: from the previous engine's
+    ``t_done`` to this one's ``t_logits`` (the old engine's exit, the new one's start,
+    imports, CUDA init, attach and forward); the first row's is from the driver's spawn."""
+    args = [str(model_dir), sock, device]
+    t_spawn = time.monotonic()
+    if supervise is None:
+        rows = []
+        for _ in range(starts):
+            p = subprocess.run([sys.executable, __file__, "--engine", "cache", *args], capture_output=True, text=True, timeout=600)
+            if p.returncode != 0:
+                raise RuntimeError(f"engine (cache) failed:\n{p.stderr[-3000:]}")
+            rows += [json.loads(x[7:]) for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        mode = "cache"
+    else:
+        assert work is not None
+        starts_file = work / "supervised-starts"
+        starts_file.unlink(missing_ok=True)
+        p = subprocess.run([sys.executable, "-m", "weightcache", "supervise", *supervise, "--", sys.executable, __file__,
+                            "--engine", "supervised", *args, str(starts_file), str(starts)],
+                           capture_output=True, text=True, timeout=1800)
+        (work / "supervisor.log").write_text(p.stderr)
+        rows = [json.loads(x[7:]) for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        if p.returncode != 0 or len(rows) != starts:
+            raise RuntimeError(f"supervised engines failed (status {p.returncode}, {len(rows)} of {starts} results):\n{p.stderr[-3000:]}")
+        mode = "supervised"
+    prev = t_spawn
+    for r in rows:
+        r["mode"] = mode
+        r["restart_to_logits_s"] = r["t_logits"] - prev
+        prev = r["t_done"]
+    return rows
 
 
 def main() -> int:
@@ -107,6 +166,9 @@ def main() -> int:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda:0 on a GPU host")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--supervised", action="store_true",
+                    help="also restart the cache engine under `weightcache supervise` (forked from a template with torch "
+                         "and transformers imported) and compare restart-to-first-logits with fresh processes")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local
 
@@ -126,6 +188,7 @@ def main() -> int:
                                               [{"name": MODEL, "path": str(model_dir),
                                                 "device": args.device, "preload": True}]))
     rows = []
+    series: dict[str, list[dict]] = {}
     with DaemonProcess(work / "wc.toml", sock, work / "daemon.log"):
         # The engine restarts below time attaching a resident model, not the first load.
         t = time.perf_counter()
@@ -144,6 +207,14 @@ def main() -> int:
                     print(f"engine ({mode}) failed:\n{p.stderr[-3000:]}", file=sys.stderr)
                     return 1
                 rows.append({"restart": i + 1, "mode": mode, "wall_s": wall, **json.loads(line[7:])})
+        if args.supervised:
+            # One supervisor: its first engine is a cold start (template imports included);
+            # the next ones are the restarts compared. --record: the first engine writes the
+            # modules it imported, which a later supervisor start (another run) preloads.
+            sup = restart_series(model_dir, sock, args.device, args.restarts + 1, work=work,
+                                 supervise=["--preload", "torch,transformers", "--record", str(work / "modules.txt")])
+            fresh = restart_series(model_dir, sock, args.device, args.restarts + 1)
+            series = {"fresh": fresh[1:], "supervised": sup[1:]}
     print(f"{'restart':>7} {'weights from':>13} {'process (s)':>12} {'import (s)':>11} {'CUDA init (ms)':>15} "
           f"{'weights (ms)':>13}  logits sha256")
     for r in rows:
@@ -154,15 +225,22 @@ def main() -> int:
     print(f"cache weights step, medians: skeleton (empty_parameters + from_config) {parts['skeleton_s']:.1f} ms, "
           f"connect + attach {parts['attach_s']:.1f} ms, load_into_module "
           f"{parts['weights_s'] - parts['skeleton_s'] - parts['attach_s']:.1f} ms")
-    if len({r["logits_sha256"] for r in rows}) != 1:
-        print("MISMATCH: the forward outputs differ between disk and cache")
+    if series:
+        print("restart to first logits, weights from the cache (from the previous engine's logits to this one's: its exit, "
+              "the next start, imports, CUDA init, attach, forward)")
+        print(f"{'restart':>7} {'fresh (s)':>10} {'supervised (s)':>15} {'supervised import (s)':>22}")
+        for i, (a, b) in enumerate(zip(series["fresh"], series["supervised"], strict=True)):
+            print(f"{i + 1:>7} {a['restart_to_logits_s']:>10.3f} {b['restart_to_logits_s']:>15.3f} {b['import_s']:>22.4f}")
+    every = rows + [r for rs in series.values() for r in rs]
+    if len({r["logits_sha256"] for r in every}) != 1:
+        print("MISMATCH: the forward outputs differ between the engine starts")
         return 1
-    print(f"forward outputs identical across all {len(rows)} engine starts (disk and cache)")
+    print(f"forward outputs identical across all {len(every)} engine starts ({', '.join(['disk', 'cache', *series])})")
     return 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--engine":
-        engine(*sys.argv[2:6])
+        engine(*sys.argv[2:])
     else:
         sys.exit(main())

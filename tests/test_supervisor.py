@@ -88,8 +88,11 @@ def test_parse_command(tmp_path):
 
 def test_recordable_modules_leave_out_the_engines_own_code(tmp_path):
     own = tmp_path / "mine.py"
-    mods = {"mine": type("M", (), {"__file__": str(own)}), "json": json, "__main__": None, "already": None}
-    assert recordable_modules(["json", "mine", "__main__", "already"], mods, frozenset({"already"}), str(tmp_path)) == ["json"]
+    mine = type(sys)("mine")
+    mine.__file__, mine.__spec__ = str(own), json.__spec__
+    mods = {"mine": mine, "json": json, "__main__": json, "already": json, "made_up": type(sys)("made_up")}
+    got = recordable_modules(["json", "mine", "__main__", "already", "made_up"], mods, frozenset({"already"}), str(tmp_path))
+    assert got == ["json"]
 
 
 # -- restarts ---------------------------------------------------------------------------
@@ -417,6 +420,7 @@ def test_record_then_preload_at_the_next_start(tmp_path):
     assert second.returncode == 0, err2
     assert "numpy at start: True" in out2
     assert f"from {rec}" in err2 and "preloaded" in err2
+    assert f"{rec} unchanged (the engine imported nothing new)" in err2  # not rewritten on every restart
 
 
 def test_a_stale_record_entry_is_skipped_not_fatal(tmp_path):
@@ -432,3 +436,21 @@ def test_a_bad_command_says_why(tmp_path):
     p = subprocess.run([PY, "-m", "weightcache", "supervise", "--", PY, str(tmp_path / "nope.py")], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 2 and "can't open file" in p.stderr
+
+
+# -- the measurement script, as a smoke test on the CPU ---------------------------------------
+
+
+def test_supervised_restart_script_on_cpu(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "r.json"
+    p = subprocess.run([PY, str(REPO / "scripts" / "supervised_restart.py"), "--preset", "tiny", "--device", "cpu", "--restarts", "1",
+                        "--workdir", str(tmp_path / "w"), "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["logits_identical"] and len(r["logits_sha256"]) == 1
+    s = {k: v["summary"] for k, v in r["series"].items()}
+    assert set(s) == {"fresh", "supervised_preload", "supervised_recorded"}
+    # A forked engine finds its imports done: what a fresh one spends importing, it does not.
+    assert s["supervised_recorded"]["import_s"]["max"] < 0.05 < s["fresh"]["import_s"]["min"]
+    assert "from " in r["series"]["supervised_recorded"]["template"]

@@ -43,6 +43,7 @@ class SupervisorLink:
     fd: int  # write end of a close-on-exec pipe to the supervisor: one JSON object per line
     record: str | None  # --record FILE, or None
     template_modules: frozenset[str]  # modules the supervisor had before preloading: never recorded
+    preloaded: frozenset[str]  # every module in the template at the fork: a record with nothing new is not rewritten
     engine_dir: str  # sys.path[0] of the engine: its own code, never recorded (so new code is picked up)
 
 
@@ -65,14 +66,18 @@ def _send(event: dict[str, object]) -> None:
 
 def recordable_modules(names: Iterable[str], modules: dict[str, object], exclude: frozenset[str], engine_dir: str) -> list[str]:
     """The names worth importing in the template, in import order: not ``__main__``, not
-    what the supervisor imports anyway, and not the engine's own code (files under
-    ``engine_dir``), which must be re-read on each restart to pick up changes."""
+    what the supervisor imports anyway, not the engine's own code (files under
+    ``engine_dir``), which must be re-read on each restart to pick up changes, and not
+    modules the import system did not make (no ``__spec__``: a name cannot bring them back)."""
     out = []
     prefix = os.path.join(os.path.realpath(engine_dir), "") if engine_dir else None
     for name in names:
         if name in exclude or name in ("__main__", "__mp_main__"):
             continue
-        path = getattr(modules.get(name), "__file__", None)
+        module = modules.get(name)
+        if getattr(module, "__spec__", None) is None:
+            continue
+        path = getattr(module, "__file__", None)
         if prefix and isinstance(path, str) and os.path.realpath(path).startswith(prefix):
             continue
         out.append(name)
@@ -104,12 +109,17 @@ def ready(notify: bool = True) -> None:
     supervisor; writes the ``--record`` file. Cheap: call it after every restart."""
     t = time.monotonic()
     if _link is not None and _link.record:
-        names = recordable_modules(list(sys.modules), dict(sys.modules), _link.template_modules, _link.engine_dir)
-        try:
-            write_record(_link.record, names)
-        except OSError as exc:
-            print(f"weightcache.engine: cannot write the module record {_link.record}: {exc}", file=sys.stderr)
-            names = []
+        modules = dict(sys.modules)
+        names: list[str] = []
+        # Rewritten only when the engine imported something recordable the template did not
+        # have: the 8B example's record holds ~2,300 names, and ready() is on the restart path.
+        if recordable_modules([n for n in modules if n not in _link.preloaded], modules, _link.template_modules, _link.engine_dir):
+            names = recordable_modules(list(modules), modules, _link.template_modules, _link.engine_dir)
+            try:
+                write_record(_link.record, names)
+            except OSError as exc:
+                print(f"weightcache.engine: cannot write the module record {_link.record}: {exc}", file=sys.stderr)
+                names = []
         _send({"event": "ready", "t": t, "recorded": len(names)})
     else:
         _send({"event": "ready", "t": t})

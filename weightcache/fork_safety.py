@@ -51,7 +51,18 @@ def mapped_libraries(maps: str = "/proc/self/maps") -> set[str]:
         return {parts[5].rstrip("\n") for parts in (line.split(maxsplit=5) for line in f) if len(parts) == 6 and parts[5].startswith("/")}
 
 
-def check_cuda(libraries: Iterable[str]) -> None:
+def driver_loaded() -> bool:
+    """Whether libcuda.so.1 is loaded, in microseconds (dlopen with RTLD_NOLOAD loads
+    nothing): cheap enough to ask after every preloaded module, to name the one that
+    loaded it. :func:`check_cuda` reads /proc/self/maps, which also sees other names."""
+    try:
+        ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return False
+    return True
+
+
+def check_cuda(libraries: Iterable[str], loaded_by: str | None = None) -> None:
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and cuda.is_initialized():
@@ -59,8 +70,10 @@ def check_cuda(libraries: Iterable[str]) -> None:
                          "survive fork. Something preloaded touched the GPU at import; leave it out of --preload")
     for path in sorted(libraries):
         if os.path.basename(path).startswith("libcuda.so"):
+            culprit = f"importing {loaded_by} loaded it" if loaded_by else "something preloaded loaded it at import"
             raise ForkUnsafe(f"the CUDA driver is loaded in the template ({path} is mapped): a CUDA context does not "
-                             "survive fork. Something preloaded loaded the driver at import; leave it out of --preload")
+                             f"survive fork. {culprit[0].upper() + culprit[1:]}; leave it out of --preload (and out of the "
+                             "--record file)")
 
 
 def quiesce_openblas(libraries: Iterable[str]) -> int:
@@ -131,10 +144,12 @@ def open_fds() -> set[int]:
     return {int(n) for n in os.listdir("/proc/self/fd")}
 
 
-def check_fork_safe(inherited_fds: Iterable[int], started_by: dict[str, int] | None = None) -> None:
-    """Raise :class:`ForkUnsafe` unless this process may fork an engine (Note [fork safety])."""
+def check_fork_safe(inherited_fds: Iterable[int], started_by: dict[str, int] | None = None, driver_by: str | None = None) -> None:
+    """Raise :class:`ForkUnsafe` unless this process may fork an engine (Note [fork safety]).
+    ``started_by`` and ``driver_by`` name the preloaded modules that started threads or
+    loaded the CUDA driver, for the message."""
     libraries = mapped_libraries()
-    check_cuda(libraries)
+    check_cuda(libraries, driver_by)
     quiesce_openblas(libraries)
     check_threads(started_by)
     check_sockets(inherited_fds)

@@ -55,7 +55,7 @@ from typing import Any, NoReturn
 
 from . import engine as engine_api
 from .errors import ConfigError
-from .fork_safety import ForkUnsafe, check_fork_safe, open_fds, reseed
+from .fork_safety import ForkUnsafe, check_fork_safe, driver_loaded, open_fds, reseed
 
 log = logging.getLogger("weightcache.supervisor")
 
@@ -284,9 +284,11 @@ class Supervisor:
 
     # -- start -----------------------------------------------------------------------
 
-    def preload(self) -> dict[str, int]:
-        """Import the modules; returns the modules during whose import threads appeared."""
+    def preload(self) -> tuple[dict[str, int], str | None]:
+        """Import the modules. Returns those during whose import threads appeared (and
+        how many), and the one after whose import the CUDA driver was loaded."""
         started_by: dict[str, int] = {}
+        driver_by = None
         names = list(dict.fromkeys(self.options.preload))
         explicit = set(names)
         if self.options.record:
@@ -304,11 +306,13 @@ class Supervisor:
             after = len(os.listdir("/proc/self/task"))
             if after > before:
                 started_by[name] = after - before
+            if driver_by is None and driver_loaded():
+                driver_by = name
         self.preloaded = len(names) - len(failed)
         log.info("preloaded %d modules in %.2f s (%d named by --preload, %d from %s)%s", self.preloaded, time.perf_counter() - t,
                  len(explicit), len(names) - len(explicit), self.options.record or "no record",
                  f"; {len(failed)} from the record failed to import and were skipped: {', '.join(failed[:5])}" if failed else "")
-        return started_by
+        return started_by, driver_by
 
     def run(self) -> int:
         """Preload, check, then supervise until stopped. The exit status of the supervisor:
@@ -316,8 +320,8 @@ class Supervisor:
         self.template_modules = frozenset(sys.modules)
         self.inherited_fds = open_fds()
         try:
-            started_by = self.preload()
-            check_fork_safe(self.inherited_fds, started_by)
+            started_by, driver_by = self.preload()
+            check_fork_safe(self.inherited_fds, started_by, driver_by)
         except ConfigError as exc:
             log.error("cannot start: %s", exc.message)
             return 2
@@ -399,7 +403,8 @@ class Supervisor:
             signal.pthread_sigmask(signal.SIG_SETMASK, self.old_mask)
             _detach_logger()
             reseed()
-            engine_api._link = engine_api.SupervisorLink(self.pid, w, self.options.record, self.template_modules, self.command.path0)
+            engine_api._link = engine_api.SupervisorLink(self.pid, w, self.options.record, self.template_modules,
+                                                         frozenset(sys.modules), self.command.path0)
             status = run_engine(self.command)
         except BaseException:
             with contextlib.suppress(Exception):
@@ -506,8 +511,10 @@ class Supervisor:
                 continue  # the engine wrote something else on the fd; not ours to judge
             if event == "ready" and eng.ready_s is None:
                 eng.ready_s = float(msg["t"]) - eng.started
+                recorded = msg.get("recorded")
                 log.info("engine pid %d ready %.3f s after the fork%s", eng.pid, eng.ready_s,
-                         f"; recorded {msg['recorded']} modules to {self.options.record}" if "recorded" in msg else "")
+                         f"; recorded {recorded} modules to {self.options.record}" if recorded else
+                         f"; {self.options.record} unchanged (the engine imported nothing new)" if recorded == 0 else "")
                 self._publish()
             elif event == "restart":
                 eng.reason = str(msg.get("reason"))
