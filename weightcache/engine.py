@@ -24,7 +24,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -64,7 +64,7 @@ def _send(event: dict[str, object]) -> None:
         pass  # the supervisor is gone; the engine carries on (it gets SIGTERM: PR_SET_PDEATHSIG)
 
 
-def recordable_modules(names: Iterable[str], modules: dict[str, object], exclude: frozenset[str], engine_dir: str) -> list[str]:
+def recordable_modules(names: Iterable[str], modules: Mapping[str, object], exclude: frozenset[str], engine_dir: str) -> list[str]:
     """The names worth importing in the template, in import order: not ``__main__``, not
     what the supervisor imports anyway, not the engine's own code (files under
     ``engine_dir``), which must be re-read on each restart to pick up changes, and not
