@@ -14,6 +14,7 @@ from weightcache.tools.bench import BenchConfig, run_bench
 from weightcache.tools.bench_result import (
     AttachFigures,
     BenchResult,
+    ContentHashFigures,
     ControlPlaneFigures,
     DiskCeiling,
     Environment,
@@ -52,6 +53,7 @@ def typed(r: dict[str, Any]) -> BenchResult:
         runai_streamer=peer(r, "runai_streamer"),
         ready=ReadyToComputeFigures.from_dict(r["ready_to_compute"]) if "ready_to_compute" in r else None,
         fresh_attach=FreshAttachFigures.from_dict(r["fresh_attach"]) if "fresh_attach" in r else None,
+        content_hash=ContentHashFigures.from_dict(r["content_hash"]) if "content_hash" in r else None,
         loader=LoaderFigures(warm_s=r["loader_warm_s"], cold_s=r["loader_cold_s"]),
         attach=AttachFigures(n=r["attach_n"], p50_ms=r["attach_p50_ms"], p99_ms=r["attach_p99_ms"], touch_s=r["attach_touch_s"]),
         host_tier=HostTierFigures(demote_s=r["host_demote_s"], promote_s=r["host_promote_s"]) if "host_demote_s" in r else None,
@@ -167,6 +169,10 @@ def test_bench_runs_end_to_end_small(tmp_path, capsys):
     assert r["ready_to_compute"]["reps"] == 3 and r["load_file_touch_warm_s"] == r["ready_to_compute"]["load_file_s"]["p50"]
     assert r["attach_touch_s"] == r["ready_to_compute"]["attach_s"]["p50"]
     assert r["fresh_attach"]["n"] == 2 and r["fresh_attach"]["first_attach_ms"]["p50"] > 0
+    ch = r["content_hash"]  # the loader with and without the content hash, side by side
+    assert list(ch["runs"]) == ["memfd, off", "memfd, on", "file, off", "file, on", "file, on, digests kept"]
+    assert all(len(v["runs"]) == 3 and v["p50"] > 0 for v in ch["runs"].values()) and ch["kinds"]["memfd, on"] == "memfd"
+    assert set(ch["ratio_on_over_off"]) == {"memfd", "file"}
     printed = capsys.readouterr()
     for name, dist in (("fastsafetensors", "fastsafetensors"), ("runai_streamer", "runai-model-streamer")):
         if f"{name}_error" in r:

@@ -7,6 +7,7 @@ For one generated checkpoint (default 1 GiB, 200 bf16 tensors) on one device:
   ``--load-format runai_streamer`` uses it), warm and cold; a missing one is skipped and
   the reason printed;
 - the weightcache loader (daemon ``load``), warm and cold;
+- the same loader in this process with the content hash and without (bench_hash.py);
 - attach latency through the real client API (p50/p99 over many attaches);
 - ready to compute: attach + read every byte once vs ``load_file`` + read every byte
   once, alternating, medians and range;
@@ -34,6 +35,8 @@ from typing import Any
 
 from rich.console import Console
 
+from ..config import DaemonConfig
+from .bench_hash import measure_content_hash
 from .bench_measure import (
     READ_EVERY_BYTE,
     attach_and_touch,
@@ -54,6 +57,7 @@ from .bench_report import print_table, write_chart
 from .bench_result import (
     AttachFigures,
     BenchResult,
+    ContentHashFigures,
     ControlPlaneFigures,
     DiskCeiling,
     Environment,
@@ -115,6 +119,7 @@ def run_bench(cfg: BenchConfig) -> int:
     ceiling = _measure_disk_ceiling(cfg, files.model)
     peer = _measure_peer(cfg, files.model, "fastsafetensors", "fastsafetensors", time_fastsafetensors)
     runai = _measure_peer(cfg, files.model, "runai_streamer", "runai-model-streamer", time_runai_streamer)
+    content_hash = _measure_content_hash(console, cfg, files.model)
     if cfg.cuda:
         import torch
 
@@ -136,7 +141,7 @@ def run_bench(cfg: BenchConfig) -> int:
                            touch_s=ready.attach_s.p50)
     result = BenchResult(env=env, load_file=load_file, disk_ceiling=ceiling, fastsafetensors=peer, loader=loader, attach=attach,
                          host_tier=host_tier, restart=restart, control_plane=control_plane, runai_streamer=runai, ready=ready,
-                         fresh_attach=fresh)
+                         fresh_attach=fresh, content_hash=content_hash)
     print_table(console, result)
     if cfg.out:
         _write_outputs(console, result, Path(cfg.out))
@@ -211,6 +216,15 @@ def _measure_peer(cfg: BenchConfig, ckpt: Path, name: str, dist: str, measure: C
         error = f"{type(exc).__name__}: {exc}"[:300]
         Console(stderr=True).print(f"{dist}: {'failed' if warm else 'skipped'} ({error})")
         return PeerLoaderFigures(warm_s=warm, error=error, version=version, name=name)
+
+
+def _measure_content_hash(console: Console, cfg: BenchConfig, ckpt: Path) -> ContentHashFigures:
+    """The daemon's loader in this process, with the content hash and without (the
+    product always hashes; the switch is the bench's), alternating, page cache warm."""
+    console.print("[dim]loader with and without the content hash...[/dim]")
+    os.chmod(ckpt, 0o644)  # as a daemon serves it: a file arena where the CPU backend can
+    return measure_content_hash(ckpt, cfg.device, reps=max(cfg.reps, 3), threads=DaemonConfig().load_threads,
+                                chunk=DaemonConfig().load_chunk_bytes)
 
 
 def _write_daemon_config(cfg: BenchConfig, files: Checkpoints, sock: str) -> Path:

@@ -71,6 +71,14 @@ def print_table(console: Console, r: BenchResult) -> None:
     if ceiling := r.disk_ceiling.gbps:
         share = f", loader cold = {nbytes / loader.cold_s / 1e9 / ceiling:.0%} of it" if loader.cold_s else ""
         t.add_row("disk ceiling: parallel O_DIRECT reads alone", "", f"{ceiling:.2f}", share.lstrip(", "))
+    if ch := r.content_hash:  # the loader in the bench's process, hash off then on, side by side
+        for key, sp in ch.runs.items():
+            off = ch.runs.get(f"{key.split(',')[0]}, off")
+            rel = f"{sp.p50 / off.p50:.2f}x of hash off" if off is not None and sp is not off else ""
+            t.add_row(f"loader in process, {ch.kinds.get(key, key.split(',')[0])} arena, content hash {key.split(', ', 1)[1]} "
+                      f"(p50 of {len(sp.runs)}, range)", _range(sp, 1e3, "ms"), gbps(sp.p50), rel)
+        t.add_row(f"  xxh3-128 one thread; a Python loop's pace while a thread hashes (GIL released: ~1; "
+                  f"while one copies with bytes(): {ch.gil_pace_copy:.2f})", f"{ch.gil_pace:.2f}", f"{ch.xxh3_GBps:.1f}", "")
     for label, peer in (("fastsafetensors", r.fastsafetensors), ("runai-model-streamer", r.runai_streamer)):
         _peer_rows(t, label, peer, lw, lc, ms, gbps)
     if (host := r.host_tier) and host.promote_s:

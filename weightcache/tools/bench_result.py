@@ -255,6 +255,40 @@ class ControlPlaneFigures:
 
 
 @dataclass(frozen=True)
+class ContentHashFigures:
+    """Loader seconds per (arena, hash) variant, warm, and the GIL check."""
+
+    device: str
+    nbytes: int
+    threads: int
+    chunk: int
+    runs: dict[str, Spread]  # "arena, hash" -> seconds
+    kinds: dict[str, str]  # "arena, hash" -> the arena kind the backend really made (a file arena may fall back to memfd)
+    gil_pace: float  # a Python loop's pace while another thread hashes, over its pace alone (1.0: GIL released)
+    gil_pace_copy: float  # the same while another thread copies with bytes() (holds the GIL): the control
+    xxh3_GBps: float  # one thread, 64 MiB in memory
+
+    def ratio(self, arena: str) -> float | None:
+        """Loader time with the hash over without, for ``arena`` (first load)."""
+        on, off = self.runs.get(f"{arena}, on"), self.runs.get(f"{arena}, off")
+        return on.p50 / off.p50 if on and off else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"content_hash": {
+            "device": self.device, "nbytes": self.nbytes, "threads": self.threads, "chunk": self.chunk,
+            "runs": {k: v.as_dict() for k, v in self.runs.items()}, "kinds": self.kinds,
+            "ratio_on_over_off": {a: self.ratio(a) for a in sorted({k.split(",")[0] for k in self.runs})},
+            "gil_pace_while_hashing": self.gil_pace, "gil_pace_while_copying": self.gil_pace_copy, "xxh3_GBps": self.xxh3_GBps,
+        }}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ContentHashFigures:
+        return cls(device=d["device"], nbytes=d["nbytes"], threads=d["threads"], chunk=d["chunk"],
+                   runs={k: Spread.from_dict(v) for k, v in d["runs"].items()}, kinds=d["kinds"],
+                   gil_pace=d["gil_pace_while_hashing"], gil_pace_copy=d["gil_pace_while_copying"], xxh3_GBps=d["xxh3_GBps"])
+
+
+@dataclass(frozen=True)
 class BenchResult:
     env: Environment
     load_file: LoadFileFigures
@@ -269,12 +303,14 @@ class BenchResult:
     runai_streamer: PeerLoaderFigures | None = None
     ready: ReadyToComputeFigures | None = None
     fresh_attach: FreshAttachFigures | None = None
+    content_hash: ContentHashFigures | None = None  # issue 14: the loader with and without the content hash
 
     def as_dict(self) -> dict[str, Any]:
         """The flat object of docs/bench-*.json, keys in the order they always had (the
         later rows' keys beside their kin)."""
         out: dict[str, Any] = {}
-        for part in (self.env, self.load_file, self.disk_ceiling, self.fastsafetensors, self.runai_streamer, self.loader, self.attach,
+        for part in (self.env, self.load_file, self.disk_ceiling, self.fastsafetensors, self.runai_streamer, self.loader,
+                     self.content_hash, self.attach,
                      self.ready, self.host_tier, self.fresh_attach, self.restart, self.control_plane):
             if part is not None:
                 out.update(part.as_dict())
