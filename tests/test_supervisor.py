@@ -454,3 +454,77 @@ def test_supervised_restart_script_on_cpu(tmp_path):
     # A forked engine finds its imports done: what a fresh one spends importing, it does not.
     assert s["supervised_recorded"]["import_s"]["max"] < 0.05 < s["fresh"]["import_s"]["min"]
     assert "from " in r["series"]["supervised_recorded"]["template"]
+
+
+def test_a_terminals_ctrl_c_reaches_the_engine_once(tmp_path):
+    # Ctrl-C on a terminal: the kernel sends SIGINT to the foreground process group, the
+    # engine included. The supervisor must not pass on a second one (si_code SI_KERNEL).
+    import fcntl
+    import termios
+
+    # The engine takes each SIGINT with sigwaitinfo: one taken before a second is sent is
+    # not merged with it, as two pending ones would be.
+    write(tmp_path / "engine.py", """
+        import os, signal
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+        open("ready", "w").write(str(os.getpid()))
+        got = [signal.sigwaitinfo([signal.SIGINT])]
+        while (info := signal.sigtimedwait([signal.SIGINT], 1.0)) is not None:
+            got.append(info)
+        open("sigints", "w").write(" ".join("kernel" if i.si_code == 0x80 else f"pid {i.si_pid}" for i in got))
+    """)
+    master, slave = os.openpty()
+
+    def controlling_terminal():
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.Popen([PY, "-m", "weightcache", "supervise", "--", PY, str(tmp_path / "engine.py")], cwd=tmp_path, env=env,
+                         stdin=slave, stdout=slave, stderr=subprocess.PIPE, text=True, preexec_fn=controlling_terminal)
+    os.close(slave)
+    try:
+        wait_for(lambda: (tmp_path / "ready").exists())
+        os.write(master, b"\x03")
+        _, err = p.communicate(timeout=30)
+    finally:
+        os.close(master)
+    assert p.returncode == 0, err
+    assert (tmp_path / "sigints").read_text() == "kernel"
+    assert "SIGINT: stopping the engine" in err
+
+
+def test_the_engine_gets_sigterm_when_the_supervisor_dies(tmp_path):
+    p = supervise([], [str(signalled_engine(tmp_path, term_delay=0))], tmp_path)
+    pid = engine_pid(tmp_path)
+    p.kill()
+    p.wait(timeout=10)
+    wait_for(lambda: "SIGTERM" in lines(tmp_path / "signals"), timeout=10)  # PR_SET_PDEATHSIG
+    wait_for(lambda: not alive(pid), timeout=10)
+
+
+def test_systemd_notify_socket_passes_through_to_the_engine(tmp_path):
+    import socket
+
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    notify.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    notify.settimeout(20)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NOTIFY_SOCKET": str(tmp_path / "notify")}
+    p = supervise([], [str(signalled_engine(tmp_path))], tmp_path, env=env)
+    pid = engine_pid(tmp_path)
+    got: list[tuple[int, str]] = []
+    while not any(m == "READY=1" for _, m in got):
+        msg, anc, _, _ = notify.recvmsg(4096, socket.CMSG_SPACE(12))
+        sender = next(int.from_bytes(data[:4], "little") for level, kind, data in anc if kind == socket.SCM_CREDENTIALS)
+        got.append((sender, msg.decode()))
+    assert (pid, "READY=1") in got  # the engine says when the service is ready, not the supervisor
+    assert any(s == p.pid and m.startswith("STATUS=running: engine pid") for s, m in got)
+    p.send_signal(signal.SIGTERM)
+    while not any(m == "STOPPING=1" for _, m in got):
+        msg, anc, _, _ = notify.recvmsg(4096, socket.CMSG_SPACE(12))
+        sender = next(int.from_bytes(data[:4], "little") for level, kind, data in anc if kind == socket.SCM_CREDENTIALS)
+        got.append((sender, msg.decode()))
+    assert (p.pid, "STOPPING=1") in got
+    assert p.wait(timeout=30) == 0
+    notify.close()
