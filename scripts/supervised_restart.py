@@ -75,8 +75,15 @@ def main() -> int:
     ap.add_argument("--restarts", type=int, default=3, help="restarts timed per series (each series runs one more engine)")
     ap.add_argument("--workdir", default=None, help="model, socket, logs (default: a temp dir; the built model is reused)")
     ap.add_argument("--out", required=True, help="write the results here as JSON")
+    ap.add_argument("--exclude", default=None, metavar="MODULES",
+                    help="passed to the recorded series' supervisor: recorded modules not to preload (if it refused one)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # For every engine, fresh or forked: torch.cuda.is_available() asks NVML instead of
+    # initialising the driver, so that a recorded module that asks it at import cannot put
+    # the driver into the template (the supervisor would refuse to fork). Export it as 0 to
+    # see whether the template stays clean without it.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
     import torch
 
@@ -98,6 +105,8 @@ def main() -> int:
     if not (model_dir / "config.json").exists():
         t = time.perf_counter()
         example.build(model_dir, args.preset, args.device)
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()  # the built model's 16 GB, kept by torch's allocator otherwise
         print(f"built {args.preset} in {model_dir} ({time.perf_counter() - t:.1f} s)", flush=True)
     nbytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     sock = str(work / "wc.sock")
@@ -122,7 +131,8 @@ def main() -> int:
         print(f"disk engine (from_pretrained): weights {disk['weights_s']:.3f} s, logits {disk['logits_sha256'][:16]}", flush=True)
         for name, sup in (("fresh", None),
                           ("supervised_preload", ["--preload", "torch,transformers", "--record", str(record)]),
-                          ("supervised_recorded", ["--preload", "torch,transformers", "--record", str(record)])):
+                          ("supervised_recorded", ["--preload", "torch,transformers", "--record", str(record),
+                                                   *(["--exclude", args.exclude] if args.exclude else [])])):
             try:
                 series[name] = example.restart_series(model_dir, sock, args.device, n, supervise=sup, work=work)
             except RuntimeError as exc:
@@ -143,6 +153,7 @@ def main() -> int:
         "host": platform.node(), "device": args.device, "preset": args.preset, "model_bytes": nbytes,
         "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
         "torch": torch.__version__, "python": platform.python_version(), "restarts_per_series": args.restarts,
+        "env": {k: os.environ[k] for k in ("PYTORCH_NVML_BASED_CUDA_CHECK", "HF_HUB_OFFLINE")}, "exclude": args.exclude,
         "definition": "restart_to_logits_s: previous engine's t_done (after its first logits) to this engine's first logits, "
                       "time.monotonic(); each series' first engine is its first_start_s (from the driver's spawn)",
         "disk": disk,

@@ -423,6 +423,19 @@ def test_record_then_preload_at_the_next_start(tmp_path):
     assert f"{rec} unchanged (the engine imported nothing new)" in err2  # not rewritten on every restart
 
 
+def test_a_recorded_module_that_starts_a_thread_is_refused_then_excluded(tmp_path):
+    write(tmp_path / "pusher.py", "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    rec = write(tmp_path / "modules.txt", "json\npusher\n")
+    write(tmp_path / "engine.py", "import sys\nprint('pusher' in sys.modules)\n")
+    p = supervise(["--record", str(rec)], [str(tmp_path / "engine.py")], tmp_path)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and "pusher (+1)" in err and "--exclude MODULE" in err
+    p = supervise(["--record", str(rec), "--exclude", "pusher"], [str(tmp_path / "engine.py")], tmp_path)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert out == "False\n"  # the engine imports it itself, after the fork
+
+
 def test_a_stale_record_entry_is_skipped_not_fatal(tmp_path):
     rec = write(tmp_path / "modules.txt", "# comment\njson\nno_such_module_xyz\n")
     write(tmp_path / "engine.py", "")

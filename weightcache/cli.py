@@ -416,7 +416,8 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     from .supervisor import SupervisorOptions, supervise
 
     preload = tuple(m.strip() for arg in args.preload for m in arg.split(",") if m.strip())
-    return supervise(args.engine, SupervisorOptions(preload=preload, record=args.record, status=args.status,
+    exclude = tuple(m.strip() for arg in args.exclude for m in arg.split(",") if m.strip())
+    return supervise(args.engine, SupervisorOptions(preload=preload, record=args.record, exclude=exclude, status=args.status,
                                                     stop_timeout_s=args.stop_timeout, backoff_max_s=args.backoff_max))
 
 
@@ -547,6 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--preload", action="append", default=[], metavar="MODULES", help="modules to import before forking, comma-separated")
     s.add_argument("--record", default=None, metavar="FILE",
                    help="engines write their imported modules here at weightcache.engine.ready(); the next start preloads them")
+    s.add_argument("--exclude", action="append", default=[], metavar="MODULES",
+                   help="never preload these (and their submodules) from the --record file, comma-separated")
     s.add_argument("--status", default=None, metavar="FILE", help="write the supervisor's state, restart counts and last exits here (JSON)")
     s.add_argument("--stop-timeout", type=float, default=30.0, help="seconds from SIGTERM to SIGKILL of the engine (default 30)")
     s.add_argument("--backoff-max", type=float, default=30.0, help="longest wait before restarting a crashing engine (default 30 s)")

@@ -67,13 +67,15 @@ def check_cuda(libraries: Iterable[str], loaded_by: str | None = None) -> None:
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and cuda.is_initialized():
         raise ForkUnsafe("CUDA is initialised in the template (torch.cuda.is_initialized()): a CUDA context does not "
-                         "survive fork. Something preloaded touched the GPU at import; leave it out of --preload")
+                         "survive fork. Something preloaded touched the GPU at import; leave it out of --preload, or out "
+                         "of the --record file with --exclude MODULE")
     for path in sorted(libraries):
         if os.path.basename(path).startswith("libcuda.so"):
             culprit = f"importing {loaded_by} loaded it" if loaded_by else "something preloaded loaded it at import"
             raise ForkUnsafe(f"the CUDA driver is loaded in the template ({path} is mapped): a CUDA context does not "
-                             f"survive fork. {culprit[0].upper() + culprit[1:]}; leave it out of --preload (and out of the "
-                             "--record file)")
+                             f"survive fork. {culprit[0].upper() + culprit[1:]}; leave it out of --preload, or out of the "
+                             "--record file with --exclude MODULE (or, if it asks torch.cuda.is_available(), set "
+                             "PYTORCH_NVML_BASED_CUDA_CHECK=1: torch then asks NVML and leaves CUDA alone)")
 
 
 def quiesce_openblas(libraries: Iterable[str]) -> int:
@@ -113,7 +115,7 @@ def check_threads(started_by: dict[str, int] | None = None) -> None:
             blame = "; threads appeared while importing " + ", ".join(f"{m} (+{n})" for m, n in started_by.items())
         raise ForkUnsafe(f"{len(others)} other thread(s) running in the template: {', '.join(others)}{blame}. Forking "
                          "with threads can leave locks held forever in the engine; leave the module that starts them "
-                         "out of --preload (and out of the --record file)")
+                         "out of --preload, or out of the --record file with --exclude MODULE")
 
 
 def socket_fds(allowed: Iterable[int]) -> list[str]:

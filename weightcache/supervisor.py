@@ -1,7 +1,7 @@
 """``weightcache supervise``: keep an engine's imports in a template process and fork each
 engine from it, so a restart costs a fork instead of ``import torch, transformers``.
 
-    weightcache supervise [--preload MODULES] [--record FILE] [--status FILE] -- python engine.py ARGS
+    weightcache supervise [--preload MODULES] [--record FILE [--exclude MODULES]] [--status FILE] -- python engine.py ARGS
 
 In the spirit of gunicorn's ``--preload`` and Android's zygote. With the cache, an
 engine's imports, not its weights, decide its restart time (issue 16: on the H200 an
@@ -117,6 +117,7 @@ def parse_command(cmd: list[str], executable: str = sys.executable) -> EngineCom
 class SupervisorOptions:
     preload: tuple[str, ...] = ()  # imported before the first fork; a failure stops the supervisor
     record: str | None = None  # engines write their modules here at ready(); preloaded (failures logged) at start
+    exclude: tuple[str, ...] = ()  # never preloaded from the record: these modules and their submodules
     status: str | None = None  # JSON status written at every change
     stop_timeout_s: float = 30.0  # from the stop signal to SIGKILL
     backoff_max_s: float = 30.0
@@ -292,7 +293,7 @@ class Supervisor:
         names = list(dict.fromkeys(self.options.preload))
         explicit = set(names)
         if self.options.record:
-            names += [n for n in engine_api.read_record(self.options.record) if n not in explicit]
+            names += [n for n in engine_api.read_record(self.options.record) if n not in explicit and not self._excluded(n)]
         failed: list[str] = []
         t = time.perf_counter()
         for name in names:
@@ -313,6 +314,9 @@ class Supervisor:
                  len(explicit), len(names) - len(explicit), self.options.record or "no record",
                  f"; {len(failed)} from the record failed to import and were skipped: {', '.join(failed[:5])}" if failed else "")
         return started_by, driver_by
+
+    def _excluded(self, name: str) -> bool:
+        return any(name == x or name.startswith(x + ".") for x in self.options.exclude)
 
     def run(self) -> int:
         """Preload, check, then supervise until stopped. The exit status of the supervisor:
