@@ -349,17 +349,16 @@ class Loads:
                 allocate = backend.allocate_as_room_frees if lazy else backend.allocate
                 arena = await asyncio.to_thread(allocate, nbytes, name)
                 phase("allocate")
-                waited = arena.room_wait_s
                 content = await asyncio.to_thread(fill, ckpt, arena, progress)
                 phase("fill")
                 if content is not None:  # read from files: the fingerprint of the bytes just read
                     # A peer's model: nobody may pass it off as the operator's (tenant_fingerprint).
                     ckpt = dataclasses.replace(ckpt, fingerprint=content if model.owner is None
                                                else tenant_fingerprint(content, model.owner))
-                if arena.room_wait_s:  # waiting for victims' chunks to leave is not the fill's own time
-                    phases["allocate"] -= waited
-                    phases["fill"] -= arena.room_wait_s - waited
-                    phases["wait for room"] = arena.room_wait_s
+                if arena.room_wait_s:
+                    # Part of "fill", not a phase of its own: while the fill waits for a
+                    # victim's next chunk, the chunks it already has are still copying.
+                    phases["room wait in fill"] = arena.room_wait_s
                 check_wanted()
                 await asyncio.to_thread(backend.seal, arena)
                 phase("seal")
@@ -393,8 +392,7 @@ class Loads:
         model.arena, model.checkpoint, model.table, model.last_error = arena, ckpt, table, None
         self.core.finish_load(name)
         if verb in ("loaded", "promoted"):  # what the cost-aware policy prices a return with
-            # The fill's own time: waiting in the queue, for frees or for a victim's
-            # chunks ("wait for room", taken out of "fill") is not the model's cost.
+            # The fill's own time: waiting in the queue or for frees is not the model's cost.
             own = ("open", "allocate", "fill", "seal", "table")
             self.core.observe_load(name, "host" if plan.promote else "files", nbytes, sum(phases.get(k, 0.0) for k in own))
         self.counters["loads"] += 1  # from files or the host tier, as the core counts them per model

@@ -12,7 +12,7 @@ from typing import Any
 
 LOAD_LINE = re.compile(r"(loaded|promoted) (\S+): \d+ tensors, (\d+) bytes in ([\d.]+)s \(([\d.]+) GB/s; ([^)]*)\)")
 # Phases that are not the fill itself: waiting for the queue, for frees, for room.
-WAITING = ("admit", "queued", "wait for frees", "wait for room")
+WAITING = ("admit", "queued", "wait for frees")
 
 
 def load_lines(text: str) -> list[dict[str, Any]]:
