@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from weightcache.cache import CacheCore, State
+from weightcache.cache import CacheCore, State, StepDown
 from weightcache.errors import Attached, BadRequest, NoSpace, Pinned, UnknownModel
 
 
@@ -469,3 +469,42 @@ def test_set_max_loaded_evicts_down_to_the_count_or_changes_nothing():
     assert step.evict == ("a",) and core.max_loaded == {"cpu": 2}
     core.check_invariants()
     assert core.set_max_loaded("cpu", None).evict == () and core.max_loaded == {}
+
+
+def test_shared_arenas_count_once_and_leave_with_their_last_name():
+    """Note [shared arenas]: two names of one share key hold one arena; the bytes count
+    once; one name evicted or unregistered leaves the other's bytes; the policy takes the
+    arena only when neither name holds it, and then both names go."""
+    core = CacheCore({"cpu": 100}, clock=Clock())
+    core.register("a", "cpu", share="k")
+    core.register("b", "cpu", share="k")
+    core.register("c", "cpu")
+    core.register("gpu-ish", "cpu", share="other")  # another key: nothing in common
+    loaded(core, "a", 40)
+    assert core.resident_sibling("b") == "a" and core.resident_sibling("gpu-ish") is None
+    with pytest.raises(BadRequest):
+        core.begin_load("b", 40)  # a second copy: refused, it must join
+    assert core.join("b") == StepDown()
+    core.check_invariants()
+    assert core.devices["cpu"].used == 40 and core.loaded_on("cpu") == 1 and core.entry("b").nbytes == 40
+    lease = core.attach("b", conn=1)
+    assert core.evict("a").evict == ("a",)  # a's name goes; b's lease keeps the bytes
+    assert core.devices["cpu"].used == 40 and core.entry("a").state is State.EVICTED
+    core.join("a")
+    core.check_invariants()
+    with pytest.raises(NoSpace):
+        core.begin_load("c", 70)  # only the shared arena could make room, and b holds it
+    core.detach(lease.id, conn=1)
+    plan = core.begin_load("c", 70)
+    assert sorted(plan.evict) == ["a", "b"] and core.devices["cpu"].used == 0
+    core.finish_load("c")
+    core.check_invariants()
+    # unregistering one name of a resident arena leaves the bytes with the other
+    core.evict("c")
+    loaded(core, "b", 40)
+    core.join("a")
+    core.unregister("b")
+    assert core.devices["cpu"].used == 40 and core.siblings("a") == []
+    core.unregister("a")
+    assert core.devices["cpu"].used == 0
+    core.check_invariants()

@@ -7,9 +7,10 @@ Note [invariants]
 Held after every public method returns (``check_invariants`` asserts them; the property
 tests in tests/test_core.py drive random operation sequences against them):
 
-1. Per device, ``used`` is the sum of ``nbytes`` of its RESIDENT models and ``reserved``
-   the sum of ``nbytes`` of its LOADING models; ``used + reserved <= budget``. Where the
-   device has a ``max_loaded`` count, its RESIDENT and LOADING models number at most that.
+1. Per device, ``used`` is the sum of ``nbytes`` of its RESIDENT arenas (a shared one
+   once) and ``reserved`` the sum of ``nbytes`` of its LOADING models; ``used + reserved
+   <= budget``. Where the device has a ``max_loaded`` count, its RESIDENT and LOADING
+   arenas number at most that.
 2. A model's attach count is the number of live leases on it, never negative; only a
    RESIDENT model has leases.
 3. A model with a lease, or pinned, is never chosen for eviction. Victims are evictable
@@ -29,6 +30,19 @@ tests in tests/test_core.py drive random operation sequences against them):
    the highest H among them): explicit evictions, keep_alive expiries and host-tier
    drops are not the policy's choices and leave it alone. Frequencies (``refs``) are
    never negative and only attaches raise them.
+
+Note [shared arenas]
+--------------------
+Entries registered with one ``share`` key (the server gives it to names whose checkpoint
+is the same files, on the same device and rank, for the same owner) hold one arena
+between them. Each keeps its own leases, pin, keep_alive, last use and counters; the
+arena is counted once (1) and loaded once: an entry whose sibling is RESIDENT ``join``s
+it instead of loading, and ``begin_load`` refuses while a sibling loads or is resident.
+Evicting one name (``evict``, keep_alive) makes that name EVICTED and frees nothing while
+a sibling is still RESIDENT; the arena's bytes go with its last resident name. The
+policy sees a shared arena as one candidate, only when none of its names is attached or
+pinned, ranked as its highest-priority name, and evicts every name on it. A shared
+arena is never demoted to the host tier (its names would have to return together).
 
 What the policy changes, and what it does not: the policy decides only *which* evictable
 models leave a device, to admit a load (``begin_load``) or to lower a budget
@@ -87,6 +101,8 @@ class Entry:
     evictions: int = 0  # times it left its device (demoted or not)
     demotions: int = 0  # of those, into the host tier
     promotions: int = 0  # loads served from the host tier
+    # Entries of one share key hold one arena between them (Note [shared arenas]); None: its own.
+    share: str | None = None
 
     @property
     def attach_count(self) -> int:
@@ -169,6 +185,7 @@ class CacheCore:
         self.rates = LoadRates()  # learned under every policy: reload_cost means the same under each
         self.policy: EvictionPolicy = make_policy(policy, self.rates, self._comes_back_from)
         self._models_on: dict[str, int] = dict.fromkeys(budgets, 0)  # device -> models registered on it
+        self._shares: dict[str, set[str]] = {}  # share key -> the entries registered with it
         self._uses: dict[str, int] = dict.fromkeys(budgets, 0)  # device -> attaches tallied towards aging
 
     # -- registry -------------------------------------------------------------------
@@ -178,15 +195,61 @@ class CacheCore:
         except KeyError:
             raise UnknownModel(f"no model named {name!r} is registered", model=name) from None
 
-    def register(self, name: str, device: str, *, pinned: bool = False, keep_alive: float | None = None) -> Entry:
+    def register(self, name: str, device: str, *, pinned: bool = False, keep_alive: float | None = None,
+                 share: str | None = None) -> Entry:
+        """``share``: a key naming the bytes (same files, device, owner): entries of one key
+        hold one arena between them (Note [shared arenas])."""
         if name in self.entries:
             raise BadRequest(f"model {name!r} is already registered", model=name)
         if device not in self.devices:
             raise BadRequest(f"device {device!r} has no budget; configured: {sorted(self.devices)}", device=device)
-        e = Entry(name=name, device=device, pinned=pinned, keep_alive=keep_alive, configured_keep_alive=keep_alive)
+        key = None if share is None else f"{device}\0{share}"
+        e = Entry(name=name, device=device, pinned=pinned, keep_alive=keep_alive, configured_keep_alive=keep_alive, share=key)
         self.entries[name] = e
         self._models_on[device] += 1
+        if key is not None:
+            self._shares.setdefault(key, set()).add(name)
         return e
+
+    # -- shared arenas (Note [shared arenas]) -------------------------------------------
+    def siblings(self, name: str) -> list[Entry]:
+        """The other entries that share ``name``'s arena key."""
+        e = self.entry(name)
+        if e.share is None:
+            return []
+        return [self.entries[n] for n in sorted(self._shares[e.share]) if n != name]
+
+    def _sibling_in(self, e: Entry, state: State) -> Entry | None:
+        return next((x for x in self.siblings(e.name) if x.state is state), None)
+
+    def resident_sibling(self, name: str) -> str | None:
+        """A RESIDENT entry whose arena ``name`` may take instead of loading, or None."""
+        x = self._sibling_in(self.entry(name), State.RESIDENT)
+        return None if x is None else x.name
+
+    def loading_sibling(self, name: str) -> str | None:
+        """An entry loading the arena ``name`` would share, or None."""
+        x = self._sibling_in(self.entry(name), State.LOADING)
+        return None if x is None else x.name
+
+    def join(self, name: str) -> StepDown:
+        """Make ``name`` RESIDENT on a resident sibling's arena: no load, no bytes (they are
+        counted once, for the arena). A host copy it still had is dropped (the StepDown)."""
+        e = self.entry(name)
+        sib = self._sibling_in(e, State.RESIDENT)
+        if sib is None or e.state in (State.LOADING, State.RESIDENT):
+            raise BadRequest(f"model {name!r} cannot share an arena now (state {e.state})", model=name)
+        step = StepDown()
+        if e.state is State.HOST:
+            self._drop_host_copy(e)
+            step = StepDown(drop_host=(name,))
+        e.nbytes, e.state = sib.nbytes, State.RESIDENT
+        self._used(e)
+        return step
+
+    def _arena_key(self, e: Entry) -> str:
+        """What counts once: the share key, or the entry itself."""
+        return e.share if e.share is not None else "\0" + e.name
 
     def check_removable(self, name: str) -> Entry:
         """Raise what ``unregister`` would (ATTACHED, or BAD_REQUEST while loading); change nothing."""
@@ -200,12 +263,16 @@ class CacheCore:
     def unregister(self, name: str) -> Entry:
         """Forget a model. Returns its entry; if it was RESIDENT the caller frees the arena."""
         e = self.check_removable(name)
-        if e.state is State.RESIDENT:
+        if e.state is State.RESIDENT and self._sibling_in(e, State.RESIDENT) is None:  # else a sibling keeps the bytes
             self.devices[e.device].used -= e.nbytes
         if e.host_copy:
             self.host.used -= e.nbytes
         del self.entries[name]
         self._models_on[e.device] -= 1
+        if e.share is not None:
+            self._shares[e.share].discard(name)
+            if not self._shares[e.share]:
+                del self._shares[e.share]
         self.rates.forget(name)
         return e
 
@@ -273,6 +340,8 @@ class CacheCore:
         e = self.entry(name)
         if e.state in (State.LOADING, State.RESIDENT):
             raise BadRequest(f"model {name!r} is already {e.state}", model=name)
+        if any(x.state in (State.LOADING, State.RESIDENT) for x in self.siblings(name)):
+            raise BadRequest(f"model {name!r} shares its arena with a model loading or resident: join it", model=name)
         if e.host_copy and nbytes != e.nbytes:
             raise BadRequest(f"model {name!r}: host copy is {e.nbytes} bytes, not {nbytes}; drop it first", model=name)
         acct = self.devices[e.device]
@@ -286,8 +355,10 @@ class CacheCore:
         return LoadPlan(name=name, nbytes=nbytes, step_down=step, promote=e.host_copy)
 
     def loaded_on(self, device: str) -> int:
-        """Models counted against ``device``'s max_loaded: RESIDENT or LOADING there."""
-        return sum(x.device == device and x.state in (State.RESIDENT, State.LOADING) for x in self.entries.values())
+        """Models counted against ``device``'s max_loaded: RESIDENT or LOADING there, a
+        shared arena once."""
+        return len({self._arena_key(x) for x in self.entries.values()
+                    if x.device == device and x.state in (State.RESIDENT, State.LOADING)})
 
     def _over_count(self, device: str) -> int:
         """How many models must leave ``device`` before one more may load there."""
@@ -298,14 +369,30 @@ class CacheCore:
         """The policy's victims among the evictable models on ``device`` whose bytes add up
         to ``need`` and that number at least ``count`` (Note [invariants], 3), its clock
         moved past them; None if all of them would not."""
-        victims = self.policy.choose((x for x in self.entries.values() if x.device == device and x.evictable), need, count)
+        candidates: list[Entry] = []
+        groups: dict[str, list[Entry]] = {}
+        for x in self.entries.values():
+            if x.device != device or not x.evictable:
+                continue
+            if x.share is None:
+                candidates.append(x)
+            elif x.share not in groups:
+                # A shared arena leaves only with every name on it, so only when none is
+                # attached or pinned; it is ranked as its most valuable name.
+                group = groups[x.share] = [y for y in (x, *self.siblings(x.name)) if y.state is State.RESIDENT]
+                if all(y.evictable for y in group):
+                    candidates.append(max(group, key=self.policy.priority))
+        victims = self.policy.choose(candidates, need, count)
         if victims:
             self.policy.evicted(device, victims)
+            return [y for v in victims for y in (groups[v.share] if v.share is not None else [v])]
         return victims
 
     def _demotable(self, e: Candidate) -> bool:
-        """Whether evicting ``e`` now would move it to the host tier (the step down's rule)."""
-        return e.device != "cpu" and 0 < e.nbytes <= self.host.budget
+        """Whether evicting ``e`` now would move it to the host tier (the step down's rule).
+        A shared arena is not demoted: its names would have to come back together."""
+        shared = isinstance(e, Entry) and e.share is not None and len(self._shares[e.share]) > 1
+        return e.device != "cpu" and 0 < e.nbytes <= self.host.budget and not shared
 
     def _comes_back_from(self, e: Candidate) -> Source:
         return "host" if self._demotable(e) else "files"
@@ -317,8 +404,12 @@ class CacheCore:
         evict: list[str] = []
         drop_host: list[str] = []
         for v in victims:
-            self.devices[v.device].used -= v.nbytes
             v.evictions += 1
+            if self._sibling_in(v, State.RESIDENT) is not None:  # a name still on the arena keeps its bytes
+                v.state = State.EVICTED
+                evict.append(v.name)
+                continue
+            self.devices[v.device].used -= v.nbytes
             if self._demotable(v):
                 droppable = sorted((x for x in self.entries.values() if x.state is State.HOST and x is not keep),
                                    key=lambda x: x.last_used)
@@ -477,7 +568,8 @@ class CacheCore:
             return StepDown(drop_host=(name,))
         self.check_evictable(name, ignore_pin=ignore_pin)
         if not demote:
-            self.devices[e.device].used -= e.nbytes
+            if self._sibling_in(e, State.RESIDENT) is None:  # else a sibling keeps the bytes
+                self.devices[e.device].used -= e.nbytes
             e.evictions += 1
             e.state = State.EVICTED
             return StepDown(evict=(name,))
@@ -560,11 +652,16 @@ class CacheCore:
     def check_invariants(self) -> None:
         for dev, acct in self.devices.items():
             mine = [e for e in self.entries.values() if e.device == dev]
-            assert acct.used == sum(e.nbytes for e in mine if e.state is State.RESIDENT), dev
+            arenas = {self._arena_key(e): e.nbytes for e in mine if e.state is State.RESIDENT}  # a shared one once
+            assert acct.used == sum(arenas.values()), dev
             assert acct.reserved == sum(e.nbytes for e in mine if e.state is State.LOADING), dev
             assert acct.used + acct.reserved <= acct.budget, dev
             if dev in self.max_loaded:
-                assert sum(e.state in (State.RESIDENT, State.LOADING) for e in mine) <= self.max_loaded[dev], dev
+                assert self.loaded_on(dev) <= self.max_loaded[dev], dev
+            for key in {e.share for e in mine if e.share is not None}:
+                held = [e for e in mine if e.share == key and e.state in (State.RESIDENT, State.LOADING)]
+                # one arena: resident names all of one size, or a single load and nothing resident
+                assert len({e.nbytes for e in held}) <= 1 and (len(held) <= 1 or all(e.state is State.RESIDENT for e in held)), key
         for e in self.entries.values():
             assert all(self.leases[i].model == e.name for i in e.leases)
             assert not e.leases or e.state is State.RESIDENT, e.name

@@ -169,15 +169,20 @@ class Loads:
     async def _resident_once(self, name: str) -> str:
         e = self.core.entry(name)
         if e.state is State.RESIDENT:
-            m = self.registry.models[name]
-            if m.checkpoint is not None and (e.attach_count or m.unchanged()):
+            if self._current(name):
                 self.core.touch(name)
                 return "resident"
-            # The files changed since it was loaded and nobody holds the old bytes:
-            # drop them so the new checkpoint is what gets served.
-            log.warning("model %s changed on disk; reloading it", name, extra={"model": name})
-            # a pin keeps a model, not stale bytes; and stale bytes do not go to the host tier
-            await self.carry_out(self.core.evict(name, ignore_pin=True, demote=False), reason="changed on disk")
+            await self._drop_stale(name)
+        elif (sibling := self.core.resident_sibling(name)) is not None:
+            # Another name of the same files holds them (Note [shared arenas]): take its
+            # arena rather than a second copy, if its bytes are still the files'.
+            if self._current(sibling):
+                await self._join(name, sibling)
+                return "resident"
+            await self._drop_stale(sibling)
+        elif (sibling := self.core.loading_sibling(name)) is not None and sibling in self.jobs:
+            await self._wait_for(self.jobs[sibling])  # its arena will be ours too
+            return await self._resident_once(name)
         job = self.jobs.get(name)
         if job is not None and job.abandoned.is_set():
             # Given up, and stopping at its next chunk: let it stop, then load afresh.
@@ -192,6 +197,44 @@ class Loads:
         try:
             assert job.task is not None
             return await asyncio.shield(job.task)
+        finally:
+            job.waiters -= 1
+            if not job.waiters and job.task is not None and not job.task.done():
+                self._orphaned(job)
+
+    def _current(self, name: str) -> bool:
+        """Whether RESIDENT ``name``'s arena may be served: its files unchanged since it was
+        loaded, or someone attached to the arena (under any of its names) holds the old
+        bytes (they are served until nobody does, then reloaded)."""
+        m = self.registry.models[name]
+        attached = any(x.attach_count for x in (self.core.entry(name), *self.core.siblings(name))
+                       if x.state is State.RESIDENT)
+        return m.checkpoint is not None and (attached or m.unchanged())
+
+    async def _drop_stale(self, name: str) -> None:
+        """The files changed since ``name`` was loaded and nobody holds the old bytes: drop
+        them (under every name on the arena) so the new checkpoint is what gets served."""
+        log.warning("model %s changed on disk; reloading it", name, extra={"model": name})
+        for x in [name, *(s.name for s in self.core.siblings(name) if s.state is State.RESIDENT)]:
+            # a pin keeps a model, not stale bytes; and stale bytes do not go to the host tier
+            await self.carry_out(self.core.evict(x, ignore_pin=True, demote=False), reason="changed on disk")
+
+    async def _join(self, name: str, sibling: str) -> None:
+        """``name`` becomes RESIDENT on ``sibling``'s arena: the same bytes, no load."""
+        step = self.core.join(name)
+        m, s = self.registry.models[name], self.registry.models[sibling]
+        m.arena, m.checkpoint, m.table, m.last_error = s.arena, s.checkpoint, s.table, None
+        log.info("%s shares the arena of %s (the same files): no second copy", name, sibling,
+                 extra={"model": name, "bytes": self.core.entry(name).nbytes})
+        if step.drop_host:
+            await self.carry_out(step, reason=f"{name} shares the arena of {sibling}")
+
+    async def _wait_for(self, job: LoadJob) -> None:
+        """Wait for another name's load as one of its waiters (its outcome is seen by the retry)."""
+        job.waiters += 1
+        try:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(job.task)  # type: ignore[arg-type]
         finally:
             job.waiters -= 1
             if not job.waiters and job.task is not None and not job.task.done():
@@ -522,11 +565,12 @@ class Loads:
                      extra={"model": name, "bytes": arena.nbytes, "seconds": round(dt, 6), "reason": reason})
 
     def forget(self, models: list[Model]) -> None:
-        """Free what unregistered entries held: arenas, host copies, a peer's files."""
+        """Free what unregistered entries held: arenas (a shared one once its last name
+        goes), host copies, a peer's files."""
         for model in models:
-            if model.arena is not None:
-                self.release(model.arena)
-                model.arena = None
+            arena, model.arena = model.arena, None
+            if arena is not None and not self._in_use(arena):
+                self.release(arena)
             self.drop_host_copy(model)
             for files in (model.files, model.parked):
                 if files is not None:
@@ -542,11 +586,21 @@ class Loads:
 
     def _free_arena(self, name: str, reason: str) -> None:
         model = self.registry.models[name]
-        if model.arena is not None:
-            log.info("evicted %s (%d bytes): %s", name, model.arena.nbytes, reason,
-                     extra={"model": name, "bytes": model.arena.nbytes, "reason": reason})
-            self.release(model.arena)
-            model.arena = None
+        arena, model.arena = model.arena, None
+        if arena is None:
+            return
+        if self._in_use(arena):  # another name on the same arena (Note [shared arenas]) keeps it
+            log.info("evicted %s: %s; its arena stays, shared with %s", name, reason,
+                     ", ".join(x.name for x in self.core.siblings(name) if x.state is State.RESIDENT),
+                     extra={"model": name, "reason": reason})
+            return
+        log.info("evicted %s (%d bytes): %s", name, arena.nbytes, reason,
+                 extra={"model": name, "bytes": arena.nbytes, "reason": reason})
+        self.release(arena)
+
+    def _in_use(self, arena: Arena) -> bool:
+        """Whether a registered name still holds ``arena`` (a shared one)."""
+        return any(m.arena is arena for m in self.registry.models.values())
 
     def release(self, arena: Arena) -> None:
         """Free an arena off the event loop: the kernel takes ~63 ms per GiB to release a
@@ -565,9 +619,9 @@ class Loads:
             t.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
         for model in self.registry.models.values():
-            if model.arena is not None:
-                self.backends[model.arena.device].free(model.arena)
-                model.arena = None
+            arena, model.arena = model.arena, None
+            if arena is not None and not self._in_use(arena):  # a shared arena once, with its last name
+                self.backends[arena.device].free(arena)
             if model.host is not None:
                 self.backends[model.device].free_host(model.host)
                 model.host = None

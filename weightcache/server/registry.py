@@ -11,6 +11,7 @@ arenas, host copies and files the caller must free.
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -61,6 +62,22 @@ class Model:
         return self.checkpoint.unchanged_on_disk()
 
 
+def share_key(path: Path, rank: int, ranks: int, owner: int | None) -> str | None:
+    """What makes two names' entries one arena (cache/core.py, Note [shared arenas]): the
+    same checkpoint path, symlinks resolved, as the same rank of the same number of
+    ranks, for the same owner (the core adds the device). So the two always read the same
+    files, whose identity (the staleness check) is then the same for both. A path through
+    a symlink is not shared: the link could be pointed elsewhere for one name and not
+    the other. None: not shared."""
+    try:
+        real = os.path.realpath(path)
+        if real != os.path.abspath(path):
+            return None
+    except OSError:
+        return None
+    return f"{real}\0rank {rank} of {ranks}\0owner {owner}"
+
+
 def redacted(error: dict[str, Any]) -> dict[str, Any]:
     """A load error as a peer who may not see the model's files gets it: the code, and
     nothing about paths, sizes or bytes (those answer questions about the daemon's disks)."""
@@ -87,8 +104,10 @@ class Registry:
         sharded = bool(mc.shards)
         entries = [f"{mc.name}@{r}" if sharded else mc.name for r in range(len(mc.parts))]
         for i, (entry, (path, device)) in enumerate(zip(entries, mc.parts, strict=True)):
+            # A peer's own open files are its alone; published memory has no files.
+            share = share_key(path, i, len(mc.parts), owner) if sources is None and origin != "publish" else None
             try:
-                self.core.register(entry, device, pinned=mc.pin, keep_alive=mc.keep_alive)
+                self.core.register(entry, device, pinned=mc.pin, keep_alive=mc.keep_alive, share=share)
             except BaseException:
                 for done in entries[:i]:
                     self.core.unregister(done)
@@ -193,6 +212,7 @@ class Registry:
             "device_uuid": self.backends[e.device].uuid, "nbytes": e.nbytes,
             "attach_count": e.attach_count, "pinned": e.pinned, "keep_alive": e.keep_alive,
             "shard_of": m.config.name if m.rank is not None else None, "rank": m.rank,
+            "shares_with": [x.name for x in self.core.siblings(name)],  # one arena, counted once
             "origin": m.origin, "owner": m.owner,
             "path": None if private else str(m.path), "fingerprint": m.checkpoint.fingerprint if m.checkpoint else None,
             "tensors": len(m.checkpoint.tensors) if m.checkpoint else None,

@@ -1,0 +1,107 @@
+"""Two model names for the same files share one arena (cache/core.py, Note [shared
+arenas]): the bytes are held and counted once, each name keeps its own leases and
+policy, the arena goes only with its last name, and a reload that changes one name's
+path splits them."""
+
+import os
+
+import pytest
+import torch
+from helpers import states
+
+from weightcache import Client
+from weightcache.errors import Attached, NoSpace
+
+
+def used(st) -> int:
+    return st["devices"]["cpu"]["used"]
+
+
+def same_bytes(m1, m2) -> bool:
+    return set(m1) == set(m2) and all(torch.equal(m1[k].view(torch.uint8), m2[k].view(torch.uint8)) for k in m1)
+
+
+async def test_two_names_one_copy_attach_via_both(start_daemon, ckpts):
+    d = start_daemon(budget="60MiB", models={"a1": ckpts["a"], "a2": ckpts["a"], "b": ckpts["b"]})
+    async with Client(d.socket) as c:
+        await c.load("a1")
+        one = used(await c.status())
+        async with c.attach("a1") as m1, c.attach("a2") as m2:
+            assert used(await c.status()) == one  # a2 took a1's arena: no second copy
+            assert same_bytes(m1, m2) and m1.fingerprint == m2.fingerprint
+            listed = {m["name"]: m for m in await c.models()}
+            assert listed["a2"]["state"] == "resident" and listed["a2"]["shares_with"] == ["a1"]
+            assert listed["b"]["shares_with"] == []
+            assert listed["a1"]["nbytes"] == listed["a2"]["nbytes"] == one
+        assert "a2 shares the arena of a1" in d.log_text()
+
+
+async def test_evicting_one_name_while_the_other_is_attached(start_daemon, ckpts):
+    d = start_daemon(budget="60MiB", models={"a1": ckpts["a"], "a2": ckpts["a"]})
+    async with Client(d.socket) as c:
+        await c.load("a1")
+        one = used(await c.status())
+        async with c.attach("a2") as m2:
+            await c.evict("a1")  # a1's name leaves; a2's lease keeps the bytes
+            assert await states(c) == {"a1": "evicted", "a2": "resident"}
+            assert used(await c.status()) == one
+            with pytest.raises(Attached):
+                await c.evict("a2")
+            async with c.attach("a1") as m1:  # back on the same arena, not loaded again
+                assert same_bytes(m1, m2) and used(await c.status()) == one
+            before = {k: v.clone() for k, v in m2.items()}
+        assert same_bytes(before, m2)
+        await c.evict("a1")
+        await c.evict("a2")  # the last name: the arena goes
+        assert used(await c.status()) == 0
+
+
+async def test_unregistering_one_name_keeps_the_other(start_daemon, ckpts):
+    d = start_daemon(budget="60MiB", models={"a1": ckpts["a"], "a2": ckpts["a"]})
+    async with Client(d.socket) as c:
+        await c.load("a1")
+        await c.load("a2")
+        one = used(await c.status())
+        async with c.attach("a2") as m2:
+            await c.unregister("a1")
+            assert used(await c.status()) == one
+            async with c.attach("a2") as again:
+                assert same_bytes(again, m2)
+        assert [m["shares_with"] for m in await c.models()] == [[]]
+        await c.unregister("a2")
+        assert used(await c.status()) == 0
+
+
+async def test_the_policy_evicts_a_shared_arena_with_all_its_names(start_daemon, ckpts):
+    """Three names in a budget of one and a half copies; a load that needs the room evicts
+    the arena under every name, and only once none holds it."""
+    size = os.path.getsize(ckpts["a"])
+    d = start_daemon(budget=str(int(size * 1.5)), models={"a1": ckpts["a"], "a2": ckpts["a"], "a3": ckpts["a"], "b": ckpts["b"]})
+    async with Client(d.socket) as c:
+        for name in ("a1", "a2", "a3"):
+            await c.load(name)
+        assert await states(c) == {"a1": "resident", "a2": "resident", "a3": "resident", "b": "registered"}
+        async with c.attach("a3"):
+            with pytest.raises(NoSpace):
+                await c.load("b")  # a1 and a2 are free, but the arena is a3's too
+        await c.load("b")
+        assert await states(c) == {"a1": "evicted", "a2": "evicted", "a3": "evicted", "b": "resident"}
+        assert used(await c.status()) == (await c.models())[-1]["nbytes"]
+
+
+async def test_a_reload_that_changes_one_names_path_splits_them(start_daemon, ckpts):
+    d = start_daemon(budget="60MiB", models={"a1": ckpts["a"], "a2": ckpts["a"]})
+    async with Client(d.socket) as c:
+        await c.load("a1")
+        await c.load("a2")
+        one = used(await c.status())
+        d.config.write_text(d.config.read_text().replace(f'name = "a1"\npath = "{ckpts["a"]}"',
+                                                         f'name = "a1"\npath = "{ckpts["b"]}"'))
+        assert (await c.reload())["changed"] == ["a1"]
+        listed = {m["name"]: m for m in await c.models()}
+        assert listed["a2"]["state"] == "resident" and listed["a2"]["shares_with"] == [] == listed["a1"]["shares_with"]
+        assert used(await c.status()) == one  # a2 kept the arena
+        await c.load("a1")  # its own files now: its own arena
+        async with c.attach("a1") as m1, c.attach("a2") as m2:
+            assert m1.fingerprint != m2.fingerprint
+            assert used(await c.status()) == one + {m["name"]: m["nbytes"] for m in await c.models()}["a1"]
