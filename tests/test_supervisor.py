@@ -526,18 +526,20 @@ def test_systemd_notify_socket_passes_through_to_the_engine(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "NOTIFY_SOCKET": str(tmp_path / "notify")}
     p = supervise([], [str(signalled_engine(tmp_path))], tmp_path, env=env)
     pid = engine_pid(tmp_path)
-    got: list[tuple[int, str]] = []
-    while not any(m == "READY=1" for _, m in got):
-        msg, anc, _, _ = notify.recvmsg(4096, socket.CMSG_SPACE(12))
-        sender = next(int.from_bytes(data[:4], "little") for level, kind, data in anc if kind == socket.SCM_CREDENTIALS)
-        got.append((sender, msg.decode()))
+    got: list[tuple[int, str]] = []  # (sender pid, message)
+
+    def receive_until(check) -> None:  # the engine and the supervisor send in either order
+        while not check():
+            msg, anc, _, _ = notify.recvmsg(4096, socket.CMSG_SPACE(12))
+            sender = next(int.from_bytes(data[:4], "little") for level, kind, data in anc if kind == socket.SCM_CREDENTIALS)
+            got.append((sender, msg.decode()))
+
+    receive_until(lambda: any(m == "READY=1" for _, m in got) and any(m.startswith("STATUS=running") for _, m in got))
     assert (pid, "READY=1") in got  # the engine says when the service is ready, not the supervisor
+    assert [s for s, m in got if m == "READY=1"] == [pid]
     assert any(s == p.pid and m.startswith("STATUS=running: engine pid") for s, m in got)
     p.send_signal(signal.SIGTERM)
-    while not any(m == "STOPPING=1" for _, m in got):
-        msg, anc, _, _ = notify.recvmsg(4096, socket.CMSG_SPACE(12))
-        sender = next(int.from_bytes(data[:4], "little") for level, kind, data in anc if kind == socket.SCM_CREDENTIALS)
-        got.append((sender, msg.decode()))
+    receive_until(lambda: any(m == "STOPPING=1" for _, m in got))
     assert (p.pid, "STOPPING=1") in got
     assert p.wait(timeout=30) == 0
     notify.close()

@@ -424,7 +424,9 @@ class Supervisor:
         while True:
             assert self.engine is not None
             eng = self.engine
-            timeout = 1.0
+            # The pipe is read between signals: often until the engine is ready, so that the
+            # log's ready line comes when it happened (its time is the engine's own anyway).
+            timeout = 0.1 if eng.ready_s is None else 1.0
             if self.stopping:
                 timeout = max(0.0, min(timeout, self.stop_deadline - time.monotonic()))
             info = signal.sigtimedwait(WAITED_SIGNALS, timeout)
