@@ -47,6 +47,23 @@ async def test_removed_models_series_go(start_daemon, ckpts):
     assert after['weightcache_last_load_bytes_per_second{model="a"}'] > 0
 
 
+@pytest.mark.parametrize("all_models", [False, True])
+async def test_models_only_some_peers_may_use_are_labelled_only_when_asked(start_daemon, ckpts, all_models):
+    """Any local user can read the port: a model with allowed_uids is not named there
+    unless the operator sets metrics_all_models (docs/deployment.md, "Tenants")."""
+    port = free_port()
+    d = start_daemon(budget="40MiB", models={"open": ckpts["a"], "restricted": ckpts["b"]}, restricted={"allowed_uids": [1234]},
+                     extra_daemon={"metrics_listen": f"127.0.0.1:{port}", "metrics_all_models": all_models})
+    async with Client(d.socket) as c:
+        await c.load("open")
+        await c.load("restricted")
+    got = series(scrape(port))
+    assert got['weightcache_model_state{model="open",state="resident"}'] == 1
+    named = [k for k in got if 'model="restricted"' in k]
+    assert bool(named) is all_models, named
+    assert got['weightcache_device_used_bytes{device="cpu"}'] > 9 * 2**20  # both models: its bytes still count there
+
+
 async def test_error_replies_are_counted_by_code_and_op(start_daemon, tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(struct.pack("<Q", 4) + b"\xff\xfe{}")  # no JSON header: not a safetensors file

@@ -120,8 +120,22 @@ async def cmd_status(args: argparse.Namespace) -> int:
                         "(weightcache ps)"]
     for name, p in st["loading"].items():
         lines.append(f"loading {name}: {_size(p['bytes_done'])} / {_size(p['bytes_total'])} at {_size(p['bytes_per_s'])}/s")
+    if st.get("tenants"):
+        lines.append(_tenants_table(st["tenants"]))
     _print(*lines)
     return 0
+
+
+def _tenants_table(tenants: dict[str, Any]) -> Any:
+    """Per tenant and device: what its models hold, of what quota; and its pins."""
+    t = _table("tenant", "device", "used", "quota", "pins", right=("used", "quota", "pins"))
+    for name, u in tenants.items():
+        pins = f"{u['pins']}" + (f" / {u['pins_quota']}" if u["pins_quota"] is not None else "")
+        rows = [(dev, d) for dev, d in u["devices"].items() if d["used"] or d["quota"] is not None]
+        for i, (dev, d) in enumerate(rows or [("-", {"used": 0, "quota": None})]):
+            t.add_row(name if i == 0 else "", dev, _size(d["used"]), "-" if d["quota"] is None else _size(d["quota"]),
+                      pins if i == 0 else "")
+    return t
 
 
 async def cmd_models(args: argparse.Namespace) -> int:
@@ -164,6 +178,11 @@ def _lease_lines(m: dict[str, Any]) -> str:
     return "\n".join(lines) or "-"
 
 
+def _owner(m: dict[str, Any]) -> str:
+    """Whose model it is: the operator's config, or the uid that registered or published it."""
+    return "config" if m.get("owner") is None else f"uid {m['owner']}"
+
+
 async def cmd_ps(args: argparse.Namespace) -> int:
     """Like `ollama ps`: what holds memory now, who holds it, and until when."""
     async with _client(args) as c:
@@ -174,10 +193,10 @@ async def cmd_ps(args: argparse.Namespace) -> int:
     if not resident:
         print("no model is resident")
         return 0
-    t = _table("name", "state", "device", "size", "leases (pid, client, uid, held for)", "idle", "until",
+    t = _table("name", "owner", "state", "device", "size", "leases (pid, client, uid, held for)", "idle", "until",
                right=("size", "idle"))
     for m in resident:
-        t.add_row(m["name"], m["state"], m["device"], _size(m["nbytes"]), _lease_lines(m),
+        t.add_row(m["name"], _owner(m), m["state"], m["device"], _size(m["nbytes"]), _lease_lines(m),
                   "-" if m["attach_count"] else _duration(m["idle_s"]), _until(m))
     _print(t)
     return 0

@@ -10,6 +10,7 @@ This module imports no torch: the CLI and the client read it before anything hea
 
 from __future__ import annotations
 
+import grp
 import os
 import re
 import tomllib
@@ -112,6 +113,20 @@ def check_device(device: str) -> str:
     return device
 
 
+def resolve_group(group: Any) -> int:
+    """A group name or gid -> the gid; ValueError naming it when no such group exists."""
+    if isinstance(group, bool) or not isinstance(group, (int, str)):
+        raise ValueError(f"not a group name or gid: {group!r}")
+    if isinstance(group, int) or group.isdigit():
+        if int(group) < 0:
+            raise ValueError(f"gid must be >= 0, not {group}")
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ValueError(f"no group named {group!r}") from None
+
+
 def under_roots(path: str | os.PathLike[str], roots: list[Path]) -> bool:
     """Whether ``path``, symlinks resolved, lies under one of ``roots`` (by path component:
     /models2 is not under /models). The loader checks the files it really opened again."""
@@ -147,6 +162,30 @@ class ModelConfig(BaseModel):
     preload: bool = False
     keep_alive: float | None = Field(default=None, gt=0, description="seconds (or '30m', '1h') unused and unattached before eviction")
 
+    # Who may use the model (docs/deployment.md, "Tenants"): a peer whose uid is listed or
+    # who is in a listed group. Neither list: every connected peer, except for a model a
+    # non-admin registered or published, which is its owner's alone (model_ops.py).
+    allowed_uids: tuple[int, ...] | None = Field(default=None, description="uids that may use the model")
+    allowed_gids: tuple[int, ...] | None = Field(default=None, description="groups (names or gids) that may use the model")
+
+    @field_validator("allowed_uids")
+    @classmethod
+    def _uids(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is not None and any(u < 0 for u in v):
+            raise ValueError(f"allowed_uids must be uids >= 0, not {list(v)}")
+        return v
+
+    @field_validator("allowed_gids", mode="before")
+    @classmethod
+    def _gids(cls, v: Any) -> Any:
+        # Group names are resolved once, here: a typo is a config error naming the key,
+        # not a model nobody can reach.
+        if v is None:
+            return None
+        if not isinstance(v, (list, tuple)):
+            raise ValueError(f"allowed_gids must be a list of group names or gids, not {v!r}")
+        return tuple(resolve_group(g) for g in v)
+
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
@@ -177,6 +216,47 @@ class ModelConfig(BaseModel):
         return [(self.path, self.device)]
 
 
+class QuotaConfig(BaseModel):
+    """What one tenant's registered and published models may hold (docs/deployment.md,
+    "Tenants"): ``bytes`` per device, resident or loading there, and ``pins``, the
+    number of its models pinned at once. A device or count not given is not limited."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bytes: dict[str, int] = Field(default_factory=dict, description='per device, e.g. {"cuda:0" = "20GiB"}')
+    pins: int | None = Field(default=None, ge=0, description="models pinned at once")
+
+    @field_validator("bytes", mode="before")
+    @classmethod
+    def _bytes(cls, v: Any) -> dict[str, int]:
+        if not isinstance(v, dict):
+            raise ValueError('bytes must be a table of device = size, e.g. {"cuda:0" = "20GiB"}')
+        out = {}
+        for k, size in v.items():
+            try:
+                out[check_device(str(k))] = parse_size(size)
+            except ValueError as exc:
+                raise ValueError(f"{k}: {exc}") from None
+        return out
+
+
+_TENANT_RE = re.compile(r"^(uid|gid):(.+)$")
+
+
+def tenant_key(key: str) -> str:
+    """``"uid:1000"`` / ``"gid:1000"`` / ``"gid:ml-team"`` -> ``"uid:1000"`` / ``"gid:<gid>"``,
+    the form the daemon keys quotas by; ValueError naming what is wrong."""
+    m = _TENANT_RE.match(key)
+    if not m:
+        raise ValueError(f"quota key {key!r} must be 'uid:<uid>' or 'gid:<group name or gid>'")
+    kind, who = m.groups()
+    if kind == "uid":
+        if not who.isdigit():
+            raise ValueError(f"quota key {key!r}: a uid is a number")
+        return f"uid:{int(who)}"
+    return f"gid:{resolve_group(who)}"
+
+
 class DaemonConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -201,6 +281,9 @@ class DaemonConfig(BaseModel):
         "which unattached models a load evicts: 'lru' (least recently used) or 'gdsf' (cost-aware: "
         "size, uses, and the measured time to bring each back; docs/architecture.md)"))
     metrics_listen: str | None = Field(default=None, description="host:port for the Prometheus /metrics endpoint")
+    metrics_all_models: bool = Field(default=False, description=(
+        "label /metrics series with every model, also those only some peers may use (allowed_uids/allowed_gids, a "
+        "tenant's own); any local user can read the port"))
     log_format: Literal["text", "json"] = "text"
     allow_writable_attach: bool = Field(default=False, description="let clients ask for read-write GPU mappings")
     # -- access control (server/access.py) --
@@ -284,6 +367,26 @@ class Settings(BaseSettings):
     budgets: dict[str, Budget] = Field(default_factory=lambda: {"cpu": Budget(fraction=0.5)})
     models: list[ModelConfig] = Field(default_factory=list)
 
+    # "uid:1000" or "gid:<name or gid>" -> what that tenant's models may hold; keys are
+    # normalised to "uid:N" / "gid:N" (tenant_key).
+    quotas: dict[str, QuotaConfig] = Field(default_factory=dict)
+
+    @field_validator("quotas", mode="before")
+    @classmethod
+    def _quotas(cls, v: Any) -> dict[str, Any]:
+        if not isinstance(v, dict):
+            raise ValueError('quotas must be tables named by tenant, e.g. [quotas."uid:1000"]')
+        out: dict[str, Any] = {}
+        for k, q in v.items():
+            try:
+                key = tenant_key(str(k))
+            except ValueError as exc:
+                raise ValueError(f"{k}: {exc}") from None
+            if key in out:
+                raise ValueError(f"quota key {k!r} names {key}, which has a quota already")
+            out[key] = q
+        return out
+
     @field_validator("budgets", mode="before")
     @classmethod
     def _budgets(cls, v: Any) -> dict[str, Budget]:
@@ -296,6 +399,10 @@ class Settings(BaseSettings):
         for dev in self.daemon.max_loaded_models:
             if dev not in self.budgets:
                 raise ValueError(f"daemon.max_loaded_models names device {dev!r}, which has no entry in [budgets]")
+        for key, q in self.quotas.items():
+            for dev in q.bytes:
+                if dev not in self.budgets:
+                    raise ValueError(f"quotas.{key}.bytes names device {dev!r}, which has no entry in [budgets]")
         seen: set[str] = set()
         for m in self.models:
             if m.name in seen:

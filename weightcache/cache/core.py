@@ -44,6 +44,25 @@ policy sees a shared arena as one candidate, only when none of its names is atta
 pinned, ranked as its highest-priority name, and evicts every name on it. A shared
 arena is never demoted to the host tier (its names would have to return together).
 
+Note [quotas]
+-------------
+A tenant ("uid:N" or "gid:N", quotas.py) may have a quota: bytes per device and a number
+of pins. An entry counts against the quotas of its ``tenants`` (its owner's uid and
+groups; none for the operator's configured models). Bytes are those of its RESIDENT and
+LOADING arenas on the device (a shared one once); the host tier is not counted. The
+eviction rule: a load that would put one of its tenants over that tenant's quota on the
+device first evicts, in the policy's order, that tenant's own evictable models there
+until it fits the quota; other tenants' models cannot bring it under its quota, so they
+are never taken for it. Only then, if the device's budget is still short, does the
+policy choose among every evictable model on the device (the tenant's own included) as
+it always does. If the tenant's own evictable models cannot make room under its quota,
+NoSpace names the quota (``details["quota"]``), and nothing is evicted. A pin that would
+give a tenant more pinned models than its ``pins`` (a sharded model is one) is refused
+with NoSpace naming it. Quotas are checked when bytes or pins are taken: lowering a
+quota evicts nothing by itself. So, in addition to (1): once ``begin_load`` admits a
+load, each of its tenants with a byte quota on the device holds at most that quota there
+(a tenant over a lowered quota must get under it before it loads more).
+
 What the policy changes, and what it does not: the policy decides only *which* evictable
 models leave a device, to admit a load (``begin_load``) or to lower a budget
 (``set_budget``). Under both policies pins and leases keep a model (3), keep_alive
@@ -68,7 +87,9 @@ from enum import StrEnum
 from typing import Any
 
 from ..errors import Attached, BadRequest, NoSpace, Pinned, UnknownModel
+from ..units import format_size
 from .policy import Candidate, EvictionPolicy, LoadRates, PolicyName, Source, make_policy
+from .quotas import Quota, model_of
 
 
 class State(StrEnum):
@@ -103,6 +124,9 @@ class Entry:
     promotions: int = 0  # loads served from the host tier
     # Entries of one share key hold one arena between them (Note [shared arenas]); None: its own.
     share: str | None = None
+    # The tenants whose quotas it counts against ("uid:N", "gid:N": quotas.py); () for the
+    # operator's configured models, which count against none (Note [quotas]).
+    tenants: tuple[str, ...] = ()
 
     @property
     def attach_count(self) -> int:
@@ -187,6 +211,7 @@ class CacheCore:
         self._models_on: dict[str, int] = dict.fromkeys(budgets, 0)  # device -> models registered on it
         self._shares: dict[str, set[str]] = {}  # share key -> the entries registered with it
         self._uses: dict[str, int] = dict.fromkeys(budgets, 0)  # device -> attaches tallied towards aging
+        self.quotas: dict[str, Quota] = {}  # tenant -> its quota (Note [quotas]; set_quotas)
 
     # -- registry -------------------------------------------------------------------
     def entry(self, name: str) -> Entry:
@@ -196,7 +221,7 @@ class CacheCore:
             raise UnknownModel(f"no model named {name!r} is registered", model=name) from None
 
     def register(self, name: str, device: str, *, pinned: bool = False, keep_alive: float | None = None,
-                 share: str | None = None) -> Entry:
+                 share: str | None = None, tenants: tuple[str, ...] = ()) -> Entry:
         """``share``: a key naming the bytes (same files, device, owner): entries of one key
         hold one arena between them (Note [shared arenas])."""
         if name in self.entries:
@@ -204,7 +229,10 @@ class CacheCore:
         if device not in self.devices:
             raise BadRequest(f"device {device!r} has no budget; configured: {sorted(self.devices)}", device=device)
         key = None if share is None else f"{device}\0{share}"
-        e = Entry(name=name, device=device, pinned=pinned, keep_alive=keep_alive, configured_keep_alive=keep_alive, share=key)
+        if pinned:
+            self._check_pin_quota(name, tenants)
+        e = Entry(name=name, device=device, pinned=pinned, keep_alive=keep_alive, configured_keep_alive=keep_alive, share=key,
+                  tenants=tenants)
         self.entries[name] = e
         self._models_on[device] += 1
         if key is not None:
@@ -316,6 +344,8 @@ class CacheCore:
 
     def set_pinned(self, name: str, pinned: bool) -> Entry:
         e = self.entry(name)
+        if pinned and not e.pinned:
+            self._check_pin_quota(name, e.tenants)
         e.pinned = pinned
         return e
 
@@ -345,9 +375,14 @@ class CacheCore:
         if e.host_copy and nbytes != e.nbytes:
             raise BadRequest(f"model {name!r}: host copy is {e.nbytes} bytes, not {nbytes}; drop it first", model=name)
         acct = self.devices[e.device]
-        victims = self._victims(e.device, nbytes - acct.free, self._over_count(e.device))
-        if victims is None:
+        own = self._quota_victims(e, nbytes)  # NoSpace naming the quota if the tenant's own cannot make room
+        arenas = {self._arena_key(v): v.nbytes for v in own}  # a shared arena once
+        taken = {v.name for v in own}
+        others = self._victims(e.device, nbytes - acct.free - sum(arenas.values()), self._over_count(e.device) - len(arenas),
+                               among=lambda x: x.name not in taken)
+        if others is None:
             raise self._no_space(e, nbytes)
+        victims = own + others
         step = self._step_down(victims, keep=e)
         e.state = State.LOADING
         e.nbytes = nbytes
@@ -365,14 +400,15 @@ class CacheCore:
         limit = self.max_loaded.get(device)
         return 0 if limit is None else self.loaded_on(device) + 1 - limit
 
-    def _victims(self, device: str, need: int, count: int = 0) -> list[Entry] | None:
+    def _victims(self, device: str, need: int, count: int = 0,
+                 among: Callable[[Entry], bool] | None = None) -> list[Entry] | None:
         """The policy's victims among the evictable models on ``device`` whose bytes add up
         to ``need`` and that number at least ``count`` (Note [invariants], 3), its clock
         moved past them; None if all of them would not."""
         candidates: list[Entry] = []
         groups: dict[str, list[Entry]] = {}
         for x in self.entries.values():
-            if x.device != device or not x.evictable:
+            if x.device != device or not x.evictable or (among is not None and not among(x)):
                 continue
             if x.share is None:
                 candidates.append(x)
@@ -556,6 +592,81 @@ class CacheCore:
             model=e.name, device=e.device, needed=nbytes, budget=acct.budget, free=acct.free,
             holders=holders, fits_ever=fits_ever, **count,
         )
+
+    # -- quotas (Note [quotas]) ---------------------------------------------------------
+    def set_quotas(self, quotas: dict[str, Quota]) -> None:
+        """The tenants' quotas (start, reload). A lowered quota evicts nothing now: the
+        tenant's next load makes room among its own models first, or is refused."""
+        self.quotas = dict(quotas)
+
+    def tenant_bytes(self, tenant: str, device: str) -> int:
+        """Bytes ``tenant``'s models hold on ``device``, resident or loading (a shared arena once)."""
+        return sum({self._arena_key(x): x.nbytes for x in self.entries.values()
+                    if tenant in x.tenants and x.device == device and x.state in (State.RESIDENT, State.LOADING)}.values())
+
+    def tenant_pins(self, tenant: str) -> set[str]:
+        """The models of ``tenant`` that are pinned (a sharded model once)."""
+        return {model_of(x.name) for x in self.entries.values() if tenant in x.tenants and x.pinned}
+
+    def tenant_usage(self) -> dict[str, dict[str, Any]]:
+        """Per tenant that has a quota or holds a model: bytes per device, pins, and the
+        quota (None where not limited)."""
+        tenants = set(self.quotas) | {t for x in self.entries.values() for t in x.tenants[:1]}  # owners' uids
+        out = {}
+        for t in sorted(tenants):
+            q = self.quotas.get(t)
+            out[t] = {
+                "devices": {dev: {"used": self.tenant_bytes(t, dev), "quota": q.nbytes.get(dev) if q else None}
+                            for dev in self.devices},
+                "pins": len(self.tenant_pins(t)), "pins_quota": q.pins if q else None,
+            }
+        return out
+
+    def _quota_victims(self, e: Entry, nbytes: int) -> list[Entry]:
+        """The tenant's own evictable models on ``e``'s device that must leave for a load of
+        ``nbytes`` to stay within each of ``e``'s tenants' byte quotas there (the policy's
+        order among them); NoSpace naming the quota when they cannot."""
+        chosen: list[Entry] = []
+        for t in e.tenants:
+            q = self.quotas.get(t)
+            limit = q.nbytes.get(e.device) if q is not None else None
+            if limit is None:
+                continue
+            taken = {v.name for v in chosen}
+            going = sum({self._arena_key(v): v.nbytes for v in chosen if t in v.tenants}.values())
+            used = self.tenant_bytes(t, e.device)
+            over = used - going + nbytes - limit
+            if over <= 0:
+                continue
+            def mine(x: Entry, t: str = t, taken: set[str] = taken) -> bool:
+                return t in x.tenants and x.name not in taken
+
+            victims = self._victims(e.device, over, among=mine)
+            if victims is None:
+                assert q is not None
+                kept = sum({self._arena_key(x): x.nbytes for x in self.entries.values()
+                            if t in x.tenants and x.device == e.device and x.pinned and x.state is State.RESIDENT}.values())
+                raise NoSpace(
+                    f"model {e.name!r} needs {format_size(nbytes)} on {e.device}, over the quota of {t}: its models may hold "
+                    f"{format_size(limit)} there ({q.where()}.bytes), hold {format_size(used)} now, and not enough of "
+                    "that is unattached to make room",
+                    model=e.name, device=e.device, needed=nbytes, quota=t, quota_bytes=limit, quota_used=used,
+                    fits_ever=nbytes <= limit - kept)
+            chosen += victims
+        return chosen
+
+    def _check_pin_quota(self, name: str, tenants: tuple[str, ...]) -> None:
+        """NoSpace naming the quota if pinning ``name`` gives one of ``tenants`` more pinned
+        models than its quota allows (another rank of a model already pinned is no new pin)."""
+        for t in tenants:
+            q = self.quotas.get(t)
+            if q is None or q.pins is None:
+                continue
+            pinned = self.tenant_pins(t)
+            if model_of(name) not in pinned and len(pinned) >= q.pins:
+                raise NoSpace(f"{t} has {len(pinned)} pinned model(s), its quota ({q.where()}.pins = {q.pins}); "
+                              f"unpin one before pinning {model_of(name)!r}",
+                              model=model_of(name), quota=t, quota_pins=q.pins, pinned=len(pinned), fits_ever=False)
 
     # -- eviction -------------------------------------------------------------------
     def evict(self, name: str, *, ignore_pin: bool = False, demote: bool = True) -> StepDown:

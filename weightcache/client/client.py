@@ -101,6 +101,7 @@ class Client(Connection):
     async def register(self, name: str, path: str | os.PathLike[str] | None = None, *, device: str = "cpu",
                        shards: list[dict[str, str]] | None = None, pin: bool = False, preload: bool = False,
                        keep_alive: float | None = None, send_files: bool = True,
+                       allowed_uids: list[int] | None = None, allowed_gids: list[int | str] | None = None,
                        timeout: float | None = None) -> dict[str, Any]:
         """Add a model: ``path`` (+ ``device``), or ``shards=[{"path":..., "device":...}, ...]`` in rank order.
 
@@ -110,13 +111,17 @@ class Client(Connection):
         it, and nothing is sent. Without, only the paths go and the daemon opens them
         itself (which it allows administrators only).
 
+        ``allowed_uids`` / ``allowed_gids``: who else may use it. A model a non-admin adds
+        without them is its own alone (docs/deployment.md, "Tenants").
+
         >>> await c.register("qwen-7b", "/models/qwen-7b", device="cuda:0")   # doctest: +SKIP
         {'name': 'qwen-7b', 'state': 'registered', ...}
         """
         shard_list = None if shards is None else [
             {**s, "path": os.fspath(s["path"])} if "path" in s else dict(s) for s in shards]
         args: dict[str, Any] = {"name": name, "path": os.fspath(path) if path is not None else None, "device": device,
-                                "shards": shard_list, "pin": pin, "preload": preload, "keep_alive": keep_alive}
+                                "shards": shard_list, "pin": pin, "preload": preload, "keep_alive": keep_alive,
+                                "allowed_uids": allowed_uids, "allowed_gids": allowed_gids}
         parts: list[str] = []  # one checkpoint per rank; none if the request is malformed (the daemon says why)
         if path is not None and not shards:
             parts = [os.fspath(path)]
@@ -144,11 +149,13 @@ class Client(Connection):
 
     # -- weights: these import torch, at their first call --------------------------------
     async def publish(self, name: str, tensors: Mapping[str, torch.Tensor], *, fingerprint: str, replace: bool = False,
-                      wait_s: float | None = None, timeout: float | None = None) -> dict[str, Any]:
+                      wait_s: float | None = None, allowed_uids: list[int] | None = None,
+                      allowed_gids: list[int | str] | None = None, timeout: float | None = None) -> dict[str, Any]:
         """Hand the daemon weights this engine processed itself (quantized, repacked, ...)
         so that later starts attach them instead of redoing the work. The daemon keeps its
         own copy (on the tensors' device); ``fingerprint`` should name what they were made
         from and how (e.g. the source checkpoint's fingerprint plus the recipe).
+        ``allowed_uids`` / ``allowed_gids`` as for ``register``.
 
         >>> await c.publish("qwen-7b-int8", model.state_dict(), fingerprint=f"{src_fp}+int8-v1")  # doctest: +SKIP
         """
@@ -158,7 +165,8 @@ class Client(Connection):
         try:
             reply, _ = await self._request("publish", timeout, {
                 "name": name, "device": packed.device, "fingerprint": fingerprint, "arena": packed.arena,
-                "tensors": packed.table, "replace": replace or None, "wait_s": wait_s}, send_fds=packed.fds)
+                "tensors": packed.table, "replace": replace or None, "wait_s": wait_s,
+                "allowed_uids": allowed_uids, "allowed_gids": allowed_gids}, send_fds=packed.fds)
             return reply["model"]
         finally:
             packed.release()

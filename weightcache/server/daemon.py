@@ -18,6 +18,7 @@ from typing import Any
 from .. import __version__
 from ..backends import Backend
 from ..cache import CacheCore
+from ..cache.quotas import Quota
 from ..config import ModelConfig, Settings, load_settings
 from ..errors import BadRequest, LoadFailed, NoSpace, WeightcacheError
 from ..loader import OpenedSource, open_source, parse_checkpoint
@@ -30,12 +31,17 @@ from .requests import Context
 from .systemd import sd_notify
 
 # The fields a reload changes in place: the rest say which bytes and where.
-POLICY_FIELDS = ("keep_alive", "pin", "preload")
+POLICY_FIELDS = ("keep_alive", "pin", "preload", "allowed_uids", "allowed_gids")
 # last_error["reason"] of a failed start/reload check, which a later good check clears
 # (a load's own error stays until a load succeeds).
 CHECK_FAILED = "checkpoint check failed"
 
 log = logging.getLogger("weightcache.daemon")
+
+
+def quotas_of(settings: Settings) -> dict[str, Quota]:
+    """The config's [quotas] as the core keeps them."""
+    return {t: Quota(tenant=t, nbytes=dict(q.bytes), pins=q.pins) for t, q in settings.quotas.items()}
 
 
 class Daemon:
@@ -52,6 +58,7 @@ class Daemon:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self.access = AccessPolicy(settings.daemon)
+        core.set_quotas(quotas_of(settings))
         self.registry = Registry(core, backends, self.access)
         self.loads = Loads(settings.daemon, core, self.registry, backends, shutting_down=self._stopping.is_set)
         self.metrics = Metrics(self.snapshot)
@@ -191,13 +198,24 @@ class Daemon:
         core = self.core
         devices = {name: {"budget": a.budget, "used": a.used, "reserved": a.reserved}
                    for name, a in [*core.devices.items(), *([("host", core.host)] if core.host.budget else [])]}
+        # Not a publish's staging entry; and a model only some peers may use only when the
+        # operator asked (metrics_all_models): any local user can read the port, and the
+        # labels would name it (docs/deployment.md, "Tenants").
+        everyone = self.settings.daemon.metrics_all_models
         models = [ModelFigures(e.name, e.device, str(e.state), e.nbytes, e.attach_count,
                                {k: getattr(e, k) for k in MODEL_COUNTERS})
-                  for e in list(core.entries.values()) if "#" not in e.name]  # not a publish's staging entry
+                  for e in list(core.entries.values())
+                  if "#" not in e.name and (everyone or self._open_to_all(e.name))]
         health = self.health()
         return Snapshot(devices=devices, models=models, last_load_rate=dict(self.loads.last_load_rate),
                         connections=len(self.connections), leases=len(core.leases), ready=health["ready"],
-                        failed_preloads=list(health["failed_preloads"]), counters=dict(self.loads.counters))
+                        failed_preloads=[n for n in health["failed_preloads"]
+                                         if everyone or self._open_to_all(self.registry.groups.get(n, [n])[0])],
+                        counters=dict(self.loads.counters))
+
+    def _open_to_all(self, entry: str) -> bool:
+        model = self.registry.models.get(entry)
+        return model is not None and model.config.allowed_uids is None and model.config.allowed_gids is None
 
     # -- reload ---------------------------------------------------------------------
     async def reload_config(self) -> dict[str, list[str]]:
@@ -215,6 +233,10 @@ class Daemon:
                                         "failed": [], "unchanged": [], "budgets": [], "displaced": []}
         await self._reload_budgets(new, report)
         await self._reload_max_loaded(new, report)
+        quotas = quotas_of(new)
+        if quotas != self.core.quotas:
+            self.core.set_quotas(quotas)  # in place; a lowered one evicts nothing now (Note [quotas])
+            report["budgets"].append("quotas: " + (", ".join(sorted(quotas)) or "none"))
         registry = self.registry
         wanted = {m.name: m for m in new.models}
         # Only the config's own models: what peers registered or published stays.

@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import __version__
 from ..cache import State
+from ..cache.quotas import tenant_keys
 from ..config import parse_duration
 from ..errors import (
     Attached,
@@ -117,12 +118,19 @@ def _name_holders(ctx: Context, viewer: Peer, exc: WeightcacheError) -> Weightca
         d = exc.details
         held = []
         holders = []
+        # Models the viewer may not use are not named (docs/deployment.md, "Tenants"): their
+        # bytes are told as one sum, since the budget and free figures show them anyway.
+        hidden = [h for h in d["holders"] if not ctx.registry.visible(viewer, h.get("name"))]
         for h in d["holders"]:
+            if not ctx.registry.visible(viewer, h.get("name")):
+                continue
             entries = _entries_named(ctx, h.get("name"))
             leases = lease_holders(ctx, entries, viewer) if entries and h.get("attach_count") else []
             holders.append({**h, "leases": leases})
             who = _holders_text(leases, h["attach_count"]) if h.get("attach_count") else "not attached"
             held.append(f"{h['name']} ({format_size(h['nbytes'])}, {h['state']}, {who}{', pinned' if h.get('pinned') else ''})")
+        if hidden:
+            held.append(f"{format_size(sum(h['nbytes'] for h in hidden))} in {len(hidden)} model(s) not available to you")
         full = (f"{d['device']} holds {d['loaded']} models, its max_loaded_models; "
                 if d.get("max_loaded_models") is not None else "")
         message = (f"model {d['model']!r} needs {format_size(d['needed'])} on {d['device']}; {full}budget "
@@ -134,8 +142,11 @@ def _name_holders(ctx: Context, viewer: Peer, exc: WeightcacheError) -> Weightca
 def describe(ctx: Context, entry: str, caller: Caller) -> dict[str, Any]:
     """The ``models`` entry: the registry's view, and who holds its leases (the registry
     knows no connections)."""
-    return {**ctx.registry.describe(entry, caller.peer, ctx.loads.progress.get(entry)),
-            "leases": lease_holders(ctx, [entry], caller.peer)}
+    out = {**ctx.registry.describe(entry, caller.peer, ctx.loads.progress.get(entry)),
+           "leases": lease_holders(ctx, [entry], caller.peer)}
+    if out.get("shares_with"):  # names of models the viewer may not use are not told
+        out["shares_with"] = [n for n in out["shares_with"] if ctx.registry.visible(caller.peer, n)]
+    return out
 
 
 def describe_all(ctx: Context, entries: list[str], caller: Caller) -> dict[str, Any]:
@@ -151,28 +162,48 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
         "version": __version__, "pid": os.getpid(), "uptime_s": time.monotonic() - ctx.started,
         "socket": ctx.socket_path, "devices": devices, "connections": ctx.connections(),
         "leases": len(ctx.core.leases), "counters": dict(ctx.loads.counters),
-        "loading": {name.partition("#")[0]: p.snapshot() for name, p in ctx.loads.progress.items()},
+        "loading": {name.partition("#")[0]: p.snapshot() for name, p in ctx.loads.progress.items()
+                    if ctx.registry.visible(caller.peer, name)},
         "shutting_down": ctx.shutting_down(),
         # What `weightcache ps` shows: the models that hold memory, with their leases.
-        "resident": [describe(ctx, name, caller) for name in _listed(ctx)
+        "resident": [describe(ctx, name, caller) for name in _listed(ctx, caller.peer)
                      if ctx.core.entry(name).state in (State.RESIDENT, State.LOADING, State.HOST)],
+        "tenants": tenant_usage(ctx, caller.peer),
     }, []
+
+
+def tenant_usage(ctx: Context, viewer: Peer) -> dict[str, Any]:
+    """Per tenant, the bytes its models hold per device, its pins and its quota
+    (cache/core.py, Note [quotas]): every tenant for administrators, a peer's own uid
+    and groups for anyone else."""
+    usage = ctx.core.tenant_usage()
+    if ctx.access.is_admin(viewer):
+        return usage
+    mine = set(tenant_keys(viewer.uid, viewer.groups))
+    return {t: u for t, u in usage.items() if t in mine}
 
 
 async def health(ctx: Context, caller: Caller, req: Request) -> Reply:
     health = ctx.health()
     if not ctx.access.is_admin(caller.peer):  # failures name files: for administrators
         health["failed_preloads"] = {name: "failed (the daemon's log and administrators have the details)"
-                                     for name in health["failed_preloads"]}
+                                     for name in health["failed_preloads"] if ctx.registry.visible(caller.peer, _first(ctx, name))}
+        health["preloading"] = [n for n in health["preloading"] if ctx.registry.visible(caller.peer, _first(ctx, n))]
     return health, []
 
 
-def _listed(ctx: Context) -> list[str]:
-    return [n for n in ctx.registry.models if "#" not in n]  # not a publish's staging entry
+def _first(ctx: Context, name: str) -> str:
+    """A model's first entry (a preload is named by model)."""
+    return ctx.registry.groups.get(name, [name])[0]
+
+
+def _listed(ctx: Context, viewer: Peer) -> list[str]:
+    """The entries ``viewer`` is shown: not a publish's staging entry, nor a model it may not use."""
+    return [n for n in ctx.registry.models if "#" not in n and ctx.registry.visible(viewer, n)]
 
 
 async def models(ctx: Context, caller: Caller, req: Request) -> Reply:
-    return {"models": [describe(ctx, name, caller) for name in _listed(ctx)]}, []
+    return {"models": [describe(ctx, name, caller) for name in _listed(ctx, caller.peer)]}, []
 
 
 _UNSET = object()
@@ -219,6 +250,7 @@ async def load(ctx: Context, caller: Caller, req: Request) -> Reply:
     keep_alive = keep_alive_arg(req)
     rank = req.arg("rank", int, None)
     name = req.arg("name", str)
+    ctx.registry.check_use(caller.peer, name)
     entries = [ctx.registry.entry_for(name, rank)] if rank is not None else ctx.registry.members(name)
     await asyncio.gather(*(ctx.loads.ensure_resident(e, wait) for e in entries))
     apply_keep_alive(ctx, caller, entries, keep_alive)
@@ -226,6 +258,7 @@ async def load(ctx: Context, caller: Caller, req: Request) -> Reply:
 
 
 async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
+    ctx.registry.check_use(caller.peer, req.arg("name", str))
     name = ctx.registry.entry_for(req.arg("name", str), req.arg("rank", int, None))
     wait = ctx.wait_arg(req)
     keep_alive = keep_alive_arg(req)
@@ -273,6 +306,7 @@ async def detach(ctx: Context, caller: Caller, req: Request) -> Reply:
 
 async def evict(ctx: Context, caller: Caller, req: Request) -> Reply:
     """One tier down for every rank: device -> host tier (where enabled) -> gone."""
+    ctx.registry.check_use(caller.peer, req.arg("name", str))
     entries = [ctx.core.entry(n) for n in ctx.registry.members(req.arg("name", str))]
     movable = [e for e in entries if e.state in (State.RESIDENT, State.HOST)]
     for e in movable:  # check every rank before moving any: all or nothing
@@ -294,6 +328,7 @@ async def unpin(ctx: Context, caller: Caller, req: Request) -> Reply:
 
 
 async def _set_pin(ctx: Context, caller: Caller, req: Request, pinned: bool) -> Reply:
+    ctx.registry.check_use(caller.peer, req.arg("name", str))
     entries = ctx.registry.members(req.arg("name", str))
     for e in entries:
         ctx.core.set_pinned(e, pinned)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cache import State
+from ..cache.quotas import tenant_keys
 from ..config import ModelConfig, check_model_name, under_roots
 from ..errors import Attached, BadRequest, LimitExceeded, PermissionDenied, Pinned
 from ..loader import OpenedSource, adopt_fds
@@ -39,9 +40,10 @@ async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
     if files is not None and not (admin or d.tenant_register):
         raise PermissionDenied("registering models is for administrators here (daemon.tenant_register = false)",
                                op="register")
-    fields = {k: req.args[k] for k in ("name", "path", "device", "shards", "pin", "preload", "keep_alive") if k in req.args}
+    fields = {k: req.args[k] for k in ("name", "path", "device", "shards", "pin", "preload", "keep_alive", *ACCESS_FIELDS)
+              if k in req.args}
     try:
-        mc = ModelConfig(**fields)
+        mc = _private_unless_listed(ModelConfig(**fields), caller.peer, admin)
     except Exception as exc:
         raise BadRequest(f"invalid model: {exc}") from None
     if mc.pin and not admin:
@@ -61,7 +63,8 @@ async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
                                 limit=d.max_files_per_uid)
         sources = _adopt_files(mc, files, req)
     try:
-        ctx.registry.register(mc, origin="register", owner=caller.peer.uid, sources=sources)
+        ctx.registry.register(mc, origin="register", owner=caller.peer.uid, sources=sources,
+                              tenants=tenant_keys(caller.peer.uid, caller.peer.groups))
     except BaseException:
         for src in sources or ():
             src.close()
@@ -69,6 +72,19 @@ async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
     if mc.preload:
         ctx.loads.start_preload(mc.name, gates=admin)
     return {"model": ctx.registry.describe(ctx.registry.groups[mc.name][0], caller.peer, None)}, []
+
+
+# Who may use a model, as register and publish take them (config.ModelConfig).
+ACCESS_FIELDS = ("allowed_uids", "allowed_gids")
+
+
+def _private_unless_listed(mc: ModelConfig, peer: Peer, admin: bool) -> ModelConfig:
+    """A model a tenant adds is its own unless it says who else may use it: another
+    tenant's engine must not map it by guessing the name. An administrator's is everyone's
+    unless listed, like the operator's configured models."""
+    if admin or mc.allowed_uids is not None or mc.allowed_gids is not None:
+        return mc
+    return mc.model_copy(update={"allowed_uids": (peer.uid,)})
 
 
 def _adopt_files(mc: ModelConfig, files: Any, req: Request) -> list[OpenedSource]:
@@ -102,6 +118,7 @@ def _adopt_files(mc: ModelConfig, files: Any, req: Request) -> list[OpenedSource
 
 async def unregister(ctx: Context, caller: Caller, req: Request) -> Reply:
     name = req.arg("name", str)
+    ctx.registry.check_use(caller.peer, name)
     model = ctx.registry.first(name)
     if not (ctx.access.is_admin(caller.peer) or (model.owner == caller.peer.uid and model.origin != "config")):
         raise PermissionDenied(f"model {name!r} is not yours to unregister", model=name, op="unregister")
@@ -133,13 +150,20 @@ async def publish(ctx: Context, caller: Caller, req: Request) -> Reply:
     if nbytes <= 0:  # more than the budget is NO_SPACE at admission, like any load
         raise BadRequest(f"arena nbytes must be positive, got {nbytes}", argument="nbytes")
     wait = ctx.wait_arg(req)
+    try:  # checked before anything is opened; the path is the published memory's, set below
+        access = _private_unless_listed(
+            ModelConfig(name=name, path=Path("."), device=device, **{k: req.args[k] for k in ACCESS_FIELDS if k in req.args}),
+            caller.peer, ctx.access.is_admin(caller.peer))
+    except Exception as exc:
+        raise BadRequest(f"invalid model: {exc}") from None
     fingerprint = tenant_fingerprint(req.arg("fingerprint", str), caller.peer.uid)
     loads = ctx.loads
     ckpt = await loads.io(published_checkpoint, name, req.arg("tensors", list), nbytes, fingerprint)
     source = await loads.io(backend.open_published, desc, req.fds, cleanup=backend.close_published)
-    config = ModelConfig(name=name, path=Path(ckpt.source), device=device)
+    config = access.model_copy(update={"path": Path(ckpt.source)})
     staging = ctx.registry.stage(name, Model(config=config, path=config.parts[0][0], device=device, rank=None,
-                                             origin="publish", owner=caller.peer.uid))
+                                             origin="publish", owner=caller.peer.uid),
+                                 tenants=tenant_keys(caller.peer.uid, caller.peer.groups))
     try:
         await loads.fill_new_arena(staging, ckpt, backend.capacity(ckpt.arena_bytes), wait,
                                    CopyPublished(backend, source, ckpt.arena_bytes),
@@ -167,8 +191,8 @@ def _check_may_publish(ctx: Context, peer: Peer, name: str, replace: bool) -> No
         if model.origin == "config":
             raise PermissionDenied(f"model {name!r} is configured by the operator; only an administrator may replace it",
                                    model=name)
-        if model.owner != peer.uid:
-            raise PermissionDenied(f"model {name!r} belongs to uid {model.owner}", model=name)
+        if model.owner != peer.uid:  # its owner's uid is not said: the peer may not even see the model
+            raise PermissionDenied(f"model {name!r} is not yours to replace", model=name)
     for entry in ctx.registry.groups[name]:
         e = ctx.core.entry(entry)
         if e.pinned:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from ..backends import Arena, Backend, HostCopy
 from ..cache import CacheCore, Entry, State
 from ..config import ModelConfig
-from ..errors import BadRequest, UnknownModel
+from ..errors import BadRequest, PermissionDenied, UnknownModel
 from ..loader import Checkpoint, OpenedSource, Progress
 from .access import AccessPolicy, Peer
 
@@ -96,9 +96,10 @@ class Registry:
 
     # -- registering ----------------------------------------------------------------
     def register(self, mc: ModelConfig, *, origin: Origin = "config", owner: int | None = None,
-                 sources: list[OpenedSource] | None = None) -> None:
+                 sources: list[OpenedSource] | None = None, tenants: tuple[str, ...] = ()) -> None:
         """Add a model's entries. ``sources`` are a peer's own open files, one per rank;
-        the entries hold them until unregistered."""
+        the entries hold them until unregistered. ``tenants``: whose quotas it counts
+        against (cache/quotas.py; none for the operator's)."""
         if mc.name in self.groups or mc.name in self.models:
             raise BadRequest(f"model {mc.name!r} is already registered", model=mc.name)
         sharded = bool(mc.shards)
@@ -107,7 +108,8 @@ class Registry:
             # A peer's own open files are its alone; published memory has no files.
             share = share_key(path, i, len(mc.parts), owner) if sources is None and origin != "publish" else None
             try:
-                self.core.register(entry, device, pinned=mc.pin, keep_alive=mc.keep_alive, share=share)
+                self.core.register(entry, device, pinned=mc.pin, keep_alive=mc.keep_alive, share=share,
+                                   tenants=tenants)
             except BaseException:
                 for done in entries[:i]:
                     self.core.unregister(done)
@@ -134,12 +136,12 @@ class Registry:
         self.core.unregister(entry)
         return self.models.pop(entry)
 
-    def stage(self, name: str, model: Model) -> str:
+    def stage(self, name: str, model: Model, tenants: tuple[str, ...] = ()) -> str:
         """An entry for ``name``'s next version that nobody can reach by name yet (a
         publish fills it, then ``swap_in`` makes it the model). '#' is never in a model
         name, so the entry cannot clash."""
         staging = f"{name}#{next(self._staging_ids)}"
-        self.core.register(staging, model.device)
+        self.core.register(staging, model.device, tenants=tenants)
         self.models[staging] = model
         return staging
 
@@ -186,6 +188,29 @@ class Registry:
                 return mine
         raise BadRequest(f"device {device!r} has no budget in this daemon; configured: {sorted(self.backends)}", device=device)
 
+    # -- who may use a model -----------------------------------------------------------
+    def may_use(self, peer: Peer, model: Model) -> bool:
+        """Whether ``peer`` may use and see ``model`` (docs/deployment.md, "Tenants"):
+        administrators always; else a model with neither allowed list is everyone's, and
+        one with lists is its owner's and theirs."""
+        c = model.config
+        if c.allowed_uids is None and c.allowed_gids is None:
+            return True
+        if self.access.is_admin(peer) or peer.uid == model.owner:
+            return True
+        return peer.uid in (c.allowed_uids or ()) or bool(peer.groups & frozenset(c.allowed_gids or ()))
+
+    def check_use(self, peer: Peer, name: str) -> None:
+        """PERMISSION_DENIED unless ``peer`` may use the model (or shard) ``name``. The
+        message says nothing about who may: the lists are the operator's business."""
+        if not self.may_use(peer, self.models[self.members(name)[0]]):
+            raise PermissionDenied(f"model {name!r} is not available to uid {peer.uid}", model=name)
+
+    def visible(self, peer: Peer, entry: str) -> bool:
+        """Whether ``peer`` may see the entry named ``entry`` in listings and errors."""
+        model = self.models.get(entry)
+        return model is not None and self.may_use(peer, model)
+
     # -- describing -----------------------------------------------------------------
     def may_see(self, peer: Peer, model: Model) -> bool:
         """Paths and load errors of a model are its owner's and the administrators' to see:
@@ -214,6 +239,9 @@ class Registry:
             "shard_of": m.config.name if m.rank is not None else None, "rank": m.rank,
             "shares_with": [x.name for x in self.core.siblings(name)],  # one arena, counted once
             "origin": m.origin, "owner": m.owner,
+            # who may use it (None: everyone), shown to those who may see its paths
+            "allowed_uids": None if private or m.config.allowed_uids is None else list(m.config.allowed_uids),
+            "allowed_gids": None if private or m.config.allowed_gids is None else list(m.config.allowed_gids),
             "path": None if private else str(m.path), "fingerprint": m.checkpoint.fingerprint if m.checkpoint else None,
             "tensors": len(m.checkpoint.tensors) if m.checkpoint else None,
             "idle_s": idle, "expires_in_s": self._expires_in(e, idle),
