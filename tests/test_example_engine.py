@@ -12,8 +12,12 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "transformers_en
 
 
 def test_transformers_engine_example(tmp_path):
-    r = subprocess.run([sys.executable, str(EXAMPLE), "--restarts", "1", "--workdir", str(tmp_path)],
+    # --supervised adds a series under `weightcache supervise` and one of fresh processes
+    # (one run for both: each engine start costs seconds of imports on the CI VM).
+    r = subprocess.run([sys.executable, str(EXAMPLE), "--restarts", "1", "--workdir", str(tmp_path), "--supervised"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "forward outputs identical across all 2 engine starts" in r.stdout
+    assert "forward outputs identical across all 4 engine starts (disk, cache, fresh, supervised)" in r.stdout
     assert "disk" in r.stdout and "cache" in r.stdout
+    assert "restart  fresh (s)  supervised (s)" in r.stdout
+    assert "recorded" in (tmp_path / "supervisor.log").read_text()  # its engine wrote the module record
