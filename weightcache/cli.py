@@ -150,7 +150,11 @@ async def cmd_models(args: argparse.Namespace) -> int:
         # A bad path or format is found at start and at reload, before any load: say so here,
         # not only in --json (the daemon shows the reason to owners and admins only).
         err = m.get("last_error") or {}
-        t.add_row(m["name"], m["state"], m["device"], _size(m["nbytes"] or None), str(m["attach_count"]),
+        placed = m.get("placement") or {}
+        # device = "auto": which replica the last placement chose, and why (--json has the detail)
+        device = (f"{m['device']} (auto: {placed['reason']})" if placed.get("device") == m["device"]
+                  else f"{m['device']} (auto)" if m.get("replica_of") else m["device"])
+        t.add_row(m["name"], m["state"], device, _size(m["nbytes"] or None), str(m["attach_count"]),
                   "yes" if m["pinned"] else "", str(m["loads"]), str(m["evictions"]),
                   f"{err.get('code', '')}: {err.get('message', '')}" if err else "")
     _print(t)
@@ -208,7 +212,8 @@ async def cmd_load(args: argparse.Namespace) -> int:
 
     async with _client(args) as c:
         before = {m["name"]: m for m in await c.models()}
-        job = asyncio.ensure_future(c.load(args.name, wait_s=args.wait, keep_alive=args.keep_alive))
+        job = asyncio.ensure_future(c.load(args.name, device=args.device, rank=args.rank, wait_s=args.wait,
+                                           keep_alive=args.keep_alive))
         console = Console(stderr=True)  # stdout keeps only the result, for scripts
         quiet = args.quiet or args.json or not console.is_terminal
         with Progress("[bold]{task.description}", BarColumn(), TextColumn("{task.fields[sizes]}"),
@@ -219,7 +224,9 @@ async def cmd_load(args: argparse.Namespace) -> int:
             task = bar.add_task(f"load {args.name}", total=None, visible=False, sizes="", rate="")
             while not job.done():
                 await asyncio.wait([job], timeout=0.2)
-                p = (await c.status())["loading"].get(args.name)
+                loading = (await c.status())["loading"]
+                # an auto model loads as one of its replicas, "<name>@<device>"
+                p = loading.get(args.name) or next((v for k, v in loading.items() if k.startswith(f"{args.name}@")), None)
                 if p and p["bytes_total"]:
                     bar.update(task, visible=True, completed=p["bytes_done"], total=p["bytes_total"],
                                sizes=f"{_size(p['bytes_done'])} / {_size(p['bytes_total'])}",
@@ -234,6 +241,8 @@ async def cmd_load(args: argparse.Namespace) -> int:
         _print_json({"model": model, "evicted": evicted})
         return 0
     print(f"{model['name']}: {model['state']} on {model['device']}, {_size(model['nbytes'])}, {model['tensors']} tensors")
+    if model.get("placement"):
+        print(f"placed on {model['placement']['detail']}")
     if evicted:
         print("evicted to make room: " + ", ".join(
             f"{e['name']} ({_size(e['nbytes'])}{', to the host tier' if e['state'] == 'host' else ''})" for e in evicted))
@@ -471,6 +480,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("name")
     s.add_argument("--wait", type=float, default=None, help="seconds to wait for attached models to detach if memory is short")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--device", default=None,
+                   help='for a model with device = "auto": load it on this device (cuda:N in the daemon\'s numbering, '
+                        "or cuda:GPU-<uuid>); without it the daemon places it")
+    s.add_argument("--rank", type=int, default=None, help="one rank of a sharded model")
     s.add_argument("--keep-alive", default=None, metavar="DURATION",
                    help="keep it this long once unattached: seconds or 30s/5m/1h, 0 = evict when unattached, "
                         "-1 = never (capped at the configured value for non-admins)")

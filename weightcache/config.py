@@ -14,6 +14,7 @@ import grp
 import os
 import re
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -107,10 +108,30 @@ def check_model_name(name: str) -> str:
     return name
 
 
-def check_device(device: str) -> str:
+AUTO = "auto"  # a model's device chosen by the daemon (cache/placement.py)
+
+
+def check_device(device: str, *, auto: bool = False) -> str:
+    """A device name; ``auto`` also allows "auto" (a model's or shard's device in the config)."""
+    if auto and device == AUTO:
+        return device
     if not _DEVICE_RE.match(device):
-        raise ValueError(f"device {device!r} must be 'cpu', 'cuda:N' or 'cuda:GPU-<uuid>'")
+        more = ", 'auto'" if auto else ""
+        raise ValueError(f"device {device!r} must be 'cpu', 'cuda:N', 'cuda:GPU-<uuid>'{more}")
     return device
+
+
+def auto_devices(devices: Iterable[str]) -> list[str]:
+    """Where a ``device = "auto"`` model may be placed, in order: every budgeted GPU, or
+    the CPU on a host without one (an engine that wants a GPU never gets the CPU because
+    a GPU was full)."""
+    gpus = sorted((d for d in devices if d.startswith("cuda:")), key=_device_order)
+    return gpus or [d for d in devices if d == "cpu"]
+
+
+def _device_order(device: str) -> tuple[int, str]:
+    ident = device.partition(":")[2]
+    return (int(ident), "") if ident.isdigit() else (1 << 30, ident)
 
 
 def resolve_group(group: Any) -> int:
@@ -140,12 +161,14 @@ class ShardConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     path: Path
-    device: str
+    # "auto": placed on a GPU at load time (cache/placement.py). Left out, the rank takes
+    # the model's device, which must then be "auto": ranks on one fixed device make no sense.
+    device: str | None = None
 
     @field_validator("device")
     @classmethod
-    def _device(cls, v: str) -> str:
-        return check_device(v)
+    def _device(cls, v: str | None) -> str | None:
+        return None if v is None else check_device(v, auto=True)
 
 
 class ModelConfig(BaseModel):
@@ -199,19 +222,24 @@ class ModelConfig(BaseModel):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        return check_device(v)
+        return check_device(v, auto=True)
 
     @model_validator(mode="after")
     def _path_or_shards(self) -> ModelConfig:
         if (self.path is None) == (not self.shards):
             raise ValueError(f"model {self.name!r} needs either path (one checkpoint) or shards (one per rank), not both")
+        missing = [i for i, s in enumerate(self.shards) if s.device is None]
+        if missing and self.device != AUTO:
+            raise ValueError(f"model {self.name!r}: shard(s) {missing} name no device; give each one, "
+                             f'or set device = "auto" on the model to place every rank on its own GPU')
         return self
 
     @property
     def parts(self) -> list[tuple[Path, str]]:
-        """(path, device) per rank; a single part for an unsharded model."""
+        """(path, device) per rank; a single part for an unsharded model. A device may be
+        "auto" (placed at load time)."""
         if self.shards:
-            return [(s.path, s.device) for s in self.shards]
+            return [(s.path, s.device or self.device) for s in self.shards]
         assert self.path is not None
         return [(self.path, self.device)]
 
@@ -408,8 +436,12 @@ class Settings(BaseSettings):
             if m.name in seen:
                 raise ValueError(f"model name {m.name!r} appears twice")
             seen.add(m.name)
+            auto = sum(device == AUTO for _path, device in m.parts)
+            if auto > len(auto_devices(self.budgets)):
+                raise ValueError(f'model {m.name!r}: {auto} ranks with device "auto" need as many devices to place '
+                                 f"them on, one each; [budgets] has {auto_devices(self.budgets) or 'none'}")
             for path, device in m.parts:
-                if device not in self.budgets:
+                if device not in self.budgets and device != AUTO:
                     raise ValueError(f"model {m.name!r} is on device {device!r}, which has no entry in [budgets]")
                 if self.daemon.model_roots and not under_roots(path, self.daemon.model_roots):
                     roots = ", ".join(str(r) for r in self.daemon.model_roots)

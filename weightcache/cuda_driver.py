@@ -107,6 +107,12 @@ def total_memory(ordinal: int) -> int:
     return int(check(cu.cuDeviceTotalMem(check(cu.cuDeviceGet(ordinal)))))
 
 
+def can_access_peer(ordinal: int, peer: int) -> bool:
+    """Whether GPU ``ordinal`` can read GPU ``peer``'s memory directly (NVLink or PCIe P2P)."""
+    init()
+    return bool(check(cu.cuDeviceCanAccessPeer(check(cu.cuDeviceGet(ordinal)), check(cu.cuDeviceGet(peer)))))
+
+
 def free_memory(ctx: Any) -> int:
     with current(ctx):
         free, _total = check(cu.cuMemGetInfo())

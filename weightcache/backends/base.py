@@ -119,6 +119,11 @@ class Backend(ABC):
     def total_memory(self) -> int:
         """Bytes of memory the device has; fraction budgets resolve against it."""
 
+    def free_memory(self) -> int | None:
+        """Bytes free on the device now, whoever holds the rest (other processes count);
+        None where the backend cannot tell. Automatic placement reads it (cache/placement.py)."""
+        return None
+
     @abstractmethod
     def capacity(self, nbytes: int) -> int:
         """The arena size an allocation of ``nbytes`` really takes."""
@@ -186,6 +191,17 @@ class Backend(ABC):
 
     def free_host(self, host: HostCopy) -> None:
         raise RuntimeError(f"{type(self).__name__} has no host tier")  # callers check supports_host_tier
+
+    # -- GPU to GPU: a replica of an auto model filled from another device's -------------
+    def can_copy_from(self, other: Backend) -> bool:
+        """Whether ``copy_from_peer`` may fill this device's arenas from ``other``'s
+        directly (peer access between two GPUs); else the host tier or the files do."""
+        return False
+
+    def copy_from_peer(self, source_backend: Backend, source: Arena, arena: Arena, nbytes: int) -> None:
+        """Copy ``nbytes`` of ``source`` (sealed, on ``source_backend``'s device) into this
+        device's fresh, unsealed ``arena``."""
+        raise RuntimeError(f"{type(self).__name__} cannot copy from another device")  # callers check can_copy_from
 
     # -- publish: an engine hands the daemon weights it processed itself ---------------
     @abstractmethod

@@ -45,6 +45,9 @@ class VmmArena(Arena):
     mapped: int = 0  # bytes from va that are mapped (chunks created so far)
     export_fds: list[int] = field(default_factory=list)  # exported once at seal; attach sends dups
     grow_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Other GPUs (ordinals) granted read access to the daemon's mapping, to copy from it
+    # (CudaBackend.copy_from_peer); the grant goes with the mapping when the arena is freed.
+    readers: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -246,6 +249,7 @@ class CudaBackend(Backend):
         # each released gives back. Unlimited until the daemon sets the budget.
         self.room = Room(1 << 62)
         self._budget = 1 << 62
+        self._peers: dict[int, bool] = {}  # ordinal -> can this GPU read its memory (can_copy_from)
 
     def total_memory(self) -> int:
         return drv.total_memory(self.ordinal)
@@ -337,6 +341,40 @@ class CudaBackend(Backend):
             # the exported fd costs microseconds; attach latency is the product's number.
             for h in arena.handles:
                 arena.export_fds.append(int(drv.check(cu.cuMemExportToShareableHandle(h, drv.FD_HANDLE, 0))))
+
+    def can_copy_from(self, other: Backend) -> bool:
+        if not isinstance(other, CudaBackend) or other.ordinal == self.ordinal:
+            return False
+        if other.ordinal not in self._peers:  # asked once per pair: the topology does not change
+            self._peers[other.ordinal] = drv.can_access_peer(self.ordinal, other.ordinal)
+        return self._peers[other.ordinal]
+
+    def copy_from_peer(self, source_backend: Backend, source: Arena, arena: Arena, nbytes: int) -> None:
+        # The source's chunks are already mapped in this process (one address space for
+        # every GPU): granting this GPU read access to that mapping lets it read them over
+        # NVLink or PCIe P2P, with no second mapping and no host bounce. The copy runs on
+        # this GPU's own stream, chunk by chunk as the arena grows (its room, like a load).
+        assert isinstance(source_backend, CudaBackend) and isinstance(source, VmmArena) and isinstance(arena, VmmArena)
+        with source.grow_lock:
+            if self.ordinal not in source.readers:
+                with drv.current(source_backend.ctx):
+                    drv.set_access(source.va, source.nbytes, self.ordinal, read_only=True)
+                source.readers.add(self.ordinal)
+        with drv.current(self.ctx):
+            stream = drv.check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+            try:
+                off = 0
+                for size in arena.sizes:
+                    n = min(size, nbytes - off)
+                    if n <= 0:
+                        break
+                    if arena.mapped < off + n:
+                        self.grow(arena, off + n)
+                    drv.check(cu.cuMemcpyDtoDAsync(arena.va + off, source.va + off, n, stream))
+                    off += n
+                drv.check(cu.cuStreamSynchronize(stream))
+            finally:
+                drv.check(cu.cuStreamDestroy(stream))
 
     def open_published(self, arena: dict[str, Any], fds: list[int]) -> VmmSource:
         sizes = [int(s) for s in arena.get("chunks", [])]

@@ -77,13 +77,21 @@ class Client(Connection):
         """One dict per model: name, state, device, nbytes, attach_count, pinned, ..."""
         return (await self.request("models", timeout=timeout))["models"]
 
-    async def load(self, name: str, *, wait_s: float | None = None, timeout: float | None = None,
-                   keep_alive: float | str | None = None) -> dict[str, Any]:
+    async def load(self, name: str, *, device: str | None = None, rank: int | None = None, wait_s: float | None = None,
+                   timeout: float | None = None, keep_alive: float | str | None = None) -> dict[str, Any]:
         """Make ``name`` resident (evicting LRU unattached models if needed).
 
-        ``keep_alive`` (seconds, ``"5m"``, ``0``: evict when unattached, ``-1``: never)
-        replaces the model's keep_alive until the next request sets one (docs/protocol.md)."""
-        return (await self.request("load", name=name, wait_s=wait_s, timeout=timeout, keep_alive=keep_alive))["model"]
+        ``device``: for a model configured with ``device = "auto"``, the device to load it
+        on, in the daemon's names (``cuda:1``, or ``cuda:GPU-<uuid>``); without it the
+        daemon places it (docs/protocol.md, "Placement"). ``rank``: one rank of a sharded
+        model. ``keep_alive`` (seconds, ``"5m"``, ``0``: evict when unattached, ``-1``:
+        never) replaces the model's keep_alive until the next request sets one.
+
+        >>> (await c.load("qwen-7b"))["placement"]["device"]   # doctest: +SKIP
+        'cuda:1'
+        """
+        return (await self.request("load", name=name, device=device, rank=rank, wait_s=wait_s, timeout=timeout,
+                                   keep_alive=keep_alive))["model"]
 
     async def evict(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
         """Move ``name`` one tier down (to the host tier, or out): ``{"evicted", "freed", "state"}``.

@@ -19,7 +19,7 @@ from .. import __version__
 from ..backends import Backend
 from ..cache import CacheCore
 from ..cache.quotas import Quota
-from ..config import ModelConfig, Settings, load_settings
+from ..config import AUTO, ModelConfig, Settings, load_settings
 from ..errors import BadRequest, LoadFailed, NoSpace, WeightcacheError
 from ..loader import OpenedSource, open_source, parse_checkpoint
 from .access import AccessPolicy, check_socket_dir, resolve_gid
@@ -276,7 +276,7 @@ class Daemon:
                     continue
                 report["displaced"].append(name)
             if name not in registry.groups:
-                missing = [dev for _p, dev in mc.parts if dev not in self.backends]
+                missing = [dev for _p, dev in mc.parts if dev not in self.backends and dev != AUTO]
                 if missing:
                     report["kept"].append(f"{name}: device {missing[0]} has no backend in the running daemon")
                     continue

@@ -1,8 +1,8 @@
-"""How a new arena gets its bytes: the three ways a model becomes resident.
+"""How a new arena gets its bytes: the four ways a model becomes resident.
 
 ``Daemon._fill_new_arena`` admits, allocates, calls one of these in a thread, seals and
 rolls back on failure; what differs between a load from the files, a promotion from the
-host tier and a copy of an engine's published memory is only this step.
+host tier, a copy from another GPU and a copy of an engine's published memory is only this step.
 """
 
 from __future__ import annotations
@@ -69,5 +69,21 @@ class CopyPublished:
 
     def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> str | None:
         self.backend.copy_published(self.source, arena, self.nbytes)
+        progress.add(ckpt.data_bytes)
+        return None
+
+
+@dataclass(frozen=True)
+class PeerCopy:
+    """A device-to-device copy from the same rank's replica resident on another GPU
+    (device = "auto" models; NVLink or PCIe P2P), instead of the host tier or the files.
+    The bytes are the source's, already fingerprinted: its checkpoint stands."""
+
+    backend: Backend  # the target's
+    source_backend: Backend
+    source: Arena
+
+    def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> str | None:
+        self.backend.copy_from_peer(self.source_backend, self.source, arena, min(self.source.nbytes, arena.nbytes))
         progress.add(ckpt.data_bytes)
         return None

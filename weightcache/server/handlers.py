@@ -30,7 +30,7 @@ from ..protocol import PROTOCOL_VERSION
 from ..protocol.messages import OPS
 from ..protocol.packed import Packed
 from ..units import format_size
-from . import model_ops
+from . import model_ops, placing
 from .access import Peer
 from .registry import redacted
 from .requests import Caller, Context, Handler, Reply, Request
@@ -251,7 +251,9 @@ async def load(ctx: Context, caller: Caller, req: Request) -> Reply:
     rank = req.arg("rank", int, None)
     name = req.arg("name", str)
     ctx.registry.check_use(caller.peer, name)
-    entries = [ctx.registry.entry_for(name, rank)] if rank is not None else ctx.registry.members(name)
+    # device: where an engine that must run on one GPU needs it (an auto model goes there;
+    # any other must already live there); none: placed (cache/placement.py).
+    entries = placing.entries_for(ctx.core, ctx.registry, ctx.backends, name, rank, req.arg("device", str, None))
     await asyncio.gather(*(ctx.loads.ensure_resident(e, wait) for e in entries))
     apply_keep_alive(ctx, caller, entries, keep_alive)
     return describe_all(ctx, entries, caller), []
@@ -259,19 +261,20 @@ async def load(ctx: Context, caller: Caller, req: Request) -> Reply:
 
 async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
     ctx.registry.check_use(caller.peer, req.arg("name", str))
-    name = ctx.registry.entry_for(req.arg("name", str), req.arg("rank", int, None))
+    device = req.arg("device", str, None)
+    rank = req.arg("rank", int, None)
+    ctx.registry.entry_for(req.arg("name", str), rank)  # BAD_REQUEST for a rank that does not exist, or none given
+    # An auto model's replica on the named device, or the placed one (server/placing.py).
+    [name] = placing.entries_for(ctx.core, ctx.registry, ctx.backends, req.arg("name", str), rank, device)
     wait = ctx.wait_arg(req)
     keep_alive = keep_alive_arg(req)
     writable = req.arg("writable", bool, False)
     if writable and not ctx.settings.daemon.allow_writable_attach:
         raise PermissionDenied("read-write attachments are disabled (daemon.allow_writable_attach = false)", argument="writable")
-    device = req.arg("device", str, None)
     entry = ctx.core.entry(name)
     backend = ctx.backends[entry.device]
     if writable and not backend.supports_writable_attach:
         raise BadRequest(f"{entry.device} arenas are sealed memfds: they cannot be mapped writable", argument="writable")
-    if device is not None and not backend.names(device):
-        raise BadRequest(f"model {name!r} lives on {entry.device}, not {device}", model=name, device=device)
     source = "resident"
     while True:
         got = await ctx.loads.ensure_resident(name, wait)
@@ -294,7 +297,8 @@ async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
         raise
     return {
         "lease": lease.id, "model": name, "rank": m.rank, "device": entry.device, "fingerprint": m.checkpoint.fingerprint,
-        "arena": {**arena, "writable": writable}, "source": source, "tensors": Packed(m.table),
+        "arena": {**arena, "writable": writable}, "source": source,
+        "placement": ctx.registry.placed.get(m.slot) if m.slot is not None else None, "tensors": Packed(m.table),
     }, fds
 
 

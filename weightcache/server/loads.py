@@ -33,7 +33,8 @@ from ..config import DaemonConfig
 from ..errors import LoadFailed, NoSpace, WeightcacheError
 from ..loader import Checkpoint, OpenedSource, Progress, open_source, parse_checkpoint
 from ..protocol.messages import tenant_fingerprint
-from .fills import FillStrategy, Promote, ReadFiles
+from . import placing
+from .fills import FillStrategy, PeerCopy, Promote, ReadFiles
 from .registry import Model, Registry
 
 log = logging.getLogger("weightcache.daemon")
@@ -48,6 +49,8 @@ def encode_table(ckpt: Checkpoint) -> bytes:
 # entries, and go when a model is unregistered).
 COUNTERS = ("loads", "promotions", "evictions", "demotions", "failed_demotions", "failed_loads", "wasted_loads",
             "cancelled_loads")
+# The connection id of the daemon's own leases (a peer copy's source): real connections count from 1.
+INTERNAL_CONN = -1
 # An orphaned load (every waiter gone) further along than this finishes: throwing away
 # more than half the work to save the rest is the worse bet if anyone asks again.
 FINISH_ORPHAN_AFTER = 0.5
@@ -58,7 +61,7 @@ class LoadJob:
     """One load in flight: the requests waiting on it, and whether it was given up."""
 
     name: str
-    source: str = "files"  # where its bytes come from: "files" or "host" (a promotion)
+    source: str = "files"  # where its bytes come from: "files", "host" (a promotion) or "peer" (another GPU)
     waiters: int = 0
     # Set when every waiter went and the load was not worth finishing: the filling
     # threads check it between chunks, the load task between phases.
@@ -245,9 +248,9 @@ class Loads:
         cancel it, or finish it if that is cheaper; the log says which."""
         progress = self.progress.get(job.name)
         done = progress.done / max(progress.total, 1) if progress is not None else 0.0
-        if job.source == "host":
-            log.info("load %s: no one waits for it any more; finishing it (a promotion is one copy from the host tier)",
-                     job.name)
+        if job.source in ("host", "peer"):
+            log.info("load %s: no one waits for it any more; finishing it (one copy from the %s)", job.name,
+                     "host tier" if job.source == "host" else "other GPU")
         elif done >= FINISH_ORPHAN_AFTER:
             log.info("load %s: no one waits for it any more; finishing it (%.0f%% done)", job.name, 100 * done)
         else:
@@ -279,6 +282,10 @@ class Loads:
             job.source = "host"
             await self.fill_new_arena(name, model.checkpoint, entry.nbytes, 0, Promote(backend, model.host),
                                       verb="promoted", job=job)
+            return job.source
+        if (peer := self._peer_source(name)) is not None:
+            job.source = "peer"
+            await self._copy_from_peer(job, peer)
             return job.source
         if model.published:
             raise LoadFailed(f"model {name!r} was published by an engine and has since been evicted; publish it again",
@@ -313,6 +320,36 @@ class Loads:
         finally:
             if opened is not model.files and opened is not model.parked:
                 opened.close()
+
+    def _peer_source(self, name: str) -> str | None:
+        """A replica of the same rank (device = "auto") RESIDENT on another GPU, with its
+        files unchanged, that this device can copy from directly (backends' can_copy_from:
+        peer access, NVLink or PCIe P2P); None: load from the host tier or the files."""
+        m = self.registry.models[name]
+        if m.slot is None:
+            return None
+        backend = self.backends[m.device]
+        for dev, other in self.registry.replicas.get(m.slot, {}).items():
+            if (other != name and self.core.entry(other).state is State.RESIDENT and self._current(other)
+                    and backend.can_copy_from(self.backends[dev])):
+                return other
+        return None
+
+    async def _copy_from_peer(self, job: LoadJob, source: str) -> None:
+        """Fill ``job``'s replica from the replica resident on another GPU (fills.PeerCopy).
+        The source is held by a lease of the daemon's own while the copy runs (an
+        attached model is never a victim); afterwards it is an ordinary resident model,
+        kept or evicted by the budgets like any other."""
+        src = self.registry.models[source]
+        assert src.arena is not None and src.checkpoint is not None
+        lease = self.core.attach(source, INTERNAL_CONN)
+        try:
+            fill = PeerCopy(self.backends[self.registry.models[job.name].device], self.backends[src.device], src.arena)
+            await self.fill_new_arena(job.name, src.checkpoint, fill.backend.capacity(src.checkpoint.arena_bytes), 0, fill,
+                                      verb=f"copied from {src.device} (peer) to", job=job)
+        finally:
+            self.core.detach(lease.id, INTERNAL_CONN)
+            await self.notify_space()
 
     async def io(self, fn: Callable[..., T], *args: Any, cleanup: Callable[[T], object] | None = None, **kwargs: Any) -> T:
         """Run ``fn`` in the bounded io pool, for at most io_timeout_s: opening and parsing
@@ -484,7 +521,10 @@ class Loads:
 
     async def _preload(self, name: str, gates: bool) -> None:
         try:
-            for entry in self.registry.groups.get(name, []):
+            # An auto model's ranks where placement puts them, not on every candidate device.
+            placed = (placing.entries_for(self.core, self.registry, self.backends, name, None, None)
+                      if name in self.registry.groups else [])
+            for entry in placed:
                 try:
                     await self.ensure_resident(entry, self.settings.no_space_wait_s)
                 except Exception as exc:  # any failure, not only ours: readiness must not lie

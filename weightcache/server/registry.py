@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from ..backends import Arena, Backend, HostCopy
 from ..cache import CacheCore, Entry, State
-from ..config import ModelConfig
+from ..config import AUTO, ModelConfig, auto_devices
 from ..errors import BadRequest, PermissionDenied, UnknownModel
 from ..loader import Checkpoint, OpenedSource, Progress
 from .access import AccessPolicy, Peer
@@ -46,6 +46,9 @@ class Model:
     arena: Arena | None = None
     host: HostCopy | None = None  # the backend's host-tier copy while the model is HOST
     last_error: dict[str, Any] | None = None
+    # A device = "auto" rank has one entry per candidate device (a replica); ``slot`` is
+    # the rank's name (``model``, or ``model@0``) they share. None: not placed automatically.
+    slot: str | None = None
 
     @property
     def published(self) -> bool:  # sent by an engine: no files to reload it from
@@ -92,6 +95,12 @@ class Registry:
         self.access = access
         self.models: dict[str, Model] = {}  # by entry name
         self.groups: dict[str, list[str]] = {}  # model name -> its entries, in rank order
+        # Auto models (Note [placement] in cache/placement.py): model name -> its ranks'
+        # slots in rank order; slot -> device -> the replica entry there; slot -> the last
+        # placement decision (for ``models``).
+        self.slots: dict[str, list[str]] = {}
+        self.replicas: dict[str, dict[str, str]] = {}
+        self.placed: dict[str, dict[str, Any]] = {}
         self._staging_ids = itertools.count(1)
 
     # -- registering ----------------------------------------------------------------
@@ -103,21 +112,35 @@ class Registry:
         if mc.name in self.groups or mc.name in self.models:
             raise BadRequest(f"model {mc.name!r} is already registered", model=mc.name)
         sharded = bool(mc.shards)
-        entries = [f"{mc.name}@{r}" if sharded else mc.name for r in range(len(mc.parts))]
-        for i, (entry, (path, device)) in enumerate(zip(entries, mc.parts, strict=True)):
+        ranks = [f"{mc.name}@{r}" if sharded else mc.name for r in range(len(mc.parts))]
+        # (entry, rank, path, device, slot): a fixed rank is one entry named like the rank;
+        # an auto rank one replica per candidate device, "<rank>@<device>".
+        todo: list[tuple[str, int, Path, str, str | None]] = []
+        for i, (rank_name, (path, device)) in enumerate(zip(ranks, mc.parts, strict=True)):
+            if device == AUTO:
+                todo += [(f"{rank_name}@{d}", i, path, d, rank_name) for d in auto_devices(self.backends)]
+            else:
+                todo.append((rank_name, i, path, device, None))
+        done: list[str] = []
+        for entry, i, path, device, slot in todo:
             # A peer's own open files are its alone; published memory has no files.
             share = share_key(path, i, len(mc.parts), owner) if sources is None and origin != "publish" else None
             try:
                 self.core.register(entry, device, pinned=mc.pin, keep_alive=mc.keep_alive, share=share,
                                    tenants=tenants)
             except BaseException:
-                for done in entries[:i]:
-                    self.core.unregister(done)
-                    del self.models[done]
+                for d in done:
+                    self.core.unregister(d)
+                    del self.models[d]
                 raise
+            done.append(entry)
             self.models[entry] = Model(config=mc, path=path, device=device, rank=i if sharded else None, origin=origin,
-                                       owner=owner, files=sources[i] if sources else None)
-        self.groups[mc.name] = entries
+                                       owner=owner, files=sources[i] if sources else None, slot=slot)
+            if slot is not None:
+                self.replicas.setdefault(slot, {})[device] = entry
+        if any(slot is not None for *_, slot in todo):
+            self.slots[mc.name] = ranks
+        self.groups[mc.name] = done
 
     def unregister(self, name: str) -> list[Model]:
         """Forget a whole model (every rank), only if no rank is attached or loading.
@@ -126,6 +149,9 @@ class Registry:
             raise UnknownModel(f"no model named {name!r} is registered", model=name)
         for entry in self.groups[name]:
             self.core.check_removable(entry)  # ATTACHED / BAD_REQUEST with the reason
+        for slot in self.slots.pop(name, ()):
+            self.replicas.pop(slot, None)
+            self.placed.pop(slot, None)
         return [self.drop_entry(entry) for entry in self.groups.pop(name)]
 
     def drop_entry(self, entry: str) -> Model:
@@ -169,9 +195,12 @@ class Registry:
         raise UnknownModel(f"no model named {name!r} is registered", model=name)
 
     def entry_for(self, name: str, rank: int | None) -> str:
-        """The entry an attach of ``name`` (with ``rank``) maps."""
+        """The entry an attach of ``name`` (with ``rank``) maps; for a rank placed
+        automatically, the rank's slot (server/placing.py picks the replica)."""
         members = self.members(name)
-        if self.models[members[0]].rank is None:
+        unsharded = self.models[members[0]].rank is None
+        members = self.slots.get(name, members)  # one name per rank
+        if unsharded:
             if rank not in (None, 0):
                 raise BadRequest(f"model {name!r} is not sharded; rank {rank} does not exist", model=name, rank=rank)
             return members[0]
@@ -237,6 +266,8 @@ class Registry:
             "device_uuid": self.backends[e.device].uuid, "nbytes": e.nbytes,
             "attach_count": e.attach_count, "pinned": e.pinned, "keep_alive": e.keep_alive,
             "shard_of": m.config.name if m.rank is not None else None, "rank": m.rank,
+            # device = "auto": the rank this replica serves, and the last placement decision for it
+            "replica_of": m.slot, "placement": self.placed.get(m.slot) if m.slot is not None else None,
             "shares_with": [x.name for x in self.core.siblings(name)],  # one arena, counted once
             "origin": m.origin, "owner": m.owner,
             # who may use it (None: everyone), shown to those who may see its paths
