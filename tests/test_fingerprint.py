@@ -130,6 +130,8 @@ def test_file_arenas_and_memfd_arenas_agree_and_file_digests_are_reused_until_th
     want = fingerprint_files(p)
     FILE_DIGESTS.clear()
     assert in_process(p, CpuBackend("cpu", page_cache=False)) == (want, "memfd")
+    # chunks of several hash slices and pieces (the memfd writer reads and hashes 1 MiB at a time)
+    assert in_process(p, CpuBackend("cpu", page_cache=False), threads=3, chunk=HASH_BLOCK + 4096) == (want, "memfd")
     assert FILE_DIGESTS.get(identity(p)) is None  # a copy is always hashed: nothing kept
     fp, kind = in_process(p, CpuBackend("cpu"))
     if kind != "file":
