@@ -1,0 +1,98 @@
+"""server/placing.py and the peer-copy choice of server/loads.py over several fake GPUs,
+without a daemon: the registry, core and loads rooms are real, the backends stand-ins
+that only name their device, report free memory and say whom they can copy from."""
+
+import pytest
+
+from weightcache.cache import CacheCore
+from weightcache.config import ModelConfig, Settings
+from weightcache.errors import BadRequest
+from weightcache.server import placing
+from weightcache.server.loads import Loads
+from weightcache.server.registry import Registry
+
+GPUS = [f"cuda:{i}" for i in range(3)]
+
+
+class FakeGpu:
+    """What placing and the peer-copy choice ask of a backend."""
+
+    def __init__(self, device, free=1 << 40, peers=True):
+        self.device, self.uuid, self.free, self.peers = device, None, free, peers
+
+    def names(self, device):
+        return device == self.device
+
+    def free_memory(self):
+        return self.free
+
+    def can_copy_from(self, other):
+        return self.peers and other is not self
+
+
+def setup(**free):
+    core = CacheCore(dict.fromkeys(GPUS, 100))
+    backends = {d: FakeGpu(d, free.get(d.replace(":", ""), 1 << 40)) for d in GPUS}
+    return core, Registry(core, backends, access=None), backends
+
+
+def loaded(core, entry, nbytes):
+    core.begin_load(entry, nbytes)
+    core.finish_load(entry)
+
+
+def test_an_auto_model_has_a_replica_per_gpu_and_is_placed_then_kept():
+    core, reg, backends = setup()
+    reg.register(ModelConfig(name="m", path="/m", device="auto"))
+    assert reg.groups["m"] == ["m@cuda:0", "m@cuda:1", "m@cuda:2"]
+    assert placing.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:0"]  # all empty: device order
+    loaded(core, "m@cuda:2", 10)
+    assert placing.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:2"]
+    assert reg.placed["m"]["reason"] == "resident"
+    assert placing.entries_for(core, reg, backends, "m", None, "cuda:1") == ["m@cuda:1"]
+    assert reg.placed["m"]["reason"] == "named"
+    with pytest.raises(BadRequest, match="no budget"):
+        placing.entries_for(core, reg, backends, "m", None, "cuda:7")
+
+
+def test_real_free_memory_steers_the_placement():
+    core, reg, backends = setup(cuda0=5, cuda1=5)  # other processes hold GPUs 0 and 1
+    reg.register(ModelConfig(name="m", path="/m", device="auto"))
+    loaded(core, "m@cuda:0", 50)  # known size now: 50 bytes
+    core.evict("m@cuda:0")
+    assert placing.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:2"]
+
+
+def test_tp_ranks_are_placed_together_on_distinct_gpus():
+    core, reg, backends = setup()
+    reg.register(ModelConfig(name="tp", device="auto", shards=[{"path": "/r0"}, {"path": "/r1"}]))
+    loaded(core, "tp@1@cuda:0", 10)  # rank 1 already lives on GPU 0
+    both = placing.entries_for(core, reg, backends, "tp", None, None)
+    assert both[1] == "tp@1@cuda:0" and both[0].startswith("tp@0@") and not both[0].endswith("cuda:0")
+    assert placing.entries_for(core, reg, backends, "tp", 0, None) == [both[0]]  # one rank alone: the same answer
+    with pytest.raises(BadRequest, match="name a rank= with device="):
+        placing.entries_for(core, reg, backends, "tp", None, "cuda:1")
+
+
+def test_a_fixed_model_only_confirms_its_device():
+    core, reg, backends = setup()
+    reg.register(ModelConfig(name="f", path="/f", device="cuda:1"))
+    assert placing.entries_for(core, reg, backends, "f", None, "cuda:1") == ["f"]
+    with pytest.raises(BadRequest, match="lives on cuda:1, not cuda:0"):
+        placing.entries_for(core, reg, backends, "f", None, "cuda:0")
+
+
+def test_peer_copy_source_is_a_resident_current_replica_on_a_gpu_it_can_read():
+    core, reg, backends = setup()
+    reg.register(ModelConfig(name="m", path="/m", device="auto"))
+    loads = Loads(Settings().daemon, core, reg, backends, lambda: False)
+    try:
+        assert loads._peer_source("m@cuda:1") is None  # nowhere resident
+        loaded(core, "m@cuda:0", 10)
+        reg.models["m@cuda:0"].checkpoint = object()  # loaded: a checkpoint is known
+        core.attach("m@cuda:0", conn=7)  # attached: served as is, whatever the files say
+        assert loads._peer_source("m@cuda:1") == "m@cuda:0"
+        backends["cuda:1"].peers = False  # no peer access: the host tier or the files instead
+        assert loads._peer_source("m@cuda:1") is None
+    finally:
+        loads.io_pool.shutdown()
