@@ -135,26 +135,28 @@ def socket_fds(allowed: Iterable[int]) -> list[str]:
     return out
 
 
-def check_sockets(allowed: Iterable[int]) -> None:
+def check_sockets(allowed: Iterable[int], opened_by: str | None = None) -> None:
     found = socket_fds(allowed)
     if found:
-        raise ForkUnsafe(f"the template has socket(s) open that every engine would share: {', '.join(found)}. Something "
-                         "preloaded connected at import; leave it out of --preload, or connect in the engine")
+        culprit = f"Importing {opened_by} opened one" if opened_by else "Something preloaded connected at import"
+        raise ForkUnsafe(f"the template has socket(s) open that every engine would share: {', '.join(found)}. {culprit}; "
+                         "leave it out of --preload (or --exclude it from the --record file), or connect in the engine")
 
 
 def open_fds() -> set[int]:
     return {int(n) for n in os.listdir("/proc/self/fd")}
 
 
-def check_fork_safe(inherited_fds: Iterable[int], started_by: dict[str, int] | None = None, driver_by: str | None = None) -> None:
+def check_fork_safe(inherited_fds: Iterable[int], started_by: dict[str, int] | None = None, driver_by: str | None = None,
+                    socket_by: str | None = None) -> None:
     """Raise :class:`ForkUnsafe` unless this process may fork an engine (Note [fork safety]).
-    ``started_by`` and ``driver_by`` name the preloaded modules that started threads or
-    loaded the CUDA driver, for the message."""
+    ``started_by``, ``driver_by`` and ``socket_by`` name the preloaded modules that started
+    threads, loaded the CUDA driver or opened a socket, for the message."""
     libraries = mapped_libraries()
     check_cuda(libraries, driver_by)
     quiesce_openblas(libraries)
     check_threads(started_by)
-    check_sockets(inherited_fds)
+    check_sockets(inherited_fds, socket_by)
 
 
 def reseed() -> None:

@@ -55,7 +55,7 @@ from typing import Any, NoReturn
 
 from . import engine as engine_api
 from .errors import ConfigError
-from .fork_safety import ForkUnsafe, check_fork_safe, driver_loaded, open_fds, reseed
+from .fork_safety import ForkUnsafe, check_fork_safe, driver_loaded, open_fds, reseed, socket_fds
 
 log = logging.getLogger("weightcache.supervisor")
 
@@ -285,11 +285,12 @@ class Supervisor:
 
     # -- start -----------------------------------------------------------------------
 
-    def preload(self) -> tuple[dict[str, int], str | None]:
+    def preload(self) -> tuple[dict[str, int], str | None, str | None]:
         """Import the modules. Returns those during whose import threads appeared (and
-        how many), and the one after whose import the CUDA driver was loaded."""
+        how many), the first after whose import the CUDA driver was loaded, and the first
+        that left a socket open: the supervisor's message names them."""
         started_by: dict[str, int] = {}
-        driver_by = None
+        driver_by = socket_by = None
         names = list(dict.fromkeys(self.options.preload))
         explicit = set(names)
         if self.options.record:
@@ -298,6 +299,7 @@ class Supervisor:
         t = time.perf_counter()
         for name in names:
             before = len(os.listdir("/proc/self/task"))
+            fds_before = open_fds()
             try:
                 importlib.import_module(name)
             except Exception as exc:
@@ -309,11 +311,13 @@ class Supervisor:
                 started_by[name] = after - before
             if driver_by is None and driver_loaded():
                 driver_by = name
+            if socket_by is None and socket_fds(fds_before):
+                socket_by = name
         self.preloaded = len(names) - len(failed)
         log.info("preloaded %d modules in %.2f s (%d named by --preload, %d from %s)%s", self.preloaded, time.perf_counter() - t,
                  len(explicit), len(names) - len(explicit), self.options.record or "no record",
                  f"; {len(failed)} from the record failed to import and were skipped: {', '.join(failed[:5])}" if failed else "")
-        return started_by, driver_by
+        return started_by, driver_by, socket_by
 
     def _excluded(self, name: str) -> bool:
         return any(name == x or name.startswith(x + ".") for x in self.options.exclude)
@@ -324,8 +328,8 @@ class Supervisor:
         self.template_modules = frozenset(sys.modules)
         self.inherited_fds = open_fds()
         try:
-            started_by, driver_by = self.preload()
-            check_fork_safe(self.inherited_fds, started_by, driver_by)
+            started_by, driver_by, socket_by = self.preload()
+            check_fork_safe(self.inherited_fds, started_by, driver_by, socket_by)
         except ConfigError as exc:
             log.error("cannot start: %s", exc.message)
             return 2
