@@ -54,3 +54,20 @@ async def test_auto_shards_need_distinct_devices(start_daemon, ckpts, tmp_path):
     async with Client(d.socket) as c:
         with pytest.raises(BadRequest, match="cannot be placed"):  # the CPU is rank 1's: no device is left for rank 0
             await c.load("tp")
+
+
+async def test_an_auto_preload_loads_the_placed_replica_and_a_placement_failure_fails_readiness(start_daemon, ckpts):
+    from conftest import eventually
+
+    d = start_daemon(budget="40MiB", models={"p": ckpts["a"], "tp": None}, p={"device": "auto", "preload": True},
+                     tp={"device": "auto", "preload": True,
+                         "shards": [{"path": str(ckpts["a"])}, {"path": str(ckpts["b"]), "device": "cpu"}]})
+    async with Client(d.socket) as c:
+        async def settled():
+            return not (await c.health())["preloading"]
+
+        await eventually(settled)
+        h = await c.health()
+        assert not h["ready"] and "cannot be placed" in h["failed_preloads"]["tp"]
+        states = {m["name"]: m["state"] for m in await c.models()}
+        assert states["p@cpu"] == "resident"

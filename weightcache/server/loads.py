@@ -521,9 +521,15 @@ class Loads:
 
     async def _preload(self, name: str, gates: bool) -> None:
         try:
-            # An auto model's ranks where placement puts them, not on every candidate device.
-            placed = (placing.entries_for(self.core, self.registry, self.backends, name, None, None)
-                      if name in self.registry.groups else [])
+            try:
+                # An auto model's ranks where placement puts them, not on every candidate device.
+                placed = (placing.entries_for(self.core, self.registry, self.backends, name, None, None)
+                          if name in self.registry.groups else [])
+            except WeightcacheError as exc:
+                log.error("preload of %s failed: %s", name, exc, extra={"model": name, "code": exc.code})
+                if gates:
+                    self.preloads_failed[name] = str(exc)
+                return
             for entry in placed:
                 try:
                     await self.ensure_resident(entry, self.settings.no_space_wait_s)
