@@ -200,3 +200,28 @@ def test_two_rank_sharded_model_on_two_gpus(start_daemon, gpu_ckpts, tmp_path):
                                     capture_output=True, text=True, timeout=300))
     for rank, p in enumerate(procs):
         assert p.returncode == 0 and p.stdout.strip() == f"OK {rank}", p.stderr[-2000:]
+
+
+async def test_fingerprint_of_a_gpu_load_and_names_sharing_one_arena(start_daemon, gpu_ckpts):
+    """The content fingerprint hashed from the pinned staging buffers equals the files'
+    (fingerprint_files), survives a round trip through the host tier, and two names of one
+    checkpoint hold one VMM arena (one copy in the budget, not demoted: evicted)."""
+    from weightcache.loader import fingerprint_files
+
+    d = gpu_daemon(start_daemon, "600MiB", {"x": gpu_ckpts["x"], "x2": gpu_ckpts["x"], "y": gpu_ckpts["y"]},
+                   daemon={"host_budget": "300MiB"})
+    want = fingerprint_files(gpu_ckpts["x"])
+    async with Client(d.socket) as c:
+        async with c.attach("x") as m, c.attach("x2") as m2:
+            assert m.fingerprint == m2.fingerprint == want
+            assert set(m) == set(m2) and all(torch.equal(m[k], m2[k]) for k in m)
+            sizes = {r["name"]: r["nbytes"] for r in await c.models()}
+            assert (await c.status())["devices"]["cuda:0"]["used"] == sizes["x"]  # one copy for two names
+        await c.load("y")
+        await c.evict("y")  # alone on its arena: demoted to the host tier
+        async with c.attach("y") as my:  # promoted: the fingerprint of its load
+            assert my.fingerprint == fingerprint_files(gpu_ckpts["y"])
+        await c.evict("x")
+        assert {r["name"]: r["state"] for r in await c.models()}["x"] == "evicted"  # x2 keeps the arena: nothing freed
+        assert (await c.evict("x2"))["state"] == "evicted"  # a shared arena is evicted, not demoted
+        assert (await c.status())["devices"]["cuda:0"]["used"] == sizes["y"]
