@@ -31,6 +31,7 @@ async def test_auto_model_is_placed_and_says_why(start_daemon, ckpts):
             await c.load("m", device="cuda:0")
         assert (await c.evict("m"))["evicted"] is True
         assert (await c.load("m", device="cpu"))["placement"]["reason"] == "named"
+        assert (await c.status())["placement"]["m"]["device"] == "cpu"
     assert "placed m on cpu: free budget there" in d.log_text()
 
 

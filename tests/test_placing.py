@@ -19,11 +19,13 @@ class FakeGpu:
 
     def __init__(self, device, free=1 << 40, peers=True):
         self.device, self.uuid, self.free, self.peers = device, None, free, peers
+        self.asked = 0  # free_memory calls: driver calls on the daemon's loop
 
     def names(self, device):
         return device == self.device
 
     def free_memory(self):
+        self.asked += 1
         return self.free
 
     def can_copy_from(self, other):
@@ -47,8 +49,10 @@ def test_an_auto_model_has_a_replica_per_gpu_and_is_placed_then_kept():
     assert reg.groups["m"] == ["m@cuda:0", "m@cuda:1", "m@cuda:2"]
     assert placing.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:0"]  # all empty: device order
     loaded(core, "m@cuda:2", 10)
+    asked = sum(b.asked for b in backends.values())
     assert placing.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:2"]
     assert reg.placed["m"]["reason"] == "resident"
+    assert sum(b.asked for b in backends.values()) == asked  # a hit asks no GPU for its free memory
     assert placing.entries_for(core, reg, backends, "m", None, "cuda:1") == ["m@cuda:1"]
     assert reg.placed["m"]["reason"] == "named"
     with pytest.raises(BadRequest, match="no budget"):

@@ -169,6 +169,9 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
         "resident": [describe(ctx, name, caller) for name in _listed(ctx, caller.peer)
                      if ctx.core.entry(name).state in (State.RESIDENT, State.LOADING, State.HOST)],
         "tenants": tenant_usage(ctx, caller.peer),
+        # device = "auto" models: the last placement of each (rank), as models shows it
+        "placement": {slot: p for slot, p in ctx.registry.placed.items()
+                      if ctx.registry.visible(caller.peer, next(iter(ctx.registry.replicas[slot].values())))},
     }, []
 
 

@@ -3,9 +3,10 @@ replica on the device the placement core chooses (cache/placement.py, Note
 [placement]), or the one on the device the request names; for any other model, its
 entries as configured (a named device must be theirs).
 
-The decision and its reason are logged and kept for ``models`` (``placement``). Reading
-a GPU's real free memory is one ``cuMemGetInfo`` per candidate device: microseconds, so
-it runs on the loop.
+The decision and its reason are logged and kept for ``models`` and ``status``
+(``placement``). Reading a GPU's real free memory is one ``cuMemGetInfo`` per candidate
+device, made on the loop (a driver call of microseconds), and only when some rank is
+resident nowhere.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 from typing import Any
 
 from ..backends import Backend
-from ..cache import CacheCore
+from ..cache import CacheCore, State
 from ..cache.placement import Placement, place_ranks, views
 from ..errors import BadRequest
 from .registry import Registry
@@ -46,7 +47,12 @@ def entries_for(core: CacheCore, registry: Registry, backends: dict[str, Backend
         return wanted
     # Every auto rank is placed together, so that one rank's engine asking alone gets the
     # device the others' placement leaves it (ranks on distinct devices).
-    free = {d: backends[d].free_memory() for d in {d for s in auto for d in registry.replicas[s]}}
+    # The GPUs' real free memory matters only where a rank is not resident anywhere: an
+    # attach of a resident model (the hit an engine restart is) makes no driver call.
+    # (Two ranks resident only on one device, which named devices can cause, are then
+    # placed without it: the budget still holds, the core's admission checks it.)
+    resident = all(any(core.entry(e).state is State.RESIDENT for e in registry.replicas[s].values()) for s in auto)
+    free = {} if resident else {d: backends[d].free_memory() for d in {d for s in auto for d in registry.replicas[s]}}
     fixed = {core.entry(s).device for s in slots if s not in registry.replicas}
     rank_views = [[v for v in views(core, registry.replicas[s], free) if v.device not in fixed] for s in auto]
     sizes = [max((core.entry(e).nbytes for e in registry.replicas[s].values()), default=0) for s in auto]
