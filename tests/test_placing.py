@@ -100,3 +100,15 @@ def test_peer_copy_source_is_a_resident_current_replica_on_a_gpu_it_can_read():
         assert loads._peer_source("m@cuda:1") is None
     finally:
         loads.io_pool.shutdown()
+
+
+def test_a_tenants_auto_model_counts_its_open_files_once():
+    """Every replica of a rank reads the same open files (a peer's register with fds):
+    max_files_per_uid counts them once, not once per GPU."""
+    _core, reg, _ = setup()
+
+    class Opened:
+        files = [object(), object()]
+
+    reg.register(ModelConfig(name="t", path="/t", device="auto"), origin="register", owner=1000, sources=[Opened()])
+    assert len(reg.groups["t"]) == len(GPUS) and reg.files_held_by(1000) == 2

@@ -178,7 +178,9 @@ class Registry:
         self.groups[name] = [name]
 
     def files_held_by(self, uid: int) -> int:
-        return sum(len(m.files.files) for m in self.models.values() if m.files is not None and m.owner == uid)
+        # an auto model's replicas of one rank share its open files: counted once
+        held = {id(m.files): len(m.files.files) for m in self.models.values() if m.files is not None and m.owner == uid}
+        return sum(held.values())
 
     # -- names ----------------------------------------------------------------------
     def first(self, name: str) -> Model:
