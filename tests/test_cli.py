@@ -266,6 +266,22 @@ def test_register_and_unregister(start_daemon, ckpts, capsys, tmp_path, monkeypa
         assert rc == 2 and err.startswith("weightcache register: "), (bad, err)
 
 
+def test_register_says_who_may_use_it_and_status_shows_tenants(start_daemon, ckpts, capsys):
+    d = start_daemon(budget="20MiB")
+    s = ("--socket", d.socket)
+    got = cli_json(capsys, *s, "register", "t", str(ckpts["tiny"]), "--allow-uid", "1000", "--allow-uid", "1001",
+                   "--allow-group", "0")
+    assert (got["allowed_uids"], got["allowed_gids"]) == ([1000, 1001], [0])
+    assert cli(capsys, *s, "load", "t")[0] == 0
+    rc, out, _ = cli(capsys, *s, "status")
+    me = f"uid:{os.geteuid()}"
+    assert rc == 0 and "tenant" in out and me in out, out  # the registering uid's usage
+    (m,) = cli_json(capsys, *s, "models")
+    assert cli_json(capsys, *s, "status")["tenants"][me]["devices"]["cpu"] == {"used": m["nbytes"], "quota": None}
+    rc, out, _ = cli(capsys, *s, "ps")
+    assert rc == 0 and f"uid {os.geteuid()}" in out, out
+
+
 def test_models_shows_why_a_model_cannot_load(start_daemon, tmp_path, capsys):
     """A path typo is found at start; the table says so, not only --json (issue 14)."""
     d = start_daemon(models={"typo": tmp_path / "nope.safetensors"})

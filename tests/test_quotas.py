@@ -26,8 +26,8 @@ class Clock:
         return self.t
 
 
-def make(budget=1000, quotas=(), **tenants):
-    core = CacheCore({"cpu": budget}, clock=Clock())
+def make(budget=1000, quotas=(), policy="lru", **tenants):
+    core = CacheCore({"cpu": budget}, clock=Clock(), policy=policy)
     core.set_quotas({q.tenant: q for q in quotas})
     for name, who in tenants.items():
         core.register(name, "cpu", tenants=who)
@@ -151,14 +151,15 @@ def test_tenant_keys_are_the_uid_then_each_group_once():
     assert tenant_keys(1000, [5, 100, 5]) == ("uid:1000", "gid:5", "gid:100")
 
 
+@pytest.mark.parametrize("policy", ["lru", "gdsf"])
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["load", "attach", "detach", "evict"]), st.integers(0, 5),
                           st.integers(1, 120)), max_size=40),
        st.integers(100, 400), st.integers(100, 400))
-def test_an_admitted_load_leaves_every_tenant_within_its_quota(ops, qa, qg):
+def test_an_admitted_load_leaves_every_tenant_within_its_quota(policy, ops, qa, qg):
     quotas = [Quota("uid:1000", {"cpu": qa}), Quota("gid:100", {"cpu": qg})]
     names = ["a0", "a1", "b0", "b1", "op0", "op1"]
-    core = make(budget=500, quotas=quotas, a0=A, a1=A, b0=B, b1=B, op0=(), op1=())
+    core = make(budget=500, quotas=quotas, policy=policy, a0=A, a1=A, b0=B, b1=B, op0=(), op1=())
     leases: dict[str, int] = {}
     for op, i, nbytes in ops:
         name = names[i]

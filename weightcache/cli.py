@@ -298,7 +298,8 @@ async def cmd_register(args: argparse.Namespace) -> int:
     path = None if args.path is None else str(Path(args.path).absolute())
     async with _client(args) as c:
         model = await c.register(args.name, path, device=args.device, shards=shards, pin=args.pin, preload=args.preload,
-                                 keep_alive=keep_alive, send_files=not args.by_path)
+                                 keep_alive=keep_alive, send_files=not args.by_path, allowed_uids=args.allow_uid,
+                                 allowed_gids=[int(g) if g.isdigit() else g for g in args.allow_group] if args.allow_group else None)
     if args.json:
         _print_json(model)
     else:
@@ -507,6 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pin", action="store_true", help="never evict it (administrators only)")
     s.add_argument("--preload", action="store_true", help="load it now, in the background")
     s.add_argument("--keep-alive", default=None, help="evict after this long unused and unattached: '30s', '5m', '1h' or seconds")
+    s.add_argument("--allow-uid", action="append", type=int, metavar="UID",
+                   help="a uid that may use it (repeat for more); without this or --allow-group a non-admin's model is its own")
+    s.add_argument("--allow-group", action="append", metavar="GROUP", help="a group (name or gid) whose members may use it")
     s.add_argument("--by-path", action="store_true",
                    help="send only the paths: the daemon opens them with its own rights (administrators only); "
                         "by default this command opens the files and passes them")
