@@ -2,6 +2,8 @@
 core.py's Note [invariants], run under each eviction policy (GDSF's own examples are in
 tests/test_policy.py)."""
 
+import contextlib
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -508,3 +510,92 @@ def test_shared_arenas_count_once_and_leave_with_their_last_name():
     core.unregister("a")
     assert core.devices["cpu"].used == 0
     core.check_invariants()
+
+
+class SharedArenaMachine(RuleBasedStateMachine):
+    """Note [shared arenas] under random operations: names of one share key load once,
+    join, leave one by one, are chosen by the policy together, and the invariants (a
+    shared arena counted once, one arena per key) hold after every step."""
+
+    names = st.sampled_from(["s0", "s1", "s2", "t0", "t1", "u0", "u1"])
+    conns = st.integers(1, 2)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.core = CacheCore({"cpu": 500, "cuda:0": 500}, clock=Clock(), host_budget=300, max_loaded={"cpu": 2})
+        for n in ("s0", "s1", "s2"):
+            self.core.register(n, "cpu", share="k")
+        for n in ("t0", "t1"):
+            self.core.register(n, "cuda:0", share="k")  # the same key on another device: another arena
+        self.core.register("u0", "cpu")
+        self.core.register("u1", "cuda:0")
+
+    @rule(name=names, nbytes=st.integers(1, 400), fail=st.booleans())
+    def load(self, name, nbytes, fail):
+        e = self.core.entry(name)
+        if e.state in (State.LOADING, State.RESIDENT) or self.core.loading_sibling(name):
+            return
+        if self.core.resident_sibling(name):
+            held = self.core.devices[e.device].used
+            self.core.join(name)
+            assert self.core.devices[e.device].used == held  # no second copy
+            return
+        if e.host_copy:
+            nbytes = e.nbytes
+        try:
+            plan = self.core.begin_load(name, nbytes)
+        except NoSpace:
+            return
+        for v in plan.evict:  # a shared arena leaves under every name on it
+            ve = self.core.entry(v)
+            assert all(x.state is not State.RESIDENT for x in self.core.siblings(v)), v
+            assert ve.state in (State.EVICTED, State.HOST)
+        if fail:
+            self.core.abort_load(name)
+        else:
+            self.core.finish_load(name)
+
+    @rule(name=names, conn=conns)
+    def attach(self, name, conn):
+        if self.core.entry(name).state is State.RESIDENT:
+            self.core.attach(name, conn)
+
+    @rule(conn=conns)
+    def drop(self, conn):
+        self.core.drop_connection(conn)
+
+    @rule(name=names, pinned=st.booleans())
+    def pin(self, name, pinned):
+        self.core.set_pinned(name, pinned)
+
+    @rule(name=names)
+    def evict(self, name):
+        e = self.core.entry(name)
+        if e.state is State.HOST or (e.state is State.RESIDENT and not e.leases and not e.pinned):
+            held = self.core.devices[e.device].used
+            others = any(x.state is State.RESIDENT for x in self.core.siblings(name))
+            self.core.evict(name)
+            if others:
+                assert self.core.devices[e.device].used == held  # a sibling keeps the bytes
+
+    @rule(name=names)
+    def reregister(self, name):
+        e = self.core.entry(name)
+        if e.leases or e.state is State.LOADING:
+            return
+        device, share = e.device, e.share
+        self.core.unregister(name)
+        self.core.register(name, device, share=None if share is None else "k")
+
+    @rule(budget=st.integers(200, 500), device=st.sampled_from(["cpu", "cuda:0"]))
+    def set_budget(self, budget, device):
+        with contextlib.suppress(NoSpace):
+            self.core.set_budget(device, budget)
+
+    @invariant()
+    def invariants(self):
+        self.core.check_invariants()
+
+
+TestSharedArenaMachine = SharedArenaMachine.TestCase
+TestSharedArenaMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
