@@ -177,9 +177,17 @@ def test_quota_evicts_the_tenants_own_models_first_then_refuses_naming_it(start_
     (r,) = calls(d.socket, [{"id": 1, "op": "status"}])
     assert "o1" in [m["name"] for m in r["resident"]]
     assert set(r["tenants"]) >= {f"uid:{NOBODY}", f"uid:{OTHER}"}  # administrators see every tenant
-    # Pins: one of the tenant's models may be pinned, whoever asks.
-    pins = calls(d.socket, [{"id": 1, "op": "pin", "name": "n1"}, {"id": 2, "op": "pin", "name": "n2"}])
-    assert code(pins[0]) is None and code(pins[1]) == "NO_SPACE" and pins[1]["error"]["quota"] == f"uid:{NOBODY}"
+    # Pins: under a pins quota the owner may pin its own models, up to the quota; an admin's
+    # pins of its models count too. Without one, pinning stays the administrators'.
+    pins = as_uid(NOBODY, lambda: calls(d.socket, [{"id": 1, "op": "pin", "name": "n1"},
+                                                   {"id": 2, "op": "pin", "name": "n2"},
+                                                   {"id": 3, "op": "pin", "name": "o1"},  # not its own
+                                                   {"id": 4, "op": "unpin", "name": "n1"}]))
+    assert [code(r) for r in pins] == [None, "NO_SPACE", "PERMISSION_DENIED", None], pins
+    assert pins[1]["error"]["quota"] == f"uid:{NOBODY}" and f'quotas."uid:{NOBODY}".pins = 1' in pins[1]["error"]["message"]
+    assert code(as_uid(OTHER, lambda: calls(d.socket, [{"id": 1, "op": "pin", "name": "o1"}]))[0]) == "PERMISSION_DENIED"
+    admin = calls(d.socket, [{"id": 1, "op": "pin", "name": "n2"}, {"id": 2, "op": "pin", "name": "n1"}])
+    assert code(admin[0]) is None and code(admin[1]) == "NO_SPACE", admin
     # A raised quota applies at once, in place: the same load now fits.
     d.config.write_text(text + f'\n[quotas."uid:{NOBODY}"]\nbytes = {{ cpu = "10MiB" }}\n')
     assert calls(d.socket, [{"id": 1, "op": "reload"}])[0]["ok"]

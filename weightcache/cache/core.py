@@ -58,7 +58,8 @@ policy choose among every evictable model on the device (the tenant's own includ
 it always does. If the tenant's own evictable models cannot make room under its quota,
 NoSpace names the quota (``details["quota"]``), and nothing is evicted. A pin that would
 give a tenant more pinned models than its ``pins`` (a sharded model is one) is refused
-with NoSpace naming it. Quotas are checked when bytes or pins are taken: lowering a
+with NoSpace naming it, whoever asks (the server lets an owner pin its own model only
+where a pins quota covers it: ``pins_limited``). Quotas are checked when bytes or pins are taken: lowering a
 quota evicts nothing by itself. So, in addition to (1): once ``begin_load`` admits a
 load, each of its tenants with a byte quota on the device holds at most that quota there
 (a tenant over a lowered quota must get under it before it loads more).
@@ -621,6 +622,10 @@ class CacheCore:
                 "pins": len(self.tenant_pins(t)), "pins_quota": q.pins if q else None,
             }
         return out
+
+    def pins_limited(self, name: str) -> bool:
+        """Whether a pins quota covers ``name`` (its owner may then pin it, within the quota)."""
+        return any(q.pins is not None for t in self.entry(name).tenants if (q := self.quotas.get(t)) is not None)
 
     def _quota_victims(self, e: Entry, nbytes: int) -> list[Entry]:
         """The tenant's own evictable models on ``e``'s device that must leave for a load of

@@ -334,9 +334,22 @@ async def unpin(ctx: Context, caller: Caller, req: Request) -> Reply:
     return await _set_pin(ctx, caller, req, False)
 
 
+# Admin ops that a model's owner may also run on its own model when a pins quota covers
+# it (docs/deployment.md, "Tenants"): the quota is what makes a tenant's pins bounded.
+OWNER_PIN_OPS = frozenset({"pin", "unpin"})
+
+
 async def _set_pin(ctx: Context, caller: Caller, req: Request, pinned: bool) -> Reply:
-    ctx.registry.check_use(caller.peer, req.arg("name", str))
-    entries = ctx.registry.members(req.arg("name", str))
+    name = req.arg("name", str)
+    op = "pin" if pinned else "unpin"
+    if not ctx.access.is_admin(caller.peer):
+        model = ctx.registry.first(name) if name in ctx.registry.groups or name in ctx.registry.models else None
+        if model is None or model.owner != caller.peer.uid or model.origin == "config" \
+                or not ctx.core.pins_limited(ctx.registry.members(name)[0]):
+            raise PermissionDenied(f"op {op!r} is for administrators, and for a model's owner where a pins quota "
+                                   f"covers it; uid {caller.peer.uid} may not {op} {name!r}", op=op)
+    ctx.registry.check_use(caller.peer, name)
+    entries = ctx.registry.members(name)
     for e in entries:
         ctx.core.set_pinned(e, pinned)
     if not pinned:
