@@ -219,3 +219,19 @@ def test_config_model_access_lists(tmp_path):
         with pytest.raises(ConfigError) as err:
             load_settings(_config(tmp_path, f'[[models]]\nname = "m"\npath = "/m.safetensors"\n{text}\n'))
         assert said in str(err.value), (text, str(err.value))
+
+
+def test_a_load_refused_after_choosing_the_tenants_own_victims_moves_nothing():
+    # GDSF's clock moves only for victims that leave (Note [invariants], 5): here A's own
+    # model would make room under A's quota, but B's attached models leave the device short.
+    core = make(budget=300, quotas=[Quota("uid:1000", {"cpu": 150})], policy="gdsf", a1=A, a2=A, b1=B, b2=B)
+    for n in ("a1", "b1", "b2"):
+        loaded(core, n, 100)
+    core.attach("b1", conn=1)
+    core.attach("b2", conn=1)
+    clock = core.policy.clock("cpu")
+    with pytest.raises(NoSpace) as err:
+        core.begin_load("a2", 150)
+    assert "quota" not in err.value.details  # the device's budget refused it, not the quota
+    assert core.policy.clock("cpu") == clock and core.entry("a1").state is State.RESIDENT
+    core.check_invariants()

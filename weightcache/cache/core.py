@@ -383,6 +383,8 @@ class CacheCore:
                                among=lambda x: x.name not in taken)
         if others is None:
             raise self._no_space(e, nbytes)
+        if own:  # only now that the load is admitted: a refused one must not move GDSF's clock (5)
+            self.policy.evicted(e.device, own)
         victims = own + others
         step = self._step_down(victims, keep=e)
         e.state = State.LOADING
@@ -402,10 +404,11 @@ class CacheCore:
         return 0 if limit is None else self.loaded_on(device) + 1 - limit
 
     def _victims(self, device: str, need: int, count: int = 0,
-                 among: Callable[[Entry], bool] | None = None) -> list[Entry] | None:
-        """The policy's victims among the evictable models on ``device`` whose bytes add up
-        to ``need`` and that number at least ``count`` (Note [invariants], 3), its clock
-        moved past them; None if all of them would not."""
+                 among: Callable[[Entry], bool] | None = None, commit: bool = True) -> list[Entry] | None:
+        """The policy's victims among the evictable models on ``device`` (those ``among``
+        accepts) whose bytes add up to ``need`` and that number at least ``count`` (Note
+        [invariants], 3), its clock moved past them unless not ``commit``; None if all of
+        them would not."""
         candidates: list[Entry] = []
         groups: dict[str, list[Entry]] = {}
         for x in self.entries.values():
@@ -420,7 +423,7 @@ class CacheCore:
                 if all(y.evictable for y in group):
                     candidates.append(max(group, key=self.policy.priority))
         victims = self.policy.choose(candidates, need, count)
-        if victims:
+        if victims and commit:
             self.policy.evicted(device, victims)
             return [y for v in victims for y in (groups[v.share] if v.share is not None else [v])]
         return victims
@@ -646,7 +649,7 @@ class CacheCore:
             def mine(x: Entry, t: str = t, taken: set[str] = taken) -> bool:
                 return t in x.tenants and x.name not in taken
 
-            victims = self._victims(e.device, over, among=mine)
+            victims = self._victims(e.device, over, among=mine, commit=False)
             if victims is None:
                 assert q is not None
                 kept = sum({self._arena_key(x): x.nbytes for x in self.entries.values()
