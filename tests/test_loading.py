@@ -132,3 +132,34 @@ async def test_waiters_for_room_are_woken_oldest_first():
     room.notify()
     await asyncio.gather(*tasks)
     assert woken == tickets and room.generation == 1
+
+
+async def test_a_request_that_finds_an_abandoned_load_already_done_loads_afresh(ckpts):
+    """A cancelled load whose task has ended but whose done callback has not run yet (it
+    runs on the loop's next turn, and awaiting a finished task does not yield) is left for
+    a fresh load: the retry found the same finished job forever (a RecursionError in a fuzz
+    run)."""
+    from weightcache.backends.cpu import CpuBackend
+    from weightcache.cache import CacheCore
+    from weightcache.config import ModelConfig, Settings
+    from weightcache.server.loads import LoadJob, Loads
+    from weightcache.server.registry import Registry
+
+    core = CacheCore({"cpu": 1 << 30})
+    registry = Registry(core, {"cpu": CpuBackend("cpu")}, access=None)
+    registry.register(ModelConfig(name="tiny", path=ckpts["tiny"]))
+    loads = Loads(Settings().daemon, core, registry, {"cpu": CpuBackend("cpu")}, lambda: False)
+    try:
+        job = LoadJob("tiny")
+        job.abandoned.set()
+        job.task = asyncio.get_running_loop().create_future()
+        job.task.set_exception(RuntimeError("cancelled load"))
+        job.task.exception()
+        loads.jobs["tiny"] = job  # finished, its _load_done not yet run
+        assert await loads.ensure_resident("tiny", 0) == "files"
+        assert core.entry("tiny").state.value == "resident"
+    finally:
+        for m in registry.models.values():
+            if m.arena is not None:
+                loads.backends["cpu"].free(m.arena)
+        loads.io_pool.shutdown()

@@ -191,6 +191,11 @@ class Loads:
             # Given up, and stopping at its next chunk: let it stop, then load afresh.
             with contextlib.suppress(Exception):
                 await asyncio.shield(job.task)  # type: ignore[arg-type]
+            if self.jobs.get(name) is job:
+                # Its done callback (_load_done) has not run yet: awaiting a task that is
+                # already done does not yield to the loop. Left here, the retry found the
+                # same finished job again, forever (a RecursionError in the fuzz run).
+                del self.jobs[name]
             return await self._resident_once(name)
         if job is None:
             job = self.jobs[name] = LoadJob(name)
