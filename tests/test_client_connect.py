@@ -23,7 +23,7 @@ from helpers import NOBODY, as_uid
 
 from weightcache import Client, SyncClient
 from weightcache.client import connection
-from weightcache.client.connection import RETRY_MAX_S, WAIT_FOR_DAEMON_ENV, Connection
+from weightcache.client.connection import RETRY_MAX_S, WAIT_FOR_DAEMON_ENV, ConnectionBase
 from weightcache.errors import DaemonUnavailable, PermissionDenied
 from weightcache.tools.spawn import DaemonProcess
 
@@ -39,13 +39,13 @@ def sockdir() -> Iterator[str]:
 def attempts(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The monotonic time of every connect attempt a client makes."""
     seen: list[float] = []
-    once = Connection._connect_once
+    new_socket = ConnectionBase._new_socket  # each attempt's, in both transports
 
-    async def counted(self: Connection, loop: asyncio.AbstractEventLoop) -> socket.socket:
+    def counted(self: ConnectionBase) -> socket.socket:
         seen.append(time.monotonic())
-        return await once(self, loop)
+        return new_socket(self)
 
-    monkeypatch.setattr(Connection, "_connect_once", counted)
+    monkeypatch.setattr(ConnectionBase, "_new_socket", counted)
     return seen
 
 
@@ -176,13 +176,13 @@ def test_a_socket_this_user_may_not_use_is_not_waited_for(start_daemon):
 
     def attempt() -> dict[str, Any]:
         seen: list[int] = []
-        once = Connection._connect_once
+        new_socket = ConnectionBase._new_socket
 
-        async def counted(self: Connection, loop: asyncio.AbstractEventLoop) -> socket.socket:
+        def counted(self: ConnectionBase) -> socket.socket:
             seen.append(1)
-            return await once(self, loop)
+            return new_socket(self)
 
-        Connection._connect_once = counted  # type: ignore[method-assign]  # in the forked child only
+        ConnectionBase._new_socket = counted  # type: ignore[method-assign]  # in the forked child only
         t0 = time.monotonic()
         try:
             asyncio.run(Client(d.socket, wait_for_daemon=10).connect())

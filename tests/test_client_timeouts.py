@@ -288,8 +288,69 @@ def test_sync_client_request_to_a_stopped_daemon_times_out(start_daemon, ckpts):
         finally:
             os.kill(d.proc.pid, signal.SIGCONT)
         assert "devices" in c.status(timeout=30)
+        # The late attach's lease was given back when that status call read its reply
+        # (Note [blocking transport]): the detach was sent then, answered since.
+        deadline = time.monotonic() + HANG_GUARD_S
+        while c.status()["leases"]:
+            assert time.monotonic() < deadline, "the late attach's lease was never given back"
+            time.sleep(0.05)
         with c.attach("tiny", timeout=30) as w:
             assert len(w) == 5
+
+
+def test_sync_client_does_its_io_in_the_callers_thread(start_daemon, ckpts):
+    d = start_daemon(models={"tiny": ckpts["tiny"]})
+    before = threading.active_count()
+    with SyncClient(d.socket) as c:
+        assert threading.active_count() == before  # no loop thread, no reader thread
+        with c.attach("tiny") as w:
+            assert len(w) == 5 and c.status()["leases"] == 1
+            assert threading.active_count() == before
+        assert c.status()["leases"] == 0
+    with pytest.raises(DaemonUnavailable, match="client closed"):
+        c.status()
+
+
+def test_threads_sharing_a_sync_client_do_not_wait_for_each_other(fake):
+    f = fake(answers={"status": {"devices": {}}})  # never answers load
+    with SyncClient(f.path) as c:
+        slow: list[BaseException] = []
+
+        def load() -> None:
+            try:
+                c.load("x", timeout=2.0)
+            except BaseException as exc:
+                slow.append(exc)
+
+        t = threading.Thread(target=load)
+        t.start()
+        time.sleep(0.1)  # the load is sent and its thread is reading
+        started = time.monotonic()
+        for _ in range(20):
+            assert c.status(timeout=1.0)["devices"] == {}  # answered while the load waits
+        assert time.monotonic() - started < 1.0
+        t.join(timeout=HANG_GUARD_S)
+        assert len(slow) == 1 and isinstance(slow[0], RequestTimeout) and slow[0].details["op"] == "load"
+        # Four threads at once: each gets its own reply, whichever thread reads it.
+        results: list[Any] = []
+        threads = [threading.Thread(target=lambda: results.extend(c.status()["devices"] for _ in range(25)))
+                   for _ in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=HANG_GUARD_S)
+        assert results == [{}] * 100
+    assert f.ops().count("status") == 120
+
+
+def test_a_sync_client_call_that_would_suspend_is_refused():
+    from weightcache.client.sync import run_to_end
+
+    async def suspends() -> None:
+        await asyncio.sleep(0)
+
+    with pytest.raises(RuntimeError, match="awaited something other than its blocking transport"):
+        run_to_end(suspends())
 
 
 # -- the sync client cannot drift from the async one ------------------------------------

@@ -9,14 +9,13 @@ Timeouts and cancellation: Note [timeouts] and Note [cancellation] in connection
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from ..protocol import PROTOCOL_VERSION
-from .connection import Connection
+from .connection import Connection, ConnectionBase
 from .files import open_checkpoint_files
 
 if TYPE_CHECKING:  # annotations only: importing them would import torch
@@ -25,24 +24,15 @@ if TYPE_CHECKING:  # annotations only: importing them would import torch
     from .mapping import AttachedModel
 
 
-class Client(Connection):
-    """Async client for the weightcache daemon.
-
-    >>> async with Client() as c:                          # doctest: +SKIP
-    ...     print(await c.status())
-    ...     async with c.attach("qwen-7b") as weights:
-    ...         ...
-
-    ``socket_path`` defaults to ``$WEIGHTCACHE_SOCKET``, then /run/weightcache/weightcache.sock.
-    Timeouts are in seconds (Note [timeouts]): ``connect_timeout`` bounds the connect and
-    hello, ``request_timeout`` control requests, ``load_timeout`` load/attach/publish
-    (None: the daemon's ``request_timeout_s`` plus 30 s). ``math.inf`` means no bound.
-    Every method takes ``timeout=``: None is the op's default, ``math.inf`` no bound.
-    ``wait_for_daemon``: how long connecting waits for a daemon that is not running yet
-    (None: ``$WEIGHTCACHE_WAIT_FOR_DAEMON``, else 5 s; 0 tries once).
+class ClientOps(ConnectionBase):
+    """The daemon's ops, written once for both transports: :class:`Client` runs them on an
+    asyncio loop (connection.py's ``Connection``), :class:`~weightcache.SyncClient` in the
+    caller's thread (sync.py's ``BlockingConnection``, Note [blocking transport]). Every
+    wait is the transport's (``_request``, ``_lease``, ``_offload``): nothing here awaits
+    anything else. Not used on its own.
     """
 
-    async def connect(self) -> Client:
+    async def connect(self) -> Self:
         """Connect and say hello. A daemon not running yet is waited for, up to
         ``wait_for_daemon`` (Note [waiting for the daemon] in connection.py); then
         DaemonUnavailable says how to start it. A socket this user may not use raises
@@ -52,7 +42,7 @@ class Client(Connection):
         await self._open({"protocol": PROTOCOL_VERSION, "client": self.name})
         return self
 
-    async def __aenter__(self) -> Client:
+    async def __aenter__(self) -> Self:
         return await self.connect()
 
     async def __aexit__(self, *exc: object) -> None:
@@ -169,7 +159,7 @@ class Client(Connection):
         """
         from .publish import pack
 
-        packed = await asyncio.to_thread(pack, tensors)
+        packed = await self._offload(pack, tensors)
         try:
             reply, _ = await self._request("publish", timeout, {
                 "name": name, "device": packed.device, "fingerprint": fingerprint, "arena": packed.arena,
@@ -207,3 +197,21 @@ class Client(Connection):
                                                        "writable": writable or None, "keep_alive": keep_alive})
         async with self._lease(reply["lease"]):  # ends the lease even if mapping fails
             yield attached_model(name, reply, fds)
+
+
+class Client(ClientOps, Connection):
+    """Async client for the weightcache daemon.
+
+    >>> async with Client() as c:                          # doctest: +SKIP
+    ...     print(await c.status())
+    ...     async with c.attach("qwen-7b") as weights:
+    ...         ...
+
+    ``socket_path`` defaults to ``$WEIGHTCACHE_SOCKET``, then /run/weightcache/weightcache.sock.
+    Timeouts are in seconds (Note [timeouts]): ``connect_timeout`` bounds the connect and
+    hello, ``request_timeout`` control requests, ``load_timeout`` load/attach/publish
+    (None: the daemon's ``request_timeout_s`` plus 30 s). ``math.inf`` means no bound.
+    Every method takes ``timeout=``: None is the op's default, ``math.inf`` no bound.
+    ``wait_for_daemon``: how long connecting waits for a daemon that is not running yet
+    (None: ``$WEIGHTCACHE_WAIT_FOR_DAEMON``, else 5 s; 0 tries once).
+    """

@@ -3,6 +3,13 @@ matched by id, timeouts and cancellation. It knows no op beyond what its timeout
 Note [cancellation] need; :class:`~weightcache.client.client.Client` speaks the protocol
 on top of it.
 
+Two transports share it. :class:`ConnectionBase` holds everything that is not waiting:
+settings and timeouts, building request frames, reading replies out of received bytes and
+fds, checking them, dropping stale ones, and the errors. :class:`Connection` waits on an
+asyncio loop (a reader task per connection); sync.py's ``BlockingConnection`` waits in
+the caller's thread (Note [blocking transport] there). The ops themselves are written once,
+in client.py's ``ClientOps``.
+
 No torch here or in client.py: ``weightcache health`` (which Kubernetes probes run), the
 CLI and every control call import only this, msgpack and the standard library. Tensors
 are made in mapping.py, imported at the first attach.
@@ -50,8 +57,9 @@ import math
 import os
 import socket
 from collections import deque
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any, TypeVar
 
 from ..defaults import DAEMON_UID_ENV, SOCKET_ENV, client_socket_path
 from ..errors import DaemonUnavailable, PermissionDenied, RequestTimeout, WeightcacheError, error_from_wire
@@ -73,6 +81,7 @@ DAEMON_REQUEST_TIMEOUT_S = 900.0  # the daemon's default request_timeout_s, for 
 LOAD_TIMEOUT_MARGIN_S = 30.0  # past the daemon's own timeout, so its TIMEOUT reply arrives first
 
 Reply = tuple[dict[str, Any], list[int]]  # a reply map and the fds that came with it
+T = TypeVar("T")
 
 
 def wait_for_daemon_from_env() -> float:
@@ -106,8 +115,8 @@ def check_daemon_identity(sock: socket.socket, path: str) -> None:
                                f"(root, this user, or ${DAEMON_UID_ENV})", uid=uid)
 
 
-class Connection:
-    """The transport under :class:`~weightcache.Client`; not used on its own.
+class ConnectionBase:
+    """What the asyncio and the blocking transport share; not used on its own.
 
     ``socket_path`` defaults to ``$WEIGHTCACHE_SOCKET``, then /run/weightcache/weightcache.sock.
     Timeouts are in seconds (Note [timeouts]): ``connect_timeout`` bounds the connect and
@@ -137,14 +146,14 @@ class Connection:
         self._load_timeout = load_timeout
         self._max_frame = max_frame_bytes
         self._sock: socket.socket | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._pending: dict[int, asyncio.Future[Reply]] = {}
         self._ids = itertools.count(1)
-        self._write_lock = asyncio.Lock()
         self._closed_error: WeightcacheError | None = None
-        self._background: set[asyncio.Task[None]] = set()
         self.server_info: dict[str, Any] = {}
         self.events: deque[dict[str, Any]] = deque(maxlen=64)  # events the daemon announced, newest last
+        self._init_transport()
+
+    def _init_transport(self) -> None:
+        """Set up what the transport keeps per connection (its waiters and locks)."""
 
     @property
     def load_timeout(self) -> float:
@@ -162,12 +171,174 @@ class Connection:
             timeout = self.load_timeout if op in LONG_OPS else self.request_timeout
         return None if math.isinf(timeout) else timeout
 
+    # -- connecting: shared ---------------------------------------------------------
+    def _new_socket(self) -> socket.socket:
+        """A fresh non-blocking socket for one connect attempt (Note [waiting for the daemon])."""
+        if os.path.islink(self.socket_path):
+            raise PermissionDenied(f"{self.socket_path} is a symlink; refusing to connect through it")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        return sock
+
+    def _retry_after(self, exc: OSError, give_up: float, now: float, delay: float) -> float:
+        """The seconds to wait before the next attempt after ``exc``; raises the connect
+        error if ``exc`` is not worth retrying or the wait is over (``give_up``)."""
+        left = give_up - now
+        if exc.errno not in RETRY_ERRNOS or left <= 0:
+            raise self._connect_error(exc) from exc
+        return min(delay, left)
+
+    def _connect_error(self, exc: OSError) -> WeightcacheError:
+        """What a connect that failed for good raises: a clear message by errno."""
+        path = self.socket_path
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return PermissionDenied(
+                f"permission denied connecting to weightcache at {path} as uid {os.geteuid()}: the socket's owner, group "
+                "and mode (and its directories') decide who may connect; the daemon's socket_group and socket_mode set "
+                "them (docs/deployment.md)", socket=path)
+        if exc.errno in RETRY_ERRNOS:
+            what = "the socket does not exist" if exc.errno == errno.ENOENT else \
+                "nothing is listening on it (a daemon that stopped may have left it behind)"
+            return DaemonUnavailable(f"cannot connect to weightcache at {path}: {what}, after waiting "
+                                     f"{self.wait_for_daemon:g}s for the daemon. Is it running? {START_DAEMON_HINT}",
+                                     socket=path, waited_s=self.wait_for_daemon)
+        return DaemonUnavailable(f"cannot connect to weightcache at {path}: {exc.strerror or exc}", socket=path)
+
+    def _no_answer(self) -> DaemonUnavailable:
+        return DaemonUnavailable(
+            f"weightcache at {self.socket_path} did not answer within {self.connect_timeout:g}s "
+            "(connect and hello); is the daemon stopped, hung or overloaded?", socket=self.socket_path)
+
+    # -- requests: shared -----------------------------------------------------------
+    async def request(self, op: str, *, timeout: float | None = None, **args: Any) -> dict[str, Any]:
+        """Send one request; return the reply map or raise the error class of its code.
+        Arguments that are None are left out.
+
+        >>> await c.request("status", timeout=5)          # doctest: +SKIP
+        {'id': 3, 'ok': True, 'devices': {...}, ...}
+        """
+        reply, fds = await self._request(op, timeout, args)
+        for fd in fds:  # only attach takes fds; anything else carrying them is closed
+            os.close(fd)
+        return reply
+
+    def _frame(self, op: str, timeout: float | None, args: dict[str, Any],
+               send_fds: list[int] | None) -> tuple[int, float | None, bytes]:
+        """A new request's id, time limit (None: no bound) and frame; raises if the
+        connection cannot carry it."""
+        if self._closed_error is not None:  # the connection broke: nobody would read a reply
+            raise self._closed_error
+        if self._sock is None:
+            raise DaemonUnavailable("not connected; use 'async with Client()' or connect()")
+        rid = next(self._ids)
+        msg = {"id": rid, "op": op, **{k: v for k, v in args.items() if v is not None}}
+        if send_fds:
+            msg["fds"] = len(send_fds)
+        return rid, self._limit(op, timeout), encode_frame(msg)
+
+    def _checked(self, reply: dict[str, Any], fds: list[int]) -> Reply:
+        """A reply that says ok, or its error raised (its fds closed)."""
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            raise error_from_wire(reply.get("error") or {})
+        return reply, fds
+
+    def _read_replies(self, decoder: FrameDecoder, fd_queue: deque[int], data: bytes, fds: list[int]) -> list[Reply]:
+        """One read's bytes and fds -> the replies it completed, each with its fds (which
+        arrive with the first byte of the frame that names them). Events the daemon
+        announced go to ``events``. Raises DaemonUnavailable at the end of the stream."""
+        fd_queue.extend(fds)
+        if not data:
+            raise DaemonUnavailable(f"weightcache at {self.socket_path} closed the connection")
+        replies = []
+        for payload in decoder.feed(data):
+            # Replies may hold long arrays (an attach's tensor table) and maps keyed
+            # by model: as long as this client's frame limit, not a request's limits.
+            reply = decode_payload(payload, max_map_len=self._max_frame, max_array_len=self._max_frame,
+                                   max_str_len=self._max_frame, max_bin_len=self._max_frame)
+            if "event" in reply:  # unsolicited, e.g. {"event": "shutting_down", "grace_s": 10}
+                self.events.append(reply)
+                continue
+            count = int(reply.get("fds", 0))
+            if count > len(fd_queue):
+                raise DaemonUnavailable(f"weightcache at {self.socket_path} sent a reply naming {count} fds, "
+                                        f"but {len(fd_queue)} arrived")
+            replies.append((reply, [fd_queue.popleft() for _ in range(count)]))
+        return replies
+
+    def _drop_reply(self, reply: dict[str, Any], fds: list[int]) -> None:
+        """A reply nobody waits for (Note [cancellation]): close its fds, give back its lease."""
+        for fd in fds:
+            os.close(fd)
+        if reply.get("id") is None and not reply.get("ok"):
+            # An error about the connection itself (e.g. FRAME_TOO_LARGE): fail everyone.
+            self._fail_pending(error_from_wire(reply.get("error") or {}))
+        elif reply.get("ok") and "lease" in reply and "tensors" in reply:
+            self._give_back(reply["lease"])
+
+    async def _detach_quietly(self, lease: int) -> None:
+        # If this fails the connection is gone, and the daemon ended the lease with it.
+        with contextlib.suppress(WeightcacheError, OSError):
+            await self.request("detach", lease=lease)
+
+    def _timed_out(self, op: str, limit: float | None) -> RequestTimeout:
+        return RequestTimeout(
+            f"the daemon at {self.socket_path} did not answer {op!r} within {limit:g}s; it may be stopped, "
+            "hung or overloaded (a late reply is dropped)", op=op, timeout_s=limit)
+
+    def _abandoned(self, op: str) -> DaemonUnavailable:
+        return DaemonUnavailable(f"connection to {self.socket_path} closed: a {op!r} request was abandoned while its frame "
+                                 "was being sent", socket=self.socket_path)
+
+    # -- what each transport does its own way ---------------------------------------
+    async def _open(self, hello: dict[str, Any]) -> None:
+        """Connect, check who serves the socket and say ``hello`` (its reply becomes
+        ``server_info``), within the limits of Note [timeouts] and Note [waiting for the
+        daemon]. On any failure nothing is left open."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Close the connection. Requests in flight fail with DaemonUnavailable, and the
+        daemon ends every lease this connection held."""
+        raise NotImplementedError
+
+    async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None) -> Reply:
+        """``request`` that also sends ``send_fds`` (SCM_RIGHTS, on the same frame) and
+        returns the fds of the reply, which the caller must close."""
+        raise NotImplementedError
+
+    def _lease(self, lease: int) -> AbstractAsyncContextManager[None]:
+        """Detach ``lease`` when the block exits, however it exits."""
+        raise NotImplementedError
+
+    async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, for work that takes long (packing tensors to publish): where it
+        would block other requests, off the thread that waits for them."""
+        raise NotImplementedError
+
+    def _give_back(self, lease: int) -> None:
+        """Detach ``lease``, granted by a reply nobody waited for, without waiting."""
+        raise NotImplementedError
+
+    def _fail_pending(self, exc: WeightcacheError) -> None:
+        """Fail every request waiting for a reply with ``exc``."""
+        raise NotImplementedError
+
+
+class Connection(ConnectionBase):
+    """The asyncio transport under :class:`~weightcache.Client`; not used on its own.
+    A reader task reads every frame as it comes and hands each reply to the request
+    waiting for its id."""
+
+    def _init_transport(self) -> None:
+        self._reader: asyncio.Task[None] | None = None
+        self._pending: dict[int, asyncio.Future[Reply]] = {}
+        self._write_lock = asyncio.Lock()
+        self._background: set[asyncio.Task[None]] = set()
+
     # -- connecting -----------------------------------------------------------------
     async def _open(self, hello: dict[str, Any]) -> None:
-        """Connect (waiting for the daemon as in Note [waiting for the daemon]), check who
-        serves the socket, start the reader and send ``hello``; the connect and hello of
-        the attempt that got through within ``connect_timeout`` (else DaemonUnavailable).
-        The hello's reply becomes ``server_info``. On any failure nothing is left open."""
         loop = asyncio.get_running_loop()
         sock, started = await self._connect_socket(loop)
         deadline = asyncio.timeout_at(None if math.isinf(self.connect_timeout) else started + self.connect_timeout)
@@ -204,19 +375,14 @@ class Connection:
                     raise self._no_answer() from None
                 raise
             except OSError as exc:
-                left = give_up - loop.time()
-                if exc.errno not in RETRY_ERRNOS or left <= 0:
-                    raise self._connect_error(exc) from exc
-            await asyncio.sleep(min(delay, left))
+                wait = self._retry_after(exc, give_up, loop.time(), delay)
+            await asyncio.sleep(wait)
             delay = min(2 * delay, RETRY_MAX_S)
 
     async def _connect_once(self, loop: asyncio.AbstractEventLoop) -> socket.socket:
         """One attempt: connect and check who serves the socket. OSError as connect raised it."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock = self._new_socket()
         try:
-            sock.setblocking(False)
-            if os.path.islink(self.socket_path):
-                raise PermissionDenied(f"{self.socket_path} is a symlink; refusing to connect through it")
             await loop.sock_connect(sock, self.socket_path)
             check_daemon_identity(sock, self.socket_path)
         except BaseException:
@@ -224,30 +390,7 @@ class Connection:
             raise
         return sock
 
-    def _connect_error(self, exc: OSError) -> WeightcacheError:
-        """What a connect that failed for good raises: a clear message by errno."""
-        path = self.socket_path
-        if exc.errno in (errno.EACCES, errno.EPERM):
-            return PermissionDenied(
-                f"permission denied connecting to weightcache at {path} as uid {os.geteuid()}: the socket's owner, group "
-                "and mode (and its directories') decide who may connect; the daemon's socket_group and socket_mode set "
-                "them (docs/deployment.md)", socket=path)
-        if exc.errno in RETRY_ERRNOS:
-            what = "the socket does not exist" if exc.errno == errno.ENOENT else \
-                "nothing is listening on it (a daemon that stopped may have left it behind)"
-            return DaemonUnavailable(f"cannot connect to weightcache at {path}: {what}, after waiting "
-                                     f"{self.wait_for_daemon:g}s for the daemon. Is it running? {START_DAEMON_HINT}",
-                                     socket=path, waited_s=self.wait_for_daemon)
-        return DaemonUnavailable(f"cannot connect to weightcache at {path}: {exc.strerror or exc}", socket=path)
-
-    def _no_answer(self) -> DaemonUnavailable:
-        return DaemonUnavailable(
-            f"weightcache at {self.socket_path} did not answer within {self.connect_timeout:g}s "
-            "(connect and hello); is the daemon stopped, hung or overloaded?", socket=self.socket_path)
-
     async def close(self) -> None:
-        """Close the connection. Requests in flight fail with DaemonUnavailable, and the
-        daemon ends every lease this connection held."""
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
@@ -258,33 +401,10 @@ class Connection:
         self._fail_pending(DaemonUnavailable("client closed"))
 
     # -- requests -------------------------------------------------------------------
-    async def request(self, op: str, *, timeout: float | None = None, **args: Any) -> dict[str, Any]:
-        """Send one request; return the reply map or raise the error class of its code.
-        Arguments that are None are left out.
-
-        >>> await c.request("status", timeout=5)          # doctest: +SKIP
-        {'id': 3, 'ok': True, 'devices': {...}, ...}
-        """
-        reply, fds = await self._request(op, timeout, args)
-        for fd in fds:  # only attach takes fds; anything else carrying them is closed
-            os.close(fd)
-        return reply
-
     async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None) -> Reply:
-        """``request`` that also sends ``send_fds`` (SCM_RIGHTS, on the same frame) and
-        returns the fds of the reply, which the caller must close."""
-        if self._closed_error is not None:  # the reader has stopped: nobody would read a reply
-            raise self._closed_error
-        if self._sock is None:
-            raise DaemonUnavailable("not connected; use 'async with Client()' or connect()")
-        limit = self._limit(op, timeout)
-        rid = next(self._ids)
+        rid, limit, frame = self._frame(op, timeout, args, send_fds)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        msg = {"id": rid, "op": op, **{k: v for k, v in args.items() if v is not None}}
-        if send_fds:
-            msg["fds"] = len(send_fds)
-        frame = encode_frame(msg)
         deadline = asyncio.timeout(limit)
         sending = False
         try:
@@ -299,30 +419,21 @@ class Connection:
         except BaseException as exc:
             timed_out = isinstance(exc, TimeoutError) and deadline.expired()
             if sending and (timed_out or not isinstance(exc, OSError)):  # part of the frame may be out (Note [timeouts])
-                self._break_connection(DaemonUnavailable(
-                    f"connection to {self.socket_path} closed: a {op!r} request was abandoned while its frame was "
-                    "being sent", socket=self.socket_path))
+                self._break_connection(self._abandoned(op))
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 if not timed_out:  # cancelled after the reply arrived, before we resumed: give it back
                     self._drop_reply(*fut.result())
                     raise
                 reply, fds = fut.result()  # it did answer in time; we had not resumed yet
             elif timed_out:
-                assert limit is not None
-                raise RequestTimeout(
-                    f"the daemon at {self.socket_path} did not answer {op!r} within {limit:g}s; it may be stopped, "
-                    "hung or overloaded (a late reply is dropped)", op=op, timeout_s=limit) from None
+                raise self._timed_out(op, limit) from None
             elif isinstance(exc, OSError):
                 raise DaemonUnavailable(f"connection to {self.socket_path} broke: {exc}") from exc
             else:
                 raise
         finally:
             self._pending.pop(rid, None)  # a late reply for rid is now dropped (Note [cancellation])
-        if not reply.get("ok"):
-            for fd in fds:
-                os.close(fd)
-            raise error_from_wire(reply.get("error") or {})
-        return reply, fds
+        return self._checked(reply, fds)
 
     async def _read_loop(self) -> None:
         assert self._sock is not None
@@ -331,18 +442,7 @@ class Connection:
         try:
             while True:
                 data, fds = await recv_with_fds(self._sock)
-                fd_queue.extend(fds)
-                if not data:
-                    raise DaemonUnavailable(f"weightcache at {self.socket_path} closed the connection")
-                for payload in decoder.feed(data):
-                    # Replies may hold long arrays (an attach's tensor table) and maps keyed
-                    # by model: as long as this client's frame limit, not a request's limits.
-                    reply = decode_payload(payload, max_map_len=self._max_frame, max_array_len=self._max_frame,
-                                           max_str_len=self._max_frame, max_bin_len=self._max_frame)
-                    if "event" in reply:  # unsolicited, e.g. {"event": "shutting_down", "grace_s": 10}
-                        self.events.append(reply)
-                        continue
-                    mine = [fd_queue.popleft() for _ in range(int(reply.get("fds", 0)))]
+                for reply, mine in self._read_replies(decoder, fd_queue, data, fds):
                     fut = self._pending.get(reply.get("id"))  # type: ignore[arg-type]
                     if fut is not None and not fut.done():
                         fut.set_result((reply, mine))
@@ -359,22 +459,10 @@ class Connection:
             while fd_queue:
                 os.close(fd_queue.popleft())
 
-    def _drop_reply(self, reply: dict[str, Any], fds: list[int]) -> None:
-        """A reply nobody waits for (Note [cancellation]): close its fds, give back its lease."""
-        for fd in fds:
-            os.close(fd)
-        if reply.get("id") is None and not reply.get("ok"):
-            # An error about the connection itself (e.g. FRAME_TOO_LARGE): fail everyone.
-            self._fail_pending(error_from_wire(reply.get("error") or {}))
-        elif reply.get("ok") and "lease" in reply and "tensors" in reply:
-            task = asyncio.ensure_future(self._detach_quietly(reply["lease"]))
-            self._background.add(task)  # keep a reference until it is done
-            task.add_done_callback(self._background.discard)
-
-    async def _detach_quietly(self, lease: int) -> None:
-        # If this fails the connection is gone, and the daemon ended the lease with it.
-        with contextlib.suppress(WeightcacheError, OSError):
-            await self.request("detach", lease=lease)
+    def _give_back(self, lease: int) -> None:
+        task = asyncio.ensure_future(self._detach_quietly(lease))
+        self._background.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._background.discard)
 
     @contextlib.asynccontextmanager
     async def _lease(self, lease: int) -> AsyncIterator[None]:
@@ -385,6 +473,9 @@ class Connection:
         finally:
             if self._sock is not None:  # else the connection is closed and the lease ended with it
                 await asyncio.shield(self._detach_quietly(lease))
+
+    async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.to_thread(fn, *args)  # the loop keeps serving other requests meanwhile
 
     def _break_connection(self, err: WeightcacheError) -> None:
         """The stream is out of step: fail every request and stop using the connection.

@@ -4,15 +4,23 @@ Why not asyncio streams: a stream transport cannot carry ancillary data (uvloop'
 only a pseudo-socket without sendmsg), and a plain recv silently drops the SCM_RIGHTS
 fds that ride on attach replies. So each end owns its socket and waits for readiness with
 add_reader/add_writer around recvmsg/sendmsg.
+
+The socket work itself is written once (``_recv_now``, and ``_send_steps``, a generator
+that yields while the socket is full); the async functions wait for readiness on the
+event loop, the blocking ones (the SyncClient's, in the caller's thread) with poll(2) up
+to a deadline.
 """
 
 from __future__ import annotations
 
 import array
 import asyncio
+import math
 import os
+import select
 import socket
-from collections.abc import Sequence
+import time
+from collections.abc import Generator, Sequence
 
 MAX_FDS_PER_MSG = 253  # SCM_MAX_FD in Linux
 _ANC_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
@@ -34,40 +42,34 @@ async def _wait(loop: asyncio.AbstractEventLoop, sock: socket.socket, writable: 
         remove(fd)
 
 
-async def recv_with_fds(sock: socket.socket, bufsize: int = 1 << 16) -> tuple[bytes, list[int]]:
-    """Receive bytes and any fds that arrived with them. ``b""`` means the peer closed."""
-    loop = asyncio.get_running_loop()
-    while True:
-        try:
-            data, ancdata, flags, _ = sock.recvmsg(bufsize, _ANC_SPACE, socket.MSG_CMSG_CLOEXEC)
-        except (BlockingIOError, InterruptedError):
-            await _wait(loop, sock, writable=False)
-            continue
-        fds: list[int] = []
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                arr = array.array("i")
-                arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
-                fds.extend(arr)
-        if flags & socket.MSG_CTRUNC:
-            for fd in fds:
-                _close_quietly(fd)
-            raise ConnectionError("file descriptors were truncated in transit (MSG_CTRUNC)")
-        return data, fds
+def _recv_now(sock: socket.socket, bufsize: int) -> tuple[bytes, list[int]] | None:
+    """One recvmsg: bytes and the fds that came with them, or None if nothing is there yet."""
+    try:
+        data, ancdata, flags, _ = sock.recvmsg(bufsize, _ANC_SPACE, socket.MSG_CMSG_CLOEXEC)
+    except (BlockingIOError, InterruptedError):
+        return None
+    fds: list[int] = []
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
+            fds.extend(arr)
+    if flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            _close_quietly(fd)
+        raise ConnectionError("file descriptors were truncated in transit (MSG_CTRUNC)")
+    return data, fds
 
 
-async def send_with_fds(sock: socket.socket, data: bytes | Sequence[bytes], fds: list[int]) -> None:
-    """Send ``data`` (bytes, or parts sent back to back without joining them: an attach
-    reply's shared tensor table is never copied per reply); the fds ride on the first
-    byte. The caller keeps ownership of the fds."""
-    loop = asyncio.get_running_loop()
+def _send_steps(sock: socket.socket, data: bytes | Sequence[bytes], fds: list[int]) -> Generator[None, None, None]:
+    """Send all of ``data``, the fds on its first byte: yields while the socket is full."""
     views = [memoryview(p) for p in ([data] if isinstance(data, bytes) else data) if len(p)]
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
     while views:
         try:
             n = sock.sendmsg(views, anc)
         except (BlockingIOError, InterruptedError):
-            await _wait(loop, sock, writable=True)
+            yield
             continue
         anc = []  # the kernel attached them to the bytes already sent
         while n:
@@ -76,6 +78,56 @@ async def send_with_fds(sock: socket.socket, data: bytes | Sequence[bytes], fds:
             else:
                 views[0] = views[0][n:]
                 n = 0
+
+
+async def recv_with_fds(sock: socket.socket, bufsize: int = 1 << 16) -> tuple[bytes, list[int]]:
+    """Receive bytes and any fds that arrived with them. ``b""`` means the peer closed."""
+    loop = asyncio.get_running_loop()
+    while (got := _recv_now(sock, bufsize)) is None:
+        await _wait(loop, sock, writable=False)
+    return got
+
+
+async def send_with_fds(sock: socket.socket, data: bytes | Sequence[bytes], fds: list[int]) -> None:
+    """Send ``data`` (bytes, or parts sent back to back without joining them: an attach
+    reply's shared tensor table is never copied per reply); the fds ride on the first
+    byte. The caller keeps ownership of the fds."""
+    loop = asyncio.get_running_loop()
+    for _ in _send_steps(sock, data, fds):
+        await _wait(loop, sock, writable=True)
+
+
+def wait_ready(sock: socket.socket, writable: bool, deadline: float | None) -> None:
+    """Block until ``sock`` is readable (writable), or raise TimeoutError at ``deadline``
+    (``time.monotonic()``; None waits without a bound). An error or hang-up on the
+    socket counts as ready: the next recvmsg or sendmsg reports it."""
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT if writable else select.POLLIN)
+    while True:
+        if deadline is None:
+            ms = None
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("deadline passed")
+            ms = max(1, math.ceil(left * 1e3))
+        if poller.poll(ms):
+            return
+
+
+def recv_with_fds_blocking(sock: socket.socket, deadline: float | None, bufsize: int = 1 << 16) -> tuple[bytes, list[int]]:
+    """:func:`recv_with_fds` for a non-blocking socket driven from a plain thread:
+    waits with poll(2) up to ``deadline`` (TimeoutError past it)."""
+    while (got := _recv_now(sock, bufsize)) is None:
+        wait_ready(sock, False, deadline)
+    return got
+
+
+def send_with_fds_blocking(sock: socket.socket, data: bytes | Sequence[bytes], fds: list[int], deadline: float | None) -> None:
+    """:func:`send_with_fds` from a plain thread, up to ``deadline`` (TimeoutError past it,
+    possibly with part of ``data`` sent)."""
+    for _ in _send_steps(sock, data, fds):
+        wait_ready(sock, True, deadline)
 
 
 def _close_quietly(fd: int) -> None:
