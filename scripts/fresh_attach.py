@@ -1,10 +1,18 @@
 """Time a fresh engine's attach, phase by phase (issue 13): connect -> usable tensors.
 
 Each measured process is new. It imports torch and initialises CUDA first (the engine's
-own start, reported but not counted), then times what the client adds:
+own start, reported but not counted), then times what the client adds, with one of the
+two clients (``--client``; both by default, their processes alternating so that drift
+in the machine weighs on both alike):
 
-  import_ms             ``import weightcache`` + ``from weightcache import SyncClient``
-  connect_ms            ``SyncClient(socket)``: connect, check who serves it, hello
+  sync    ``SyncClient``: what an engine that is not asyncio code uses; the I/O happens
+          in the calling thread (sync.py's Note [blocking transport])
+  async   ``Client`` on the engine's own event loop, created before timing (an asyncio
+          engine has one already)
+
+  import_ms             ``import weightcache`` + ``from weightcache import SyncClient, Client``
+  connect_ms            ``SyncClient(socket)`` / ``await Client(socket).connect()``:
+                        connect, check who serves it, hello
   import_mapping_ms     the client's torch half (mapping.py, cuda_mapping.py, libcuda.py),
                         imported by the first attach; timed on its own here
   attach_ms             ``c.attach(model, device=...)`` until it returns: tensors usable
@@ -20,13 +28,14 @@ own start, reported but not counted), then times what the client adds:
   second_attach_ms      detach, then attach again in the same process
 
 Prints one JSON object: the setup, every process's phases, and median / min / max / p90
-of each phase over the processes. Without ``--socket`` it writes a synthetic checkpoint
+of each phase over the processes, per client (``summary.sync``, ``summary.async``). Without ``--socket`` it writes a synthetic checkpoint
 (kept in ``--dir`` for the next run), starts a daemon, loads the model and stops the
 daemon at the end. A warm-up process (not counted) runs first, so every measured one
 finds Python's bytecode cache written.
 
     python scripts/fresh_attach.py --device cuda:0 --size-gib 9.15 --tensors 183 --procs 7
     python scripts/fresh_attach.py --device cpu --size-gib 0.5 --tensors 100 --procs 5
+    python scripts/fresh_attach.py --device cpu --size-gib 0.25 --tensors 200 --procs 20 --no-breakdown
     python scripts/fresh_attach.py --socket /run/weightcache/weightcache.sock --model qwen-7b --device cuda:0
 """
 
@@ -48,10 +57,11 @@ RESULT = "RESULT "
 PHASES = ["import_ms", "connect_ms", "import_mapping_ms", "attach_ms", "driver_load_ms", "request_ms", "map_ms", "driver_map_ms",
           "views_ms", "connect_to_usable_ms", "first_touch_ms", "second_attach_ms"]
 TARGET_MS = 5.0
+CLIENTS = ("sync", "async")
 
 
 # ------------------------------------------------------------------------------ the engine
-def child(sock: str, model: str, device: str, breakdown: bool) -> dict[str, Any]:
+def child(sock: str, model: str, device: str, breakdown: bool, client: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     import torch
 
@@ -59,32 +69,34 @@ def child(sock: str, model: str, device: str, breakdown: bool) -> dict[str, Any]
     if cuda:
         torch.empty(1, device=device)  # the engine's CUDA context: part of every engine's start
         torch.cuda.synchronize(device)
-        free0 = torch.cuda.mem_get_info(torch.device(device))[0]
+    loop = asyncio.new_event_loop() if client == "async" else None  # an asyncio engine's own loop
     floor_ms = (time.perf_counter() - t0) * 1e3
     before = set(sys.modules)
-    out: dict[str, Any] = {"floor_ms": floor_ms}
+    out: dict[str, Any] = {"client": client, "floor_ms": floor_ms}
 
     t = time.perf_counter()
     import weightcache
-    from weightcache import SyncClient
+    from weightcache import Client, SyncClient
 
     out["import_ms"] = (time.perf_counter() - t) * 1e3
     times: dict[str, float] = {}
     if breakdown:
         t = time.perf_counter()
-        from weightcache.client import connection, mapping
+        from weightcache.client import connection, mapping, sync
 
         if cuda:
             from weightcache.client import cuda_mapping, libcuda
         out["import_mapping_ms"] = (time.perf_counter() - t) * 1e3
         _timed(mapping, "tensor_views", "views_ms", times)
+        _timed(mapping, "file_tensor_views", "views_ms", times)
         if cuda:
             _timed(cuda_mapping, "map_vmm", "map_ms", times)
             _timed(libcuda.Driver, "import_and_map", "driver_map_ms", times)
             _timed(libcuda, "load", "driver_load_ms", times)
         else:
             _timed(mapping, "map_memfd", "map_ms", times)
-        request = connection.Connection._request
+        transport: Any = sync.BlockingConnection if client == "sync" else connection.Connection
+        request = transport._request
 
         async def timed_request(self: Any, op: str, *args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter()
@@ -94,35 +106,16 @@ def child(sock: str, model: str, device: str, breakdown: bool) -> dict[str, Any]
                 if op == "attach":
                     times["request_ms"] = times.get("request_ms", 0.0) + (time.perf_counter() - t) * 1e3
 
-        connection.Connection._request = timed_request  # type: ignore[method-assign]
+        transport._request = timed_request
     else:
         out["import_mapping_ms"] = 0.0  # inside attach_ms then
 
-    t = time.perf_counter()
-    c = SyncClient(sock, name="fresh-attach")
-    out["connect_ms"] = (time.perf_counter() - t) * 1e3
-    with c:
-        t = time.perf_counter()
-        cm = c.attach(model, device=device if cuda else None)
-        weights = cm.__enter__()
-        out["attach_ms"] = (time.perf_counter() - t) * 1e3
-        out.update({k: round(v, 4) for k, v in times.items()})
-        times.clear()
-        if cuda:  # before any kernel runs: torch loads kernels lazily, into device memory
-            out["extra_device_bytes"] = free0 - torch.cuda.mem_get_info(torch.device(device))[0]
-        t = time.perf_counter()
-        tensors = list(weights.values())
-        for x in (tensors[0], tensors[-1]):
-            float(x.reshape(-1)[0].float())
-        out["first_touch_ms"] = (time.perf_counter() - t) * 1e3
-        out["tensors"] = len(tensors)
-        out["nbytes"] = weights.nbytes
-        del tensors, weights
-        cm.__exit__(None, None, None)
-        t = time.perf_counter()
-        with c.attach(model, device=device if cuda else None) as again:
-            out["second_attach_ms"] = (time.perf_counter() - t) * 1e3
-            assert len(again) == out["tensors"]
+    where = device if cuda else None
+    if loop is None:
+        out.update(_sync_engine(SyncClient, sock, model, where, times))
+    else:
+        out.update(loop.run_until_complete(_async_engine(Client, sock, model, where, times)))
+        loop.close()
     out["connect_to_usable_ms"] = out["connect_ms"] + out["import_mapping_ms"] + out["attach_ms"]
     new = set(sys.modules) - before
     out["cuda_bindings_imported"] = any(m == "cuda.bindings" or m.startswith("cuda.bindings.") for m in new)
@@ -141,6 +134,71 @@ def child(sock: str, model: str, device: str, breakdown: bool) -> dict[str, Any]
     return out
 
 
+def _free_device_bytes(device: str | None) -> int:
+    import torch
+
+    return int(torch.cuda.mem_get_info(torch.device(device))[0]) if device else 0
+
+
+def _touch(weights: Any, out: dict[str, Any], free0: int, device: str | None) -> None:
+    """Record the tensors; read one element of the first and last back (timed)."""
+    if device:  # before any kernel runs: torch loads kernels lazily, into device memory
+        out["extra_device_bytes"] = free0 - _free_device_bytes(device)
+    t = time.perf_counter()
+    tensors = list(weights.values())
+    for x in (tensors[0], tensors[-1]):
+        float(x.reshape(-1)[0].float())
+    out["first_touch_ms"] = (time.perf_counter() - t) * 1e3
+    out["tensors"] = len(tensors)
+    out["nbytes"] = weights.nbytes
+
+
+def _sync_engine(sync_client: Any, sock: str, model: str, device: str | None, times: dict[str, float]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    free0 = _free_device_bytes(device)
+    t = time.perf_counter()
+    c = sync_client(sock, name="fresh-attach")
+    out["connect_ms"] = (time.perf_counter() - t) * 1e3
+    with c:
+        t = time.perf_counter()
+        cm = c.attach(model, device=device)
+        weights = cm.__enter__()
+        out["attach_ms"] = (time.perf_counter() - t) * 1e3
+        out.update({k: round(v, 4) for k, v in times.items()})
+        times.clear()
+        _touch(weights, out, free0, device)
+        del weights
+        cm.__exit__(None, None, None)
+        t = time.perf_counter()
+        with c.attach(model, device=device) as again:
+            out["second_attach_ms"] = (time.perf_counter() - t) * 1e3
+            assert len(again) == out["tensors"]
+    return out
+
+
+async def _async_engine(client: Any, sock: str, model: str, device: str | None, times: dict[str, float]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    free0 = _free_device_bytes(device)
+    t = time.perf_counter()
+    c = await client(sock, name="fresh-attach").connect()
+    out["connect_ms"] = (time.perf_counter() - t) * 1e3
+    async with c:
+        t = time.perf_counter()
+        cm = c.attach(model, device=device)
+        weights = await cm.__aenter__()
+        out["attach_ms"] = (time.perf_counter() - t) * 1e3
+        out.update({k: round(v, 4) for k, v in times.items()})
+        times.clear()
+        _touch(weights, out, free0, device)
+        del weights
+        await cm.__aexit__(None, None, None)
+        t = time.perf_counter()
+        async with c.attach(model, device=device) as again:
+            out["second_attach_ms"] = (time.perf_counter() - t) * 1e3
+            assert len(again) == out["tensors"]
+    return out
+
+
 def _timed(owner: Any, name: str, key: str, times: dict[str, float]) -> None:
     """Replace ``owner.name`` with a wrapper adding its wall time to ``times[key]``."""
     fn = getattr(owner, name)
@@ -156,9 +214,9 @@ def _timed(owner: Any, name: str, key: str, times: dict[str, float]) -> None:
 
 
 # ------------------------------------------------------------------------------ the parent
-def run_child(sock: str, model: str, device: str, breakdown: bool) -> dict[str, Any]:
+def run_child(sock: str, model: str, device: str, breakdown: bool, client: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # engines have their bytecode cached
-    cmd = [sys.executable, __file__, "--child", "--socket", sock, "--model", model, "--device", device]
+    cmd = [sys.executable, __file__, "--child", "--socket", sock, "--model", model, "--device", device, "--client", client]
     if not breakdown:
         cmd.append("--no-breakdown")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -221,30 +279,38 @@ def main() -> None:
     ap.add_argument("--model", default="fresh")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "wc-fresh-attach"), help="where the checkpoint is kept")
     ap.add_argument("--no-breakdown", action="store_true", help="time only the whole phases (no wrappers)")
+    ap.add_argument("--client", choices=[*CLIENTS, "both"], default="both",
+                    help="SyncClient, the async Client, or both alternating (default)")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(RESULT + json.dumps(child(args.socket, args.model, args.device, not args.no_breakdown)), flush=True)
+        print(RESULT + json.dumps(child(args.socket, args.model, args.device, not args.no_breakdown, args.client)), flush=True)
         return
 
     daemon, load_s = None, None
     sock, model = args.socket, args.model
     if sock is None:
         daemon, sock, model, load_s = start_daemon(args, Path(args.dir))
+    clients = CLIENTS if args.client == "both" else (args.client,)
     try:
-        warmup = run_child(sock, model, args.device, not args.no_breakdown)  # writes the bytecode cache; not counted
-        results = [run_child(sock, model, args.device, not args.no_breakdown) for _ in range(args.procs)]
+        warmup = [run_child(sock, model, args.device, not args.no_breakdown, c) for c in clients]  # bytecode cache; not counted
+        results: dict[str, list[dict[str, Any]]] = {c: [] for c in clients}
+        for _ in range(args.procs):
+            for c in clients:  # alternating, so that drift weighs on both alike
+                results[c].append(run_child(sock, model, args.device, not args.no_breakdown, c))
     finally:
         if daemon is not None:
             daemon.stop()
-    s = summary(results)
+    s = {c: summary(rs) for c, rs in results.items()}
+    first = results[clients[0]][0]
     report = {
         "what": "fresh engine process: torch + CUDA ready, then import weightcache, connect, first attach -> usable tensors",
-        "device": args.device, "model": model, "procs": len(results), "daemon_load_s": load_s,
-        "tensors": results[0].get("tensors"), "nbytes": results[0].get("nbytes"),
+        "device": args.device, "model": model, "procs": args.procs, "daemon_load_s": load_s,
+        "tensors": first.get("tensors"), "nbytes": first.get("nbytes"), "breakdown": not args.no_breakdown,
         "target_connect_to_usable_p50_ms": TARGET_MS,
-        "met": s["connect_to_usable_ms"]["p50"] <= TARGET_MS,
+        "met": {c: s[c]["connect_to_usable_ms"]["p50"] <= TARGET_MS for c in clients},
+        "connect_to_usable_p50_ms": {c: s[c]["connect_to_usable_ms"]["p50"] for c in clients},
         "summary": s,
         "warmup": warmup,
         "runs": results,
