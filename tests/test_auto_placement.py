@@ -72,3 +72,21 @@ async def test_an_auto_preload_loads_the_placed_replica_and_a_placement_failure_
         assert not h["ready"] and "cannot be placed" in h["failed_preloads"]["tp"]
         states = {m["name"]: m["state"] for m in await c.models()}
         assert states["p@cpu"] == "resident"
+
+
+def test_cli_load_device_and_models_show_the_placement(start_daemon, ckpts, capsys, monkeypatch):
+    from weightcache.cli import main
+
+    monkeypatch.setenv("COLUMNS", "160")
+    d = start_daemon(budget="40MiB", models={"m": ckpts["tiny"]}, m={"device": "auto"})
+    s = ("--socket", d.socket)
+    capsys.readouterr()
+    assert main([*s, "load", "m"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("m@cpu: resident on cpu") and "placed on cpu: free budget there" in out
+    assert main([*s, "load", "m", "--device", "cpu"]) == 0
+    assert "placed on cpu: named by the request" in capsys.readouterr().out
+    assert main([*s, "models"]) == 0
+    assert "cpu (auto: named)" in capsys.readouterr().out
+    assert main([*s, "load", "m", "--device", "cuda:0"]) != 0
+    assert "no budget" in capsys.readouterr().err
