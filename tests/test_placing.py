@@ -112,3 +112,42 @@ def test_a_tenants_auto_model_counts_its_open_files_once():
 
     reg.register(ModelConfig(name="t", path="/t", device="auto"), origin="register", owner=1000, sources=[Opened()])
     assert len(reg.groups["t"]) == len(GPUS) and reg.files_held_by(1000) == 2
+
+
+async def test_a_model_never_loaded_is_placed_by_its_files_size(tmp_path):
+    """Before the first load the arena's size is unknown; its files' size stands in, so a
+    device is chosen by what making room for that many bytes evicts, not by free budget alone."""
+    core, reg, backends = setup()
+    f = tmp_path / "m.safetensors"
+    f.write_bytes(b"\0" * 50)
+    reg.register(ModelConfig(name="m", path=f, device="auto"))
+    for name, device, nbytes, pin in [("big", "cuda:0", 90, False), ("small", "cuda:1", 45, False),
+                                      ("held", "cuda:1", 50, True), ("full", "cuda:2", 100, True)]:
+        core.register(name, device, pinned=pin)
+        loaded(core, name, nbytes)
+    assert placing.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:0"]  # size unknown: the most free
+    loads = Loads(Settings().daemon, core, reg, backends, lambda: False)
+    try:
+        await loads.learn_sizes("m")
+    finally:
+        loads.io_pool.shutdown()
+    assert reg.size_hint["m"] == 50
+    assert placing.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:1"]  # evicts 45 B, not 90
+    assert reg.placed["m"]["reason"] == "evicts" and reg.placed["m"]["evicts"] == ["small"]
+
+
+def test_checkpoint_bytes_of_a_file_a_directory_an_index_and_fds(tmp_path):
+    (tmp_path / "a.safetensors").write_bytes(b"x" * 10)
+    (tmp_path / "b.safetensors").write_bytes(b"x" * 20)
+    (tmp_path / "index.json").write_text('{"weight_map": {"t1": "a.safetensors", "t2": "b.safetensors", "t3": "a.safetensors"}}')
+    assert placing.checkpoint_bytes(tmp_path / "a.safetensors") == 10
+    assert placing.checkpoint_bytes(tmp_path) == 30
+    assert placing.checkpoint_bytes(tmp_path / "index.json") == 30
+    assert placing.checkpoint_bytes(tmp_path / "missing") == 0  # unknown: placed as of unknown size
+    import os
+
+    fd = os.open(tmp_path / "b.safetensors", os.O_RDONLY)
+    try:
+        assert placing.checkpoint_bytes(tmp_path / "ignored", [fd]) == 20
+    finally:
+        os.close(fd)

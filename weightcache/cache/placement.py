@@ -32,8 +32,9 @@ ranks are placed one after another, each excluding the devices earlier ranks too
 ranks already resident or loading somewhere first, so they keep their devices; fewer
 candidate devices than ranks is a ValueError (the config check reports it).
 
-The size of a model never loaded is not known (its headers are read by the load); such
-a model is placed with ``nbytes = 0``: rules 1-3 still apply (the most free budget).
+The size of a model never loaded is not known (its headers are read by the load): the
+server passes its files' total size instead (server/placing.py, ``checkpoint_bytes``),
+and 0 where it cannot tell; with 0, rules 1-3 still apply (the most free budget).
 """
 
 from __future__ import annotations

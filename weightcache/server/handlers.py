@@ -256,6 +256,7 @@ async def load(ctx: Context, caller: Caller, req: Request) -> Reply:
     ctx.registry.check_use(caller.peer, name)
     # device: where an engine that must run on one GPU needs it (an auto model goes there;
     # any other must already live there); none: placed (cache/placement.py).
+    await ctx.loads.learn_sizes(name)
     entries = placing.entries_for(ctx.core, ctx.registry, ctx.backends, name, rank, req.arg("device", str, None))
     await asyncio.gather(*(ctx.loads.ensure_resident(e, wait) for e in entries))
     apply_keep_alive(ctx, caller, entries, keep_alive)
@@ -268,6 +269,7 @@ async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
     rank = req.arg("rank", int, None)
     ctx.registry.entry_for(req.arg("name", str), rank)  # BAD_REQUEST for a rank that does not exist, or none given
     # An auto model's replica on the named device, or the placed one (server/placing.py).
+    await ctx.loads.learn_sizes(req.arg("name", str))
     [name] = placing.entries_for(ctx.core, ctx.registry, ctx.backends, req.arg("name", str), rank, device)
     wait = ctx.wait_arg(req)
     keep_alive = keep_alive_arg(req)

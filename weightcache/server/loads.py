@@ -326,6 +326,23 @@ class Loads:
             if opened is not model.files and opened is not model.parked:
                 opened.close()
 
+    async def learn_sizes(self, name: str) -> None:
+        """Before an auto model is first placed: how big each rank is, from its files'
+        sizes (in the io pool), so that placement can tell which devices have room for it
+        (server/placing.py). Known sizes (an earlier load's arena, an earlier hint) are kept."""
+        for slot in self.registry.slots.get(name, ()):
+            replicas = self.registry.replicas.get(slot)
+            if not replicas or slot in self.registry.size_hint:
+                continue
+            if any(self.core.entry(e).nbytes for e in replicas.values()):
+                continue
+            m = self.registry.models[next(iter(replicas.values()))]
+            fds = [f.fd for f in m.files.files] if m.files is not None else None
+            try:
+                self.registry.size_hint[slot] = await self.io(placing.checkpoint_bytes, m.path, fds)
+            except LoadFailed:  # the io pool's timeout: placed as of unknown size
+                self.registry.size_hint[slot] = 0
+
     def _peer_source(self, name: str) -> str | None:
         """A replica of the same rank (device = "auto") RESIDENT on another GPU, with its
         files unchanged, that this device can copy from directly (backends' can_copy_from:
@@ -527,6 +544,7 @@ class Loads:
     async def _preload(self, name: str, gates: bool) -> None:
         try:
             try:
+                await self.learn_sizes(name)
                 # An auto model's ranks where placement puts them, not on every candidate device.
                 placed = (placing.entries_for(self.core, self.registry, self.backends, name, None, None)
                           if name in self.registry.groups else [])

@@ -11,7 +11,10 @@ resident nowhere.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
 from ..backends import Backend
@@ -55,7 +58,9 @@ def entries_for(core: CacheCore, registry: Registry, backends: dict[str, Backend
     free = {} if resident else {d: backends[d].free_memory() for d in {d for s in auto for d in registry.replicas[s]}}
     fixed = {core.entry(s).device for s in slots if s not in registry.replicas}
     rank_views = [[v for v in views(core, registry.replicas[s], free) if v.device not in fixed] for s in auto]
-    sizes = [max((core.entry(e).nbytes for e in registry.replicas[s].values()), default=0) for s in auto]
+    # The arena's size once any replica was loaded; before that the files' (size_hint).
+    sizes = [max((core.entry(e).nbytes for e in registry.replicas[s].values()), default=0) or registry.size_hint.get(s, 0)
+             for s in auto]
     try:
         decisions = dict(zip(auto, place_ranks(rank_views, sizes), strict=True))
     except ValueError as exc:
@@ -94,3 +99,23 @@ def _record(registry: Registry, name: str, slot: str, p: Placement) -> None:
     registry.placed[slot] = new
     if p.reason != "resident" or old is None or old["device"] != p.device:
         log.info("placed %s on %s", slot, p.describe(), extra={"model": name, "device": p.device, "reason": p.reason})
+
+
+def checkpoint_bytes(path: Path, fds: list[int] | None = None) -> int:
+    """About how many bytes a checkpoint's arena takes, before its headers are read: the
+    sizes of its files (the headers are a sliver of them). ``fds``: a peer's own open
+    files. 0 when it cannot tell (placement then treats the size as unknown). Blocking:
+    stat calls, run in the io pool."""
+    try:
+        if fds is not None:
+            return sum(os.fstat(fd).st_size for fd in fds)
+        if path.is_dir():
+            files = set(path.glob("*.safetensors"))
+        elif path.suffix == ".json":
+            index = json.loads(path.read_text())
+            files = {path.parent / f for f in index.get("weight_map", {}).values() if isinstance(f, str)}
+        else:
+            files = {path}
+        return sum(f.stat().st_size for f in files)
+    except (OSError, ValueError, AttributeError):
+        return 0

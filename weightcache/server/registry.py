@@ -101,6 +101,7 @@ class Registry:
         self.slots: dict[str, list[str]] = {}
         self.replicas: dict[str, dict[str, str]] = {}
         self.placed: dict[str, dict[str, Any]] = {}
+        self.size_hint: dict[str, int] = {}  # slot -> its files' bytes, until a load tells the arena's (placing.py)
         self._staging_ids = itertools.count(1)
 
     # -- registering ----------------------------------------------------------------
@@ -152,6 +153,7 @@ class Registry:
         for slot in self.slots.pop(name, ()):
             self.replicas.pop(slot, None)
             self.placed.pop(slot, None)
+            self.size_hint.pop(slot, None)
         return [self.drop_entry(entry) for entry in self.groups.pop(name)]
 
     def drop_entry(self, entry: str) -> Model:
