@@ -82,7 +82,7 @@ from typing import Any
 
 from ..errors import BadRequest, CorruptCheckpoint, LoadFailed, NoSpace
 from ..loader.checkpoint import DTYPE_SIZES, Checkpoint
-from ..loader.reader import contiguous_runs, pread_full
+from ..loader.reader import contiguous_runs, pread_full, pread_hashing
 from ..loader.sources import OpenedSource
 from ..protocol.messages import MEMFD_SEALS
 from ..units import capacity, round_up
@@ -97,11 +97,6 @@ FS_IMMUTABLE_FL = 0x00000010
 FS_VERITY_FL = 0x00100000
 # One segment on the wire: file index, file offset, arena offset, byte count (docs/protocol.md).
 SEGMENT = struct.Struct("<4Q")
-# A memfd load reads and hashes this much at a time, so the hash reads bytes still in the
-# core's cache (2 MiB of L2 here). One thread, 1 GiB from a warm page cache in 16 MiB
-# chunks (this VM): reads alone 152 ms, + hash of each whole chunk 199 ms, + hash per
-# 1 MiB slice 173 ms, per 256 KiB 186 ms (medians of 5).
-HASH_SLICE = 1 << 20
 # File systems on which only this kernel changes a file, through its page cache: the
 # owner and mode rules then say who can. (On NFS, CIFS, FUSE or virtiofs another machine
 # or a user-space daemon can change the bytes whatever the mode says.)
@@ -219,12 +214,7 @@ class _MemfdWriter:
             if seen is None:
                 pread_full(fd, dst, file_offset)
             else:
-                # Read and hash a slice at a time, so the hash reads bytes still in the
-                # core's cache rather than a whole chunk back from memory.
-                for off in range(0, nbytes, HASH_SLICE):
-                    with dst[off : off + HASH_SLICE] as part:
-                        pread_full(fd, part, file_offset + off)
-                        seen(part)
+                pread_hashing(fd, dst, file_offset, seen)
         with self._lock:
             span = self._read.setdefault(fd, [file_offset, file_offset + nbytes])
             span[0], span[1] = min(span[0], file_offset), max(span[1], file_offset + nbytes)

@@ -25,7 +25,7 @@ from cuda.bindings import driver as cu
 
 from .. import cuda_driver as drv
 from ..errors import BadRequest, NoSpace
-from ..loader.reader import DIRECT_ALIGN, pread_direct, pread_full
+from ..loader.reader import DIRECT_ALIGN, pread_direct, pread_full, pread_hashing
 from ..units import capacity
 from .base import Arena, Backend, HostCopy, HostPool, PublishedSource, Room
 from .extents import ExtentAllocator, split_by_chunks
@@ -127,19 +127,25 @@ class _VmmWriter:
             st = self._staging()
             if st.busy:
                 drv.check(cu.cuStreamSynchronize(st.stream))
+            hashed = False
             if direct:
                 skew = pread_direct(fd, st.view, file_offset, nbytes)
             else:
                 skew = 0
                 with st.view[:nbytes] as dst:
-                    pread_full(fd, dst, file_offset)
+                    if seen is None:
+                        pread_full(fd, dst, file_offset)
+                    else:  # from the page cache: hashed slice by slice as it is read
+                        pread_hashing(fd, dst, file_offset, seen)
+                        hashed = True
             if self._arena.mapped < arena_offset + nbytes:  # its chunk waits for a victim's room
                 self._b.grow(self._arena, arena_offset + nbytes)
             drv.check(cu.cuMemcpyHtoDAsync(self._arena.va + arena_offset, st.host_ptr + skew, nbytes, st.stream))
             st.busy = True
-            if seen is not None:
-                # Hashed from the pinned buffer while the copy out of it runs (both only
-                # read it); the buffer is reused only after the next call's stream sync.
+            if seen is not None and not hashed:
+                # From disk (O_DIRECT): hashed from the pinned buffer while the copy out of
+                # it runs (both only read it); the buffer is reused only after the next
+                # call's stream sync.
                 with st.view[skew : skew + nbytes] as view:
                     seen(view)
 

@@ -31,8 +31,8 @@ class ArenaWriter(Protocol):
     on a stream that ``finish`` synchronizes). A writer that can read O_DIRECT fds (it
     owns page-aligned buffers) says so with ``direct_io``; it is then told per call.
 
-    ``seen``, when given, is called once per call with a read-only view of exactly the
-    ``nbytes`` read (host memory, valid only during the call): the content hash (Note
+    ``seen``, when given, is handed the ``nbytes`` read, in order, in one or more
+    read-only views (host memory, each valid only during its call): the content hash (Note
     [content fingerprint] in content.py). ``serves_files`` is true for a writer whose
     arena is the files' own trusted pages (a CPU file arena): their digests may then be
     reused by file identity."""
@@ -151,6 +151,22 @@ def pread_full(fd: int, view: memoryview, offset: int, path: str = "") -> None:
         if n == 0:
             raise CorruptCheckpoint(f"{path}: file ended at {offset + got} while reading (truncated?)", file=path, reason="truncated")
         got += n
+
+
+# A load that hashes reads this much at a time and hashes it at once, so the hash reads
+# bytes still in the core's cache (2 MiB of L2 here) rather than a whole chunk back from
+# memory. One thread, 1 GiB from a warm page cache in 16 MiB chunks (2-core VM): reads
+# alone 152 ms, + hash of each whole chunk 199 ms, + hash per 1 MiB slice 173 ms, per
+# 256 KiB 186 ms (medians of 5).
+HASH_SLICE = 1 << 20
+
+
+def pread_hashing(fd: int, view: memoryview, offset: int, seen: Callable[[memoryview], None]) -> None:
+    """``pread_full``, handing each slice of ``view`` to ``seen`` as soon as it is read."""
+    for off in range(0, len(view), HASH_SLICE):
+        with view[off : off + HASH_SLICE] as part:
+            pread_full(fd, part, offset + off)
+            seen(part)
 
 
 def _lower_priority(nice: int) -> None:
