@@ -161,3 +161,26 @@ async def test_load_into_module_makes_parameters_views(start_daemon, tmp_path):
             load_into_module(nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(32, 8)), w)  # float32 module
         with pytest.raises(ValueError, match="shape"):
             load_into_module(nn.Sequential(nn.Linear(64, 16), nn.LayerNorm(32), nn.Linear(32, 8)).to(torch.bfloat16), w)
+
+
+def test_tensor_views_of_a_table_with_repeated_shapes_scalars_and_several_dtypes():
+    from weightcache.client.mapping import tensor_views
+
+    src = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100,
+           "s": torch.tensor(7, dtype=torch.int64), "h": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+           "e": torch.empty(0, 5, dtype=torch.float16)}
+    slab, table, off = bytearray(), [], 0
+    for name, t in src.items():
+        raw = t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+        off += -off % 8  # aligned for every dtype
+        slab += bytes(off - len(slab)) + raw
+        table.append([name, {torch.float32: "F32", torch.int64: "I64", torch.bfloat16: "BF16", torch.float16: "F16"}[t.dtype],
+                      list(t.shape), off, len(raw)])
+        off += len(raw)
+    views = tensor_views(torch.frombuffer(bytearray(slab), dtype=torch.uint8), table)
+    for name, t in src.items():
+        assert views[name].dtype == t.dtype and views[name].shape == t.shape and torch.equal(views[name], t), name
+    with pytest.raises(BadRequest, match="unknown dtype 'F7'"):
+        tensor_views(torch.zeros(16, dtype=torch.uint8), [["x", "F7", [2], 0, 4]])
+    with pytest.raises(BadRequest, match="does not fit"):  # nbytes that disagree with the shape
+        tensor_views(torch.zeros(64, dtype=torch.uint8), [["x", "F32", [3, 4], 0, 48], ["y", "F32", [3, 4], 48, 12]])
