@@ -96,6 +96,9 @@ def test_peer_copy_source_is_a_resident_current_replica_on_a_gpu_it_can_read():
         reg.models["m@cuda:0"].checkpoint = object()  # loaded: a checkpoint is known
         core.attach("m@cuda:0", conn=7)  # attached: served as is, whatever the files say
         assert loads._peer_source("m@cuda:1") == "m@cuda:0"
+        loads.no_peer_copy.add(("cuda:1", "cuda:0"))  # a copy between these two failed once
+        assert loads._peer_source("m@cuda:1") is None
+        loads.no_peer_copy.clear()
         backends["cuda:1"].peers = False  # no peer access: the host tier or the files instead
         assert loads._peer_source("m@cuda:1") is None
     finally:

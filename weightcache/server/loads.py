@@ -124,6 +124,8 @@ class Loads:
         # together took 256 ms each, one after the other 109 + 104 ms (same for promotions:
         # 131 ms each vs 73 + 66); queued, the first is ready sooner and neither is later.
         self._fill_locks: dict[str, asyncio.Lock] = {}
+        # (target, source) GPUs whose peer copy failed: loads from the files there instead
+        self.no_peer_copy: set[tuple[str, str]] = set()
         # Opening and parsing what peers name or send: bounded, and apart from the loads.
         self.io_pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="wc-io")
 
@@ -290,8 +292,21 @@ class Loads:
             return job.source
         if (peer := self._peer_source(name)) is not None:
             job.source = "peer"
-            await self._copy_from_peer(job, peer)
-            return job.source
+            try:
+                await self._copy_from_peer(job, peer)
+                return job.source
+            except NoSpace:
+                raise  # the caller waits for room and tries again
+            except WeightcacheError as exc:
+                if job.abandoned.is_set() or self._shutting_down():
+                    raise
+                # The copy was rolled back (fill_new_arena); the files still serve. A pair
+                # of GPUs whose copy failed once is not tried again (no_peer_copy).
+                pair = (entry.device, self.core.entry(peer).device)
+                self.no_peer_copy.add(pair)
+                log.warning("copy of %s from %s to %s failed (%s); loading from the files, and no more peer copies "
+                            "between these two GPUs", name, pair[1], pair[0], exc, extra={"model": name})
+                job.source = "files"
         if model.published:
             raise LoadFailed(f"model {name!r} was published by an engine and has since been evicted; publish it again",
                              model=name, reason="published model evicted")
@@ -353,7 +368,7 @@ class Loads:
         backend = self.backends[m.device]
         for dev, other in self.registry.replicas.get(m.slot, {}).items():
             if (other != name and self.core.entry(other).state is State.RESIDENT and self._current(other)
-                    and backend.can_copy_from(self.backends[dev])):
+                    and (m.device, dev) not in self.no_peer_copy and backend.can_copy_from(self.backends[dev])):
                 return other
         return None
 
