@@ -182,7 +182,7 @@ async def _async_engine(client: Any, sock: str, model: str, device: str | None, 
     t = time.perf_counter()
     c = await client(sock, name="fresh-attach").connect()
     out["connect_ms"] = (time.perf_counter() - t) * 1e3
-    async with c:
+    try:
         t = time.perf_counter()
         cm = c.attach(model, device=device)
         weights = await cm.__aenter__()
@@ -196,6 +196,8 @@ async def _async_engine(client: Any, sock: str, model: str, device: str | None, 
         async with c.attach(model, device=device) as again:
             out["second_attach_ms"] = (time.perf_counter() - t) * 1e3
             assert len(again) == out["tensors"]
+    finally:
+        await c.close()
     return out
 
 
