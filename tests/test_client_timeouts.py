@@ -343,6 +343,47 @@ def test_threads_sharing_a_sync_client_do_not_wait_for_each_other(fake):
     assert f.ops().count("status") == 120
 
 
+def test_a_sync_client_whose_daemon_goes_away_fails_fast(fake):
+    f = fake(answers={"status": {"devices": {}}})
+    c = SyncClient(f.path)
+    assert c.status()["devices"] == {}
+    for conn in f.conns:  # the daemon closes the connection (e.g. it stopped)
+        conn.shutdown(socket.SHUT_RDWR)
+    t = time.monotonic()
+    with pytest.raises(DaemonUnavailable, match=r"closed the connection|broke"):
+        c.status(timeout=30)  # the end of the stream is seen at once, not after the timeout
+    with pytest.raises(DaemonUnavailable):
+        c.models(timeout=30)  # and the connection stays failed
+    assert time.monotonic() - t < 5
+    c.close()
+
+
+class Interrupted(Exception):
+    """What a signal handler raises, as Python's SIGINT handler raises KeyboardInterrupt."""
+
+
+def test_a_sync_call_interrupted_while_it_waits_leaves_the_client_usable(fake):
+    f = fake(answers={"status": {"devices": {}}})  # never answers load
+
+    def interrupt(*_: object) -> None:
+        raise Interrupted
+
+    old = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        with SyncClient(f.path) as c:
+            timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
+            timer.start()
+            t = time.monotonic()
+            with pytest.raises(Interrupted):
+                c.load("x", timeout=10)  # interrupted in its wait for the reply
+            assert time.monotonic() - t < 5
+            timer.join()
+            assert c.status()["devices"] == {}  # nothing half read: the connection still serves
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert f.ops() == ["load", "status"]
+
+
 def test_a_sync_client_call_that_would_suspend_is_refused():
     from weightcache.client.sync import run_to_end
 
