@@ -224,4 +224,5 @@ async def test_fingerprint_of_a_gpu_load_and_names_sharing_one_arena(start_daemo
         await c.evict("x")
         assert {r["name"]: r["state"] for r in await c.models()}["x"] == "evicted"  # x2 keeps the arena: nothing freed
         assert (await c.evict("x2"))["state"] == "evicted"  # a shared arena is evicted, not demoted
-        assert (await c.status())["devices"]["cuda:0"]["used"] == sizes["y"]
+        y_bytes = {r["name"]: r["nbytes"] for r in await c.models()}["y"]  # known once y was loaded (0 before)
+        assert y_bytes and (await c.status())["devices"]["cuda:0"]["used"] == y_bytes
