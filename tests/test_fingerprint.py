@@ -132,7 +132,8 @@ def test_file_arenas_and_memfd_arenas_agree_and_file_digests_are_reused_until_th
     assert in_process(p, CpuBackend("cpu", page_cache=False)) == (want, "memfd")
     # chunks of several hash slices and pieces (the memfd writer reads and hashes 1 MiB at a time)
     assert in_process(p, CpuBackend("cpu", page_cache=False), threads=3, chunk=HASH_BLOCK + 4096) == (want, "memfd")
-    assert FILE_DIGESTS.get(identity(p)) is None  # a copy is always hashed: nothing kept
+    assert FILE_DIGESTS.get(identity(p)) is not None  # only this uid can change it: kept for the next load
+    FILE_DIGESTS.clear()
     fp, kind = in_process(p, CpuBackend("cpu"))
     if kind != "file":
         pytest.skip("this file system's files are not served from the page cache here")
@@ -147,6 +148,32 @@ def test_file_arenas_and_memfd_arenas_agree_and_file_digests_are_reused_until_th
     # rewritten in place: its identity moved (mtime, ctime), so it is hashed again
     rewrite_values_in_place(p)
     assert in_process(p, CpuBackend("cpu"))[0] == fingerprint_files(p) != want
+
+
+@pytest.mark.parametrize("how", ["group-writable", "a peer's fds"])
+def test_digests_of_files_others_could_change_unseen_are_never_kept(tmp_path, how):
+    """A copy of a file that someone besides root and the daemon's uid could rewrite (its
+    mode, or a peer that sent its own fds and may keep a writable mapping) is hashed at
+    every load: a stale cache entry would give old digests to new bytes."""
+    from weightcache.loader.sources import adopt_fds
+
+    p = tmp_path / "m.safetensors"
+    save_file(tensors(), str(p))
+    os.chmod(p, 0o664 if how == "group-writable" else 0o644)
+    want = fingerprint_files(p)
+    FILE_DIGESTS.clear()
+    backend = CpuBackend("cpu", page_cache=False)
+    if how == "group-writable":
+        assert in_process(p, backend) == (want, "memfd")
+    else:
+        with adopt_fds("peer", [p.name], [os.open(p, os.O_RDONLY)]) as opened:
+            ckpt = parse_checkpoint(opened)
+            arena = backend.allocate(ckpt.arena_bytes, "t")
+            try:
+                assert read_checkpoint(ckpt, opened, backend.writer(arena, 1 << 20), threads=2, chunk=1 << 20) == want
+            finally:
+                backend.free(arena)
+    assert FILE_DIGESTS.get(identity(p)) is None
 
 
 def identity(p: Path) -> tuple[int, int, int, int, int]:

@@ -83,7 +83,7 @@ from typing import Any
 from ..errors import BadRequest, CorruptCheckpoint, LoadFailed, NoSpace
 from ..loader.checkpoint import DTYPE_SIZES, Checkpoint
 from ..loader.reader import contiguous_runs, pread_full, pread_hashing
-from ..loader.sources import OpenedSource
+from ..loader.sources import LOCAL_FILE_SYSTEMS, OpenedSource, file_system
 from ..protocol.messages import MEMFD_SEALS
 from ..units import capacity, round_up
 from .base import Arena, Backend, PublishedSource
@@ -97,13 +97,6 @@ FS_IMMUTABLE_FL = 0x00000010
 FS_VERITY_FL = 0x00100000
 # One segment on the wire: file index, file offset, arena offset, byte count (docs/protocol.md).
 SEGMENT = struct.Struct("<4Q")
-# File systems on which only this kernel changes a file, through its page cache: the
-# owner and mode rules then say who can. (On NFS, CIFS, FUSE or virtiofs another machine
-# or a user-space daemon can change the bytes whatever the mode says.)
-LOCAL_FILE_SYSTEMS = frozenset({
-    "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs", "jfs", "reiserfs", "zfs", "tmpfs", "ramfs", "overlay",
-    "squashfs", "erofs", "iso9660",
-})
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -129,21 +122,6 @@ def _populate_supported() -> bool:
     """MADV_POPULATE_READ exists (Linux >= 5.14): an unknown advice is EINVAL even for an
     empty range, which is otherwise a no-op."""
     return _libc.madvise(None, 0, MADV_POPULATE_READ) == 0
-
-
-def _file_system(fd: int) -> str:
-    """The type of the file system ``fd`` is on, from its mount id (/proc/self/fdinfo)."""
-    mnt = ""
-    with open(f"/proc/self/fdinfo/{fd}") as f:
-        for line in f:
-            if line.startswith("mnt_id:"):
-                mnt = line.split()[1]
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields and fields[0] == mnt and "-" in fields:
-                return fields[fields.index("-") + 1]
-    return "unknown"
 
 
 def _inode_flags(fd: int) -> int:
@@ -365,7 +343,7 @@ class CpuBackend(Backend):
             if not immutable and st.st_mode & 0o022:
                 return (f"{rec.path} is writable by its group or others (mode {stat.S_IMODE(st.st_mode):o}), "
                         "who could rewrite it under attached engines")
-            fs = _file_system(sf.fd)
+            fs = file_system(sf.fd)
             if fs not in LOCAL_FILE_SYSTEMS:
                 return f"{rec.path} is on {fs}, where the bytes can change behind the page cache"
         for t in ckpt.tensors:

@@ -24,11 +24,14 @@ spans two threads. xxh3 releases the GIL for the buffers it hashes (measured by
 scripts/content_hash_cost.py), so hashing runs in parallel across loader threads.
 
 Files served from their own page cache (CPU file arenas, backends/cpu.py) are not
-copied, so their hash is a pass over the mapping. Their tensor digests are kept per
-file identity (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns; FileDigests): a
-reload after eviction does not hash again. Only those files use the cache: nobody the
-daemon does not trust can write them, and any write moves st_ctime. Every other load
-hashes the bytes it copies (a peer's file could change under a stale cache entry).
+copied, so their hash is a pass over the mapping. Tensor digests are kept per file
+identity (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns; FileDigests) for those
+files and for any file only root or the daemon's uid can change, on a local file system
+(sources.changed_only_by_trusted): any write moves st_ctime, so a reload after eviction
+does not hash again. On the H200 (tools/bench_hash.py, 9.15 GiB from a warm page cache)
+hashing made the CUDA loader 1.35x slower (41 -> 30 GB/s); a load from disk hides it.
+Every other load hashes the bytes it copies: a peer's file could change under a stale
+cache entry (through a writable mapping, st_ctime moves only at the next write fault).
 """
 
 from __future__ import annotations
@@ -154,8 +157,8 @@ FileIdentity = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mti
 
 
 class FileDigests:
-    """Tensor digests of files served from their page cache, by file identity: a file
-    loaded again unchanged (after an eviction) is not hashed again. Bounded: the least
+    """Tensor digests of files that cannot change unseen (Note [content fingerprint]), by
+    file identity: a file loaded again unchanged (after an eviction) is not hashed again. Bounded: the least
     recently used files' digests go first (a file's cost is 16 bytes per tensor)."""
 
     def __init__(self, max_files: int = 4096) -> None:

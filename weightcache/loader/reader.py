@@ -22,7 +22,7 @@ from ..errors import CorruptCheckpoint, LoadFailed
 from ..units import round_up
 from .checkpoint import Checkpoint, parse_checkpoint
 from .content import FILE_DIGESTS, HASH_BLOCK, FileIdentity, Task, TaskHasher, fingerprint, plan_tasks, tensor_digests
-from .sources import OpenedSource, open_source
+from .sources import OpenedSource, changed_only_by_trusted, open_source
 
 
 class ArenaWriter(Protocol):
@@ -241,10 +241,10 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
     if not ckpt.matches(opened):  # changed since parsing: say so before reading gigabytes
         raise CorruptCheckpoint(f"{ckpt.source}: checkpoint changed on disk before it was loaded", file=ckpt.source,
                                 reason="changed during load")
-    # Files whose tensor digests are known (page-cache arenas loaded before, unchanged):
-    # index -> (file offset, size) -> digest (the size too: an empty tensor shares its
-    # offset with the next one). Their bytes are made resident but not hashed again.
-    reuse = content_hash and getattr(writer, "serves_files", False)
+    # Files whose tensor digests are known (loaded before, unchanged, and changed only by
+    # the trusted): index -> (file offset, size) -> digest (the size too: an empty tensor
+    # shares its offset with the next one). Their bytes are loaded but not hashed again.
+    reuse = content_hash and (getattr(writer, "serves_files", False) or changed_only_by_trusted(opened))
     identities = [_identity(sf.fd) for sf in opened.files] if reuse else []
     known: dict[int, dict[tuple[int, int], bytes]] = {}
     for i, ident in enumerate(identities):
