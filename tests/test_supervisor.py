@@ -261,17 +261,32 @@ def refused(tmp_path: Path, template_module: str, *more: str) -> str:
     return err
 
 
-def test_refuses_when_the_cuda_driver_is_mapped(tmp_path):
-    # What /proc/self/maps shows once something loaded the driver: a file named libcuda.so.1.
+def test_refuses_when_the_cuda_driver_was_initialised(tmp_path):
+    # cuInit opens /dev/nvidiactl; without a GPU the template module points the check at a
+    # file of its own and opens it, as the driver would its device file.
     err = refused(tmp_path, """
-        import mmap, os
-        path = os.path.join(os.path.dirname(__file__), "libcuda.so.1")
-        with open(path, "wb") as f:
-            f.write(b"\\0" * 4096)
-        with open(path, "rb") as f:
-            DRIVER = mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ)
+        import os
+        import weightcache.fork_safety as fs
+        fs.DRIVER_DEVICES = (os.path.join(os.path.dirname(__file__), "nvidiactl"),)
+        DRIVER = open(fs.DRIVER_DEVICES[0], "w")
     """)
-    assert "libcuda.so.1 is mapped" in err and "does not survive fork" in err
+    assert "nvidiactl is open" in err and "does not survive fork" in err and "Importing tmpl initialised it" in err
+
+
+def test_a_driver_library_loaded_but_not_initialised_is_no_reason_to_refuse(tmp_path):
+    # torch 2.11 (cu130) maps libcuda.so when imported, without cuInit: forking is safe.
+    path = tmp_path / "libcuda.so.1"
+    path.write_bytes(b"\0" * 4096)
+    write(tmp_path / "tmpl.py", f"""
+import mmap
+with open({str(path)!r}, "rb") as f:
+    DRIVER = mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ)
+""")
+    write(tmp_path / "engine.py", "open('started', 'w')\n")
+    p = supervise(["--preload", "tmpl"], [str(tmp_path / "engine.py")], tmp_path)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert (tmp_path / "started").exists()
 
 
 def test_refuses_when_torch_says_cuda_is_initialised(tmp_path):

@@ -7,9 +7,13 @@ engine from it. A fork copies memory and file descriptors, but only the calling 
 so the template must hold nothing a child cannot own:
 
 1. **No CUDA.** A CUDA context does not survive fork (the child's calls fail or hang).
-   Refused when torch is imported and ``torch.cuda.is_initialized()``, or when any
-   ``libcuda.so*`` is mapped (``/proc/self/maps``): the driver is loaded only by something
-   that meant to use it, torch itself loads it at CUDA init, not at import.
+   Refused when torch is imported and ``torch.cuda.is_initialized()``, or when the driver
+   was initialised by anyone: ``cuInit`` opens the GPU's device files (``/dev/nvidiactl``,
+   ``/dev/nvidia-uvm``, ``/dev/nvidiaN``), so a descriptor or mapping of one in the
+   template means a driver in use. The library merely loaded is fine: torch 2.11 (cu130)
+   maps ``libcuda.so`` when it is imported, without initialising it, and engines forked
+   after that attached and ran on the H200 (issue 16's fork test; a check on the mapped
+   library refused every torch template there).
 2. **One thread.** Another thread's locks (malloc's, the import lock, a library's) may be
    held at the fork and are never released in the child. Refused when
    ``/proc/self/task`` lists more than one task (native threads count: OpenMP, BLAS,
@@ -51,15 +55,21 @@ def mapped_libraries(maps: str = "/proc/self/maps") -> set[str]:
         return {parts[5].rstrip("\n") for parts in (line.split(maxsplit=5) for line in f) if len(parts) == 6 and parts[5].startswith("/")}
 
 
-def driver_loaded() -> bool:
-    """Whether libcuda.so.1 is loaded, in microseconds (dlopen with RTLD_NOLOAD loads
-    nothing): cheap enough to ask after every preloaded module, to name the one that
-    loaded it. :func:`check_cuda` reads /proc/self/maps, which also sees other names."""
-    try:
-        ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    except OSError:
-        return False
-    return True
+# The device files the CUDA driver opens at cuInit (and maps once it has a context).
+DRIVER_DEVICES = ("/dev/nvidia",)
+
+
+def driver_files(libraries: Iterable[str] = ()) -> list[str]:
+    """The GPU device files this process holds open or mapped: the CUDA driver was
+    initialised here. Cheap (a readlink per fd): asked after every preloaded module, to
+    name the one that initialised it."""
+    held = []
+    for fd in open_fds():
+        try:
+            held.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed meanwhile (the listing's own fd)
+            pass
+    return sorted({p for p in [*held, *libraries] if p.startswith(DRIVER_DEVICES)})
 
 
 def check_cuda(libraries: Iterable[str], loaded_by: str | None = None) -> None:
@@ -69,13 +79,13 @@ def check_cuda(libraries: Iterable[str], loaded_by: str | None = None) -> None:
         raise ForkUnsafe("CUDA is initialised in the template (torch.cuda.is_initialized()): a CUDA context does not "
                          "survive fork. Something preloaded touched the GPU at import; leave it out of --preload, or out "
                          "of the --record file with --exclude MODULE")
-    for path in sorted(libraries):
-        if os.path.basename(path).startswith("libcuda.so"):
-            culprit = f"importing {loaded_by} loaded it" if loaded_by else "something preloaded loaded it at import"
-            raise ForkUnsafe(f"the CUDA driver is loaded in the template ({path} is mapped): a CUDA context does not "
-                             f"survive fork. {culprit[0].upper() + culprit[1:]}; leave it out of --preload, or out of the "
-                             "--record file with --exclude MODULE (or, if it asks torch.cuda.is_available(), set "
-                             "PYTORCH_NVML_BASED_CUDA_CHECK=1: torch then asks NVML and leaves CUDA alone)")
+    files = driver_files(libraries)
+    if files:
+        culprit = f"importing {loaded_by} initialised it" if loaded_by else "something preloaded initialised it at import"
+        raise ForkUnsafe(f"the CUDA driver is initialised in the template ({files[0]} is open): a CUDA context does not "
+                         f"survive fork. {culprit[0].upper() + culprit[1:]}; leave it out of --preload, or out of the "
+                         "--record file with --exclude MODULE (or, if it asks torch.cuda.is_available(), set "
+                         "PYTORCH_NVML_BASED_CUDA_CHECK=1: torch then asks NVML and leaves CUDA alone)")
 
 
 def quiesce_openblas(libraries: Iterable[str]) -> int:

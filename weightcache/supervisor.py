@@ -55,7 +55,7 @@ from typing import Any, NoReturn
 
 from . import engine as engine_api
 from .errors import ConfigError
-from .fork_safety import ForkUnsafe, check_fork_safe, driver_loaded, open_fds, reseed, socket_fds
+from .fork_safety import ForkUnsafe, check_fork_safe, driver_files, open_fds, reseed, socket_fds
 
 log = logging.getLogger("weightcache.supervisor")
 
@@ -287,7 +287,7 @@ class Supervisor:
 
     def preload(self) -> tuple[dict[str, int], str | None, str | None]:
         """Import the modules. Returns those during whose import threads appeared (and
-        how many), the first after whose import the CUDA driver was loaded, and the first
+        how many), the first after whose import the CUDA driver was initialised, and the first
         that left a socket open: the supervisor's message names them."""
         started_by: dict[str, int] = {}
         driver_by = socket_by = None
@@ -309,7 +309,7 @@ class Supervisor:
             after = len(os.listdir("/proc/self/task"))
             if after > before:
                 started_by[name] = after - before
-            if driver_by is None and driver_loaded():
+            if driver_by is None and driver_files():
                 driver_by = name
             if socket_by is None and socket_fds(fds_before):
                 socket_by = name
