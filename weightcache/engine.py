@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from .systemd import sd_notify
+
 # EX_TEMPFAIL in sysexits.h, "try again later": the engine asks to be replaced. Any other
 # non-zero status (or a signal) is a crash, restarted with backoff; 0 is "finished".
 RESTART_EXIT_CODE = 75
@@ -125,22 +127,6 @@ def ready(notify: bool = True) -> None:
         _send({"event": "ready", "t": t})
     if notify:
         sd_notify("READY=1")
-
-
-def sd_notify(message: str) -> bool:
-    """One datagram to ``$NOTIFY_SOCKET`` ("READY=1", "STATUS=..."); False when unset.
-    The daemon's weightcache/server/systemd.py does the same, but importing it imports
-    the daemon (0.36 s on the dev VM), on an engine's restart path."""
-    path = os.environ.get("NOTIFY_SOCKET")
-    if not path:
-        return False
-    import socket
-
-    addr = "\0" + path[1:] if path.startswith("@") else path  # '@' = abstract namespace
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-        s.connect(addr)
-        s.sendall(message.encode())
-    return True
 
 
 def restart(reason: str) -> NoReturn:

@@ -22,13 +22,13 @@ from ..cache.quotas import Quota
 from ..config import AUTO, ModelConfig, Settings, load_settings
 from ..errors import BadRequest, LoadFailed, NoSpace, WeightcacheError
 from ..loader import OpenedSource, open_source, parse_checkpoint
+from ..systemd import sd_notify
 from .access import AccessPolicy, check_socket_dir, resolve_gid
 from .connections import Connections
 from .loads import Loads
 from .metrics import MODEL_COUNTERS, Metrics, ModelFigures, Snapshot
 from .registry import Registry
 from .requests import Context
-from .systemd import sd_notify
 
 # The fields a reload changes in place: the rest say which bytes and where.
 POLICY_FIELDS = ("keep_alive", "pin", "preload", "allowed_uids", "allowed_gids")

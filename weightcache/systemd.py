@@ -1,4 +1,6 @@
-"""systemd readiness: Type=notify units learn READY=1 and STOPPING=1 from us."""
+"""systemd readiness: Type=notify units learn READY=1 and STOPPING=1 from us (the
+daemon), and from a supervised engine (weightcache.engine.ready). Imports nothing heavy:
+an engine calls it on its restart path."""
 
 from __future__ import annotations
 
