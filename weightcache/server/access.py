@@ -9,10 +9,13 @@ binding so that nobody else can swap the socket or the directory under us.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import grp
 import os
 import socket
 import stat
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,12 +33,44 @@ class Peer:
     @classmethod
     def of(cls, sock: socket.socket) -> Peer:
         pid, uid, gid = peer_credentials(sock)
-        return cls(pid, uid, gid, frozenset({gid, *_supplementary_groups(pid)}))
+        groups = _peer_groups(sock)
+        return cls(pid, uid, gid, frozenset({gid, *(groups if groups is not None else _supplementary_groups(pid))}))
+
+
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # linux/socket.h; Python does not export it
+_NGROUPS_MAX = 65536
+
+
+def _peer_groups(sock: socket.socket) -> list[int] | None:
+    """The peer's supplementary groups as the kernel took them at connect(), with its
+    uid (Linux >= 4.13): what ``/proc/<pid>`` cannot give, since the pid may have exited
+    (its groups lost: a "gid:N" quota would no longer cover its models) or been reused
+    by another process (whose groups it would borrow). None where the kernel has no
+    SO_PEERGROUPS."""
+    try:  # socket.getsockopt takes at most 1024 bytes: 256 groups
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 1024)
+    except OSError as exc:
+        if exc.errno != errno.ERANGE:
+            return None
+        more = _peer_groups_libc(sock.fileno())  # more: libc's, with room for NGROUPS_MAX
+        if more is None:
+            return None
+        raw = more
+    return list(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
+
+
+def _peer_groups_libc(fd: int) -> bytes | None:
+    buf = ctypes.create_string_buffer(4 * _NGROUPS_MAX)
+    size = ctypes.c_uint32(len(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.getsockopt(fd, socket.SOL_SOCKET, SO_PEERGROUPS, buf, ctypes.byref(size)) != 0:
+        return None
+    return buf.raw[: size.value]
 
 
 def _supplementary_groups(pid: int) -> list[int]:
-    # The kernel gives only the primary gid with the credentials; the supplementary
-    # groups come from /proc. A peer that exits first just loses them (fails closed).
+    # Kernels without SO_PEERGROUPS: the groups come from /proc. A peer that exits first
+    # loses them (fails closed for access, open for a group's quota).
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
