@@ -73,6 +73,19 @@ def test_policy_restarts_at_once_then_backs_off_and_resets():
     assert p.decide(ex(0)) is None  # finished: stop
 
 
+def test_policy_backs_off_planned_restarts_that_come_in_a_loop():
+    # An engine that asks for a restart at every start was forked ~190 times a second
+    # forever (measured on the dev VM): only the first few quick ones in a row are at once.
+    p = RestartPolicy(backoff_max_s=4, stable_after_s=10)
+    burst = RestartPolicy.PLANNED_BURST
+    assert [p.decide(ex(RESTART_EXIT_CODE)) for _ in range(burst + 4)] == [0] * burst + [1, 2, 4, 4]
+    assert p.crash_streak == 0 and p.planned == burst + 4
+    assert p.decide(ex(1)) == 0 and p.decide(ex(RESTART_EXIT_CODE)) == 4  # a crash between ends no loop
+    assert p.decide(ex(RESTART_EXIT_CODE, uptime=11)) == 0  # an engine that ran stable_after_s: at once again
+    assert [p.decide(ex(RESTART_EXIT_CODE)) for _ in range(burst + 1)] == [0] * burst + [1]
+    assert p.decide(ex(1, uptime=11)) == 0 and p.decide(ex(RESTART_EXIT_CODE)) == 0  # so does a long crash
+
+
 def test_parse_command(tmp_path):
     script = write(tmp_path / "e.py", "")
     cmd = parse_command(["--", PY, str(script), "a", "--b"])

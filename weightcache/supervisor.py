@@ -156,7 +156,15 @@ class RestartPolicy:
     crash streak ends. Anything else is a crash: the first of a streak restarts at once,
     the next ones wait 1, 2, 4 ... s up to ``backoff_max_s``. A crash after at least
     ``stable_after_s`` of running starts a new streak.
+
+    Planned restarts are not free of limits either: an engine that asks for one at every
+    start (a condition its restart never clears) was forked ~190 times a second, two log
+    lines each, forever. So only ``PLANNED_BURST`` restarts in a row by engines that ran
+    less than ``stable_after_s`` (planned or crashed) are at once; further ones wait 1,
+    2, 4 ... s like crashes, until an engine runs ``stable_after_s``.
     """
+
+    PLANNED_BURST = 3
 
     def __init__(self, backoff_max_s: float = 30.0, stable_after_s: float = 30.0) -> None:
         self.backoff_max_s = backoff_max_s
@@ -164,15 +172,22 @@ class RestartPolicy:
         self.crash_streak = 0
         self.crashes = 0
         self.planned = 0
+        self.quick_planned = 0  # planned restarts since an engine last ran stable_after_s
 
     def decide(self, ex: EngineExit) -> float | None:
         """Seconds to wait before the next fork, or None: stop."""
         if ex.status == 0:
             return None
+        if ex.uptime_s >= self.stable_after_s:
+            self.quick_planned = 0
         if ex.planned:
             self.planned += 1
             self.crash_streak = 0
-            return 0.0
+            if ex.uptime_s >= self.stable_after_s:
+                return 0.0
+            self.quick_planned += 1
+            over = self.quick_planned - self.PLANNED_BURST
+            return 0.0 if over <= 0 else min(self.backoff_max_s, 2.0 ** (over - 1))
         self.crashes += 1
         self.crash_streak = 1 if ex.uptime_s >= self.stable_after_s else self.crash_streak + 1
         return 0.0 if self.crash_streak == 1 else min(self.backoff_max_s, 2.0 ** (self.crash_streak - 2))
