@@ -6,17 +6,19 @@ from __future__ import annotations
 import os
 import socket
 import time
+from typing import Any
 
-from helpers import root_only
+from helpers import NOBODY, as_uid, root_only
 
 from weightcache.server.access import Peer
 
-from ._util import public_dir
+from ._util import MIB, OTHER, Conn, calls, code, multi_tenant, public_dir
+from .test_tenants import TENANTS, _checkpoints, _register
 
 pytestmark = root_only
 
 GROUPS = [4242, 4343]  # supplementary groups of the peer (no group entry needed: setgroups takes any gid)
-UID = 65533
+UID = OTHER
 
 
 def _connect_then(path: str, hand_over: bool, groups: list[int]) -> None:
@@ -75,3 +77,34 @@ def test_a_peer_with_many_groups_has_them_all():
     many = list(range(5000, 5300))  # more than socket.getsockopt can take (256 groups)
     peer = _accepted_peer(hand_over=True, groups=many)
     assert set(many) <= peer.groups
+
+
+def test_a_load_error_kept_in_models_does_not_name_models_the_viewer_may_not_use(start_daemon, ckpts):
+    # NO_SPACE as the load's reply names only what the requester may use; the copy kept as
+    # the model's last_error (shown by `models` to its owner) named every holder.
+    (mine,) = _checkpoints(1, 8 * MIB)
+    d = multi_tenant(start_daemon, TENANTS, budget="12MiB", models={"secret": ckpts["b"]}, secret={"allowed_uids": [NOBODY]})
+    holder = Conn(d.socket)  # root keeps 'secret' attached: 8 MiB of 12 that nobody can evict
+    try:
+        r = holder.call({"id": 1, "op": "attach", "name": "secret"})
+        assert r["ok"], r
+        for fd in holder.take_fds():
+            os.close(fd)
+
+        def go() -> list[Any]:
+            registered = _register(d.socket, "mine", mine)
+            return [registered, *calls(d.socket, [{"id": 1, "op": "load", "name": "mine"}, {"id": 2, "op": "models"}])]
+
+        registered, load, models = as_uid(OTHER, go)
+        assert "model" in registered, registered
+        assert code(load) == "NO_SPACE" and "secret" not in load["error"]["message"], load
+        (m,) = [m for m in models["models"] if m["name"] == "mine"]
+        err = m["last_error"]
+        assert err is not None and err["code"] == "NO_SPACE", m
+        assert "secret" not in str(err), err
+        assert "8.0 MiB in 1 model(s) not available to you" in err["message"], err
+        # An administrator is told everything.
+        (models,) = calls(d.socket, [{"id": 3, "op": "models"}])
+        assert "secret" in str(next(m for m in models["models"] if m["name"] == "mine")["last_error"])
+    finally:
+        holder.close()

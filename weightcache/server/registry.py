@@ -21,6 +21,7 @@ from ..cache import CacheCore, Entry, State
 from ..config import AUTO, ModelConfig, auto_devices
 from ..errors import BadRequest, PermissionDenied, UnknownModel
 from ..loader import Checkpoint, OpenedSource, Progress
+from ..units import format_size
 from .access import AccessPolicy, Peer
 
 # Where a model came from: the operator's config file, a peer's register, a peer's publish.
@@ -250,6 +251,27 @@ class Registry:
         for anyone else they would tell what exists on the daemon's disks."""
         return model.owner == peer.uid or self.access.is_admin(peer)
 
+    def _error_as_seen(self, viewer: Peer, error: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A kept NO_SPACE as ``viewer`` may see it: like the load's own reply
+        (handlers._name_holders), holders it may not use are not named, only their bytes
+        summed (the error is kept as the core raised it, naming every holder)."""
+        holders = error.get("holders") if error else None
+        if error is None or not isinstance(holders, list) or self.access.is_admin(viewer):
+            return error
+        shown = [h for h in holders if isinstance(h, dict) and self.visible(viewer, str(h.get("name")))]
+        hidden = [h for h in holders if h not in shown]
+        if not hidden:
+            return error
+        held = [f"{h['name']} ({format_size(h['nbytes'])}, {h['state']}, {h['attach_count']} attached"
+                f"{', pinned' if h.get('pinned') else ''})" for h in shown]
+        held.append(f"{format_size(sum(h.get('nbytes', 0) for h in hidden))} in {len(hidden)} model(s) not available to you")
+        full = (f"{error['device']} holds {error['loaded']} models, its max_loaded_models; "
+                if error.get("max_loaded_models") is not None else "")
+        message = (f"model {error.get('model')!r} needs {format_size(error.get('needed', 0))} on {error.get('device')}; "
+                   f"{full}budget {format_size(error.get('budget', 0))}, free {format_size(error.get('free', 0))}; "
+                   f"held by: {', '.join(held)}")
+        return {**error, "message": message, "holders": shown}
+
     @staticmethod
     def _expires_in(e: Entry, idle: float | None) -> float | None:
         """Seconds until keep_alive evicts the entry (CacheCore.expired), or None when it
@@ -281,6 +303,6 @@ class Registry:
             "tensors": len(m.checkpoint.tensors) if m.checkpoint else None,
             "idle_s": idle, "expires_in_s": self._expires_in(e, idle),
             "loads": e.loads, "evictions": e.evictions, "demotions": e.demotions, "promotions": e.promotions,
-            "last_error": redacted(m.last_error) if private and m.last_error else m.last_error,
+            "last_error": redacted(m.last_error) if private and m.last_error else self._error_as_seen(viewer, m.last_error),
             "progress": progress.snapshot() if progress is not None else None,
         }
