@@ -8,6 +8,7 @@ import socket
 import time
 from typing import Any
 
+import pytest
 from helpers import NOBODY, as_uid, root_only
 
 from weightcache.server.access import Peer
@@ -108,3 +109,42 @@ def test_a_load_error_kept_in_models_does_not_name_models_the_viewer_may_not_use
         assert "secret" in str(next(m for m in models["models"] if m["name"] == "mine")["last_error"])
     finally:
         holder.close()
+
+
+def _placement_probe(start_daemon: Any, ckpts: Any) -> tuple[Any, list[Any]]:
+    """'secret' (only NOBODY may use it) resident, unattached, in 8 MiB of 12; OTHER
+    loads the open device = "auto" model 'pub', whose placement evicts 'secret': its
+    replies to load, models and status."""
+    d = multi_tenant(start_daemon, TENANTS, budget="12MiB", models={"secret": ckpts["b"], "pub": ckpts["a"]},
+                     secret={"allowed_uids": [NOBODY]}, pub={"device": "auto"})
+    (r,) = calls(d.socket, [{"id": 1, "op": "load", "name": "secret"}])
+    assert r["ok"], r
+
+    def go() -> list[Any]:
+        c = Conn(d.socket)
+        try:
+            return [c.call({"id": 1, "op": "load", "name": "pub"}), c.call({"id": 2, "op": "models"}),
+                    c.call({"id": 3, "op": "status"})]
+        finally:
+            c.close()
+
+    return d, as_uid(OTHER, go)
+
+
+def test_placement_in_models_does_not_name_models_the_viewer_may_not_use(start_daemon, ckpts):
+    d, (load, models, _status) = _placement_probe(start_daemon, ckpts)
+    assert load["ok"], load
+    for pub in (load["model"], *[m for m in models["models"] if m["replica_of"] == "pub"]):
+        assert pub["placement"]["reason"] == "evicts", pub
+        assert "secret" not in str(pub["placement"]), pub["placement"]
+        assert "1 model(s) not available to you" in pub["placement"]["detail"], pub["placement"]
+    (admin,) = calls(d.socket, [{"id": 5, "op": "models"}])  # an administrator is told
+    assert "secret" in str([m["placement"] for m in admin["models"] if m["replica_of"] == "pub"])
+
+
+@pytest.mark.xfail(strict=True, reason="not fixed: handlers.status copies registry.placed unfiltered (handlers.py, "
+                   "'placement' in status()), and attach's reply too; registry.placement_as_seen is the filter")
+def test_placement_in_status_does_not_name_models_the_viewer_may_not_use(start_daemon, ckpts):
+    _d, (_load, _models, status) = _placement_probe(start_daemon, ckpts)
+    assert status["placement"]["pub"]["reason"] == "evicts", status["placement"]
+    assert "secret" not in str(status["placement"]), status["placement"]

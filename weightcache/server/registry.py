@@ -272,6 +272,20 @@ class Registry:
                    f"held by: {', '.join(held)}")
         return {**error, "message": message, "holders": shown}
 
+    def placement_as_seen(self, viewer: Peer, slot: str | None) -> dict[str, Any] | None:
+        """The last placement of ``slot`` as ``viewer`` may see it: the models it expected
+        to evict are named only where the viewer may use them (any model on the device
+        may be one), the others counted."""
+        p = self.placed.get(slot) if slot is not None else None
+        if p is None or not p.get("evicts") or self.access.is_admin(viewer):
+            return p
+        shown = [n for n in p["evicts"] if self.visible(viewer, n)]
+        hidden = len(p["evicts"]) - len(shown)
+        if not hidden:
+            return p
+        named = ", ".join([*shown, f"{hidden} model(s) not available to you"])
+        return {**p, "evicts": shown, "detail": f"{p['device']}: making room there evicts the least ({named})"}
+
     @staticmethod
     def _expires_in(e: Entry, idle: float | None) -> float | None:
         """Seconds until keep_alive evicts the entry (CacheCore.expired), or None when it
@@ -293,7 +307,7 @@ class Registry:
             "attach_count": e.attach_count, "pinned": e.pinned, "keep_alive": e.keep_alive,
             "shard_of": m.config.name if m.rank is not None else None, "rank": m.rank,
             # device = "auto": the rank this replica serves, and the last placement decision for it
-            "replica_of": m.slot, "placement": self.placed.get(m.slot) if m.slot is not None else None,
+            "replica_of": m.slot, "placement": self.placement_as_seen(viewer, m.slot),
             "shares_with": [x.name for x in self.core.siblings(name)],  # one arena, counted once
             "origin": m.origin, "owner": m.owner,
             # who may use it (None: everyone), shown to those who may see its paths
