@@ -21,7 +21,7 @@ import pytest
 
 from weightcache.engine import RESTART_EXIT_CODE, read_record, recordable_modules
 from weightcache.errors import ConfigError
-from weightcache.supervisor import EngineExit, RestartPolicy, parse_command
+from weightcache.supervisor import EngineExit, RestartPolicy, Supervisor, SupervisorOptions, parse_command
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parent.parent
@@ -84,6 +84,26 @@ def test_policy_backs_off_planned_restarts_that_come_in_a_loop():
     assert p.decide(ex(RESTART_EXIT_CODE, uptime=11)) == 0  # an engine that ran stable_after_s: at once again
     assert [p.decide(ex(RESTART_EXIT_CODE)) for _ in range(burst + 1)] == [0] * burst + [1]
     assert p.decide(ex(1, uptime=11)) == 0 and p.decide(ex(RESTART_EXIT_CODE)) == 0  # so does a long crash
+
+
+def test_the_status_file_is_not_written_through_a_planted_link(tmp_path):
+    # The status file was written to a fixed name beside it (".st.json.tmp"), opened
+    # following links: whoever may write the directory made the supervisor (often root)
+    # overwrite any file, then move their own file into place as the status.
+    victim = write(tmp_path / "victim", "keep")
+    (tmp_path / ".st.json.tmp").symlink_to(victim)
+    sup = Supervisor(parse_command([PY, str(write(tmp_path / "e.py", ""))]), SupervisorOptions(status=str(tmp_path / "st.json")))
+    sup._publish()
+    assert victim.read_text() == "keep"
+    assert json.loads((tmp_path / "st.json").read_text())["state"] == "starting"
+    assert not (tmp_path / "st.json").is_symlink() and (tmp_path / "st.json").stat().st_mode & 0o044 == 0o044 & ~_umask()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".st.json.tmp", "e.py", "st.json", "victim"]  # no temporary left
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_parse_command(tmp_path):

@@ -45,6 +45,7 @@ import runpy
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -563,16 +564,36 @@ class Supervisor:
         st = self.status()
         if self.options.status:
             path = Path(self.options.status)
-            tmp = path.with_name(f".{path.name}.tmp")
             try:
-                tmp.write_text(json.dumps(st, indent=2) + "\n")
-                os.replace(tmp, path)
+                _write_atomically(path, json.dumps(st, indent=2) + "\n")
             except OSError as exc:
                 log.warning("cannot write the status file %s: %s", path, exc)
         eng = f"engine pid {st['engine']['pid']}" if st["engine"] else "no engine"
         with contextlib.suppress(OSError):
             engine_api.sd_notify(f"STATUS={st['state']}: {eng}; {st['restarts']} restarts "
                                  f"({st['planned_restarts']} planned, {st['crashes']} crashes)")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` by a new file holding ``text``. The temporary file gets a name
+    nobody can plant beforehand (mkstemp: random, O_EXCL, no link followed): a fixed
+    ".NAME.tmp" let whoever may write the directory have the supervisor, often root,
+    write through a symlink and move their own file into place as the status."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)  # what a plain open() would have made (mkstemp's is 0600)
+        with os.fdopen(fd, "w") as f:
+            fd = -1
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 _handler: logging.Handler | None = None
