@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.engine import RESTART_EXIT_CODE, read_record, recordable_modules
+from weightcache.engine import RESTART_EXIT_CODE, read_record, recordable_modules, write_record
 from weightcache.errors import ConfigError
 from weightcache.supervisor import EngineExit, RestartPolicy, Supervisor, SupervisorOptions, parse_command
 
@@ -98,6 +98,20 @@ def test_the_status_file_is_not_written_through_a_planted_link(tmp_path):
     assert json.loads((tmp_path / "st.json").read_text())["state"] == "starting"
     assert not (tmp_path / "st.json").is_symlink() and (tmp_path / "st.json").stat().st_mode & 0o044 == 0o044 & ~_umask()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".st.json.tmp", "e.py", "st.json", "victim"]  # no temporary left
+
+
+def test_the_record_is_not_written_through_a_planted_link(tmp_path, monkeypatch):
+    # The record's temporary had the engine's pid in its name: guessable, and opened
+    # following links, so it could be planted as a link (any file overwritten) or as a
+    # file of the planter's own, moved into place as the list of modules to preload.
+    victim = write(tmp_path / "victim", "keep")
+    for pid in (os.getpid(), 4242):
+        (tmp_path / f".rec.txt.{pid}.tmp").symlink_to(victim)
+    monkeypatch.setattr(os, "getpid", lambda: 4242)
+    write_record(tmp_path / "rec.txt", ["json"])
+    assert victim.read_text() == "keep" and read_record(tmp_path / "rec.txt") == ["json"]
+    assert not (tmp_path / "rec.txt").is_symlink()
+    assert len(list(tmp_path.iterdir())) == 4  # victim, two links, the record: no temporary left
 
 
 def _umask() -> int:

@@ -20,6 +20,7 @@ Importing this module imports nothing heavy: the supervisor imports it before it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -89,10 +90,22 @@ def recordable_modules(names: Iterable[str], modules: Mapping[str, object], excl
 def write_record(path: str | os.PathLike[str], names: list[str]) -> None:
     """One module name a line, written atomically (a reader never sees half a file)."""
     p = Path(path)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    tmp.write_text(f"# modules an engine had imported when ready: weightcache supervise --record preloads them "
-                   f"({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, pid {os.getpid()})\n" + "".join(n + "\n" for n in names))
-    os.replace(tmp, p)
+    text = (f"# modules an engine had imported when ready: weightcache supervise --record preloads them "
+            f"({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, pid {os.getpid()})\n" + "".join(n + "\n" for n in names))
+    # A name nobody can plant first (random; O_EXCL follows no link): a guessable one let
+    # whoever may write the directory have the engine write through a symlink, or move
+    # their own file into place as the record, which names the modules the supervisor
+    # imports. (Not tempfile: this module must stay cheap to import.)
+    tmp = p.with_name(f".{p.name}.{os.urandom(8).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def read_record(path: str | os.PathLike[str]) -> list[str]:
