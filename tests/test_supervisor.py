@@ -263,12 +263,15 @@ def test_second_stop_signal_kills_at_once(tmp_path):
 
 def test_stop_during_backoff_exits_without_a_new_engine(tmp_path):
     engine = counting_engine(tmp_path, ["crash"] * 10)
-    p = supervise(["--backoff-max", "60"], [str(engine)], tmp_path)
+    p = supervise(["--backoff-max", "60", "--status", "st.json"], [str(engine)], tmp_path)
     wait_for(lambda: len(lines(tmp_path / "starts")) >= 3)  # the third start is followed by a 2 s wait
+    wait_for(lambda: json.loads((tmp_path / "st.json").read_text())["state"] == "backoff")
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=20)
     assert p.returncode == 0, err
     assert len(lines(tmp_path / "starts")) == 3
+    st = json.loads((tmp_path / "st.json").read_text())  # what a monitor reads after the exit
+    assert st["state"] == "stopped" and st["next_start_in_s"] is None and st["engine"] is None, st
 
 
 def test_orphans_of_the_engine_are_reaped(tmp_path):

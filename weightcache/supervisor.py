@@ -360,7 +360,11 @@ class Supervisor:
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
         self.old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED_SIGNALS)
         try:
-            return self._loop()
+            status = self._loop()
+            if self.stopping:  # else the status file said "stopping" (and a next start) after the exit
+                self.state, self.next_start = "stopped", None
+                self._publish()
+            return status
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, self.old_mask)
 
