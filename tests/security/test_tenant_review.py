@@ -168,3 +168,21 @@ def test_a_quota_error_does_not_tell_another_tenant_what_the_owner_holds(start_d
     (err,) = as_uid(OTHER, lambda: calls(d.socket, [{"id": 1, "op": "load", "name": "shared"}]))
     assert code(err) == "NO_SPACE", err
     assert "quota_used" not in err["error"] and "hold" not in err["error"]["message"], err["error"]
+
+
+def test_a_tenants_files_never_share_an_arena_with_another_name(start_daemon):
+    # A tenant's model is its own open files (register with fds): another name for the same
+    # path, even an administrator's, gets its own arena, so it can neither lend the tenant's
+    # bytes past its allowed_uids nor count them once against the tenant's quota.
+    (f,) = _checkpoints(1, MIB)
+    d = multi_tenant(start_daemon, TENANTS, budget="12MiB")
+    assert "model" in as_uid(NOBODY, lambda: _register(d.socket, "mine", f))
+    (r,) = calls(d.socket, [{"id": 1, "op": "register", "name": "alias", "path": f}])
+    assert r["ok"], r
+    (a, _b) = as_uid(NOBODY, lambda: calls(d.socket, [{"id": 1, "op": "load", "name": "mine"},
+                                                      {"id": 2, "op": "load", "name": "mine"}]))
+    (c, models) = calls(d.socket, [{"id": 3, "op": "load", "name": "alias"}, {"id": 4, "op": "models"}])
+    assert a["ok"] and c["ok"], (a, c)
+    by = {m["name"]: m for m in models["models"]}
+    assert by["mine"]["shares_with"] == [] and by["alias"]["shares_with"] == [], by
+    assert by["alias"]["loads"] == 1  # loaded from its files, not joined to the tenant's arena
