@@ -8,7 +8,6 @@ import socket
 import time
 from typing import Any
 
-import pytest
 from helpers import NOBODY, as_uid, root_only
 
 from weightcache.server.access import Peer
@@ -142,16 +141,12 @@ def test_placement_in_models_does_not_name_models_the_viewer_may_not_use(start_d
     assert "secret" in str([m["placement"] for m in admin["models"] if m["replica_of"] == "pub"])
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: handlers.status copies registry.placed unfiltered (handlers.py, "
-                   "'placement' in status()), and attach's reply too; registry.placement_as_seen is the filter")
 def test_placement_in_status_does_not_name_models_the_viewer_may_not_use(start_daemon, ckpts):
     _d, (_load, _models, status) = _placement_probe(start_daemon, ckpts)
     assert status["placement"]["pub"]["reason"] == "evicts", status["placement"]
     assert "secret" not in str(status["placement"]), status["placement"]
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: core.py's quota NO_SPACE (CacheCore._quota_victims) tells any requester "
-                   "the quota owner's usage, and handlers.redact passes it on; handlers.py and core.py are not this fix's")
 def test_a_quota_error_does_not_tell_another_tenant_what_the_owner_holds(start_daemon):
     priv, shared = _checkpoints(2, 2 * MIB)
     d = multi_tenant(start_daemon, TENANTS, budget="64MiB")

@@ -56,6 +56,7 @@ def redact(ctx: Context, caller: Caller, req: Request, exc: WeightcacheError) ->
     leases (as far as this peer may see them); a load failure names files, and a peer
     who may not see the model gets the code only."""
     exc = _name_holders(ctx, caller.peer, exc)
+    exc = _own_quota_only(ctx, caller.peer, exc)
     names_files = isinstance(exc, (LoadFailed, CorruptCheckpoint)) or bool(_FILE_DETAILS & exc.details.keys())
     if not names_files or ctx.access.is_admin(caller.peer):
         return exc
@@ -65,6 +66,20 @@ def redact(ctx: Context, caller: Caller, req: Request, exc: WeightcacheError) ->
     if model is not None and ctx.registry.may_see(caller.peer, model):
         return exc
     return type(exc)(redacted(exc.to_wire())["message"], **({"model": name} if isinstance(name, str) else {}))
+
+
+def _own_quota_only(ctx: Context, viewer: Peer, exc: WeightcacheError) -> WeightcacheError:
+    """A quota's NO_SPACE tells how much its tenant holds: only to that tenant and to
+    admins. Another peer allowed to load the tenant's model learns which quota refused."""
+    quota = exc.details.get("quota")
+    if (not isinstance(exc, NoSpace) or not isinstance(quota, str) or ctx.access.is_admin(viewer)
+            or quota in tenant_keys(viewer.uid, viewer.groups)):
+        return exc
+    d = exc.details
+    return NoSpace(f"model {d.get('model')!r} needs {format_size(int(d.get('needed', 0)))} on {d.get('device')}, over "
+                   f"the quota of {quota}, its owner's (the owner's unattached models there cannot make room)",
+                   model=d.get("model"), device=d.get("device"), needed=d.get("needed"), quota=quota,
+                   fits_ever=d.get("fits_ever"))
 
 
 def lease_holders(ctx: Context, entries: list[str], viewer: Peer) -> list[dict[str, Any]]:
@@ -170,7 +185,7 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
                      if ctx.core.entry(name).state in (State.RESIDENT, State.LOADING, State.HOST)],
         "tenants": tenant_usage(ctx, caller.peer),
         # device = "auto" models: the last placement of each (rank), as models shows it
-        "placement": {slot: p for slot, p in ctx.registry.placed.items()
+        "placement": {slot: ctx.registry.placement_as_seen(caller.peer, slot) for slot in ctx.registry.placed
                       if ctx.registry.visible(caller.peer, next(iter(ctx.registry.replicas[slot].values())))},
     }, []
 
@@ -303,7 +318,7 @@ async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
     return {
         "lease": lease.id, "model": name, "rank": m.rank, "device": entry.device, "fingerprint": m.checkpoint.fingerprint,
         "arena": {**arena, "writable": writable}, "source": source,
-        "placement": ctx.registry.placed.get(m.slot) if m.slot is not None else None, "tensors": Packed(m.table),
+        "placement": ctx.registry.placement_as_seen(caller.peer, m.slot), "tensors": Packed(m.table),
     }, fds
 
 
