@@ -301,3 +301,19 @@ def test_load_takes_a_keep_alive(start_daemon, ckpts, capsys):
     assert m["keep_alive"] == 300
     rc, out, err = cli(capsys, "--socket", d.socket, "load", "tiny", "--keep-alive", "5 weeks", "--quiet")
     assert rc != 0 and "not a duration" in out + err
+
+
+def test_attach_takes_a_keep_alive(start_daemon, ckpts, capsys):
+    d = start_daemon(models={"tiny": ckpts["tiny"]})
+    rc, _, err = cli(capsys, "--socket", d.socket, "attach", "tiny", "--keep-alive", "0")
+    assert rc == 0, err
+    for _ in range(100):  # keep_alive 0: evicted once its last lease went (by the daemon's expiry sweep)
+        (m,) = cli_json(capsys, "--socket", d.socket, "models")
+        if m["state"] == "evicted":
+            break
+        time.sleep(0.05)
+    assert m["state"] == "evicted"
+    rc, _, err = cli(capsys, "--socket", d.socket, "attach", "tiny", "--keep-alive", "2h")
+    assert rc == 0, err
+    (m,) = cli_json(capsys, "--socket", d.socket, "models")
+    assert m["state"] == "resident" and m["keep_alive"] == 7200

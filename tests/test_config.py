@@ -63,7 +63,9 @@ def test_file_then_env_precedence(tmp_path, monkeypatch):
         ('[[models]]\nname = "bad name!"\npath = "/x"', "models.0.name"),
         ('[[models]]\nname = "m"\npath = "/x"\n[[models]]\nname = "m"\npath = "/y"', "appears twice"),
         ("[daemon\n", "not valid TOML"),
-        ('[budgets]\ncpu = "1.5"', "for a size give a unit"),  # was a budget of 1 byte
+        ('[budgets]\ncpu = "1.5"', "budgets.cpu: "),  # was a budget of 1 byte
+        ('[budgets]\ncpu = "1.5"', "for a size give a unit"),
+        ('[budgets]\ncpu = "0"', "budgets.cpu: "),
         ('[budgets]\ncpu = "0"', "holds nothing"),
         ('[[models]]\nname = "m"\npath = "/x"\nkeep_alive = "1 week"', "use seconds, or a number with s, m, h or d"),
         ('[daemon]\nmax_loaded_models = {cpu = 0}', "max_loaded_models.cpu must be a whole number >= 1"),

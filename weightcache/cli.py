@@ -357,7 +357,7 @@ async def cmd_health(args: argparse.Namespace) -> int:
 async def cmd_attach(args: argparse.Namespace) -> int:
     async with _client(args) as c:
         t0 = time.perf_counter()
-        async with c.attach(args.name) as m:
+        async with c.attach(args.name, keep_alive=args.keep_alive) as m:
             dt = time.perf_counter() - t0
             result: dict[str, Any] = {"name": m.name, "lease": m.lease, "tensors": len(m), "nbytes": m.nbytes,
                                       "device": m.device, "attach_ms": dt * 1e3, "fingerprint": m.fingerprint}
@@ -529,6 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("name")
     s.add_argument("--verify", action="store_true")
     s.add_argument("--hold", type=float, default=0, help="keep the lease this many seconds")
+    s.add_argument("--keep-alive", default=None, metavar="DURATION",
+                   help="keep it this long once unattached: seconds or 30s/5m/1h, 0 = evict when unattached, "
+                        "-1 = never (capped at the configured value for non-admins)")
     s.set_defaults(func=cmd_attach)
 
     s = sub.add_parser("demo", help="generate small models, run a daemon, restart an engine with and without the cache")

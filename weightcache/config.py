@@ -420,7 +420,13 @@ class Settings(BaseSettings):
     def _budgets(cls, v: Any) -> dict[str, Budget]:
         if not isinstance(v, dict):
             raise ValueError("budgets must be a table of device = size")
-        return {check_device(str(k)): Budget.parse(val) for k, val in v.items()}
+        out = {}
+        for k, val in v.items():
+            try:
+                out[check_device(str(k))] = Budget.parse(val)
+            except ValueError as exc:  # the key too: the field's path stops at "budgets"
+                raise ValueError(f"budgets.{k}: {exc}") from None
+        return out
 
     @model_validator(mode="after")
     def _models_consistent(self) -> Settings:
