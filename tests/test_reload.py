@@ -98,7 +98,7 @@ async def test_bad_config_models_show_their_error_from_the_start(start_daemon, c
         await eventually(lambda: _both(errors))
         got = await errors()
         assert got["a"] == "" and "gone.safetensors" in got["gone"] and got["junk"].startswith("junk: ")
-        assert {m["name"]: m["state"] for m in await c.models()}["gone"] == "registered"
+        assert {m["name"]: m["state"] for m in await c.models()}["gone"] == "error"  # its files failed the check
         # a reload that adds a bad model registers it, shows why, and fails
         d.config.write_text(d.config.read_text() + f'[[models]]\nname = "new"\npath = "{tmp_path}/new.safetensors"\n')
         report = await c.reload()

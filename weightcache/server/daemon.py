@@ -27,14 +27,13 @@ from .access import AccessPolicy, check_socket_dir, resolve_gid
 from .connections import Connections
 from .loads import Loads
 from .metrics import MODEL_COUNTERS, Metrics, ModelFigures, Snapshot
-from .registry import Registry
+from .registry import CHECK_FAILED, Registry
 from .requests import Context
 
 # The fields a reload changes in place: the rest say which bytes and where.
 POLICY_FIELDS = ("keep_alive", "pin", "preload", "allowed_uids", "allowed_gids")
 # last_error["reason"] of a failed start/reload check, which a later good check clears
 # (a load's own error stays until a load succeeds).
-CHECK_FAILED = "checkpoint check failed"
 
 log = logging.getLogger("weightcache.daemon")
 

@@ -24,6 +24,10 @@ from ..loader import Checkpoint, OpenedSource, Progress
 from ..units import format_size
 from .access import AccessPolicy, Peer
 
+# The reason of a model's last_error when the start or reload check of its files failed
+# (a path typo, not a safetensors file): ``models`` then shows its state as "error".
+CHECK_FAILED = "checkpoint check failed"
+
 # Where a model came from: the operator's config file, a peer's register, a peer's publish.
 Origin = Literal["config", "register", "publish"]
 
@@ -301,8 +305,10 @@ class Registry:
         m = self.models[name]
         private = not self.may_see(viewer, m)
         idle = self.core.idle_s(name)
+        unloadable = (e.state in (State.REGISTERED, State.EVICTED) and m.last_error is not None
+                      and m.last_error.get("reason") == CHECK_FAILED)
         return {
-            "name": name, "state": str(e.state), "device": e.device,
+            "name": name, "state": "error" if unloadable else str(e.state), "device": e.device,
             "device_uuid": self.backends[e.device].uuid, "nbytes": e.nbytes,
             "attach_count": e.attach_count, "pinned": e.pinned, "keep_alive": e.keep_alive,
             "shard_of": m.config.name if m.rank is not None else None, "rank": m.rank,
