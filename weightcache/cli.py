@@ -234,9 +234,10 @@ async def cmd_load(args: argparse.Namespace) -> int:
         model = await job
         after = await c.models()
     # What left its device while this load ran: the room it made (or, rarely, what a
-    # concurrent eviction took); the daemon counts every model's evictions.
+    # concurrent eviction took); the daemon counts every model's evictions. Not the model
+    # itself: its own stale copy, dropped because its files changed, made no room for it.
     evicted = [{"name": m["name"], "nbytes": before[m["name"]]["nbytes"], "state": m["state"]} for m in after
-               if m["name"] in before and m["evictions"] > before[m["name"]]["evictions"]]
+               if m["name"] in before and m["name"] != model["name"] and m["evictions"] > before[m["name"]]["evictions"]]
     if args.json:
         _print_json({"model": model, "evicted": evicted})
         return 0
