@@ -89,6 +89,32 @@ def test_views_read_the_core():
     assert views(core, {"cuda:1": "m@cuda:1"}, {})[0].replica == "loading"
 
 
+def test_a_device_within_the_tenants_quota_wins_over_more_free_budget():
+    # cuda:0 has the most free budget, but the tenant may add only 5 bytes there
+    p = place([dev("cuda:0", quota_free=5), dev("cuda:1", used=60, quota_free=50)], nbytes=10)
+    assert (p.device, p.reason) == ("cuda:1", "free")
+    # within the quota nowhere: the budget rules decide (the load evicts the tenant's own, or is refused)
+    p = place([dev("cuda:0", quota_free=5), dev("cuda:1", used=60, quota_free=0)], nbytes=10)
+    assert (p.device, p.reason) == ("cuda:0", "free")
+    # a device within the quota where room must be made beats free budget over the quota
+    p = place([dev("cuda:0", quota_free=0), dev("cuda:1", used=95, quota_free=20,
+                                                   evictable=(Victim("old", 10, 1.0),))], nbytes=10)
+    assert (p.device, p.reason, p.evicts) == ("cuda:1", "evicts", ("old",))
+
+
+def test_views_give_the_tenants_quota_room_per_device():
+    from weightcache.cache.quotas import Quota
+
+    core = CacheCore({"cuda:0": 100, "cuda:1": 100})
+    core.set_quotas({"uid:7": Quota("uid:7", nbytes={"cuda:0": 30})})
+    for n, d in [("m@cuda:0", "cuda:0"), ("m@cuda:1", "cuda:1"), ("x", "cuda:0")]:
+        core.register(n, d, tenants=("uid:7",))
+    core.begin_load("x", 20)
+    core.finish_load("x")
+    v0, v1 = views(core, {"cuda:0": "m@cuda:0", "cuda:1": "m@cuda:1"}, {})
+    assert (v0.quota_free, v1.quota_free) == (10, None)  # 30 less x's 20; no quota on cuda:1
+
+
 # -- properties ----------------------------------------------------------------------
 
 @st.composite

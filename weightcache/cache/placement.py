@@ -24,6 +24,11 @@ request that names no device, in this order:
    order. Only devices where the victims' bytes and count really make room, within the
    budget and the real free memory, qualify.
 
+Rules 3 and 4 look first at the devices where the model's tenants' byte quotas leave
+room for it (``quota_free``), then at the others: there the load must first evict the
+tenant's own models, or is refused NO_SPACE naming the quota, so a device within the
+quota wins even where another has more free budget.
+
 No device qualifies: ``place`` returns the device whose budget could ever hold it
 (budget minus pinned bytes, the most first), marked ``fits=False``; the load there then
 fails NO_SPACE or waits for detaches like any load, so a placement never exceeds a
@@ -77,6 +82,9 @@ class DeviceView:
     loaded: int = 0  # arenas RESIDENT or LOADING there
     evictable: tuple[Victim, ...] = ()
     pinned_bytes: int = 0  # RESIDENT and pinned: memory no detach frees
+    # What the model's tenants may still add there under their byte quotas (the least of
+    # them); None: no quota limits it there (Note [quotas] in core.py)
+    quota_free: int | None = None
 
     @property
     def free(self) -> int:
@@ -143,19 +151,21 @@ def place(views: Sequence[DeviceView], nbytes: int, exclude: Iterable[str] = ())
     loading = [v for v in cands if v.replica == "loading"]
     if loading:
         return Placement(loading[0].device, "loading", considered=considered)
-    free = [v for v in cands if _room_by_evicting(v, nbytes) == ()]
-    if free:
-        best = min(free, key=lambda v: (v.replica != "host", -v.free, order[v.device]))
-        return Placement(best.device, "free", considered=considered)
-    costs = []
-    for v in cands:
-        victims = _room_by_evicting(v, nbytes)
-        if victims is not None:
-            costs.append((sum(x.nbytes for x in victims), max(x.last_used for x in victims), order[v.device], v, victims))
-    if costs:
-        freed, _recent, _i, v, victims = min(costs, key=lambda c: c[:3])
-        return Placement(v.device, "evicts", evicts=tuple(x.name for x in victims), evict_bytes=freed,
-                         considered=considered)
+    within_quota = [v for v in cands if v.quota_free is None or v.quota_free >= nbytes]
+    for tier in (within_quota, [v for v in cands if v not in within_quota]):
+        free = [v for v in tier if _room_by_evicting(v, nbytes) == ()]
+        if free:
+            best = min(free, key=lambda v: (v.replica != "host", -v.free, order[v.device]))
+            return Placement(best.device, "free", considered=considered)
+        costs = []
+        for v in tier:
+            victims = _room_by_evicting(v, nbytes)
+            if victims is not None:
+                costs.append((sum(x.nbytes for x in victims), max(x.last_used for x in victims), order[v.device], v, victims))
+        if costs:
+            freed, _recent, _i, v, victims = min(costs, key=lambda c: c[:3])
+            return Placement(v.device, "evicts", evicts=tuple(x.name for x in victims), evict_bytes=freed,
+                             considered=considered)
     best = max(cands, key=lambda v: (v.budget - v.pinned_bytes, -order[v.device]))
     return Placement(best.device, "no room", fits=False, considered=considered)
 
@@ -201,8 +211,11 @@ def views(core: CacheCore, replicas: dict[str, str], free_memory: dict[str, int 
                 old = victims.get(key)
                 if old is None or x.last_used > old.last_used:
                     victims[key] = Victim(x.name, x.nbytes, x.last_used)
+        room = [lim - core.tenant_bytes(t, device) for t in e.tenants
+                if (q := core.quotas.get(t)) is not None and (lim := q.nbytes.get(device)) is not None]
         out.append(DeviceView(device=device, budget=acct.budget, used=acct.used, reserved=acct.reserved, replica=state,
                               replica_last_used=e.last_used, free_memory=free_memory.get(device),
                               max_loaded=core.max_loaded.get(device), loaded=core.loaded_on(device),
-                              evictable=tuple(victims.values()), pinned_bytes=pinned))
+                              evictable=tuple(victims.values()), pinned_bytes=pinned,
+                              quota_free=min(room) if room else None))
     return out
