@@ -61,10 +61,9 @@ def supervised() -> bool:
 def _send(event: dict[str, object]) -> None:
     if _link is None:
         return
-    try:
+    # The supervisor may be gone: the engine carries on (it gets SIGTERM: PR_SET_PDEATHSIG).
+    with contextlib.suppress(OSError):
         os.write(_link.fd, (json.dumps(event) + "\n").encode())
-    except OSError:
-        pass  # the supervisor is gone; the engine carries on (it gets SIGTERM: PR_SET_PDEATHSIG)
 
 
 def recordable_modules(names: Iterable[str], modules: Mapping[str, object], exclude: frozenset[str], engine_dir: str) -> list[str]:

@@ -56,6 +56,7 @@ import itertools
 import math
 import os
 import socket
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
@@ -115,7 +116,7 @@ def check_daemon_identity(sock: socket.socket, path: str) -> None:
                                f"(root, this user, or ${DAEMON_UID_ENV})", uid=uid)
 
 
-class ConnectionBase:
+class ConnectionBase(ABC):
     """What the asyncio and the blocking transport share; not used on its own.
 
     ``socket_path`` defaults to ``$WEIGHTCACHE_SOCKET``, then /run/weightcache/weightcache.sock.
@@ -152,6 +153,7 @@ class ConnectionBase:
         self.events: deque[dict[str, Any]] = deque(maxlen=64)  # events the daemon announced, newest last
         self._init_transport()
 
+    @abstractmethod
     def _init_transport(self) -> None:
         """Set up what the transport keeps per connection (its waiters and locks)."""
 
@@ -292,38 +294,38 @@ class ConnectionBase:
                                  "was being sent", socket=self.socket_path)
 
     # -- what each transport does its own way ---------------------------------------
+    @abstractmethod
     async def _open(self, hello: dict[str, Any]) -> None:
         """Connect, check who serves the socket and say ``hello`` (its reply becomes
         ``server_info``), within the limits of Note [timeouts] and Note [waiting for the
         daemon]. On any failure nothing is left open."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def close(self) -> None:
         """Close the connection. Requests in flight fail with DaemonUnavailable, and the
         daemon ends every lease this connection held."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None) -> Reply:
         """``request`` that also sends ``send_fds`` (SCM_RIGHTS, on the same frame) and
         returns the fds of the reply, which the caller must close."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _lease(self, lease: int) -> AbstractAsyncContextManager[None]:
         """Detach ``lease`` when the block exits, however it exits."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, for work that takes long (packing tensors to publish): where it
         would block other requests, off the thread that waits for them."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _give_back(self, lease: int) -> None:
         """Detach ``lease``, granted by a reply nobody waited for, without waiting."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _fail_pending(self, exc: WeightcacheError) -> None:
         """Fail every request waiting for a reply with ``exc``."""
-        raise NotImplementedError
 
 
 class Connection(ConnectionBase):
