@@ -360,6 +360,34 @@ def test_refuses_when_a_native_thread_runs(tmp_path):
     assert "(native)" in err
 
 
+NATIVE_THREAD = """
+    import _thread, ctypes, time
+    def run(name):
+        # PR_SET_NAME (15) names the thread in /proc/self/task/TID/comm, as a C library does;
+        # a _thread thread is not in threading.enumerate(): native, as far as the check sees.
+        ctypes.CDLL(None).prctl(15, name, 0, 0, 0)
+        time.sleep(60)
+    for name in NAMES:
+        _thread.start_new_thread(run, (name,))
+    time.sleep(0.2)
+"""
+
+
+def test_a_jemalloc_background_thread_is_left_running(tmp_path):
+    # jemalloc's own fork handlers stop its background threads in the child (Note [fork safety]).
+    write(tmp_path / "tmpl.py", "NAMES = [b'jemalloc_bg_thd']\n" + textwrap.dedent(NATIVE_THREAD))
+    write(tmp_path / "engine.py", "open('started', 'w')\n")
+    p = supervise(["--preload", "tmpl"], [str(tmp_path / "engine.py")], tmp_path)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert (tmp_path / "started").exists()
+
+
+def test_any_other_native_thread_beside_it_is_refused(tmp_path):
+    err = refused(tmp_path, "NAMES = [b'jemalloc_bg_thd', b'grpc_poller']\n" + textwrap.dedent(NATIVE_THREAD))
+    assert "'grpc_poller' (native)" in err and "jemalloc" not in err and "1 other thread(s)" in err
+
+
 def test_refuses_a_socket_opened_by_the_template(tmp_path):
     err = refused(tmp_path, "import socket\nCONN = socket.socketpair()\n")
     assert "socket(s) open" in err and "Importing tmpl opened one" in err

@@ -22,7 +22,16 @@ so the template must hold nothing a child cannot own:
    registers ``blas_thread_shutdown_`` as its own fork handler and restarts the pool at
    its next call, so calling it first is what a fork would do anyway (measured on the
    dev VM: numpy's OpenBLAS pool gone after the call, back in the child at the first
-   matmul). A module that starts a thread when imported cannot be preloaded: the
+   matmul). One kind of thread is left running: jemalloc's background purging thread
+   (``jemalloc_bg_thd``), started by a library that bundles jemalloc configured with
+   ``background_thread:true`` (on the H200 host, importing
+   ``transformers.models.llama.modeling_llama`` started one, and every template built
+   from a recorded module list was refused). jemalloc makes fork safe itself: its ``pthread_atfork``
+   handlers take every allocator lock, the background thread's included, before the
+   fork, and in the child (``background_thread_postfork_child``) reinitialise them and
+   mark the background threads stopped and disabled, so the engine purges inline and
+   never waits on a thread it does not have. A module that starts any other thread when
+   imported cannot be preloaded: the
    supervisor names it and exits; leave it out of ``--preload`` / the record file and
    the engine imports it itself after the fork.
 3. **No sockets of its own.** A socket the template opened (a connection made at import)
@@ -102,8 +111,14 @@ def quiesce_openblas(libraries: Iterable[str]) -> int:
     return n
 
 
+# Native threads that their own library makes safe across fork (Note [fork safety], 2.),
+# by the name the library gives them (/proc/self/task/TID/comm).
+FORK_SAFE_THREADS = frozenset({"jemalloc_bg_thd"})
+
+
 def thread_names() -> list[str]:
-    """Every thread but this one: Python's by name, native ones by tid and comm."""
+    """Every thread but this one and the FORK_SAFE_THREADS: Python's by name, native ones
+    by tid and comm."""
     me = threading.get_native_id()
     names = {t.native_id: f"{t.name!r} (Python)" for t in threading.enumerate() if t.native_id is not None and t.native_id != me}
     for tid in os.listdir("/proc/self/task"):
@@ -113,7 +128,8 @@ def thread_names() -> list[str]:
                     comm = f.read().strip()
             except OSError:
                 continue  # it ended
-            names[int(tid)] = f"tid {tid} {comm!r} (native)"
+            if comm not in FORK_SAFE_THREADS:
+                names[int(tid)] = f"tid {tid} {comm!r} (native)"
     return [names[k] for k in sorted(names)]
 
 
