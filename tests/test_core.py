@@ -168,7 +168,56 @@ def test_lru_victim_is_demoted_to_the_host_tier_and_promoted_back():
     plan = core.begin_load("a", 100)  # comes back from host memory
     assert plan.promote and plan.step_down.demote == ()  # b is the victim, but the host tier is full...
     core.finish_load("a")
-    assert core.entry("a").demotions == 1 and core.entry("a").promotions == 1 and core.host.used == 0
+    a = core.entry("a")
+    assert a.demotions == 1 and a.promotions == 1 and a.state is State.RESIDENT
+    assert a.host_copy and core.host.used == 100  # kept (Note [kept host copies])
+    core.check_invariants()
+
+
+def test_a_promoted_model_steps_down_without_a_copy_and_stale_bytes_drop_both_copies():
+    core = gpu_core()
+    loaded(core, "a", 100)
+    core.evict("a")
+    core.begin_load("a", 100)
+    core.finish_load("a")
+    step = core.evict("a")  # its bytes are in the host tier already: the arena is only freed
+    assert step.release == ("a",) and step.demote == () and step.evict == () and step.drop_host == ()
+    assert core.entry("a").state is State.HOST and core.host.used == 100 and core.devices["cuda:0"].used == 0
+    core.begin_load("a", 100)
+    core.finish_load("a")
+    step = core.evict("a", ignore_pin=True, demote=False)  # its files changed: neither copy may serve again
+    assert step.evict == ("a",) and step.drop_host == ("a",) and step.release == ()
+    assert core.entry("a").state is State.EVICTED and not core.entry("a").host_copy and core.host.used == 0
+    core.check_invariants()
+
+
+def test_kept_copies_make_room_in_the_host_tier_before_any_host_models_copy():
+    core = gpu_core(budget=200, host=200, names="abcd")
+    for name in "abc":
+        loaded(core, name, 100)  # c's load demotes a
+    core.begin_load("a", 100)  # promoted (b, the LRU, demoted to make room); a keeps its copy
+    core.finish_load("a")
+    assert core.entry("b").state is State.HOST and core.entry("a").host_copy and core.host.used == 200
+    step = core.begin_load("d", 100).step_down  # victim c needs host room: a's kept copy goes, not b's
+    assert step.demote == ("c",) and step.drop_host == ("a",)
+    core.finish_load("d")
+    assert core.entry("a").state is State.RESIDENT and not core.entry("a").host_copy
+    assert core.entry("b").state is State.HOST and core.entry("c").state is State.HOST
+    core.check_invariants()
+
+
+def test_a_victim_keeps_its_copy_when_another_victim_needs_host_room():
+    core = gpu_core(budget=300, host=100, names="abcx")
+    loaded(core, "a", 100)
+    core.evict("a")  # a -> host: the host tier is full
+    loaded(core, "x", 100)
+    loaded(core, "b", 100)
+    core.begin_load("a", 100)  # room without victims; a is promoted and keeps its copy
+    core.finish_load("a")
+    step = core.begin_load("c", 300).step_down  # all three leave, x (the LRU) first
+    # a's kept copy is its own way out: x and b may not drop it, so they leave outright
+    # and a leaves without a copy (else a would have had to be copied out again).
+    assert step.release == ("a",) and step.evict == ("x", "b") and step.drop_host == () and step.demote == ()
     core.check_invariants()
 
 
@@ -181,9 +230,9 @@ def test_host_tier_is_lru_too_and_never_drops_the_model_being_promoted():
     plan = core.begin_load("a", 100)  # promote a; victim b cannot go to host (a still holds it)
     assert plan.promote and plan.step_down.evict == ("b",) and plan.step_down.drop_host == ()
     core.finish_load("a")
-    assert core.host.used == 0 and core.entry("b").state is State.EVICTED
-    loaded(core, "d", 100)  # c is now LRU -> host
-    assert core.entry("c").state is State.HOST
+    assert core.host.used == 100 and core.entry("b").state is State.EVICTED  # a kept its copy
+    loaded(core, "d", 100)  # c is now LRU -> host, in the room of a's kept copy
+    assert core.entry("c").state is State.HOST and not core.entry("a").host_copy
     core.evict("a")  # a -> host: the host tier drops c (its LRU) to make room
     assert core.entry("a").state is State.HOST and core.entry("c").state is State.EVICTED
     core.check_invariants()
@@ -301,8 +350,13 @@ class CoreMachine(RuleBasedStateMachine):
             assert self.core.entry(v).state in (State.EVICTED, State.HOST)
             assert before[v][0] is State.RESIDENT
             assert self.core.entry(v).device == e.device
-        for v in plan.step_down.drop_host:
-            assert before[v][0] is State.HOST and self.core.entry(v).state is State.EVICTED
+        for v in plan.step_down.drop_host:  # a HOST model's copy, or one kept by a resident model
+            x = self.core.entry(v)
+            assert not x.host_copy
+            assert ((before[v][0] is State.HOST and x.state is State.EVICTED)
+                    or (before[v][0] is State.RESIDENT and (x.state is State.RESIDENT or v in plan.evict))), v
+        for v in plan.step_down.release:  # no copy made: it had kept one
+            assert self.core.entry(v).state is State.HOST and self.core.entry(v).host_copy
         assert plan.promote == (before[name][0] is State.HOST)
         kept = [x for x in self.core.entries.values() if x.evictable and x.device == e.device]
         if plan.evict and kept and self.core.policy.name == "lru":
@@ -327,8 +381,8 @@ class CoreMachine(RuleBasedStateMachine):
         except NoSpace:
             assert need > 0
             return
-        check_victims(self.core, ranks, step.demote + step.evict, need)
-        self._check_clock(device, priorities, step.demote + step.evict)
+        check_victims(self.core, ranks, step.leaving, need)
+        self._check_clock(device, priorities, step.leaving)
 
     @rule(name=names, source=st.sampled_from(["files", "host"]), nbytes=st.integers(0, 700),
           seconds=st.floats(1e-6, 5.0))

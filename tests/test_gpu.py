@@ -143,14 +143,23 @@ async def test_host_tier_demotes_lru_victims_and_promotes_them_back(start_daemon
         assert "promoted y" in d.log_text() and "demoted y to the host tier" in d.log_text()
         y = next(m for m in await c.models() if m["name"] == "y")
         assert y["demotions"] == 1 and y["promotions"] == 1
+        assert y["state"] == "resident" and y["host_copy"]  # kept (Note [kept host copies])
         st = (await c.status())["devices"]
-        assert st["host"]["used"] == 0 and st["cuda:0"]["used"] <= st["cuda:0"]["budget"]
+        assert st["host"]["used"] == sizes["y"] and st["cuda:0"]["used"] <= st["cuda:0"]["budget"]
         victim = next(m["name"] for m in await c.models() if m["state"] != "resident" and m["name"] != "y")
         assert {m["name"]: m["state"] for m in await c.models()}[victim] == "evicted"  # the host tier held y then
         resident = next(m["name"] for m in await c.models() if m["state"] == "resident" and m["name"] != "y")
-        assert (await c.evict(resident))["state"] == "host"  # one tier down...
+        assert (await c.evict(resident))["state"] == "host"  # one tier down, in the room of y's kept copy...
+        assert not next(m for m in await c.models() if m["name"] == "y")["host_copy"]
         assert (await c.evict(resident))["state"] == "evicted"  # ...and out
         assert (await c.status())["devices"]["host"]["used"] == 0
+        assert (await c.evict("y"))["state"] == "host"  # copied out again: its kept copy was dropped
+        async with c.attach("y") as m:  # promoted again, then stepped down with no copy to make
+            assert all(torch.equal(m[k].cpu(), v) for k, v in ref_y.items())
+        assert (await c.evict("y"))["state"] == "host"
+        assert "its host copy kept since its promotion" in d.log_text()
+        async with c.attach("y") as m:  # the kept copy's bytes are y's
+            assert all(torch.equal(m[k].cpu(), v) for k, v in ref_y.items())
 
 
 async def test_publish_gpu_tensors_then_attach_them_elsewhere(start_daemon, tmp_path):

@@ -21,15 +21,29 @@ tests in tests/test_core.py drive random operation sequences against them):
    ``last_used``; it takes the shortest prefix that makes room, then spares every victim
    the others make room without (highest H first), so no victim could have been kept.
 4. The host tier: ``host.used`` is the sum of ``nbytes`` of entries holding a host copy,
-   within ``host.budget``; an entry holds one exactly when it is HOST, or LOADING while
-   being promoted from it. Eviction moves a GPU model one tier down: to the host tier
-   if that is enabled and the model fits (dropping the host tier's own LRU copies to
-   make room), else out. CPU models have no tier below.
+   within ``host.budget``; every HOST entry holds one, and otherwise only a LOADING entry
+   being promoted from it or a RESIDENT one that kept it (Note [kept host copies]).
+   Eviction moves a GPU model one tier down: to the host tier if that is enabled and the
+   model fits (dropping host copies to make room: first those kept by resident models,
+   then the host tier's own, least recently used first), else out. CPU models have no
+   tier below.
 5. GDSF's clock L, per device, never decreases, and every entry's ``clock_base`` (the L
    at its last use) is at most its device's L. Only victims the policy chose move L (to
    the highest H among them): explicit evictions, keep_alive expiries and host-tier
    drops are not the policy's choices and leave it alone. Frequencies (``refs``) are
    never negative and only attaches raise them.
+
+Note [kept host copies]
+-----------------------
+A promotion keeps the model's host copy: the weights are read-only (engines map them
+read-only, nothing writes an arena once sealed), so the copy stays equal to the device's
+bytes for as long as the model is resident. Evicting it later is then a free of its device
+arena (``StepDown.release``) instead of a device-to-host copy: under churn on the H200 a
+promotion that needed a victim's room waited ~20 ms for the victim's first 1 GiB chunk to
+be copied out (issue 12). The kept copy costs host-tier room only while nothing else
+needs it: making room in the host tier drops kept copies before any HOST model's (a kept
+copy's bytes are still on the device; a HOST model's are nowhere else but its files).
+Stale files drop both copies (``evict(demote=False)``).
 
 Note [shared arenas]
 --------------------
@@ -118,7 +132,9 @@ class Entry:
     refs: int = 0
     clock_base: float = 0.0  # the device's GDSF clock L when it was last used (0 under LRU)
     leases: set[int] = field(default_factory=set)
-    host_copy: bool = False  # bytes held in the host tier (HOST, or LOADING while promoting)
+    # bytes held in the host tier: HOST, LOADING while promoting, or RESIDENT having kept the
+    # copy it was promoted from (Note [kept host copies])
+    host_copy: bool = False
     loads: int = 0  # fills of a device arena, from files or from the host tier
     evictions: int = 0  # times it left its device (demoted or not)
     demotions: int = 0  # of those, into the host tier
@@ -161,11 +177,18 @@ class Lease:
 class StepDown:
     """Arenas leaving a device, in the order the server must handle them: first free the
     host copies in ``drop_host`` (room in the host tier), then copy each ``demote``
-    arena to the host tier and free it, and free each ``evict`` arena outright."""
+    arena to the host tier and free it, free each ``evict`` arena outright, and free each
+    ``release`` arena, whose bytes the host tier holds already (Note [kept host copies])."""
 
     demote: tuple[str, ...] = ()
     evict: tuple[str, ...] = ()
     drop_host: tuple[str, ...] = ()
+    release: tuple[str, ...] = ()
+
+    @property
+    def leaving(self) -> tuple[str, ...]:
+        """Every model whose device arena this frees (demoted or not)."""
+        return self.demote + self.evict + self.release
 
 
 @dataclass(frozen=True)
@@ -181,7 +204,7 @@ class LoadPlan:
     @property
     def evict(self) -> tuple[str, ...]:
         """Every model whose device arena this plan frees (demoted or not)."""
-        return self.step_down.demote + self.step_down.evict
+        return self.step_down.leaving
 
 
 # Frequencies age TinyLFU's way: when the attaches counted on a device reach this many per
@@ -443,6 +466,8 @@ class CacheCore:
         demote: list[str] = []
         evict: list[str] = []
         drop_host: list[str] = []
+        release: list[str] = []
+        leaving = {id(v) for v in victims}  # a victim's kept copy is its way out: never dropped for another
         for v in victims:
             v.evictions += 1
             if self._sibling_in(v, State.RESIDENT) is not None:  # a name still on the arena keeps its bytes
@@ -450,17 +475,29 @@ class CacheCore:
                 evict.append(v.name)
                 continue
             self.devices[v.device].used -= v.nbytes
+            if v.host_copy:  # kept from its promotion: the host tier has its bytes already
+                v.state = State.HOST
+                v.demotions += 1
+                release.append(v.name)
+                continue
             if self._demotable(v):
-                droppable = sorted((x for x in self.entries.values() if x.state is State.HOST and x is not keep),
-                                   key=lambda x: x.last_used)
+                # Kept copies of resident models first (their bytes are still on a device),
+                # then HOST models' copies, each least recently used first.
+                droppable = sorted((x for x in self.entries.values()
+                                    if x.host_copy and x is not keep and (x.state is State.HOST
+                                                                          or (x.state is State.RESIDENT and id(x) not in leaving))),
+                                   key=lambda x: (x.state is State.HOST, x.last_used))
                 while self.host.free < v.nbytes and droppable:
                     old = droppable.pop(0)
                     self._drop_host_copy(old)
+                    drop_host.append(old.name)
                     if old.name in demote:  # demoted earlier in this very step: never copy it at all
                         demote.remove(old.name)
+                        drop_host.remove(old.name)
                         evict.append(old.name)
-                    else:
-                        drop_host.append(old.name)
+                    elif old.name in release:  # moved to HOST by this very step: its arena just goes
+                        release.remove(old.name)
+                        evict.append(old.name)
                 if self.host.free >= v.nbytes:
                     v.state, v.host_copy = State.HOST, True
                     v.demotions += 1
@@ -469,7 +506,7 @@ class CacheCore:
                     continue
             v.state = State.EVICTED
             evict.append(v.name)
-        return StepDown(demote=tuple(demote), evict=tuple(evict), drop_host=tuple(drop_host))
+        return StepDown(demote=tuple(demote), evict=tuple(evict), drop_host=tuple(drop_host), release=tuple(release))
 
     def set_budget(self, device: str, budget: int) -> StepDown:
         """Change a device's budget (config reload). Lowering it evicts unattached,
@@ -512,9 +549,12 @@ class CacheCore:
         return step
 
     def _drop_host_copy(self, e: Entry) -> None:
+        """Forget ``e``'s host copy: a HOST model is then EVICTED; a RESIDENT one that kept
+        its copy stays resident."""
         self.host.used -= e.nbytes
         e.host_copy = False
-        e.state = State.EVICTED
+        if e.state is State.HOST:
+            e.state = State.EVICTED
 
     def drop_host(self, name: str) -> Entry:
         """Forget a HOST model's host copy (e.g. its files changed); the caller frees it."""
@@ -529,9 +569,7 @@ class CacheCore:
         acct = self.devices[e.device]
         acct.reserved -= e.nbytes
         acct.used += e.nbytes
-        if e.host_copy:  # promoted: the host copy is freed by the caller
-            self.host.used -= e.nbytes
-            e.host_copy = False
+        if e.host_copy:  # promoted: the host copy is kept (Note [kept host copies])
             e.promotions += 1
         e.state = State.RESIDENT
         e.loads += 1
@@ -691,6 +729,9 @@ class CacheCore:
                 self.devices[e.device].used -= e.nbytes
             e.evictions += 1
             e.state = State.EVICTED
+            if e.host_copy:  # a kept copy goes with the device's (stale bytes, Note [kept host copies])
+                self._drop_host_copy(e)
+                return StepDown(evict=(name,), drop_host=(name,))
             return StepDown(evict=(name,))
         return self._step_down([e])
 
@@ -784,7 +825,8 @@ class CacheCore:
         for e in self.entries.values():
             assert all(self.leases[i].model == e.name for i in e.leases)
             assert not e.leases or e.state is State.RESIDENT, e.name
-            assert e.host_copy == (e.state is State.HOST) or (e.host_copy and e.state is State.LOADING), e.name
+            assert e.host_copy or e.state is not State.HOST, e.name
+            assert not e.host_copy or e.state in (State.HOST, State.LOADING, State.RESIDENT), e.name
             assert e.clock_base <= self.policy.clock(e.device), e.name
             assert e.refs >= 0, e.name
         assert self._models_on == {dev: sum(e.device == dev for e in self.entries.values()) for dev in self.devices}

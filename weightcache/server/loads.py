@@ -513,10 +513,8 @@ class Loads:
             own = ("open", "allocate", "fill", "seal", "table")
             self.core.observe_load(name, "host" if plan.promote else "files", nbytes, sum(phases.get(k, 0.0) for k in own))
         self.counters["loads"] += 1  # from files or the host tier, as the core counts them per model
-        if plan.promote:
+        if plan.promote:  # the host copy stays (Note [kept host copies] in cache/core.py)
             self.counters["promotions"] += 1
-        if plan.promote:
-            self.drop_host_copy(model)
         dt = time.monotonic() - t0
         # Keyed by the entry a publish ends as (its staging entry is renamed), and only for
         # entries still registered: removed models' rates go (the dict grew with every name).
@@ -597,16 +595,19 @@ class Loads:
         await asyncio.gather(*self.start_step_down(step, reason))
 
     def start_step_down(self, step: StepDown, reason: str) -> list[asyncio.Task[None]]:
-        """Drop host copies, free the evicted arenas, and start the demotions (a
-        device-to-host copy each, chunk by chunk; a chunk is freed once its bytes are
-        safe, and given back to the device's room). Returns the demotions' tasks. A demotion that
-        fails becomes an eviction."""
+        """Drop host copies, free the evicted arenas and those whose host copy was kept,
+        and start the demotions (a device-to-host copy each, chunk by chunk; a chunk is
+        freed once its bytes are safe, and given back to the device's room). Returns the
+        demotions' tasks. A demotion that fails becomes an eviction."""
         for name in step.drop_host:
             log.info("dropped host copy of %s: %s", name, reason, extra={"model": name, "reason": reason})
             self.drop_host_copy(self.registry.models[name])
-        self.counters["evictions"] += len(step.evict) + len(step.demote)
+        self.counters["evictions"] += len(step.leaving)
         for name in step.evict:
             self._free_arena(name, reason)
+        for name in step.release:  # no copy to make: counted as the demotion it is
+            self.counters["demotions"] += 1
+            self._free_arena(name, reason, kept_host_copy=True)
         tasks = []
         for name in step.demote:
             task = self.demotions[name] = self.spawn(self._demote(name, reason))
@@ -668,7 +669,7 @@ class Loads:
             host, model.host = model.host, None
             self.backends[model.device].free_host(host)
 
-    def _free_arena(self, name: str, reason: str) -> None:
+    def _free_arena(self, name: str, reason: str, kept_host_copy: bool = False) -> None:
         model = self.registry.models[name]
         arena, model.arena = model.arena, None
         if arena is None:
@@ -678,8 +679,12 @@ class Loads:
                      ", ".join(x.name for x in self.core.siblings(name) if x.state is State.RESIDENT),
                      extra={"model": name, "reason": reason})
             return
-        log.info("evicted %s (%d bytes): %s", name, arena.nbytes, reason,
-                 extra={"model": name, "bytes": arena.nbytes, "reason": reason})
+        if kept_host_copy:
+            log.info("demoted %s to the host tier (%d bytes, its host copy kept since its promotion: no copy): %s",
+                     name, arena.nbytes, reason, extra={"model": name, "bytes": arena.nbytes, "reason": reason})
+        else:
+            log.info("evicted %s (%d bytes): %s", name, arena.nbytes, reason,
+                     extra={"model": name, "bytes": arena.nbytes, "reason": reason})
         self.release(arena)
 
     def _in_use(self, arena: Arena) -> bool:

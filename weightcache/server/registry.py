@@ -323,6 +323,8 @@ class Registry:
             "tensors": len(m.checkpoint.tensors) if m.checkpoint else None,
             "idle_s": idle, "expires_in_s": self._expires_in(e, idle),
             "loads": e.loads, "evictions": e.evictions, "demotions": e.demotions, "promotions": e.promotions,
+            # its bytes are in the host tier: HOST, or resident with the copy kept since its promotion
+            "host_copy": e.host_copy,
             "last_error": redacted(m.last_error) if private and m.last_error else self._error_as_seen(viewer, m.last_error),
             "progress": progress.snapshot() if progress is not None else None,
         }
