@@ -40,6 +40,19 @@ async def test_no_space_waits_for_a_detach(start_daemon, ckpts):
         assert (await asyncio.wait_for(waiting, 30))["state"] == "resident"
 
 
+async def test_an_attach_that_waited_for_a_detach_says_how_long(start_daemon, ckpts):
+    d = start_daemon(budget="9MiB", models={"a": ckpts["a"], "b": ckpts["b"]})
+    async with Client(d.socket) as holder, Client(d.socket) as c:
+        async with c.attach("b", wait_s=30) as m:  # room at once: no wait
+            assert m.source == "files" and m.waited_s == 0.0
+        async with holder.attach("a"):  # evicts b; a now holds the room b needs
+            waiting = asyncio.ensure_future(c.attach("b", wait_s=30).__aenter__())
+            await asyncio.sleep(0.5)
+            assert not waiting.done()
+        m = await asyncio.wait_for(waiting, 30)
+        assert m.source == "files" and 0.4 < m.waited_s < 30  # the wait for holder's detach, not the load
+
+
 async def test_model_larger_than_budget_fails_at_once(start_daemon, ckpts):
     d = start_daemon(budget="4MiB", models={"a": ckpts["a"], "tiny": ckpts["tiny"]})
     async with Client(d.socket) as c:

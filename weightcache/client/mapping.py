@@ -189,7 +189,7 @@ class AttachedModel(Mapping[str, torch.Tensor]):
     """
 
     def __init__(self, name: str, lease: int, fingerprint: str, device: str, tensors: dict[str, torch.Tensor],
-                 source: str = "resident", arena_kind: str | None = None) -> None:
+                 source: str = "resident", arena_kind: str | None = None, waited_s: float = 0.0) -> None:
         self.name = name
         self.lease = lease
         self.fingerprint = fingerprint
@@ -197,6 +197,9 @@ class AttachedModel(Mapping[str, torch.Tensor]):
         # Where the daemon got the bytes for this attach: "resident" (a hit), "host" (it
         # waited for a promotion from the host tier) or "files" (for a load from disk).
         self.source = source
+        # Seconds the daemon waited for room that models other engines had attached held
+        # (the attach's ``wait_s``); part of the attach's time that no load accounts for.
+        self.waited_s = waited_s
         # How the bytes are mapped: "file" (the checkpoint files' page cache, on CPU),
         # "memfd" (a sealed copy, on CPU) or "cuda_vmm".
         self.arena_kind = arena_kind
@@ -228,4 +231,5 @@ def attached_model(name: str, reply: dict[str, Any], fds: list[int]) -> Attached
     else:
         tensors = tensor_views(map_arena(arena, fds), reply["tensors"])
     return AttachedModel(name, reply["lease"], reply["fingerprint"], reply["device"], tensors,
-                         source=reply.get("source", "resident"), arena_kind=arena.get("kind"))
+                         source=reply.get("source", "resident"), arena_kind=arena.get("kind"),
+                         waited_s=float(reply.get("waited_s", 0.0)))

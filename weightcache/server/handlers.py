@@ -296,8 +296,9 @@ async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
     if writable and not backend.supports_writable_attach:
         raise BadRequest(f"{entry.device} arenas are sealed memfds: they cannot be mapped writable", argument="writable")
     source = "resident"
+    waits: list[float] = []  # for room that other engines' leases held
     while True:
-        got = await ctx.loads.ensure_resident(name, wait)
+        got = await ctx.loads.ensure_resident(name, wait, waits)
         if got != "resident":
             source = got  # a miss stays a miss, even if a retry then found it resident
         # Another request may have evicted it between the load and here; retry then.
@@ -317,7 +318,7 @@ async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
         raise
     return {
         "lease": lease.id, "model": name, "rank": m.rank, "device": entry.device, "fingerprint": m.checkpoint.fingerprint,
-        "arena": {**arena, "writable": writable}, "source": source,
+        "arena": {**arena, "writable": writable}, "source": source, "waited_s": round(sum(waits), 6),
         "placement": ctx.registry.placement_as_seen(caller.peer, m.slot), "tensors": Packed(m.table),
     }, fds
 

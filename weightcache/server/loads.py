@@ -146,7 +146,7 @@ class Loads:
         """The loads in flight (shutdown waits for them)."""
         return [j.task for j in self.jobs.values() if j.task is not None]
 
-    async def ensure_resident(self, name: str, wait_s: float) -> str:
+    async def ensure_resident(self, name: str, wait_s: float, waits: list[float] | None = None) -> str:
         """Return once ``name`` is resident: at once if it is, else by joining the one
         load in flight or starting it. Returns where the bytes came from: "resident"
         (already there), "host" (promoted from the host tier) or "files".
@@ -154,7 +154,8 @@ class Loads:
         A load never waits for room itself: it fails NO_SPACE at once, and each caller
         waits up to its own ``wait_s`` for detaches, then tries again; callers waiting
         for room are woken oldest first. So no request can make the others that join its
-        load wait longer than they asked to."""
+        load wait longer than they asked to. Each wait's seconds go in ``waits`` (the
+        attach reply's ``waited_s``)."""
         deadline = time.monotonic() + wait_s
         ticket: int | None = None
         while True:
@@ -169,7 +170,10 @@ class Loads:
                     continue  # room was freed while the refusal travelled back: try again now
                 if ticket is None:
                     ticket = self.space_freed.ticket()  # kept across retries: our place in line
+                waited_from = time.monotonic()
                 await self.space_freed.wait(ticket, left)
+                if waits is not None:
+                    waits.append(time.monotonic() - waited_from)
 
     async def _resident_once(self, name: str) -> str:
         e = self.core.entry(name)

@@ -123,7 +123,8 @@ def _attach_once(client: Any, model: str, device: str | None, wait_s: float, ref
             # by the first policy's end, read as daemon memory not given back.
             torch.cuda.empty_cache()
         verify_s = time.perf_counter() - tv
-        rec = {"source": m.source, "attach_s": attach_s, "verify_s": verify_s, "nbytes": m.nbytes, "fingerprint": m.fingerprint}
+        rec = {"source": m.source, "attach_s": attach_s, "waited_s": m.waited_s, "verify_s": verify_s, "nbytes": m.nbytes,
+               "fingerprint": m.fingerprint}
         if bad:
             return {**rec, "mismatch": bad[:10], "n_bad": len(bad)}
         time.sleep(hold)

@@ -58,8 +58,16 @@ def _miss_rates(run: PolicyRun, prep: Prepared, cls: str, recs: list[dict[str, A
             s["ratios"].append(gbps / iso)
             ratios.append(gbps / iso)
     gbps_all = [r["nbytes"] / r["attach_s"] / 1e9 for r in recs]
+    # The same, less the time the daemon waited for room that other engines' attached
+    # models held (the reply's waited_s): the engines' contention, not the load's speed.
+    less_waits = [r["nbytes"] / max(r["attach_s"] - r.get("waited_s", 0.0), 1e-9) / 1e9
+                  / run.isolated[str(prep.trace.models[r["model"]])][ISOLATED_KEY[cls]]
+                  for r in recs if run.isolated.get(str(prep.trace.models[r["model"]]), {}).get(ISOLATED_KEY.get(cls, ""))]
+    waited = [r["waited_s"] for r in recs if r.get("waited_s", 0.0) > 0]
     return {
         "n": len(recs), "median_GBps": statistics.median(gbps_all), "median_vs_isolated": statistics.median(ratios) if ratios else None,
+        "median_vs_isolated_less_waits": statistics.median(less_waits) if less_waits else None,
+        "waited_for_detaches": {"n": len(waited), "median_s": statistics.median(waited) if waited else None},
         "by_size": {size: {"n": len(s["gbps"]), "median_GBps": statistics.median(s["gbps"]), "isolated_GBps": s["isolated_GBps"],
                            "median_vs_isolated": statistics.median(s["ratios"]) if s["ratios"] else None}
                     for size, s in sorted(by_size.items(), key=lambda kv: int(kv[0]))},
@@ -164,6 +172,12 @@ def print_report(console: Console, r: dict[str, Any]) -> None:
         row(f"miss ({cls}): GB/s, vs isolated", lambda s, c=cls: "{:.2f}, {}".format(
             s["miss_rates"][c]["median_GBps"], "-" if s["miss_rates"][c]["median_vs_isolated"] is None
             else f"{s['miss_rates'][c]['median_vs_isolated']:.2f}x"))
+        row(f"miss ({cls}): waited for detaches (n, p50); vs isolated less those waits", lambda s, c=cls: "{}, {}; {}".format(
+            s["miss_rates"][c]["waited_for_detaches"]["n"],
+            "-" if s["miss_rates"][c]["waited_for_detaches"]["median_s"] is None
+            else f"{s['miss_rates'][c]['waited_for_detaches']['median_s'] * 1e3:.0f} ms",
+            "-" if s["miss_rates"][c]["median_vs_isolated_less_waits"] is None
+            else f"{s['miss_rates'][c]['median_vs_isolated_less_waits']:.2f}x"))
     row("total miss time", lambda s: f"{s['total_miss_s']:.2f} s")
     fills = sorted({k for s in pols.values() for k in s["daemon_fills"]}, key=lambda k: (k.split()[0], int(k.split()[1])))
     for key in fills:  # the loader's own speed under churn, without the queueing an engine also waits for
