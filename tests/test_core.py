@@ -28,6 +28,13 @@ def loaded(core: CacheCore, name: str, nbytes: int):
     return plan
 
 
+def promoted(core: CacheCore, name: str, nbytes: int) -> None:
+    """Load ``name``, demote it, promote it back: resident, its host copy kept."""
+    loaded(core, name, nbytes)
+    core.evict(name)
+    loaded(core, name, nbytes)
+
+
 def make(budget=200, names="abc", device="cpu", host=0):
     core = CacheCore({device: budget}, clock=Clock(), host_budget=host)
     for n in names:
@@ -176,15 +183,11 @@ def test_lru_victim_is_demoted_to_the_host_tier_and_promoted_back():
 
 def test_a_promoted_model_steps_down_without_a_copy_and_stale_bytes_drop_both_copies():
     core = gpu_core()
-    loaded(core, "a", 100)
-    core.evict("a")
-    core.begin_load("a", 100)
-    core.finish_load("a")
+    promoted(core, "a", 100)
     step = core.evict("a")  # its bytes are in the host tier already: the arena is only freed
     assert step.release == ("a",) and step.demote == () and step.evict == () and step.drop_host == ()
     assert core.entry("a").state is State.HOST and core.host.used == 100 and core.devices["cuda:0"].used == 0
-    core.begin_load("a", 100)
-    core.finish_load("a")
+    loaded(core, "a", 100)
     step = core.evict("a", ignore_pin=True, demote=False)  # its files changed: neither copy may serve again
     assert step.evict == ("a",) and step.drop_host == ("a",) and step.release == ()
     assert core.entry("a").state is State.EVICTED and not core.entry("a").host_copy and core.host.used == 0

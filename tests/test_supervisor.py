@@ -311,6 +311,16 @@ def refused(tmp_path: Path, template_module: str, *more: str) -> str:
     return err
 
 
+def started(tmp_path: Path, template_module: str) -> None:
+    """The template imports; the supervisor forks the engine."""
+    write(tmp_path / "tmpl.py", template_module)
+    write(tmp_path / "engine.py", "open('started', 'w')\n")
+    p = supervise(["--preload", "tmpl"], [str(tmp_path / "engine.py")], tmp_path)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert (tmp_path / "started").exists()
+
+
 def test_refuses_when_the_cuda_driver_was_initialised(tmp_path):
     # cuInit opens /dev/nvidiactl; without a GPU the template module points the check at a
     # file of its own and opens it, as the driver would its device file.
@@ -327,16 +337,11 @@ def test_a_driver_library_loaded_but_not_initialised_is_no_reason_to_refuse(tmp_
     # torch 2.11 (cu130) maps libcuda.so when imported, without cuInit: forking is safe.
     path = tmp_path / "libcuda.so.1"
     path.write_bytes(b"\0" * 4096)
-    write(tmp_path / "tmpl.py", f"""
+    started(tmp_path, f"""
 import mmap
 with open({str(path)!r}, "rb") as f:
     DRIVER = mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ)
 """)
-    write(tmp_path / "engine.py", "open('started', 'w')\n")
-    p = supervise(["--preload", "tmpl"], [str(tmp_path / "engine.py")], tmp_path)
-    _, err = p.communicate(timeout=60)
-    assert p.returncode == 0, err
-    assert (tmp_path / "started").exists()
 
 
 def test_refuses_when_torch_says_cuda_is_initialised(tmp_path):
@@ -375,12 +380,7 @@ NATIVE_THREAD = """
 
 def test_a_jemalloc_background_thread_is_left_running(tmp_path):
     # jemalloc's own fork handlers stop its background threads in the child (Note [fork safety]).
-    write(tmp_path / "tmpl.py", "NAMES = [b'jemalloc_bg_thd']\n" + textwrap.dedent(NATIVE_THREAD))
-    write(tmp_path / "engine.py", "open('started', 'w')\n")
-    p = supervise(["--preload", "tmpl"], [str(tmp_path / "engine.py")], tmp_path)
-    _, err = p.communicate(timeout=60)
-    assert p.returncode == 0, err
-    assert (tmp_path / "started").exists()
+    started(tmp_path, "NAMES = [b'jemalloc_bg_thd']\n" + textwrap.dedent(NATIVE_THREAD))
 
 
 def test_any_other_native_thread_beside_it_is_refused(tmp_path):
