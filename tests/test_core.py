@@ -209,6 +209,69 @@ def test_kept_copies_make_room_in_the_host_tier_before_any_host_models_copy():
     core.check_invariants()
 
 
+def shared_with_a_kept_copy() -> CacheCore:
+    """a, alone on its files, promoted back (its copy kept); then a second name for the
+    same files comes (a reload, an admin's register)."""
+    core = CacheCore({"cuda:0": 200}, clock=Clock(), host_budget=150)
+    core.register("a", "cuda:0", share="P")
+    core.register("b", "cuda:0")
+    promoted(core, "a", 100)
+    core.register("a2", "cuda:0", share="P")
+    return core
+
+
+@pytest.mark.parametrize("how", ["explicit", "policy"])
+def test_a_shared_arena_holds_no_kept_copy(how):
+    # Found by review: a kept copy outlived its name (EVICTED with a host copy), its room lost
+    # and, after a same-size change of the files, old bytes promoted under the new checkpoint.
+    core = shared_with_a_kept_copy()
+    assert core.entry("a").host_copy
+    assert core.join("a2").drop_host == ("a",)  # shared now: never in the host tier
+    assert not core.entry("a").host_copy and core.host.used == 0
+    core.check_invariants()
+    # explicit: a2 still holds the arena; policy: b's load takes both names
+    step = core.evict("a") if how == "explicit" else core.begin_load("b", 150).step_down
+    assert step.release == () and step.drop_host == ()
+    assert not core.entry("a").host_copy and core.host.used == 0
+    core.check_invariants()
+
+
+def test_a_copy_kept_before_a_second_name_came_goes_when_the_model_steps_down():
+    core = shared_with_a_kept_copy()  # a2 registered, not joined: a keeps its copy until...
+    step = core.evict("a")  # ...it leaves: a shared arena does not go to the host tier
+    assert step.drop_host == ("a",) and step.evict == ("a",) and step.release == ()
+    assert core.entry("a").state is State.EVICTED and core.host.used == 0
+    core.check_invariants()
+
+
+def test_a_promotion_that_finds_its_files_shared_now_keeps_no_copy():
+    core = CacheCore({"cuda:0": 200}, clock=Clock(), host_budget=150)
+    core.register("a", "cuda:0", share="P")
+    loaded(core, "a", 100)
+    core.evict("a")
+    core.begin_load("a", 100)
+    core.register("a2", "cuda:0", share="P")  # while the promotion runs
+    assert not core.finish_load("a").host_copy and core.host.used == 0  # the server frees it
+    core.check_invariants()
+
+
+def test_no_host_copy_is_dropped_for_a_victim_that_cannot_fit_anyway():
+    # Found by review: v1 dropped h's copy, still did not fit, and was evicted all the same.
+    core = CacheCore({"cuda:0": 300}, clock=Clock(), host_budget=150)
+    for n in ("v1", "v2", "h", "c"):
+        core.register(n, "cuda:0")
+    promoted(core, "v2", 100)
+    loaded(core, "h", 50)
+    core.evict("h")  # the host tier: v2's kept copy 100 + h 50 = full
+    loaded(core, "v1", 100)
+    core.touch("v2")  # v1 is the LRU
+    step = core.begin_load("c", 300).step_down  # v1 cannot fit beside v2's copy (its way out) and h
+    assert step.evict == ("v1", "h") or step.evict == ("v1",)
+    assert "h" not in step.drop_host and core.entry("h").state is State.HOST
+    assert core.entry("v1").demotions == 0
+    core.check_invariants()
+
+
 def test_a_victim_keeps_its_copy_when_another_victim_needs_host_room():
     core = gpu_core(budget=300, host=100, names="abcx")
     loaded(core, "a", 100)

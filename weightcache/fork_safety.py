@@ -30,7 +30,11 @@ so the template must hold nothing a child cannot own:
    handlers take every allocator lock, the background thread's included, before the
    fork, and in the child (``background_thread_postfork_child``) reinitialise them and
    mark the background threads stopped and disabled, so the engine purges inline and
-   never waits on a thread it does not have. A module that starts any other thread when
+   never waits on a thread it does not have. Old jemallocs (5.1) skipped some locks in
+   those handlers (jemalloc issues #2019, #2402, fixed since): an engine that hangs in
+   malloc right after the fork points to one; leave the module that bundles it out with
+   --exclude. The thread is recognised by its name: this guards against accidents, not
+   against the template's own code, which the operator chose and which runs as the engine. A module that starts any other thread when
    imported cannot be preloaded: the
    supervisor names it and exits; leave it out of ``--preload`` / the record file and
    the engine imports it itself after the fork.

@@ -43,7 +43,10 @@ promotion that needed a victim's room waited ~20 ms for the victim's first 1 GiB
 be copied out (issue 12). The kept copy costs host-tier room only while nothing else
 needs it: making room in the host tier drops kept copies before any HOST model's (a kept
 copy's bytes are still on the device; a HOST model's are nowhere else but its files).
-Stale files drop both copies (``evict(demote=False)``).
+Stale files drop both copies (``evict(demote=False)``). A shared arena keeps none (it is
+never demoted): ``finish_load``, ``join`` and the step down drop a copy whose model's
+files have a second name. Room is never made by dropping copies that together would not
+make it (the victim then leaves outright).
 
 Note [shared arenas]
 --------------------
@@ -291,13 +294,16 @@ class CacheCore:
         sib = self._sibling_in(e, State.RESIDENT)
         if sib is None or e.state in (State.LOADING, State.RESIDENT):
             raise BadRequest(f"model {name!r} cannot share an arena now (state {e.state})", model=name)
-        step = StepDown()
+        drop: list[str] = []
         if e.state is State.HOST:
             self._drop_host_copy(e)
-            step = StepDown(drop_host=(name,))
+            drop.append(name)
+        if sib.host_copy:  # kept from its promotion; a shared arena has none (Note [shared arenas])
+            self._drop_host_copy(sib)
+            drop.append(sib.name)
         e.nbytes, e.state = sib.nbytes, State.RESIDENT
         self._used(e)
-        return step
+        return StepDown(drop_host=tuple(drop))
 
     def _arena_key(self, e: Entry) -> str:
         """What counts once: the share key, or the entry itself."""
@@ -470,6 +476,9 @@ class CacheCore:
         leaving = {id(v) for v in victims}  # a victim's kept copy is its way out: never dropped for another
         for v in victims:
             v.evictions += 1
+            if v.host_copy and not self._demotable(v):  # never kept where it could not step down to
+                self._drop_host_copy(v)
+                drop_host.append(v.name)
             if self._sibling_in(v, State.RESIDENT) is not None:  # a name still on the arena keeps its bytes
                 v.state = State.EVICTED
                 evict.append(v.name)
@@ -482,11 +491,14 @@ class CacheCore:
                 continue
             if self._demotable(v):
                 # Kept copies of resident models first (their bytes are still on a device),
-                # then HOST models' copies, each least recently used first.
+                # then HOST models' copies, each least recently used first; none at all if
+                # dropping every one would not make room (they would go for nothing).
                 droppable = sorted((x for x in self.entries.values()
                                     if x.host_copy and x is not keep and (x.state is State.HOST
                                                                           or (x.state is State.RESIDENT and id(x) not in leaving))),
                                    key=lambda x: (x.state is State.HOST, x.last_used))
+                if self.host.free + sum(x.nbytes for x in droppable) < v.nbytes:
+                    droppable = []
                 while self.host.free < v.nbytes and droppable:
                     old = droppable.pop(0)
                     self._drop_host_copy(old)
@@ -495,9 +507,11 @@ class CacheCore:
                         demote.remove(old.name)
                         drop_host.remove(old.name)
                         evict.append(old.name)
+                        old.demotions -= 1
                     elif old.name in release:  # moved to HOST by this very step: its arena just goes
                         release.remove(old.name)
                         evict.append(old.name)
+                        old.demotions -= 1
                 if self.host.free >= v.nbytes:
                     v.state, v.host_copy = State.HOST, True
                     v.demotions += 1
@@ -571,6 +585,8 @@ class CacheCore:
         acct.used += e.nbytes
         if e.host_copy:  # promoted: the host copy is kept (Note [kept host copies])
             e.promotions += 1
+            if not self._demotable(e):  # a second name of its files came meanwhile: the caller frees it
+                self._drop_host_copy(e)
         e.state = State.RESIDENT
         e.loads += 1
         self._used(e)

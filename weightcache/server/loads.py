@@ -511,7 +511,8 @@ class Loads:
         finally:
             self.progress.pop(name, None)
         model.arena, model.checkpoint, model.table, model.last_error = arena, ckpt, table, None
-        self.core.finish_load(name)
+        if not self.core.finish_load(name).host_copy:  # a promotion's copy the core did not keep
+            self.drop_host_copy(model)
         if verb in ("loaded", "promoted"):  # what the cost-aware policy prices a return with
             # The fill's own time: waiting in the queue or for frees is not the model's cost.
             own = ("open", "allocate", "fill", "seal", "table")
