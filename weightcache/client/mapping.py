@@ -197,8 +197,8 @@ class AttachedModel(Mapping[str, torch.Tensor]):
         # Where the daemon got the bytes for this attach: "resident" (a hit), "host" (it
         # waited for a promotion from the host tier) or "files" (for a load from disk).
         self.source = source
-        # Seconds the daemon waited for room that models other engines had attached held
-        # (the attach's ``wait_s``); part of the attach's time that no load accounts for.
+        # Seconds the daemon waited (within the attach's ``wait_s``) for room that other
+        # models held, attached or loading; part of the attach's time no load accounts for.
         self.waited_s = waited_s
         # How the bytes are mapped: "file" (the checkpoint files' page cache, on CPU),
         # "memfd" (a sealed copy, on CPU) or "cuda_vmm".

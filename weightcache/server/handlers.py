@@ -296,7 +296,7 @@ async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
     if writable and not backend.supports_writable_attach:
         raise BadRequest(f"{entry.device} arenas are sealed memfds: they cannot be mapped writable", argument="writable")
     source = "resident"
-    waits: list[float] = []  # for room that other engines' leases held
+    waits: list[float] = []  # for room that other models held (attached, or loading)
     while True:
         got = await ctx.loads.ensure_resident(name, wait, waits)
         if got != "resident":
