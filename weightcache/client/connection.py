@@ -56,6 +56,7 @@ import itertools
 import math
 import os
 import socket
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -364,7 +365,9 @@ class Connection(ConnectionBase):
         """A connected socket whose peer we trust, and the loop time its attempt began.
         Retries while the daemon is not there, up to ``wait_for_daemon`` (Note [waiting for
         the daemon]); each attempt's connect is bounded by ``connect_timeout``."""
-        give_up = loop.time() + self.wait_for_daemon
+        # time.monotonic(), not loop.time(): uvloop's clock is cached in whole milliseconds,
+        # and a sleep on it ended the wait up to 1 ms before wait_for_daemon had passed.
+        give_up = time.monotonic() + self.wait_for_daemon
         delay = RETRY_FIRST_S
         while True:
             started = loop.time()
@@ -377,7 +380,7 @@ class Connection(ConnectionBase):
                     raise self._no_answer() from None
                 raise
             except OSError as exc:
-                wait = self._retry_after(exc, give_up, loop.time(), delay)
+                wait = self._retry_after(exc, give_up, time.monotonic(), delay)
             await asyncio.sleep(wait)
             delay = min(2 * delay, RETRY_MAX_S)
 
