@@ -174,6 +174,7 @@ def test_bench_runs_end_to_end_small(tmp_path, capsys):
     assert all(len(v["runs"]) == 3 and v["p50"] > 0 for v in ch["runs"].values()) and ch["kinds"]["memfd, on"] == "memfd"
     assert set(ch["ratio_on_over_off"]) == {"memfd", "file"}
     printed = capsys.readouterr()
+    assert "s  engine restarts..." in printed.out  # it says where it is as it goes
     for name, dist in (("fastsafetensors", "fastsafetensors"), ("runai_streamer", "runai-model-streamer")):
         if f"{name}_error" in r:
             assert f"{dist}: skipped" in printed.out + printed.err

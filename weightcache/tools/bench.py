@@ -28,6 +28,7 @@ import importlib.metadata
 import os
 import platform
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,13 +114,24 @@ class Checkpoints:
 def run_bench(cfg: BenchConfig) -> int:
     """Measure everything side by side, print the table, write ``cfg.out``. Returns the exit status."""
     console = Console()
+    started = time.monotonic()
+
+    def step(what: str) -> None:
+        # The whole bench runs for minutes (over 5.5 on the H200): say where it is.
+        console.print(f"[dim]{time.monotonic() - started:7.1f} s  {what}...[/dim]")
+
     files = _generate(console, cfg)
     env = _environment(cfg, files)
+    step("load_file, warm and cold")
     load_file_warm_s, load_file_cold_s = _measure_load_file(cfg, files.model)
+    step("the disk's ceiling")
     ceiling = _measure_disk_ceiling(cfg, files.model)
+    step("fastsafetensors")
     peer = _measure_peer(cfg, files.model, "fastsafetensors", "fastsafetensors", time_fastsafetensors)
+    step("runai-model-streamer")
     runai = _measure_peer(cfg, files.model, "runai_streamer", "runai-model-streamer", time_runai_streamer)
-    content_hash = _measure_content_hash(console, cfg, files.model)
+    step("the loader with and without the content hash")
+    content_hash = _measure_content_hash(cfg, files.model)
     if cfg.cuda:
         import torch
 
@@ -128,12 +140,20 @@ def run_bench(cfg: BenchConfig) -> int:
     log = files.work / "bench-daemon.log"
     log.unlink(missing_ok=True)
     with DaemonProcess(_write_daemon_config(cfg, files, sock), sock, log):
+        step("the daemon's loader, warm and cold")
         loader = _measure_loader(cfg, files.model, sock)
+        step("attach latency")
         attach_lat = asyncio.run(attach_latencies(sock, MODEL, cfg.attaches))
+        step("ready to compute: attach vs load_file")
         ready = _measure_ready(cfg, files.model, sock)
+        if cfg.cuda:
+            step("the host tier")
         host_tier = _measure_host_tier(cfg, sock) if cfg.cuda else None
+        step("fresh-process attach")
         fresh = _measure_fresh(cfg, sock)
+        step("engine restarts")
         restart = _measure_restarts(cfg, files.model, sock)
+        step("status while a bigger model loads cold")
         control_plane = _measure_control_plane(files.big, sock)
     # The older figures "load_file + read" and "attach + read" are the ready-to-compute row's medians.
     load_file = LoadFileFigures(warm_s=load_file_warm_s, touch_warm_s=ready.load_file_s.p50, cold_s=load_file_cold_s)
@@ -218,10 +238,9 @@ def _measure_peer(cfg: BenchConfig, ckpt: Path, name: str, dist: str, measure: C
         return PeerLoaderFigures(warm_s=warm, error=error, version=version, name=name)
 
 
-def _measure_content_hash(console: Console, cfg: BenchConfig, ckpt: Path) -> ContentHashFigures:
+def _measure_content_hash(cfg: BenchConfig, ckpt: Path) -> ContentHashFigures:
     """The daemon's loader in this process, with the content hash and without (the
     product always hashes; the switch is the bench's), alternating, page cache warm."""
-    console.print("[dim]loader with and without the content hash...[/dim]")
     os.chmod(ckpt, 0o644)  # as a daemon serves it: a file arena where the CPU backend can
     return measure_content_hash(ckpt, cfg.device, reps=max(cfg.reps, 3), threads=DaemonConfig().load_threads,
                                 chunk=DaemonConfig().load_chunk_bytes)
