@@ -158,6 +158,7 @@ async def test_host_tier_demotes_lru_victims_and_promotes_them_back(start_daemon
             assert all(torch.equal(m[k].cpu(), v) for k, v in ref_y.items())
         assert (await c.evict("y"))["state"] == "host"
         assert "its host copy kept since its promotion" in d.log_text()
+        assert (await c.status())["counters"]["kept_copy_demotions"] == 1
         async with c.attach("y") as m:  # the kept copy's bytes are y's
             assert all(torch.equal(m[k].cpu(), v) for k, v in ref_y.items())
 

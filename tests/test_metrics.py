@@ -81,6 +81,7 @@ async def test_error_replies_are_counted_by_code_and_op(start_daemon, tmp_path):
     raw.close()
     got = {k: v for k, v in series(scrape(port)).items() if k.startswith("weightcache_errors_total")}
     assert series(scrape(port))["weightcache_failed_loads_total"] == 2  # both corrupt loads
+    assert series(scrape(port))["weightcache_kept_copy_demotions_total"] == 0  # every daemon-wide counter is a series
     assert got == {'weightcache_errors_total{code="CORRUPT_CHECKPOINT",op="load"}': 2,
                    'weightcache_errors_total{code="UNKNOWN_MODEL",op="load"}': 1,
                    'weightcache_errors_total{code="UNKNOWN_OP",op="other"}': 1}  # a peer's op name is no label

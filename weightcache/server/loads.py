@@ -47,8 +47,8 @@ def encode_table(ckpt: Checkpoint) -> bytes:
 
 # Daemon-wide totals for ``status`` and the metrics (per-model ones live on the core's
 # entries, and go when a model is unregistered).
-COUNTERS = ("loads", "promotions", "evictions", "demotions", "failed_demotions", "failed_loads", "wasted_loads",
-            "cancelled_loads")
+COUNTERS = ("loads", "promotions", "evictions", "demotions", "kept_copy_demotions", "failed_demotions", "failed_loads",
+            "wasted_loads", "cancelled_loads")
 # The connection id of the daemon's own leases (a peer copy's source): real connections count from 1.
 INTERNAL_CONN = -1
 # An orphaned load (every waiter gone) further along than this finishes: throwing away
@@ -612,6 +612,7 @@ class Loads:
             self._free_arena(name, reason)
         for name in step.release:  # no copy to make: counted as the demotion it is
             self.counters["demotions"] += 1
+            self.counters["kept_copy_demotions"] += 1
             self._free_arena(name, reason, kept_host_copy=True)
         tasks = []
         for name in step.demote:

@@ -13,6 +13,8 @@ from typing import Any
 LOAD_LINE = re.compile(r"(loaded|promoted) (\S+): \d+ tensors, (\d+) bytes in ([\d.]+)s \(([\d.]+) GB/s; ([^)]*)\)")
 # Phases that are not the fill itself: waiting for the queue, for frees, for room.
 WAITING = ("admit", "queued", "wait for frees")
+# Inside the fill (counted in its time): waiting for room a victim's demotion still holds.
+ROOM_WAIT = "room wait in fill"
 
 
 def load_lines(text: str) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from ..units import format_size
 from .bench_measure import pct
-from .daemon_log import fill_rates
+from .daemon_log import ROOM_WAIT, fill_rates
 
 if TYPE_CHECKING:
     from .workload_run import PolicyRun
@@ -86,6 +86,20 @@ def _daemon_fills(run: PolicyRun, prep: Prepared, cold: bool) -> dict[str, Any]:
     return out
 
 
+def _daemon_fills_all(run: PolicyRun) -> dict[str, Any]:
+    """Per verb, every size together: the median of the loads' own rate (as in
+    ``daemon_fills``, a fill's wait for room counted in it), and how many waited for room
+    in the fill (a victim's chunks still being copied out) and for how long (median of those)."""
+    out: dict[str, Any] = {}
+    for f in fill_rates(run.daemon_loads, lambda _model: 0).values():
+        verb = f["verb"]
+        waits = [ld["phases_ms"].get(ROOM_WAIT, 0.0) for ld in run.daemon_loads if ld["verb"] == verb]
+        waited = [w for w in waits if w > 0]
+        out[verb] = {"n": f["n"], "median_GBps": f["median_GBps"], "waited_for_room": len(waited),
+                     "room_wait_median_ms": statistics.median(waited) if waited else None}
+    return out
+
+
 def summarize_run(cfg: WorkloadConfig, prep: Prepared, run: PolicyRun) -> dict[str, Any]:
     recs = run.records
     attaches = [r for r in recs if "source" in r]
@@ -108,6 +122,7 @@ def summarize_run(cfg: WorkloadConfig, prep: Prepared, run: PolicyRun) -> dict[s
         "latency_ms": {cls: _spread([r["attach_s"] for r in rs], 1e3) for cls, rs in by_class.items()},
         "miss_rates": {cls: _miss_rates(run, prep, cls, rs) for cls, rs in by_class.items() if cls != HIT},
         "daemon_fills": _daemon_fills(run, prep, cfg.cold),
+        "daemon_fills_all": _daemon_fills_all(run),
         "total_miss_s": sum(r["attach_s"] for r in misses),
         "mismatches": sum(1 for r in recs if "mismatch" in r),
         "events": {"in_trace": len(prep.trace.events), "ended": len(ended), "errors": dict(errors), "lost_in_flight": len(lost),
@@ -185,7 +200,13 @@ def print_report(console: Console, r: dict[str, Any]) -> None:
         row(f"daemon {verb} {_size(nbytes)}: n, GB/s, vs isolated", lambda s, k=key: "{}, {:.1f}, {}".format(
             s["daemon_fills"][k]["n"], s["daemon_fills"][k]["median_GBps"],
             "-" if s["daemon_fills"][k]["vs_isolated"] is None else f"{s['daemon_fills'][k]['vs_isolated']:.2f}x"))
-    for k in ("loads", "promotions", "evictions", "demotions", "failed_demotions", "wasted_loads", "cancelled_loads"):
+    for verb in ("loaded", "promoted"):
+        row(f"daemon {verb}, every size: n, GB/s; waited for room in the fill (n, p50)", lambda s, v=verb: "{}, {:.1f}; {}, {}".format(
+            s["daemon_fills_all"][v]["n"], s["daemon_fills_all"][v]["median_GBps"], s["daemon_fills_all"][v]["waited_for_room"],
+            "-" if s["daemon_fills_all"][v]["room_wait_median_ms"] is None
+            else f"{s['daemon_fills_all'][v]['room_wait_median_ms']:.1f} ms"))
+    for k in ("loads", "promotions", "evictions", "demotions", "kept_copy_demotions", "failed_demotions", "wasted_loads",
+              "cancelled_loads"):
         row(k.replace("_", " "), lambda s, k=k: s["counters"][k])
     devices = sorted({d for s in pols.values() for d in s["peak"]})
     for dev in devices:

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from ..client import SyncClient
     from .workload_setup import Prepared, WorkloadConfig
 
-COUNTERS = ("loads", "promotions", "evictions", "demotions", "failed_demotions", "wasted_loads", "cancelled_loads")
+COUNTERS = ("loads", "promotions", "evictions", "demotions", "kept_copy_demotions", "failed_demotions", "wasted_loads",
+            "cancelled_loads")
 
 
 @dataclass
