@@ -86,3 +86,17 @@ def test_startup_error_is_one_line_exit_2_and_no_socket(case, fmt, sockdir, tmp_
     else:
         assert not os.path.exists(sock)
         assert not (sockdir / ("x" * 120)).exists()  # nothing made on the way to a path that cannot be bound
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_budget_for_a_gpu_the_host_lacks_is_one_line_exit_2(fmt, sockdir, tmp_path):
+    # cuda:99: no host has it. Without cuda-bindings (CI) the import fails, with them the
+    # device lookup does: either was a traceback and exit status 1.
+    sock = sockdir / "d.sock"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(config_text(str(sock), {"cpu": "16MiB", "cuda:99": "1GiB"}, [], {"log_format": fmt}))
+    proc = serve(cfg)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = the_error_line(proc.stdout + proc.stderr, fmt)
+    assert err["msg"].startswith("budgets.cuda:99: ") and "remove the budget" in err["msg"], err
+    assert not os.path.exists(sock)
