@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -34,7 +35,9 @@ def test_budget_forms():
 
 @pytest.mark.parametrize("path", ["configs/example.toml", "examples/systemd/weightcache.toml",
                                   "examples/kubernetes/weightcache.toml"])
-def test_shipped_configs_are_valid(path):
+def test_shipped_configs_are_valid(path, monkeypatch):
+    # Their groups (weightcache-clients, ...) are made by the deployment steps, not here.
+    monkeypatch.setattr("weightcache.config.grp.getgrnam", lambda name: SimpleNamespace(gr_gid=4242))
     s = load_settings(path)
     assert s.models and s.budgets
 
@@ -70,6 +73,19 @@ def test_file_then_env_precedence(tmp_path, monkeypatch):
         ('[[models]]\nname = "m"\npath = "/x"\nkeep_alive = "1 week"', "use seconds, or a number with s, m, h or d"),
         ('[daemon]\nmax_loaded_models = {cpu = 0}', "max_loaded_models.cpu must be a whole number >= 1"),
         ('[daemon]\nmax_loaded_models = {"cuda:0" = 2}', "max_loaded_models names device 'cuda:0'"),
+        # An operator's typos (issue of h2): each was accepted as something else, or a traceback at start.
+        ('[budgets]\ncpu = "8G"', "budgets.cpu: '8G' is ambiguous: write '8GiB'"),  # was 8e9 bytes
+        ('[daemon]\nhost_budget = "64g"', "daemon.host_budget: '64g' is ambiguous"),
+        ('[budgets]\ncpu = 8', "budgets.cpu: '8' has no unit: give a size such as '8GiB'"),  # was a budget of 8 bytes
+        ('[budgets]\ncpu = "4096"', "has no unit"),
+        ('[daemon]\nsocket_group = "wc-no-such-group"', "daemon.socket_group: no group named 'wc-no-such-group'"),
+        ('[daemon]\nallowed_gids = ["wc-no-such-group"]', "daemon.allowed_gids: no group named"),  # these three:
+        ('[daemon]\nadmin_gids = ["wc-no-such-group"]', "daemon.admin_gids: no group named"),  # a traceback at start
+        ('[daemon]\nsocket_mode = 660', "write it in octal: socket_mode = 0o660"),  # was "less than or equal to 511"
+        ('[[models]]\nname = "m"\npath = "/x"\nkeep_alive = -1', "or leave keep_alive out"),
+        ('[[models]]\nname = "m"\npath = "/x"\nkeep_alive = "-1"', "or leave keep_alive out"),
+        ('[[models]]\nname = "m"\npath = "/x"\nkeep_alive = 0', "give a time > 0"),
+        ('[daemon]\nshutdown_grace_s = "ten"', "daemon.shutdown_grace_s: not a duration: 'ten'"),
     ],
 )
 def test_invalid_configs_name_the_key(tmp_path, body, expect):
@@ -127,3 +143,39 @@ def test_keep_alive_takes_durations(tmp_path, text, seconds):
     value = f'"{text}"' if isinstance(text, str) else text
     cfg.write_text(f'[[models]]\nname = "m"\npath = "/x"\nkeep_alive = {value}\n')
     assert load_settings(cfg).models[0].keep_alive == seconds
+
+
+def test_a_config_error_names_its_key_once_without_pydantics_prefix(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[budgets]\ncpu = "6 parsecs"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(cfg)
+    line = info.value.message.splitlines()[1].strip()
+    assert line.startswith("budgets.cpu: not a size: '6 parsecs'"), line  # was "budgets: Value error, budgets.cpu: ..."
+
+
+def test_durations_octal_modes_home_and_relative_socket(tmp_path, monkeypatch):
+    """What an operator writes as in a shell or for keep_alive is read that way."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("WEIGHTCACHE_SOCKET", raising=False)
+    cfg = tmp_path / "etc" / "c.toml"
+    cfg.parent.mkdir()
+    cfg.write_text('[daemon]\nsocket = "run/wc.sock"\nsocket_mode = "660"\nshutdown_grace_s = "30s"\n'
+                   'request_timeout_s = "15m"\nno_space_wait_s = 5\n'
+                   '[[models]]\nname = "m"\npath = "~/models/m.safetensors"\n')
+    s = load_settings(cfg)
+    assert s.daemon.socket_mode == 0o660  # was 660 decimal, refused as "less than or equal to 511"
+    assert (s.daemon.shutdown_grace_s, s.daemon.request_timeout_s, s.daemon.no_space_wait_s) == (30, 900, 5)
+    assert str(s.models[0].path) == str(tmp_path / "home" / "models" / "m.safetensors")  # was <config dir>/~/models/...
+    assert str(s.daemon.socket) == str(tmp_path / "etc" / "run" / "wc.sock")  # was relative to the daemon's cwd
+    cfg.write_text('[daemon]\nsocket = "~/wc.sock"\n')
+    assert str(load_settings(cfg).daemon.socket) == str(tmp_path / "home" / "wc.sock")
+
+
+def test_a_size_with_one_letter_is_refused_and_with_a_unit_read(tmp_path):
+    assert parse_size("8 GB") == parse_size("8gb") == 8 * 10**9
+    assert parse_size("8GiB") == Budget.parse("8 GiB").nbytes == 8 * 2**30
+    assert Budget.parse(1).fraction == 1.0  # as "1": the whole device, not one byte
+    for text in ("8G", "8g", "512M", "4k", "2T"):
+        with pytest.raises(ValueError, match="is ambiguous"):
+            parse_size(text)

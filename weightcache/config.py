@@ -27,9 +27,11 @@ from .units import format_size
 
 _UNITS = {
     "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+_POW2 = {"K": 10, "M": 20, "G": 30, "T": 40}
+_POW10 = {"K": 3, "M": 6, "G": 9, "T": 12}
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -42,6 +44,12 @@ def parse_size(value: str | int) -> int:
             raise ValueError(f"size must be >= 0, got {value}")
         return value
     m = _SIZE_RE.match(str(value))
+    if m and m.group(2).lower() in ("k", "m", "g", "t"):
+        # "8G" is 8 GiB to docker and java, 8 GB to Kubernetes: read either way, a budget
+        # is off by 7%. Ask which one was meant.
+        n, unit = m.group(1), m.group(2).upper()
+        raise ValueError(f"{value!r} is ambiguous: write '{n}{unit}iB' ({n} x 2^{_POW2[unit]} bytes) "
+                         f"or '{n}{unit}B' ({n} x 10^{_POW10[unit]})")
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a size: {value!r} (use bytes or a unit: KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
@@ -75,6 +83,14 @@ class Budget(BaseModel):
     def parse(cls, value: Any) -> Budget:
         if isinstance(value, Budget):
             return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # `cpu = 1` is the whole device, as "1" is
+        if isinstance(value, str) and re.fullmatch(r"\s*[0-9]+\s*", value) and value.strip() not in ("0", "1"):
+            # The README promises "a size with a unit": `cpu = 8` meant as 8 GiB must not
+            # start a daemon whose budget holds 8 bytes and refuses every load NO_SPACE.
+            n = value.strip()
+            raise ValueError(f"{value!r} has no unit: give a size such as '{n}GiB' (or '{n}B' for bytes), "
+                             "or a fraction of the device's memory such as '0.8'")
         if isinstance(value, float) or (isinstance(value, str) and re.fullmatch(r"\s*[0-9]*\.[0-9]*\s*|\s*1\s*", value)):
             # A bare number with a point is a fraction: "1.5" meant as 1.5 GiB must not
             # become a budget of one byte.
@@ -217,7 +233,15 @@ class ModelConfig(BaseModel):
     @field_validator("keep_alive", mode="before")
     @classmethod
     def _keep_alive(cls, v: Any) -> float | None:
-        return None if v is None else parse_duration(v)
+        if v is None:
+            return None
+        negative = isinstance(v, str) and re.fullmatch(r"\s*-[0-9.]+\s*", v) is not None
+        if negative or parse_duration(v) <= 0:
+            # A request's keep_alive takes 0 and -1 (protocol.md); the config's is the
+            # operator's time limit, and leaving it out already means "until room is needed".
+            raise ValueError(f"keep_alive = {v!r}: give a time > 0 such as '30m' or '1h', or leave keep_alive out "
+                             "to keep the model until its memory is needed")
+        return parse_duration(v)
 
     @field_validator("device")
     @classmethod
@@ -377,6 +401,40 @@ class DaemonConfig(BaseModel):
             out[check_device(str(k))] = n
         return out
 
+    @field_validator("socket_mode", mode="before")
+    @classmethod
+    def _socket_mode(cls, v: Any) -> Any:
+        # chmod's digits are octal: "660" (a string) is 0o660. An integer 660 is TOML's
+        # decimal and means nothing as a mode; say how to write it.
+        if isinstance(v, str) and re.fullmatch(r"(0o?)?[0-7]{1,4}", v.strip()):
+            return int(v.strip().removeprefix("0o"), 8)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0o777:
+            raise ValueError(f"{v} is not a permission mode; write it in octal: socket_mode = 0o{v} or \"{v}\"")
+        return v
+
+    @field_validator("socket_group")
+    @classmethod
+    def _socket_group(cls, v: str | int | None) -> str | int | None:
+        # Resolved at start (server/access.py): a missing group must be a config error
+        # naming the key, not a traceback when the socket is made.
+        if v is not None:
+            resolve_group(v)
+        return v
+
+    @field_validator("allowed_gids", "admin_gids")
+    @classmethod
+    def _groups(cls, v: list[str | int]) -> list[str | int]:
+        for g in v:
+            resolve_group(g)
+        return v
+
+    @field_validator("shutdown_grace_s", "no_space_wait_s", "request_timeout_s", "frame_read_timeout_s",
+                     "hello_timeout_s", "io_timeout_s", mode="before")
+    @classmethod
+    def _durations(cls, v: Any) -> float:
+        # Seconds, or "30s" / "15m" as keep_alive takes them.
+        return parse_duration(v)
+
     @field_validator("max_frame_bytes", "load_chunk_bytes", "host_budget", "max_queued_reply_bytes", "max_partial_frame_bytes",
                      "max_partial_frame_bytes_per_uid", mode="before")
     @classmethod
@@ -468,6 +526,13 @@ class Settings(BaseSettings):
         return (env_settings, init_settings)
 
 
+def config_relative(path: str, config_file: Path) -> str:
+    """A path as written in ``config_file``: ``~`` expanded, relative ones taken from the
+    file's directory. The CLI finds the daemon's socket the same way."""
+    expanded = os.path.expanduser(path)
+    return expanded if os.path.isabs(expanded) else str((config_file.parent / expanded).resolve())
+
+
 def load_settings(path: str | Path | None = None) -> Settings:
     """Read the config file (``path``, else ``$WEIGHTCACHE_CONFIG``, else defaults only).
 
@@ -483,11 +548,17 @@ def load_settings(path: str | Path | None = None) -> Settings:
             raise ConfigError(f"config file {p} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
-        # Relative model paths are relative to the config file, not to the cwd.
+        # Relative paths (the models' and the socket's) are relative to the config file,
+        # not to the cwd, which under systemd is /; "~" is the daemon user's home, as in a
+        # shell (read literally it became a directory named "~").
+        daemon = data.get("daemon")
+        if isinstance(daemon, dict) and isinstance(daemon.get("socket"), str):
+            daemon["socket"] = config_relative(daemon["socket"], p)
         for m in data.get("models", []) if isinstance(data.get("models"), list) else []:
-            for part in [m, *m.get("shards", [])] if isinstance(m, dict) else []:
-                if isinstance(part, dict) and isinstance(part.get("path"), str) and not os.path.isabs(part["path"]):
-                    part["path"] = str((p.parent / part["path"]).resolve())
+            shards = m.get("shards", []) if isinstance(m, dict) else []
+            for part in [m, *shards] if isinstance(shards, list) else [m]:
+                if isinstance(part, dict) and isinstance(part.get("path"), str):
+                    part["path"] = config_relative(part["path"], p)
     if os.environ.get(SOCKET_ENV):
         data.setdefault("daemon", {})["socket"] = os.environ[SOCKET_ENV]
     try:
@@ -495,8 +566,11 @@ def load_settings(path: str | Path | None = None) -> Settings:
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
-            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-            lines.append(f"{loc}: {err['msg']}")
+            loc = ".".join(str(x) for x in err["loc"])
+            # Our validators' messages are sentences, often naming the key themselves
+            # ("budgets.cpu: ..."): no "Value error, " before them, no key twice.
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(msg if not loc or msg.startswith((f"{loc}.", f"{loc}:")) else f"{loc}: {msg}")
         where = f" in {path}" if path else ""
         raise ConfigError(f"invalid configuration{where}:\n  " + "\n  ".join(lines)) from None
 
