@@ -14,7 +14,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -317,3 +320,51 @@ def test_attach_takes_a_keep_alive(start_daemon, ckpts, capsys):
     assert rc == 0, err
     (m,) = cli_json(capsys, "--socket", d.socket, "models")
     assert m["state"] == "resident" and m["keep_alive"] == 7200
+
+
+# -- an operator's first hour (h2): what they mistype ---------------------------------------
+def test_json_before_the_command_and_an_unknown_model_says_where_to_look(start_daemon, ckpts, capsys):
+    d = start_daemon(models={"tiny": ckpts["tiny"]})
+    rc, out, err = cli(capsys, "--json", "--socket", d.socket, "status")  # was "unrecognized arguments: --json"
+    assert rc == 0 and json.loads(out)["devices"]["cpu"]["budget"] > 0, err
+    rc, out, err = cli(capsys, "--socket", d.socket, "load", "tinny")
+    assert rc == 1 and err.count("\n") == 1 and "no model named 'tinny'" in err and "`weightcache models` lists" in err, err
+    rc, out, err = cli(capsys, "--json", "--socket", d.socket, "load", "tinny")
+    assert rc == 1 and json.loads(out)["error"]["code"] == "UNKNOWN_MODEL"
+
+
+def test_the_socket_of_the_config_file_is_found_as_the_daemon_reads_it(start_daemon, capsys, tmp_path, monkeypatch):
+    d = start_daemon()
+    sock = Path(d.socket)
+    # A relative socket is relative to the config file (config.config_relative), "~" the home.
+    cfg = sock.parent / "etc" / "c.toml"
+    cfg.parent.mkdir()
+    cfg.write_text(f'[daemon]\nsocket = "../{sock.name}"\n')
+    monkeypatch.setenv("WEIGHTCACHE_CONFIG", str(cfg))
+    monkeypatch.chdir(tmp_path)  # not the socket's directory
+    rc, out, err = cli(capsys, "status")
+    assert rc == 0 and str(sock) in out, err
+    monkeypatch.setenv("HOME", str(sock.parent))
+    cfg.write_text(f'[daemon]\nsocket = "~/{sock.name}"\n')
+    assert cli(capsys, "status")[0] == 0
+
+
+def test_attach_times_the_attach_not_the_import_of_torch(start_daemon, ckpts):
+    """`weightcache attach` printed "in 1266 ms" on the dev VM: its first attach imported
+    torch inside the timed span. Torch must be imported when the clock starts."""
+    d = start_daemon(models={"tiny": ckpts["tiny"]})
+    code = (
+        "import sys, time, types\n"
+        "import weightcache.cli as cli\n"
+        "seen = []\n"
+        "def perf_counter():\n"
+        "    seen.append('torch' in sys.modules)\n"
+        "    return time.perf_counter()\n"
+        "cli.time = types.SimpleNamespace(perf_counter=perf_counter, sleep=time.sleep)\n"
+        f"rc = cli.main(['--socket', {d.socket!r}, 'attach', 'tiny'])\n"
+        "print('torch imported at the first clock read:', seen[0])\n"
+        "sys.exit(rc)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "torch imported at the first clock read: True" in proc.stdout, proc.stdout

@@ -49,7 +49,12 @@ def _socket(args: argparse.Namespace) -> str | None:
     sock = daemon.get("socket") if isinstance(daemon, dict) else None
     if sock is not None and not isinstance(sock, str):
         raise ConfigError(f"daemon.socket in {path} must be a string, got {type(sock).__name__}")
-    return sock
+    if sock is None:
+        return None
+    # As the daemon reads it (config.config_relative, not imported: it pulls in pydantic):
+    # "~" expanded, a relative path taken from the config file's directory.
+    sock = os.path.expanduser(sock)
+    return sock if os.path.isabs(sock) else str((Path(path).parent / sock).resolve())
 
 
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -356,6 +361,10 @@ async def cmd_health(args: argparse.Namespace) -> int:
 
 
 async def cmd_attach(args: argparse.Namespace) -> int:
+    # The first attach of a process imports torch (the mapping's tensors): 1.3-2.0 s on the
+    # dev VM, which "attached in ... ms" reported as the attach's own time. Import it first.
+    import weightcache.client.mapping  # noqa: F401
+
     async with _client(args) as c:
         t0 = time.perf_counter()
         async with c.attach(args.name, keep_alive=args.keep_alive) as m:
@@ -456,11 +465,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "names, else /run/weightcache/weightcache.sock)")
     p = argparse.ArgumentParser(prog="weightcache", description="Keep model weights resident; engines attach them zero-copy.")
     p.add_argument("--socket", help=socket_help)
+    # --json too before the command (`weightcache --json status`), as --socket.
+    p.add_argument("--json", action="store_true", help="print the result as JSON, for scripts (client commands)")
     # --socket also after the subcommand; SUPPRESS keeps one given before it when absent after.
     sock = argparse.ArgumentParser(add_help=False)
     sock.add_argument("--socket", default=argparse.SUPPRESS, help=socket_help)
     client = argparse.ArgumentParser(add_help=False, parents=[sock])
-    client.add_argument("--json", action="store_true", help="print the result as JSON, for scripts")
+    client.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print the result as JSON, for scripts")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the daemon", parents=[sock])
@@ -598,6 +609,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# What an operator can do next, after the daemon's sentence (which says what is wrong).
+_HINTS = {
+    "UNKNOWN_MODEL": "; `weightcache models` lists the names it has (add one with `weightcache register NAME PATH` "
+                     "or in the config file, then `weightcache reload`)",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -610,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     except WeightcacheError as exc:
         if getattr(args, "json", False):  # a script reads the code and details, not the sentence
             _print_json({"error": exc.to_wire()})
-        print(f"weightcache: {exc}", file=sys.stderr)
+        print(f"weightcache: {exc}{_HINTS.get(exc.code, '')}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
