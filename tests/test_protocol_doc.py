@@ -1,0 +1,32 @@
+"""docs/protocol.md says a client in another language can be written from it alone: the
+reply fields it lists must be the ones the daemon sends. A new operator's read-through
+found `models` entries with five fields the document did not name, and `pin`'s and
+`reload`'s replies with keys it left out."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from weightcache import Client
+
+PROTOCOL = (Path(__file__).parents[1] / "docs" / "protocol.md").read_text()
+
+
+def documented(start: str, end: str) -> set[str]:
+    """The quoted field names from ``start`` to the next ``end`` (the code's end)."""
+    at = PROTOCOL.index(start)
+    return set(re.findall(r'"([a-z_]+)"', PROTOCOL[at:PROTOCOL.index(end, at + len(start))]))
+
+
+async def test_models_pin_and_reload_replies_carry_the_documented_fields(start_daemon, ckpts):
+    d = start_daemon(models={"tiny": ckpts["tiny"]})
+    async with Client(d.socket) as c:
+        entry = (await c.models())[0]
+        pinned = await c.request("pin", name="tiny")
+        report = await c.reload()
+    lease_fields = {"pid", "uid", "client", "since_s"}
+    assert set(entry) == documented('<- {"models": [{', "```") - {"models"} - lease_fields
+    assert set(pinned) - {"id", "ok"} == {"model", "shards"}
+    assert '`<- {"model": entry, "shards": [entry, ...]}`' in PROTOCOL  # pin / unpin
+    assert set(report) == documented('`<- {"report": {', "`.") - {"report"}
