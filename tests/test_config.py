@@ -179,3 +179,14 @@ def test_a_size_with_one_letter_is_refused_and_with_a_unit_read(tmp_path):
     for text in ("8G", "8g", "512M", "4k", "2T"):
         with pytest.raises(ValueError, match="is ambiguous"):
             parse_size(text)
+
+
+def test_the_systemd_daemon_may_give_its_socket_to_socket_group(monkeypatch):
+    """chown(2) to a group needs membership: with socket_group set, a daemon user outside
+    that group fails at start ("Operation not permitted"), as examples/systemd's did."""
+    root = Path(__file__).parents[1] / "examples" / "systemd"
+    monkeypatch.setattr("weightcache.config.grp.getgrnam", lambda name: SimpleNamespace(gr_gid=4242))
+    group = load_settings(root / "weightcache.toml").daemon.socket_group
+    unit = dict(line.split("=", 1) for line in (root / "weightcache.service").read_text().splitlines()
+                if "=" in line and not line.startswith("#"))
+    assert group in [unit["Group"], *unit.get("SupplementaryGroups", "").split()], unit
