@@ -26,7 +26,9 @@ MIB = 2**20
 
 
 def run_demo(workdir: str | None = None, restarts: int = 3, model_mib: int = 96) -> int:
-    console = Console()
+    # soft_wrap: piped (make demo in CI, a log) rich wrapped every sentence at 80 columns,
+    # splitting paths such as the daemon log's across lines. Tables still fit the width.
+    console = Console(soft_wrap=True)
     root = Path(workdir or tempfile.mkdtemp(prefix="wc-demo-", dir="/tmp"))
     root.mkdir(parents=True, exist_ok=True)
     names = ["alpha", "beta", "gamma"]
@@ -73,17 +75,27 @@ def run_demo(workdir: str | None = None, restarts: int = 3, model_mib: int = 96)
     return 0
 
 
+# Short enough for 80 columns (a longer "spawn -> ready" wrapped); the legend below says what each is.
+RESTART_COLUMNS = ("run", "weights from", "ready (s)", "import torch (s)", "weights step (ms)")
+
+
 def _restart_table(console: Console, runs: list[Restart], model_mib: int) -> None:
-    t = Table(title=f"3. engine restarts, {model_mib} MiB model (spawn -> all weights usable)")
-    for col in ("run", "weights from", "ready (s)", "import torch (s)", "weights step (ms)"):
+    t = Table(title=f"[bold]3.[/] engine restarts, {model_mib} MiB model")
+    for col in RESTART_COLUMNS:
         t.add_column(col, justify="right")
     for i, r in enumerate(runs):
         t.add_row(str(i // 2 + 1), "disk: load_file" if r.mode == "disk" else "weightcache attach",
                   f"{r.ready_s:.3f}", f"{r.import_s:.3f}", f"{r.weights_s * 1e3:.1f}")
     console.print(t)
+    # The columns, for someone who has never seen the tool: "ready" went either way
+    # between the two on the dev VM, run to run, with 'import torch' varying by 0.6 s.
+    console.print("    ready: from spawning a new engine process until all its weights are usable, as its parent "
+                  "timed it; import torch: that part, inside the engine; weights step: inside the engine, "
+                  "importing safetensors and load_file of the file, or importing the client, connecting and attaching")
     disk = statistics.median(r.weights_s for r in runs if r.mode == "disk")
     cache = statistics.median(r.weights_s for r in runs if r.mode == "cache")
     console.print(f"    median weights step: load_file {disk * 1e3:.1f} ms, attach {cache * 1e3:.1f} ms "
                   f"({disk / cache:.1f}x); both measured in this run, page cache warm. On CPU, safetensors maps the file "
-                  f"lazily and most of a restart is 'import torch'; on a GPU host load_file must copy every byte over "
+                  f"lazily and most of a restart is 'import torch', whose time varies more than the weights step: "
+                  f"'ready' does not rank the two here. On a GPU host load_file must copy every byte over "
                   f"PCIe while attach still only maps (docs/benchmarks.md has the H200 figures).")
