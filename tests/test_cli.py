@@ -368,3 +368,18 @@ def test_attach_times_the_attach_not_the_import_of_torch(start_daemon, ckpts):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "torch imported at the first clock read: True" in proc.stdout, proc.stdout
+
+
+def test_config_before_or_after_the_command_and_serve_with_the_file_as_argument(start_daemon, capsys, tmp_path):
+    d = start_daemon()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[daemon]\nsocket = "{d.socket}"\n')
+    for argv in (["--config", str(cfg), "status"], ["status", "--config", str(cfg)]):  # was "invalid choice" / "unrecognized"
+        rc, out, err = cli(capsys, *argv)
+        assert rc == 0 and d.socket in out, err
+    missing = str(tmp_path / "missing.toml")
+    for argv in (["--config", missing, "serve"], ["serve", missing]):  # the file is read: it is named, not argparse's
+        rc, _, err = cli(capsys, *argv)
+        assert rc == 2 and f"config file {missing} does not exist" in err, err
+    rc, _, err = cli(capsys, "serve", "--config", str(cfg), missing)
+    assert rc == 2 and "two config files" in err

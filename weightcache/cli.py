@@ -24,8 +24,9 @@ from .units import format_size
 def _socket(args: argparse.Namespace) -> str | None:
     """The socket a client command uses: --socket, else $WEIGHTCACHE_SOCKET (or
     $WEIGHTCACHE_DAEMON__SOCKET, which the daemon also reads), else the ``[daemon] socket``
-    of $WEIGHTCACHE_CONFIG's file, else None (the client's default). Only that key is
-    read: a client command must not fail on parts of the daemon's config it does not use."""
+    of the file --config or $WEIGHTCACHE_CONFIG names (the environment wins over the file,
+    as for the daemon), else None (the client's default). Only that key is read: a client
+    command must not fail on parts of the daemon's config it does not use."""
     from .defaults import CONFIG_ENV, SOCKET_ENV
 
     if args.socket:
@@ -33,7 +34,7 @@ def _socket(args: argparse.Namespace) -> str | None:
     for env in (SOCKET_ENV, "WEIGHTCACHE_DAEMON__SOCKET"):
         if os.environ.get(env):
             return os.environ[env]
-    path = os.environ.get(CONFIG_ENV)
+    path = args.config or os.environ.get(CONFIG_ENV)
     if not path:
         return None
     import tomllib
@@ -41,8 +42,9 @@ def _socket(args: argparse.Namespace) -> str | None:
     try:
         data = tomllib.loads(Path(path).read_text())
     except OSError as exc:
-        raise ConfigError(f"${CONFIG_ENV} names {path}, which cannot be read ({exc.strerror}); "
-                          "pass --socket or fix the variable") from None
+        named = "--config" if args.config else f"${CONFIG_ENV}"
+        raise ConfigError(f"{named} names {path}, which cannot be read ({exc.strerror}); "
+                          "pass --socket or fix it") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     daemon = data.get("daemon", {})
@@ -398,6 +400,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .config import load_settings
     from .server import run_daemon
 
+    if args.config_file:  # `weightcache serve FILE`, as an operator writes it first
+        if args.config and args.config != args.config_file:
+            raise ConfigError(f"two config files: --config {args.config} and {args.config_file}; give one")
+        args.config = args.config_file
     settings = load_settings(args.config)
     if args.socket:
         settings = settings.model_copy(update={"daemon": settings.daemon.model_copy(update={"socket": args.socket})})
@@ -464,18 +470,23 @@ def build_parser() -> argparse.ArgumentParser:
     socket_help = ("daemon socket (default: $WEIGHTCACHE_SOCKET, else the [daemon] socket of the file $WEIGHTCACHE_CONFIG "
                    "names, else /run/weightcache/weightcache.sock)")
     p = argparse.ArgumentParser(prog="weightcache", description="Keep model weights resident; engines attach them zero-copy.")
+    config_help = ("the daemon's TOML config (default: $WEIGHTCACHE_CONFIG); client commands read only its "
+                   "[daemon] socket")
     p.add_argument("--socket", help=socket_help)
+    p.add_argument("--config", help=config_help)
     # --json too before the command (`weightcache --json status`), as --socket.
     p.add_argument("--json", action="store_true", help="print the result as JSON, for scripts (client commands)")
     # --socket also after the subcommand; SUPPRESS keeps one given before it when absent after.
     sock = argparse.ArgumentParser(add_help=False)
     sock.add_argument("--socket", default=argparse.SUPPRESS, help=socket_help)
+    # --config too, before or after: `weightcache --config F serve` read F as the command.
+    sock.add_argument("--config", default=argparse.SUPPRESS, help=config_help)
     client = argparse.ArgumentParser(add_help=False, parents=[sock])
     client.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print the result as JSON, for scripts")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the daemon", parents=[sock])
-    s.add_argument("--config", help="TOML config (default: $WEIGHTCACHE_CONFIG)")
+    s.add_argument("config_file", nargs="?", metavar="CONFIG", help="the same as --config")
     s.set_defaults(func=cmd_serve)
 
     for name, fn, text in (("status", cmd_status, "devices, budgets, loads in progress"),
