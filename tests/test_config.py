@@ -190,3 +190,27 @@ def test_the_systemd_daemon_may_give_its_socket_to_socket_group(monkeypatch):
     unit = dict(line.split("=", 1) for line in (root / "weightcache.service").read_text().splitlines()
                 if "=" in line and not line.startswith("#"))
     assert group in [unit["Group"], *unit.get("SupplementaryGroups", "").split()], unit
+
+
+@pytest.mark.parametrize(("body", "line"), [
+    ('[daemon]\nsokcet = "/x"', "daemon.sokcet: unknown key; did you mean 'socket'?"),  # was "Extra inputs are not permitted"
+    ('[[models]]\nname = "m"\npth = "/x"', "models.0.pth: unknown key; did you mean 'path'?"),
+    ('[quotas."uid:1000"]\nbyte = 5', "quotas.uid:1000.byte: unknown key; did you mean 'bytes'?"),
+    ('[budget]\ncpu = "1GiB"', "budget: unknown key; did you mean 'budgets'?"),
+    ('[daemon]\nzzzzz = 1', "daemon.zzzzz: unknown key; configs/example.toml shows every key"),
+])
+def test_an_unknown_key_names_the_closest_known_one(tmp_path, body, line):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(body + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(cfg)
+    assert info.value.message.splitlines()[1].strip() == line
+
+
+def test_a_bad_value_from_the_environment_names_the_variable(tmp_path, monkeypatch):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[budgets]\ncpu = "1GiB"\n')
+    monkeypatch.setenv("WEIGHTCACHE_DAEMON__LOGLEVEL", "debug")
+    with pytest.raises(ConfigError) as info:
+        load_settings(cfg)  # the message said "in c.toml", which holds no such key
+    assert "daemon.loglevel: unknown key; did you mean 'log_level'? (from $WEIGHTCACHE_DAEMON__LOGLEVEL)" in info.value.message

@@ -526,6 +526,49 @@ class Settings(BaseSettings):
         return (env_settings, init_settings)
 
 
+def _unknown_key(loc: tuple[int | str, ...]) -> str:
+    """pydantic says "Extra inputs are not permitted"; an operator wants to hear that the
+    key is unknown and which known one it is closest to ("sokcet": socket)."""
+    import difflib
+
+    cls: Any = Settings
+    for part in loc[:-1]:
+        if isinstance(part, int):  # a [[models]] entry's index
+            continue
+        field = getattr(cls, "model_fields", {}).get(part) if isinstance(cls, type) else None
+        if field is None:  # a table's own key ([budgets], [quotas."uid:1000"]): its values' model
+            continue
+        cls = _model_in(field.annotation)
+    known = list(getattr(cls, "model_fields", {}))
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    if close:
+        return f"unknown key; did you mean {close[0]!r}?"
+    return "unknown key" + (f" (known: {', '.join(known)})" if len(known) <= 10 else "; configs/example.toml shows every key")
+
+
+def _model_in(annotation: Any) -> Any:
+    """The pydantic model a field holds: itself, or inside list[...], tuple[...], dict[...]."""
+    import typing
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _env_name(loc: tuple[int | str, ...]) -> str | None:
+    """The WEIGHTCACHE_* variable that set ``loc`` (or a table above it), if one is set."""
+    parts = [str(p) for p in loc if not isinstance(p, int)]
+    for n in range(len(parts), 0, -1):
+        name = "WEIGHTCACHE_" + "__".join(parts[:n]).upper()
+        if any(k.upper() == name for k in os.environ):
+            return name
+    return None
+
+
 def config_relative(path: str, config_file: Path) -> str:
     """A path as written in ``config_file``: ``~`` expanded, relative ones taken from the
     file's directory. The CLI finds the daemon's socket the same way."""
@@ -570,6 +613,11 @@ def load_settings(path: str | Path | None = None) -> Settings:
             # Our validators' messages are sentences, often naming the key themselves
             # ("budgets.cpu: ..."): no "Value error, " before them, no key twice.
             msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = _unknown_key(err["loc"])
+            env = _env_name(err["loc"])
+            if env:  # the file may be fine: say where the value came from
+                msg += f" (from ${env})"
             lines.append(msg if not loc or msg.startswith((f"{loc}.", f"{loc}:")) else f"{loc}: {msg}")
         where = f" in {path}" if path else ""
         raise ConfigError(f"invalid configuration{where}:\n  " + "\n  ".join(lines)) from None
