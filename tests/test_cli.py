@@ -383,3 +383,14 @@ def test_config_before_or_after_the_command_and_serve_with_the_file_as_argument(
         assert rc == 2 and f"config file {missing} does not exist" in err, err
     rc, _, err = cli(capsys, "serve", "--config", str(cfg), missing)
     assert rc == 2 and "two config files" in err
+
+
+def test_wait_and_hold_take_durations_as_the_config_does(start_daemon, ckpts, capsys):
+    d = start_daemon(models={"tiny": ckpts["tiny"]})
+    rc, out, err = cli(capsys, "--socket", d.socket, "load", "tiny", "--wait", "5s")  # was "invalid float value: '5s'"
+    assert rc == 0 and out.startswith("tiny: resident"), err
+    rc, out, err = cli(capsys, "--socket", d.socket, "attach", "tiny", "--hold", "0.01s")
+    assert rc == 0 and "holding the lease for 0.01s" in out, err
+    with pytest.raises(SystemExit):
+        main(["--socket", d.socket, "load", "tiny", "--wait", "5 min"])
+    assert "not a duration: '5 min'" in capsys.readouterr().err

@@ -67,6 +67,17 @@ def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return Client(_socket(args), name="weightcache-cli", wait_for_daemon=0)
 
 
+def _seconds(text: str) -> float:
+    """An argparse type: seconds, or "30s" / "5m" as the config takes them (pydantic is
+    imported only when the flag is given: `weightcache health` must stay light)."""
+    from .config import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _print_json(obj: Any) -> None:
     if isinstance(obj, dict):  # a reply's protocol fields are not the command's result
         obj = {k: v for k, v in obj.items() if k not in ("id", "ok")}
@@ -502,7 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("load", help="make a model resident, with a progress bar; says what it evicted", parents=[client])
     s.add_argument("name")
-    s.add_argument("--wait", type=float, default=None, help="seconds to wait for attached models to detach if memory is short")
+    s.add_argument("--wait", type=_seconds, default=None, metavar="DURATION",
+                   help="how long to wait for attached models to detach if memory is short: seconds or 30s/5m")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.add_argument("--device", default=None,
                    help='for a model with device = "auto": load it on this device (cuda:N in the daemon\'s numbering, '
@@ -551,7 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
                        parents=[client])
     s.add_argument("name")
     s.add_argument("--verify", action="store_true")
-    s.add_argument("--hold", type=float, default=0, help="keep the lease this many seconds")
+    s.add_argument("--hold", type=_seconds, default=0, metavar="DURATION", help="keep the lease this long: seconds or 30s/5m")
     s.add_argument("--keep-alive", default=None, metavar="DURATION",
                    help="keep it this long once unattached: seconds or 30s/5m/1h, 0 = evict when unattached, "
                         "-1 = never (capped at the configured value for non-admins)")
