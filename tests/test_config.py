@@ -176,6 +176,10 @@ def test_a_size_with_one_letter_is_refused_and_with_a_unit_read(tmp_path):
     assert parse_size("8 GB") == parse_size("8gb") == 8 * 10**9
     assert parse_size("8GiB") == Budget.parse("8 GiB").nbytes == 8 * 2**30
     assert Budget.parse(1).fraction == 1.0  # as "1": the whole device, not one byte
+    assert Budget.parse("80%").fraction == 0.8 and Budget.parse("100 %").fraction == 1.0  # was "not a size"
+    for text in ("150%", "0%"):
+        with pytest.raises(ValueError, match=r"must be in \(0%, 100%\]"):
+            Budget.parse(text)
     for text in ("8G", "8g", "512M", "4k", "2T"):
         with pytest.raises(ValueError, match="is ambiguous"):
             parse_size(text)

@@ -85,6 +85,11 @@ class Budget(BaseModel):
             return value
         if isinstance(value, int) and not isinstance(value, bool):
             value = str(value)  # `cpu = 1` is the whole device, as "1" is
+        percent = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*%\s*", value) if isinstance(value, str) else None
+        if percent:  # "80%": what nvidia-smi and people say; was "not a size"
+            if not 0 < float(percent.group(1)) <= 100:
+                raise ValueError(f"{value!r}: a share of the device's memory must be in (0%, 100%]")
+            value = str(float(percent.group(1)) / 100)
         if isinstance(value, str) and re.fullmatch(r"\s*[0-9]+\s*", value) and value.strip() not in ("0", "1"):
             # The README promises "a size with a unit": `cpu = 8` meant as 8 GiB must not
             # start a daemon whose budget holds 8 bytes and refuses every load NO_SPACE.
