@@ -77,7 +77,7 @@ def test_file_then_env_precedence(tmp_path, monkeypatch):
         ('[budgets]\ncpu = "8G"', "budgets.cpu: '8G' is ambiguous: write '8GiB'"),  # was 8e9 bytes
         ('[daemon]\nhost_budget = "64g"', "daemon.host_budget: '64g' is ambiguous"),
         ('[budgets]\ncpu = 8', "budgets.cpu: '8' has no unit: give a size such as '8GiB'"),  # was a budget of 8 bytes
-        ('[budgets]\ncpu = "4096"', "has no unit"),
+        ('[budgets]\ncpu = "4096"', "has no unit"),  # below 1 MiB: a unit forgotten; 1048576 and up are bytes
         ('[daemon]\nsocket_group = "wc-no-such-group"', "daemon.socket_group: no group named 'wc-no-such-group'"),
         ('[daemon]\nallowed_gids = ["wc-no-such-group"]', "daemon.allowed_gids: no group named"),  # these three:
         ('[daemon]\nadmin_gids = ["wc-no-such-group"]', "daemon.admin_gids: no group named"),  # a traceback at start
@@ -176,6 +176,7 @@ def test_a_size_with_one_letter_is_refused_and_with_a_unit_read(tmp_path):
     assert parse_size("8 GB") == parse_size("8gb") == 8 * 10**9
     assert parse_size("8GiB") == Budget.parse("8 GiB").nbytes == 8 * 2**30
     assert Budget.parse(1).fraction == 1.0  # as "1": the whole device, not one byte
+    assert Budget.parse(2**20).nbytes == Budget.parse(str(2**28)).nbytes // 256 == 2**20  # what tools/workload writes
     assert Budget.parse("80%").fraction == 0.8 and Budget.parse("100 %").fraction == 1.0  # was "not a size"
     for text in ("150%", "0%"):
         with pytest.raises(ValueError, match=r"must be in \(0%, 100%\]"):

@@ -90,9 +90,10 @@ class Budget(BaseModel):
             if not 0 < float(percent.group(1)) <= 100:
                 raise ValueError(f"{value!r}: a share of the device's memory must be in (0%, 100%]")
             value = str(float(percent.group(1)) / 100)
-        if isinstance(value, str) and re.fullmatch(r"\s*[0-9]+\s*", value) and value.strip() not in ("0", "1"):
-            # The README promises "a size with a unit": `cpu = 8` meant as 8 GiB must not
-            # start a daemon whose budget holds 8 bytes and refuses every load NO_SPACE.
+        if isinstance(value, str) and re.fullmatch(r"\s*[0-9]+\s*", value) and 1 < int(value) < 2**20:
+            # `cpu = 8` meant as 8 GiB must not start a daemon whose budget holds 8 bytes and
+            # refuses every load NO_SPACE. A byte count of a MiB or more is taken as written
+            # (the workload and bench tools write theirs so).
             n = value.strip()
             raise ValueError(f"{value!r} has no unit: give a size such as '{n}GiB' (or '{n}B' for bytes), "
                              "or a fraction of the device's memory such as '0.8'")
