@@ -79,6 +79,8 @@ class Connection:
     # Set while the daemon may read more requests: fewer than max_requests_per_connection
     # in flight and at most max_queued_reply_bytes of replies the peer has not read.
     readable: asyncio.Event = field(default_factory=asyncio.Event)
+    # Done once the peer is gone: its loads go on, but stop waiting for room (Caller.gone).
+    gone: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def close_fds(self) -> None:
         while self.fds:
@@ -290,6 +292,8 @@ class Connections:
         lease is granted to a dead connection; then its leases end. Leases end before any
         load is awaited: that load may be waiting for exactly the memory they hold."""
         self.conns.pop(conn.id, None)
+        if not conn.gone.done():
+            conn.gone.set_result(None)
         cancelled = [t for t, op in conn.tasks.items() if op != "load"]
         for t in cancelled:
             t.cancel()
@@ -368,7 +372,7 @@ class Connections:
     async def _handle(self, conn: Connection, req: Request) -> None:
         fds: list[int] = []  # the reply's
         ctx = self._context()
-        caller = Caller(conn.id, conn.peer, conn.client)
+        caller = Caller(conn.id, conn.peer, conn.client, conn.gone)
         try:
             if not conn.greeted:
                 raise BadRequest("the first request on a connection must be 'hello'")

@@ -273,7 +273,7 @@ async def load(ctx: Context, caller: Caller, req: Request) -> Reply:
     # any other must already live there); none: placed (cache/placement.py).
     await ctx.loads.learn_sizes(name)
     entries = placing.entries_for(ctx.core, ctx.registry, ctx.backends, name, rank, req.arg("device", str, None))
-    await asyncio.gather(*(ctx.loads.ensure_resident(e, wait) for e in entries))
+    await asyncio.gather(*(ctx.loads.ensure_resident(e, wait, gone=caller.gone) for e in entries))
     apply_keep_alive(ctx, caller, entries, keep_alive)
     return describe_all(ctx, entries, caller), []
 

@@ -82,15 +82,25 @@ class SpaceFreed:
     def ticket(self) -> int:
         return next(self._tickets)
 
-    async def wait(self, ticket: int, timeout: float) -> None:
-        """Until the next notification or ``timeout`` seconds, whichever comes first."""
+    async def wait(self, ticket: int, timeout: float, gone: asyncio.Future[None] | None = None) -> None:
+        """Until the next notification, ``timeout`` seconds, or ``gone`` is done (the
+        requester's connection closed), whichever comes first."""
         fut = asyncio.get_running_loop().create_future()
         self._waiters[ticket] = fut
+
+        def wake(_: object) -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        if gone is not None:
+            gone.add_done_callback(wake)
         try:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(fut, timeout)
         finally:
             self._waiters.pop(ticket, None)
+            if gone is not None:
+                gone.remove_done_callback(wake)
 
     def notify(self) -> None:
         self.generation += 1
@@ -146,7 +156,8 @@ class Loads:
         """The loads in flight (shutdown waits for them)."""
         return [j.task for j in self.jobs.values() if j.task is not None]
 
-    async def ensure_resident(self, name: str, wait_s: float, waits: list[float] | None = None) -> str:
+    async def ensure_resident(self, name: str, wait_s: float, waits: list[float] | None = None,
+                              gone: asyncio.Future[None] | None = None) -> str:
         """Return once ``name`` is resident: at once if it is, else by joining the one
         load in flight or starting it. Returns where the bytes came from: "resident"
         (already there), "host" (promoted from the host tier) or "files".
@@ -155,7 +166,12 @@ class Loads:
         waits up to its own ``wait_s`` for detaches, then tries again; callers waiting
         for room are woken oldest first. So no request can make the others that join its
         load wait longer than they asked to. Each wait's seconds go in ``waits`` (the
-        attach reply's ``waited_s``)."""
+        attach reply's ``waited_s``).
+
+        ``gone`` is done once the requester's connection closed: a load it started or
+        joined still finishes, but it waits for room no more (a peer could otherwise
+        leave requests waiting up to request_timeout_s, without end, each woken to try
+        again by every detach)."""
         deadline = time.monotonic() + wait_s
         ticket: int | None = None
         while True:
@@ -164,14 +180,14 @@ class Loads:
                 return await self._resident_once(name)
             except NoSpace as exc:
                 left = deadline - time.monotonic()
-                if left <= 0 or not exc.details.get("fits_ever"):
+                if left <= 0 or not exc.details.get("fits_ever") or (gone is not None and gone.done()):
                     raise
                 if self.space_freed.generation != generation:
                     continue  # room was freed while the refusal travelled back: try again now
                 if ticket is None:
                     ticket = self.space_freed.ticket()  # kept across retries: our place in line
                 waited_from = time.monotonic()
-                await self.space_freed.wait(ticket, left)
+                await self.space_freed.wait(ticket, left, gone)
                 if waits is not None:
                     waits.append(time.monotonic() - waited_from)
 

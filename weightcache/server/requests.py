@@ -7,6 +7,7 @@ field), ``Context`` the rooms of the daemon it may act on.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,9 @@ class Caller:
     conn: int  # the connection's id: leases belong to it
     peer: Peer
     client: str  # the name it gave in hello
+    # Done once the connection closed: a load it asked for finishes but waits for room no
+    # more (Loads.ensure_resident). None where no request runs (a lease's holder).
+    gone: asyncio.Future[None] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

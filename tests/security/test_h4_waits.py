@@ -1,0 +1,55 @@
+"""An attacker's review of the wait for room (loads.py ensure_resident, SpaceFreed) and of
+requests whose peer went away: what a peer that may connect, but is not trusted, can make
+the daemon keep doing for it once it is gone."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ._util import MIB, Conn, code, write_checkpoint
+
+
+def _no_space_replies(d) -> int:
+    """Load requests the daemon answered NO_SPACE (logged at debug, sent or not)."""
+    return d.log_text().count(": load error NO_SPACE")
+
+
+def _wait_for(check, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met within the timeout"
+        time.sleep(0.05)
+
+
+def test_a_load_whose_peer_closed_stops_waiting_for_room(start_daemon, tmp_path):
+    """A `load` goes on after its peer closes the connection (docs/protocol.md), but it
+    must not go on *waiting for room*: a peer could connect, send 31 loads with a long
+    wait_s, close, and do it again, without end (the per-connection and per-uid limits
+    count open connections only). Each orphan lived up to request_timeout_s, held memory
+    and was woken, to try again, by every detach: 6,200 of them made each detach cost
+    ~130 ms of the event loop (measured on the CI machine)."""
+    ck = {n: write_checkpoint(tmp_path / f"{n}.safetensors", 8 * MIB, 40, seed=i) for i, n in enumerate("abc")}
+    d = start_daemon(budget="20MiB", models=ck)
+    holder = Conn(d.socket)
+    for i, n in enumerate("ab"):  # a and b attached: c cannot fit until one is detached
+        assert holder.call({"id": 10 + i, "op": "attach", "name": n})["ok"]
+        for fd in holder.take_fds():
+            os.close(fd)
+    gone = 0
+    for _ in range(4):
+        c = Conn(d.socket)
+        for j in range(8):
+            c.send({"id": 100 + j, "op": "load", "name": "c", "wait_s": 600})
+        assert c.call({"id": 200, "op": "status"})["ok"]  # the loads were read before the close
+        c.close()
+        gone += 8
+    _wait_for(lambda: _no_space_replies(d) >= gone)
+    # The daemon serves on: a live peer's load that waits for room gets it once a detaches.
+    live = Conn(d.socket)
+    live.send({"id": 1, "op": "load", "name": "c", "wait_s": 30})
+    assert holder.call({"id": 20, "op": "detach", "lease": 1})["ok"]
+    r = live.reply(1)
+    assert r is not None and r["ok"], r
+    assert r["model"]["state"] == "resident"
+    assert code(holder.call({"id": 21, "op": "status"})) is None
