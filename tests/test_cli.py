@@ -394,3 +394,12 @@ def test_wait_and_hold_take_durations_as_the_config_does(start_daemon, ckpts, ca
     with pytest.raises(SystemExit):
         main(["--socket", d.socket, "load", "tiny", "--wait", "5 min"])
     assert "not a duration: '5 min'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["bench", "workload"])
+def test_benchmarks_on_a_gpu_the_host_lacks_say_so_in_one_line(command, capsys):
+    import torch
+
+    device = "cuda:0" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    rc, out, err = cli(capsys, command, "--device", device)  # was torch's AssertionError traceback (bench)
+    assert rc == 2 and err.startswith(f"weightcache {command}: --device {device}: this host has"), err

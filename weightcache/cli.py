@@ -427,6 +427,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(workdir=args.workdir, restarts=args.restarts, model_mib=args.model_mib)
 
 
+def _no_such_device(device: str) -> str | None:
+    """Why the benchmarks cannot use ``device`` here, or None: on a host without a GPU
+    `bench --device cuda:0` (the README's command) ended in torch's traceback."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return "this host has no CUDA device torch can use (a CPU-only torch, or no GPU); use --device cpu"
+    ident = device.partition(":")[2]
+    if ident.isdigit() and int(ident) >= torch.cuda.device_count():
+        return f"this host has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.chart:  # render the chart of an earlier run's JSON
         from .tools.bench_report import write_chart
@@ -437,6 +452,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return 1
         print(f"wrote {png}")
         return 0
+    problem = _no_such_device(args.device)
+    if problem:
+        print(f"weightcache bench: --device {args.device}: {problem}", file=sys.stderr)
+        return 2
     from .tools.bench import BenchConfig, run_bench
 
     return run_bench(BenchConfig(size_gib=args.size_gib, tensors=args.tensors, device=args.device, attaches=args.attaches,
@@ -454,6 +473,10 @@ def cmd_workload(args: argparse.Namespace) -> int:
             return 1
         print(f"wrote {png}")
         return 0
+    problem = None if args.write_trace else _no_such_device(args.device)
+    if problem:
+        print(f"weightcache workload: --device {args.device}: {problem}", file=sys.stderr)
+        return 2
     from .tools.workload import run_workload, workload_config, write_trace_only
 
     try:
