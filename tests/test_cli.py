@@ -401,5 +401,5 @@ def test_benchmarks_on_a_gpu_the_host_lacks_say_so_in_one_line(command, capsys):
     import torch
 
     device = "cuda:0" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
-    rc, out, err = cli(capsys, command, "--device", device)  # was torch's AssertionError traceback (bench)
+    rc, _, err = cli(capsys, command, "--device", device)  # was torch's AssertionError traceback (bench)
     assert rc == 2 and err.startswith(f"weightcache {command}: --device {device}: this host has"), err
