@@ -205,6 +205,13 @@ def main() -> int:
                          "and transformers imported) and compare restart-to-first-logits with fresh processes")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local
+    if args.device.startswith("cuda"):
+        import torch
+
+        # On a host without the GPU this ended in torch's traceback from inside the build.
+        ordinal = args.device.partition(":")[2]
+        if not torch.cuda.is_available() or (ordinal.isdigit() and int(ordinal) >= torch.cuda.device_count()):
+            ap.error(f"--device {args.device}: this host has no such CUDA device torch can use; try --device cpu")
 
     from weightcache import SyncClient
     from weightcache.tools.spawn import DaemonProcess, config_text

@@ -21,3 +21,12 @@ def test_transformers_engine_example(tmp_path):
     assert "disk" in r.stdout and "cache" in r.stdout
     assert "restart  fresh (s)  supervised (s)" in r.stdout
     assert "recorded" in (tmp_path / "supervisor.log").read_text()  # its engine wrote the module record
+
+
+def test_a_gpu_the_host_lacks_is_one_line():
+    import torch
+
+    device = "cuda:0" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    r = subprocess.run([sys.executable, str(EXAMPLE), "--device", device], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]  # was torch's AssertionError
+    assert f"--device {device}: this host has no such CUDA device" in r.stderr
