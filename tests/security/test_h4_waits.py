@@ -4,6 +4,7 @@ the daemon keep doing for it once it is gone."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -53,3 +54,55 @@ def test_a_load_whose_peer_closed_stops_waiting_for_room(start_daemon, tmp_path)
     assert r is not None and r["ok"], r
     assert r["model"]["state"] == "resident"
     assert code(holder.call({"id": 21, "op": "status"})) is None
+
+
+async def test_keep_alive_goes_on_after_a_model_it_listed_was_attached_meanwhile():
+    """The keep_alive loop lists the expired models, then evicts them one by one, waiting
+    for each eviction's demotion (a GPU model's copy to the host tier). An engine that
+    attached the next listed model during that wait made ``evict`` raise ATTACHED: the
+    loop's task died, and no model ever expired again on that daemon. (The CPU backend
+    never waits there, so the wait is stood in for here.)"""
+    from weightcache.backends.cpu import CpuBackend
+    from weightcache.cache import CacheCore
+    from weightcache.config import ModelConfig, Settings
+    from weightcache.server.loads import Loads
+    from weightcache.server.registry import Registry
+
+    core = CacheCore({"cpu": 1 << 30})
+    registry = Registry(core, {"cpu": CpuBackend("cpu")}, access=None)
+    for n in ("x", "y"):
+        registry.register(ModelConfig(name=n, path=f"/nonexistent/{n}"))
+        core.set_keep_alive(n, 0)  # as a request's keep_alive=0 sets it
+        core.begin_load(n, 4096)
+        core.finish_load(n)
+    loads = Loads(Settings().daemon, core, registry, {"cpu": CpuBackend("cpu")}, lambda: False)
+    carry_out = loads.carry_out
+    lease = None
+
+    async def demoting(step, reason):  # the first eviction waits, and y is attached meanwhile
+        nonlocal lease
+        await carry_out(step, reason)
+        if lease is None:
+            lease = core.attach("y", conn=1)
+            await asyncio.sleep(0)
+
+    loads.carry_out = demoting  # type: ignore[method-assign]
+    task = asyncio.ensure_future(loads.keep_alive_loop())
+    try:
+        await _until(lambda: lease is not None)
+        assert core.entry("y").state.value == "resident"  # attached: kept
+        core.detach(lease.id, conn=1)
+        await _until(lambda: core.entry("y").state.value == "evicted" or task.done())
+        assert not task.done(), task.exception()
+        assert core.entry("x").state.value == "evicted"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        loads.io_pool.shutdown()
+
+
+async def _until(check, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met within the timeout"
+        await asyncio.sleep(0.05)

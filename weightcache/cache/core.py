@@ -772,11 +772,12 @@ class CacheCore:
 
     def expired(self) -> list[str]:
         """Unattached, unpinned resident models whose keep_alive has run out."""
-        now = self._clock()
-        return [
-            e.name for e in self.entries.values()
-            if e.evictable and e.keep_alive is not None and now - e.last_used >= e.keep_alive
-        ]
+        return [name for name in self.entries if self.is_expired(name)]
+
+    def is_expired(self, name: str) -> bool:
+        """Whether ``name`` is registered, unattached, unpinned, resident and past its keep_alive."""
+        e = self.entries.get(name)
+        return e is not None and e.evictable and e.keep_alive is not None and self._clock() - e.last_used >= e.keep_alive
 
     # -- leases ---------------------------------------------------------------------
     def attach(self, name: str, conn: int) -> Lease:

@@ -607,6 +607,11 @@ class Loads:
         while True:
             await asyncio.sleep(1.0)
             for name in self.core.expired():
+                # An eviction may wait for its demotion (a GPU model's copy to the host
+                # tier): a model listed may have been attached, used, or removed since,
+                # and evicting it then raised, ending this loop for good.
+                if not self.core.is_expired(name):
+                    continue
                 await self.carry_out(self.core.evict(name), reason="keep_alive expired")
                 await self.notify_space()
 
