@@ -66,6 +66,7 @@ def test_file_then_env_precedence(tmp_path, monkeypatch):
         ('[[models]]\nname = "bad name!"\npath = "/x"', "models.0.name"),
         ('[[models]]\nname = "m"\npath = "/x"\n[[models]]\nname = "m"\npath = "/y"', "appears twice"),
         ("[daemon\n", "not valid TOML"),
+        ("\udcff[daemon]", "is not UTF-8 text (byte 0)"),  # was a UnicodeDecodeError traceback
         ('[budgets]\ncpu = "1.5"', "budgets.cpu: "),  # was a budget of 1 byte
         ('[budgets]\ncpu = "1.5"', "for a size give a unit"),
         ('[budgets]\ncpu = "0"', "budgets.cpu: "),
@@ -90,7 +91,7 @@ def test_file_then_env_precedence(tmp_path, monkeypatch):
 )
 def test_invalid_configs_name_the_key(tmp_path, body, expect):
     cfg = tmp_path / "c.toml"
-    cfg.write_text(body + "\n")
+    cfg.write_text(body + "\n", errors="surrogateescape")  # lets a body hold a non-UTF-8 byte
     with pytest.raises(ConfigError) as info:
         load_settings(cfg)
     assert expect in info.value.message
@@ -219,3 +220,9 @@ def test_a_bad_value_from_the_environment_names_the_variable(tmp_path, monkeypat
     with pytest.raises(ConfigError) as info:
         load_settings(cfg)  # the message said "in c.toml", which holds no such key
     assert "daemon.loglevel: unknown key; did you mean 'log_level'? (from $WEIGHTCACHE_DAEMON__LOGLEVEL)" in info.value.message
+
+
+def test_a_config_path_that_is_a_directory_is_one_line(tmp_path):
+    with pytest.raises(ConfigError) as info:  # was IsADirectoryError's traceback
+        load_settings(tmp_path)
+    assert info.value.message == f"config file {tmp_path} cannot be read: Is a directory"

@@ -595,6 +595,10 @@ def load_settings(path: str | Path | None = None) -> Settings:
             data = tomllib.loads(p.read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file {p} does not exist") from None
+        except OSError as exc:  # a directory, no read permission: was a traceback (and INTERNAL on reload)
+            raise ConfigError(f"config file {p} cannot be read: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {p} is not UTF-8 text (byte {exc.start}): is it the TOML file?") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
         # Relative paths (the models' and the socket's) are relative to the config file,
