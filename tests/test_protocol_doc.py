@@ -30,3 +30,14 @@ async def test_models_pin_and_reload_replies_carry_the_documented_fields(start_d
     assert set(pinned) - {"id", "ok"} == {"model", "shards"}
     assert '`<- {"model": entry, "shards": [entry, ...]}`' in PROTOCOL  # pin / unpin
     assert set(report) == documented('`<- {"report": {', "`.") - {"report"}
+
+
+def test_the_published_fingerprint_formula_is_the_daemons():
+    """The document said "pub:" + sha256; the daemon sends "uid<N>:" + sha256."""
+    import hashlib
+
+    from weightcache import tenant_fingerprint
+
+    assert '`f"uid{uid}:" + sha256_hex(f"{uid}\\0{fingerprint}")`' in PROTOCOL
+    uid, fingerprint = 1000, "82a6b0f1+int8-v1"
+    assert tenant_fingerprint(fingerprint, uid) == f"uid{uid}:" + hashlib.sha256(f"{uid}\0{fingerprint}".encode()).hexdigest()
