@@ -403,3 +403,13 @@ def test_benchmarks_on_a_gpu_the_host_lacks_say_so_in_one_line(command, capsys):
     device = "cuda:0" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
     rc, _, err = cli(capsys, command, "--device", device)  # was torch's AssertionError traceback (bench)
     assert rc == 2 and err.startswith(f"weightcache {command}: --device {device}: this host has"), err
+
+
+def test_verify_of_a_published_model_says_it_has_no_files(start_daemon, capsys):
+    import torch
+
+    d = start_daemon()
+    with SyncClient(d.socket) as c:
+        c.publish("processed", {"w": torch.ones(4)}, fingerprint="x+int8")
+    rc, out, err = cli(capsys, "--socket", d.socket, "attach", "processed", "--verify")
+    assert rc == 2 and "--verify processed: nothing to compare with: it was published by an engine" in err, err

@@ -388,7 +388,14 @@ async def cmd_attach(args: argparse.Namespace) -> int:
                 print(f"attached {m.name}: lease {m.lease}, {len(m)} tensors, {_size(m.nbytes)} on {m.device} "
                       f"in {dt * 1e3:.2f} ms; fingerprint {m.fingerprint[:16]}")
             if args.verify:
-                path = next(x["path"] for x in await c.models() if x["name"] == args.name)
+                entry = next(x for x in await c.models() if x["name"] == args.name)
+                path = entry["path"]
+                if entry["origin"] == "publish" or path is None:
+                    # Was the loader's "published:NAME: checkpoint path does not exist".
+                    why = ("it was published by an engine and has no files" if entry["origin"] == "publish" else
+                           "the daemon shows its files only to its owner and admins")
+                    print(f"weightcache attach: --verify {args.name}: nothing to compare with: {why}", file=sys.stderr)
+                    return 2
                 from .client.verify import verify_against_files
 
                 bad = await asyncio.to_thread(verify_against_files, m, path)
