@@ -411,5 +411,5 @@ def test_verify_of_a_published_model_says_it_has_no_files(start_daemon, capsys):
     d = start_daemon()
     with SyncClient(d.socket) as c:
         c.publish("processed", {"w": torch.ones(4)}, fingerprint="x+int8")
-    rc, out, err = cli(capsys, "--socket", d.socket, "attach", "processed", "--verify")
+    rc, _, err = cli(capsys, "--socket", d.socket, "attach", "processed", "--verify")
     assert rc == 2 and "--verify processed: nothing to compare with: it was published by an engine" in err, err
