@@ -237,3 +237,11 @@ def test_the_readmes_configuration_is_valid(tmp_path, monkeypatch):
     monkeypatch.setattr("weightcache.config.grp.getgrnam", lambda name: SimpleNamespace(gr_gid=4242))
     s = load_settings(cfg)
     assert {m.name for m in s.models} == {"qwen-7b", "llama-70b-tp2", "mistral-7b", "llama-8b-tp2"}
+
+
+def test_a_missing_file_named_by_the_environment_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("WEIGHTCACHE_CONFIG", str(tmp_path / "gone.toml"))
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert info.value.message == f"config file {tmp_path / 'gone.toml'} does not exist (named by $WEIGHTCACHE_CONFIG; " \
+                                 "pass --config or fix the variable)"

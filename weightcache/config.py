@@ -587,6 +587,7 @@ def load_settings(path: str | Path | None = None) -> Settings:
 
     Raises :class:`ConfigError` with one line per problem, each naming the key.
     """
+    from_env = not path and bool(os.environ.get(CONFIG_ENV))
     path = path or os.environ.get(CONFIG_ENV)
     data: dict[str, Any] = {}
     if path:
@@ -594,7 +595,9 @@ def load_settings(path: str | Path | None = None) -> Settings:
         try:
             data = tomllib.loads(p.read_text())
         except FileNotFoundError:
-            raise ConfigError(f"config file {p} does not exist") from None
+            # A stale $WEIGHTCACHE_CONFIG in the environment is the likely cause: name it.
+            named = f" (named by ${CONFIG_ENV}; pass --config or fix the variable)" if from_env else ""
+            raise ConfigError(f"config file {p} does not exist{named}") from None
         except OSError as exc:  # a directory, no read permission: was a traceback (and INTERNAL on reload)
             raise ConfigError(f"config file {p} cannot be read: {exc.strerror}") from None
         except UnicodeDecodeError as exc:
