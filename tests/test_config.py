@@ -245,3 +245,18 @@ def test_a_missing_file_named_by_the_environment_says_so(tmp_path, monkeypatch):
         load_settings()
     assert info.value.message == f"config file {tmp_path / 'gone.toml'} does not exist (named by $WEIGHTCACHE_CONFIG; " \
                                  "pass --config or fix the variable)"
+
+
+def test_problems_of_one_model_are_one_line_each():
+    """For the daemon's register op, which answered with pydantic's four-line dump and URL."""
+    from pydantic import ValidationError
+
+    from weightcache.config import ModelConfig, problems
+
+    with pytest.raises(ValidationError) as info:
+        ModelConfig(name="bad name", path="/x", device="gpu", keep_alive=0, pth="/y")
+    lines = problems(info.value, ModelConfig)
+    assert lines[0].startswith("name: model name 'bad name' must be") and len(lines) == 4, lines
+    assert "device: device 'gpu' must be" in lines[1] and lines[2].startswith("keep_alive: keep_alive = 0")
+    assert lines[3] == "pth: unknown key; did you mean 'path'?"
+    assert not any("pydantic.dev" in line or "\n" in line for line in lines)

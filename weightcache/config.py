@@ -532,12 +532,31 @@ class Settings(BaseSettings):
         return (env_settings, init_settings)
 
 
-def _unknown_key(loc: tuple[int | str, ...]) -> str:
+def problems(exc: ValidationError, root: type[BaseModel] | None = None) -> list[str]:
+    """One line per problem of ``exc``, each naming its key: for the config file
+    (``root`` Settings, the default), or for one model the daemon is sent (``register``:
+    ``root=ModelConfig``), whose pydantic dump spanned four lines and a URL."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        # Our validators' messages are sentences, often naming the key themselves
+        # ("budgets.cpu: ..."): no "Value error, " before them, no key twice.
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = _unknown_key(err["loc"], root or Settings)
+        env = _env_name(err["loc"]) if root is None else None
+        if env:  # the file may be fine: say where the value came from
+            msg += f" (from ${env})"
+        lines.append(msg if not loc or msg.startswith((f"{loc}.", f"{loc}:")) else f"{loc}: {msg}")
+    return lines
+
+
+def _unknown_key(loc: tuple[int | str, ...], root: type[BaseModel]) -> str:
     """pydantic says "Extra inputs are not permitted"; an operator wants to hear that the
     key is unknown and which known one it is closest to ("sokcet": socket)."""
     import difflib
 
-    cls: Any = Settings
+    cls: Any = root
     for part in loc[:-1]:
         if isinstance(part, int):  # a [[models]] entry's index
             continue
@@ -620,18 +639,7 @@ def load_settings(path: str | Path | None = None) -> Settings:
     try:
         return Settings(**data)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            loc = ".".join(str(x) for x in err["loc"])
-            # Our validators' messages are sentences, often naming the key themselves
-            # ("budgets.cpu: ..."): no "Value error, " before them, no key twice.
-            msg = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "extra_forbidden":
-                msg = _unknown_key(err["loc"])
-            env = _env_name(err["loc"])
-            if env:  # the file may be fine: say where the value came from
-                msg += f" (from ${env})"
-            lines.append(msg if not loc or msg.startswith((f"{loc}.", f"{loc}:")) else f"{loc}: {msg}")
+        lines = problems(exc)
         where = f" in {path}" if path else ""
         raise ConfigError(f"invalid configuration{where}:\n  " + "\n  ".join(lines)) from None
 
