@@ -413,3 +413,10 @@ def test_verify_of_a_published_model_says_it_has_no_files(start_daemon, capsys):
         c.publish("processed", {"w": torch.ones(4)}, fingerprint="x+int8")
     rc, _, err = cli(capsys, "--socket", d.socket, "attach", "processed", "--verify")
     assert rc == 2 and "--verify processed: nothing to compare with: it was published by an engine" in err, err
+
+
+@pytest.mark.parametrize("value", ["-1", "0"])
+def test_register_keep_alive_of_0_or_minus_1_says_what_to_write(value, capsys, tmp_path):
+    rc, _, err = cli(capsys, "--socket", str(tmp_path / "none.sock"), "register", "m", str(tmp_path / "m.safetensors"),
+                     "--keep-alive", value)  # was "not a duration: '-1'", and for 0 the daemon's pydantic dump
+    assert rc == 2 and f"--keep-alive {value}: give a time > 0" in err and "weightcache load --keep-alive" in err, err

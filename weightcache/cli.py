@@ -298,10 +298,17 @@ async def cmd_register(args: argparse.Namespace) -> int:
     if (args.path is None) == (not args.shard):
         print("weightcache register: give PATH, or one --shard DEVICE=PATH per rank", file=sys.stderr)
         return 2
+    negative = (args.keep_alive or "").strip().startswith("-")
     try:
-        keep_alive = None if args.keep_alive is None else parse_duration(args.keep_alive)
+        keep_alive = None if args.keep_alive is None or negative else parse_duration(args.keep_alive)
     except ValueError as exc:
         print(f"weightcache register: --keep-alive: {exc}", file=sys.stderr)
+        return 2
+    if negative or (keep_alive is not None and keep_alive <= 0):
+        # load/attach take 0 and -1; a registered model's keep_alive is a time, as in the config
+        print(f"weightcache register: --keep-alive {args.keep_alive}: give a time > 0 such as 30m, or leave it out to "
+              "keep the model until its memory is needed (0 and -1 are for `weightcache load --keep-alive`)",
+              file=sys.stderr)
         return 2
     shards = None
     if args.shard:
