@@ -260,3 +260,14 @@ def test_problems_of_one_model_are_one_line_each():
     assert "device: device 'gpu' must be" in lines[1] and lines[2].startswith("keep_alive: keep_alive = 0")
     assert lines[3] == "pth: unknown key; did you mean 'path'?"
     assert not any("pydantic.dev" in line or "\n" in line for line in lines)
+
+
+def test_the_default_budget_is_the_documented_one(tmp_path):
+    """Without [budgets] the daemon holds up to half the host's memory on the CPU and no
+    GPU; neither README nor example.toml said so."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[daemon]\nsocket = "/tmp/x.sock"\n')
+    assert load_settings(cfg).budgets == {"cpu": Budget.parse("0.5")}
+    root = Path(__file__).parents[1]
+    assert 'Without a [budgets] table the daemon uses cpu = "0.5"' in (root / "configs" / "example.toml").read_text()
+    assert 'without this table: cpu = "0.5" and no GPU' in (root / "README.md").read_text()
