@@ -106,3 +106,57 @@ async def _until(check, timeout: float = 10.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "condition not met within the timeout"
         await asyncio.sleep(0.05)
+
+
+async def test_an_arena_is_freed_only_after_the_thread_filling_it_is_done(ckpts):
+    """A publish is cancelled when its peer closes the connection. The thread copying the
+    published bytes cannot be cancelled: the arena was freed while it still ran, and the
+    copy (or the seal after it) then made a new memfd of the arena's size for an arena
+    already freed, which nothing counted or freed again (memory outside every budget; on
+    a GPU, a copy into released memory). The load must wait for the thread, then free."""
+    import threading
+
+    from weightcache.backends.cpu import CpuBackend
+    from weightcache.cache import CacheCore
+    from weightcache.config import ModelConfig, Settings
+    from weightcache.loader.checkpoint import parse_checkpoint
+    from weightcache.loader.sources import open_source
+    from weightcache.server.loads import Loads
+    from weightcache.server.registry import Registry
+
+    backend = CpuBackend("cpu")
+    core = CacheCore({"cpu": 1 << 30})
+    registry = Registry(core, {"cpu": backend}, access=None)
+    registry.register(ModelConfig(name="m", path=ckpts["tiny"]))
+    loads = Loads(Settings().daemon, core, registry, {"cpu": backend}, lambda: False)
+    opened = open_source(ckpts["tiny"])
+    started, go, copied = threading.Event(), threading.Event(), threading.Event()
+    arenas = []
+
+    def slow_copy(ckpt, arena, progress):  # as CopyPublished: the memfd is made in the thread
+        arenas.append(arena)
+        started.set()
+        go.wait(10)
+        backend._make_memfd(arena)
+        copied.set()
+
+    try:
+        ckpt = parse_checkpoint(opened)
+        task = asyncio.ensure_future(loads.fill_new_arena("m", ckpt, backend.capacity(ckpt.arena_bytes), 0, slow_copy,
+                                                          verb="published"))
+        await asyncio.to_thread(started.wait, 10)
+        task.cancel()  # the peer went
+        await asyncio.sleep(0.2)  # the cancelled load's cleanup runs now, while the thread still copies
+        go.set()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.to_thread(copied.wait, 10)
+        while loads._releasing:
+            await asyncio.gather(*loads._releasing)
+        assert arenas and arenas[0].fd == -1 and arenas[0].mapping is None, "the arena's memfd outlived its load"
+        assert core.entry("m").state.value == "registered" and core.devices["cpu"].reserved == 0
+    finally:
+        go.set()
+        opened.close()
+        for a in arenas:
+            backend.free(a)
+        loads.io_pool.shutdown()

@@ -56,6 +56,24 @@ INTERNAL_CONN = -1
 FINISH_ORPHAN_AFTER = 0.5
 
 
+async def _to_thread_finished(fn: Callable[..., T], *args: Any, cleanup: Callable[[T], object] | None = None) -> T:
+    """``fn(*args)`` in a thread, as ``asyncio.to_thread``, except that a caller cancelled
+    meanwhile (a publish whose peer closed its connection, shutdown) waits for the thread
+    before it goes on: a thread cannot be stopped, and the caller's next step frees the
+    arena the thread works on. Freed under it, a CPU fill or seal made a new memfd of the
+    arena's size for an arena already freed (counted by no budget, never freed), and an
+    allocation that finished after its caller left was never freed: ``cleanup`` frees
+    what such a thread returns."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        if not fut.cancelled() and fut.exception() is None and cleanup is not None:
+            cleanup(fut.result())
+        raise
+
+
 @dataclass
 class LoadJob:
     """One load in flight: the requests waiting on it, and whether it was given up."""
@@ -484,9 +502,9 @@ class Loads:
                 phase("queued")
                 check_wanted()
                 allocate = backend.allocate_as_room_frees if lazy else backend.allocate
-                arena = await asyncio.to_thread(allocate, nbytes, name)
+                arena = await _to_thread_finished(allocate, nbytes, name, cleanup=self.release)
                 phase("allocate")
-                content = await asyncio.to_thread(fill, ckpt, arena, progress)
+                content = await _to_thread_finished(fill, ckpt, arena, progress)
                 phase("fill")
                 if content is not None:  # read from files: the fingerprint of the bytes just read
                     # A peer's model: nobody may pass it off as the operator's (tenant_fingerprint).
@@ -497,7 +515,7 @@ class Loads:
                     # victim's next chunk, the chunks it already has are still copying.
                     phases["room wait in fill"] = arena.room_wait_s
                 check_wanted()
-                await asyncio.to_thread(backend.seal, arena)
+                await _to_thread_finished(backend.seal, arena)
                 phase("seal")
             # Encoded once, spliced into every attach reply: a 600,000-row table encoded
             # per attach cost ~2 s of loop time each.
