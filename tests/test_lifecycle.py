@@ -62,8 +62,14 @@ async def test_register_at_runtime_and_bad_register(start_daemon, ckpts):
             await c.register("late", ckpts["tiny"])
         with pytest.raises(BadRequest, match="no budget"):
             await c.register("gpu", ckpts["tiny"], device="cuda:3")
-        with pytest.raises(BadRequest, match="invalid model"):
+        with pytest.raises(BadRequest, match="invalid model: name: model name 'bad name' must be"):
             await c.register("bad name", ckpts["tiny"])
+        # One line naming the key, as the config file's errors do (pydantic's own dump
+        # spanned four lines and a URL).
+        with pytest.raises(BadRequest) as bad:
+            await c.register("late2", ckpts["tiny"], keep_alive="xyz")
+        assert str(bad.value).startswith("BAD_REQUEST: invalid model: keep_alive: not a duration: 'xyz'")
+        assert "\n" not in str(bad.value) and "pydantic" not in str(bad.value)
 
 
 def test_sigterm_shutdown_with_live_leases_removes_the_socket(start_daemon, ckpts):

@@ -14,9 +14,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from ..cache import State
 from ..cache.quotas import tenant_keys
-from ..config import ModelConfig, check_model_name, under_roots
+from ..config import ModelConfig, check_model_name, problems, under_roots
 from ..errors import Attached, BadRequest, LimitExceeded, PermissionDenied, Pinned
 from ..loader import OpenedSource, adopt_fds
 from ..loader.published import published_checkpoint
@@ -42,10 +44,7 @@ async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
                                op="register")
     fields = {k: req.args[k] for k in ("name", "path", "device", "shards", "pin", "preload", "keep_alive", *ACCESS_FIELDS)
               if k in req.args}
-    try:
-        mc = _private_unless_listed(ModelConfig(**fields), caller.peer, admin)
-    except Exception as exc:
-        raise BadRequest(f"invalid model: {exc}") from None
+    mc = _private_unless_listed(_model_config(fields), caller.peer, admin)
     if mc.pin and not admin:
         raise PermissionDenied("pinning is for administrators", op="register", argument="pin")
     sources: list[OpenedSource] | None = None
@@ -76,6 +75,15 @@ async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
 
 # Who may use a model, as register and publish take them (config.ModelConfig).
 ACCESS_FIELDS = ("allowed_uids", "allowed_gids")
+
+
+def _model_config(fields: dict[str, Any]) -> ModelConfig:
+    """A model a peer sends, validated as a config file's [[models]] entry would be; its
+    problems as one line naming each key (pydantic's own dump spans lines and a URL)."""
+    try:
+        return ModelConfig(**fields)
+    except ValidationError as exc:
+        raise BadRequest("invalid model: " + "; ".join(problems(exc, ModelConfig))) from None
 
 
 def _private_unless_listed(mc: ModelConfig, peer: Peer, admin: bool) -> ModelConfig:
@@ -150,12 +158,10 @@ async def publish(ctx: Context, caller: Caller, req: Request) -> Reply:
     if nbytes <= 0:  # more than the budget is NO_SPACE at admission, like any load
         raise BadRequest(f"arena nbytes must be positive, got {nbytes}", argument="nbytes")
     wait = ctx.wait_arg(req)
-    try:  # checked before anything is opened; the path is the published memory's, set below
-        access = _private_unless_listed(
-            ModelConfig(name=name, path=Path("."), device=device, **{k: req.args[k] for k in ACCESS_FIELDS if k in req.args}),
-            caller.peer, ctx.access.is_admin(caller.peer))
-    except Exception as exc:
-        raise BadRequest(f"invalid model: {exc}") from None
+    # Checked before anything is opened; the path is the published memory's, set below.
+    access = _private_unless_listed(
+        _model_config({"name": name, "path": Path("."), "device": device, **{k: req.args[k] for k in ACCESS_FIELDS if k in req.args}}),
+        caller.peer, ctx.access.is_admin(caller.peer))
     fingerprint = tenant_fingerprint(req.arg("fingerprint", str), caller.peer.uid)
     loads = ctx.loads
     ckpt = await loads.io(published_checkpoint, name, req.arg("tensors", list), nbytes, fingerprint)
