@@ -99,4 +99,20 @@ def test_a_budget_for_a_gpu_the_host_lacks_is_one_line_exit_2(fmt, sockdir, tmp_
     assert proc.returncode == 2, proc.stdout + proc.stderr
     err = the_error_line(proc.stdout + proc.stderr, fmt)
     assert err["msg"].startswith("budgets.cuda:99: ") and "remove the budget" in err["msg"], err
+    if fmt == "json":  # the key as a field, as for the socket's errors (docs/deployment.md)
+        assert err["key"] == "budgets.cuda:99", err
+    assert not os.path.exists(sock)
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_budget_over_the_device_memory_is_one_line_exit_2(fmt, sockdir, tmp_path):
+    sock = sockdir / "d.sock"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(config_text(str(sock), {"cpu": "64TiB"}, [], {"log_format": fmt}))
+    proc = serve(cfg)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = the_error_line(proc.stdout + proc.stderr, fmt)
+    assert err["msg"].startswith("budgets.cpu: ") and "is more than the device's" in err["msg"], err
+    if fmt == "json":
+        assert err["key"] == "budgets.cpu", err
     assert not os.path.exists(sock)

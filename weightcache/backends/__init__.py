@@ -21,10 +21,10 @@ def backend_for(device: str) -> Backend:
             return CudaBackend(device)
         except ImportError as exc:
             raise ConfigError(f"budgets.{device}: CUDA support is not installed ({exc}); on a GPU host run "
-                              "`pip install 'weightcache[cuda]'`, on a host without one remove the budget") from None
+                              "`pip install 'weightcache[cuda]'`, on a host without one remove the budget", key=f"budgets.{device}") from None
         except WeightcacheError as exc:  # no such device or UUID, the driver refused (cuda_driver.CudaError)
             raise ConfigError(f"budgets.{device}: {exc.message}; name a GPU this host has (nvidia-smi -L lists them), "
-                              "or remove the budget") from None
+                              "or remove the budget", key=f"budgets.{device}") from None
     raise ValueError(f"no backend for device {device!r}")
 
 

@@ -91,7 +91,7 @@ def build(settings: Settings, config_path: str | None = None) -> Daemon:
         total = backend.total_memory()
         if budget.nbytes is not None and budget.nbytes > total:
             raise ConfigError(f"budgets.{device}: {budget} is more than the device's {format_size(total)}; "
-                              "give a size it has, or a fraction such as \"0.8\"")
+                              "give a size it has, or a fraction such as \"0.8\"", key=f"budgets.{device}")
         budgets[device] = budget.resolve(total)
         backend.limit(budgets[device])
         log.info("device %s: backend %s, budget %d bytes (%s)", device, backend.kind, budgets[device], budget)
@@ -120,7 +120,7 @@ def run_daemon(settings: Settings, config_path: str | None = None) -> int:
         check_socket_path(Path(settings.daemon.socket))  # before the devices: nothing made yet
         uvloop.run(_main(settings, config_path))
     except (StartupError, ConfigError) as exc:
-        fields = exc.fields if isinstance(exc, StartupError) else {"code": exc.code}
+        fields = exc.fields if isinstance(exc, StartupError) else {"code": exc.code, **exc.details}
         log.error("%s", exc.message, extra=fields)
         _exit_past_stuck_threads(2)
         return 2
