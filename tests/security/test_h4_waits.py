@@ -160,3 +160,36 @@ async def test_an_arena_is_freed_only_after_the_thread_filling_it_is_done(ckpts)
         for a in arenas:
             backend.free(a)
         loads.io_pool.shutdown()
+
+
+async def test_a_peer_cannot_take_a_name_the_reload_is_adding(tmp_path, ckpts):
+    """The config wins a name (docs/protocol.md, reload): a peer's model of a name the
+    config now uses is displaced. The reload checked the new model's files (in the io
+    pool, an await) *after* displacing the peer's model and before registering the
+    config's: a peer that registered the name again in that window made the reload fail
+    half done (BAD_REQUEST "already registered") and kept the name."""
+    from weightcache.config import ModelConfig, load_settings
+    from weightcache.server.main import build
+    from weightcache.tools.spawn import config_text
+
+    cfg = tmp_path / "d.toml"
+    sock = str(tmp_path / "s.sock")
+    cfg.write_text(config_text(sock, {"cpu": "64MiB"}, [], {}))
+    daemon = build(load_settings(str(cfg)), str(cfg))
+    peer = ModelConfig(name="x", path=ckpts["b"])
+    daemon.registry.register(peer, origin="register", owner=4242)
+    cfg.write_text(config_text(sock, {"cpu": "64MiB"}, [{"name": "x", "path": str(ckpts["a"])}], {}))
+    check = daemon._checkpoint_problem
+
+    async def squatting(mc):  # a peer registers the name again while the files are checked
+        if "x" not in daemon.registry.groups:
+            daemon.registry.register(peer, origin="register", owner=4242)
+        return await check(mc)
+
+    daemon._checkpoint_problem = squatting  # type: ignore[method-assign]
+    try:
+        report = await daemon.reload_config()
+        assert report["displaced"] == ["x"] and report["added"] == ["x"], report
+        assert daemon.registry.first("x").origin == "config"
+    finally:
+        await daemon.loads.close()

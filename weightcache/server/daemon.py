@@ -265,6 +265,12 @@ class Daemon:
             self.loads.forget_preload(name)
             report["changed" if name in wanted else "removed"].append(name)
         for name, mc in wanted.items():
+            if name in registry.groups and registry.first(name).origin == "config":
+                continue  # unchanged: the config's own model stands
+            # Checked before the peer's model of that name is displaced, so that no await
+            # lies between displacing it and registering the config's: a peer that
+            # registered the name again meanwhile made the reload fail half done.
+            reason = None if name in report["changed"] else await self._checkpoint_problem(mc)
             if name in registry.groups and registry.first(name).origin != "config":
                 # The config names it: the operator's model wins over a peer's of that name
                 # (else a tenant could take a name before the operator adds it).
@@ -279,8 +285,7 @@ class Daemon:
                 if missing:
                     report["kept"].append(f"{name}: device {missing[0]} has no backend in the running daemon")
                     continue
-                # Checked before it is registered: what `models` shows from then on is final.
-                reason = None if name in report["changed"] else await self._checkpoint_problem(mc)
+                # Checked before it is registered (above): what `models` shows from then on is final.
                 registry.register(mc)
                 if name not in report["changed"]:
                     report["added"].append(name)
