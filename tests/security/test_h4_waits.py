@@ -7,8 +7,12 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from typing import Any
 
-from ._util import MIB, Conn, code, write_checkpoint
+from helpers import NOBODY, as_uid, root_only
+
+from ._util import MIB, OTHER, Conn, calls, code, multi_tenant, write_checkpoint
+from .test_tenants import TENANTS, _checkpoints, _register
 
 
 def _no_space_replies(d) -> int:
@@ -193,3 +197,30 @@ async def test_a_peer_cannot_take_a_name_the_reload_is_adding(tmp_path, ckpts):
         assert daemon.registry.first("x").origin == "config"
     finally:
         await daemon.loads.close()
+
+
+@root_only
+def test_a_kept_quota_error_does_not_tell_another_tenant_what_the_owner_holds(start_daemon):
+    """The NO_SPACE reply of a load over its owner's quota hides the owner's usage from
+    another tenant (handlers._own_quota_only); the load also keeps the error as the
+    model's ``last_error``, which ``models`` shows to every peer that may use the model:
+    it must not carry the owner's quota_bytes, quota_used or "hold N now" either (it holds:
+    a non-owner gets last_error redacted)."""
+    priv, shared = _checkpoints(2, 2 * MIB)
+    d = multi_tenant(start_daemon, TENANTS, budget="64MiB")
+    d.config.write_text(d.config.read_text() + f'\n[quotas."uid:{NOBODY}"]\nbytes = {{ cpu = "3MiB" }}\npins = 1\n')
+    (r,) = calls(d.socket, [{"id": 1, "op": "reload"}])
+    assert f"quotas: uid:{NOBODY}" in r["report"]["budgets"], r
+
+    def owner() -> list[Any]:  # a private model, loaded and pinned, and one OTHER may use
+        return [_register(d.socket, "priv", priv), _register(d.socket, "shared", shared, allowed_uids=[OTHER]),
+                *calls(d.socket, [{"id": 1, "op": "load", "name": "priv"}, {"id": 2, "op": "pin", "name": "priv"}])]
+
+    assert all(code(x) is None and "error" not in x for x in as_uid(NOBODY, owner))
+    err, models = as_uid(OTHER, lambda: calls(d.socket, [{"id": 1, "op": "load", "name": "shared"}, {"id": 2, "op": "models"}]))
+    assert code(err) == "NO_SPACE", err
+    kept = next(m for m in models["models"] if m["name"] == "shared")["last_error"]
+    assert kept is not None and kept["code"] == "NO_SPACE", kept
+    assert "quota_used" not in kept and "quota_bytes" not in kept and "hold" not in kept["message"], kept
+    (mine,) = as_uid(NOBODY, lambda: calls(d.socket, [{"id": 1, "op": "models"}]))  # the owner is told
+    assert next(m for m in mine["models"] if m["name"] == "shared")["last_error"]["quota_used"] > 0
