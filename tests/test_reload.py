@@ -6,11 +6,13 @@ model whose file is bad shows its reason in `models` from the start."""
 import asyncio
 import signal
 
+import pytest
 from conftest import eventually
 from helpers import states
 
 from weightcache import Client
 from weightcache.cli import main
+from weightcache.errors import WeightcacheError
 
 
 async def test_policy_change_keeps_the_model_resident_and_a_runtime_pin(start_daemon, ckpts):
@@ -114,6 +116,31 @@ async def test_bad_config_models_show_their_error_from_the_start(start_daemon, c
         assert not (await c.reload())["failed"]
         got = await errors()
         assert got["new"] == "" and "a2.safetensors" in got["a"]
+
+
+async def test_a_load_failing_on_the_files_before_the_check_still_shows_error(start_daemon, ckpts, tmp_path):
+    """The check's verdict decides the state, whichever error came first: a load (or a
+    preload racing the start-up check) that failed on the same files first kept its own
+    error in last_error, and the model showed "registered" after the check failed too."""
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(ckpts["tiny"].read_bytes())
+    d = start_daemon(models={"m": path})
+    async with Client(d.socket) as c:
+        await eventually(lambda: _state(c, "m", "registered"))
+        path.write_bytes(b"\x80\x04pickle, not safetensors" * 8)
+        with pytest.raises(WeightcacheError):
+            await c.load("m")
+        report = await c.reload()  # unchanged config: the models' files are checked again
+        assert not report["failed"]
+        entry = {m["name"]: m for m in await c.models()}["m"]
+        assert entry["state"] == "error" and "pickle" in entry["last_error"]["message"], entry
+        path.write_bytes(ckpts["tiny"].read_bytes())  # fixed: the next check clears it
+        await c.reload()
+        assert {m["name"]: m["state"] for m in await c.models()}["m"] == "registered"
+
+
+async def _state(c, name: str, state: str) -> bool:
+    return {m["name"]: m["state"] for m in await c.models()}[name] == state
 
 
 async def _both(errors) -> bool:

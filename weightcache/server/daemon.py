@@ -353,6 +353,7 @@ class Daemon:
             if reason is None:  # fixed since the last check: its error no longer applies
                 for entry in self.registry.groups[name]:
                     m = self.registry.models[entry]
+                    m.check_failed = None
                     if m.last_error is not None and m.last_error.get("reason") == CHECK_FAILED:
                         m.last_error = None
                 continue
@@ -363,8 +364,10 @@ class Daemon:
     def _mark_bad(self, name: str, reason: str) -> None:
         err = LoadFailed(f"{name}: {reason}", model=name, reason=CHECK_FAILED).to_wire()
         for entry in self.registry.groups[name]:
-            if self.registry.models[entry].last_error is None:  # a real load's error says more
-                self.registry.models[entry].last_error = err
+            m = self.registry.models[entry]
+            m.check_failed = reason
+            if m.last_error is None:  # a real load's error says more
+                m.last_error = err
         log.error("model %s cannot be loaded: %s", name, reason, extra={"model": name, "code": err["code"]})
 
     async def _reload_max_loaded(self, new: Settings, report: dict[str, list[str]]) -> None:

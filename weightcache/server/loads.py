@@ -545,6 +545,7 @@ class Loads:
         finally:
             self.progress.pop(name, None)
         model.arena, model.checkpoint, model.table, model.last_error = arena, ckpt, table, None
+        model.check_failed = None
         if not self.core.finish_load(name).host_copy:  # a promotion's copy the core did not keep
             self.drop_host_copy(model)
         if verb in ("loaded", "promoted"):  # what the cost-aware policy prices a return with

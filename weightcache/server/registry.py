@@ -25,7 +25,8 @@ from ..units import format_size
 from .access import AccessPolicy, Peer
 
 # The reason of a model's last_error when the start or reload check of its files failed
-# (a path typo, not a safetensors file): ``models`` then shows its state as "error".
+# (a path typo, not a safetensors file); ``models`` then shows its state as "error"
+# (Model.check_failed), whichever error came first.
 CHECK_FAILED = "checkpoint check failed"
 
 # Where a model came from: the operator's config file, a peer's register, a peer's publish.
@@ -51,6 +52,10 @@ class Model:
     arena: Arena | None = None
     host: HostCopy | None = None  # the backend's host-tier copy while the model is HOST
     last_error: dict[str, Any] | None = None
+    # Why the last check of its files (start, reload) failed; None once one passes or a
+    # load succeeds. Kept apart from last_error: a load that failed on the same files
+    # first (a preload racing the check) keeps its own, more detailed, error there.
+    check_failed: str | None = None
     # A device = "auto" rank has one entry per candidate device (a replica); ``slot`` is
     # the rank's name (``model``, or ``model@0``) they share. None: not placed automatically.
     slot: str | None = None
@@ -305,8 +310,7 @@ class Registry:
         m = self.models[name]
         private = not self.may_see(viewer, m)
         idle = self.core.idle_s(name)
-        unloadable = (e.state in (State.REGISTERED, State.EVICTED) and m.last_error is not None
-                      and m.last_error.get("reason") == CHECK_FAILED)
+        unloadable = e.state in (State.REGISTERED, State.EVICTED) and m.check_failed is not None
         return {
             "name": name, "state": "error" if unloadable else str(e.state), "device": e.device,
             "device_uuid": self.backends[e.device].uuid, "nbytes": e.nbytes,
