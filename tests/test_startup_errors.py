@@ -116,3 +116,26 @@ def test_a_budget_over_the_device_memory_is_one_line_exit_2(fmt, sockdir, tmp_pa
     if fmt == "json":
         assert err["key"] == "budgets.cpu", err
     assert not os.path.exists(sock)
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_socket_group_the_daemons_user_is_not_in_names_the_key(fmt, sockdir, tmp_path):
+    # chown(2) to a group needs membership: a daemon run as a user outside socket_group
+    # failed with "daemon.socket: cannot serve on ...: Operation not permitted", which sent
+    # the operator to the socket path rather than to the group. The kernel's EPERM is
+    # simulated (these tests run as root, whom chown never refuses; a child dropped to
+    # nobody cannot import the interpreter's standard library from under /root).
+    sock, cfg = sockdir / "d.sock", tmp_path / "c.toml"
+    cfg.write_text(config_text(str(sock), {"cpu": "16MiB"}, [], {"log_format": fmt, "socket_group": "root"}))
+    refuse = ("import errno, os, sys\n"
+              "def chown(*a, **k): raise PermissionError(errno.EPERM, 'Operation not permitted')\n"
+              "os.chown = chown\n"
+              "from weightcache.cli import main\n"
+              "sys.exit(main(['serve', '--config', sys.argv[1]]))\n")
+    proc = subprocess.run([sys.executable, "-c", refuse, str(cfg)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = the_error_line(proc.stdout + proc.stderr, fmt)
+    assert err["msg"].startswith("daemon.socket_group: ") and "not a member" in err["msg"], err
+    if fmt == "json":
+        assert err["key"] == "daemon.socket_group", err
+    assert not os.path.exists(sock)

@@ -20,7 +20,7 @@ from ..backends import Backend
 from ..cache import CacheCore
 from ..cache.quotas import Quota
 from ..config import AUTO, ModelConfig, Settings, load_settings
-from ..errors import BadRequest, LoadFailed, NoSpace, WeightcacheError
+from ..errors import BadRequest, ConfigError, LoadFailed, NoSpace, WeightcacheError
 from ..loader import OpenedSource, open_source, parse_checkpoint
 from ..systemd import sd_notify
 from .access import AccessPolicy, check_socket_dir, resolve_gid
@@ -125,7 +125,15 @@ class Daemon:
         finally:
             os.umask(old_umask)
         if d.socket_group is not None:
-            os.chown(path, -1, resolve_gid(d.socket_group))
+            try:
+                os.chown(path, -1, resolve_gid(d.socket_group))
+            except PermissionError:
+                # chown(2) to a group needs membership of it: name the key, not the socket.
+                sock.close()
+                os.unlink(path)
+                raise ConfigError(f"daemon.socket_group: cannot give {path} to group {d.socket_group!r}: the daemon's "
+                                  f"user (uid {os.geteuid()}) is not a member; add it to the group (systemd: "
+                                  "SupplementaryGroups=) or run the daemon as root", key="daemon.socket_group") from None
         os.chmod(path, d.socket_mode)
         sock.listen(512)
         return sock
