@@ -101,6 +101,8 @@ async def test_bad_config_models_show_their_error_from_the_start(start_daemon, c
         got = await errors()
         assert got["a"] == "" and "gone.safetensors" in got["gone"] and got["junk"].startswith("junk: ")
         assert {m["name"]: m["state"] for m in await c.models()}["gone"] == "error"  # its files failed the check
+        line = next(x for x in d.log_text().splitlines() if "model gone cannot be loaded" in x)
+        assert "gone.safetensors" in line and "then run `weightcache reload`" in line, line  # says what to do
         # a reload that adds a bad model registers it, shows why, and fails
         d.config.write_text(d.config.read_text() + f'[[models]]\nname = "new"\npath = "{tmp_path}/new.safetensors"\n')
         report = await c.reload()

@@ -376,7 +376,9 @@ class Daemon:
             m.check_failed = reason
             if m.last_error is None:  # a real load's error says more
                 m.last_error = err
-        log.error("model %s cannot be loaded: %s", name, reason, extra={"model": name, "code": err["code"]})
+        log.error("model %s cannot be loaded: %s; fix the file or the model's path in the config, then run "
+                  "`weightcache reload` (until then `weightcache models` shows it as error)", name, reason,
+                  extra={"model": name, "code": err["code"]})
 
     async def _reload_max_loaded(self, new: Settings, report: dict[str, list[str]]) -> None:
         """Apply a changed daemon.max_loaded_models in place: a lowered count evicts
