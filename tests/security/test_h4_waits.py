@@ -5,11 +5,14 @@ the daemon keep doing for it once it is gone."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from typing import Any
 
 from helpers import NOBODY, as_uid, root_only
+
+from weightcache.protocol import encode_frame
 
 from ._util import MIB, OTHER, Conn, calls, code, multi_tenant, write_checkpoint
 from .test_tenants import TENANTS, _checkpoints, _register
@@ -224,3 +227,53 @@ def test_a_kept_quota_error_does_not_tell_another_tenant_what_the_owner_holds(st
     assert "quota_used" not in kept and "quota_bytes" not in kept and "hold" not in kept["message"], kept
     (mine,) = as_uid(NOBODY, lambda: calls(d.socket, [{"id": 1, "op": "models"}]))  # the owner is told
     assert next(m for m in mine["models"] if m["name"] == "shared")["last_error"]["quota_used"] > 0
+
+
+@root_only
+def test_a_peer_that_does_not_read_its_attach_replies_cannot_hold_the_daemons_fds(start_daemon, tmp_path):
+    """Every fd an attach reply carries stays "in flight" until the peer reads the reply,
+    and Linux counts fds in flight against the *sender's* RLIMIT_NOFILE: past it every
+    sendmsg with fds fails ETOOMANYREFS (unless the daemon has CAP_SYS_ADMIN or
+    CAP_SYS_RESOURCE; the shipped unit runs it as its own user). A peer pipelining
+    attaches it never read had ~200 replies per connection in flight; with 16
+    connections and the daemon at 2048 fds, every other peer's attach then went
+    unanswered, its lease granted. The daemon now sends a uid's peers at most
+    max_fds_per_uid fds they have not read (a connection with none unread always gets
+    its next reply), so this test counts the replies it lets wait."""
+    f = write_checkpoint(tmp_path / "a.safetensors", 64 * 1024, 4, seed=3)
+    d = multi_tenant(start_daemon, models={"a": f}, extra={"max_fds_per_uid": 64})
+    greedy = [Conn(d.socket) for _ in range(4)]
+    sent = []
+    for c in greedy:
+        c.sock.setblocking(False)
+        n = 0
+        with contextlib.suppress(BlockingIOError):
+            for i in range(400):
+                frame = encode_frame({"id": 10 + i, "op": "attach", "name": "a"})
+                assert c.sock.send(frame) == len(frame)  # whole frames only: small ones fit or fail
+                n += 1
+        sent.append(n)
+        c.sock.settimeout(30)
+    # Another tenant is served meanwhile; the greedy one's replies wait, not in flight.
+    (r,) = as_uid(NOBODY, lambda: calls(d.socket, [{"id": 1, "op": "attach", "name": "a"}]))
+    assert r["ok"], r
+    probe = Conn(d.socket)
+
+    def leases() -> int:
+        return int(probe.call({"id": 1, "op": "status"})["leases"])
+
+    # The attaches the daemon read and granted: each connection's in-flight requests
+    # (at most max_requests_per_connection) plus the replies it was let send unread.
+    settled = -1
+    while settled != (now := leases()):
+        settled = now
+        time.sleep(0.3)
+    assert settled <= 64 + 4 * 32 + 4, settled
+    # Nothing is lost: a peer that reads gets every reply (and its fds).
+    c = greedy[0]
+    got = [c.reply(10 + i) for i in range(sent[0])]
+    assert all(x is not None and x["ok"] and x["fds"] == 1 for x in got), got[:3]
+    assert len(c.take_fds()) == sent[0]
+    for c in greedy:
+        c.close()
+    probe.close()

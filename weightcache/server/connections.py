@@ -16,7 +16,9 @@ unbounded memory, fds, threads or loop time, or delay another connection:
   for hello, and half-received frames summed over every connection
   (max_partial_frame_bytes);
 - fds: only with a frame's first bytes, at most max_fds_per_frame, and at most
-  max_fds_per_uid waiting for frames not yet complete;
+  max_fds_per_uid waiting for frames not yet complete; and, the other way, at most
+  max_fds_per_uid sent to a uid's peers that they have not read (Connections._fds_out):
+  the kernel counts fds in flight against the daemon's RLIMIT_NOFILE;
 - decoding: msgpack's structural limits (framing.decode_payload) bound loop time; big
   tables are validated in the io pool and attach tables are encoded once.
 """
@@ -25,10 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import itertools
 import logging
 import os
 import socket
+import struct
+import termios
 import time
 from collections import deque
 from collections.abc import Callable
@@ -79,6 +84,8 @@ class Connection:
     # Set while the daemon may read more requests: fewer than max_requests_per_connection
     # in flight and at most max_queued_reply_bytes of replies the peer has not read.
     readable: asyncio.Event = field(default_factory=asyncio.Event)
+    # fds sent since the peer was last seen to have read everything (Connections._fds_out)
+    fds_out: int = 0
     # Done once the peer is gone: its loads go on, but stop waiting for room (Caller.gone).
     gone: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -414,10 +421,40 @@ class Connections:
                 os.close(fd)
 
     # -- sending --------------------------------------------------------------------
+    def _unread_fds(self, uid: int) -> int:
+        """fds sent to ``uid``'s connections that their peers may not have read yet; a
+        connection whose send queue is empty (SIOCOUTQ) has read all of its."""
+        total = 0
+        for c in self.conns.values():
+            if c.peer.uid == uid and c.fds_out:
+                try:
+                    queued = struct.unpack("i", fcntl.ioctl(c.sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+                except OSError:
+                    queued = 0  # closed: its fds went with it
+                if not queued:
+                    c.fds_out = 0
+                total += c.fds_out
+        return total
+
+    async def _fds_out(self, conn: Connection, n: int) -> None:
+        """Wait until ``n`` more fds may go to ``conn``. An fd sent over a Unix socket stays
+        "in flight" until the peer reads it, and Linux counts those against the sender's
+        RLIMIT_NOFILE: a tenant that pipelined attaches without reading their replies
+        held thousands, and past the limit every peer's reply with fds failed
+        (ETOOMANYREFS). So a uid's peers get at most max_fds_per_uid fds they have not
+        read; a connection with none unread always gets its next reply (a reply may
+        carry more). The peer's reading gives no event: polled while over."""
+        limit = self.settings.max_fds_per_uid
+        while conn.fds_out and self._unread_fds(conn.peer.uid) + n > limit and conn.id in self.conns:
+            await asyncio.sleep(0.01)
+        conn.fds_out += n
+
     async def _send(self, conn: Connection, msg: dict[str, Any], fds: list[int] | None = None) -> None:
         if fds:
             msg["fds"] = len(fds)
         async with conn.write_lock:
+            if fds:
+                await self._fds_out(conn, len(fds))
             # Encoded under the lock: replies waiting for a peer that does not read hold
             # their (small, or shared) reply maps, never a second copy of their bytes.
             frame = encode_reply(msg)
