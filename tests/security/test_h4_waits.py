@@ -10,11 +10,12 @@ import os
 import time
 from typing import Any
 
+import pytest
 from helpers import NOBODY, as_uid, root_only
 
 from weightcache.protocol import encode_frame
 
-from ._util import MIB, OTHER, Conn, calls, code, multi_tenant, write_checkpoint
+from ._util import MIB, OTHER, Conn, calls, code, config_text, multi_tenant, write_checkpoint
 from .test_tenants import TENANTS, _checkpoints, _register
 
 
@@ -277,3 +278,59 @@ def test_a_peer_that_does_not_read_its_attach_replies_cannot_hold_the_daemons_fd
     for c in greedy:
         c.close()
     probe.close()
+
+
+def test_a_reply_the_kernel_refuses_closes_the_connection_instead_of_hanging_it(tmp_path):
+    """A reply whose sendmsg fails while the peer is still there (ETOOMANYREFS: fds in
+    flight past the daemon's RLIMIT_NOFILE, for a daemon without CAP_SYS_ADMIN or
+    CAP_SYS_RESOURCE) was dropped with a debug line: the peer waited for it forever, the
+    lease it granted held. The connection is closed instead (its leases end, the peer
+    sees an error). Here max_fds_per_uid is raised past the daemon's open-file limit so
+    that one peer's unread replies reach it, and the daemon runs without those two
+    capabilities (setpriv), as the shipped unit runs it."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv")
+    f = write_checkpoint(tmp_path / "a.safetensors", 64 * 1024, 4, seed=4)
+    sock = f"/tmp/wc-refs-{os.getpid()}.sock"
+    cfg = tmp_path / "d.toml"
+    cfg.write_text(config_text(sock, {"cpu": "64MiB"}, [{"name": "a", "path": str(f)}],
+                               {"log_level": "debug", "max_fds_per_uid": 100_000, "shutdown_grace_s": 1}))
+    log = tmp_path / "d.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["setpriv", "--bounding-set", "-sys_admin,-sys_resource", "--inh-caps",
+                                 "-sys_admin,-sys_resource", "--", "prlimit", "--nofile=512:512", "--",
+                                 sys.executable, "-m", "weightcache", "serve", "--config", str(cfg)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(sock):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.05)
+        greedy = []
+        for _ in range(8):  # ~200 unread replies each: past 512 fds in flight
+            c = Conn(sock)
+            c.sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                for i in range(400):
+                    frame = encode_frame({"id": 10 + i, "op": "attach", "name": "a"})
+                    assert c.sock.send(frame) == len(frame)
+            greedy.append(c)
+        _wait_for(lambda: "Too many references" in log.read_text() or "reply not sent" in log.read_text())
+        victim = Conn(sock, timeout=10)
+        r = victim.call({"id": 1, "op": "attach", "name": "a"})  # answered, or closed: never left waiting
+        assert r is None or r.get("ok"), r
+        for c in greedy:
+            c.close()
+        victim.close()
+        probe = Conn(sock)  # the daemon serves on
+        assert probe.call({"id": 2, "op": "status"})["ok"]
+        probe.close()
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(sock)

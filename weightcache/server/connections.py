@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import itertools
 import logging
@@ -92,6 +93,10 @@ class Connection:
     def close_fds(self) -> None:
         while self.fds:
             os.close(self.fds.popleft())
+
+
+# sendmsg errors that mean the peer is gone (its reader notices and cleans up)
+_PEER_GONE = frozenset({errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF, errno.ESHUTDOWN})
 
 
 def client_name(name: Any) -> str:
@@ -463,8 +468,17 @@ class Connections:
             try:
                 await send_with_fds(conn.sock, frame, fds or [])
             except OSError as exc:
-                # The peer went away; the read side notices and releases its leases.
-                log.debug("conn %d: send failed: %s", conn.id, exc)
+                if exc.errno in _PEER_GONE:
+                    # The peer went away; the read side notices and releases its leases.
+                    log.debug("conn %d: send failed: %s", conn.id, exc)
+                else:
+                    # Not sent, the peer still there (ETOOMANYREFS: fds in flight past the
+                    # daemon's RLIMIT_NOFILE): it would wait for this reply forever, holding
+                    # what the reply granted. Closed, its leases end and the peer knows.
+                    log.warning("conn %d: reply not sent (%s); closing the connection", conn.id, exc,
+                                extra=_peer_fields(conn))
+                    with contextlib.suppress(OSError):
+                        conn.sock.shutdown(socket.SHUT_RDWR)
             finally:
                 conn.unsent = 0
                 self._update_readable(conn)
