@@ -368,6 +368,8 @@ class DaemonConfig(BaseModel):
     max_fds_per_uid: int = Field(default=1024, ge=0, description="fds received from one uid's frames not yet complete")
     max_files_per_uid: int = Field(default=1024, ge=0, description=(
         "open files the daemon holds for the models one uid registered with its own fds"))
+    max_models_per_uid: int = Field(default=1024, ge=0, description=(
+        "models one uid that is not an administrator may have registered or published at once"))
     max_partial_frame_bytes: int = Field(default=256 * 2**20, ge=1024, description=(
         "bytes of half-received frames, summed over every connection"))
     max_partial_frame_bytes_per_uid: int = Field(default=64 * 2**20, ge=1024, description=(

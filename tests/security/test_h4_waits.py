@@ -15,7 +15,18 @@ from helpers import NOBODY, as_uid, root_only
 
 from weightcache.protocol import encode_frame
 
-from ._util import MIB, OTHER, Conn, calls, code, config_text, multi_tenant, write_checkpoint
+from ._util import (
+    MIB,
+    OTHER,
+    Conn,
+    calls,
+    code,
+    config_text,
+    multi_tenant,
+    publish_msg,
+    sealed_memfd,
+    write_checkpoint,
+)
 from .test_tenants import TENANTS, _checkpoints, _register
 
 
@@ -334,3 +345,45 @@ def test_a_reply_the_kernel_refuses_closes_the_connection_instead_of_hanging_it(
         proc.wait(20)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(sock)
+
+
+@root_only
+def test_a_tenant_cannot_publish_or_register_models_without_end(start_daemon, tmp_path):
+    """Any peer may publish a new name, and a published model stays registered after it is
+    evicted (its entry, its name): nothing bounded how many one uid kept. 3,000 tiny
+    publishes took 9 s and made every status of another connection take 32 ms (each
+    listing, placement and eviction walks every entry; measured on the CI machine), so
+    a tenant could make the daemon slower for everyone without end. A uid that is not
+    an administrator may hold at most max_models_per_uid models."""
+    d = multi_tenant(start_daemon, {**TENANTS, "max_models_per_uid": 3}, budget="64MiB")
+    (f,) = _checkpoints(1, 64 * 1024)
+
+    def tenant() -> list[Any]:
+        fd = sealed_memfd(b"\1" * 4096)
+        c = Conn(d.socket)
+        try:
+            out = [c.call(publish_msg(10 + i, f"mine{i}", [["x", "U8", [1], 0, 1]], 4096), fds=[fd]) for i in range(3)]
+            out.append(c.call(publish_msg(20, "one-too-many", [["x", "U8", [1], 0, 1]], 4096), fds=[fd]))
+            out.append(c.call(publish_msg(21, "mine0", [["x", "U8", [1], 0, 1]], 4096, replace=True), fds=[fd]))
+            out.append(_register(d.socket, "registered", f))
+            out.append(c.call({"id": 22, "op": "unregister", "name": "mine1"}))
+            out.append(_register(d.socket, "registered", f))
+            return out
+        finally:
+            os.close(fd)
+            c.close()
+
+    got = as_uid(NOBODY, tenant)
+    assert all(r["ok"] for r in got[:3]), got[:3]
+    assert code(got[3]) == "LIMIT_EXCEEDED" and "max_models_per_uid" in got[3]["error"]["message"], got[3]
+    assert got[4]["ok"], got[4]  # replacing its own model takes no new name
+    assert got[5].get("code") == "LIMIT_EXCEEDED", got[5]  # registering counts the same
+    assert got[6]["ok"] and "model" in got[7], got[6:]  # room again once one is gone
+    fd = sealed_memfd(b"\1" * 4096)  # an administrator is not counted
+    try:
+        c = Conn(d.socket)
+        assert all(c.call(publish_msg(30 + i, f"admins{i}", [["x", "U8", [1], 0, 1]], 4096), fds=[fd])["ok"]
+                   for i in range(4))
+        c.close()
+    finally:
+        os.close(fd)

@@ -47,6 +47,8 @@ async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
     mc = _private_unless_listed(_model_config(fields), caller.peer, admin)
     if mc.pin and not admin:
         raise PermissionDenied("pinning is for administrators", op="register", argument="pin")
+    if not admin:
+        _check_model_count(ctx, caller.peer)
     sources: list[OpenedSource] | None = None
     if files is None:
         if req.fds:
@@ -149,6 +151,8 @@ async def publish(ctx: Context, caller: Caller, req: Request) -> Reply:
         raise BadRequest(str(exc), argument="name") from None
     replace = req.arg("replace", bool, False)
     _check_may_publish(ctx, caller.peer, name, replace)
+    if name not in ctx.registry.groups and not ctx.access.is_admin(caller.peer):
+        _check_model_count(ctx, caller.peer)
     device = ctx.registry.resolve_device(req.arg("device", str))
     backend = ctx.backends[device]
     desc = req.arg("arena", dict)
@@ -185,6 +189,17 @@ async def publish(ctx: Context, caller: Caller, req: Request) -> Reply:
     finally:
         await loads.io(backend.close_published, source)
     return {"model": ctx.registry.describe(name, caller.peer, None)}, []
+
+
+def _check_model_count(ctx: Context, peer: Peer) -> None:
+    """A published model stays registered once evicted, and every listing, placement and
+    eviction walks every entry: without a bound one tenant could slow the daemon for all
+    (3,000 tiny publishes made another connection's status take 32 ms on the CI machine)."""
+    limit = ctx.settings.daemon.max_models_per_uid
+    held = ctx.registry.models_owned_by(peer.uid)
+    if held >= limit:
+        raise LimitExceeded(f"uid {peer.uid} has {held} models registered or published; one more would pass "
+                            f"max_models_per_uid={limit} (unregister one first)", limit=limit)
 
 
 def _check_may_publish(ctx: Context, peer: Peer, name: str, replace: bool) -> None:

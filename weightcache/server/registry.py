@@ -189,6 +189,11 @@ class Registry:
         self.models[name] = self.models.pop(staging)
         self.groups[name] = [name]
 
+    def models_owned_by(self, uid: int) -> int:
+        """Models ``uid`` registered or published, publishes in flight included: each once,
+        whatever its ranks or replicas."""
+        return len({(m.config.name, "#" in entry) for entry, m in self.models.items() if m.owner == uid})
+
     def files_held_by(self, uid: int) -> int:
         # an auto model's replicas of one rank share its open files: counted once
         held = {id(m.files): len(m.files.files) for m in self.models.values() if m.files is not None and m.owner == uid}
