@@ -365,7 +365,8 @@ class DaemonConfig(BaseModel):
     max_queued_reply_bytes: int = Field(default=1 << 20, ge=0, description=(
         "reply bytes a peer has not taken yet; the daemon stops reading its requests beyond this"))
     max_fds_per_frame: int = Field(default=256, ge=0, le=4096)
-    max_fds_per_uid: int = Field(default=1024, ge=0, description="fds received from one uid's frames not yet complete")
+    max_fds_per_uid: int = Field(default=1024, ge=0, description=(
+        "fds received from one uid's frames not yet complete, and fds sent in replies its connections have not read"))
     max_files_per_uid: int = Field(default=1024, ge=0, description=(
         "open files the daemon holds for the models one uid registered with its own fds"))
     max_models_per_uid: int = Field(default=1024, ge=0, description=(
