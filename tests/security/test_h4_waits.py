@@ -387,3 +387,31 @@ def test_a_tenant_cannot_publish_or_register_models_without_end(start_daemon, tm
         c.close()
     finally:
         os.close(fd)
+
+
+def test_every_request_waiting_for_a_model_gets_it_when_room_frees(start_daemon, tmp_path):
+    """A detach wakes only the oldest request waiting for each model (SpaceFreed); the
+    rest must still follow it, also when the oldest's peer has gone meanwhile."""
+    ck = {n: write_checkpoint(tmp_path / f"{n}.safetensors", 8 * MIB, 40, seed=i) for i, n in enumerate("abc")}
+    d = start_daemon(budget="20MiB", models=ck)
+    holder = Conn(d.socket)
+    for i, n in enumerate("ab"):  # a and b attached: c cannot fit until one is detached
+        assert holder.call({"id": 10 + i, "op": "attach", "name": n})["ok"]
+        for fd in holder.take_fds():
+            os.close(fd)
+    waiting = []
+    for j in range(12):
+        c = Conn(d.socket)
+        c.send({"id": 100 + j, "op": "attach", "name": "c", "wait_s": 60})
+        assert c.call({"id": 1, "op": "status"})["ok"]  # its attach was read before the next: the oldest first
+        waiting.append(c)
+    waiting.pop(0).close()  # the oldest goes: its turn must not be lost with it
+    _wait_for(lambda: ") closed" in d.log_text())  # the daemon saw it go (its request then gives up)
+    assert holder.call({"id": 20, "op": "detach", "lease": 1})["ok"]
+    for j, c in enumerate(waiting, start=101):
+        r = c.reply(j)
+        assert r is not None and r["ok"] and r["model"] == "c", r
+        for fd in c.take_fds():
+            os.close(fd)
+    models = {m["name"]: m for m in holder.call({"id": 21, "op": "models"})["models"]}
+    assert models["c"]["loads"] == 1 and len(models["c"]["leases"]) == 11, models["c"]
