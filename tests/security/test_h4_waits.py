@@ -391,9 +391,11 @@ def test_a_tenant_cannot_publish_or_register_models_without_end(start_daemon, tm
 
 def test_every_request_waiting_for_a_model_gets_it_when_room_frees(start_daemon, tmp_path):
     """A detach wakes only the oldest request waiting for each model (SpaceFreed); the
-    rest must still follow it, also when the oldest's peer has gone meanwhile."""
-    ck = {n: write_checkpoint(tmp_path / f"{n}.safetensors", 8 * MIB, 40, seed=i) for i, n in enumerate("abc")}
-    d = start_daemon(budget="20MiB", models=ck)
+    rest must still follow it, also when the oldest's peer has gone meanwhile, and join
+    its load as soon as it is admitted (not once it is done: their waited_s would count it)."""
+    ck = {n: write_checkpoint(tmp_path / f"{n}.safetensors", (8 if n != "c" else 128) * MIB, 40, seed=i)
+          for i, n in enumerate("abc")}
+    d = start_daemon(budget="140MiB", models=ck)
     holder = Conn(d.socket)
     for i, n in enumerate("ab"):  # a and b attached: c cannot fit until one is detached
         assert holder.call({"id": 10 + i, "op": "attach", "name": n})["ok"]
@@ -411,6 +413,7 @@ def test_every_request_waiting_for_a_model_gets_it_when_room_frees(start_daemon,
     for j, c in enumerate(waiting, start=101):
         r = c.reply(j)
         assert r is not None and r["ok"] and r["model"] == "c", r
+        assert r["source"] == "files", r  # joined the load in flight
         for fd in c.take_fds():
             os.close(fd)
     models = {m["name"]: m for m in holder.call({"id": 21, "op": "models"})["models"]}

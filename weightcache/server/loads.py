@@ -527,6 +527,9 @@ class Loads:
             level = logging.INFO if isinstance(exc, NoSpace) and exc.details.get("fits_ever") else logging.ERROR
             log.log(level, "load %s refused: %s", name, exc, extra={"model": name, "code": exc.code})
             raise
+        # Admitted: the others waiting for room for it join this load now, as when every
+        # waiter was woken, rather than at its end (their waited_s would count the load).
+        self.space_freed.settle(name, everyone=True)
         phase("admit")
         arena: Arena | None = None
         demotions: list[asyncio.Task[None]] = []
