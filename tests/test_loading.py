@@ -199,3 +199,51 @@ async def test_a_request_that_finds_an_abandoned_load_already_done_loads_afresh(
             if m.arena is not None:
                 loads.backends["cpu"].free(m.arena)
         loads.io_pool.shutdown()
+
+
+async def test_waiters_for_a_model_whose_load_fails_before_admission_do_not_fail_one_by_one(ckpts, monkeypatch):
+    """Only the oldest request waiting for a model is woken by a detach; when its load
+    failed before admission (files no longer parse, the io timeout), only the next oldest
+    was woken, so each waiter ran its own failed load in turn (n loads, each up to
+    io_timeout_s, where all had joined one before). An error of the model's own wakes
+    them all: they join one retry."""
+    from weightcache.backends.cpu import CpuBackend
+    from weightcache.cache import CacheCore
+    from weightcache.config import ModelConfig, Settings
+    from weightcache.errors import LoadFailed
+    from weightcache.server import loads as loads_module
+    from weightcache.server.loads import Loads
+    from weightcache.server.registry import Registry
+
+    core = CacheCore({"cpu": 12 * 2**20})  # room for one of a, b (8 MiB each)
+    backends = {"cpu": CpuBackend("cpu")}
+    registry = Registry(core, backends, access=None)
+    for n in "ab":
+        registry.register(ModelConfig(name=n, path=ckpts[n]))
+    loads = Loads(Settings().daemon, core, registry, backends, lambda: False)
+    try:
+        await loads.ensure_resident("a", 0)
+        lease = core.attach("a", 1)  # b cannot fit until a is detached
+        waiting = [asyncio.ensure_future(loads.ensure_resident("b", 30)) for _ in range(4)]
+
+        async def all_waiting() -> bool:
+            return len(loads.space_freed._waiters) == len(waiting)
+
+        await eventually(all_waiting)
+        parses = []
+
+        def broken(opened: object) -> None:
+            parses.append(opened)
+            raise LoadFailed("b: the files no longer parse", model="b")
+
+        monkeypatch.setattr(loads_module, "parse_checkpoint", broken)
+        core.detach(lease.id, 1)
+        await loads.notify_space()
+        results = await asyncio.gather(*waiting, return_exceptions=True)
+        assert all(isinstance(r, LoadFailed) for r in results), results
+        assert len(parses) == 2, parses  # the oldest's load, then one the rest joined (was 4: one each, in turn)
+    finally:
+        for m in registry.models.values():
+            if m.arena is not None:
+                backends["cpu"].free(m.arena)
+        loads.io_pool.shutdown()

@@ -94,9 +94,10 @@ class SpaceFreed:
 
     Waiters for the same model (``key``) would all be refused or all admitted alike, so a
     notification wakes only the oldest of each key; the others follow when it gets its
-    model, and the next oldest when it fails otherwise than NO_SPACE (``settle``). Every
-    detach notifies: with all woken, 1,920 loads waiting for one model made a detach take
-    28-50 ms of the event loop on the CI VM, one refused retry each (scripts/waiter_herd.py)."""
+    model or fails with an error of the model's own, and the next oldest when it is
+    cancelled (``settle``). Every detach notifies: with all woken, 1,920 loads waiting for
+    one model made a detach take 28-50 ms of the event loop on the CI VM, one refused
+    retry each (scripts/waiter_herd.py)."""
 
     def __init__(self) -> None:
         self.generation = 0  # counts notifications: a waiter that missed one sees it
@@ -148,10 +149,10 @@ class SpaceFreed:
                 fut.set_result(None)
 
     def settle(self, key: str, everyone: bool) -> None:
-        """A request for ``key`` ended other than refused NO_SPACE. Got its model
-        (``everyone``): the rest waiting for it try now, and join its load. Failed
-        otherwise (cancelled, gone, an error of its own): the oldest tries in its place,
-        in case it held the turn a notification gave."""
+        """A request for ``key`` ended other than refused NO_SPACE. Got its model, or an
+        error of the model's own (``everyone``): the rest waiting for it try now, and
+        join its load. Cancelled (request timeout, its peer gone, shutdown): the oldest
+        tries in its place, in case it held the turn a notification gave."""
         if key not in self._keys:
             return
         for ticket in sorted(t for t, (k, _) in self._waiters.items() if k == key):
@@ -248,8 +249,14 @@ class Loads:
                     return source
         except NoSpace:
             raise  # the others waiting for this model would be refused too: they sleep on
+        except Exception:
+            # The model's own error (its files no longer parse, the io timeout, removed):
+            # all of them try now and join one load, as when every waiter was woken. The
+            # next oldest alone made each waiter run its own failed load in turn.
+            self.space_freed.settle(name, everyone=True)
+            raise
         except BaseException:
-            self.space_freed.settle(name, everyone=False)  # cancelled, or another error: the next one tries
+            self.space_freed.settle(name, everyone=False)  # cancelled: the next one tries in its place
             raise
 
     async def _resident_once(self, name: str) -> str:
