@@ -247,3 +247,30 @@ async def test_waiters_for_a_model_whose_load_fails_before_admission_do_not_fail
             if m.arena is not None:
                 backends["cpu"].free(m.arena)
         loads.io_pool.shutdown()
+
+
+async def test_two_names_of_one_file_asked_for_at_once_share_one_load(ckpts):
+    """The second name joins the first's load while it still opens and parses the files:
+    its entry is LOADING only once admitted, and the second load begun meanwhile was
+    refused BAD_REQUEST at admission ("join it"). A notification wakes the oldest
+    request of each name at once, so this is how waiters for two such names retry."""
+    from weightcache.backends.cpu import CpuBackend
+    from weightcache.cache import CacheCore
+    from weightcache.config import ModelConfig, Settings
+    from weightcache.server.loads import Loads
+    from weightcache.server.registry import Registry
+
+    core = CacheCore({"cpu": 1 << 30})
+    backends = {"cpu": CpuBackend("cpu")}
+    registry = Registry(core, backends, access=None)
+    for n in ("m1", "m2"):
+        registry.register(ModelConfig(name=n, path=ckpts["a"]))
+    loads = Loads(Settings().daemon, core, registry, backends, lambda: False)
+    try:
+        assert await asyncio.gather(loads.ensure_resident("m1", 0), loads.ensure_resident("m2", 0)) == ["files", "resident"]
+        assert registry.models["m1"].arena is registry.models["m2"].arena and loads.counters["loads"] == 1
+    finally:
+        arenas = {id(m.arena): m.arena for m in registry.models.values() if m.arena is not None}
+        for arena in arenas.values():
+            backends["cpu"].free(arena)
+        loads.io_pool.shutdown()

@@ -273,7 +273,7 @@ class Loads:
                 await self._join(name, sibling)
                 return "resident"
             await self._drop_stale(sibling)
-        elif (sibling := self.core.loading_sibling(name)) is not None and sibling in self.jobs:
+        elif (sibling := self._sibling_loading(name)) is not None:
             await self._wait_for(self.jobs[sibling])  # its arena will be ours too
             return await self._resident_once(name)
         job = self.jobs.get(name)
@@ -299,6 +299,18 @@ class Loads:
             job.waiters -= 1
             if not job.waiters and job.task is not None and not job.task.done():
                 self._orphaned(job)
+
+    def _sibling_loading(self, name: str) -> str | None:
+        """Another name of the same files whose load is in flight. Told by its job, not by
+        its state: an entry is LOADING only once admitted, after its files are opened and
+        parsed, and a second load of the same files begun meanwhile was refused at its
+        own admission (BAD_REQUEST "join it"). A finished job whose done callback has not
+        run yet is not one: waiting on it does not yield, and the retry would find it again."""
+        for x in self.core.siblings(name):
+            job = self.jobs.get(x.name)
+            if job is not None and job.task is not None and not job.task.done():
+                return x.name
+        return None
 
     def _current(self, name: str) -> bool:
         """Whether RESIDENT ``name``'s arena may be served: its files unchanged since it was
