@@ -42,6 +42,20 @@ def _wait_for(check, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def _c_cannot_fit(start_daemon, tmp_path, c_mib: int) -> tuple[Any, Conn]:
+    """A daemon with models a and b (8 MiB) attached by the returned connection (leases 1
+    and 2) and c (``c_mib``), which cannot fit until one of them is detached."""
+    ck = {n: write_checkpoint(tmp_path / f"{n}.safetensors", (c_mib if n == "c" else 8) * MIB, 40, seed=i)
+          for i, n in enumerate("abc")}
+    d = start_daemon(budget=f"{c_mib + 12}MiB", models=ck)
+    holder = Conn(d.socket)
+    for i, n in enumerate("ab"):
+        assert holder.call({"id": 10 + i, "op": "attach", "name": n})["ok"]
+        for fd in holder.take_fds():
+            os.close(fd)
+    return d, holder
+
+
 def test_a_load_whose_peer_closed_stops_waiting_for_room(start_daemon, tmp_path):
     """A `load` goes on after its peer closes the connection (docs/protocol.md), but it
     must not go on *waiting for room*: a peer could connect, send 31 loads with a long
@@ -49,13 +63,7 @@ def test_a_load_whose_peer_closed_stops_waiting_for_room(start_daemon, tmp_path)
     count open connections only). Each orphan lived up to request_timeout_s, held memory
     and was woken, to try again, by every detach: 6,200 of them made each detach cost
     ~130 ms of the event loop (measured on the CI machine)."""
-    ck = {n: write_checkpoint(tmp_path / f"{n}.safetensors", 8 * MIB, 40, seed=i) for i, n in enumerate("abc")}
-    d = start_daemon(budget="20MiB", models=ck)
-    holder = Conn(d.socket)
-    for i, n in enumerate("ab"):  # a and b attached: c cannot fit until one is detached
-        assert holder.call({"id": 10 + i, "op": "attach", "name": n})["ok"]
-        for fd in holder.take_fds():
-            os.close(fd)
+    d, holder = _c_cannot_fit(start_daemon, tmp_path, 8)
     gone = 0
     for _ in range(4):
         c = Conn(d.socket)
@@ -393,14 +401,7 @@ def test_every_request_waiting_for_a_model_gets_it_when_room_frees(start_daemon,
     """A detach wakes only the oldest request waiting for each model (SpaceFreed); the
     rest must still follow it, also when the oldest's peer has gone meanwhile, and join
     its load as soon as it is admitted (not once it is done: their waited_s would count it)."""
-    ck = {n: write_checkpoint(tmp_path / f"{n}.safetensors", (8 if n != "c" else 128) * MIB, 40, seed=i)
-          for i, n in enumerate("abc")}
-    d = start_daemon(budget="140MiB", models=ck)
-    holder = Conn(d.socket)
-    for i, n in enumerate("ab"):  # a and b attached: c cannot fit until one is detached
-        assert holder.call({"id": 10 + i, "op": "attach", "name": n})["ok"]
-        for fd in holder.take_fds():
-            os.close(fd)
+    d, holder = _c_cannot_fit(start_daemon, tmp_path, 128)
     waiting = []
     for j in range(12):
         c = Conn(d.socket)
