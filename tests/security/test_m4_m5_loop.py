@@ -70,8 +70,10 @@ def _nested_arrays(limit: int) -> bytes:
 
 # msgpack's limits bound each container, not a frame's object count, and its C decoder
 # holds the GIL: a frame of nested empty arrays stalls the loop ~50-130 ms per MiB on the
-# CI-class VM (docs/reliability.md). max_frame_bytes bounds it; at 2 MiB the stall stays
-# under the 0.5 s this test allows (the default 16 MiB frame stalled 1.5-2.9 s).
+# CI-class VM (docs/reliability.md). max_frame_bytes bounds it: at 2 MiB the stall was
+# 0.1-0.3 s, and 0.57 s once on a loaded CI run, so this test allows 1 s; it is here to
+# catch a stall of another order (the default 16 MiB frame stalled 1.5-2.9 s), not to
+# time the decoder (its figures are in docs/reliability.md).
 @pytest.mark.parametrize("shape", ["map-1.4M-keys", "nested-arrays-2MiB-frame-limit"])
 def test_costly_frame_is_refused_without_stalling_the_loop(start_daemon, shape):
     if shape.startswith("map"):
@@ -106,7 +108,7 @@ def test_costly_frame_is_refused_without_stalling_the_loop(start_daemon, shape):
             time.sleep(0.02)
         t.join(20)
         assert done.is_set(), "no reply to the huge frame"
-        assert max(lat) < 0.5, f"status took {max(lat):.2f}s while the daemon decoded the huge frame"
+        assert max(lat) < 1.0, f"status took {max(lat):.2f}s while the daemon decoded the huge frame"
         if shape.startswith("map"):  # refused by the structural limits; the nested one is a valid status request
             assert reply["r"] is None or not reply["r"]["ok"], f"a {shape} request was accepted"
             assert reply["r"] is None or code(reply["r"]) in ("BAD_REQUEST", "FRAME_TOO_LARGE", "LIMIT_EXCEEDED"), reply["r"]
