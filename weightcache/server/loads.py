@@ -102,7 +102,6 @@ class SpaceFreed:
     def __init__(self) -> None:
         self.generation = 0  # counts notifications: a waiter that missed one sees it
         self._waiters: dict[int, tuple[str | None, asyncio.Future[None]]] = {}
-        self._keys: Counter[str] = Counter()  # waiters per key: settle scans only when there are some
         self._tickets = itertools.count()
 
     def ticket(self) -> int:
@@ -114,8 +113,6 @@ class SpaceFreed:
         ``gone`` is done (the requester's connection closed), whichever comes first."""
         fut = asyncio.get_running_loop().create_future()
         self._waiters[ticket] = (key, fut)
-        if key is not None:
-            self._keys[key] += 1
 
         def wake(_: object) -> None:
             if not fut.done():
@@ -128,10 +125,6 @@ class SpaceFreed:
                 await asyncio.wait_for(fut, timeout)
         finally:
             self._waiters.pop(ticket, None)
-            if key is not None:
-                self._keys[key] -= 1
-                if not self._keys[key]:
-                    del self._keys[key]
             if gone is not None:
                 gone.remove_done_callback(wake)
 
@@ -153,8 +146,6 @@ class SpaceFreed:
         error of the model's own (``everyone``): the rest waiting for it try now, and
         join its load. Cancelled (request timeout, its peer gone, shutdown): the oldest
         tries in its place, in case it held the turn a notification gave."""
-        if key not in self._keys:
-            return
         for ticket in sorted(t for t, (k, _) in self._waiters.items() if k == key):
             _, fut = self._waiters.pop(ticket)
             if not fut.done():
