@@ -198,3 +198,31 @@ async def test_the_daemon_reports_the_content_fingerprint_and_an_in_place_rewrit
         rewrite_values_in_place(a)
         async with c.attach("a") as ma2:  # nobody attached: the changed file is loaded again
             assert ma2.fingerprint == fingerprint_files(a) != old
+
+
+def test_pieces_left_to_the_device_are_counted_not_hashed_and_say_where_they_are():
+    """A writer that hashes big pieces on its GPU (backends/cuda_hash.py) gets each one,
+    once its last byte has passed, with its offset in the task; hashing those bytes there
+    gives the digests a hasher on the host alone gives. Pieces not 16-byte aligned in the
+    arena stay on the host."""
+    import xxhash
+
+    from weightcache.loader.content import Piece, Task
+
+    pieces = (Piece(0, 0, HASH_BLOCK), Piece(0, 1, 5008), Piece(1, 0, 304), Piece(2, 0, HASH_BLOCK // 2 + 3))
+    data = os.urandom(sum(p.nbytes for p in pieces))
+    for arena_offset, device_pieces in ((256, {(0, 0), (0, 1), (2, 0)}), (8, set())):
+        task = Task(0, 0, arena_offset, len(data), pieces)
+        host_only: dict = {}
+        TaskHasher(task, host_only)(memoryview(data))
+        split: dict = {}
+        h = TaskHasher(task, split, device_min=4096)
+        for off in range(0, len(data), 3_000_017):  # chunks that cut pieces
+            h(memoryview(data)[off : off + 3_000_017])
+        done = h.take_device_done()
+        assert h.take_device_done() == []  # taken once
+        assert {(p.tensor, p.index) for p, _ in done} == device_pieces
+        assert not device_pieces & set(split)  # not hashed on the host
+        for piece, start in done:
+            split[(piece.tensor, piece.index)] = xxhash.xxh3_128_digest(data[start : start + piece.nbytes])
+        assert split == host_only

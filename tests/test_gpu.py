@@ -236,3 +236,76 @@ async def test_fingerprint_of_a_gpu_load_and_names_sharing_one_arena(start_daemo
         assert (await c.evict("x2"))["state"] == "evicted"  # a shared arena is evicted, not demoted
         y_bytes = {r["name"]: r["nbytes"] for r in await c.models()}["y"]  # known once y was loaded (0 before)
         assert y_bytes and (await c.status())["devices"]["cuda:0"]["used"] == y_bytes
+
+
+def test_content_hash_kernel_gives_xxh3_128_at_every_boundary():
+    """The GPU's digest of a piece (backends/cuda_hash.py) is the xxhash package's, for
+    lengths on each side of a stripe (64), a block (1024), a prefetch stage (4096), a
+    whole ring of stages (32 KiB) and a hash piece (16 MiB), at aligned offsets."""
+    import xxhash
+
+    from weightcache import cuda_driver as drv
+    from weightcache.backends.cuda import CudaBackend
+    from weightcache.loader.content import HASH_BLOCK
+
+    backend = CudaBackend("cuda:0")
+    hasher = backend.gpu_hash
+    assert hasher is not None, backend.gpu_hash_unavailable
+    data = torch.randint(0, 256, (HASH_BLOCK + 8192,), dtype=torch.uint8, device="cuda:0")
+    host = data.cpu().numpy().tobytes()
+    cases = [(off, n) for n in (241, 1023, 1024, 1025, 1087, 1088, 4095, 4096, 4097, 32767, 32768, 32769 + 64,
+                                (1 << 20) + 13, HASH_BLOCK - 1, HASH_BLOCK) for off in (0, 16, 4096)]
+    torch.cuda.synchronize()
+    block = hasher.take_block()
+    try:
+        with drv.current(backend.ctx):
+            index, stream = hasher.stream()
+            for slot, (off, n) in enumerate(cases):
+                hasher.launch(stream, data.data_ptr() + off, n, block.dev + 16 * slot)
+            hasher.synchronize({index})
+        wrong = [(off, n) for slot, (off, n) in enumerate(cases) if block.digest(slot) != xxhash.xxh3_128_digest(host[off : off + n])]
+        assert not wrong, f"digests differ from xxh3-128 for (offset, length) {wrong}"
+    finally:
+        hasher.give_back(block)
+        backend.close()
+
+
+@pytest.mark.parametrize("chunk_mib", [4, 16, 20])
+def test_a_load_hashed_on_the_gpu_has_the_files_fingerprint(tmp_path, monkeypatch, chunk_mib):
+    """Pieces hashed on the GPU and on the host (small ones, unaligned tails) add up to the
+    fingerprint fingerprint_files computes on the host, with pieces cut across chunks
+    (4 MiB), one per chunk (16) and several per chunk (20), buffered and from disk
+    (O_DIRECT), with the digests spread over several pinned blocks; and the same load
+    with the hash on the host gives it too."""
+    from safetensors.torch import save_file
+
+    import weightcache.backends.cuda as cuda_backend
+    from weightcache.backends.cuda import CudaBackend
+    from weightcache.loader import fingerprint_files, open_source, parse_checkpoint, read_checkpoint
+    from weightcache.loader.content import FILE_DIGESTS, HASH_BLOCK
+
+    monkeypatch.setattr(cuda_backend, "DIGEST_SLOTS", 3)  # a new block every 3 pieces
+    g = torch.Generator().manual_seed(1)
+    path = tmp_path / "m.safetensors"
+    save_file({"big": torch.randn(HASH_BLOCK // 4 * 2 + 12345, generator=g), "mid": torch.randn(300_001, generator=g),
+               "small": torch.randn(1000, generator=g), "odd": torch.randint(0, 255, (HASH_BLOCK + 77,), dtype=torch.uint8),
+               "empty": torch.zeros(0)}, str(path))
+    want = fingerprint_files(path)
+    for hash_on_gpu in (True, False):
+        backend = CudaBackend("cuda:0", hash_on_gpu=hash_on_gpu)
+        assert (backend.gpu_hash is not None) == hash_on_gpu, backend.gpu_hash_unavailable
+        try:
+            for direct_io in ("off", "on"):
+                FILE_DIGESTS.clear()
+                with open_source(path) as opened:
+                    ckpt = parse_checkpoint(opened)
+                    arena = backend.allocate(backend.capacity(ckpt.arena_bytes), "t")
+                    try:
+                        got = read_checkpoint(ckpt, opened, backend.writer(arena, chunk_mib << 20), threads=3,
+                                              chunk=chunk_mib << 20, direct_io=direct_io)
+                        backend.seal(arena)
+                    finally:
+                        backend.free(arena)
+                assert got == want, (hash_on_gpu, direct_io)
+        finally:
+            backend.close()

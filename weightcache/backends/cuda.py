@@ -14,6 +14,7 @@ the H200 (shared/reference/probe2-h200.json): export cost grows per fd, so chunk
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 import time
@@ -25,10 +26,14 @@ from cuda.bindings import driver as cu
 
 from .. import cuda_driver as drv
 from ..errors import BadRequest, NoSpace
+from ..loader.content import TaskHasher
 from ..loader.reader import DIRECT_ALIGN, pread_direct, pread_full, pread_hashing
 from ..units import capacity
 from .base import Arena, Backend, HostCopy, HostPool, PublishedSource, Room
+from .cuda_hash import DEVICE_MIN, DIGEST_SLOTS, DigestBlock, GpuHasher, HashUnavailable
 from .extents import ExtentAllocator, split_by_chunks
+
+log = logging.getLogger("weightcache.daemon")
 
 
 @dataclass
@@ -58,6 +63,7 @@ class _Staging:
     host_ptr: int
     view: memoryview
     stream: Any
+    copied: Any  # an event recorded after a copy: the hash kernels wait for it, not the stream
     size: int
     busy: bool = False
 
@@ -81,7 +87,8 @@ class _StagingPool:
         ptr = int(drv.check(cu.cuMemHostAlloc(size, 0)))
         view = memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
         stream = drv.check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
-        return _Staging(ptr, view, stream, size)
+        copied = drv.check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        return _Staging(ptr, view, stream, copied, size)
 
     def give_back(self, st: _Staging) -> None:
         """Called with the stream synchronized: nothing reads the buffer any more."""
@@ -93,6 +100,7 @@ class _StagingPool:
         with self._lock, drv.current(self._ctx):
             for st in self._free:
                 drv.check(cu.cuStreamDestroy(st.stream))
+                drv.check(cu.cuEventDestroy(st.copied))
                 st.view.release()
                 drv.check(cu.cuMemFreeHost(st.host_ptr))
             self._free.clear()
@@ -101,7 +109,15 @@ class _StagingPool:
 class _VmmWriter:
     """preadv into a per-thread pinned buffer, then an async host-to-device copy on that
     thread's own stream: 8 threads x 16 MiB reached 28 GB/s from page cache on the H200.
-    The buffers are page-aligned (cuMemHostAlloc), so O_DIRECT fds can read into them."""
+    The buffers are page-aligned (cuMemHostAlloc), so O_DIRECT fds can read into them.
+
+    The content hash: with the backend's GpuHasher (backends/cuda_hash.py), each piece
+    longer than DEVICE_MIN is hashed by a kernel once its bytes are copied, on a hash
+    stream that waits for the copy (an event), so the next read into the buffer never
+    waits for a hash; the smaller pieces are hashed on the host from the buffer. Without
+    one, every piece is hashed on the host. One buffer per thread: a second, so a thread
+    reads while its last copy runs, made loads slower on the H200 (24-30% with 8 threads,
+    scripts/hash_pipeline.py)."""
 
     direct_io = True
 
@@ -112,6 +128,11 @@ class _VmmWriter:
         self._local = threading.local()
         self._all: list[_Staging] = []
         self._lock = threading.Lock()
+        self._hasher = backend.gpu_hash
+        self.device_hash_min = DEVICE_MIN if self._hasher is not None else None
+        self._blocks: list[DigestBlock] = []  # taken from the hasher, in use
+        self._slots: list[tuple[DigestBlock, int, dict[tuple[int, int], bytes], tuple[int, int]]] = []
+        self._hash_streams: set[int] = set()
 
     def _staging(self) -> _Staging:
         st = getattr(self._local, "st", None)
@@ -133,9 +154,9 @@ class _VmmWriter:
             else:
                 skew = 0
                 with st.view[:nbytes] as dst:
-                    if seen is None:
+                    if seen is None or self._hasher is not None:
                         pread_full(fd, dst, file_offset)
-                    else:  # from the page cache: hashed slice by slice as it is read
+                    else:  # hashed on the host: slice by slice as it is read
                         pread_hashing(fd, dst, file_offset, seen)
                         hashed = True
             if self._arena.mapped < arena_offset + nbytes:  # its chunk waits for a victim's room
@@ -143,21 +164,60 @@ class _VmmWriter:
             drv.check(cu.cuMemcpyHtoDAsync(self._arena.va + arena_offset, st.host_ptr + skew, nbytes, st.stream))
             st.busy = True
             if seen is not None and not hashed:
-                # From disk (O_DIRECT): hashed from the pinned buffer while the copy out of
-                # it runs (both only read it); the buffer is reused only after the next
-                # call's stream sync.
+                # Hashed from the pinned buffer while the copy out of it runs (both only
+                # read it): everything from disk (O_DIRECT) without a GpuHasher, only the
+                # small pieces with one. The buffer is reused after the next call's sync.
                 with st.view[skew : skew + nbytes] as view:
                     seen(view)
+                if self._hasher is not None:
+                    assert isinstance(seen, TaskHasher)
+                    self._hash_on_device(seen, st)
+
+    def _hash_on_device(self, seen: TaskHasher, st: _Staging) -> None:
+        """Launch the kernels of the pieces whose last bytes this call copied."""
+        assert self._hasher is not None
+        done = seen.take_device_done()
+        if not done:
+            return
+        drv.check(cu.cuEventRecord(st.copied, st.stream))
+        index, stream = self._hasher.stream()
+        drv.check(cu.cuStreamWaitEvent(stream, st.copied, 0))
+        for piece, start in done:
+            block, slot = self._slot()
+            self._hasher.launch(stream, self._arena.va + seen.task.arena_offset + start, piece.nbytes, block.dev + 16 * slot)
+            with self._lock:
+                self._slots.append((block, slot, seen.out, (piece.tensor, piece.index)))
+        with self._lock:
+            self._hash_streams.add(index)
+
+    def _slot(self) -> tuple[DigestBlock, int]:
+        assert self._hasher is not None
+        with self._lock:
+            if not self._blocks or self._blocks[-1].used == DIGEST_SLOTS:
+                self._blocks.append(self._hasher.take_block())
+            block = self._blocks[-1]
+            block.used += 1
+            return block, block.used - 1
 
     def finish(self) -> None:
         with drv.current(self._b.ctx):
             try:
                 for st in self._all:
                     drv.check(cu.cuStreamSynchronize(st.stream))
+                if self._hasher is not None and self._hash_streams:
+                    self._hasher.synchronize(self._hash_streams)
+                for block, slot, out, key in self._slots:
+                    out[key] = block.digest(slot)
             finally:
                 for st in self._all:
                     self._b.staging.give_back(st)
                 self._all.clear()
+                self._slots.clear()
+                self._hash_streams.clear()
+                for block in self._blocks:
+                    assert self._hasher is not None
+                    self._hasher.give_back(block)
+                self._blocks.clear()
 
 
 @dataclass
@@ -241,7 +301,7 @@ class CudaBackend(Backend):
     supports_host_tier = True
     supports_writable_attach = True
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, hash_on_gpu: bool = True) -> None:
         super().__init__(device)
         self.ordinal = drv.ordinal_of(device)
         self.gpu_uuid: str = drv.device_uuid(self.ordinal)
@@ -251,6 +311,17 @@ class CudaBackend(Backend):
         self._prop = drv.allocation_prop(self.ordinal)
         self.host_pool: PinnedPool | None = None  # shared by every GPU's backend (use_host_pool)
         self.staging = _StagingPool(self.ctx)
+        # The content hash on the GPU (backends/cuda_hash.py), unless it cannot run here:
+        # then on the host, slower for a first load from a warm page cache, and said once.
+        self.gpu_hash: GpuHasher | None = None
+        self.gpu_hash_unavailable = ""
+        if hash_on_gpu:
+            try:
+                self.gpu_hash = GpuHasher(self.ctx, self.ordinal)
+                log.info("%s: the content hash runs on the GPU (kernel built in %.0f ms)", device, self.gpu_hash.compile_s * 1e3)
+            except HashUnavailable as exc:
+                self.gpu_hash_unavailable = str(exc)
+                log.warning("%s: the content hash runs on the host, not the GPU: %s", device, exc)
         # The budget not held by chunks (``limit``): each chunk created takes from it,
         # each released gives back. Unlimited until the daemon sets the budget.
         self.room = Room(1 << 62)
@@ -484,6 +555,8 @@ class CudaBackend(Backend):
         self.host_pool.free(host.pieces)
 
     def close(self) -> None:
+        if self.gpu_hash is not None:
+            self.gpu_hash.close()
         self.staging.close()
         if self.host_pool is not None:  # shared: the first backend to close frees it
             self.host_pool.close()

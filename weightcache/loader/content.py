@@ -107,14 +107,26 @@ def plan_tasks(ckpt: Checkpoint, chunk: int) -> list[Task]:
 
 
 class TaskHasher:
-    """Feeds one task's pieces from the bytes as they arrive, chunk by chunk, in order."""
+    """Feeds one task's pieces from the bytes as they arrive, chunk by chunk, in order.
 
-    def __init__(self, task: Task, out: dict[tuple[int, int], bytes]) -> None:
+    With ``device_min``, a writer that can hash on its device (backends/cuda_hash.py)
+    takes the pieces longer than that: they are counted here, not hashed, and each one,
+    once its last byte has passed, waits in ``device_done`` as (piece, its offset in the
+    task) until the writer takes it (``take_device_done``) and stores its digest in
+    ``out`` itself."""
+
+    def __init__(self, task: Task, out: dict[tuple[int, int], bytes], device_min: int | None = None) -> None:
+        self.task = task
+        self.out = out
         self._pieces = iter(task.pieces)
-        self._out = out
+        self._device_min = device_min
         self._piece: Piece | None = None
+        self._on_device = False
         self._left = 0
+        self._pos = 0  # bytes of the task seen so far
+        self._start = 0  # where the current piece starts in the task
         self._h = xxhash.xxh3_128()
+        self.device_done: list[tuple[Piece, int]] = []
 
     def __call__(self, view: memoryview) -> None:
         pos, n = 0, len(view)
@@ -122,15 +134,29 @@ class TaskHasher:
             if self._piece is None:
                 self._piece = next(self._pieces)
                 self._left = self._piece.nbytes
+                self._start = self._pos + pos
+                # 16-byte aligned in the arena for the kernel's loads: every piece of a
+                # tensor placed at a 256-byte offset is, the check only guards the rule.
+                self._on_device = (self._device_min is not None and self._piece.nbytes > self._device_min
+                                   and (self.task.arena_offset + self._start) % 16 == 0)
                 self._h.reset()
             take = min(self._left, n - pos)
-            self._h.update(view[pos : pos + take] if take != n else view)
+            if not self._on_device:
+                self._h.update(view[pos : pos + take] if take != n else view)
             pos += take
             self._left -= take
             if not self._left:
-                # Dict stores are atomic under the GIL; each key is written by one thread.
-                self._out[(self._piece.tensor, self._piece.index)] = self._h.digest()
+                if self._on_device:
+                    self.device_done.append((self._piece, self._start))
+                else:
+                    # Dict stores are atomic under the GIL; each key is written by one thread.
+                    self.out[(self._piece.tensor, self._piece.index)] = self._h.digest()
                 self._piece = None
+        self._pos += n
+
+    def take_device_done(self) -> list[tuple[Piece, int]]:
+        done, self.device_done = self.device_done, []
+        return done
 
 
 def tensor_digest(piece_digests: Iterable[bytes]) -> bytes:

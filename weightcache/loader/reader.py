@@ -35,7 +35,9 @@ class ArenaWriter(Protocol):
     read-only views (host memory, each valid only during its call): the content hash (Note
     [content fingerprint] in content.py). ``serves_files`` is true for a writer whose
     arena is the files' own trusted pages (a CPU file arena): their digests may then be
-    reused by file identity."""
+    reused by file identity. ``device_hash_min``, when set, is the size above which the
+    writer hashes a piece on its device itself (TaskHasher, backends/cuda_hash.py); its
+    digests are in place once ``finish`` returns."""
 
     direct_io: bool
 
@@ -225,6 +227,7 @@ def read_checkpoint(
     finally:
         # On every failure too, the earliest included: the writer synchronizes and drops its
         # buffers (a view of a memfd arena kept alive pins its mapping: the arena leaks).
+        # After a load that succeeded, _read called it already: a second call does nothing.
         writer.finish()
 
 
@@ -264,10 +267,11 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
             direct.append(is_direct)
             log(f"{f.path}: {why}")
         tasks = plan_tasks(ckpt, chunk)
+        device_min: int | None = getattr(writer, "device_hash_min", None)
         failed = threading.Event()  # once one chunk fails, the others stop early
 
         def work(task: Task) -> None:
-            seen = TaskHasher(task, pieces) if content_hash and task.file not in known else None
+            seen = TaskHasher(task, pieces, device_min) if content_hash and task.file not in known else None
             for off in range(0, task.nbytes, chunk):
                 n = min(chunk, task.nbytes - off)
                 if failed.is_set():
@@ -294,6 +298,7 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
                                 initializer=_lower_priority, initargs=(nice,)) as pool:
             # list() re-raises the first worker error; the pool's exit waits for the rest.
             list(pool.map(work, tasks))
+        writer.finish()  # the bytes in place, and the digests hashed on the device with them
     finally:
         for fd in extra:
             os.close(fd)

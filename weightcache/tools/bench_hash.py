@@ -8,8 +8,9 @@ Arenas, per device:
 - ``cpu``: a memfd (every byte copied, and hashed as it is copied), and a file arena
   (the page cache populated, then a hash pass over the mapping) both the first time
   and with the file's digests already kept (a reload after eviction);
-- ``cuda:N``: VMM memory filled through the pinned staging buffers, hashed there while
-  the copy to the device runs.
+- ``cuda:N``: VMM memory filled through the pinned staging buffers, each piece hashed
+  on the GPU once copied (backends/cuda_hash.py), and the same with the hash on the host
+  ("vmm, host hash": from the staging buffers, what a GPU without the kernel does).
 
 ``weightcache bench`` runs it as its "content hash" rows; ``python -m
 weightcache.tools.bench_hash --out FILE.json`` runs it alone. It also checks that xxh3
@@ -39,14 +40,17 @@ from .bench_result import ContentHashFigures, Spread
 # the daemon's uid can change, whose digests it kept (Note [content fingerprint]).
 VARIANTS_CPU = (("memfd", "off"), ("memfd", "on"), ("memfd", "on, digests kept"), ("file", "off"), ("file", "on"),
                 ("file", "on, digests kept"))
-VARIANTS_CUDA = (("vmm", "off"), ("vmm", "on"), ("vmm", "on, digests kept"))
+VARIANTS_CUDA = (("vmm", "off"), ("vmm", "on"), ("vmm", "on, digests kept"), ("vmm, host hash", "on"))
 
 
 def _backend(device: str, arena: str) -> Backend:
     if device.startswith("cuda"):
         from ..backends.cuda import CudaBackend
 
-        return CudaBackend(device)
+        backend = CudaBackend(device, hash_on_gpu=arena == "vmm")
+        if arena == "vmm" and backend.gpu_hash is None:
+            raise RuntimeError(f"{device}: the content hash cannot run on this GPU: {backend.gpu_hash_unavailable}")
+        return backend
     from ..backends.cpu import CpuBackend
 
     return CpuBackend(device, page_cache=arena == "file")
