@@ -264,7 +264,7 @@ class GpuHasher:
         16 bytes at device address ``out``, on ``stream``. Called in the context."""
         args = (ctypes.c_uint64(data), ctypes.c_uint64(nbytes), ctypes.c_uint64(out))
         params = (ctypes.c_void_p * 3)(*(ctypes.addressof(a) for a in args))
-        drv.check(cu.cuLaunchKernel(self._kernel, 1, 1, 1, 32, 1, 1, 0, stream, ctypes.addressof(params), None))
+        drv.check(cu.cuLaunchKernel(self._kernel, 1, 1, 1, 32, 1, 1, 0, stream, ctypes.addressof(params), 0))
 
     def synchronize(self, used: set[int]) -> None:
         for i in used:
