@@ -28,10 +28,17 @@ copied, so their hash is a pass over the mapping. Tensor digests are kept per fi
 identity (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns; FileDigests) for those
 files and for any file only root or the daemon's uid can change, on a local file system
 (sources.changed_only_by_trusted): any write moves st_ctime, so a reload after eviction
-does not hash again. On the H200 (tools/bench_hash.py, 9.15 GiB from a warm page cache)
-hashing made the CUDA loader 1.35x slower (41 -> 30 GB/s); a load from disk hides it.
-Every other load hashes the bytes it copies: a peer's file could change under a stale
-cache entry (through a writable mapping, st_ctime moves only at the next write fault).
+does not hash again. Every other load hashes the bytes it copies: a peer's file could
+change under a stale cache entry (through a writable mapping, st_ctime moves only at the
+next write fault).
+
+Where the hash runs: on the CPU backend, here, on the loader threads. On CUDA, pieces over
+256 KiB are hashed by a kernel on the GPU once copied there (backends/cuda_hash.py; the
+writer takes them from TaskHasher.device_done), the rest here from the pinned staging
+buffer: on the H200 hashing on the host made the first load of 9.15 GiB from a warm page
+cache 1.44x slower with 8 loader threads and 2.13x with 16, the kernel 1.00x and 1.11x
+(the latter within that run's noise; docs/benchmarks.md, "Content fingerprint"), because
+the host hash reads every byte back from host memory, which such a load is bound by.
 """
 
 from __future__ import annotations
