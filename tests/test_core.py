@@ -653,7 +653,8 @@ class SharedArenaMachine(RuleBasedStateMachine):
     @rule(name=names, nbytes=st.integers(1, 400), fail=st.booleans())
     def load(self, name, nbytes, fail):
         e = self.core.entry(name)
-        if e.state in (State.LOADING, State.RESIDENT) or self.core.loading_sibling(name):
+        # The server never starts a second load of one arena (it joins the sibling's job).
+        if e.state in (State.LOADING, State.RESIDENT) or any(x.state is State.LOADING for x in self.core.siblings(name)):
             return
         if self.core.resident_sibling(name):
             held = self.core.devices[e.device].used

@@ -282,11 +282,6 @@ class CacheCore:
         x = self._sibling_in(self.entry(name), State.RESIDENT)
         return None if x is None else x.name
 
-    def loading_sibling(self, name: str) -> str | None:
-        """An entry loading the arena ``name`` would share, or None."""
-        x = self._sibling_in(self.entry(name), State.LOADING)
-        return None if x is None else x.name
-
     def join(self, name: str) -> StepDown:
         """Make ``name`` RESIDENT on a resident sibling's arena: no load, no bytes (they are
         counted once, for the arena). A host copy it still had is dropped (the StepDown)."""
