@@ -30,7 +30,7 @@ from ..loader.content import TaskHasher
 from ..loader.reader import DIRECT_ALIGN, pread_direct, pread_full, pread_hashing
 from ..units import capacity
 from .base import Arena, Backend, HostCopy, HostPool, PublishedSource, Room
-from .cuda_hash import DEVICE_MIN, DIGEST_SLOTS, DigestBlock, GpuHasher, HashUnavailable
+from .cuda_hash import DEVICE_MIN, DIGEST_SLOTS, HASH_STREAMS, DigestBlock, GpuHasher, HashUnavailable
 from .extents import ExtentAllocator, split_by_chunks
 
 log = logging.getLogger("weightcache.daemon")
@@ -66,6 +66,10 @@ class _Staging:
     copied: Any  # an event recorded after a copy: the hash kernels wait for it, not the stream
     size: int
     busy: bool = False
+    # Streams for the hash kernels of the pieces this buffer carried (backends/cuda_hash.py),
+    # in turn: the thread's own, so a load waits only for its own kernels.
+    hash_streams: list[Any] = field(default_factory=list)
+    next_hash: int = 0
 
 
 class _StagingPool:
@@ -74,8 +78,9 @@ class _StagingPool:
     every load paid (issue 12); kept, they cost load_threads x load_chunk_bytes of
     pinned host memory for the daemon's life."""
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: Any, hash_streams: int) -> None:
         self._ctx = ctx
+        self._hash_streams = hash_streams
         self._free: list[_Staging] = []
         self._lock = threading.Lock()
 
@@ -88,7 +93,8 @@ class _StagingPool:
         view = memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
         stream = drv.check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
         copied = drv.check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
-        return _Staging(ptr, view, stream, copied, size)
+        hashing = [drv.check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)) for _ in range(self._hash_streams)]
+        return _Staging(ptr, view, stream, copied, size, hash_streams=hashing)
 
     def give_back(self, st: _Staging) -> None:
         """Called with the stream synchronized: nothing reads the buffer any more."""
@@ -101,6 +107,8 @@ class _StagingPool:
             for st in self._free:
                 drv.check(cu.cuStreamDestroy(st.stream))
                 drv.check(cu.cuEventDestroy(st.copied))
+                for hs in st.hash_streams:
+                    drv.check(cu.cuStreamDestroy(hs))
                 st.view.release()
                 drv.check(cu.cuMemFreeHost(st.host_ptr))
             self._free.clear()
@@ -132,7 +140,6 @@ class _VmmWriter:
         self.device_hash_min = DEVICE_MIN if self._hasher is not None else None
         self._blocks: list[DigestBlock] = []  # taken from the hasher, in use
         self._slots: list[tuple[DigestBlock, int, dict[tuple[int, int], bytes], tuple[int, int]]] = []
-        self._hash_streams: set[int] = set()
 
     def _staging(self) -> _Staging:
         st = getattr(self._local, "st", None)
@@ -180,15 +187,14 @@ class _VmmWriter:
         if not done:
             return
         drv.check(cu.cuEventRecord(st.copied, st.stream))
-        index, stream = self._hasher.stream()
+        stream = st.hash_streams[st.next_hash]
+        st.next_hash = (st.next_hash + 1) % len(st.hash_streams)
         drv.check(cu.cuStreamWaitEvent(stream, st.copied, 0))
         for piece, start in done:
             block, slot = self._slot()
             self._hasher.launch(stream, self._arena.va + seen.task.arena_offset + start, piece.nbytes, block.dev + 16 * slot)
             with self._lock:
                 self._slots.append((block, slot, seen.out, (piece.tensor, piece.index)))
-        with self._lock:
-            self._hash_streams.add(index)
 
     def _slot(self) -> tuple[DigestBlock, int]:
         assert self._hasher is not None
@@ -201,11 +207,13 @@ class _VmmWriter:
 
     def finish(self) -> None:
         with drv.current(self._b.ctx):
+            synced = False
             try:
                 for st in self._all:
                     drv.check(cu.cuStreamSynchronize(st.stream))
-                if self._hasher is not None and self._hash_streams:
-                    self._hasher.synchronize(self._hash_streams)
+                    for hs in st.hash_streams:
+                        drv.check(cu.cuStreamSynchronize(hs))
+                synced = True
                 for block, slot, out, key in self._slots:
                     out[key] = block.digest(slot)
             finally:
@@ -213,10 +221,11 @@ class _VmmWriter:
                     self._b.staging.give_back(st)
                 self._all.clear()
                 self._slots.clear()
-                self._hash_streams.clear()
-                for block in self._blocks:
-                    assert self._hasher is not None
-                    self._hasher.give_back(block)
+                if synced:
+                    for block in self._blocks:
+                        assert self._hasher is not None
+                        self._hasher.give_back(block)
+                # else a kernel may still write them: kept from other loads (64 KiB each)
                 self._blocks.clear()
 
 
@@ -310,7 +319,6 @@ class CudaBackend(Backend):
         self.granularity = drv.granularity(self.ordinal)
         self._prop = drv.allocation_prop(self.ordinal)
         self.host_pool: PinnedPool | None = None  # shared by every GPU's backend (use_host_pool)
-        self.staging = _StagingPool(self.ctx)
         # The content hash on the GPU (backends/cuda_hash.py), unless it cannot run here:
         # then on the host, slower for a first load from a warm page cache, and said once.
         self.gpu_hash: GpuHasher | None = None
@@ -322,6 +330,7 @@ class CudaBackend(Backend):
             except HashUnavailable as exc:
                 self.gpu_hash_unavailable = str(exc)
                 log.warning("%s: the content hash runs on the host, not the GPU: %s", device, exc)
+        self.staging = _StagingPool(self.ctx, HASH_STREAMS if self.gpu_hash is not None else 0)
         # The budget not held by chunks (``limit``): each chunk created takes from it,
         # each released gives back. Unlimited until the daemon sets the budget.
         self.room = Room(1 << 62)

@@ -15,8 +15,8 @@ the fingerprint is the same whichever backend loads a checkpoint (Note [content
 fingerprint] in loader/content.py); tests/test_gpu.py checks it against the ``xxhash``
 package. One warp per piece: lanes i and i+8, i+16, i+24 each hold accumulator i&7 (the
 same work, so no lane diverges), all 32 lanes prefetch the piece into shared memory with
-``cp.async`` (NSTAGE stages of 4 KiB in flight, so one warp is not bound by memory
-latency), and lane 0 writes the digest to pinned host memory the host reads after the
+``cp.async`` (a ring of NSTAGE stages of 4 KiB, up to NSTAGE - 1 in flight, so one warp
+is not bound by memory latency), and lane 0 writes the digest to pinned host memory the host reads after the
 load's streams are synchronized.
 
 Pieces of at most ``DEVICE_MIN`` bytes, or not 16-byte aligned in the arena (never, as
@@ -38,7 +38,9 @@ from .. import cuda_driver as drv
 
 DEVICE_MIN = 256 * 1024  # smaller pieces are hashed on the host
 DIGEST_SLOTS = 4096  # digests per pinned block (16 bytes each)
-_STREAMS = 32  # hash streams per device: one piece per kernel, many at once
+# Hash streams per loader thread, taken in turn: a piece's kernel (one warp) runs beside
+# those of the thread's earlier pieces rather than after them.
+HASH_STREAMS = 4
 
 _SOURCE = r"""
 typedef unsigned long long u64;
@@ -154,8 +156,8 @@ extern "C" __global__ void __launch_bounds__(32) xxh3_128_long(const unsigned ch
 }
 """
 
-_ptx_lock = threading.Lock()
-_ptx: dict[tuple[int, int], bytes] = {}  # compute capability -> PTX
+_cubin_lock = threading.Lock()
+_cubins: dict[tuple[int, int], bytes] = {}  # compute capability -> CUBIN
 
 
 class HashUnavailable(RuntimeError):
@@ -163,12 +165,14 @@ class HashUnavailable(RuntimeError):
 
 
 def _compile(major: int, minor: int) -> bytes:
-    """PTX for the kernel, compiled once per compute capability by NVRTC."""
+    """The kernel as a CUBIN for sm_<major><minor>, compiled once per compute capability
+    by NVRTC. A CUBIN, not PTX: a driver older than the NVRTC cannot JIT its PTX, while a
+    CUBIN runs on any driver of the same CUDA major version."""
     from cuda.bindings import nvrtc
 
-    with _ptx_lock:
-        if (major, minor) in _ptx:
-            return _ptx[(major, minor)]
+    with _cubin_lock:
+        if (major, minor) in _cubins:
+            return _cubins[(major, minor)]
 
         def ok(res: Any) -> Any:
             err, *rest = res
@@ -178,20 +182,20 @@ def _compile(major: int, minor: int) -> bytes:
 
         prog = ok(nvrtc.nvrtcCreateProgram(_SOURCE.encode(), b"xxh3_128.cu", 0, [], []))
         try:
-            opts = [f"--gpu-architecture=compute_{major}{minor}".encode(), b"-std=c++17"]
+            opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-std=c++17"]
             err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
             if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
                 size = ok(nvrtc.nvrtcGetProgramLogSize(prog))
                 log = b" " * size
                 ok(nvrtc.nvrtcGetProgramLog(prog, log))
                 raise HashUnavailable(f"NVRTC could not compile the hash kernel: {log.decode(errors='replace').strip()}")
-            size = ok(nvrtc.nvrtcGetPTXSize(prog))
-            ptx = b" " * size
-            ok(nvrtc.nvrtcGetPTX(prog, ptx))
+            size = ok(nvrtc.nvrtcGetCUBINSize(prog))
+            cubin = b" " * size
+            ok(nvrtc.nvrtcGetCUBIN(prog, cubin))
         finally:
             nvrtc.nvrtcDestroyProgram(prog)
-        _ptx[(major, minor)] = ptx
-        return ptx
+        _cubins[(major, minor)] = cubin
+        return cubin
 
 
 class DigestBlock:
@@ -209,7 +213,8 @@ class DigestBlock:
 
 
 class GpuHasher:
-    """One device's hash kernel, its streams, and pinned blocks for the digests.
+    """One device's hash kernel and the pinned blocks its digests go to. The streams the
+    kernels run on are the loader threads' (backends/cuda.py, _Staging.hash_streams).
     ``compile_s`` says what setting it up cost (NVRTC and the module load)."""
 
     def __init__(self, ctx: Any, ordinal: int) -> None:
@@ -221,31 +226,22 @@ class GpuHasher:
         if major < 8:  # cp.async
             raise HashUnavailable(f"compute capability {major}.{minor}: the hash kernel needs 8.0 or newer")
         try:
-            ptx = _compile(major, minor)
-        except ImportError as exc:
-            raise HashUnavailable(f"NVRTC is not importable: {exc}") from None
-        except RuntimeError as exc:
-            if isinstance(exc, HashUnavailable):
-                raise
-            raise HashUnavailable(f"NVRTC failed: {exc}") from None
+            cubin = _compile(major, minor)
+        except HashUnavailable:
+            raise
+        except (ImportError, RuntimeError) as exc:  # cuda.bindings.nvrtc, or libnvrtc not found
+            raise HashUnavailable(f"NVRTC is not usable: {exc}") from None
         self._ctx = ctx
-        self._image = ctypes.create_string_buffer(ptx)
+        self._image = ctypes.create_string_buffer(cubin)
         with drv.current(ctx):
-            self._module = drv.check(cu.cuModuleLoadData(ctypes.addressof(self._image)))
+            try:
+                self._module = drv.check(cu.cuModuleLoadData(ctypes.addressof(self._image)))
+            except drv.CudaError as exc:  # e.g. NVRTC of a newer CUDA major version than the driver
+                raise HashUnavailable(f"the driver refused the hash kernel: {exc.message}") from None
             self._kernel = drv.check(cu.cuModuleGetFunction(self._module, b"xxh3_128_long"))
-            self._streams = [drv.check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
-                             for _ in range(_STREAMS)]
-        self._next = 0
         self._lock = threading.Lock()
         self._blocks: list[DigestBlock] = []
         self.compile_s = time.perf_counter() - t0
-
-    def stream(self) -> tuple[int, Any]:
-        """A hash stream (index, stream), round robin: pieces hash in parallel."""
-        with self._lock:
-            i = self._next
-            self._next = (i + 1) % len(self._streams)
-        return i, self._streams[i]
 
     def take_block(self) -> DigestBlock:
         with self._lock:
@@ -266,16 +262,12 @@ class GpuHasher:
         params = (ctypes.c_void_p * 3)(*(ctypes.addressof(a) for a in args))
         drv.check(cu.cuLaunchKernel(self._kernel, 1, 1, 1, 32, 1, 1, 0, stream, ctypes.addressof(params), 0))
 
-    def synchronize(self, used: set[int]) -> None:
-        for i in used:
-            drv.check(cu.cuStreamSynchronize(self._streams[i]))
-
     def close(self) -> None:
+        """Called once every load of the device has finished (their streams synchronized)."""
         with drv.current(self._ctx):
-            for s in self._streams:
-                drv.check(cu.cuStreamSynchronize(s))
-                drv.check(cu.cuStreamDestroy(s))
-            for b in self._blocks:
-                drv.check(cu.cuMemFreeHost(b.ptr))
-            self._blocks.clear()
-            drv.check(cu.cuModuleUnload(self._module))
+            try:
+                for b in self._blocks:
+                    drv.check(cu.cuMemFreeHost(b.ptr))
+            finally:
+                self._blocks.clear()
+                drv.check(cu.cuModuleUnload(self._module))
