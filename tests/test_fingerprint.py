@@ -226,3 +226,53 @@ def test_pieces_left_to_the_device_are_counted_not_hashed_and_say_where_they_are
         for piece, start in done:
             split[(piece.tensor, piece.index)] = xxhash.xxh3_128_digest(data[start : start + piece.nbytes])
         assert split == host_only
+
+
+class _DeviceHashingWriter:
+    """A writer that, like the CUDA one, hashes big pieces "on its device" (here: from its
+    own copy of the arena, at finish) when the reader hands it a TaskHasher with
+    ``device_min``; records whether it ever was."""
+
+    direct_io = False
+    device_hash_min = 4096
+
+    def __init__(self, nbytes: int) -> None:
+        self.arena = bytearray(nbytes)
+        self.asked = False
+        self._todo: list = []
+
+    def write_from_file(self, fd, file_offset, arena_offset, nbytes, direct=False, seen=None):
+        with memoryview(self.arena)[arena_offset : arena_offset + nbytes] as dst:
+            n = os.preadv(fd, [dst], file_offset)
+            assert n == nbytes
+            if seen is not None:
+                seen(dst)
+        if isinstance(seen, TaskHasher) and seen.device_min is not None:
+            self.asked = True
+            self._todo += [(seen, piece, start) for piece, start in seen.take_device_done()]
+
+    def finish(self) -> None:
+        import xxhash
+
+        for seen, piece, start in self._todo:
+            at = seen.task.arena_offset + start
+            seen.out[(piece.tensor, piece.index)] = xxhash.xxh3_128_digest(bytes(self.arena[at : at + piece.nbytes]))
+        self._todo.clear()
+
+
+def test_only_files_that_cannot_change_unseen_are_hashed_on_the_device(tmp_path):
+    """The reader offers a writer's device hash (the GPU's, backends/cuda_hash.py) only for
+    files only root or the daemon's uid can change: hashed once per version. A file
+    another uid could write is hashed at every load, on the host, so a tenant's loads
+    cannot take GPU time from the engines of others. The fingerprint is the same either way."""
+    p = tmp_path / "m.safetensors"
+    save_file(tensors(), str(p))
+    want = fingerprint_files(p)
+    for mode, on_device in ((0o644, True), (0o664, False)):
+        os.chmod(p, mode)
+        FILE_DIGESTS.clear()
+        with open_source(p) as opened:
+            ckpt = parse_checkpoint(opened)
+            w = _DeviceHashingWriter(ckpt.arena_bytes)
+            assert read_checkpoint(ckpt, opened, w, threads=2, chunk=1 << 20) == want
+        assert w.asked is on_device, oct(mode)

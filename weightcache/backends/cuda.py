@@ -119,13 +119,14 @@ class _VmmWriter:
     thread's own stream: 8 threads x 16 MiB reached 28 GB/s from page cache on the H200.
     The buffers are page-aligned (cuMemHostAlloc), so O_DIRECT fds can read into them.
 
-    The content hash: with the backend's GpuHasher (backends/cuda_hash.py), each piece
-    longer than DEVICE_MIN is hashed by a kernel once its bytes are copied, on a hash
-    stream that waits for the copy (an event), so the next read into the buffer never
-    waits for a hash; the smaller pieces are hashed on the host from the buffer. Without
-    one, every piece is hashed on the host. One buffer per thread: a second, so a thread
-    reads while its last copy runs, made loads slower on the H200 (24-30% with 8 threads,
-    scripts/hash_pipeline.py)."""
+    The content hash: when the reader asks for it (a TaskHasher with ``device_min``:
+    trusted files only) and the backend has a GpuHasher (backends/cuda_hash.py), each
+    piece longer than DEVICE_MIN is hashed by a kernel once its bytes are copied, on a
+    hash stream that waits for the copy (an event), so the next read into the buffer
+    never waits for a hash; the smaller pieces are hashed on the host from the buffer.
+    Otherwise every piece is hashed on the host. One buffer per thread: a second, so a
+    thread reads while its last copy runs, made every arrangement slower on the H200 (up
+    to 1.29x with 8 threads, scripts/hash_pipeline.py)."""
 
     direct_io = True
 
@@ -156,12 +157,14 @@ class _VmmWriter:
             if st.busy:
                 drv.check(cu.cuStreamSynchronize(st.stream))
             hashed = False
+            # The big pieces on the GPU when the reader asked for it (trusted files only).
+            on_device = isinstance(seen, TaskHasher) and seen.device_min is not None
             if direct:
                 skew = pread_direct(fd, st.view, file_offset, nbytes)
             else:
                 skew = 0
                 with st.view[:nbytes] as dst:
-                    if seen is None or self._hasher is not None:
+                    if seen is None or on_device:
                         pread_full(fd, dst, file_offset)
                     else:  # hashed on the host: slice by slice as it is read
                         pread_hashing(fd, dst, file_offset, seen)
@@ -176,7 +179,7 @@ class _VmmWriter:
                 # small pieces with one. The buffer is reused after the next call's sync.
                 with st.view[skew : skew + nbytes] as view:
                     seen(view)
-                if self._hasher is not None:
+                if on_device:
                     assert isinstance(seen, TaskHasher)
                     self._hash_on_device(seen, st)
 

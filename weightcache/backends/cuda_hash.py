@@ -22,6 +22,13 @@ load's streams are synchronized.
 Pieces of at most ``DEVICE_MIN`` bytes, or not 16-byte aligned in the arena (never, as
 arenas place tensors at 256-byte offsets), are hashed on the host as before: a launch
 costs more than hashing them there.
+
+Only files that cannot change unseen are hashed here (the reader decides,
+loader/reader.py): the kernels share the GPU with the engines' by time slicing, and an
+engine computing bf16 matmuls kept 0.56 of its rate during such a load on the H200
+(0.98 during a load without the hash, 1.01 with the hash on the host;
+scripts/hash_contention.py). Those files are hashed once per version; a peer's files are
+hashed at every load, and that must not take GPU time from the other tenants' engines.
 """
 
 from __future__ import annotations

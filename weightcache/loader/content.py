@@ -32,13 +32,16 @@ does not hash again. Every other load hashes the bytes it copies: a peer's file 
 change under a stale cache entry (through a writable mapping, st_ctime moves only at the
 next write fault).
 
-Where the hash runs: on the CPU backend, here, on the loader threads. On CUDA, pieces over
-256 KiB are hashed by a kernel on the GPU once copied there (backends/cuda_hash.py; the
-writer takes them from TaskHasher.device_done), the rest here from the pinned staging
-buffer: on the H200 hashing on the host made the first load of 9.15 GiB from a warm page
-cache 1.44x slower with 8 loader threads and 2.13x with 16, the kernel 1.00x and 1.11x
-(the latter within that run's noise; docs/benchmarks.md, "Content fingerprint"), because
-the host hash reads every byte back from host memory, which such a load is bound by.
+Where the hash runs: on the CPU backend, here, on the loader threads. On CUDA, for files
+that cannot change unseen (above), pieces over 256 KiB are hashed by a kernel on the GPU
+once copied there (backends/cuda_hash.py; the writer takes them from
+TaskHasher.device_done), the rest here from the pinned staging buffer: on the H200
+hashing on the host made the first load of 9.15 GiB from a warm page cache 1.44x slower
+with 8 loader threads and 2.13x with 16, the kernel 1.00x and 1.11x (the latter within
+that run's noise; docs/benchmarks.md, "Content fingerprint"), because the host hash reads
+every byte back from host memory, which such a load is bound by. Other files, hashed at
+every load, are hashed here: the kernel takes GPU time from the engines on that GPU
+(backends/cuda_hash.py says how much), and a tenant's loads must not.
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ class TaskHasher:
         self.task = task
         self.out = out
         self._pieces = iter(task.pieces)
-        self._device_min = device_min
+        self.device_min = device_min
         self._piece: Piece | None = None
         self._on_device = False
         self._left = 0
@@ -144,7 +147,7 @@ class TaskHasher:
                 self._start = self._pos + pos
                 # 16-byte aligned in the arena for the kernel's loads: every piece of a
                 # tensor placed at a 256-byte offset is, the check only guards the rule.
-                self._on_device = (self._device_min is not None and self._piece.nbytes > self._device_min
+                self._on_device = (self.device_min is not None and self._piece.nbytes > self.device_min
                                    and (self.task.arena_offset + self._start) % 16 == 0)
                 self._h.reset()
             take = min(self._left, n - pos)

@@ -36,7 +36,8 @@ class ArenaWriter(Protocol):
     [content fingerprint] in content.py). ``serves_files`` is true for a writer whose
     arena is the files' own trusted pages (a CPU file arena): their digests may then be
     reused by file identity. ``device_hash_min``, when set, is the size above which the
-    writer hashes a piece on its device itself (TaskHasher, backends/cuda_hash.py); its
+    writer can hash a piece on its device itself (backends/cuda_hash.py); it does for the
+    TaskHashers that carry it (``device_min``, given for trusted files only), and those
     digests are in place once ``finish`` returns."""
 
     direct_io: bool
@@ -247,7 +248,8 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
     # Files whose tensor digests are known (loaded before, unchanged, and changed only by
     # the trusted): index -> (file offset, size) -> digest (the size too: an empty tensor
     # shares its offset with the next one). Their bytes are loaded but not hashed again.
-    reuse = content_hash and (getattr(writer, "serves_files", False) or changed_only_by_trusted(opened))
+    trusted = changed_only_by_trusted(opened)
+    reuse = content_hash and (getattr(writer, "serves_files", False) or trusted)
     identities = [_identity(sf.fd) for sf in opened.files] if reuse else []
     known: dict[int, dict[tuple[int, int], bytes]] = {}
     for i, ident in enumerate(identities):
@@ -267,7 +269,12 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
             direct.append(is_direct)
             log(f"{f.path}: {why}")
         tasks = plan_tasks(ckpt, chunk)
-        device_min: int | None = getattr(writer, "device_hash_min", None)
+        # Hashed on the device only for files that cannot change unseen: they are hashed
+        # once per version (their digests are kept), where a peer's files are hashed at
+        # every load, and the device's kernels take time from the engines computing on
+        # that GPU (0.56 of an engine's matmul rate during such a load on the H200,
+        # scripts/hash_contention.py): a tenant's loads must not take it from the others.
+        device_min: int | None = getattr(writer, "device_hash_min", None) if trusted else None
         failed = threading.Event()  # once one chunk fails, the others stop early
 
         def work(task: Task) -> None:
