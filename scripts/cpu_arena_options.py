@@ -84,7 +84,7 @@ from weightcache.loader.checkpoint import Checkpoint, open_checkpoint
 from weightcache.protocol.messages import MEMFD_SEALS
 from weightcache.tools.bench_measure import drop_page_cache, memfd_bytes
 from weightcache.tools.spawn import DaemonProcess, config_text
-from weightcache.tools.synth import write_checkpoint
+from weightcache.tools.synth import kept_checkpoint
 
 MADV_POPULATE_READ = 22  # Linux >= 5.14; not in Python's mmap module
 MAP_LOCKED = 0x2000  # x86-64 and arm64
@@ -684,11 +684,8 @@ def main() -> None:
     ap.add_argument("--huge-tmpfs", type=Path, help="a tmpfs mounted huge=always, for the shmem-huge option")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
-    work = Path(args.dir)
-    work.mkdir(parents=True, exist_ok=True)
-    path = work / f"ckpt-{args.size_gib:g}g-{args.tensors}t.safetensors"
-    if not path.exists():
-        write_checkpoint(path, int(args.size_gib * 2**30), args.tensors, seed=1)
+    path = kept_checkpoint(Path(args.dir) / f"ckpt-{args.size_gib:g}g-{args.tensors}t.safetensors", int(args.size_gib * 2**30),
+                           args.tensors, seed=1)
     ckpt = open_checkpoint(path)
     env = environment(path)
     prepare_page_cache(path, args.page_cache)

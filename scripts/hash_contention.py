@@ -67,13 +67,10 @@ def main() -> int:
     from weightcache.loader.content import FILE_DIGESTS
     from weightcache.tools.bench_hash import _load_once
     from weightcache.tools.bench_measure import warm_page_cache
-    from weightcache.tools.synth import write_checkpoint
+    from weightcache.tools.synth import kept_checkpoint
 
     work = Path(a.workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    path = work / f"c-{a.size_gib:g}g.safetensors"
-    if not path.exists():
-        write_checkpoint(path, int(a.size_gib * 2**30), a.tensors)
+    path = kept_checkpoint(work / f"c-{a.size_gib:g}g.safetensors", int(a.size_gib * 2**30), a.tensors)
     warm_page_cache(path)
     gpu, host = CudaBackend(a.device), CudaBackend(a.device, hash_on_gpu=False)
     assert gpu.gpu_hash is not None, gpu.gpu_hash_unavailable

@@ -42,7 +42,7 @@ from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
 from weightcache.loader.content import FILE_DIGESTS
 from weightcache.loader.reader import pread_full
 from weightcache.tools.bench_measure import warm_page_cache
-from weightcache.tools.synth import write_checkpoint
+from weightcache.tools.synth import kept_checkpoint
 
 SLICE = 1 << 20
 FINGERPRINTS: set[str | None] = set()  # every hashing variant's, to check they agree
@@ -188,11 +188,7 @@ def main() -> int:
     p.add_argument("--workdir", default="/tmp/wc-hash-pipeline")
     p.add_argument("--out")
     a = p.parse_args()
-    work = Path(a.workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    path = work / f"hash-{a.size_gib:g}g.safetensors"
-    if not path.exists():
-        write_checkpoint(path, int(a.size_gib * 2**30), a.tensors)
+    path = kept_checkpoint(Path(a.workdir) / f"hash-{a.size_gib:g}g.safetensors", int(a.size_gib * 2**30), a.tensors)
     warm_page_cache(path)
     backend = CudaBackend(a.device)
     result: dict = {"nbytes": path.stat().st_size, "runs": {}}

@@ -180,14 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             print(f"--device {args.device} needs CUDA: {exc}", file=sys.stderr)
             return 2
-    from .synth import write_checkpoint
+    from .synth import kept_checkpoint
 
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    path = work / f"hash-{args.size_gib:g}g.safetensors"
-    if not path.exists():
-        write_checkpoint(path, int(args.size_gib * 2**30), args.tensors)
-    os.chmod(path, 0o644)  # readable by all, not writable by others: a file arena on the CPU
+    # Mode 0644 (write_checkpoint's): readable by all, not writable by others, as a file
+    # arena on the CPU needs and as a file the daemon hashes once per version.
+    path = kept_checkpoint(Path(args.workdir) / f"hash-{args.size_gib:g}g.safetensors", int(args.size_gib * 2**30),
+                           args.tensors)
     figs = measure_content_hash(path, args.device, reps=args.reps, threads=args.threads, chunk=args.chunk_mib << 20,
                                 log=lambda m: print(m, file=sys.stderr))
     for line in describe(figs):

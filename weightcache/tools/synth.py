@@ -33,6 +33,17 @@ def synth_tensors(nbytes: int, n_tensors: int, *, dtype: torch.dtype = torch.bfl
     return out
 
 
+def kept_checkpoint(path: Path, nbytes: int, n_tensors: int, *, seed: int = 0) -> Path:
+    """A one-file checkpoint at ``path``, written only if it is not there yet (benchmarks
+    keep theirs in a workdir between runs). Written under another name and renamed: a run
+    killed while writing leaves no short file that the next run would take as made."""
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        write_checkpoint(tmp, nbytes, n_tensors, seed=seed)
+        os.replace(tmp, path)
+    return path
+
+
 def write_checkpoint(path: str | os.PathLike[str], nbytes: int, n_tensors: int, *, shards: int = 1,
                      dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
     """Write a checkpoint and return the path to give the daemon: the file for one shard,

@@ -5,7 +5,6 @@ device budget in bytes. Everything here is made before the first daemon starts."
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -116,15 +115,11 @@ class Prepared:
 
 
 def _checkpoint(work: Path, name: str, nbytes: int, tensors: int) -> Path:
-    from .synth import write_checkpoint
+    from .synth import kept_checkpoint
 
     # Kept in the workdir between runs; a seed from the name gives each model other bytes.
-    path = work / "models" / f"{name}-{nbytes}b-{tensors}t.safetensors"
-    if not path.exists():
-        tmp = path.with_suffix(".tmp")
-        write_checkpoint(tmp, nbytes, tensors, seed=zlib.crc32(name.encode()))
-        os.replace(tmp, path)
-    return path
+    return kept_checkpoint(work / "models" / f"{name}-{nbytes}b-{tensors}t.safetensors", nbytes, tensors,
+                           seed=zlib.crc32(name.encode()))
 
 
 def _references(work: Path, files: dict[str, Path]) -> dict[str, dict[str, Any]]:
