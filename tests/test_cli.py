@@ -96,6 +96,8 @@ def test_tables_are_not_cut_when_piped_and_sizes_are_binary(start_daemon, ckpts,
             assert "64.0 KiB" in row, row
     rc, out, _ = cli(capsys, *s, "status")
     assert "20.0 MiB" in out and "64.0 KiB" in out and not re.search(r"\b(GB|MB|kB)\b|\d{4,} B", out), out
+    cpu_row = next(line for line in out.splitlines() if "memfd" in line)
+    assert cpu_row.rstrip(" │|").endswith("host"), cpu_row  # where the fingerprint is hashed
 
 
 def test_socket_before_or_after_the_command_or_from_the_config_file(start_daemon, ckpts, capsys, tmp_path, monkeypatch):

@@ -41,3 +41,13 @@ def test_the_published_fingerprint_formula_is_the_daemons():
     assert '`f"uid{uid}:" + sha256_hex(f"{uid}\\0{fingerprint}")`' in PROTOCOL
     uid, fingerprint = 1000, "82a6b0f1+int8-v1"
     assert tenant_fingerprint(fingerprint, uid) == f"uid{uid}:" + hashlib.sha256(f"{uid}\0{fingerprint}".encode()).hexdigest()
+
+
+async def test_status_devices_carry_the_documented_fields(start_daemon, ckpts):
+    d = start_daemon(models={"tiny": ckpts["tiny"]})
+    async with Client(d.socket) as c:
+        cpu = (await c.status())["devices"]["cpu"]
+    doc = PROTOCOL[PROTOCOL.index('"devices": {"cpu": {'):].split("}")[0]
+    keys = set(re.findall(r'"([a-z_]+)":', doc))  # the keys, not the example values
+    assert set(cpu) == keys - {"devices", "cpu"}
+    assert cpu["content_hash"] == "host"  # the CPU backend hashes on its loader threads

@@ -130,9 +130,11 @@ async def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(st)
         return 0
-    t = _table("device", "backend", "budget", "used", "reserved", "free", right=("budget", "used", "reserved", "free"))
+    t = _table("device", "backend", "budget", "used", "reserved", "free", "content hash",
+               right=("budget", "used", "reserved", "free"))
     for dev, d in st["devices"].items():
-        t.add_row(dev, d["backend"], _size(d["budget"]), _size(d["used"]), _size(d["reserved"]), _size(d["free"]))
+        t.add_row(dev, d["backend"], _size(d["budget"]), _size(d["used"]), _size(d["reserved"]), _size(d["free"]),
+                  d.get("content_hash", ""))
     lines: list[Any] = [f"weightcache {st['version']} (pid {st['pid']}, up {_duration(st['uptime_s'])}) on {st['socket']}", t,
                         f"connections: {st['connections']}  leases: {st['leases']}  resident: {len(st.get('resident', []))} "
                         "(weightcache ps)"]

@@ -119,6 +119,12 @@ class Backend(ABC):
     def total_memory(self) -> int:
         """Bytes of memory the device has; fraction budgets resolve against it."""
 
+    def content_hash(self) -> str:
+        """Where loads onto this device hash the content fingerprint (``status`` says):
+        "host", or "gpu" (files that cannot change unseen on the GPU, others on the host;
+        loader/content.py, Note [content fingerprint])."""
+        return "host"
+
     def free_memory(self) -> int | None:
         """Bytes free on the device now, whoever holds the rest (other processes count);
         None where the backend cannot tell. Automatic placement reads it (cache/placement.py)."""

@@ -343,6 +343,9 @@ class CudaBackend(Backend):
     def total_memory(self) -> int:
         return drv.total_memory(self.ordinal)
 
+    def content_hash(self) -> str:
+        return "gpu" if self.gpu_hash is not None else f"host ({self.gpu_hash_unavailable or 'hash_on_gpu=False'})"
+
     def free_memory(self) -> int:
         return drv.free_memory(self.ctx)
 

@@ -173,6 +173,8 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
     devices = ctx.core.device_summary()
     for dev, d in devices.items():
         d["backend"] = ctx.backends[dev].kind if dev in ctx.backends else "pinned-host"
+        if dev in ctx.backends:
+            d["content_hash"] = ctx.backends[dev].content_hash()
     return {
         "version": __version__, "pid": os.getpid(), "uptime_s": time.monotonic() - ctx.started,
         "socket": ctx.socket_path, "devices": devices, "connections": ctx.connections(),
