@@ -340,8 +340,11 @@ async def evict(ctx: Context, caller: Caller, req: Request) -> Reply:
         if e.state is State.RESIDENT:
             ctx.core.check_evictable(e.name)  # ATTACHED / PINNED with the reason
     freed = sum(e.nbytes for e in movable if e.state is State.RESIDENT)
-    for e in movable:
-        await ctx.loads.carry_out(ctx.core.evict(e.name), reason="requested")
+    # Every rank moves in the core before any demotion is awaited: carried out one rank
+    # at a time, a peer could attach a later rank while an earlier one was copied to the
+    # host tier, and the evict stopped between ranks with ATTACHED.
+    steps = [ctx.core.evict(e.name) for e in movable]
+    await asyncio.gather(*(t for step in steps for t in ctx.loads.start_step_down(step, reason="requested")))
     await ctx.loads.notify_space()
     return {"evicted": bool(movable), "freed": freed, "state": str(entries[0].state)}, []
 
