@@ -65,7 +65,7 @@ def main() -> int:
 
     from weightcache.backends.cuda import CudaBackend
     from weightcache.loader.content import FILE_DIGESTS
-    from weightcache.tools.bench_hash import _load_once
+    from weightcache.tools.bench_hash import load_once
     from weightcache.tools.bench_measure import warm_page_cache
     from weightcache.tools.synth import kept_checkpoint
 
@@ -76,7 +76,7 @@ def main() -> int:
     assert gpu.gpu_hash is not None, gpu.gpu_hash_unavailable
     variants = {"no hash": (gpu, False), "hash on the GPU": (gpu, True), "hash on the host": (host, True)}
     for backend, hashing in variants.values():  # uncounted: first-use costs
-        _load_once(path, backend, 8, 16 << 20, hashing)
+        load_once(path, backend, 8, 16 << 20, hashing)
     seconds = a.pause_s + a.reps * len(variants) * (a.pause_s + 0.6) + 3
     stamps_file = work / "engine.json"
     child = subprocess.Popen([sys.executable, __file__, "--device", a.device, "--engine", str(seconds), str(stamps_file)],
@@ -90,7 +90,7 @@ def main() -> int:
             backend, hashing = variants[name]
             FILE_DIGESTS.clear()  # a first load: every byte hashed
             t0 = time.monotonic()
-            _load_once(path, backend, 8, 16 << 20, hashing)
+            load_once(path, backend, 8, 16 << 20, hashing)
             windows.append((name, t0, time.monotonic()))
             time.sleep(a.pause_s)
     child.wait(timeout=seconds + 60)

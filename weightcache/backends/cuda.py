@@ -175,8 +175,9 @@ class _VmmWriter:
             st.busy = True
             if seen is not None and not hashed:
                 # Hashed from the pinned buffer while the copy out of it runs (both only
-                # read it): everything from disk (O_DIRECT) without a GpuHasher, only the
-                # small pieces with one. The buffer is reused after the next call's sync.
+                # read it): every piece from disk (O_DIRECT) when the GPU does not hash
+                # this file, only the small ones when it does. The buffer is reused after
+                # the next call's sync.
                 with st.view[skew : skew + nbytes] as view:
                     seen(view)
                 if on_device:

@@ -56,7 +56,7 @@ def _backend(device: str, arena: str) -> Backend:
     return CpuBackend(device, page_cache=arena == "file")
 
 
-def _load_once(path: Path, backend: Backend, threads: int, chunk: int, content_hash: bool) -> tuple[float, str]:
+def load_once(path: Path, backend: Backend, threads: int, chunk: int, content_hash: bool) -> tuple[float, str]:
     """One load as the daemon fills an arena (allocate, bind, read, seal), then free it.
     Returns the seconds from allocate to sealed, and the arena's kind."""
     with open_source(path) as opened:
@@ -122,11 +122,11 @@ def measure_content_hash(path: Path, device: str, *, reps: int = 5, threads: int
             if hashing == "on":
                 FILE_DIGESTS.clear()  # a first load: every byte is hashed
             elif hashing == "on, digests kept":
-                _load_once(path, backends[arena], threads, chunk, True)  # keeps the file's digests
+                load_once(path, backends[arena], threads, chunk, True)  # keeps the file's digests
                 dropped = dropped or arena == "memfd"
             if dropped:
                 warm_page_cache(path)
-            dt, kind = _load_once(path, backends[arena], threads, chunk, hashing != "off")
+            dt, kind = load_once(path, backends[arena], threads, chunk, hashing != "off")
             dropped = arena == "memfd"
             kinds[key] = kind
             if rep:
