@@ -164,7 +164,7 @@ async def cmd_models(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(models)
         return 0
-    t = _table("name", "state", "device", "size", "attached", "pinned", "loads", "evictions", "last error",
+    t = _table("name", "state", "device", "size", "attached", "pinned", "arena", "loads", "evictions", "last error",
                right=("size", "attached", "loads", "evictions"))
     for m in models:
         # A bad path or format is found at start and at reload, before any load: say so here,
@@ -175,10 +175,17 @@ async def cmd_models(args: argparse.Namespace) -> int:
         device = (f"{m['device']} (auto: {placed['reason']})" if placed.get("device") == m["device"]
                   else f"{m['device']} (auto)" if m.get("replica_of") else m["device"])
         t.add_row(m["name"], m["state"], device, _size(m["nbytes"] or None), str(m["attach_count"]),
-                  "yes" if m["pinned"] else "", str(m["loads"]), str(m["evictions"]),
+                  "yes" if m["pinned"] else "", _arena(m), str(m["loads"]), str(m["evictions"]),
                   f"{err.get('code', '')}: {err.get('message', '')}" if err else "")
     _print(t)
     return 0
+
+
+def _arena(m: dict[str, Any]) -> str:
+    """Where the resident copy lives, and why not in the faster arena where it was refused
+    (a CPU model copied into a memfd rather than served from its files' page cache)."""
+    kind = m.get("arena") or "-"
+    return f"{kind}: {m['arena_note']}" if m.get("arena_note") else kind
 
 
 def _until(m: dict[str, Any]) -> str:
@@ -217,10 +224,10 @@ async def cmd_ps(args: argparse.Namespace) -> int:
     if not resident:
         print("no model is resident")
         return 0
-    t = _table("name", "owner", "state", "device", "size", "leases (pid, client, uid, held for)", "idle", "until",
+    t = _table("name", "owner", "state", "device", "size", "arena", "leases (pid, client, uid, held for)", "idle", "until",
                right=("size", "idle"))
     for m in resident:
-        t.add_row(m["name"], _owner(m), m["state"], m["device"], _size(m["nbytes"]), _lease_lines(m),
+        t.add_row(m["name"], _owner(m), m["state"], m["device"], _size(m["nbytes"]), _arena(m), _lease_lines(m),
                   "-" if m["attach_count"] else _duration(m["idle_s"]), _until(m))
     _print(t)
     return 0

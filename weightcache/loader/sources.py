@@ -38,45 +38,6 @@ MAX_INDEX_BYTES = 16 * 2**20  # the largest real index (tens of thousands of ten
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 
-# File systems on which only this kernel changes a file, through its page cache: the
-# owner and mode rules then say who can. (On NFS, CIFS, FUSE or virtiofs another machine
-# or a user-space daemon can change the bytes whatever the mode says.)
-LOCAL_FILE_SYSTEMS = frozenset({
-    "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs", "jfs", "reiserfs", "zfs", "tmpfs", "ramfs", "overlay",
-    "squashfs", "erofs", "iso9660",
-})
-
-
-def changed_only_by_trusted(opened: OpenedSource) -> bool:
-    """Whether only root or the daemon's uid can change these files' bytes, and every
-    change moves their st_ctime: files the daemon opened itself (not a peer's fds), owned
-    by root or the daemon's uid, not writable by group or others, on a local file system.
-    The content fingerprint keeps such files' digests by identity (loader/content.py)."""
-    if opened.adopted:
-        return False
-    me = os.geteuid()
-    for sf in opened.files:
-        st = os.fstat(sf.fd)
-        if st.st_uid not in (0, me) or st.st_mode & 0o022 or file_system(sf.fd) not in LOCAL_FILE_SYSTEMS:
-            return False
-    return True
-
-
-def file_system(fd: int) -> str:
-    """The type of the file system ``fd`` is on, from its mount id (/proc/self/fdinfo)."""
-    mnt = ""
-    with open(f"/proc/self/fdinfo/{fd}") as f:
-        for line in f:
-            if line.startswith("mnt_id:"):
-                mnt = line.split()[1]
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields and fields[0] == mnt and "-" in fields:
-                return fields[fields.index("-") + 1]
-    return "unknown"
-
-
 @dataclass(frozen=True)
 class SourceFile:
     path: str  # the name shown in messages; for files the daemon opened, also the path re-stat'ed for staleness

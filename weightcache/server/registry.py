@@ -334,6 +334,10 @@ class Registry:
             "loads": e.loads, "evictions": e.evictions, "demotions": e.demotions, "promotions": e.promotions,
             # its bytes are in the host tier: HOST, or resident with the copy kept since its promotion
             "host_copy": e.host_copy,
+            # which arena the resident copy got ("file", "memfd", "cuda_vmm") and, where the
+            # faster one was refused, why (it names files: shown where path is)
+            "arena": m.arena.kind if m.arena is not None else None,
+            "arena_note": (m.arena.fallback or None) if m.arena is not None and not private else None,
             "last_error": redacted(m.last_error) if private and m.last_error else self._error_as_seen(viewer, m.last_error),
             "progress": progress.snapshot() if progress is not None else None,
         }
