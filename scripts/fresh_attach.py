@@ -286,7 +286,7 @@ def time_restarts(args: argparse.Namespace, sock: str, model: str) -> dict[str, 
     runs: dict[str, list[Any]] = {"floor": [], "disk": [], "cache": []}
     for _ in range(args.restarts):
         for mode in runs:
-            runs[mode].append(time_restart(mode, path=ckpt, model=model, socket=sock, device=args.device))
+            runs[mode].append(time_restart(mode, files=[ckpt], model=model, socket=sock, device=args.device))
 
     def spread(xs: list[float]) -> dict[str, float]:
         return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}

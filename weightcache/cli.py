@@ -479,11 +479,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if problem:
         print(f"weightcache bench: --device {args.device}: {problem}", file=sys.stderr)
         return 2
-    from .tools.bench import BenchConfig, run_bench
+    from .tools.bench import BenchConfig, run_bench, user_checkpoint
 
-    return run_bench(BenchConfig(size_gib=args.size_gib, tensors=args.tensors, device=args.device, attaches=args.attaches,
+    tensors = args.tensors
+    if args.checkpoint:
+        try:
+            _, tensors = user_checkpoint(args.checkpoint)
+        except WeightcacheError as exc:
+            print(f"weightcache bench: {exc.message}", file=sys.stderr)
+            return 2
+    return run_bench(BenchConfig(size_gib=args.size_gib, tensors=tensors, device=args.device, attaches=args.attaches,
                                  reps=args.reps, cold_reps=args.cold_reps, restarts=args.restarts, big_gib=args.big_gib,
-                                 workdir=args.workdir, out=args.out))
+                                 workdir=args.workdir, out=args.out, fresh=args.fresh, checkpoint=args.checkpoint))
 
 
 def cmd_workload(args: argparse.Namespace) -> int:
@@ -629,6 +636,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reps", type=int, default=3, help="repetitions of each warm load")
     s.add_argument("--cold-reps", type=int, default=2, help="repetitions of each cold load (0: skip)")
     s.add_argument("--restarts", type=int, default=3, help="engine restarts per way")
+    s.add_argument("--fresh", type=int, default=7, help="fresh engine processes per way for the fresh-process rows")
+    s.add_argument("--checkpoint", default=None, metavar="FILE",
+                   help="measure the operator's own .safetensors file instead of a generated one (--size-gib/--tensors ignored)")
     s.add_argument("--big-gib", type=float, default=3.0, help="size of the model loaded while status latency is measured")
     s.add_argument("--workdir", default=None)
     s.add_argument("--out", default=None, help="write results as JSON here (and a PNG chart beside it)")

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Self
 
 from ..protocol import PROTOCOL_VERSION
 from .connection import Connection, ConnectionBase
-from .files import open_checkpoint_files
 
 if TYPE_CHECKING:  # annotations only: importing them would import torch
     import torch
@@ -127,6 +126,8 @@ class ClientOps(ConnectionBase):
             parts = [s["path"] for s in shard_list]
         if not send_files or not parts:
             return (await self.request("register", timeout=timeout, **args))["model"]
+        from .files import open_checkpoint_files  # only register sends files: not on an engine's import path
+
         args["files"], fds = open_checkpoint_files(parts)
         try:
             reply, reply_fds = await self._request("register", timeout, args, send_fds=fds)

@@ -164,29 +164,48 @@ class ReadyToComputeFigures:
 @dataclass(frozen=True)
 class FreshAttachFigures:
     """Attach in fresh engine processes (torch imported and, on a GPU, CUDA initialised
-    first), phase by phase, one run per process, in milliseconds."""
+    first), phase by phase, one run per process, in milliseconds; and, in processes
+    alternating with those, the anchors: a fresh process's ``load_file`` of the same
+    files and (GPU) the same tensors as torch CUDA IPC handles, each from its own imports
+    to usable tensors (tools/restart.py, Note [as the engine meets it])."""
 
     import_client_ms: Spread  # the client's import on top of torch
     connect_ms: Spread
     first_attach_ms: Spread  # attach entered -> tensors usable, lazy imports included
     second_attach_ms: Spread  # the same process's next attach
     lazy_imports: tuple[str, ...] = ()  # modules connect or the first attach imported (union over the processes)
+    load_file_ms: Spread | None = None  # import safetensors + load_file -> usable (absent in runs before issue 23)
+    cuda_ipc_ms: Spread | None = None  # receive handles + open each -> usable (GPU only)
 
     @property
     def connect_to_tensors_ms(self) -> Spread:
         """connect -> first usable tensors, per process (not the sum of two medians)."""
         return Spread(tuple(c + a for c, a in zip(self.connect_ms.runs, self.first_attach_ms.runs, strict=True)))
 
+    @property
+    def import_to_tensors_ms(self) -> Spread:
+        """import the client -> first usable tensors, per process: what the engine pays."""
+        return Spread(tuple(i + c + a for i, c, a in zip(self.import_client_ms.runs, self.connect_ms.runs, self.first_attach_ms.runs,
+                                                        strict=True)))
+
     def as_dict(self) -> dict[str, Any]:
-        return {"fresh_attach": {"n": len(self.connect_ms.runs), "connect_to_tensors_ms": self.connect_to_tensors_ms.as_dict(),
-                                 "import_client_ms": self.import_client_ms.as_dict(), "connect_ms": self.connect_ms.as_dict(),
-                                 "first_attach_ms": self.first_attach_ms.as_dict(), "second_attach_ms": self.second_attach_ms.as_dict(),
-                                 "lazy_imports": list(self.lazy_imports)}}
+        out = {"n": len(self.connect_ms.runs), "connect_to_tensors_ms": self.connect_to_tensors_ms.as_dict(),
+               "import_client_ms": self.import_client_ms.as_dict(), "connect_ms": self.connect_ms.as_dict(),
+               "first_attach_ms": self.first_attach_ms.as_dict(), "second_attach_ms": self.second_attach_ms.as_dict(),
+               "lazy_imports": list(self.lazy_imports)}
+        if self.load_file_ms is not None:  # runs since issue 23: the headline beside its anchors
+            out["import_to_tensors_ms"] = self.import_to_tensors_ms.as_dict()
+        for key in ("load_file_ms", "cuda_ipc_ms"):
+            sp = getattr(self, key)
+            if sp is not None:
+                out[key] = sp.as_dict()
+        return {"fresh_attach": out}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FreshAttachFigures:
         return cls(**{k: Spread.from_dict(d[k]) for k in ("import_client_ms", "connect_ms", "first_attach_ms", "second_attach_ms")},
-                   lazy_imports=tuple(d["lazy_imports"]))
+                   lazy_imports=tuple(d["lazy_imports"]),
+                   **{k: Spread.from_dict(d[k]) for k in ("load_file_ms", "cuda_ipc_ms") if k in d})
 
 
 @dataclass(frozen=True)
