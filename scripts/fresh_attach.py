@@ -344,6 +344,11 @@ def time_anchors(args: argparse.Namespace, sock: str, model: str, clients: tuple
             if held is not None:
                 ways["cuda_ipc"].append(time_restart("ipc", files=[ckpt], model=model, socket=sock, device=args.device,
                                                      ipc_socket=held).weights_s * 1e3)
+            if cuda:
+                # A process that held 9 GiB of device memory frees it after it exits, in the
+                # driver: in session 9's first H200 run the weightcache process that came next
+                # was ~3 ms slower (12.0 ms p50 here against 8.9 in the phase loop before).
+                time.sleep(args.settle_s)
     out: dict[str, Any] = {way: {"p50": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3),
                                  "runs": [round(x, 3) for x in xs]} for way, xs in ways.items()}
     for way in ("load_file", "cuda_ipc"):
@@ -376,6 +381,7 @@ def main() -> None:
     ap.add_argument("--anchors", action="store_true",
                     help="also time import -> usable tensors side by side: weightcache with and without bytecode, a fresh "
                          "load_file of the same file and, on a GPU, torch CUDA IPC handles of the same tensors")
+    ap.add_argument("--settle-s", type=float, default=1.0, help="with --anchors on a GPU: pause after the anchors' processes")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -324,6 +324,7 @@ def _measure_fresh(cfg: BenchConfig, ckpt: Path, sock: str) -> FreshAttachFigure
             load_file.append(time_restart("disk", files=files, model=MODEL, socket=sock, device=cfg.device).weights_s * 1e3)
             if held is not None:
                 ipc.append(time_restart("ipc", files=files, model=MODEL, socket=sock, device=cfg.device, ipc_socket=held).weights_s * 1e3)
+                time.sleep(1.0)  # the anchors' device memory is freed after their exit: not on the next engine's time
 
     def spread(attr: str) -> Spread:
         return Spread(tuple(getattr(x, attr) for x in runs))
