@@ -24,7 +24,7 @@ from weightcache.backends.cpu import CpuBackend, _populate_supported
 from weightcache.client.mapping import SEGMENT, file_tensor_views, map_files
 from weightcache.errors import BadRequest, CorruptCheckpoint
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
-from weightcache.tools.bench_measure import memfd_bytes
+from weightcache.tools.bench_measure import memfd_bytes, page_cache_bytes
 from weightcache.tools.synth import write_checkpoint
 
 MIB = 2**20
@@ -43,28 +43,6 @@ def same(attached, expected) -> bool:
 def snapshot(path: Path) -> dict[str, torch.Tensor]:
     """The file's tensors as copies (load_file maps the file: a later rewrite would show)."""
     return {k: v.clone() for k, v in load_file(str(path)).items()}
-
-
-def cached_bytes(path: Path) -> int:
-    """Bytes of the file in the page cache (mincore over a fresh mapping faults nothing in)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    size = path.stat().st_size
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    finally:
-        os.close(fd)
-    assert addr not in (None, ctypes.c_void_p(-1).value)
-    try:
-        vec = ctypes.create_string_buffer((size + PAGE - 1) // PAGE)
-        assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
-        return sum(b & 1 for b in vec.raw) * PAGE
-    finally:
-        libc.munmap(addr, size)
 
 
 def proc_status(pid: int, key: str) -> int:
@@ -253,11 +231,11 @@ async def test_a_cold_checkpoint_is_read_into_the_page_cache(start_daemon, tmp_p
     os.fsync(fd)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
-    assert cached_bytes(p) < MIB
+    assert page_cache_bytes(p) < MIB
     d = start_daemon(models={"m": p}, extra_daemon={"load_chunk_bytes": MIB})
     async with Client(d.socket) as c, c.attach("m") as m:
         assert m.arena_kind == "file" and m.source == "files"
-        assert cached_bytes(p) >= p.stat().st_size - 2 * PAGE  # the load made it resident
+        assert page_cache_bytes(p) >= p.stat().st_size - 2 * PAGE  # the load made it resident
         assert same(m, snapshot(p))
 
 
@@ -337,8 +315,8 @@ async def test_resident_memory_of_a_model_is_its_size(start_daemon, tmp_path):
             st = (await c.status())["devices"]["cpu"]
             sizes = {x["name"]: x["nbytes"] for x in await c.models()}
             # a: the file's pages, once; no memfd. b: the memfd; its file's pages dropped.
-            resident_a = cached_bytes(a)
-            resident_b = cached_bytes(b) + memfd_bytes(pid)
+            resident_a = page_cache_bytes(a)
+            resident_b = page_cache_bytes(b) + memfd_bytes(pid)
             assert resident_a <= 1.05 * a.stat().st_size and resident_b <= 1.05 * b.stat().st_size, (resident_a, resident_b)
             assert memfd_bytes(pid) >= b.stat().st_size - 2 * PAGE
             assert st["used"] == sizes["a"] + sizes["b"]

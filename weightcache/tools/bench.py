@@ -49,6 +49,8 @@ from .bench_measure import (
     disk_ceiling,
     drop_page_cache,
     host_tier_round_trip,
+    memfd_bytes,
+    page_cache_bytes,
     pct,
     status_under_load,
     time_fastsafetensors,
@@ -143,13 +145,13 @@ def run_bench(cfg: BenchConfig) -> int:
     sock = str(files.work / "bench.sock")
     log = files.work / "bench-daemon.log"
     log.unlink(missing_ok=True)
-    with DaemonProcess(_write_daemon_config(cfg, files, sock), sock, log):
+    with DaemonProcess(_write_daemon_config(cfg, files, sock), sock, log) as daemon:
         step("the daemon's loader, warm and cold")
         loader = _measure_loader(cfg, files.model, sock)
         step("attach latency")
         attach_lat = asyncio.run(attach_latencies(sock, MODEL, cfg.attaches))
         step("ready to compute: attach vs load_file")
-        ready = _measure_ready(cfg, files.model, sock)
+        ready = _measure_ready(cfg, files.model, sock, daemon)
         if cfg.cuda:
             step("the host tier")
         host_tier = _measure_host_tier(cfg, sock) if cfg.cuda else None
@@ -287,9 +289,10 @@ def _measure_loader(cfg: BenchConfig, ckpt: Path, sock: str) -> LoaderFigures:
     return LoaderFigures(warm_s=statistics.median(warm), cold_s=statistics.median(cold) if cold else None)
 
 
-def _measure_ready(cfg: BenchConfig, ckpt: Path, sock: str) -> ReadyToComputeFigures:
+def _measure_ready(cfg: BenchConfig, ckpt: Path, sock: str, daemon: DaemonProcess) -> ReadyToComputeFigures:
     """Ready to compute, both ways alternating (which goes first alternates too), page
-    cache warm, each in a fresh mapping: the same conditions for both, in one run."""
+    cache warm, each in a fresh mapping: the same conditions for both, in one run. On the
+    CPU, also the host memory that holds the model once the daemon serves it."""
     warm_page_cache(ckpt)
     asyncio.run(attach_and_touch(sock, MODEL))  # one of each first, not counted: lazy imports, kernels, allocator
     time_load_file_and_touch(ckpt, cfg.device)
@@ -305,7 +308,23 @@ def _measure_ready(cfg: BenchConfig, ckpt: Path, sock: str) -> ReadyToComputeFig
         import torch
 
         torch.cuda.empty_cache()  # give load_file's cached blocks back before the engines start
-    return ReadyToComputeFigures(attach_s=Spread(tuple(attach)), load_file_s=Spread(tuple(load_file)), read=READ_EVERY_BYTE)
+    resident, arena = (None, None) if cfg.cuda else _resident(ckpt, sock, daemon)
+    return ReadyToComputeFigures(attach_s=Spread(tuple(attach)), load_file_s=Spread(tuple(load_file)), read=READ_EVERY_BYTE,
+                                 resident_ratio=resident, arena=arena)
+
+
+def _resident(ckpt: Path, sock: str, daemon: DaemonProcess) -> tuple[float, str | None]:
+    """The daemon's copies of the model (its memfds) plus the file's page cache, over the
+    file's size, with the model resident and nobody attached; and the arena it got. A
+    file served from its page cache is 1.0x; a copy into a memfd is one too once the
+    file's pages are dropped (backends/cpu.py), but only after the load."""
+    from ..client import SyncClient
+
+    with SyncClient(sock) as c:
+        c.load(MODEL)
+        arena = next(m["arena"] for m in c.models() if m["name"] == MODEL)
+    assert daemon.proc is not None
+    return (memfd_bytes(daemon.proc.pid) + page_cache_bytes(ckpt)) / ckpt.stat().st_size, arena
 
 
 def _measure_fresh(cfg: BenchConfig, ckpt: Path, sock: str) -> FreshAttachFigures:

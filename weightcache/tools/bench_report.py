@@ -92,6 +92,8 @@ def print_table(console: Console, r: BenchResult) -> None:
         t.add_row(f"ready to compute: load_file + read every byte, warm (p50 of {n}, range)", _range(rd.load_file_s, 1e3, "ms"), "", "1x")
         t.add_row(f"ready to compute: attach + read every byte (p50 of {n}, range)", _range(rd.attach_s, 1e3, "ms"), "",
                   f"{rd.ratio:.2f}x")
+        if rd.resident_ratio is not None:
+            t.add_row(f"host memory holding the served model ({rd.arena} arena), over the file's size", f"{rd.resident_ratio:.3f}x", "", "")
     else:  # a run from before the ready-to-compute row
         lt = r.load_file.touch_warm_s
         t.add_row("load_file + read every byte once, warm", ms(lt), "", "1x")

@@ -147,18 +147,26 @@ class ReadyToComputeFigures:
     attach_s: Spread
     load_file_s: Spread
     read: str  # how every byte is read
+    # CPU only: host memory holding the model once the daemon serves it (its memfds plus the
+    # file's page cache), over the file's size; absent in runs before issue 23
+    resident_ratio: float | None = None
+    arena: str | None = None  # which arena it got ("file", "memfd"; models' "arena")
 
     @property
     def ratio(self) -> float:
         return self.load_file_s.p50 / self.attach_s.p50
 
     def as_dict(self) -> dict[str, Any]:
-        return {"ready_to_compute": {"read": self.read, "reps": len(self.attach_s.runs), "attach_s": self.attach_s.as_dict(),
-                                     "load_file_s": self.load_file_s.as_dict(), "ratio_load_file_over_attach": self.ratio}}
+        out = {"read": self.read, "reps": len(self.attach_s.runs), "attach_s": self.attach_s.as_dict(),
+               "load_file_s": self.load_file_s.as_dict(), "ratio_load_file_over_attach": self.ratio}
+        if self.resident_ratio is not None:
+            out |= {"resident_over_file": self.resident_ratio, "arena": self.arena}
+        return {"ready_to_compute": out}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ReadyToComputeFigures:
-        return cls(attach_s=Spread.from_dict(d["attach_s"]), load_file_s=Spread.from_dict(d["load_file_s"]), read=d["read"])
+        return cls(attach_s=Spread.from_dict(d["attach_s"]), load_file_s=Spread.from_dict(d["load_file_s"]), read=d["read"],
+                   resident_ratio=d.get("resident_over_file"), arena=d.get("arena"))
 
 
 @dataclass(frozen=True)
