@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from . import __version__
 from .errors import ConfigError, WeightcacheError
 from .units import format_size
 
@@ -78,10 +80,22 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _finite(obj: Any) -> Any:
+    """``obj`` with every NaN and infinity as None: json.dumps writes them as NaN and
+    Infinity, which strict JSON parsers (jq, JSON.parse, Go) refuse."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def _print_json(obj: Any) -> None:
     if isinstance(obj, dict):  # a reply's protocol fields are not the command's result
         obj = {k: v for k, v in obj.items() if k not in ("id", "ok")}
-    print(json.dumps(obj, indent=2, default=str))
+    print(json.dumps(_finite(obj), indent=2, default=str, allow_nan=False))
 
 
 def _size(n: int | None) -> str:
@@ -335,6 +349,10 @@ async def cmd_register(args: argparse.Namespace) -> int:
         print(f"registered {model['name']}: {model['state']} on {model['device']}"
               f"{f' and {len(shards) - 1} more rank(s)' if shards and len(shards) > 1 else ''} ({sent}); "
               "kept across reloads until `weightcache unregister`, unless the config file comes to name it")
+    # Loud, on stderr, with --json too: a runtime registration lives in the daemon's memory
+    # only (a peer's open files cannot be kept across a restart at all; docs/deployment.md).
+    print(f"weightcache: note: {model['name']} is not kept when the daemon restarts; to keep it, add it to the "
+          "config file as a [[models]] entry and run `weightcache reload`", file=sys.stderr)
     return 0
 
 
@@ -522,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightcache", description="Keep model weights resident; engines attach them zero-copy.")
     config_help = ("the daemon's TOML config (default: $WEIGHTCACHE_CONFIG); client commands read only its "
                    "[daemon] socket")
+    p.add_argument("--version", action="version", version=f"weightcache {__version__}")
     p.add_argument("--socket", help=socket_help)
     p.add_argument("--config", help=config_help)
     # --json too before the command (`weightcache --json status`), as --socket.
@@ -668,7 +687,42 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backoff-max", type=float, default=30.0, help="longest wait before restarting a crashing engine (default 30 s)")
     s.add_argument("engine", nargs=argparse.REMAINDER, help="-- python engine.py ARGS, or -- python -m module ARGS")
     s.set_defaults(func=cmd_supervise)
+    for name, sp in sub.choices.items():
+        sp.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the examples' lines
+        sp.epilog = "examples:\n" + "\n".join(f"  {line}" for line in EXAMPLES[name])
     return p
+
+
+# Shown under each subcommand's --help: what an operator types first.
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "serve": ("weightcache serve /etc/weightcache/weightcache.toml",
+              "WEIGHTCACHE_DAEMON__LOG_LEVEL=debug weightcache serve --config ./wc.toml --socket /tmp/wc.sock"),
+    "status": ("weightcache status", "weightcache status --json | jq '.devices.cpu.free'"),
+    "models": ("weightcache models", "weightcache models --json | jq -r '.[] | select(.state == \"error\") | .name'"),
+    "ps": ("weightcache ps", "weightcache --socket /run/weightcache/weightcache.sock ps --json | head"),
+    "health": ("weightcache health            # liveness: exit 0 while serving",
+               "weightcache health --ready    # readiness: every preload resident"),
+    "load": ("weightcache load qwen-7b", "weightcache load qwen-7b --keep-alive 1h --wait 30s",
+             "weightcache load llama-8b-tp2 --rank 1 --device cuda:1"),
+    "evict": ("weightcache evict qwen-7b", "weightcache evict mistral-7b@cuda:1   # one replica of an auto model"),
+    "pin": ("weightcache pin qwen-7b",),
+    "unpin": ("weightcache unpin qwen-7b",),
+    "register": ("weightcache register qwen-7b /models/qwen-7b --device cuda:0 --keep-alive 1h",
+                 "weightcache register tp2 --shard cuda:0=/models/m/rank0 --shard cuda:1=/models/m/rank1",
+                 "weightcache register shared /models/m.safetensors --allow-group team-a --by-path"),
+    "unregister": ("weightcache unregister qwen-7b",),
+    "reload": ("weightcache reload            # exit 1 when a change did not take effect",
+               "weightcache reload --json | jq '.failed'",
+               "systemctl reload weightcache  # the same, from the unit (Type=notify-reload)"),
+    "attach": ("weightcache attach qwen-7b --verify", "weightcache attach qwen-7b --hold 5m   # keep it resident meanwhile"),
+    "demo": ("weightcache demo", "weightcache demo --restarts 5 --model-mib 256"),
+    "bench": ("weightcache bench --device cpu --size-gib 1",
+              "weightcache bench --device cuda:0 --size-gib 9.15 --tensors 183 --out run.json"),
+    "workload": ("weightcache workload --engines 4 --models 1,2,4,8 --device cuda:0 --budget 12GiB",
+                 "weightcache workload --chart run.json"),
+    "supervise": ("weightcache supervise --preload torch,transformers -- python engine.py --model qwen-7b",
+                  "weightcache supervise --record /var/lib/engine/modules.txt --status /run/engine.json -- python -m myengine"),
+}
 
 
 # What an operator can do next, after the daemon's sentence (which says what is wrong).
@@ -678,8 +732,38 @@ _HINTS = {
 }
 
 
+def _stdout_gone() -> bool:
+    """Whether our stdout is a pipe whose reader has gone (``| head`` has exited): poll
+    says POLLERR. A BrokenPipeError can also come from the daemon's socket, which is a
+    real failure and must not be hidden."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise
+        # `weightcache ps --json | head`: the reader took what it wanted. Quiet, as a C
+        # tool killed by SIGPIPE is, and with the status a shell gives one (128 + 13).
+        # stdout goes to /dev/null so that the interpreter's final flush is quiet too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if asyncio.iscoroutinefunction(args.func):
             return asyncio.run(args.func(args))
