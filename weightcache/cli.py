@@ -369,14 +369,31 @@ async def cmd_unregister(args: argparse.Namespace) -> int:
 async def cmd_reload(args: argparse.Namespace) -> int:
     async with _client(args) as c:
         report = await c.reload()
-    failed = 1 if report.get("failed") else 0  # a change the daemon could not apply: scripts must see it
+    # One rule: a change that did not take effect (failed), or not yet (pending), is a
+    # non-zero exit, so that scripts and `systemctl reload` see it.
+    status = 1 if report.get("failed") or report.get("pending") else 0
     if args.json:
         _print_json(report)
-        return failed
-    done = [f"{what}: {', '.join(map(str, names)) if isinstance(names, list) else names}"
-            for what, names in report.items() if names and what != "unchanged"]  # as the daemon's log line
+        return status
+    done = [f"{what}: {', '.join(report[what])}" for what in ("added", "removed", "changed", "updated", "displaced")
+            if report.get(what)]
+    done += [f"budgets.{b['device']}: {_size(b['budget'])} (was {_size(b['previous'])})" for b in report.get("budgets", [])]
+    done += [f"max_loaded_models.{m['device']}: {_count(m['limit'])} (was {_count(m['previous'])})"
+             for m in report.get("max_loaded_models", [])]
+    if report.get("quotas") is not None:
+        done.append(f"quotas: {', '.join(report['quotas']) or 'none'}")
     print("reloaded: " + ("; ".join(done) if done else "no changes"))
-    return failed
+    for e in report.get("evicted", []):
+        print(f"evicted: {e['name']} ({_size(e['nbytes'])}{', to the host tier' if e['to'] == 'host' else ''}): {e['reason']}")
+    for line in report.get("pending", []):
+        print(f"pending: {line}")
+    for line in report.get("failed", []):
+        print(f"failed: {line}")
+    return status
+
+
+def _count(n: int | None) -> str:
+    return "no limit" if n is None else str(n)
 
 
 async def cmd_health(args: argparse.Namespace) -> int:

@@ -17,12 +17,13 @@ from typing import Any
 
 from .. import __version__
 from ..backends import Backend
-from ..cache import CacheCore
+from ..cache import CacheCore, StepDown
 from ..cache.quotas import Quota
-from ..config import AUTO, ModelConfig, Settings, load_settings
+from ..config import AUTO, Budget, ModelConfig, Settings, load_settings
 from ..errors import BadRequest, ConfigError, LoadFailed, NoSpace, WeightcacheError
 from ..loader import OpenedSource, open_source, parse_checkpoint
-from ..systemd import sd_notify
+from ..systemd import reloading_message, sd_notify
+from ..units import format_size
 from .access import AccessPolicy, check_socket_dir, resolve_gid
 from .connections import Connections
 from .loads import Loads
@@ -57,6 +58,8 @@ class Daemon:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self.access = AccessPolicy(settings.daemon)
+        self._reload_lock = asyncio.Lock()
+        self._claims: dict[str, ModelConfig] = {}  # config names a peer's model still holds (Note [config names win])
         core.set_quotas(quotas_of(settings))
         self.registry = Registry(core, backends, self.access)
         self.loads = Loads(settings.daemon, core, self.registry, backends, shutting_down=self._stopping.is_set)
@@ -225,27 +228,53 @@ class Daemon:
         return model is not None and model.config.allowed_uids is None and model.config.allowed_gids is None
 
     # -- reload ---------------------------------------------------------------------
-    async def reload_config(self) -> dict[str, list[str]]:
-        """Re-read the config file. New models are registered, removed ones unregistered
-        (kept, and reported, while attached or loading). A model whose policy alone
-        changed (keep_alive, pin, preload) is updated in place and stays resident; one
-        whose path, device or shards changed is replaced only once the new checkpoint
-        opens and its header parses, else it keeps its old state and the reason goes in
-        ``failed``. Models that peers registered or published are left alone unless the
-        config now names them. The ``reload`` op and SIGHUP both land here."""
+    async def reload_config(self) -> dict[str, Any]:
+        """Re-read the config file and apply it. New models are registered, removed ones
+        unregistered. A model whose policy alone changed (keep_alive, pin, preload) is
+        updated in place and stays resident; one whose path, device or shards changed is
+        replaced only once the new checkpoint opens and its header parses. Budgets are
+        checked as start checks them (``resolve_budget``) and applied, evicting what a
+        lowered one no longer holds. Models that peers registered or published are left
+        alone unless the config now names them: then the config's wins (``displaced``, or
+        ``pending`` while the peer's copy is attached; Note [config names win]).
+
+        One rule for the report: every change that did not take effect is one line in
+        ``failed`` (a model kept because it is attached, a budget that attached models
+        exceed or the device cannot hold, a [daemon] key read at start only), and
+        ``weightcache reload`` exits non-zero when ``failed`` or ``pending`` is not
+        empty. The ``reload`` op and SIGHUP both land here."""
         if self.config_path is None:
             raise BadRequest("the daemon was started without a config file; nothing to reload")
-        new = await asyncio.to_thread(load_settings, self.config_path)
-        report: dict[str, list[str]] = {"added": [], "removed": [], "changed": [], "updated": [], "kept": [],
-                                        "failed": [], "unchanged": [], "budgets": [], "displaced": []}
+        # One reload at a time (SIGHUP and the op may overlap), each announced to systemd
+        # (RELOADING=1 ... READY=1), with how it ended in STATUS=. A unit's ExecReload runs
+        # `weightcache reload`, whose exit status is what fails `systemctl reload`.
+        async with self._reload_lock:
+            sd_notify(reloading_message())
+            status = "reload failed: the config file could not be read"
+            try:
+                report = await self._reload(await asyncio.to_thread(load_settings, self.config_path))
+                bad = len(report["failed"]) + len(report["pending"])
+                status = f"{bad} change(s) of the last reload did not take effect" if bad else "reloaded"
+                return report
+            finally:
+                sd_notify(f"READY=1\nSTATUS=serving on {self.socket_path}; {status}")
+
+    async def _reload(self, new: Settings) -> dict[str, Any]:
+        report: dict[str, Any] = {"added": [], "removed": [], "changed": [], "updated": [], "failed": [],
+                                  "pending": [], "unchanged": [], "displaced": [], "evicted": [], "budgets": [],
+                                  "max_loaded_models": [], "quotas": None}
+        self._reload_daemon_keys(new, report)
         await self._reload_budgets(new, report)
         await self._reload_max_loaded(new, report)
         quotas = quotas_of(new)
         if quotas != self.core.quotas:
             self.core.set_quotas(quotas)  # in place; a lowered one evicts nothing now (Note [quotas])
-            report["budgets"].append("quotas: " + (", ".join(sorted(quotas)) or "none"))
+            report["quotas"] = sorted(quotas)
         registry = self.registry
         wanted = {m.name: m for m in new.models}
+        for name in list(self._claims):
+            if name not in wanted:  # the file no longer names it: the peer's model keeps its name
+                self._drop_claim(name)
         # Only the config's own models: what peers registered or published stays.
         for name in [n for n in registry.groups if registry.first(n).origin == "config"]:
             old = registry.first(name).config
@@ -267,7 +296,9 @@ class Daemon:
             try:
                 self.loads.forget(registry.unregister(name))
             except WeightcacheError as exc:
-                report["kept"].append(f"{name}: {exc.message}")
+                what = "changed in the file" if mc is not None else "removed from the file"
+                report["failed"].append(f"{name}: {what}, but kept as it was: {exc.message}; run the reload again "
+                                        "once it is free")
                 wanted.pop(name, None)
                 continue
             self.loads.forget_preload(name)
@@ -279,20 +310,25 @@ class Daemon:
             # lies between displacing it and registering the config's: a peer that
             # registered the name again meanwhile made the reload fail half done.
             reason = None if name in report["changed"] else await self._checkpoint_problem(mc)
+            missing = [dev for _p, dev in mc.parts if dev not in self.backends and dev != AUTO]
+            if missing:
+                report["failed"].append(f"{name}: device {missing[0]} has no budget in the running daemon "
+                                        "(a new device needs a daemon restart)")
+                continue
             if name in registry.groups and registry.first(name).origin != "config":
                 # The config names it: the operator's model wins over a peer's of that name
                 # (else a tenant could take a name before the operator adds it).
                 try:
                     self.loads.forget(registry.unregister(name))
                 except WeightcacheError as exc:
-                    report["kept"].append(f"{name}: a peer's model of that name stays while {exc.message}")
+                    self._claim(name, mc)
+                    owner = registry.first(name).owner
+                    report["pending"].append(
+                        f"{name}: a model of that name registered by uid {owner} stays while {exc.message}; new "
+                        "attaches of it are refused, and the config's model takes the name when they end")
                     continue
                 report["displaced"].append(name)
             if name not in registry.groups:
-                missing = [dev for _p, dev in mc.parts if dev not in self.backends and dev != AUTO]
-                if missing:
-                    report["kept"].append(f"{name}: device {missing[0]} has no backend in the running daemon")
-                    continue
                 # Checked before it is registered (above): what `models` shows from then on is final.
                 registry.register(mc)
                 if name not in report["changed"]:
@@ -304,10 +340,75 @@ class Daemon:
                         report["failed"].append(f"{name}: {reason}")
                 self._preload_if_asked(mc)
         log.info("reload: %s", {k: v for k, v in report.items() if v and k != "unchanged"})
+        for line in report["failed"] + report["pending"]:  # each change that did not take effect, on its own line
+            log.error("reload: not in effect: %s", line)
         # The models the file left as they were get the same check: a file deleted or
         # replaced since the last one shows now, not at the next load (the check logs it).
         await self._check_config_models(report["unchanged"] + report["updated"])
         return report
+
+    # Note [config names win]
+    # A tenant may register or publish a name before the operator adds it to the config
+    # (issue 25: it held one lease, the reload said "kept", and every tenant attaching
+    # the name got the squatter's bytes). The config's name wins. Displaced at once when
+    # the peer's model is free; while it is attached, the name is *claimed*: no new
+    # load, attach, pin or evict of the peer's copy (Registry.check_use refuses them),
+    # no register, publish or replace of the name by a peer (Registry.register, stage,
+    # swap_in), the existing leases run on (their mappings are the engines'), and when
+    # the last ends (every lease end notifies space_freed) the peer's model is dropped
+    # and the config's registered. The reload reports it under ``pending`` and exits
+    # non-zero: the config's model is not serving yet. At a daemon restart the config's
+    # models are registered before the socket listens, so no peer can take one.
+    def _claim(self, name: str, mc: ModelConfig) -> None:
+        first = name not in self._claims
+        self._claims[name] = mc
+        self.registry.claimed.add(name)
+        if first:
+            self.loads.spawn(self._take_name(name))
+
+    def _drop_claim(self, name: str) -> None:
+        self._claims.pop(name, None)
+        self.registry.claimed.discard(name)
+
+    async def _take_name(self, name: str) -> None:
+        registry = self.registry
+        while name in self._claims and not self.shutting_down:
+            if name in registry.groups and registry.first(name).origin != "config":
+                try:
+                    self.loads.forget(registry.unregister(name))
+                except WeightcacheError:
+                    # Woken at each lease end (and each detach anywhere); the timeout only
+                    # bounds a missed wake-up, it decides nothing.
+                    await self.loads.space_freed.wait(self.loads.space_freed.ticket(), 60.0)
+                    continue
+                log.info("model %s: the peer's copy of that name had no lease left; the config's model takes the name",
+                         name, extra={"model": name})
+            mc = self._claims.pop(name)
+            registry.claimed.discard(name)
+            if name not in registry.groups:
+                registry.register(mc)
+                self._preload_if_asked(mc)
+                await self._check_config_models([name])
+            return
+
+    def _reload_daemon_keys(self, new: Settings, report: dict[str, Any]) -> None:
+        """[daemon] keys other than max_loaded_models are read at start only (sockets,
+        limits, access lists, pools): a changed one is a change that did not take effect."""
+        old = self.settings.daemon
+        for key in type(old).model_fields:
+            if key == "max_loaded_models" or getattr(new.daemon, key) == getattr(old, key):
+                continue
+            report["failed"].append(f"daemon.{key}: changed in the file, but read at start only: restart the daemon "
+                                    "to apply it")
+
+    def _evicted(self, step: StepDown, reason: str) -> list[dict[str, Any]]:
+        """What ``step`` moves off its device, for the reload's report (before it is done)."""
+        out = []
+        for name in step.leaving:
+            arena = self.registry.models[name].arena
+            out.append({"name": name, "nbytes": arena.nbytes if arena is not None else self.core.entry(name).nbytes,
+                        "to": "host" if name in step.demote or name in step.release else "evicted", "reason": reason})
+        return out
 
     def _update_policy(self, name: str, old: ModelConfig, mc: ModelConfig) -> None:
         """Apply a new keep_alive, pin or preload to a registered model without touching
@@ -380,15 +481,15 @@ class Daemon:
                   "`weightcache reload` (until then `weightcache models` shows it as error)", name, reason,
                   extra={"model": name, "code": err["code"]})
 
-    async def _reload_max_loaded(self, new: Settings, report: dict[str, list[str]]) -> None:
+    async def _reload_max_loaded(self, new: Settings, report: dict[str, Any]) -> None:
         """Apply a changed daemon.max_loaded_models in place: a lowered count evicts
         unattached models in the policy's order, as a lowered budget does. A count that
         attached or pinned models exceed is not applied (the old one stays) and goes in
         ``failed``: the reload then exits non-zero."""
         wanted = new.daemon.max_loaded_models
         for device in sorted(set(wanted) | set(self.core.max_loaded)):
-            limit = wanted.get(device)
-            if limit == self.core.max_loaded.get(device):
+            limit, previous = wanted.get(device), self.core.max_loaded.get(device)
+            if limit == previous:
                 continue
             if device not in self.backends:
                 report["failed"].append(f"max_loaded_models.{device}: a new device needs a daemon restart")
@@ -398,23 +499,51 @@ class Daemon:
             except NoSpace as exc:
                 report["failed"].append(f"max_loaded_models.{device}: {exc.message}")
                 continue
-            await self.loads.carry_out(step, reason=f"{device} max_loaded_models lowered")
+            reason = f"{device} max_loaded_models lowered"
+            report["evicted"] += self._evicted(step, reason)
+            await self.loads.carry_out(step, reason=reason)
             await self.loads.notify_space()
-            report["budgets"].append(f"max_loaded_models.{device}: {limit if limit is not None else 'no limit'}")
+            report["max_loaded_models"].append({"device": device, "limit": limit, "previous": previous})
 
-    async def _reload_budgets(self, new: Settings, report: dict[str, list[str]]) -> None:
+    async def _reload_budgets(self, new: Settings, report: dict[str, Any]) -> None:
+        """Each [budgets] entry as start resolves and checks it (``resolve_budget``), then
+        applied: a lowered budget evicts unattached models in the policy's order. A device
+        the running daemon has no backend for, one the file no longer names, a budget
+        larger than the device, and one that attached or pinned models exceed are not
+        applied (the old budget stays) and go in ``failed``."""
+        for device in sorted(set(self.backends) - set(new.budgets)):
+            report["failed"].append(f"budgets.{device}: removed from the file, but a device's budget stays until the "
+                                    f"daemon restarts (now {format_size(self.core.devices[device].budget)})")
         for device, budget in new.budgets.items():
             if device not in self.backends:
-                report["kept"].append(f"budget {device}: a new device needs a daemon restart")
+                report["failed"].append(f"budgets.{device}: a new device needs a daemon restart")
                 continue
-            nbytes = budget.resolve(self.backends[device].total_memory())
-            if nbytes != self.core.devices[device].budget:
-                try:
-                    step = self.core.set_budget(device, nbytes)
-                except NoSpace as exc:
-                    report["kept"].append(f"budget {device}: {exc.message}")
-                    continue
-                self.backends[device].limit(nbytes)
-                await self.loads.carry_out(step, reason=f"{device} budget lowered")
-                await self.loads.notify_space()
-                report["budgets"].append(f"{device}: {nbytes}")
+            try:
+                nbytes = resolve_budget(device, budget, self.backends[device].total_memory())
+            except ConfigError as exc:
+                report["failed"].append(exc.message)
+                continue
+            previous = self.core.devices[device].budget
+            if nbytes == previous:
+                continue
+            try:
+                step = self.core.set_budget(device, nbytes)
+            except NoSpace as exc:
+                report["failed"].append(f"budgets.{device}: {exc.message}")
+                continue
+            self.backends[device].limit(nbytes)
+            reason = f"{device} budget lowered"
+            report["evicted"] += self._evicted(step, reason)
+            await self.loads.carry_out(step, reason=reason)
+            await self.loads.notify_space()
+            report["budgets"].append({"device": device, "budget": nbytes, "previous": previous})
+
+
+def resolve_budget(device: str, budget: Budget, total: int) -> int:
+    """The bytes ``budget`` gives ``device``, whose memory is ``total`` bytes; a size the
+    device does not have is a ConfigError naming the key. Start (main.build) and reload
+    both call this: a reload accepted 100 TiB on a 23 GiB host that start refused."""
+    if budget.nbytes is not None and budget.nbytes > total:
+        raise ConfigError(f"budgets.{device}: {budget} is more than the device's {format_size(total)}; "
+                          "give a size it has, or a fraction such as \"0.8\"", key=f"budgets.{device}")
+    return budget.resolve(total)
