@@ -466,6 +466,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.config and args.config != args.config_file:
             raise ConfigError(f"two config files: --config {args.config} and {args.config_file}; give one")
         args.config = args.config_file
+    if args.socket:
+        # Through the environment, as $WEIGHTCACHE_SOCKET would: a reload re-reads the file
+        # with it, so the socket the daemon serves on is not taken for a changed key.
+        os.environ["WEIGHTCACHE_SOCKET"] = str(args.socket)
     settings = load_settings(args.config)
     if args.socket:
         settings = settings.model_copy(update={"daemon": settings.daemon.model_copy(update={"socket": args.socket})})
