@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +83,46 @@ def test_register_says_loudly_that_it_does_not_outlive_the_daemon(start_daemon, 
     assert main(["--socket", d.socket, "--json", "register", "u", str(ckpts["a"])]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["name"] == "u" and "not kept when the daemon restarts" in err
+
+
+def _bad_files(d: Path) -> dict[str, Path]:
+    import pickle
+
+    good = d / "good.safetensors"
+    from weightcache.tools.synth import write_checkpoint
+
+    write_checkpoint(good, 64 * 1024, 4, seed=3)
+    raw = good.read_bytes()
+    out = {"pickle": d / "model.bin", "truncated": d / "truncated.safetensors", "garbage": d / "garbage.safetensors"}
+    out["pickle"].write_bytes(pickle.dumps({"w": list(range(100))}))
+    out["truncated"].write_bytes(raw[: len(raw) // 2])
+    out["garbage"].write_bytes(os.urandom(4096))
+    return out
+
+
+@pytest.mark.parametrize("by_path", [False, True], ids=["files", "by-path"])
+def test_register_checks_the_header_as_start_does(start_daemon, tmp_path, capsys, by_path):
+    bad = _bad_files(tmp_path)
+    d = start_daemon(budget="20MiB", models=bad)  # the same files, configured
+    from weightcache import SyncClient
+
+    with SyncClient(d.socket) as c:
+        def configured() -> dict[str, dict[str, object]]:
+            return {m["name"]: m for m in c.models()}
+
+        import time
+
+        deadline = time.monotonic() + 60
+        while any(m["state"] != "error" for m in configured().values()):  # the start check runs in the background
+            assert time.monotonic() < deadline, configured()
+            time.sleep(0.05)
+        start_codes = {n: m["last_error"]["code"] for n, m in configured().items()}
+    for kind, path in bad.items():
+        capsys.readouterr()
+        rc = main(["--socket", d.socket, "register", f"r-{kind}", str(path), *(["--by-path"] if by_path else [])])
+        out, err = capsys.readouterr()
+        assert rc == 1 and out == "", (kind, out, err)
+        assert f"weightcache: {start_codes[kind]}: " in err, (kind, start_codes[kind], err)
+    assert start_codes == {"pickle": "CORRUPT_CHECKPOINT", "truncated": "CORRUPT_CHECKPOINT", "garbage": "CORRUPT_CHECKPOINT"}
+    with SyncClient(d.socket) as c:
+        assert sorted(m["name"] for m in c.models()) == sorted(bad)  # nothing registered

@@ -18,7 +18,6 @@ from weightcache import Client
 from weightcache.cli import main
 
 from ._util import OTHER, Conn, calls, code, held_as_uid, multi_tenant
-
 from .test_tenants import TENANTS, _checkpoints, _register
 
 pytestmark = root_only

@@ -20,8 +20,7 @@ from ..backends import Backend
 from ..cache import CacheCore, StepDown
 from ..cache.quotas import Quota
 from ..config import AUTO, Budget, ModelConfig, Settings, load_settings
-from ..errors import BadRequest, ConfigError, LoadFailed, NoSpace, WeightcacheError
-from ..loader import OpenedSource, open_source, parse_checkpoint
+from ..errors import BadRequest, ConfigError, NoSpace, WeightcacheError
 from ..systemd import reloading_message, sd_notify
 from ..units import format_size
 from .access import AccessPolicy, check_socket_dir, resolve_gid
@@ -288,9 +287,9 @@ class Daemon:
                 wanted.pop(name)
                 continue
             if mc is not None:
-                reason = await self._checkpoint_problem(mc)
-                if reason is not None:  # keep what works until the file is fixed
-                    report["failed"].append(f"{name}: {reason}")
+                problem = await self._checkpoint_problem(mc)
+                if problem is not None:  # keep what works until the file is fixed
+                    report["failed"].append(f"{name}: {problem.message}")
                     wanted.pop(name)
                     continue
             try:
@@ -309,7 +308,7 @@ class Daemon:
             # Checked before the peer's model of that name is displaced, so that no await
             # lies between displacing it and registering the config's: a peer that
             # registered the name again meanwhile made the reload fail half done.
-            reason = None if name in report["changed"] else await self._checkpoint_problem(mc)
+            problem = None if name in report["changed"] else await self._checkpoint_problem(mc)
             missing = [dev for _p, dev in mc.parts if dev not in self.backends and dev != AUTO]
             if missing:
                 report["failed"].append(f"{name}: device {missing[0]} has no budget in the running daemon "
@@ -333,11 +332,11 @@ class Daemon:
                 registry.register(mc)
                 if name not in report["changed"]:
                     report["added"].append(name)
-                    if reason is not None:
+                    if problem is not None:
                         # A new model with a bad file is registered (the operator sees it and
                         # its last_error in `models`) but the reload reports it as failed.
-                        self._mark_bad(name, reason)
-                        report["failed"].append(f"{name}: {reason}")
+                        self._mark_bad(name, problem)
+                        report["failed"].append(f"{name}: {problem.message}")
                 self._preload_if_asked(mc)
         log.info("reload: %s", {k: v for k, v in report.items() if v and k != "unchanged"})
         for line in report["failed"] + report["pending"]:  # each change that did not take effect, on its own line
@@ -429,24 +428,10 @@ class Daemon:
         elif not mc.preload:
             self.loads.forget_preload(name)  # no longer gates readiness
 
-    async def _checkpoint_problem(self, mc: ModelConfig) -> str | None:
-        """Why ``mc``'s checkpoints cannot be loaded (the path opened and the header parsed,
-        as a load does, in the io pool), or None when they can."""
-        d = self.loads.settings
-        for path, _device in mc.parts:
-            opened = None
-            try:
-                opened = await self.loads.io(open_source, path, roots=d.model_roots or None,
-                                             follow_symlinks=d.follow_symlinks, cleanup=OpenedSource.close)
-                await self.loads.io(parse_checkpoint, opened)
-            except WeightcacheError as exc:
-                return exc.message
-            except Exception as exc:  # an OSError and the like: the reason, not a traceback
-                return f"{type(exc).__name__}: {exc}"
-            finally:
-                if opened is not None:
-                    opened.close()
-        return None
+    async def _checkpoint_problem(self, mc: ModelConfig) -> WeightcacheError | None:
+        """Why ``mc``'s checkpoints cannot be loaded (Loads.check_files, which register
+        runs too), or None when they can."""
+        return await self.loads.check_files(mc)
 
     async def _check_config_models(self, names: list[str]) -> list[str]:
         """Check each named config model's files; a bad one gets last_error (shown by
@@ -456,10 +441,10 @@ class Daemon:
         for name in names:
             if name not in self.registry.groups:
                 continue
-            reason = await self._checkpoint_problem(self.registry.first(name).config)
+            problem = await self._checkpoint_problem(self.registry.first(name).config)
             if name not in self.registry.groups:
                 continue
-            if reason is None:  # fixed since the last check: its error no longer applies
+            if problem is None:  # fixed since the last check: its error no longer applies
                 for entry in self.registry.groups[name]:
                     m = self.registry.models[entry]
                     m.check_failed = None
@@ -467,11 +452,14 @@ class Daemon:
                         m.last_error = None
                 continue
             bad.append(name)
-            self._mark_bad(name, reason)
+            self._mark_bad(name, problem)
         return bad
 
-    def _mark_bad(self, name: str, reason: str) -> None:
-        err = LoadFailed(f"{name}: {reason}", model=name, reason=CHECK_FAILED).to_wire()
+    def _mark_bad(self, name: str, problem: WeightcacheError) -> None:
+        # The check's own code (CORRUPT_CHECKPOINT for a bad header, LOAD_FAILED for a file
+        # that does not open), as a load and a register of the same file say it.
+        reason = problem.message
+        err = type(problem)(f"{name}: {reason}", **{**problem.details, "model": name, "reason": CHECK_FAILED}).to_wire()
         for entry in self.registry.groups[name]:
             m = self.registry.models[entry]
             m.check_failed = reason
