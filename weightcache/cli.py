@@ -338,6 +338,12 @@ async def cmd_register(args: argparse.Namespace) -> int:
             # Absolute: with --by-path the daemon opens it, from its own working directory.
             shards.append({"device": device, "path": str(Path(path).absolute())})
     path = None if args.path is None else str(Path(args.path).absolute())
+    from .loader.sources import unindexed_note
+
+    for part in [path] if path else [s["path"] for s in shards or []]:
+        note = unindexed_note(part)
+        if note is not None:  # merged into one model; said before, in case that is not what was meant
+            print(f"weightcache: note: {note}", file=sys.stderr)
     async with _client(args) as c:
         model = await c.register(args.name, path, device=args.device, shards=shards, pin=args.pin, preload=args.preload,
                                  keep_alive=keep_alive, send_files=not args.by_path, allowed_uids=args.allow_uid,

@@ -32,6 +32,7 @@ from ..cache import CacheCore, LoadPlan, State, StepDown
 from ..config import DaemonConfig, ModelConfig
 from ..errors import LoadFailed, NoSpace, WeightcacheError
 from ..loader import Checkpoint, OpenedSource, Progress, open_source, parse_checkpoint
+from ..loader.sources import unindexed_note
 from ..protocol.messages import tenant_fingerprint
 from . import placing
 from .fills import FillStrategy, PeerCopy, Promote, ReadFiles
@@ -448,6 +449,9 @@ class Loads:
                     opened = await self.io(open_source, path, roots=d.model_roots or None,
                                            follow_symlinks=d.follow_symlinks, cleanup=OpenedSource.close)
                     await self.io(parse_checkpoint, opened)
+                    note = await self.io(unindexed_note, path)
+                    if note is not None:  # merged as it always was, but not silently
+                        log.warning("model %s: %s", mc.name, note, extra={"model": mc.name})
             except WeightcacheError as exc:
                 return exc
             except Exception as exc:  # an OSError and the like: the reason, not a traceback
