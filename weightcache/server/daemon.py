@@ -27,6 +27,7 @@ from .access import AccessPolicy, check_socket_dir, resolve_gid
 from .connections import Connections
 from .loads import Loads
 from .metrics import MODEL_COUNTERS, Metrics, ModelFigures, Snapshot
+from .outlived import Survey, still_mapping, survey
 from .registry import CHECK_FAILED, Registry
 from .requests import Context
 
@@ -58,6 +59,7 @@ class Daemon:
         self._accepting: asyncio.Task[None] | None = None
         self.access = AccessPolicy(settings.daemon)
         self._reload_lock = asyncio.Lock()
+        self._outlived = Survey(mappers=[], unreadable=0)
         self._claims: dict[str, ModelConfig] = {}  # config names a peer's model still holds (Note [config names win])
         core.set_quotas(quotas_of(settings))
         self.registry = Registry(core, backends, self.access)
@@ -68,6 +70,7 @@ class Daemon:
             started=self.started, socket_path=self.socket_path, connections=lambda: len(self.connections),
             caller_of=lambda conn: self.connections.caller(conn),
             shutting_down=self._stopping.is_set, health=self.health, reload=self.reload_config,
+            outlived=self.outlived,
         )
         self.connections = Connections(settings.daemon, self.access, core, self.loads, self.metrics,
                                        context=lambda: self.context, stopping=self._stopping)
@@ -82,6 +85,9 @@ class Daemon:
         in the background: the socket answers before they finish."""
         for mc in self.settings.models:
             self.registry.register(mc)
+        # Before the socket listens: a mapping seen now cannot be one of this daemon's.
+        self._outlived = await asyncio.to_thread(survey, os.getpid())
+        self._warn_outlived()
         self._listener = self._bind(self.socket_path)
         if self.settings.daemon.metrics_listen:
             self.metrics.serve(self.settings.daemon.metrics_listen)
@@ -94,6 +100,26 @@ class Daemon:
         # in `models` as last_error long before anyone asks to load it.
         self.loads.spawn(self._check_config_models([mc.name for mc in self.settings.models]))
         self.loads.spawn(self.loads.keep_alive_loop())
+
+    def _warn_outlived(self) -> None:
+        s = self._outlived
+        if s.mappers:
+            total = sum(sum(m.models.values()) for m in s.mappers)
+            who = "; ".join(f"pid {m.pid} ({m.comm}, uid {m.uid}): {', '.join(sorted(m.models))}" for m in s.mappers)
+            log.warning("%d process(es) still map %s of weightcache memory from an earlier (or another) daemon, outside "
+                        "this daemon's budget and leases until they exit or restart: %s (`weightcache status` lists "
+                        "those still mapping it)", len(s.mappers), format_size(total), who)
+        if s.unreadable:
+            log.info("could not read the memory maps of %d process(es) of other users (not root): mappings of an "
+                     "earlier daemon's memory held by them are not reported", s.unreadable)
+
+    def outlived(self) -> list[dict[str, Any]]:
+        """The processes found at start mapping an earlier daemon's memfd arenas that still
+        map them (re-read now: one that exited or restarted leaves the list)."""
+        if not self._outlived.mappers:
+            return []
+        self._outlived.mappers = still_mapping(self._outlived.mappers)
+        return [m.describe() for m in self._outlived.mappers]
 
     def _preload_if_asked(self, mc: ModelConfig) -> None:
         if mc.preload:

@@ -1,0 +1,49 @@
+"""Issue 24: after a daemon restart, an engine still mapping the old daemon's copy was
+invisible (no lease in `ps`, its memory outside every budget). The new daemon finds the
+processes that map an earlier daemon's memfd arenas (/proc/<pid>/maps) before its socket
+listens, warns at start, and `status` lists them while they still map it
+(server/outlived.py says what it cannot see: page-cache arenas, GPU memory)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+from helpers import spawn_child
+
+from weightcache import SyncClient
+from weightcache.cli import main
+
+
+def test_a_mapping_that_outlived_the_daemon_is_reported_at_start_and_in_status(start_daemon, ckpts, tmp_path, capsys):
+    shared = tmp_path / "m.safetensors"
+    shutil.copy(ckpts["a"], shared)
+    shared.chmod(0o664)  # group-writable: copied into a sealed memfd, not served from the file's page cache
+    first = start_daemon(budget="20MiB", models={"m": shared})
+    child = spawn_child(first, "m", shared, "hold")
+    try:
+        assert child.stdout is not None and child.stdout.readline().startswith("ATTACHED")
+        first.proc.send_signal(signal.SIGTERM)  # the lease outlives the grace period: the mapping stays
+        assert first.proc.wait(timeout=60) == 0
+        second = start_daemon(budget="20MiB", models={"m": shared})
+        log = second.log_text()
+        assert "1 process(es) still map 8.0 MiB of weightcache memory" in log and f"pid {child.pid} (" in log, log[-2000:]
+        with SyncClient(second.socket) as c:
+            (m,) = c.status()["outlived"]
+            assert m["pid"] == child.pid and m["uid"] == os.getuid() and list(m["models"]) == ["m"], m
+            assert c.status()["leases"] == 0  # what ps shows: no lease on it here
+            with c.attach("m") as w:  # this daemon's own arena (mapped here too) is not counted as outlived
+                assert m["nbytes"] == m["models"]["m"] >= w.nbytes  # the whole arena (page-rounded) is mapped
+                assert [x["pid"] for x in c.status()["outlived"]] == [child.pid]
+        capsys.readouterr()
+        assert main(["--socket", second.socket, "status"]) == 0
+        out = capsys.readouterr().out
+        assert f"warning: pid {child.pid} (" in out and "still maps 8.0 MiB of an earlier daemon's memory (m)" in out, out
+        child.kill()
+        child.wait()
+        with SyncClient(second.socket) as c:
+            assert c.status()["outlived"] == []  # it exited: nothing left to report
+    finally:
+        child.kill()
+        child.wait()
