@@ -157,6 +157,9 @@ async def cmd_status(args: argparse.Namespace) -> int:
     if st.get("tenants"):
         lines.append(_tenants_table(st["tenants"]))
     _print(*lines)
+    for o in st.get("other_daemons", []):
+        print(f"warning: another weightcache daemon runs on this host (pid {o['pid']}): each takes its own budget of the "
+              "same memory; run one per host")
     for m in st.get("outlived", []):  # whole lines (rich would fold them at 80 columns when piped)
         print(f"warning: pid {m['pid']} ({m['comm']}, uid {m['uid']}) still maps {_size(m['nbytes'])} of an earlier "
               f"daemon's memory ({', '.join(m['models'])}): no lease here, outside every budget until it exits")

@@ -27,7 +27,7 @@ from .access import AccessPolicy, check_socket_dir, resolve_gid
 from .connections import Connections
 from .loads import Loads
 from .metrics import MODEL_COUNTERS, Metrics, ModelFigures, Snapshot
-from .outlived import Survey, still_mapping, survey
+from .outlived import Survey, other_daemons, still_mapping, survey
 from .registry import CHECK_FAILED, Registry
 from .requests import Context
 
@@ -60,6 +60,7 @@ class Daemon:
         self.access = AccessPolicy(settings.daemon)
         self._reload_lock = asyncio.Lock()
         self._outlived = Survey(mappers=[], unreadable=0)
+        self._others: list[dict[str, Any]] = []
         self._claims: dict[str, ModelConfig] = {}  # config names a peer's model still holds (Note [config names win])
         core.set_quotas(quotas_of(settings))
         self.registry = Registry(core, backends, self.access)
@@ -70,7 +71,7 @@ class Daemon:
             started=self.started, socket_path=self.socket_path, connections=lambda: len(self.connections),
             caller_of=lambda conn: self.connections.caller(conn),
             shutting_down=self._stopping.is_set, health=self.health, reload=self.reload_config,
-            outlived=self.outlived,
+            outlived=self.outlived, other_daemons=self.other_daemons,
         )
         self.connections = Connections(settings.daemon, self.access, core, self.loads, self.metrics,
                                        context=lambda: self.context, stopping=self._stopping)
@@ -88,6 +89,11 @@ class Daemon:
         # Before the socket listens: a mapping seen now cannot be one of this daemon's.
         self._outlived = await asyncio.to_thread(survey, os.getpid())
         self._warn_outlived()
+        self._others = await asyncio.to_thread(other_daemons, os.getpid())
+        for other in self._others:
+            log.warning("another weightcache daemon runs on this host (pid %d: %s): each takes its own budget of the "
+                        "same memory, so together they can exceed it; run one daemon per host", other["pid"],
+                        other["cmdline"], extra={"pid": other["pid"]})
         self._listener = self._bind(self.socket_path)
         if self.settings.daemon.metrics_listen:
             self.metrics.serve(self.settings.daemon.metrics_listen)
@@ -112,6 +118,13 @@ class Daemon:
         if s.unreadable:
             log.info("could not read the memory maps of %d process(es) of other users (not root): mappings of an "
                      "earlier daemon's memory held by them are not reported", s.unreadable)
+
+    def other_daemons(self) -> list[dict[str, Any]]:
+        """The other daemons found at start that still run (a pid reused by another
+        command is not one)."""
+        if self._others:
+            self._others = other_daemons(os.getpid(), among=[o["pid"] for o in self._others])
+        return list(self._others)
 
     def outlived(self) -> list[dict[str, Any]]:
         """The processes found at start mapping an earlier daemon's memfd arenas that still

@@ -107,3 +107,35 @@ def still_mapping(mappers: list[Mapper]) -> list[Mapper]:
         if m is not None and m.comm == old.comm:  # a reused pid is another process
             out.append(m)
     return out
+
+
+def is_daemon(argv: list[str]) -> bool:
+    """Whether a command line runs `weightcache serve` (the script, or python -m weightcache)."""
+    for i, arg in enumerate(argv):
+        if os.path.basename(arg) == "weightcache" or (arg == "weightcache" and i > 0 and argv[i - 1] == "-m"):
+            return "serve" in argv[i + 1:]
+    return False
+
+
+def _argv(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+
+
+def other_daemons(exclude: int | None = None, among: list[int] | None = None) -> list[dict[str, Any]]:
+    """The other `weightcache serve` processes on this host (this PID namespace), or of
+    ``among`` only: two daemons on different sockets both started, each taking its own
+    budget of the same memory (by default half of RAM each), and neither said so (issue 24).
+    /proc/<pid>/cmdline is readable for every process, root or not."""
+    pids = among if among is not None else [int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]
+    out = []
+    for pid in pids:
+        if pid == exclude:
+            continue
+        try:
+            argv = _argv(pid)
+        except OSError:
+            continue
+        if is_daemon(argv):
+            out.append({"pid": pid, "cmdline": " ".join(argv)[:300]})
+    return out

@@ -63,6 +63,7 @@ class Context:
     health: Callable[[], dict[str, Any]]
     reload: Callable[[], Awaitable[dict[str, Any]]]
     outlived: Callable[[], list[dict[str, Any]]] = lambda: []  # mappings of an earlier daemon (server/outlived.py)
+    other_daemons: Callable[[], list[dict[str, Any]]] = lambda: []  # other `weightcache serve` processes on the host
 
     def wait_arg(self, req: Request) -> float:
         wait = float(req.arg("wait_s", (int, float), self.settings.daemon.no_space_wait_s))
