@@ -56,7 +56,7 @@ async def test_a_budget_larger_than_the_host_is_refused_by_reload_as_by_start(st
     # the same file at start: the same sentence (one function checks both)
     from weightcache.config import load_settings
     from weightcache.errors import ConfigError
-    from weightcache.server.daemon import resolve_budget
+    from weightcache.server.settings_reload import resolve_budget
 
     with pytest.raises(ConfigError) as err:
         resolve_budget("cpu", load_settings(d.config).budgets["cpu"], os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

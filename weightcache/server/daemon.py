@@ -17,10 +17,10 @@ from typing import Any
 
 from .. import __version__
 from ..backends import Backend
-from ..cache import CacheCore, StepDown
+from ..cache import CacheCore
 from ..cache.quotas import Quota
-from ..config import AUTO, Budget, ModelConfig, Settings, load_settings
-from ..errors import BadRequest, ConfigError, NoSpace, WeightcacheError
+from ..config import AUTO, ModelConfig, Settings, load_settings
+from ..errors import BadRequest, ConfigError, WeightcacheError
 from ..systemd import reloading_message, sd_notify
 from ..units import format_size
 from .access import AccessPolicy, check_socket_dir, resolve_gid
@@ -30,6 +30,7 @@ from .metrics import MODEL_COUNTERS, Metrics, ModelFigures, Snapshot
 from .outlived import Survey, other_daemons, still_mapping, survey
 from .registry import CHECK_FAILED, Registry
 from .requests import Context
+from .settings_reload import reload_budgets, reload_max_loaded, settings_changes
 
 # The fields a reload changes in place: the rest say which bytes and where.
 POLICY_FIELDS = ("keep_alive", "pin", "preload", "allowed_uids", "allowed_gids")
@@ -301,9 +302,9 @@ class Daemon:
         report: dict[str, Any] = {"added": [], "removed": [], "changed": [], "updated": [], "failed": [],
                                   "pending": [], "unchanged": [], "displaced": [], "evicted": [], "budgets": [],
                                   "max_loaded_models": [], "quotas": None}
-        self._reload_daemon_keys(new, report)
-        await self._reload_budgets(new, report)
-        await self._reload_max_loaded(new, report)
+        settings_changes(self.settings, new, report)
+        await reload_budgets(self.core, self.backends, self.loads, self.registry, new, report)
+        await reload_max_loaded(self.core, self.backends, self.loads, self.registry, new, report)
         quotas = quotas_of(new)
         if quotas != self.core.quotas:
             self.core.set_quotas(quotas)  # in place; a lowered one evicts nothing now (Note [quotas])
@@ -429,24 +430,7 @@ class Daemon:
                 await self._check_config_models([name])
             return
 
-    def _reload_daemon_keys(self, new: Settings, report: dict[str, Any]) -> None:
-        """[daemon] keys other than max_loaded_models are read at start only (sockets,
-        limits, access lists, pools): a changed one is a change that did not take effect."""
-        old = self.settings.daemon
-        for key in type(old).model_fields:
-            if key == "max_loaded_models" or getattr(new.daemon, key) == getattr(old, key):
-                continue
-            report["failed"].append(f"daemon.{key}: changed in the file, but read at start only: restart the daemon "
-                                    "to apply it")
 
-    def _evicted(self, step: StepDown, reason: str) -> list[dict[str, Any]]:
-        """What ``step`` moves off its device, for the reload's report (before it is done)."""
-        out = []
-        for name in step.leaving:
-            arena = self.registry.models[name].arena
-            out.append({"name": name, "nbytes": arena.nbytes if arena is not None else self.core.entry(name).nbytes,
-                        "to": "host" if name in step.demote or name in step.release else "evicted", "reason": reason})
-        return out
 
     def _update_policy(self, name: str, old: ModelConfig, mc: ModelConfig) -> None:
         """Apply a new keep_alive, pin or preload to a registered model without touching
@@ -507,70 +491,3 @@ class Daemon:
         log.error("model %s cannot be loaded: %s; fix the file or the model's path in the config, then run "
                   "`weightcache reload` (until then `weightcache models` shows it as error)", name, reason,
                   extra={"model": name, "code": err["code"]})
-
-    async def _reload_max_loaded(self, new: Settings, report: dict[str, Any]) -> None:
-        """Apply a changed daemon.max_loaded_models in place: a lowered count evicts
-        unattached models in the policy's order, as a lowered budget does. A count that
-        attached or pinned models exceed is not applied (the old one stays) and goes in
-        ``failed``: the reload then exits non-zero."""
-        wanted = new.daemon.max_loaded_models
-        for device in sorted(set(wanted) | set(self.core.max_loaded)):
-            limit, previous = wanted.get(device), self.core.max_loaded.get(device)
-            if limit == previous:
-                continue
-            if device not in self.backends:
-                report["failed"].append(f"max_loaded_models.{device}: a new device needs a daemon restart")
-                continue
-            try:
-                step = self.core.set_max_loaded(device, limit)
-            except NoSpace as exc:
-                report["failed"].append(f"max_loaded_models.{device}: {exc.message}")
-                continue
-            reason = f"{device} max_loaded_models lowered"
-            report["evicted"] += self._evicted(step, reason)
-            await self.loads.carry_out(step, reason=reason)
-            await self.loads.notify_space()
-            report["max_loaded_models"].append({"device": device, "limit": limit, "previous": previous})
-
-    async def _reload_budgets(self, new: Settings, report: dict[str, Any]) -> None:
-        """Each [budgets] entry as start resolves and checks it (``resolve_budget``), then
-        applied: a lowered budget evicts unattached models in the policy's order. A device
-        the running daemon has no backend for, one the file no longer names, a budget
-        larger than the device, and one that attached or pinned models exceed are not
-        applied (the old budget stays) and go in ``failed``."""
-        for device in sorted(set(self.backends) - set(new.budgets)):
-            report["failed"].append(f"budgets.{device}: removed from the file, but a device's budget stays until the "
-                                    f"daemon restarts (now {format_size(self.core.devices[device].budget)})")
-        for device, budget in new.budgets.items():
-            if device not in self.backends:
-                report["failed"].append(f"budgets.{device}: a new device needs a daemon restart")
-                continue
-            try:
-                nbytes = resolve_budget(device, budget, self.backends[device].total_memory())
-            except ConfigError as exc:
-                report["failed"].append(exc.message)
-                continue
-            previous = self.core.devices[device].budget
-            if nbytes == previous:
-                continue
-            try:
-                step = self.core.set_budget(device, nbytes)
-            except NoSpace as exc:
-                report["failed"].append(f"budgets.{device}: {exc.message}")
-                continue
-            self.backends[device].limit(nbytes)
-            reason = f"{device} budget lowered"
-            report["evicted"] += self._evicted(step, reason)
-            await self.loads.carry_out(step, reason=reason)
-            await self.loads.notify_space()
-            report["budgets"].append({"device": device, "budget": nbytes, "previous": previous})
-
-
-def resolve_budget(device: str, budget: Budget, total: int) -> int:
-    """The bytes ``budget`` gives ``device``, whose memory is ``total`` bytes; a size the
-    device does not have is a ConfigError naming the key. Start (main.build) and reload
-    both call this: a reload accepted 100 TiB on a 23 GiB host that start refused."""
-    if budget.nbytes is not None and budget.nbytes > total:
-        raise ConfigError(f"budgets.{device}: {budget} is more than the device's {format_size(total)}; "
-                          "give a size it has, or a fraction such as \"0.8\"", key=f"budgets.{device}")
-    return budget.resolve(total)

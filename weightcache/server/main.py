@@ -22,8 +22,9 @@ from ..backends import Backend, backend_for
 from ..cache import CacheCore
 from ..config import Settings
 from ..errors import ConfigError, WeightcacheError
-from .daemon import Daemon, resolve_budget
+from .daemon import Daemon
 from .logs import setup_logging
+from .settings_reload import resolve_budget
 
 log = logging.getLogger("weightcache.daemon")
 
