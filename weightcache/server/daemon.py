@@ -288,7 +288,7 @@ class Daemon:
         # (RELOADING=1 ... READY=1), with how it ended in STATUS=. A unit's ExecReload runs
         # `weightcache reload`, whose exit status is what fails `systemctl reload`.
         async with self._reload_lock:
-            sd_notify(reloading_message())
+            _notify(reloading_message())
             status = "reload failed: the config file could not be read"
             try:
                 report = await self._reload(await asyncio.to_thread(load_settings, self.config_path))
@@ -296,7 +296,7 @@ class Daemon:
                 status = f"{bad} change(s) of the last reload did not take effect" if bad else "reloaded"
                 return report
             finally:
-                sd_notify(f"READY=1\nSTATUS=serving on {self.socket_path}; {status}")
+                _notify(f"READY=1\nSTATUS=serving on {self.socket_path}; {status}")
 
     async def _reload(self, new: Settings) -> dict[str, Any]:
         report: dict[str, Any] = {"added": [], "removed": [], "changed": [], "updated": [], "failed": [],
@@ -491,3 +491,12 @@ class Daemon:
         log.error("model %s cannot be loaded: %s; fix the file or the model's path in the config, then run "
                   "`weightcache reload` (until then `weightcache models` shows it as error)", name, reason,
                   extra={"model": name, "code": err["code"]})
+
+
+def _notify(message: str) -> None:
+    """sd_notify for a reload: a notify socket that has gone (systemd re-executed) must not
+    turn the reload's report into an INTERNAL error."""
+    try:
+        sd_notify(message)
+    except OSError as exc:
+        log.warning("could not tell systemd %r: %s", message.partition("\n")[0], exc)
