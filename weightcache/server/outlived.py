@@ -19,6 +19,10 @@ it, so `ps` did not show it and no budget counted it (issue 24). What can be mea
   is not reported. **GPU** VMM memory imported by an engine is invisible in /proc; it
   shows only as less real free memory on the device, which every load checks
   (cuMemGetInfo) and a NO_SPACE names.
+
+The start-up survey reads every /proc/<pid>/maps once: 2.4 ms for the ~70 processes of
+the 2-core dev VM, before the socket listens (a host with thousands of processes, or
+processes with very many mappings, pays more, once).
 """
 
 from __future__ import annotations
