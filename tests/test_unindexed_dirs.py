@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import save_file
 
 from weightcache.cli import main
-from weightcache.loader.sources import unindexed_note
 from weightcache.tools.synth import write_checkpoint
 
 
@@ -34,6 +33,8 @@ def shard_set(d: Path, drop: int | None = None) -> Path:
 
 
 def test_the_rule(tmp_path):
+    from weightcache.loader.sources import unindexed_note
+
     note = unindexed_note(unrelated(tmp_path / "two"))
     assert note is not None and "loaded as ONE model: ['llama.safetensors', 'mistral.safetensors']" in note
     assert unindexed_note(shard_set(tmp_path / "set")) is None
