@@ -65,3 +65,16 @@ def test_a_second_daemon_on_the_host_is_warned_about(start_daemon, capsys):
     assert first.proc.wait(timeout=60) == 0
     with SyncClient(second.socket) as c:
         assert first.proc.pid not in [o["pid"] for o in c.status()["other_daemons"]]
+
+
+def test_which_command_lines_are_daemons():
+    from weightcache.cli import build_parser
+    from weightcache.server.outlived import _COMMANDS, is_daemon
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert set(sub.choices) == _COMMANDS  # type: ignore[arg-type]
+    assert is_daemon(["/usr/bin/python3", "/opt/wc/.venv/bin/weightcache", "serve", "--config", "/etc/wc.toml"])
+    assert is_daemon(["python", "-m", "weightcache", "--config", "/etc/wc.toml", "serve"])
+    assert not is_daemon(["/opt/wc/.venv/bin/weightcache", "supervise", "--", "python", "engine.py", "serve"])
+    assert not is_daemon(["/opt/wc/.venv/bin/weightcache", "--config", "serve.toml", "status"])
+    assert not is_daemon(["python", "engine.py", "serve"])

@@ -113,11 +113,17 @@ def still_mapping(mappers: list[Mapper]) -> list[Mapper]:
     return out
 
 
+# cli.py's subcommands (not imported: the daemon need not load the CLI for this)
+_COMMANDS = frozenset({"serve", "status", "models", "ps", "health", "load", "evict", "pin", "unpin", "register",
+                       "unregister", "reload", "attach", "demo", "bench", "workload", "supervise"})
+
+
 def is_daemon(argv: list[str]) -> bool:
-    """Whether a command line runs `weightcache serve` (the script, or python -m weightcache)."""
+    """Whether a command line runs `weightcache serve` (the script, or python -m weightcache):
+    its first subcommand name is serve (`weightcache supervise -- python e.py serve` is not)."""
     for i, arg in enumerate(argv):
         if os.path.basename(arg) == "weightcache" or (arg == "weightcache" and i > 0 and argv[i - 1] == "-m"):
-            return "serve" in argv[i + 1:]
+            return next((a for a in argv[i + 1:] if a in _COMMANDS), None) == "serve"
     return False
 
 
