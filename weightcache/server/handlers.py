@@ -193,8 +193,8 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
         # Processes still mapping an earlier daemon's memory (server/outlived.py): what an
         # administrator must know of memory no budget counts; a peer sees its own uid's.
         "outlived": [m for m in ctx.outlived() if ctx.access.is_admin(caller.peer) or m["uid"] == caller.peer.uid],
-        # Their pids and command lines are in /proc for everyone to read anyway.
-        "other_daemons": ctx.other_daemons(),
+        # Administrators only: with /proc mounted hidepid, others could not see them.
+        "other_daemons": ctx.other_daemons() if ctx.access.is_admin(caller.peer) else [],
         # device = "auto" models: the last placement of each (rank), as models shows it
         "placement": {slot: ctx.registry.placement_as_seen(caller.peer, slot) for slot in ctx.registry.placed
                       if ctx.registry.visible(caller.peer, next(iter(ctx.registry.replicas[slot].values())))},
