@@ -392,7 +392,7 @@ class Daemon:
     # the name got the squatter's bytes). The config's name wins. Displaced at once when
     # the peer's model is free; while it is attached, the name is *claimed*: no new
     # load, attach, pin or evict of the peer's copy (Registry.check_use refuses them),
-    # no register, publish or replace of the name by a peer (Registry.register, stage,
+    # no register, publish or replace of the name by a peer (Registry.register,
     # swap_in), the existing leases run on (their mappings are the engines'), and when
     # the last ends (every lease end notifies space_freed) the peer's model is dropped
     # and the config's registered. The reload reports it under ``pending`` and exits
@@ -416,9 +416,10 @@ class Daemon:
                 try:
                     self.loads.forget(registry.unregister(name))
                 except WeightcacheError:
-                    # Woken at each lease end (and each detach anywhere); the timeout only
-                    # bounds a missed wake-up, it decides nothing.
-                    await self.loads.space_freed.wait(self.loads.space_freed.ticket(), 60.0)
+                    # Woken at each lease end (and each detach anywhere). The timeout bounds
+                    # what wakes nobody (the peer unregistering or replacing its model); it
+                    # decides nothing, each pass checks again.
+                    await self.loads.space_freed.wait(self.loads.space_freed.ticket(), 5.0)
                     continue
                 log.info("model %s: the peer's copy of that name had no lease left; the config's model takes the name",
                          name, extra={"model": name})

@@ -184,7 +184,6 @@ class Registry:
         """An entry for ``name``'s next version that nobody can reach by name yet (a
         publish fills it, then ``swap_in`` makes it the model). '#' is never in a model
         name, so the entry cannot clash."""
-        self._check_unclaimed(name)
         staging = f"{name}#{next(self._staging_ids)}"
         self.core.register(staging, model.device, tenants=tenants)
         self.models[staging] = model
@@ -192,7 +191,9 @@ class Registry:
 
     def swap_in(self, staging: str, name: str) -> None:
         """Make a staged entry the (unsharded) model ``name``; an old one must be gone."""
-        self._check_unclaimed(name)  # claimed while the publish copied: the caller drops the staging entry
+        # A name the config claims (checked here, where a failed publish is rolled back,
+        # and not when staging: the caller's published memory is closed only past that).
+        self._check_unclaimed(name)
         self.core.rename(staging, name)
         self.models[name] = self.models.pop(staging)
         self.groups[name] = [name]
