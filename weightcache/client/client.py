@@ -142,8 +142,8 @@ class ClientOps(ConnectionBase):
         """Forget ``name`` and free its arena; refused while it is attached or loading."""
         await self.request("unregister", name=name, timeout=timeout)
 
-    async def reload(self, *, timeout: float | None = None) -> dict[str, list[str]]:
-        """Make the daemon re-read its config file; returns what was added/removed/changed."""
+    async def reload(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """Make the daemon re-read its config file; returns its report (docs/protocol.md, "reload")."""
         return (await self.request("reload", timeout=timeout))["report"]
 
     # -- weights: these import torch, at their first call --------------------------------

@@ -23,6 +23,7 @@ import fcntl
 import fnmatch
 import json
 import os
+import re
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -222,6 +223,39 @@ def index_names(raw: bytes, index: str) -> list[str]:
         if not n or os.path.isabs(n) or ".." in Path(n).parts or "\0" in n:
             raise _corrupt(index, f"index names a file outside its directory: {n[:200]!r}")
     return names
+
+
+_SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<i>[0-9]+)-of-(?P<n>[0-9]+)\.safetensors$")
+
+
+def unindexed_note(directory: str | os.PathLike[str]) -> str | None:
+    """What to tell the operator about a directory without an index that is loaded as one
+    model, or None: a directory is one checkpoint when it holds one .safetensors file, an
+    index, or the complete set ``<stem>-00001-of-0000N`` .. ``-0000N-of-0000N`` of one stem,
+    as ``save_pretrained`` names shards. Anything else (two unrelated models, a stray copy
+    beside the shards, a set with one missing) is still merged into one model, as it
+    always was (tensor names that clash are refused), but no longer silently (issue 24):
+    start, reload and register log this line and the CLI's register prints it. A pure
+    look at the names (no file is opened); None for anything that is not a directory."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return None
+    if any(fnmatch.fnmatchcase(n, f"*{INDEX_SUFFIX}") for n in names):
+        return None
+    files = [n for n in names if fnmatch.fnmatchcase(n, "*.safetensors")]
+    if len(files) <= 1:
+        return None
+    found = [_SHARD_NAME.match(n) for n in files]
+    sets = {(m.group("stem"), int(m.group("n"))) for m in found if m}
+    if all(found) and len(sets) == 1:
+        ((_stem, count),) = sets
+        if sorted(int(m.group("i")) for m in found if m) == list(range(1, count + 1)):
+            return None
+    shown = files if len(files) <= 8 else [*files[:8], f"... {len(files) - 8} more"]
+    return (f"{os.fspath(directory)} has no *{INDEX_SUFFIX} and its {len(files)} .safetensors files are not one "
+            f"shard set (<name>-00001-of-0000N.safetensors ...), yet they are loaded as ONE model: {shown}; if they "
+            "are not one checkpoint, name one file as the path, or give the directory an index")
 
 
 def open_source(source: str | os.PathLike[str], *, roots: Sequence[str | os.PathLike[str]] | None = None,
