@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -113,6 +115,7 @@ class Registry:
         self.placed: dict[str, dict[str, Any]] = {}
         self.size_hint: dict[str, int] = {}  # slot -> its files' bytes, until a load tells the arena's (placing.py)
         self._staging_ids = itertools.count(1)
+        self._reserved: Counter[int] = Counter()  # uid -> model slots held by publishes not yet staged
 
     # -- registering ----------------------------------------------------------------
     def register(self, mc: ModelConfig, *, origin: Origin = "config", owner: int | None = None,
@@ -190,9 +193,28 @@ class Registry:
         self.groups[name] = [name]
 
     def models_owned_by(self, uid: int) -> int:
-        """Models ``uid`` registered or published, publishes in flight included: each once,
-        whatever its ranks or replicas."""
-        return len({(m.config.name, "#" in entry) for entry, m in self.models.items() if m.owner == uid})
+        """Models ``uid`` registered or published, publishes in flight included (each
+        reserved slot too): each once, whatever its ranks or replicas."""
+        return self._reserved[uid] + len({(m.config.name, "#" in entry) for entry, m in self.models.items() if m.owner == uid})
+
+    def reserve_model(self, uid: int) -> Callable[[], None]:
+        """Hold one of ``uid``'s max_models_per_uid slots for a publish that has checked the
+        count and now awaits (the table's validation, the fds' opening) before its staging
+        entry exists: checked there and not held, 120 concurrent publishes under a limit of
+        4 all passed the check and all succeeded. Returns the release (idempotent): called
+        once the staging entry counts in its place, or when the publish fails first."""
+        self._reserved[uid] += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._reserved[uid] -= 1
+                if not self._reserved[uid]:
+                    del self._reserved[uid]
+
+        return release
 
     def files_held_by(self, uid: int) -> int:
         # an auto model's replicas of one rank share its open files: counted once
