@@ -325,6 +325,7 @@ class Loads:
         step = self.core.join(name)
         m, s = self.registry.models[name], self.registry.models[sibling]
         m.arena, m.checkpoint, m.table, m.last_error = s.arena, s.checkpoint, s.table, None
+        m.held, m.seen = s.held, s.seen
         log.info("%s shares the arena of %s (the same files): no second copy", name, sibling,
                  extra={"model": name, "bytes": self.core.entry(name).nbytes})
         if step.drop_host:
@@ -378,8 +379,8 @@ class Loads:
         if entry.state is State.HOST:
             assert model.checkpoint is not None and model.host is not None
             job.source = "host"
-            await self.fill_new_arena(name, model.checkpoint, entry.nbytes, 0, Promote(backend, model.host),
-                                      verb="promoted", job=job)
+            await self.fill_new_arena(name, model.checkpoint, entry.nbytes - model.held, 0, Promote(backend, model.host),
+                                      verb="promoted", job=job, held=model.held)  # the entry's size, as the core requires
             return job.source
         if (peer := self._peer_source(name)) is not None:
             job.source = "peer"
@@ -506,13 +507,19 @@ class Loads:
                              reason="io timeout") from None
 
     async def fill_new_arena(self, name: str, ckpt: Checkpoint, nbytes: int, wait_s: float, fill: FillStrategy,
-                             verb: str, job: LoadJob | None = None, phases: dict[str, float] | None = None) -> None:
+                             verb: str, job: LoadJob | None = None, phases: dict[str, float] | None = None,
+                             held: int | None = None) -> None:
         """Admit (evicting as planned), allocate, ``fill`` in a thread, seal, and make the
         model resident; on any failure free the arena and return the reservation, so the
         budget is exactly as before. Loads, promotions and publishes all come here.
 
         Every phase is timed and logged with the load: the fixed costs a small model pays
-        (making room, allocating, sealing) are hidden in a big one's GB/s (issue 12)."""
+        (making room, allocating, sealing) are hidden in a big one's GB/s (issue 12).
+
+        ``nbytes`` is the arena's size; the load is admitted for that plus what the
+        daemon holds for the checkpoint besides (``held``, by default its ``held_bytes``:
+        Note [held bytes] in loader/checkpoint.py), so the device's budget and the owner's
+        quota count both."""
         model = self.registry.models[name]
         backend = self.backends[self.core.entry(name).device]
         phases = dict(phases or {})
@@ -529,8 +536,10 @@ class Loads:
                 raise LoadFailed(f"load of {name!r} cancelled: no one waits for it", model=name, reason="cancelled")
 
         check_wanted()
+        if held is None:
+            held = await asyncio.to_thread(lambda: ckpt.held_bytes) if len(ckpt.tensors) > 4096 else ckpt.held_bytes
         try:
-            plan = await self._admit(name, nbytes, wait_s)
+            plan = await self._admit(name, nbytes + held, wait_s)
         except WeightcacheError as exc:
             model.last_error = exc.to_wire()
             # NO_SPACE that detaches could cure is routine: callers wait and try again.
@@ -601,6 +610,7 @@ class Loads:
         finally:
             self.progress.pop(name, None)
         model.arena, model.checkpoint, model.table, model.last_error = arena, ckpt, table, None
+        model.held, model.seen = held, (ckpt.fingerprint, len(ckpt.tensors))
         model.check_failed = None
         if not self.core.finish_load(name).host_copy:  # a promotion's copy the core did not keep
             self.drop_host_copy(model)
@@ -743,6 +753,7 @@ class Loads:
             log.error("demoting %s to the host tier failed (%s); evicting it instead", name, exc,
                       extra={"model": name, "reason": str(exc)})
             self.core.demotion_failed(name)
+            model.drop_parsed()  # evicted after all: no promotion needs them
             self.counters["failed_demotions"] += 1
         else:
             self.counters["demotions"] += 1
@@ -774,6 +785,8 @@ class Loads:
     def _free_arena(self, name: str, reason: str, kept_host_copy: bool = False) -> None:
         model = self.registry.models[name]
         arena, model.arena = model.arena, None
+        if not kept_host_copy:
+            model.drop_parsed()  # its tensors and table go with the arena (Note [held bytes])
         if arena is None:
             return
         if self._in_use(arena):  # another name on the same arena (Note [shared arenas]) keeps it

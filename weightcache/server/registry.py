@@ -49,8 +49,13 @@ class Model:
     # Files a load opened and then found no room for: the retry (when detaches made room)
     # reads these same files, so a path swapped meanwhile changes nothing.
     parked: OpenedSource | None = None
-    checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident
+    checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident (or on the host tier)
     table: bytes = b""  # the attach reply's tensor table, msgpack-encoded once per load
+    # Bytes its load was charged beyond the arena for the checkpoint and table (Note [held
+    # bytes] in loader/checkpoint.py; a promotion is admitted for the same), and what
+    # ``models`` still shows once they are dropped with the arena: (fingerprint, tensors).
+    held: int = 0
+    seen: tuple[str, int] | None = None
     arena: Arena | None = None
     host: HostCopy | None = None  # the backend's host-tier copy while the model is HOST
     last_error: dict[str, Any] | None = None
@@ -61,6 +66,12 @@ class Model:
     # A device = "auto" rank has one entry per candidate device (a replica); ``slot`` is
     # the rank's name (``model``, or ``model@0``) they share. None: not placed automatically.
     slot: str | None = None
+
+    def drop_parsed(self) -> None:
+        """Forget the parsed checkpoint and table once the arena is gone (evicted, not on
+        the host tier): kept, a 100k-tensor header cost ~50 MiB of RSS per model after
+        eviction that no budget counted. The next load parses the files again."""
+        self.checkpoint, self.table, self.held = None, b"", 0
 
     @property
     def published(self) -> bool:  # sent by an engine: no files to reload it from
@@ -350,8 +361,8 @@ class Registry:
             # who may use it (None: everyone), shown to those who may see its paths
             "allowed_uids": None if private or m.config.allowed_uids is None else list(m.config.allowed_uids),
             "allowed_gids": None if private or m.config.allowed_gids is None else list(m.config.allowed_gids),
-            "path": None if private else str(m.path), "fingerprint": m.checkpoint.fingerprint if m.checkpoint else None,
-            "tensors": len(m.checkpoint.tensors) if m.checkpoint else None,
+            "path": None if private else str(m.path), "fingerprint": m.seen[0] if m.seen else None,
+            "tensors": m.seen[1] if m.seen else None,
             "idle_s": idle, "expires_in_s": self._expires_in(e, idle),
             "loads": e.loads, "evictions": e.evictions, "demotions": e.demotions, "promotions": e.promotions,
             # its bytes are in the host tier: HOST, or resident with the copy kept since its promotion
