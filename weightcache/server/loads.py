@@ -51,6 +51,10 @@ COUNTERS = ("loads", "promotions", "evictions", "demotions", "kept_copy_demotion
             "wasted_loads", "cancelled_loads")
 # The connection id of the daemon's own leases (a peer copy's source): real connections count from 1.
 INTERNAL_CONN = -1
+# Parses kept by loads waiting for room (Loads._may_keep_parse), at most, in all; a quarter
+# of it per tenant. 256 MiB is ~7 parked 100k-tensor headers, or thousands of real ones
+# (a 183-tensor checkpoint's parse holds ~60 KiB).
+PARKED_PARSE_BYTES = 256 * 2**20
 # An orphaned load (every waiter gone) further along than this finishes: throwing away
 # more than half the work to save the rest is the worse bet if anyone asks again.
 FINISH_ORPHAN_AFTER = 0.5
@@ -101,18 +105,22 @@ class SpaceFreed:
 
     def __init__(self) -> None:
         self.generation = 0  # counts notifications: a waiter that missed one sees it
-        self._waiters: dict[int, tuple[str | None, asyncio.Future[None]]] = {}
+        self._waiters: dict[int, tuple[str | None, asyncio.Future[None], Callable[[], bool] | None]] = {}
         self._tickets = itertools.count()
 
     def ticket(self) -> int:
         return next(self._tickets)
 
     async def wait(self, ticket: int, timeout: float, gone: asyncio.Future[None] | None = None,
-                   key: str | None = None) -> None:
-        """Until the next notification (for ``key``'s turn), ``timeout`` seconds, or
-        ``gone`` is done (the requester's connection closed), whichever comes first."""
+                   key: str | None = None, fits: Callable[[], bool] | None = None) -> None:
+        """Until the next notification (for ``key``'s turn) after which ``fits()`` says the
+        load would now be admitted, ``timeout`` seconds, or ``gone`` is done (the
+        requester's connection closed), whichever comes first. Without ``fits`` every
+        notification wakes: 48 loads parked over a 2.2 MiB header were each woken by
+        every detach, anyone's, and each re-parsed its header in the shared io pool only
+        to be refused again (another tenant's cold load got no reply within 20 s)."""
         fut = asyncio.get_running_loop().create_future()
-        self._waiters[ticket] = (key, fut)
+        self._waiters[ticket] = (key, fut, fits)
 
         def wake(_: object) -> None:
             if not fut.done():
@@ -132,11 +140,13 @@ class SpaceFreed:
         self.generation += 1
         woken: set[str] = set()
         for ticket in sorted(self._waiters):  # their tasks resume in this order
-            key, fut = self._waiters[ticket]
+            key, fut, fits = self._waiters[ticket]
             if key is not None:
                 if key in woken:
-                    continue  # its oldest tries for all of them
+                    continue  # its oldest tries for all of them (or none fits)
                 woken.add(key)
+            if fits is not None and not fits():
+                continue  # the room freed is not enough for it: it sleeps on, and so do the others of its key
             del self._waiters[ticket]
             if not fut.done():
                 fut.set_result(None)
@@ -146,8 +156,8 @@ class SpaceFreed:
         error of the model's own (``everyone``): the rest waiting for it try now, and
         join its load. Cancelled (request timeout, its peer gone, shutdown): the oldest
         tries in its place, in case it held the turn a notification gave."""
-        for ticket in sorted(t for t, (k, _) in self._waiters.items() if k == key):
-            _, fut = self._waiters.pop(ticket)
+        for ticket in sorted(t for t, (k, _, _) in self._waiters.items() if k == key):
+            _, fut, _ = self._waiters.pop(ticket)
             if not fut.done():
                 fut.set_result(None)
             if not everyone:
@@ -232,7 +242,9 @@ class Loads:
                     if ticket is None:
                         ticket = self.space_freed.ticket()  # kept across retries: our place in line
                     waited_from = time.monotonic()
-                    await self.space_freed.wait(ticket, left, gone, key=name)
+                    needed = exc.details.get("needed")
+                    fits = None if not isinstance(needed, int) else functools.partial(self.core.could_admit, name, needed)
+                    await self.space_freed.wait(ticket, left, gone, key=name, fits=fits)
                     if waits is not None:
                         waits.append(time.monotonic() - waited_from)
                 else:
@@ -404,12 +416,19 @@ class Loads:
                              model=name, reason="published model evicted")
         d = self.settings
         opened, model.parked = model.files or model.parked, None
+        kept, model.parked_parse = model.parked_parse, None
         t_open = time.monotonic()
         try:
             if opened is None:  # the daemon opens the files itself: the operator's or an admin's paths
                 opened = await self.io(open_source, model.path, roots=d.model_roots or None,
                                        follow_symlinks=d.follow_symlinks, cleanup=OpenedSource.close)
-            ckpt = await self.io(parse_checkpoint, opened)  # its fingerprint comes with the bytes, in the fill
+            if kept is not None and kept.matches(opened):
+                # Parsed when the load was first refused for room, from these same fds,
+                # unchanged since (fstat): a wait for room costs one parse, not one per retry.
+                ckpt = kept
+                log.info("load %s: reusing the parse kept while it waited for room", name, extra={"model": name})
+            else:
+                ckpt = await self.io(parse_checkpoint, opened)  # its fingerprint comes with the bytes, in the fill
         except Exception as exc:
             if opened is not None and opened is not model.files:
                 opened.close()
@@ -428,10 +447,26 @@ class Loads:
         except NoSpace:
             if opened is not model.files:
                 model.parked = opened  # the caller waits for room, then retries with these same files
+            if self._may_keep_parse(model, ckpt):
+                model.parked_parse = ckpt
             raise
         finally:
             if opened is not model.files and opened is not model.parked:
                 opened.close()
+
+    def _may_keep_parse(self, model: Model, ckpt: Checkpoint) -> bool:
+        """Whether a load refused for room may keep its parse while it waits: within a fixed
+        cache (PARKED_PARSE_BYTES in all, a quarter of it per owner), so waiting loads
+        cannot make the daemon hold unbounded, uncounted memory. Past it the retry parses
+        again, which a wait pays once per wake-up that fits (SpaceFreed)."""
+        held = ckpt.held_bytes
+        total = mine = 0
+        for m in self.registry.models.values():
+            if m.parked_parse is not None and m is not model:
+                total += m.parked_parse.held_bytes
+                if m.owner == model.owner:
+                    mine += m.parked_parse.held_bytes
+        return total + held <= PARKED_PARSE_BYTES and (model.owner is None or mine + held <= PARKED_PARSE_BYTES // 4)
 
     async def learn_sizes(self, name: str) -> None:
         """Before an auto model is first placed: how big each rank is, from its files'
@@ -650,7 +685,7 @@ class Loads:
                     raise
                 if ticket is None:
                     ticket = self.space_freed.ticket()
-                await self.space_freed.wait(ticket, left)
+                await self.space_freed.wait(ticket, left, fits=functools.partial(self.core.could_admit, name, nbytes))
 
     # -- preloads and keep-alive ----------------------------------------------------
     def start_preload(self, name: str, gates: bool = True) -> None:
@@ -770,6 +805,7 @@ class Loads:
             if arena is not None and not self._in_use(arena):
                 self.release(arena)
             self.drop_host_copy(model)
+            model.parked_parse = None
             for files in (model.files, model.parked):
                 if files is not None:
                     files.close()

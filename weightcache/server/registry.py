@@ -49,6 +49,9 @@ class Model:
     # Files a load opened and then found no room for: the retry (when detaches made room)
     # reads these same files, so a path swapped meanwhile changes nothing.
     parked: OpenedSource | None = None
+    # Their parse (or that of ``files``), kept with them: the retry does not parse again
+    # (server/loads.py, within PARKED_PARSE_BYTES).
+    parked_parse: Checkpoint | None = None
     checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident (or on the host tier)
     table: bytes = b""  # the attach reply's tensor table, msgpack-encoded once per load
     # Bytes its load was charged beyond the arena for the checkpoint and table (Note [held
