@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import functools
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections import Counter
@@ -32,6 +35,7 @@ from ..cache import CacheCore, LoadPlan, State, StepDown
 from ..config import DaemonConfig
 from ..errors import LoadFailed, NoSpace, WeightcacheError
 from ..loader import Checkpoint, OpenedSource, Progress, open_source, parse_checkpoint
+from ..loader.published import _gc_paused
 from ..protocol.messages import tenant_fingerprint
 from . import placing
 from .fills import FillStrategy, PeerCopy, Promote, ReadFiles
@@ -41,8 +45,50 @@ log = logging.getLogger("weightcache.daemon")
 T = TypeVar("T")
 
 
+# Row 5 of issue 25: the GIL is the daemon's one CPU, shared by the event loop and every
+# thread. One tenant's loads of 100k-tensor headers pushed another tenant's attach p99
+# from ~6 to 332 ms (scripts/stress_abuse.py --only headerbomb): in a thread that parses
+# such a header the cyclic collector ran 20 full collections per parse, each holding the
+# GIL for up to 250 ms against the loop (the loop's sleep(1 ms) late by 253 ms; 22 ms
+# with the collector paused), and msgpack packed the whole table in one C call (62-180
+# ms). So the work a big checkpoint makes is done with the collector paused (nothing it
+# builds forms a cycle), the table is packed in slices, and each tenant gets a bounded
+# share of the io pool (TENANT_IO_SHARE).
+TABLE_SLICE = 4096  # rows packed per C call: ~2 ms each, after which the loop may take the GIL
+MANY_TENSORS = 4096  # checkpoints with more are filled with the collector paused, and queue for the device's fill
+SMALL_FILL_BYTES = 64 * 2**20  # fills of at most this (and few tensors) do not wait for the device's fill lock
+
+
 def encode_table(ckpt: Checkpoint) -> bytes:
-    return msgpack.packb(ckpt.wire_tensors(), use_bin_type=True)  # type: ignore[no-any-return]
+    rows = ckpt.wire_tensors()
+    if len(rows) <= TABLE_SLICE:
+        return msgpack.packb(rows, use_bin_type=True)  # type: ignore[no-any-return]
+    packer = msgpack.Packer(use_bin_type=True)
+    parts = [packer.pack_array_header(len(rows))]  # the same bytes as packb(rows)
+    for i in range(0, len(rows), TABLE_SLICE):
+        parts.append(b"".join([packer.pack(r) for r in rows[i : i + TABLE_SLICE]]))
+    return b"".join(parts)
+
+
+def _libc_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_malloc_trim = _libc_malloc_trim()
+
+
+def collector_paused(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` run with the cyclic collector paused (counted across threads: loader/published.py)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> T:
+        with _gc_paused():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 # Daemon-wide totals for ``status`` and the metrics (per-model ones live on the core's
@@ -55,6 +101,9 @@ INTERNAL_CONN = -1
 # of it per tenant. 256 MiB is ~7 parked 100k-tensor headers, or thousands of real ones
 # (a 183-tensor checkpoint's parse holds ~60 KiB).
 PARKED_PARSE_BYTES = 256 * 2**20
+SWITCH_INTERVAL_S = 0.0005
+# The most of the io pool's threads one tenant's calls hold at once (Loads.io).
+TENANT_IO_SHARE = 0.5
 # An orphaned load (every waiter gone) further along than this finishes: throwing away
 # more than half the work to save the rest is the worse bet if anyone asks again.
 FINISH_ORPHAN_AFTER = 0.5
@@ -192,6 +241,14 @@ class Loads:
         self.no_peer_copy: set[tuple[str, str]] = set()
         # Opening and parsing what peers name or send: bounded, and apart from the loads.
         self.io_pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="wc-io")
+        self._io_shares: dict[int, list[Any]] = {}  # tenant uid -> [its semaphore, calls holding or waiting for it]
+        self._trim_at = 0.0  # when memory was last given back to the kernel (trim_soon)
+        # The GIL is handed to a waiting thread after this long (CPython's default: 5 ms).
+        # The event loop waits that long for it at each wake-up while a thread runs Python
+        # (a parse, a fill of many tensors): another tenant's attach, several wake-ups,
+        # had p99 161 ms beside 100k-tensor loads; 56 ms at 0.5 ms (stress_abuse.py --only
+        # headerbomb, 2-core VM). Process-wide, set once here where the threads are made.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
@@ -421,14 +478,15 @@ class Loads:
         try:
             if opened is None:  # the daemon opens the files itself: the operator's or an admin's paths
                 opened = await self.io(open_source, model.path, roots=d.model_roots or None,
-                                       follow_symlinks=d.follow_symlinks, cleanup=OpenedSource.close)
+                                       follow_symlinks=d.follow_symlinks, cleanup=OpenedSource.close, tenant=model.owner)
             if kept is not None and kept.matches(opened):
                 # Parsed when the load was first refused for room, from these same fds,
                 # unchanged since (fstat): a wait for room costs one parse, not one per retry.
                 ckpt = kept
                 log.info("load %s: reusing the parse kept while it waited for room", name, extra={"model": name})
             else:
-                ckpt = await self.io(parse_checkpoint, opened)  # its fingerprint comes with the bytes, in the fill
+                # its fingerprint comes with the bytes, in the fill
+                ckpt = await self.io(collector_paused(parse_checkpoint), opened, tenant=model.owner)
         except Exception as exc:
             if opened is not None and opened is not model.files:
                 opened.close()
@@ -449,6 +507,8 @@ class Loads:
                 model.parked = opened  # the caller waits for room, then retries with these same files
             if self._may_keep_parse(model, ckpt):
                 model.parked_parse = ckpt
+            else:
+                self.trim_soon(len(ckpt.tensors))
             raise
         finally:
             if opened is not model.files and opened is not model.parked:
@@ -515,10 +575,32 @@ class Loads:
             self.core.detach(lease.id, INTERNAL_CONN)
             await self.notify_space()
 
-    async def io(self, fn: Callable[..., T], *args: Any, cleanup: Callable[[T], object] | None = None, **kwargs: Any) -> T:
+    async def io(self, fn: Callable[..., T], *args: Any, cleanup: Callable[[T], object] | None = None,
+                 tenant: int | None = None, **kwargs: Any) -> T:
         """Run ``fn`` in the bounded io pool, for at most io_timeout_s: opening and parsing
         what a peer names or sends. A call that overruns is abandoned (a thread cannot be
-        killed); ``cleanup`` then releases what it returns when it finally does."""
+        killed); ``cleanup`` then releases what it returns when it finally does.
+
+        ``tenant``: the uid the work is for (a peer's model or publish; None for the
+        operator's): at most TENANT_IO_SHARE of the pool's threads work for one tenant at
+        once, the rest of its calls wait their turn here (not counted in io_timeout_s), so
+        another tenant's cold load never queues behind one tenant's parses."""
+        if tenant is None:
+            return await self._io(fn, args, kwargs, cleanup)
+        share = self._io_shares.get(tenant)
+        if share is None:
+            share = self._io_shares[tenant] = [asyncio.Semaphore(max(1, int(self.settings.io_threads * TENANT_IO_SHARE))), 0]
+        share[1] += 1
+        try:
+            async with share[0]:
+                return await self._io(fn, args, kwargs, cleanup)
+        finally:
+            share[1] -= 1
+            if not share[1]:
+                del self._io_shares[tenant]
+
+    async def _io(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
+                  cleanup: Callable[[T], object] | None) -> T:
         fut = asyncio.get_running_loop().run_in_executor(self.io_pool, functools.partial(fn, *args, **kwargs))
         timeout = self.settings.io_timeout_s
 
@@ -572,7 +654,8 @@ class Loads:
 
         check_wanted()
         if held is None:
-            held = await asyncio.to_thread(lambda: ckpt.held_bytes) if len(ckpt.tensors) > 4096 else ckpt.held_bytes
+            held = (await asyncio.to_thread(collector_paused(lambda: ckpt.held_bytes)) if len(ckpt.tensors) > MANY_TENSORS
+                    else ckpt.held_bytes)
         try:
             plan = await self._admit(name, nbytes + held, wait_s)
         except WeightcacheError as exc:
@@ -598,13 +681,17 @@ class Loads:
                 # Evicted victims' memory must be back before the allocation checks the device's free memory.
                 await asyncio.wait(list(self._releasing))
                 phase("wait for frees")
-            async with self._fill_locks.setdefault(backend.device, asyncio.Lock()):
+            many = len(ckpt.tensors) > MANY_TENSORS
+            # A small fill takes no bandwidth worth queueing for: behind one tenant's 100k-tensor
+            # fill (~1 s of per-tensor work) another's 4 KiB cold load waited for all of it.
+            small = nbytes <= SMALL_FILL_BYTES and not many
+            async with contextlib.nullcontext() if small else self._fill_locks.setdefault(backend.device, asyncio.Lock()):
                 phase("queued")
                 check_wanted()
                 allocate = backend.allocate_as_room_frees if lazy else backend.allocate
                 arena = await _to_thread_finished(allocate, nbytes, name, cleanup=self.release)
                 phase("allocate")
-                content = await _to_thread_finished(fill, ckpt, arena, progress)
+                content = await _to_thread_finished(collector_paused(fill) if many else fill, ckpt, arena, progress)
                 phase("fill")
                 if content is not None:  # read from files: the fingerprint of the bytes just read
                     # A peer's model: nobody may pass it off as the operator's (tenant_fingerprint).
@@ -619,7 +706,7 @@ class Loads:
                 phase("seal")
             # Encoded once, spliced into every attach reply: a 600,000-row table encoded
             # per attach cost ~2 s of loop time each.
-            table = await asyncio.to_thread(encode_table, ckpt)
+            table = await asyncio.to_thread(collector_paused(encode_table) if len(ckpt.tensors) > MANY_TENSORS else encode_table, ckpt)
             phase("table")
         except BaseException as exc:
             await asyncio.gather(*(asyncio.shield(t) for t in demotions), return_exceptions=True)
@@ -801,6 +888,8 @@ class Loads:
         """Free what unregistered entries held: arenas (a shared one once its last name
         goes), host copies, a peer's files."""
         for model in models:
+            self.trim_soon(max(len(c.tensors) for c in (model.checkpoint, model.parked_parse) if c is not None)
+                           if model.checkpoint is not None or model.parked_parse is not None else 0)
             arena, model.arena = model.arena, None
             if arena is not None and not self._in_use(arena):
                 self.release(arena)
@@ -809,6 +898,17 @@ class Loads:
             for files in (model.files, model.parked):
                 if files is not None:
                     files.close()
+
+    def trim_soon(self, ntensors: int) -> None:
+        """After a checkpoint of many tensors was freed (its parse, its table): give the
+        heap's free pages back to the kernel (glibc's malloc_trim, in a thread, at most once
+        a second). Without it the daemon's RSS stayed ~230 MiB above its start after 100k-
+        tensor loads had all gone: glibc keeps freed memory for reuse."""
+        now = time.monotonic()
+        if ntensors <= MANY_TENSORS or now - self._trim_at < 1.0 or _malloc_trim is None:
+            return
+        self._trim_at = now
+        self.spawn(asyncio.to_thread(_malloc_trim, 0))
 
     def drop_host_copy(self, model: Model) -> None:
         # At once, on the loop: the core counts the bytes free as soon as it decides, and a
@@ -822,6 +922,7 @@ class Loads:
         model = self.registry.models[name]
         arena, model.arena = model.arena, None
         if not kept_host_copy:
+            self.trim_soon(len(model.checkpoint.tensors) if model.checkpoint is not None else 0)
             model.drop_parsed()  # its tensors and table go with the arena (Note [held bytes])
         if arena is None:
             return

@@ -43,7 +43,8 @@ async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
     if files is not None and not (admin or d.tenant_register):
         raise PermissionDenied("registering models is for administrators here (daemon.tenant_register = false)",
                                op="register")
-    fields = {k: req.args[k] for k in ("name", "path", "device", "shards", "pin", "preload", "keep_alive") if k in req.args}
+    fields: dict[str, Any] = {k: req.args[k] for k in ("name", "path", "device", "shards", "pin", "preload", "keep_alive")
+                              if k in req.args}
     _bounded(req.args, "shards", MAX_SHARDS)
     _bounded(req.args, "files", MAX_SHARDS)
     fields.update(_access_fields(ctx, req))
@@ -234,8 +235,9 @@ async def _publish(ctx: Context, caller: Caller, req: Request, name: str, replac
         caller.peer, ctx.access.is_admin(caller.peer))
     fingerprint = tenant_fingerprint(fingerprint, caller.peer.uid)
     loads = ctx.loads
-    ckpt = await loads.io(published_checkpoint, name, req.arg("tensors", list), nbytes, fingerprint)
-    source = await loads.io(backend.open_published, desc, req.fds, cleanup=backend.close_published)
+    tenant = None if ctx.access.is_admin(caller.peer) else caller.peer.uid  # its share of the io pool (Loads.io)
+    ckpt = await loads.io(published_checkpoint, name, req.arg("tensors", list), nbytes, fingerprint, tenant=tenant)
+    source = await loads.io(backend.open_published, desc, req.fds, cleanup=backend.close_published, tenant=tenant)
     config = access.model_copy(update={"path": Path(ckpt.source)})
     staging = ctx.registry.stage(name, Model(config=config, path=config.parts[0][0], device=device, rank=None,
                                              origin="publish", owner=caller.peer.uid),
