@@ -15,7 +15,7 @@ from weightcache.backends.cpu import CpuBackend
 from weightcache.cache import CacheCore
 from weightcache.config import DaemonConfig
 from weightcache.loader import open_source, parse_checkpoint
-from weightcache.server.loads import TABLE_SLICE, Loads, encode_table
+from weightcache.server.loads import TABLE_SLICE, TENANT_IO_SHARE, Loads, encode_table
 from weightcache.server.registry import Registry
 
 from .test_r25_held import header_bomb
@@ -24,7 +24,8 @@ from .test_r25_held import header_bomb
 async def test_one_tenant_holds_at_most_half_the_io_pool() -> None:
     """With four io threads, a tenant's four parses ran at once and another tenant's cold
     load waited for a free thread (each of those parses took seconds). Now a tenant holds
-    at most half of the pool; the others' calls run beside its own."""
+    at most TENANT_IO_SHARE of the pool (one thread of four); the others' calls run beside
+    its own."""
     core = CacheCore({"cpu": 2**20})
     backends = {"cpu": CpuBackend("cpu")}
     loads = Loads(DaemonConfig(io_threads=4), core, Registry(core, backends, access=None), backends, lambda: False)
@@ -32,6 +33,8 @@ async def test_one_tenant_holds_at_most_half_the_io_pool() -> None:
     most = {1: 0, 2: 0}
     lock = threading.Lock()
     release = threading.Event()
+    share = max(1, int(4 * TENANT_IO_SHARE))
+    assert share < 4
 
     def work(uid: int) -> int:
         with lock:
@@ -46,17 +49,17 @@ async def test_one_tenant_holds_at_most_half_the_io_pool() -> None:
         hog = [asyncio.ensure_future(loads.io(work, 1, tenant=1)) for _ in range(4)]
         for _ in range(200):
             await asyncio.sleep(0.01)
-            if running[1] == 2:
+            if running[1] == share:
                 break
         other = asyncio.ensure_future(loads.io(work, 2, tenant=2))
         for _ in range(200):
             await asyncio.sleep(0.01)
             if running[2] == 1:
                 break
-        assert running == {1: 2, 2: 1}, running  # the other tenant runs while the hog's two wait
+        assert running == {1: share, 2: 1}, running  # the other tenant runs while the hog's others wait
         release.set()
         assert await asyncio.gather(*hog, other) == [1, 1, 1, 1, 2]
-        assert most == {1: 2, 2: 1}, most
+        assert most == {1: share, 2: 1}, most
         assert loads._io_shares == {}  # nothing kept per uid once its calls ended
     finally:
         release.set()

@@ -249,11 +249,10 @@ class _Opener:
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino) != (pre.st_dev, pre.st_ino):  # cannot happen through /proc; say so if it does
             raise LoadFailed(f"{path}: changed while being opened", file=path, reason="changed while opening")
-        if not follow:
-            # O_NOFOLLOW covers the last component only: a symlinked directory on the way
-            # shows as a real path that differs from the one asked for.
-            if os.path.normpath(asked) != _fd_path(fd):
-                raise self._symlink(path)
+        # O_NOFOLLOW covers the last component only: a symlinked directory on the way
+        # shows as a real path that differs from the one asked for.
+        if not follow and os.path.normpath(asked) != _fd_path(fd):
+            raise self._symlink(path)
         if self.roots is not None:
             self.check_roots(path, _fd_path(fd))
         if not (stat.S_ISREG(st.st_mode) or (want_dir and stat.S_ISDIR(st.st_mode))):

@@ -35,6 +35,7 @@ from ..cache import CacheCore, LoadPlan, State, StepDown
 from ..config import DaemonConfig
 from ..errors import LoadFailed, NoSpace, WeightcacheError
 from ..loader import Checkpoint, OpenedSource, Progress, open_source, parse_checkpoint
+from ..loader.checkpoint import release_gradually
 from ..loader.published import _gc_paused
 from ..protocol.messages import tenant_fingerprint
 from . import placing
@@ -67,6 +68,7 @@ def encode_table(ckpt: Checkpoint) -> bytes:
     parts = [packer.pack_array_header(len(rows))]  # the same bytes as packb(rows)
     for i in range(0, len(rows), TABLE_SLICE):
         parts.append(b"".join([packer.pack(r) for r in rows[i : i + TABLE_SLICE]]))
+    release_gradually(rows)  # freed at once, 100k rows held the lock ~20 ms
     return b"".join(parts)
 
 
@@ -102,8 +104,12 @@ INTERNAL_CONN = -1
 # (a 183-tensor checkpoint's parse holds ~60 KiB).
 PARKED_PARSE_BYTES = 256 * 2**20
 SWITCH_INTERVAL_S = 0.0005
-# The most of the io pool's threads one tenant's calls hold at once (Loads.io).
-TENANT_IO_SHARE = 0.5
+# The most of the io pool's threads one tenant's calls hold at once (Loads.io): one of the
+# default four. Beside two connections of one tenant loading 100k-tensor files, a share of
+# half let both parse at once: the daemon's RSS peaked 317 MiB above its start, 175 MiB
+# with a quarter, and another tenant's attach p50 went 4.2 -> 3.2 ms (stress_abuse.py
+# --only headerbomb; p99 25-34 ms either way, within run-to-run noise).
+TENANT_IO_SHARE = 0.25
 # An orphaned load (every waiter gone) further along than this finishes: throwing away
 # more than half the work to save the rest is the worse bet if anyone asks again.
 FINISH_ORPHAN_AFTER = 0.5
