@@ -51,6 +51,9 @@ def build(out: Path, preset: str, device: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    # Llama-3-8B's embeddings are not tied. Tied models (Llama-3.2-1B/3B, Qwen2, Gemma,
+    # GPT-2) work too: load_into_module ties them as from_pretrained does, and
+    # tests/test_tied_weights.py checks their logits bit for bit.
     cfg = LlamaConfig(**PRESETS[preset], tie_word_embeddings=False)
     # Initialized on the target device: random init of 8B parameters on a CPU takes minutes.
     with torch.device(device):

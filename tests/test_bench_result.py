@@ -106,7 +106,8 @@ def new_rows(base: BenchResult) -> BenchResult:
         # the two medians would be 1 + 1 = 2
         fresh_attach=FreshAttachFigures(import_client_ms=Spread((3.0, 4.0, 5.0)), connect_ms=Spread((1.0, 10.0, 1.0)),
                                         first_attach_ms=Spread((10.0, 1.0, 1.0)), second_attach_ms=Spread((0.5, 0.7, 0.6)),
-                                        lazy_imports=("cuda", "weightcache.client.mapping")))
+                                        lazy_imports=("cuda", "weightcache.client.mapping"),
+                                        load_file_ms=Spread((6.0, 5.0, 7.0)), cuda_ipc_ms=Spread((17.0, 16.0, 18.0))))
 
 
 def test_new_rows_sit_beside_their_kin_and_read_back():
@@ -120,6 +121,15 @@ def test_new_rows_sit_beside_their_kin_and_read_back():
     assert (d["runai_streamer_warm_s"], d["runai_streamer_cold_s"], d["runai_streamer_version"]) == (0.5, 0.9, "0.17.0")
     # the JSON the bench writes reads back into the same records
     assert typed(json.loads(new_rows(base).to_json())) == new_rows(base)
+
+
+def test_fresh_process_headline_is_per_process_beside_its_anchors():
+    d = new_rows(typed(json.loads((DOCS / "bench-cpu.json").read_text()))).as_dict()["fresh_attach"]
+    # per process, import + connect + first attach = 14, 15, 7: the median is 14
+    assert d["import_to_tensors_ms"]["p50"] == 14.0 and d["import_to_tensors_ms"]["runs"] == [14.0, 15.0, 7.0]
+    assert d["load_file_ms"]["p50"] == 6.0 and d["cuda_ipc_ms"]["p50"] == 17.0
+    older = FreshAttachFigures.from_dict({k: v for k, v in d.items() if k not in ("load_file_ms", "cuda_ipc_ms")})
+    assert "import_to_tensors_ms" not in older.as_dict()["fresh_attach"]  # runs before the anchors keep their keys
 
 
 def test_ready_to_compute_is_medians_and_their_ratio():

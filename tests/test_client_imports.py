@@ -113,3 +113,25 @@ def test_the_client_and_its_gpu_half_import_nothing_heavy():
     extra = {m for m in out.split() if m not in sys.stdlib_module_names and m != "weightcache" and m != "msgpack"
              and not m.startswith(("_cython", "cython_runtime"))}
     assert not extra, f"the client imported {sorted(extra)}"
+
+
+def test_an_engine_with_torch_imports_the_attach_half_while_it_connects(start_daemon, ckpts):
+    # connection.py's prefetch_attach: the first attach's imports overlap the hello and
+    # attach round trips instead of adding to them; the attach still works.
+    d = start_daemon(models={"tiny": ckpts["tiny"]})
+    out = run_python("""
+        import sys, time
+        import torch
+        from weightcache import SyncClient
+
+        assert "weightcache.client.mapping" not in sys.modules
+        with SyncClient(sys.argv[1]) as c:
+            deadline = time.monotonic() + 60
+            while "weightcache.client.mapping" not in sys.modules and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert "weightcache.client.mapping" in sys.modules, "connecting did not import the attach half"
+            with c.attach("tiny") as w:
+                assert len(w) > 0
+        print("OK")
+    """, d.socket)
+    assert out.strip() == "OK"

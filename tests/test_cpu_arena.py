@@ -24,7 +24,7 @@ from weightcache.backends.cpu import CpuBackend, _populate_supported
 from weightcache.client.mapping import SEGMENT, file_tensor_views, map_files
 from weightcache.errors import BadRequest, CorruptCheckpoint
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
-from weightcache.tools.bench_measure import memfd_bytes
+from weightcache.tools.bench_measure import memfd_bytes, page_cache_bytes
 from weightcache.tools.synth import write_checkpoint
 
 MIB = 2**20
@@ -43,28 +43,6 @@ def same(attached, expected) -> bool:
 def snapshot(path: Path) -> dict[str, torch.Tensor]:
     """The file's tensors as copies (load_file maps the file: a later rewrite would show)."""
     return {k: v.clone() for k, v in load_file(str(path)).items()}
-
-
-def cached_bytes(path: Path) -> int:
-    """Bytes of the file in the page cache (mincore over a fresh mapping faults nothing in)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    size = path.stat().st_size
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    finally:
-        os.close(fd)
-    assert addr not in (None, ctypes.c_void_p(-1).value)
-    try:
-        vec = ctypes.create_string_buffer((size + PAGE - 1) // PAGE)
-        assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
-        return sum(b & 1 for b in vec.raw) * PAGE
-    finally:
-        libc.munmap(addr, size)
 
 
 def proc_status(pid: int, key: str) -> int:
@@ -151,7 +129,7 @@ def test_page_cache_off_copies_into_a_sealed_memfd(ckpts):
     backend = CpuBackend("cpu", page_cache=False)
     arena, m = load_in_process(ckpts["a"], backend)
     try:
-        assert m.arena_kind == "memfd" and arena.files is None and "off" in arena.why_memfd
+        assert m.arena_kind == "memfd" and arena.files is None and "off" in arena.fallback
         assert same(m, load_file(str(ckpts["a"])))
     finally:
         del m
@@ -163,7 +141,7 @@ def test_files_others_can_change_are_copied(tmp_path):
     backend = CpuBackend("cpu")
     p.chmod(0o664)
     arena, m = load_in_process(p, backend)
-    assert m.arena_kind == "memfd" and "writable by its group or others (mode 664)" in arena.why_memfd
+    assert m.arena_kind == "memfd" and "writable by its group or others (mode 664)" in arena.fallback
     assert same(m, load_file(str(p)))
     del m
     backend.free(arena)
@@ -171,20 +149,20 @@ def test_files_others_can_change_are_copied(tmp_path):
     if os.geteuid() == 0:  # only root can give a file away
         os.chown(p, 65534, 65534)
         arena, m = load_in_process(p, backend)
-        assert m.arena_kind == "memfd" and "owned by uid 65534" in arena.why_memfd
+        assert m.arena_kind == "memfd" and "owned by uid 65534" in arena.fallback
         assert same(m, load_file(str(p)))
         del m
         backend.free(arena)
 
 
 def test_an_immutable_file_is_served_whoever_may_write_it(tmp_path):
-    from weightcache.backends.cpu import FS_IMMUTABLE_FL, _inode_flags
+    from weightcache.loader.trust import FS_IMMUTABLE_FL, inode_flags
 
     p = write_checkpoint(tmp_path / "m.safetensors", MIB, 8, seed=6)
     p.chmod(0o666)  # writable by anyone, but immutable: nobody, root included, can write it until root clears +i
     fd = os.open(p, os.O_RDONLY)
     try:
-        flags = _inode_flags(fd)
+        flags = inode_flags(fd)
         try:
             fcntl.ioctl(fd, 0x40086602, struct.pack("<q", flags | FS_IMMUTABLE_FL))  # FS_IOC_SETFLAGS (chattr +i)
         except OSError as exc:
@@ -206,7 +184,7 @@ def test_a_tensor_not_aligned_in_its_file_is_copied(tmp_path):
     expected = misaligned_checkpoint(p)
     backend = CpuBackend("cpu")
     arena, m = load_in_process(p, backend)
-    assert m.arena_kind == "memfd" and "not aligned" in arena.why_memfd
+    assert m.arena_kind == "memfd" and "not aligned" in arena.fallback
     assert same(m, expected)
     del m
     backend.free(arena)
@@ -253,11 +231,11 @@ async def test_a_cold_checkpoint_is_read_into_the_page_cache(start_daemon, tmp_p
     os.fsync(fd)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
-    assert cached_bytes(p) < MIB
+    assert page_cache_bytes(p) < MIB
     d = start_daemon(models={"m": p}, extra_daemon={"load_chunk_bytes": MIB})
     async with Client(d.socket) as c, c.attach("m") as m:
         assert m.arena_kind == "file" and m.source == "files"
-        assert cached_bytes(p) >= p.stat().st_size - 2 * PAGE  # the load made it resident
+        assert page_cache_bytes(p) >= p.stat().st_size - 2 * PAGE  # the load made it resident
         assert same(m, snapshot(p))
 
 
@@ -337,8 +315,8 @@ async def test_resident_memory_of_a_model_is_its_size(start_daemon, tmp_path):
             st = (await c.status())["devices"]["cpu"]
             sizes = {x["name"]: x["nbytes"] for x in await c.models()}
             # a: the file's pages, once; no memfd. b: the memfd; its file's pages dropped.
-            resident_a = cached_bytes(a)
-            resident_b = cached_bytes(b) + memfd_bytes(pid)
+            resident_a = page_cache_bytes(a)
+            resident_b = page_cache_bytes(b) + memfd_bytes(pid)
             assert resident_a <= 1.05 * a.stat().st_size and resident_b <= 1.05 * b.stat().st_size, (resident_a, resident_b)
             assert memfd_bytes(pid) >= b.stat().st_size - 2 * PAGE
             assert st["used"] == sizes["a"] + sizes["b"]
@@ -387,13 +365,50 @@ async def test_a_file_someone_holds_open_for_writing_is_copied(start_daemon, tmp
         os.close(writer)
 
 
-async def test_a_file_not_everyone_may_read_is_copied(start_daemon, tmp_path):
+async def test_a_file_written_by_save_file_is_served_from_its_page_cache(start_daemon, tmp_path):
+    # safetensors' save_file creates files 0600 (save_pretrained writes through it): the
+    # operator's files as they are, which were all copied into a memfd before (issue 23).
+    p = tmp_path / "m.safetensors"
+    expected = {f"t{i}": torch.randn(1000 + i) for i in range(8)}
+    save_file(expected, str(p))
+    assert p.stat().st_mode & 0o777 == 0o600
+    d = start_daemon(models={"m": p})
+    async with Client(d.socket) as c, c.attach("m") as m:
+        assert m.arena_kind == "file" and same(m, expected)
+        (entry,) = await c.models()
+        assert entry["arena"] == "file" and entry["arena_note"] is None
+
+
+@pytest.mark.parametrize("extra", ["tail", "gap"])
+async def test_a_file_not_everyone_may_read_with_bytes_beyond_its_tensors_is_copied(start_daemon, tmp_path, extra):
+    # Bytes no tensor covers would reach an engine that could not open the file; a file
+    # everyone may read shows them to everyone anyway.
     p = write_checkpoint(tmp_path / "m.safetensors", MIB, 8, seed=5)
-    p.chmod(0o640)  # an engine's fd would hand a tenant a file it cannot open
+    raw = p.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    if extra == "tail":
+        raw += b"secret" * 100
+    else:  # 4096 bytes between the header and the first tensor
+        for v in header.values():
+            if isinstance(v, dict) and "data_offsets" in v:
+                v["data_offsets"] = [o + 4096 for o in v["data_offsets"]]
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        raw = len(text).to_bytes(8, "little") + text + b"s" * 4096 + raw[8 + n:]
+    p.write_bytes(raw)
+    p.chmod(0o640)
     d = start_daemon(models={"m": p})
     async with Client(d.socket) as c, c.attach("m") as m:
         assert m.arena_kind == "memfd"
-    assert "is not readable by every user" in d.log_text()
+        (entry,) = await c.models()
+        assert entry["arena"] == "memfd"
+        assert "is not readable by every user and holds 600 byte(s) outside" in entry["arena_note"] if extra == "tail" else \
+            "holds 4096 byte(s) outside its header and tensors" in entry["arena_note"]
+    p.chmod(0o644)  # readable by all: nothing more to hide
+    d2 = start_daemon(models={"m": p})
+    async with Client(d2.socket) as c, c.attach("m") as m:
+        assert m.arena_kind == "file"
 
 
 async def test_files_a_peer_sends_are_copied(start_daemon, tmp_path):

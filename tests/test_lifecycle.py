@@ -39,14 +39,14 @@ async def test_reload_applies_config_changes(start_daemon, ckpts):
         d.config.write_text(head + f'[[models]]\nname = "c"\npath = "{ckpts["c"]}"\n')
         report = await c.reload()
         assert report["added"] == ["c"] and report["removed"] == ["b"]
-        assert report["kept"] and report["kept"][0].startswith("a:")
+        assert report["failed"] and report["failed"][0].startswith("a: removed from the file, but kept")
         assert {m["name"] for m in await c.models()} == {"a", "c"}
     # change a model's path and the budget: the model is re-registered, the budget applied
     async with Client(d.socket) as c:
         await c.load("c")
         d.config.write_text(d.config.read_text().replace(str(ckpts["c"]), str(ckpts["b"])).replace('"cpu" = "20MiB"', '"cpu" = "12MiB"'))
         report = await c.reload()
-        assert report["changed"] == ["c"] and report["budgets"] == [f"cpu: {12 * 2**20}"]
+        assert report["changed"] == ["c"] and report["budgets"] == [{"device": "cpu", "budget": 12 * 2**20, "previous": 20 * 2**20}]
         assert (await c.status())["devices"]["cpu"]["budget"] == 12 * 2**20
         assert {m["name"]: m["path"] for m in await c.models()}["c"] == str(ckpts["b"])
 

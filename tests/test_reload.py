@@ -172,12 +172,12 @@ async def test_max_loaded_models_changes_in_place_at_reload(start_daemon, ckpts,
         # detached: 2 applies, the least recently used (tiny) goes
         d.config.write_text(three.replace("max_loaded_models = {cpu = 3}", "max_loaded_models = {cpu = 2}"))
         report = await c.reload()
-        assert not report["failed"] and report["budgets"] == ["max_loaded_models.cpu: 2"], report
+        assert not report["failed"] and report["max_loaded_models"] == [{"device": "cpu", "limit": 2, "previous": 3}], report
         assert await states(c) == {"tiny": "evicted", "a": "resident", "b": "resident"}
         await c.load("tiny")  # the count holds: a third load evicts (b, detached before a, is the LRU)
         assert await states(c) == {"tiny": "resident", "a": "resident", "b": "evicted"}
         # the key removed: no count any more
         d.config.write_text(three.replace("max_loaded_models = {cpu = 3}\n", ""))
-        assert (await c.reload())["budgets"] == ["max_loaded_models.cpu: no limit"]
+        assert (await c.reload())["max_loaded_models"] == [{"device": "cpu", "limit": None, "previous": 2}]
         await c.load("b")
         assert await states(c) == {"tiny": "resident", "a": "resident", "b": "resident"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -386,6 +387,59 @@ def test_a_jemalloc_background_thread_is_left_running(tmp_path):
 def test_any_other_native_thread_beside_it_is_refused(tmp_path):
     err = refused(tmp_path, "NAMES = [b'jemalloc_bg_thd', b'grpc_poller']\n" + textwrap.dedent(NATIVE_THREAD))
     assert "'grpc_poller' (native)" in err and "jemalloc" not in err and "1 other thread(s)" in err
+
+
+# An OpenBLAS-style pool, made on purpose so the test depends on neither the machine's core
+# count nor its BLAS build: a thread starts when the library loads, and
+# blas_thread_shutdown_ asks it to stop and returns before it has gone (LINGER_US later),
+# the window a loaded host opens between OpenBLAS's join and the thread leaving
+# /proc/self/task (Note [fork safety]). STOPS 0: a pool that ignores the request.
+FAKE_POOL = r"""
+#include <pthread.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+static volatile int stop;
+static void *run(void *arg) {
+    prctl(PR_SET_NAME, "python3");  /* named as OpenBLAS's threads are: after the process */
+    while (!stop || !STOPS) usleep(1000);
+    usleep(LINGER_US);
+    return arg;
+}
+__attribute__((constructor)) static void start(void) { pthread_t t; pthread_create(&t, 0, run, 0); }
+void blas_thread_shutdown_(void) { stop = 1; }
+"""
+
+
+def fake_pool(tmp_path: Path, linger_us: int, stops: bool = True) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler to build the fake OpenBLAS pool")
+    src = tmp_path / "fake_pool.c"
+    src.write_text(FAKE_POOL)
+    lib = tmp_path / "libfakeopenblas.so"  # quiesce_openblas finds OpenBLAS by its file name
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", f"-DLINGER_US={linger_us}", f"-DSTOPS={int(stops)}", "-o", str(lib), str(src),
+                    "-lpthread"], check=True)
+    return lib
+
+
+LOAD_POOL = """
+    import ctypes, os
+    POOL = ctypes.CDLL({lib!r})
+    assert len(os.listdir("/proc/self/task")) == 2  # the precondition: the pool's thread runs
+"""
+
+
+def test_a_pool_asked_to_stop_is_waited_for_and_the_engine_starts(tmp_path):
+    # Without the wait the check ran while the thread was still leaving: refused every time.
+    lib = fake_pool(tmp_path, linger_us=300_000)
+    started(tmp_path, LOAD_POOL.format(lib=str(lib)))
+
+
+def test_a_pool_that_does_not_stop_is_refused(tmp_path):
+    # Refused after POOL_STOP_WAIT_S: asked to stop, its thread is still there.
+    lib = fake_pool(tmp_path, linger_us=0, stops=False)
+    err = refused(tmp_path, LOAD_POOL.format(lib=str(lib)))
+    assert "1 other thread(s) running in the template" in err and "'python3' (native)" in err and "tmpl (+1)" in err
 
 
 def test_refuses_a_socket_opened_by_the_template(tmp_path):

@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from . import __version__
 from .errors import ConfigError, WeightcacheError
 from .units import format_size
 
@@ -78,10 +80,22 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _finite(obj: Any) -> Any:
+    """``obj`` with every NaN and infinity as None: json.dumps writes them as NaN and
+    Infinity, which strict JSON parsers (jq, JSON.parse, Go) refuse."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def _print_json(obj: Any) -> None:
     if isinstance(obj, dict):  # a reply's protocol fields are not the command's result
         obj = {k: v for k, v in obj.items() if k not in ("id", "ok")}
-    print(json.dumps(obj, indent=2, default=str))
+    print(json.dumps(_finite(obj), indent=2, default=str, allow_nan=False))
 
 
 def _size(n: int | None) -> str:
@@ -143,6 +157,12 @@ async def cmd_status(args: argparse.Namespace) -> int:
     if st.get("tenants"):
         lines.append(_tenants_table(st["tenants"]))
     _print(*lines)
+    for o in st.get("other_daemons", []):
+        print(f"warning: another weightcache daemon runs on this host (pid {o['pid']}): each takes its own budget of the "
+              "same memory; run one per host")
+    for m in st.get("outlived", []):  # whole lines (rich would fold them at 80 columns when piped)
+        print(f"warning: pid {m['pid']} ({m['comm']}, uid {m['uid']}) still maps {_size(m['nbytes'])} of an earlier "
+              f"daemon's memory ({', '.join(m['models'])}): no lease here, outside every budget until it exits")
     return 0
 
 
@@ -164,7 +184,7 @@ async def cmd_models(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(models)
         return 0
-    t = _table("name", "state", "device", "size", "attached", "pinned", "loads", "evictions", "last error",
+    t = _table("name", "state", "device", "size", "attached", "pinned", "arena", "loads", "evictions", "last error",
                right=("size", "attached", "loads", "evictions"))
     for m in models:
         # A bad path or format is found at start and at reload, before any load: say so here,
@@ -175,10 +195,17 @@ async def cmd_models(args: argparse.Namespace) -> int:
         device = (f"{m['device']} (auto: {placed['reason']})" if placed.get("device") == m["device"]
                   else f"{m['device']} (auto)" if m.get("replica_of") else m["device"])
         t.add_row(m["name"], m["state"], device, _size(m["nbytes"] or None), str(m["attach_count"]),
-                  "yes" if m["pinned"] else "", str(m["loads"]), str(m["evictions"]),
+                  "yes" if m["pinned"] else "", _arena(m), str(m["loads"]), str(m["evictions"]),
                   f"{err.get('code', '')}: {err.get('message', '')}" if err else "")
     _print(t)
     return 0
+
+
+def _arena(m: dict[str, Any]) -> str:
+    """Where the resident copy lives, and why not in the faster arena where it was refused
+    (a CPU model copied into a memfd rather than served from its files' page cache)."""
+    kind = m.get("arena") or "-"
+    return f"{kind}: {m['arena_note']}" if m.get("arena_note") else kind
 
 
 def _until(m: dict[str, Any]) -> str:
@@ -217,10 +244,10 @@ async def cmd_ps(args: argparse.Namespace) -> int:
     if not resident:
         print("no model is resident")
         return 0
-    t = _table("name", "owner", "state", "device", "size", "leases (pid, client, uid, held for)", "idle", "until",
+    t = _table("name", "owner", "state", "device", "size", "arena", "leases (pid, client, uid, held for)", "idle", "until",
                right=("size", "idle"))
     for m in resident:
-        t.add_row(m["name"], _owner(m), m["state"], m["device"], _size(m["nbytes"]), _lease_lines(m),
+        t.add_row(m["name"], _owner(m), m["state"], m["device"], _size(m["nbytes"]), _arena(m), _lease_lines(m),
                   "-" if m["attach_count"] else _duration(m["idle_s"]), _until(m))
     _print(t)
     return 0
@@ -324,6 +351,12 @@ async def cmd_register(args: argparse.Namespace) -> int:
             # Absolute: with --by-path the daemon opens it, from its own working directory.
             shards.append({"device": device, "path": str(Path(path).absolute())})
     path = None if args.path is None else str(Path(args.path).absolute())
+    from .loader.sources import unindexed_note
+
+    for part in [path] if path else [s["path"] for s in shards or []]:
+        note = unindexed_note(part)
+        if note is not None:  # merged into one model; said before, in case that is not what was meant
+            print(f"weightcache: note: {note}", file=sys.stderr)
     async with _client(args) as c:
         model = await c.register(args.name, path, device=args.device, shards=shards, pin=args.pin, preload=args.preload,
                                  keep_alive=keep_alive, send_files=not args.by_path, allowed_uids=args.allow_uid,
@@ -335,6 +368,10 @@ async def cmd_register(args: argparse.Namespace) -> int:
         print(f"registered {model['name']}: {model['state']} on {model['device']}"
               f"{f' and {len(shards) - 1} more rank(s)' if shards and len(shards) > 1 else ''} ({sent}); "
               "kept across reloads until `weightcache unregister`, unless the config file comes to name it")
+    # Loud, on stderr, with --json too: a runtime registration lives in the daemon's memory
+    # only (a peer's open files cannot be kept across a restart at all; docs/deployment.md).
+    print(f"weightcache: note: {model['name']} is not kept when the daemon restarts; to keep it, add it to the "
+          "config file as a [[models]] entry and run `weightcache reload`", file=sys.stderr)
     return 0
 
 
@@ -351,14 +388,31 @@ async def cmd_unregister(args: argparse.Namespace) -> int:
 async def cmd_reload(args: argparse.Namespace) -> int:
     async with _client(args) as c:
         report = await c.reload()
-    failed = 1 if report.get("failed") else 0  # a change the daemon could not apply: scripts must see it
+    # One rule: a change that did not take effect (failed), or not yet (pending), is a
+    # non-zero exit, so that scripts and `systemctl reload` see it.
+    status = 1 if report.get("failed") or report.get("pending") else 0
     if args.json:
         _print_json(report)
-        return failed
-    done = [f"{what}: {', '.join(map(str, names)) if isinstance(names, list) else names}"
-            for what, names in report.items() if names and what != "unchanged"]  # as the daemon's log line
+        return status
+    done = [f"{what}: {', '.join(report[what])}" for what in ("added", "removed", "changed", "updated", "displaced")
+            if report.get(what)]
+    done += [f"budgets.{b['device']}: {_size(b['budget'])} (was {_size(b['previous'])})" for b in report.get("budgets", [])]
+    done += [f"max_loaded_models.{m['device']}: {_count(m['limit'])} (was {_count(m['previous'])})"
+             for m in report.get("max_loaded_models", [])]
+    if report.get("quotas") is not None:
+        done.append(f"quotas: {', '.join(report['quotas']) or 'none'}")
     print("reloaded: " + ("; ".join(done) if done else "no changes"))
-    return failed
+    for e in report.get("evicted", []):
+        print(f"evicted: {e['name']} ({_size(e['nbytes'])}{', to the host tier' if e['to'] == 'host' else ''}): {e['reason']}")
+    for line in report.get("pending", []):
+        print(f"pending: {line}")
+    for line in report.get("failed", []):
+        print(f"failed: {line}")
+    return status
+
+
+def _count(n: int | None) -> str:
+    return "no limit" if n is None else str(n)
 
 
 async def cmd_health(args: argparse.Namespace) -> int:
@@ -431,6 +485,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.config and args.config != args.config_file:
             raise ConfigError(f"two config files: --config {args.config} and {args.config_file}; give one")
         args.config = args.config_file
+    if args.socket:
+        # Through the environment, as $WEIGHTCACHE_SOCKET would: a reload re-reads the file
+        # with it, so the socket the daemon serves on is not taken for a changed key.
+        os.environ["WEIGHTCACHE_SOCKET"] = str(args.socket)
     settings = load_settings(args.config)
     if args.socket:
         settings = settings.model_copy(update={"daemon": settings.daemon.model_copy(update={"socket": args.socket})})
@@ -472,11 +530,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if problem:
         print(f"weightcache bench: --device {args.device}: {problem}", file=sys.stderr)
         return 2
-    from .tools.bench import BenchConfig, run_bench
+    from .tools.bench import BenchConfig, run_bench, user_checkpoint
 
-    return run_bench(BenchConfig(size_gib=args.size_gib, tensors=args.tensors, device=args.device, attaches=args.attaches,
+    tensors = args.tensors
+    if args.checkpoint:
+        try:
+            _, tensors = user_checkpoint(args.checkpoint)
+        except WeightcacheError as exc:
+            print(f"weightcache bench: {exc.message}", file=sys.stderr)
+            return 2
+    return run_bench(BenchConfig(size_gib=args.size_gib, tensors=tensors, device=args.device, attaches=args.attaches,
                                  reps=args.reps, cold_reps=args.cold_reps, restarts=args.restarts, big_gib=args.big_gib,
-                                 workdir=args.workdir, out=args.out))
+                                 workdir=args.workdir, out=args.out, fresh=args.fresh, checkpoint=args.checkpoint))
 
 
 def cmd_workload(args: argparse.Namespace) -> int:
@@ -522,6 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightcache", description="Keep model weights resident; engines attach them zero-copy.")
     config_help = ("the daemon's TOML config (default: $WEIGHTCACHE_CONFIG); client commands read only its "
                    "[daemon] socket")
+    p.add_argument("--version", action="version", version=f"weightcache {__version__}")
     p.add_argument("--socket", help=socket_help)
     p.add_argument("--config", help=config_help)
     # --json too before the command (`weightcache --json status`), as --socket.
@@ -622,6 +688,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reps", type=int, default=3, help="repetitions of each warm load")
     s.add_argument("--cold-reps", type=int, default=2, help="repetitions of each cold load (0: skip)")
     s.add_argument("--restarts", type=int, default=3, help="engine restarts per way")
+    s.add_argument("--fresh", type=int, default=7, help="fresh engine processes per way for the fresh-process rows")
+    s.add_argument("--checkpoint", default=None, metavar="FILE",
+                   help="measure the operator's own .safetensors file instead of a generated one (--size-gib/--tensors ignored)")
     s.add_argument("--big-gib", type=float, default=3.0, help="size of the model loaded while status latency is measured")
     s.add_argument("--workdir", default=None)
     s.add_argument("--out", default=None, help="write results as JSON here (and a PNG chart beside it)")
@@ -668,7 +737,42 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backoff-max", type=float, default=30.0, help="longest wait before restarting a crashing engine (default 30 s)")
     s.add_argument("engine", nargs=argparse.REMAINDER, help="-- python engine.py ARGS, or -- python -m module ARGS")
     s.set_defaults(func=cmd_supervise)
+    for name, sp in sub.choices.items():
+        sp.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the examples' lines
+        sp.epilog = "examples:\n" + "\n".join(f"  {line}" for line in EXAMPLES[name])
     return p
+
+
+# Shown under each subcommand's --help: what an operator types first.
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "serve": ("weightcache serve /etc/weightcache/weightcache.toml",
+              "WEIGHTCACHE_DAEMON__LOG_LEVEL=debug weightcache serve --config ./wc.toml --socket /tmp/wc.sock"),
+    "status": ("weightcache status", "weightcache status --json | jq '.devices.cpu.free'"),
+    "models": ("weightcache models", "weightcache models --json | jq -r '.[] | select(.state == \"error\") | .name'"),
+    "ps": ("weightcache ps", "weightcache --socket /run/weightcache/weightcache.sock ps --json | head"),
+    "health": ("weightcache health            # liveness: exit 0 while serving",
+               "weightcache health --ready    # readiness: every preload resident"),
+    "load": ("weightcache load qwen-7b", "weightcache load qwen-7b --keep-alive 1h --wait 30s",
+             "weightcache load llama-8b-tp2 --rank 1 --device cuda:1"),
+    "evict": ("weightcache evict qwen-7b", "weightcache evict mistral-7b@cuda:1   # one replica of an auto model"),
+    "pin": ("weightcache pin qwen-7b",),
+    "unpin": ("weightcache unpin qwen-7b",),
+    "register": ("weightcache register qwen-7b /models/qwen-7b --device cuda:0 --keep-alive 1h",
+                 "weightcache register tp2 --shard cuda:0=/models/m/rank0 --shard cuda:1=/models/m/rank1",
+                 "weightcache register shared /models/m.safetensors --allow-group team-a --by-path"),
+    "unregister": ("weightcache unregister qwen-7b",),
+    "reload": ("weightcache reload            # exit 1 when a change did not take effect",
+               "weightcache reload --json | jq '.failed'",
+               "systemctl reload weightcache  # the same, from the unit (Type=notify-reload)"),
+    "attach": ("weightcache attach qwen-7b --verify", "weightcache attach qwen-7b --hold 5m   # keep it resident meanwhile"),
+    "demo": ("weightcache demo", "weightcache demo --restarts 5 --model-mib 256"),
+    "bench": ("weightcache bench --device cpu --size-gib 1",
+              "weightcache bench --device cuda:0 --size-gib 9.15 --tensors 183 --out run.json"),
+    "workload": ("weightcache workload --engines 4 --models 1,2,4,8 --device cuda:0 --budget 12GiB",
+                 "weightcache workload --chart run.json"),
+    "supervise": ("weightcache supervise --preload torch,transformers -- python engine.py --model qwen-7b",
+                  "weightcache supervise --record /var/lib/engine/modules.txt --status /run/engine.json -- python -m myengine"),
+}
 
 
 # What an operator can do next, after the daemon's sentence (which says what is wrong).
@@ -678,8 +782,38 @@ _HINTS = {
 }
 
 
+def _stdout_gone() -> bool:
+    """Whether our stdout is a pipe whose reader has gone (``| head`` has exited): poll
+    says POLLERR. A BrokenPipeError can also come from the daemon's socket, which is a
+    real failure and must not be hidden."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise
+        # `weightcache ps --json | head`: the reader took what it wanted. Quiet, as a C
+        # tool killed by SIGPIPE is, and with the status a shell gives one (128 + 13).
+        # stdout goes to /dev/null so that the interpreter's final flush is quiet too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if asyncio.iscoroutinefunction(args.func):
             return asyncio.run(args.func(args))

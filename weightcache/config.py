@@ -11,6 +11,7 @@ This module imports no torch: the CLI and the client read it before anything hea
 from __future__ import annotations
 
 import grp
+import math
 import os
 import re
 import tomllib
@@ -64,11 +65,18 @@ def parse_duration(value: Any) -> float:
     if isinstance(value, bool):
         raise ValueError(f"not a duration: {value!r}")
     if isinstance(value, (int, float)):
-        return float(value)
-    m = _DURATION_RE.match(str(value))
-    if not m:
-        raise ValueError(f"not a duration: {value!r} (use seconds, or a number with s, m, h or d: '30s', '5m', '1h')")
-    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+        seconds = float(value)
+    else:
+        m = _DURATION_RE.match(str(value))
+        if not m:
+            raise ValueError(f"not a duration: {value!r} (use seconds, or a number with s, m, h or d: '30s', '5m', '1h')")
+        seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    if not math.isfinite(seconds):
+        # TOML's `inf` (and nan) passed as a duration, and `models --json` then printed
+        # Infinity, which strict JSON parsers refuse. "Never" is said by leaving the key out.
+        raise ValueError(f"{value!r} is not a finite duration: give a time such as '30m' or '1h' (to never expire, "
+                         "leave the key out)")
+    return seconds
 
 
 class Budget(BaseModel):

@@ -17,12 +17,29 @@ so the template must hold nothing a child cannot own:
 2. **One thread.** Another thread's locks (malloc's, the import lock, a library's) may be
    held at the fork and are never released in the child. Refused when
    ``/proc/self/task`` lists more than one task (native threads count: OpenMP, BLAS,
-   gRPC) or ``threading.active_count() > 1``. One pool is stopped instead of refused:
-   OpenBLAS, which numpy loads, starts ``cores - 1`` threads at load; OpenBLAS
-   registers ``blas_thread_shutdown_`` as its own fork handler and restarts the pool at
-   its next call, so calling it first is what a fork would do anyway (measured on the
-   dev VM: numpy's OpenBLAS pool gone after the call, back in the child at the first
-   matmul). One kind of thread is left running: jemalloc's background purging thread
+   gRPC) or ``threading.active_count() > 1``. The decision is made per kind of thread,
+   by whether its library makes fork safe itself (registers fork handlers that stop or
+   reset it), never by timing:
+
+   - **OpenBLAS's pool is stopped, then waited for.** OpenBLAS, which numpy loads,
+     starts ``cores - 1`` threads at load; it registers ``blas_thread_shutdown_`` as its
+     own ``pthread_atfork`` prepare handler and restarts the pool at its next call, so
+     calling it first is what a fork would do anyway (measured on the dev VM: numpy's
+     OpenBLAS pool gone after the call, back in the child at the first matmul). The call
+     joins the pool's threads, but a joined thread is still listed in
+     ``/proc/self/task`` until the kernel has torn it down (the join returns when the
+     thread's tid is cleared, before it leaves the thread group), and on a loaded 2-core
+     VM the check once found it there (a refusal one start in a few; issue 23). So once
+     a pool was asked to stop, the check waits for the threads to leave, up to
+     ``POOL_STOP_WAIT_S``, and refuses only what is still running then: a start that
+     succeeds succeeds every time, and a template with a thread of another kind is
+     refused every time (after that wait, where a pool was asked).
+   - **jemalloc's background thread is left running** (below).
+   - **Everything else is refused**, naming the thread: torch's intra-op pool (GNU
+     OpenMP registers no fork handler; a child of a process whose pool ran can hang in
+     its first parallel region), gRPC pollers, Python threads.
+
+   One kind of thread is left running: jemalloc's background purging thread
    (``jemalloc_bg_thd``), started by a library that bundles jemalloc configured with
    ``background_thread:true`` (on the H200 host, importing
    ``transformers.models.llama.modeling_llama`` started one, and every template built
@@ -56,6 +73,7 @@ import ctypes
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterable
 
 
@@ -137,8 +155,26 @@ def thread_names() -> list[str]:
     return [names[k] for k in sorted(names)]
 
 
-def check_threads(started_by: dict[str, int] | None = None) -> None:
-    others = thread_names()
+# How long threads that their library was asked to stop (OpenBLAS's pool) may take to
+# leave /proc/self/task (Note [fork safety], 2.). They are normally gone at once (30 of 30
+# starts on the dev VM with every core busy); the bound is for a host so loaded that the
+# exiting threads wait seconds for a CPU, and is spent only by a start that will be refused.
+POOL_STOP_WAIT_S = 5.0
+
+
+def wait_for_threads(deadline: float) -> list[str]:
+    """thread_names(), once it is empty or the monotonic ``deadline`` has passed."""
+    while True:
+        others = thread_names()
+        if not others or time.monotonic() >= deadline:
+            return others
+        time.sleep(0.002)
+
+
+def check_threads(started_by: dict[str, int] | None = None, stopping: bool = False) -> None:
+    """Refuse other threads. ``stopping``: a pool was just asked to stop (quiesce_openblas),
+    so its threads are waited for first, up to POOL_STOP_WAIT_S."""
+    others = wait_for_threads(time.monotonic() + POOL_STOP_WAIT_S) if stopping else thread_names()
     if others or threading.active_count() > 1:
         blame = ""
         if started_by:
@@ -184,8 +220,8 @@ def check_fork_safe(inherited_fds: Iterable[int], started_by: dict[str, int] | N
     threads, loaded the CUDA driver or opened a socket, for the message."""
     libraries = mapped_libraries()
     check_cuda(libraries, driver_by)
-    quiesce_openblas(libraries)
-    check_threads(started_by)
+    stopping = quiesce_openblas(libraries) > 0
+    check_threads(started_by, stopping)
     check_sockets(inherited_fds, socket_by)
 
 

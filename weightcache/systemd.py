@@ -1,11 +1,13 @@
 """systemd readiness: Type=notify units learn READY=1 and STOPPING=1 from us (the
-daemon), and from a supervised engine (weightcache.engine.ready). Imports nothing heavy:
-an engine calls it on its restart path."""
+daemon), and from a supervised engine (weightcache.engine.ready); a reload is announced
+with RELOADING=1 and ends with READY=1. Imports nothing heavy: an engine calls it on its
+restart path."""
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 
 
 def sd_notify(message: str) -> bool:
@@ -20,3 +22,10 @@ def sd_notify(message: str) -> bool:
         s.connect(addr)
         s.sendall(message.encode())
     return True
+
+
+def reloading_message() -> str:
+    """RELOADING=1 with the time it began on CLOCK_MONOTONIC: systemd (Type=notify-reload,
+    253+) matches a reload to the request that caused it by that time, and without it
+    may take an earlier READY=1 as the reload's end (sd_notify(3))."""
+    return f"RELOADING=1\nMONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}"

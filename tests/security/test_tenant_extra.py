@@ -61,8 +61,9 @@ def test_tenant_preload_cannot_make_the_daemon_unready(start_daemon, tmp_path, c
     (h,) = calls(d.socket, [{"id": 2, "op": "health"}])
     if "model" in got:  # accepted: its failure must not count against the daemon's readiness
         assert h["ready"] is True, f"a tenant's broken preload made the daemon unready: {h}"
-    else:
-        assert got.get("code") == "PERMISSION_DENIED", got
+    else:  # refused: tenants may not register here, or (issue 24) register checks the header first
+        assert got.get("code") in ("PERMISSION_DENIED", "CORRUPT_CHECKPOINT"), got
+        assert h["ready"] is True, h
 
 
 def test_tenant_registered_model_cannot_claim_a_config_models_fingerprint(start_daemon, tmp_path):

@@ -152,7 +152,7 @@ def test_a_quota_error_does_not_tell_another_tenant_what_the_owner_holds(start_d
     d = multi_tenant(start_daemon, TENANTS, budget="64MiB")
     d.config.write_text(d.config.read_text() + f'\n[quotas."uid:{NOBODY}"]\nbytes = {{ cpu = "3MiB" }}\npins = 1\n')
     (r,) = calls(d.socket, [{"id": 1, "op": "reload"}])
-    assert f"quotas: uid:{NOBODY}" in r["report"]["budgets"], r
+    assert f"uid:{NOBODY}" in r["report"]["quotas"], r
 
     def owner() -> list[Any]:  # a private model, loaded and pinned (within its pins quota), and one OTHER may use
         return [_register(d.socket, "priv", priv), _register(d.socket, "shared", shared, allowed_uids=[OTHER]),

@@ -143,7 +143,7 @@ def test_quota_evicts_the_tenants_own_models_first_then_refuses_naming_it(start_
     text = d.config.read_text()
     d.config.write_text(text + f'\n[quotas."uid:{NOBODY}"]\nbytes = {{ cpu = "2.5MiB" }}\npins = 1\n')
     (r,) = calls(d.socket, [{"id": 1, "op": "reload"}])
-    assert f"quotas: uid:{NOBODY}" in r["report"]["budgets"], r
+    assert f"uid:{NOBODY}" in r["report"]["quotas"], r
     assert "model" in as_uid(OTHER, lambda: _register(d.socket, "o1", files[3]))
     assert code(as_uid(OTHER, lambda: calls(d.socket, [{"id": 1, "op": "load", "name": "o1"}]))[0]) is None
     for i in range(3):

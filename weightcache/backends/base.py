@@ -27,6 +27,16 @@ class Arena:
     nbytes: int  # capacity after the backend's rounding (page or VMM granularity)
     label: str  # the model name, for logs and /proc listings
     room_wait_s: float = 0.0  # time its pieces waited for the device's room (victims' chunks leaving)
+    # Why the backend's faster arena was refused for this one ("" if it was not): a CPU
+    # model copied into a memfd rather than served from its files' page cache. Shown to
+    # operators in `models` (arena_note), since the refusal costs a copy and memory.
+    fallback: str = ""
+
+    @property
+    def kind(self) -> str:
+        """The arena's kind as the attach reply names it (docs/protocol.md): "file",
+        "memfd" or "cuda_vmm"; shown in `models` as ``arena``."""
+        raise TypeError(f"{type(self).__name__} does not say its kind")
 
 
 class Room:

@@ -30,12 +30,16 @@ the partial pages at the ends of each file's tensor bytes are ordinary page cach
 Nothing seals a file, so a file is served this way only if nobody the daemon does not
 trust can change it (``_page_cache_refusal``); every other load is copied into a memfd:
 
-- owned by root or the daemon's user and not writable by its group or others (a POSIX
-  ACL's named entries are capped by the group bits, its mask), or immutable
-  (``chattr +i``, which only root can undo) or fs-verity (never writable again);
-- on a local file system: on NFS, CIFS, FUSE or virtiofs another machine or a user
-  daemon can change the bytes behind the page cache whatever the mode says;
+- trusted (loader/trust.py, the rule the kept digests follow too): opened by the daemon
+  itself, owned by root or the daemon's user and not writable by its group or others, or
+  immutable / fs-verity; on a local file system;
+- open for writing nowhere (a read lease, ``_open_for_writing``);
 - every tensor aligned to its dtype within the file (a zero-copy view needs it);
+- if not readable by every user (``safetensors.save_file`` writes mode 0600): no byte
+  after the header that is not a tensor's, since an engine's fd reads the whole file.
+  What the fd then shows beyond the tensors the model's access rules already give the
+  engine is the header (names, dtypes, shapes, ``__metadata__``), the path and the
+  file's stat: docs/reliability.md, "What an engine learns from a file's fd";
 - Linux >= 5.14 (MADV_POPULATE_READ).
 
 What attached engines see when a file changes:
@@ -73,7 +77,6 @@ import fcntl
 import logging
 import mmap
 import os
-import stat
 import struct
 import threading
 from collections.abc import Callable
@@ -81,9 +84,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BadRequest, CorruptCheckpoint, LoadFailed, NoSpace
-from ..loader.checkpoint import DTYPE_SIZES, Checkpoint
+from ..loader.checkpoint import DTYPE_SIZES, Checkpoint, CheckpointFile
 from ..loader.reader import contiguous_runs, pread_full, pread_hashing
-from ..loader.sources import LOCAL_FILE_SYSTEMS, OpenedSource, file_system
+from ..loader.sources import OpenedSource
+from ..loader.trust import why_untrusted
 from ..protocol.messages import MEMFD_SEALS
 from ..units import capacity, round_up
 from .base import Arena, Backend, PublishedSource
@@ -92,9 +96,6 @@ log = logging.getLogger("weightcache.daemon")
 
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_READ = 22  # Linux >= 5.14; not in Python's mmap module
-FS_IOC_GETFLAGS = 0x80086601
-FS_IMMUTABLE_FL = 0x00000010
-FS_VERITY_FL = 0x00100000
 # One segment on the wire: file index, file offset, arena offset, byte count (docs/protocol.md).
 SEGMENT = struct.Struct("<4Q")
 
@@ -122,13 +123,6 @@ def _populate_supported() -> bool:
     """MADV_POPULATE_READ exists (Linux >= 5.14): an unknown advice is EINVAL even for an
     empty range, which is otherwise a no-op."""
     return _libc.madvise(None, 0, MADV_POPULATE_READ) == 0
-
-
-def _inode_flags(fd: int) -> int:
-    try:
-        return int.from_bytes(fcntl.ioctl(fd, FS_IOC_GETFLAGS, bytes(8))[:4], "little")
-    except OSError:  # a file system without inode flags
-        return 0
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:
@@ -161,7 +155,6 @@ class MemfdArena(Arena):
     files: list[HeldFile] | None = None  # a file arena's files, in checkpoint order
     segments: bytes = b""  # a file arena's arena -> file ranges, packed as on the wire
     locked: int = 0  # bytes mlocked
-    why_memfd: str = ""  # why the files were not served from the page cache (logs)
 
     @property
     def kind(self) -> str:
@@ -306,7 +299,7 @@ class CpuBackend(Backend):
         if why is not None:
             for f in held:
                 _release(f)
-            arena.why_memfd = why
+            arena.fallback = why
             log.info("load %s: copied into a sealed memfd, not served from the page cache: %s", arena.label, why)
             return
         # Whole pages inside each file's tensor bytes: what seal() mlocks.
@@ -323,29 +316,19 @@ class CpuBackend(Backend):
         cache, or None (Note [page-cache arenas])."""
         if not self.page_cache:
             return "page-cache arenas are off (or the kernel lacks MADV_POPULATE_READ, Linux < 5.14)"
-        if files.adopted:
-            # A peer chose these files and may keep a writable fd or mapping of them from
-            # before any chmod: its bytes must never reach other tenants' engines.
-            return "its files were sent by a peer as open files"
-        me = os.geteuid()
+        why = why_untrusted(files)  # peers' fds, tenants' files, writable by others, network file systems
+        if why is not None:
+            return why
         for rec, sf in zip(ckpt.files, files.files, strict=True):
-            st = os.fstat(sf.fd)
-            if not st.st_mode & 0o004:
-                # An engine's read-only fd would hand it a file it cannot open itself
-                # (its path through /proc, its header, the bytes around the tensors).
-                return f"{rec.path} is not readable by every user (mode {stat.S_IMODE(st.st_mode):o})"
             writer = _open_for_writing(sf.fd)
             if writer is not None:
                 return f"{rec.path}: {writer}"
-            immutable = _inode_flags(sf.fd) & (FS_IMMUTABLE_FL | FS_VERITY_FL)
-            if not immutable and st.st_uid not in (0, me):
-                return f"{rec.path} is owned by uid {st.st_uid}, who could rewrite it under attached engines"
-            if not immutable and st.st_mode & 0o022:
-                return (f"{rec.path} is writable by its group or others (mode {stat.S_IMODE(st.st_mode):o}), "
-                        "who could rewrite it under attached engines")
-            fs = file_system(sf.fd)
-            if fs not in LOCAL_FILE_SYSTEMS:
-                return f"{rec.path} is on {fs}, where the bytes can change behind the page cache"
+            if not os.fstat(sf.fd).st_mode & 0o004:
+                hidden = _bytes_beyond_tensors(ckpt, rec)
+                if hidden:
+                    # An engine's fd would let it read these too, and nobody may otherwise.
+                    return (f"{rec.path} is not readable by every user and holds {hidden} byte(s) outside its header and "
+                            "tensors, which an engine's fd of it would expose")
         for t in ckpt.tensors:
             if t.nbytes and t.file_offset % DTYPE_SIZES[t.dtype]:
                 return f"tensor {t.name!r} is not aligned to its {t.dtype} elements in {ckpt.files[t.file].path}"
@@ -502,6 +485,18 @@ def _release(f: HeldFile) -> None:
     if f.fd >= 0:
         os.close(f.fd)
         f.fd = -1
+
+
+def _bytes_beyond_tensors(ckpt: Checkpoint, rec: CheckpointFile) -> int:
+    """Bytes of ``rec`` after its header that no tensor covers: gaps between tensors and
+    a tail. safetensors writes none (the data follows the header, tensor after tensor)."""
+    i = ckpt.files.index(rec)
+    spans = sorted((t.file_offset, t.file_offset + t.nbytes) for t in ckpt.tensors if t.file == i and t.nbytes)
+    covered, end = 0, rec.data_start
+    for start, stop in spans:
+        covered += max(0, stop - max(start, end))
+        end = max(end, stop)
+    return rec.size - rec.data_start - covered
 
 
 def _segments(ckpt: Checkpoint) -> bytes:

@@ -54,6 +54,10 @@ class VmmArena(Arena):
     # (CudaBackend.copy_from_peer); the grant goes with the mapping when the arena is freed.
     readers: set[int] = field(default_factory=set)
 
+    @property
+    def kind(self) -> str:
+        return CudaBackend.kind
+
 
 @dataclass
 class _Staging:

@@ -541,10 +541,10 @@ class CacheCore:
         acct = self.devices[device]
         victims = self._victims(device, acct.used + acct.reserved - budget)
         if victims is None:
-            held = sorted(f"{x.name} ({x.nbytes} B)" for x in self.entries.values()
+            held = sorted(f"{x.name} ({format_size(x.nbytes)})" for x in self.entries.values()
                           if x.device == device and x.state in (State.RESIDENT, State.LOADING) and not x.evictable)
-            raise NoSpace(f"cannot lower the {device} budget to {budget} B: {', '.join(held)} cannot be evicted now",
-                          device=device, budget=budget)
+            raise NoSpace(f"cannot lower the {device} budget to {format_size(budget)}: {', '.join(held)} cannot be "
+                          "evicted now (attached, pinned or loading)", device=device, budget=budget)
         step = self._step_down(victims)
         acct.budget = budget
         return step

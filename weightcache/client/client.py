@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Self
 
 from ..protocol import PROTOCOL_VERSION
 from .connection import Connection, ConnectionBase
-from .files import open_checkpoint_files
 
 if TYPE_CHECKING:  # annotations only: importing them would import torch
     import torch
@@ -127,6 +126,8 @@ class ClientOps(ConnectionBase):
             parts = [s["path"] for s in shard_list]
         if not send_files or not parts:
             return (await self.request("register", timeout=timeout, **args))["model"]
+        from .files import open_checkpoint_files  # only register sends files: not on an engine's import path
+
         args["files"], fds = open_checkpoint_files(parts)
         try:
             reply, reply_fds = await self._request("register", timeout, args, send_fds=fds)
@@ -141,8 +142,8 @@ class ClientOps(ConnectionBase):
         """Forget ``name`` and free its arena; refused while it is attached or loading."""
         await self.request("unregister", name=name, timeout=timeout)
 
-    async def reload(self, *, timeout: float | None = None) -> dict[str, list[str]]:
-        """Make the daemon re-read its config file; returns what was added/removed/changed."""
+    async def reload(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """Make the daemon re-read its config file; returns its report (docs/protocol.md, "reload")."""
         return (await self.request("reload", timeout=timeout))["report"]
 
     # -- weights: these import torch, at their first call --------------------------------

@@ -23,7 +23,9 @@ one ever does suspend (a wait that is not the transport's).
   stops), so one thread's long ``load`` does not delay another's ``status``.
 - Leases end when the connection closes, so the socket stays open for as long as the
   client lives (``close``, ``with``, or its collection close it).
-- Nothing runs in the background. What the daemon sends unasked is read at the next call:
+- Nothing runs in the background, except, while connecting, the short-lived thread that
+  imports what the first attach needs (connection.py's ``prefetch_attach``) in an engine
+  that has imported torch. What the daemon sends unasked is read at the next call:
   events (``shutting_down``) and the late reply to a request that timed out or was
   interrupted (KeyboardInterrupt). A late attach's lease is given back then, with a
   detach sent without waiting for its answer; if no call comes, closing the client ends
@@ -59,6 +61,7 @@ from .connection import (
     ConnectionBase,
     Reply,
     check_daemon_identity,
+    prefetch_attach,
 )
 
 if TYPE_CHECKING:
@@ -121,6 +124,7 @@ class BlockingConnection(ConnectionBase):
 
     # -- connecting -----------------------------------------------------------------
     async def _open(self, hello: dict[str, Any]) -> None:
+        prefetch_attach()
         sock, started = self._connect_socket()
         self._sock, self._closed_error = sock, None
         self._decoder = FrameDecoder(self._max_frame)

@@ -71,21 +71,26 @@ def load_into_module(module: nn.Module, weights: Mapping[str, torch.Tensor], *, 
     ...     model = load_into_module(skeleton, w)
     """
     own = module.state_dict(keep_vars=True)
+    aliases = _alias_groups(module, own)
+    # A tied tensor is one key of the weights, as in the checkpoint that stores it once:
+    # ``canonical`` maps every name of a group to the one whose tensor the group gets.
+    canonical = {name: _pick(group, weights) for group in aliases for name in group}
+    covered = set(weights) | {n for n, c in canonical.items() if c in weights}
     problems = []
     if strict:
-        missing = sorted(set(own) - set(weights))
+        missing = sorted(set(own) - covered)
         unexpected = sorted(set(weights) - set(own))
         if missing:
             problems.append(f"missing keys: {_some(missing)}")
         if unexpected:
             problems.append(f"unexpected keys: {_some(unexpected)}")
-    for key in sorted(set(own) & set(weights)):
-        mine, theirs = own[key], weights[key]
+    for key in sorted(set(own) & covered):
+        mine, theirs = own[key], weights[canonical.get(key, key)]
         if mine.shape != theirs.shape:
             problems.append(f"{key}: shape {tuple(theirs.shape)} in the weights, {tuple(mine.shape)} in the module")
         elif mine.dtype != theirs.dtype:
             problems.append(f"{key}: dtype {theirs.dtype} in the weights, {mine.dtype} in the module")
-    left_on_meta = sorted(k for k, t in _named_tensors(module) if t.is_meta and k not in weights)
+    left_on_meta = sorted(k for k, t in _named_tensors(module) if t.is_meta and k not in covered)
     if left_on_meta and not (strict and problems):  # under strict, "missing keys" already names them
         problems.append(f"left on the meta device (not in the weights): {_some(left_on_meta)}")
     devices = {t.device for t in weights.values()}
@@ -94,7 +99,14 @@ def load_into_module(module: nn.Module, weights: Mapping[str, torch.Tensor], *, 
     if problems:
         raise ValueError(f"cannot load weights into {type(module).__name__}: " + "; ".join(problems))
     # assign=True makes each parameter wrap the given tensor instead of copying into it.
-    module.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=strict, assign=True)
+    # Only one name per tied group is assigned (assign would give each name a Parameter
+    # of its own and untie them); the others are made that same Parameter afterwards.
+    chosen = {k: v for k, v in weights.items() if k in own and canonical.get(k, k) == k}
+    chosen.update({c: weights[c] for c in set(canonical.values()) if c in weights})
+    module.load_state_dict(chosen, strict=False, assign=True)
+    for name, source in canonical.items():
+        if name != source and source in weights:
+            _set_tensor(module, name, _get_tensor(module, source))
     for p in module.parameters():
         p.requires_grad_(False)
     device = next(iter(devices), None)
@@ -121,6 +133,75 @@ def _refuse_copy_into_views(module: nn.Module, state_dict: Mapping[str, torch.Te
         raise RuntimeError(f"{type(module).__name__}{where}: its weights are read-only "
                            "views of weightcache memory, so load_state_dict cannot copy into them; "
                            "pass assign=True or call weightcache.load_into_module again")
+
+
+def _alias_groups(module: nn.Module, own: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """The names under which one tensor appears more than once in ``module``'s state dict:
+    the parameters a model ties (an output layer that is its input embedding). These
+    are found by identity, which is what ``tie_weights()`` leaves behind (transformers'
+    ``post_init`` runs it, under ``empty_parameters`` too), plus the pairs the model
+    declares in ``_tied_weights_keys`` (transformers 5: {target: source}; 4: a list of
+    targets whose source is the input embedding) for a skeleton whose ties were undone.
+    Each group is in the module's order, the declared source first."""
+    by_id: dict[int, list[str]] = {}
+    for name, t in own.items():
+        by_id.setdefault(id(t), []).append(name)
+    groups = [g for g in by_id.values() if len(g) > 1]
+    for target, source in _declared_ties(module).items():
+        if target not in own or source not in own:
+            continue
+        g_t = next((g for g in groups if target in g), [target])
+        g_s = next((g for g in groups if source in g), [source])
+        if g_t is g_s:
+            continue
+        groups = [g for g in groups if g is not g_t and g is not g_s]
+        groups.append([*g_s, *g_t])
+    # The declared source leads its group (from_pretrained keeps the source's bytes).
+    sources = set(_declared_ties(module).values())
+    return [sorted(g, key=lambda n: n not in sources) for g in groups]
+
+
+def _declared_ties(module: nn.Module) -> dict[str, str]:
+    """``{target: source}`` of every tie ``module``'s submodules declare (transformers'
+    ``_tied_weights_keys``, with the submodule's prefix), only where the model's config
+    says the embeddings are tied."""
+    ties: dict[str, str] = {}
+    for prefix, sub in module.named_modules():
+        declared = getattr(type(sub), "_tied_weights_keys", None)
+        config = getattr(sub, "config", None)
+        if not declared or not getattr(config, "tie_word_embeddings", True):
+            continue
+        p = f"{prefix}." if prefix else ""
+        if isinstance(declared, Mapping):
+            ties.update({p + t: p + s for t, s in declared.items()})
+        else:  # transformers 4: targets, tied to the input embedding
+            get_input = getattr(sub, "get_input_embeddings", None)
+            embed = get_input() if callable(get_input) else None
+            source = next((n for n, m in sub.named_modules() if m is embed), None)
+            if source is not None:
+                ties.update({p + t: f"{p}{source}.weight" for t in declared})
+    return ties
+
+
+def _pick(group: list[str], weights: Mapping[str, torch.Tensor]) -> str:
+    """The name of ``group`` whose tensor the group gets: the first one the weights hold
+    (the source, where the checkpoint stores both, as from_pretrained does)."""
+    return next((n for n in group if n in weights), group[0])
+
+
+def _get_tensor(module: nn.Module, name: str) -> torch.Tensor:
+    owner, _, leaf = name.rpartition(".")
+    sub = module.get_submodule(owner)
+    return sub._parameters[leaf] if leaf in sub._parameters else sub._buffers[leaf]  # type: ignore[return-value]
+
+
+def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    sub = module.get_submodule(owner)
+    if leaf in sub._parameters:
+        sub._parameters[leaf] = tensor  # type: ignore[assignment]
+    else:
+        sub._buffers[leaf] = tensor
 
 
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

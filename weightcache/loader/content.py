@@ -27,7 +27,7 @@ Files served from their own page cache (CPU file arenas, backends/cpu.py) are no
 copied, so their hash is a pass over the mapping. Tensor digests are kept per file
 identity (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns; FileDigests) for those
 files and for any file only root or the daemon's uid can change, on a local file system
-(sources.changed_only_by_trusted): any write moves st_ctime, so a reload after eviction
+(loader/trust.py): any write moves st_ctime, so a reload after eviction
 does not hash again. Every other load hashes the bytes it copies: a peer's file could
 change under a stale cache entry (through a writable mapping, st_ctime moves only at the
 next write fault).

@@ -22,7 +22,8 @@ from ..errors import CorruptCheckpoint, LoadFailed
 from ..units import round_up
 from .checkpoint import Checkpoint, parse_checkpoint
 from .content import FILE_DIGESTS, HASH_BLOCK, FileIdentity, Task, TaskHasher, fingerprint, plan_tasks, tensor_digests
-from .sources import OpenedSource, changed_only_by_trusted, open_source
+from .sources import OpenedSource, open_source
+from .trust import why_untrusted
 
 
 class ArenaWriter(Protocol):
@@ -248,7 +249,7 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
     # Files whose tensor digests are known (loaded before, unchanged, and changed only by
     # the trusted): index -> (file offset, size) -> digest (the size too: an empty tensor
     # shares its offset with the next one). Their bytes are loaded but not hashed again.
-    trusted = changed_only_by_trusted(opened)
+    trusted = why_untrusted(opened) is None
     reuse = content_hash and (getattr(writer, "serves_files", False) or trusted)
     identities = [_identity(sf.fd) for sf in opened.files] if reuse else []
     known: dict[int, dict[tuple[int, int], bytes]] = {}

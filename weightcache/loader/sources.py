@@ -24,6 +24,7 @@ import fnmatch
 import json
 import logging
 import os
+import re
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,45 +40,6 @@ MAX_INDEX_BYTES = 16 * 2**20  # the largest real index (tens of thousands of ten
 log = logging.getLogger("weightcache.loader")
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
-
-
-# File systems on which only this kernel changes a file, through its page cache: the
-# owner and mode rules then say who can. (On NFS, CIFS, FUSE or virtiofs another machine
-# or a user-space daemon can change the bytes whatever the mode says.)
-LOCAL_FILE_SYSTEMS = frozenset({
-    "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs", "jfs", "reiserfs", "zfs", "tmpfs", "ramfs", "overlay",
-    "squashfs", "erofs", "iso9660",
-})
-
-
-def changed_only_by_trusted(opened: OpenedSource) -> bool:
-    """Whether only root or the daemon's uid can change these files' bytes, and every
-    change moves their st_ctime: files the daemon opened itself (not a peer's fds), owned
-    by root or the daemon's uid, not writable by group or others, on a local file system.
-    The content fingerprint keeps such files' digests by identity (loader/content.py)."""
-    if opened.adopted:
-        return False
-    me = os.geteuid()
-    for sf in opened.files:
-        st = os.fstat(sf.fd)
-        if st.st_uid not in (0, me) or st.st_mode & 0o022 or file_system(sf.fd) not in LOCAL_FILE_SYSTEMS:
-            return False
-    return True
-
-
-def file_system(fd: int) -> str:
-    """The type of the file system ``fd`` is on, from its mount id (/proc/self/fdinfo)."""
-    mnt = ""
-    with open(f"/proc/self/fdinfo/{fd}") as f:
-        for line in f:
-            if line.startswith("mnt_id:"):
-                mnt = line.split()[1]
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields and fields[0] == mnt and "-" in fields:
-                return fields[fields.index("-") + 1]
-    return "unknown"
 
 
 @dataclass(frozen=True)
@@ -329,6 +291,39 @@ def index_names(raw: bytes, index: str) -> list[str]:
         if not n or os.path.isabs(n) or ".." in Path(n).parts or "\0" in n:
             raise _corrupt(index, f"index names a file outside its directory: {n[:200]!r}")
     return names
+
+
+_SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<i>[0-9]+)-of-(?P<n>[0-9]+)\.safetensors$")
+
+
+def unindexed_note(directory: str | os.PathLike[str]) -> str | None:
+    """What to tell the operator about a directory without an index that is loaded as one
+    model, or None: a directory is one checkpoint when it holds one .safetensors file, an
+    index, or the complete set ``<stem>-00001-of-0000N`` .. ``-0000N-of-0000N`` of one stem,
+    as ``save_pretrained`` names shards. Anything else (two unrelated models, a stray copy
+    beside the shards, a set with one missing) is still merged into one model, as it
+    always was (tensor names that clash are refused), but no longer silently (issue 24):
+    start, reload and register log this line and the CLI's register prints it. A pure
+    look at the names (no file is opened); None for anything that is not a directory."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return None
+    if any(fnmatch.fnmatchcase(n, f"*{INDEX_SUFFIX}") for n in names):
+        return None
+    files = [n for n in names if fnmatch.fnmatchcase(n, "*.safetensors")]
+    if len(files) <= 1:
+        return None
+    found = [_SHARD_NAME.match(n) for n in files]
+    sets = {(m.group("stem"), int(m.group("n"))) for m in found if m}
+    if all(found) and len(sets) == 1:
+        ((_stem, count),) = sets
+        if sorted(int(m.group("i")) for m in found if m) == list(range(1, count + 1)):
+            return None
+    shown = files if len(files) <= 8 else [*files[:8], f"... {len(files) - 8} more"]
+    return (f"{os.fspath(directory)} has no *{INDEX_SUFFIX} and its {len(files)} .safetensors files are not one "
+            f"shard set (<name>-00001-of-0000N.safetensors ...), yet they are loaded as ONE model: {shown}; if they "
+            "are not one checkpoint, name one file as the path, or give the directory an index")
 
 
 def open_source(source: str | os.PathLike[str], *, roots: Sequence[str | os.PathLike[str]] | None = None,

@@ -20,15 +20,17 @@ from ..backends import Backend
 from ..cache import CacheCore
 from ..cache.quotas import Quota
 from ..config import AUTO, ModelConfig, Settings, load_settings
-from ..errors import BadRequest, ConfigError, LoadFailed, NoSpace, WeightcacheError
-from ..loader import OpenedSource, open_source, parse_checkpoint
-from ..systemd import sd_notify
+from ..errors import BadRequest, ConfigError, WeightcacheError
+from ..systemd import reloading_message, sd_notify
+from ..units import format_size
 from .access import AccessPolicy, check_socket_dir, resolve_gid
 from .connections import Connections
 from .loads import Loads
 from .metrics import MODEL_COUNTERS, Metrics, ModelFigures, Snapshot
+from .outlived import Survey, other_daemons, still_mapping, survey
 from .registry import CHECK_FAILED, Registry
 from .requests import Context
+from .settings_reload import reload_budgets, reload_max_loaded, settings_changes
 
 # The fields a reload changes in place: the rest say which bytes and where.
 POLICY_FIELDS = ("keep_alive", "pin", "preload", "allowed_uids", "allowed_gids")
@@ -57,6 +59,10 @@ class Daemon:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self.access = AccessPolicy(settings.daemon)
+        self._reload_lock = asyncio.Lock()
+        self._outlived = Survey(mappers=[], unreadable=0)
+        self._others: list[dict[str, Any]] = []
+        self._claims: dict[str, ModelConfig] = {}  # config names a peer's model still holds (Note [config names win])
         core.set_quotas(quotas_of(settings))
         self.registry = Registry(core, backends, self.access)
         self.loads = Loads(settings.daemon, core, self.registry, backends, shutting_down=self._stopping.is_set)
@@ -66,6 +72,7 @@ class Daemon:
             started=self.started, socket_path=self.socket_path, connections=lambda: len(self.connections),
             caller_of=lambda conn: self.connections.caller(conn),
             shutting_down=self._stopping.is_set, health=self.health, reload=self.reload_config,
+            outlived=self.outlived, other_daemons=self.other_daemons,
         )
         self.connections = Connections(settings.daemon, self.access, core, self.loads, self.metrics,
                                        context=lambda: self.context, stopping=self._stopping)
@@ -80,6 +87,14 @@ class Daemon:
         in the background: the socket answers before they finish."""
         for mc in self.settings.models:
             self.registry.register(mc)
+        # Before the socket listens: a mapping seen now cannot be one of this daemon's.
+        self._outlived = await asyncio.to_thread(survey, os.getpid())
+        self._warn_outlived()
+        self._others = await asyncio.to_thread(other_daemons, os.getpid())
+        for other in self._others:
+            log.warning("another weightcache daemon runs on this host (pid %d: %s): each takes its own budget of the "
+                        "same memory, so together they can exceed it; run one daemon per host", other["pid"],
+                        other["cmdline"], extra={"pid": other["pid"]})
         self._listener = self._bind(self.socket_path)
         if self.settings.daemon.metrics_listen:
             self.metrics.serve(self.settings.daemon.metrics_listen)
@@ -92,6 +107,33 @@ class Daemon:
         # in `models` as last_error long before anyone asks to load it.
         self.loads.spawn(self._check_config_models([mc.name for mc in self.settings.models]))
         self.loads.spawn(self.loads.keep_alive_loop())
+
+    def _warn_outlived(self) -> None:
+        s = self._outlived
+        if s.mappers:
+            total = sum(sum(m.models.values()) for m in s.mappers)
+            who = "; ".join(f"pid {m.pid} ({m.comm}, uid {m.uid}): {', '.join(sorted(m.models))}" for m in s.mappers)
+            log.warning("%d process(es) still map %s of weightcache memory from an earlier (or another) daemon, outside "
+                        "this daemon's budget and leases until they exit or restart: %s (`weightcache status` lists "
+                        "those still mapping it)", len(s.mappers), format_size(total), who)
+        if s.unreadable:
+            log.info("could not read the memory maps of %d process(es) of other users (not root): mappings of an "
+                     "earlier daemon's memory held by them are not reported", s.unreadable)
+
+    def other_daemons(self) -> list[dict[str, Any]]:
+        """The other daemons found at start that still run (a pid reused by another
+        command is not one)."""
+        if self._others:
+            self._others = other_daemons(os.getpid(), among=[o["pid"] for o in self._others])
+        return list(self._others)
+
+    def outlived(self) -> list[dict[str, Any]]:
+        """The processes found at start mapping an earlier daemon's memfd arenas that still
+        map them (re-read now: one that exited or restarted leaves the list)."""
+        if not self._outlived.mappers:
+            return []
+        self._outlived.mappers = still_mapping(self._outlived.mappers)
+        return [m.describe() for m in self._outlived.mappers]
 
     def _preload_if_asked(self, mc: ModelConfig) -> None:
         if mc.preload:
@@ -225,27 +267,53 @@ class Daemon:
         return model is not None and model.config.allowed_uids is None and model.config.allowed_gids is None
 
     # -- reload ---------------------------------------------------------------------
-    async def reload_config(self) -> dict[str, list[str]]:
-        """Re-read the config file. New models are registered, removed ones unregistered
-        (kept, and reported, while attached or loading). A model whose policy alone
-        changed (keep_alive, pin, preload) is updated in place and stays resident; one
-        whose path, device or shards changed is replaced only once the new checkpoint
-        opens and its header parses, else it keeps its old state and the reason goes in
-        ``failed``. Models that peers registered or published are left alone unless the
-        config now names them. The ``reload`` op and SIGHUP both land here."""
+    async def reload_config(self) -> dict[str, Any]:
+        """Re-read the config file and apply it. New models are registered, removed ones
+        unregistered. A model whose policy alone changed (keep_alive, pin, preload) is
+        updated in place and stays resident; one whose path, device or shards changed is
+        replaced only once the new checkpoint opens and its header parses. Budgets are
+        checked as start checks them (``resolve_budget``) and applied, evicting what a
+        lowered one no longer holds. Models that peers registered or published are left
+        alone unless the config now names them: then the config's wins (``displaced``, or
+        ``pending`` while the peer's copy is attached; Note [config names win]).
+
+        One rule for the report: every change that did not take effect is one line in
+        ``failed`` (a model kept because it is attached, a budget that attached models
+        exceed or the device cannot hold, a [daemon] key read at start only), and
+        ``weightcache reload`` exits non-zero when ``failed`` or ``pending`` is not
+        empty. The ``reload`` op and SIGHUP both land here."""
         if self.config_path is None:
             raise BadRequest("the daemon was started without a config file; nothing to reload")
-        new = await asyncio.to_thread(load_settings, self.config_path)
-        report: dict[str, list[str]] = {"added": [], "removed": [], "changed": [], "updated": [], "kept": [],
-                                        "failed": [], "unchanged": [], "budgets": [], "displaced": []}
-        await self._reload_budgets(new, report)
-        await self._reload_max_loaded(new, report)
+        # One reload at a time (SIGHUP and the op may overlap), each announced to systemd
+        # (RELOADING=1 ... READY=1), with how it ended in STATUS=. A unit's ExecReload runs
+        # `weightcache reload`, whose exit status is what fails `systemctl reload`.
+        async with self._reload_lock:
+            _notify(reloading_message())
+            status = "reload failed: the config file could not be read"
+            try:
+                report = await self._reload(await asyncio.to_thread(load_settings, self.config_path))
+                bad = len(report["failed"]) + len(report["pending"])
+                status = f"{bad} change(s) of the last reload did not take effect" if bad else "reloaded"
+                return report
+            finally:
+                _notify(f"READY=1\nSTATUS=serving on {self.socket_path}; {status}")
+
+    async def _reload(self, new: Settings) -> dict[str, Any]:
+        report: dict[str, Any] = {"added": [], "removed": [], "changed": [], "updated": [], "failed": [],
+                                  "pending": [], "unchanged": [], "displaced": [], "evicted": [], "budgets": [],
+                                  "max_loaded_models": [], "quotas": None}
+        settings_changes(self.settings, new, report)
+        await reload_budgets(self.core, self.backends, self.loads, self.registry, new, report)
+        await reload_max_loaded(self.core, self.backends, self.loads, self.registry, new, report)
         quotas = quotas_of(new)
         if quotas != self.core.quotas:
             self.core.set_quotas(quotas)  # in place; a lowered one evicts nothing now (Note [quotas])
-            report["budgets"].append("quotas: " + (", ".join(sorted(quotas)) or "none"))
+            report["quotas"] = sorted(quotas)
         registry = self.registry
         wanted = {m.name: m for m in new.models}
+        for name in list(self._claims):
+            if name not in wanted:  # the file no longer names it: the peer's model keeps its name
+                self._drop_claim(name)
         # Only the config's own models: what peers registered or published stays.
         for name in [n for n in registry.groups if registry.first(n).origin == "config"]:
             old = registry.first(name).config
@@ -259,15 +327,17 @@ class Daemon:
                 wanted.pop(name)
                 continue
             if mc is not None:
-                reason = await self._checkpoint_problem(mc)
-                if reason is not None:  # keep what works until the file is fixed
-                    report["failed"].append(f"{name}: {reason}")
+                problem = await self._checkpoint_problem(mc)
+                if problem is not None:  # keep what works until the file is fixed
+                    report["failed"].append(f"{name}: {problem.message}")
                     wanted.pop(name)
                     continue
             try:
                 self.loads.forget(registry.unregister(name))
             except WeightcacheError as exc:
-                report["kept"].append(f"{name}: {exc.message}")
+                what = "changed in the file" if mc is not None else "removed from the file"
+                report["failed"].append(f"{name}: {what}, but kept as it was: {exc.message}; run the reload again "
+                                        "once it is free")
                 wanted.pop(name, None)
                 continue
             self.loads.forget_preload(name)
@@ -278,36 +348,90 @@ class Daemon:
             # Checked before the peer's model of that name is displaced, so that no await
             # lies between displacing it and registering the config's: a peer that
             # registered the name again meanwhile made the reload fail half done.
-            reason = None if name in report["changed"] else await self._checkpoint_problem(mc)
+            problem = None if name in report["changed"] else await self._checkpoint_problem(mc)
+            missing = [dev for _p, dev in mc.parts if dev not in self.backends and dev != AUTO]
+            if missing:
+                report["failed"].append(f"{name}: device {missing[0]} has no budget in the running daemon "
+                                        "(a new device needs a daemon restart)")
+                continue
             if name in registry.groups and registry.first(name).origin != "config":
                 # The config names it: the operator's model wins over a peer's of that name
                 # (else a tenant could take a name before the operator adds it).
                 try:
                     self.loads.forget(registry.unregister(name))
                 except WeightcacheError as exc:
-                    report["kept"].append(f"{name}: a peer's model of that name stays while {exc.message}")
+                    self._claim(name, mc)
+                    owner = registry.first(name).owner
+                    report["pending"].append(
+                        f"{name}: a model of that name registered by uid {owner} stays while {exc.message}; new "
+                        "attaches of it are refused, and the config's model takes the name when they end")
                     continue
                 report["displaced"].append(name)
             if name not in registry.groups:
-                missing = [dev for _p, dev in mc.parts if dev not in self.backends and dev != AUTO]
-                if missing:
-                    report["kept"].append(f"{name}: device {missing[0]} has no backend in the running daemon")
-                    continue
                 # Checked before it is registered (above): what `models` shows from then on is final.
                 registry.register(mc)
                 if name not in report["changed"]:
                     report["added"].append(name)
-                    if reason is not None:
+                    if problem is not None:
                         # A new model with a bad file is registered (the operator sees it and
                         # its last_error in `models`) but the reload reports it as failed.
-                        self._mark_bad(name, reason)
-                        report["failed"].append(f"{name}: {reason}")
+                        self._mark_bad(name, problem)
+                        report["failed"].append(f"{name}: {problem.message}")
                 self._preload_if_asked(mc)
         log.info("reload: %s", {k: v for k, v in report.items() if v and k != "unchanged"})
+        for line in report["failed"] + report["pending"]:  # each change that did not take effect, on its own line
+            log.error("reload: not in effect: %s", line)
         # The models the file left as they were get the same check: a file deleted or
         # replaced since the last one shows now, not at the next load (the check logs it).
         await self._check_config_models(report["unchanged"] + report["updated"])
         return report
+
+    # Note [config names win]
+    # A tenant may register or publish a name before the operator adds it to the config
+    # (issue 25: it held one lease, the reload said "kept", and every tenant attaching
+    # the name got the squatter's bytes). The config's name wins. Displaced at once when
+    # the peer's model is free; while it is attached, the name is *claimed*: no new
+    # load, attach, pin or evict of the peer's copy (Registry.check_use refuses them),
+    # no register, publish or replace of the name by a peer (Registry.register,
+    # swap_in), the existing leases run on (their mappings are the engines'), and when
+    # the last ends (every lease end notifies space_freed) the peer's model is dropped
+    # and the config's registered. The reload reports it under ``pending`` and exits
+    # non-zero: the config's model is not serving yet. At a daemon restart the config's
+    # models are registered before the socket listens, so no peer can take one.
+    def _claim(self, name: str, mc: ModelConfig) -> None:
+        first = name not in self._claims
+        self._claims[name] = mc
+        self.registry.claimed.add(name)
+        if first:
+            self.loads.spawn(self._take_name(name))
+
+    def _drop_claim(self, name: str) -> None:
+        self._claims.pop(name, None)
+        self.registry.claimed.discard(name)
+
+    async def _take_name(self, name: str) -> None:
+        registry = self.registry
+        while name in self._claims and not self.shutting_down:
+            if name in registry.groups and registry.first(name).origin != "config":
+                try:
+                    self.loads.forget(registry.unregister(name))
+                except WeightcacheError:
+                    # Woken at each lease end (and each detach anywhere). The timeout bounds
+                    # what wakes nobody (the peer unregistering or replacing its model); it
+                    # decides nothing, each pass checks again.
+                    await self.loads.space_freed.wait(self.loads.space_freed.ticket(), 5.0)
+                    continue
+                log.info("model %s: the peer's copy of that name had no lease left; the config's model takes the name",
+                         name, extra={"model": name})
+            mc = self._claims.pop(name)
+            registry.claimed.discard(name)
+            if name not in registry.groups:
+                registry.register(mc)
+                self._preload_if_asked(mc)
+                await self._check_config_models([name])
+            return
+
+
 
     def _update_policy(self, name: str, old: ModelConfig, mc: ModelConfig) -> None:
         """Apply a new keep_alive, pin or preload to a registered model without touching
@@ -328,24 +452,10 @@ class Daemon:
         elif not mc.preload:
             self.loads.forget_preload(name)  # no longer gates readiness
 
-    async def _checkpoint_problem(self, mc: ModelConfig) -> str | None:
-        """Why ``mc``'s checkpoints cannot be loaded (the path opened and the header parsed,
-        as a load does, in the io pool), or None when they can."""
-        d = self.loads.settings
-        for path, _device in mc.parts:
-            opened = None
-            try:
-                opened = await self.loads.io(open_source, path, roots=d.model_roots or None,
-                                             follow_symlinks=d.follow_symlinks, cleanup=OpenedSource.close)
-                await self.loads.io(parse_checkpoint, opened)
-            except WeightcacheError as exc:
-                return exc.message
-            except Exception as exc:  # an OSError and the like: the reason, not a traceback
-                return f"{type(exc).__name__}: {exc}"
-            finally:
-                if opened is not None:
-                    opened.close()
-        return None
+    async def _checkpoint_problem(self, mc: ModelConfig) -> WeightcacheError | None:
+        """Why ``mc``'s checkpoints cannot be loaded (Loads.check_files, which register
+        runs too), or None when they can."""
+        return await self.loads.check_files(mc)
 
     async def _check_config_models(self, names: list[str]) -> list[str]:
         """Check each named config model's files; a bad one gets last_error (shown by
@@ -355,10 +465,10 @@ class Daemon:
         for name in names:
             if name not in self.registry.groups:
                 continue
-            reason = await self._checkpoint_problem(self.registry.first(name).config)
+            problem = await self._checkpoint_problem(self.registry.first(name).config)
             if name not in self.registry.groups:
                 continue
-            if reason is None:  # fixed since the last check: its error no longer applies
+            if problem is None:  # fixed since the last check: its error no longer applies
                 for entry in self.registry.groups[name]:
                     m = self.registry.models[entry]
                     m.check_failed = None
@@ -366,11 +476,14 @@ class Daemon:
                         m.last_error = None
                 continue
             bad.append(name)
-            self._mark_bad(name, reason)
+            self._mark_bad(name, problem)
         return bad
 
-    def _mark_bad(self, name: str, reason: str) -> None:
-        err = LoadFailed(f"{name}: {reason}", model=name, reason=CHECK_FAILED).to_wire()
+    def _mark_bad(self, name: str, problem: WeightcacheError) -> None:
+        # The check's own code (CORRUPT_CHECKPOINT for a bad header, LOAD_FAILED for a file
+        # that does not open), as a load and a register of the same file say it.
+        reason = problem.message
+        err = type(problem)(f"{name}: {reason}", **{**problem.details, "model": name, "reason": CHECK_FAILED}).to_wire()
         for entry in self.registry.groups[name]:
             m = self.registry.models[entry]
             m.check_failed = reason
@@ -380,41 +493,11 @@ class Daemon:
                   "`weightcache reload` (until then `weightcache models` shows it as error)", name, reason,
                   extra={"model": name, "code": err["code"]})
 
-    async def _reload_max_loaded(self, new: Settings, report: dict[str, list[str]]) -> None:
-        """Apply a changed daemon.max_loaded_models in place: a lowered count evicts
-        unattached models in the policy's order, as a lowered budget does. A count that
-        attached or pinned models exceed is not applied (the old one stays) and goes in
-        ``failed``: the reload then exits non-zero."""
-        wanted = new.daemon.max_loaded_models
-        for device in sorted(set(wanted) | set(self.core.max_loaded)):
-            limit = wanted.get(device)
-            if limit == self.core.max_loaded.get(device):
-                continue
-            if device not in self.backends:
-                report["failed"].append(f"max_loaded_models.{device}: a new device needs a daemon restart")
-                continue
-            try:
-                step = self.core.set_max_loaded(device, limit)
-            except NoSpace as exc:
-                report["failed"].append(f"max_loaded_models.{device}: {exc.message}")
-                continue
-            await self.loads.carry_out(step, reason=f"{device} max_loaded_models lowered")
-            await self.loads.notify_space()
-            report["budgets"].append(f"max_loaded_models.{device}: {limit if limit is not None else 'no limit'}")
 
-    async def _reload_budgets(self, new: Settings, report: dict[str, list[str]]) -> None:
-        for device, budget in new.budgets.items():
-            if device not in self.backends:
-                report["kept"].append(f"budget {device}: a new device needs a daemon restart")
-                continue
-            nbytes = budget.resolve(self.backends[device].total_memory())
-            if nbytes != self.core.devices[device].budget:
-                try:
-                    step = self.core.set_budget(device, nbytes)
-                except NoSpace as exc:
-                    report["kept"].append(f"budget {device}: {exc.message}")
-                    continue
-                self.backends[device].limit(nbytes)
-                await self.loads.carry_out(step, reason=f"{device} budget lowered")
-                await self.loads.notify_space()
-                report["budgets"].append(f"{device}: {nbytes}")
+def _notify(message: str) -> None:
+    """sd_notify for a reload: a notify socket that has gone (systemd re-executed) must not
+    turn the reload's report into an INTERNAL error."""
+    try:
+        sd_notify(message)
+    except OSError as exc:
+        log.warning("could not tell systemd %r: %s", message.partition("\n")[0], exc)

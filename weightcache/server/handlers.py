@@ -60,6 +60,10 @@ def redact(ctx: Context, caller: Caller, req: Request, exc: WeightcacheError) ->
     names_files = isinstance(exc, (LoadFailed, CorruptCheckpoint)) or bool(_FILE_DETAILS & exc.details.keys())
     if not names_files or ctx.access.is_admin(caller.peer):
         return exc
+    if req.op == "register" and req.args.get("files") is not None:
+        # A register's header check read the peer's own fds, named by the peer's own
+        # file names: the reason tells it nothing about the daemon's files.
+        return exc
     name = req.args.get("name")
     models = ctx.registry.models
     model = models.get(ctx.registry.groups[name][0] if name in ctx.registry.groups else name) if isinstance(name, str) else None
@@ -186,6 +190,11 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
         "resident": [describe(ctx, name, caller) for name in _listed(ctx, caller.peer)
                      if ctx.core.entry(name).state in (State.RESIDENT, State.LOADING, State.HOST)],
         "tenants": tenant_usage(ctx, caller.peer),
+        # Processes still mapping an earlier daemon's memory (server/outlived.py): what an
+        # administrator must know of memory no budget counts; a peer sees its own uid's.
+        "outlived": [m for m in ctx.outlived() if ctx.access.is_admin(caller.peer) or m["uid"] == caller.peer.uid],
+        # Administrators only: with /proc mounted hidepid, others could not see them.
+        "other_daemons": ctx.other_daemons() if ctx.access.is_admin(caller.peer) else [],
         # device = "auto" models: the last placement of each (rank), as models shows it
         "placement": {slot: ctx.registry.placement_as_seen(caller.peer, slot) for slot in ctx.registry.placed
                       if ctx.registry.visible(caller.peer, next(iter(ctx.registry.replicas[slot].values())))},

@@ -32,11 +32,12 @@ import msgpack
 
 from ..backends import Arena, Backend
 from ..cache import CacheCore, LoadPlan, State, StepDown
-from ..config import DaemonConfig
+from ..config import DaemonConfig, ModelConfig
 from ..errors import LoadFailed, NoSpace, WeightcacheError
 from ..loader import Checkpoint, OpenedSource, Progress, open_source, parse_checkpoint
 from ..loader.checkpoint import release_gradually
 from ..loader.published import _gc_paused
+from ..loader.sources import unindexed_note
 from ..protocol.messages import tenant_fingerprint
 from . import placing
 from .fills import FillStrategy, PeerCopy, Promote, ReadFiles
@@ -533,6 +534,36 @@ class Loads:
                 if m.owner == model.owner:
                     mine += m.parked_parse.held_bytes
         return total + held <= PARKED_PARSE_BYTES and (model.owner is None or mine + held <= PARKED_PARSE_BYTES // 4)
+
+    async def check_files(self, mc: ModelConfig, sources: list[OpenedSource] | None = None,
+                          tenant: int | None = None) -> WeightcacheError | None:
+        """Why ``mc``'s checkpoints cannot be loaded, as a load would say it (the files
+        opened as a load opens them, or a peer's own ``sources``, and every header parsed,
+        in the io pool), or None when they can. One check for every way a model arrives:
+        the config at start and reload, and ``register`` (issue 24: a pickle registered
+        fine and failed only at its load)."""
+        d = self.settings
+        for i, (path, _device) in enumerate(mc.parts):
+            opened = None
+            try:
+                # As a load parses (its tenant's share of the io pool, the collector paused).
+                if sources is not None:
+                    await self.io(collector_paused(parse_checkpoint), sources[i], tenant=tenant)
+                else:
+                    opened = await self.io(open_source, path, roots=d.model_roots or None,
+                                           follow_symlinks=d.follow_symlinks, cleanup=OpenedSource.close, tenant=tenant)
+                    await self.io(collector_paused(parse_checkpoint), opened, tenant=tenant)
+                    note = await self.io(unindexed_note, path)
+                    if note is not None:  # merged as it always was, but not silently
+                        log.warning("model %s: %s", mc.name, note, extra={"model": mc.name})
+            except WeightcacheError as exc:
+                return exc
+            except Exception as exc:  # an OSError and the like: the reason, not a traceback
+                return LoadFailed(f"{type(exc).__name__}: {exc}", model=mc.name)
+            finally:
+                if opened is not None:
+                    opened.close()
+        return None
 
     async def learn_sizes(self, name: str) -> None:
         """Before an auto model is first placed: how big each rank is, from its files'

@@ -22,9 +22,9 @@ from ..backends import Backend, backend_for
 from ..cache import CacheCore
 from ..config import Settings
 from ..errors import ConfigError, WeightcacheError
-from ..units import format_size
 from .daemon import Daemon
 from .logs import setup_logging
+from .settings_reload import resolve_budget
 
 log = logging.getLogger("weightcache.daemon")
 
@@ -88,11 +88,7 @@ def build(settings: Settings, config_path: str | None = None) -> Daemon:
     budgets = {}
     for device, budget in settings.budgets.items():
         backend = backends[device] = backend_for(device)
-        total = backend.total_memory()
-        if budget.nbytes is not None and budget.nbytes > total:
-            raise ConfigError(f"budgets.{device}: {budget} is more than the device's {format_size(total)}; "
-                              "give a size it has, or a fraction such as \"0.8\"", key=f"budgets.{device}")
-        budgets[device] = budget.resolve(total)
+        budgets[device] = resolve_budget(device, budget, backend.total_memory())  # as a reload checks it
         backend.limit(budgets[device])
         log.info("device %s: backend %s, budget %d bytes (%s)", device, backend.kind, budgets[device], budget)
     host_budget = settings.daemon.host_budget

@@ -67,6 +67,20 @@ async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
                                 f"{len(req.fds)} more would pass max_files_per_uid={d.max_files_per_uid}",
                                 limit=d.max_files_per_uid)
         sources = _adopt_files(mc, files, req)
+    # The header checked now, as the config's models are at start: a file that is not a
+    # checkpoint is refused with the error its load would give, not registered to fail later.
+    problem = await ctx.loads.check_files(mc, sources, tenant=None if admin else caller.peer.uid)
+    if problem is not None:
+        for src in sources or ():
+            src.close()
+        raise problem
+    if not admin:  # again: other registers of this uid may have finished during the check
+        try:
+            _check_model_count(ctx, caller.peer)
+        except BaseException:
+            for src in sources or ():
+                src.close()
+            raise
     try:
         ctx.registry.register(mc, origin="register", owner=caller.peer.uid, sources=sources,
                               tenants=tenant_keys(caller.peer.uid, caller.peer.groups))

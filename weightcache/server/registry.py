@@ -130,6 +130,10 @@ class Registry:
         self.size_hint: dict[str, int] = {}  # slot -> its files' bytes, until a load tells the arena's (placing.py)
         self._staging_ids = itertools.count(1)
         self._reserved: Counter[int] = Counter()  # uid -> model slots held by publishes not yet staged
+        # Names the config claims while a peer's model of that name is still attached
+        # (daemon.py, Note [config names win]): that copy takes no new use, and no peer
+        # may take the name again.
+        self.claimed: set[str] = set()
 
     # -- registering ----------------------------------------------------------------
     def register(self, mc: ModelConfig, *, origin: Origin = "config", owner: int | None = None,
@@ -139,6 +143,8 @@ class Registry:
         against (cache/quotas.py; none for the operator's)."""
         if mc.name in self.groups or mc.name in self.models:
             raise BadRequest(f"model {mc.name!r} is already registered", model=mc.name)
+        if origin != "config":
+            self._check_unclaimed(mc.name)
         sharded = bool(mc.shards)
         ranks = [f"{mc.name}@{r}" if sharded else mc.name for r in range(len(mc.parts))]
         # (entry, rank, path, device, slot): a fixed rank is one entry named like the rank;
@@ -202,6 +208,9 @@ class Registry:
 
     def swap_in(self, staging: str, name: str) -> None:
         """Make a staged entry the (unsharded) model ``name``; an old one must be gone."""
+        # A name the config claims (checked here, where a failed publish is rolled back,
+        # and not when staging: the caller's published memory is closed only past that).
+        self._check_unclaimed(name)
         self.core.rename(staging, name)
         self.models[name] = self.models.pop(staging)
         self.groups[name] = [name]
@@ -286,9 +295,20 @@ class Registry:
 
     def check_use(self, peer: Peer, name: str) -> None:
         """PERMISSION_DENIED unless ``peer`` may use the model (or shard) ``name``. The
-        message says nothing about who may: the lists are the operator's business."""
-        if not self.may_use(peer, self.models[self.members(name)[0]]):
+        message says nothing about who may: the lists are the operator's business. A
+        peer's model whose name the config claims is refused to everyone, administrators
+        too: its bytes are not the model the operator configured under that name."""
+        model = self.models[self.members(name)[0]]
+        if model.origin != "config" and model.config.name in self.claimed:
+            raise PermissionDenied(f"model {name!r} is being replaced by the operator's model of that name: the "
+                                   "copy registered by a peer takes no new use, and the configured one is registered "
+                                   "when its last attachment ends", model=name, claimed=True)
+        if not self.may_use(peer, model):
             raise PermissionDenied(f"model {name!r} is not available to uid {peer.uid}", model=name)
+
+    def _check_unclaimed(self, name: str) -> None:
+        if name in self.claimed:
+            raise PermissionDenied(f"model name {name!r} is the operator's (the config file names it)", model=name)
 
     def visible(self, peer: Peer, entry: str) -> bool:
         """Whether ``peer`` may see the entry named ``entry`` in listings and errors."""
@@ -370,6 +390,10 @@ class Registry:
             "loads": e.loads, "evictions": e.evictions, "demotions": e.demotions, "promotions": e.promotions,
             # its bytes are in the host tier: HOST, or resident with the copy kept since its promotion
             "host_copy": e.host_copy,
+            # which arena the resident copy got ("file", "memfd", "cuda_vmm") and, where the
+            # faster one was refused, why (it names files: shown where path is)
+            "arena": m.arena.kind if m.arena is not None else None,
+            "arena_note": (m.arena.fallback or None) if m.arena is not None and not private else None,
             "last_error": redacted(m.last_error) if private and m.last_error else self._error_as_seen(viewer, m.last_error),
             "progress": progress.snapshot() if progress is not None else None,
         }

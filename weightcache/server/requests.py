@@ -61,7 +61,9 @@ class Context:
     caller_of: Callable[[int], Caller | None]  # who holds a connection (a lease's holder); None once it closed
     shutting_down: Callable[[], bool]
     health: Callable[[], dict[str, Any]]
-    reload: Callable[[], Awaitable[dict[str, list[str]]]]
+    reload: Callable[[], Awaitable[dict[str, Any]]]
+    outlived: Callable[[], list[dict[str, Any]]] = lambda: []  # mappings of an earlier daemon (server/outlived.py)
+    other_daemons: Callable[[], list[dict[str, Any]]] = lambda: []  # other `weightcache serve` processes on the host
 
     def wait_arg(self, req: Request) -> float:
         wait = float(req.arg("wait_s", (int, float), self.settings.daemon.no_space_wait_s))

@@ -24,6 +24,7 @@ each figure says which it is. Results print as a table and go to ``--out`` as JS
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import os
 import platform
@@ -37,6 +38,8 @@ from typing import Any
 from rich.console import Console
 
 from ..config import DaemonConfig
+from ..errors import ConfigError
+from ..loader.checkpoint import discover_files
 from .bench_hash import measure_content_hash
 from .bench_measure import (
     READ_EVERY_BYTE,
@@ -46,6 +49,8 @@ from .bench_measure import (
     disk_ceiling,
     drop_page_cache,
     host_tier_round_trip,
+    memfd_bytes,
+    page_cache_bytes,
     pct,
     status_under_load,
     time_fastsafetensors,
@@ -72,7 +77,7 @@ from .bench_result import (
     RestartTimes,
     Spread,
 )
-from .restart import FreshAttach, Restart, time_fresh_attach, time_restart
+from .restart import FreshAttach, Restart, ipc_holder, time_fresh_attach, time_restart
 from .spawn import DaemonProcess, config_text
 from .synth import write_checkpoint
 
@@ -98,6 +103,7 @@ class BenchConfig:
     out: str | None = None  # JSON results here, and a PNG chart beside it
     ready_reps: int = 7  # ready-to-compute repetitions of each way (alternating)
     fresh: int = 7  # fresh engine processes timed for the fresh-process attach row
+    checkpoint: str | None = None  # the operator's own .safetensors file instead of a generated one
 
     @property
     def cuda(self) -> bool:
@@ -139,18 +145,18 @@ def run_bench(cfg: BenchConfig) -> int:
     sock = str(files.work / "bench.sock")
     log = files.work / "bench-daemon.log"
     log.unlink(missing_ok=True)
-    with DaemonProcess(_write_daemon_config(cfg, files, sock), sock, log):
+    with DaemonProcess(_write_daemon_config(cfg, files, sock), sock, log) as daemon:
         step("the daemon's loader, warm and cold")
         loader = _measure_loader(cfg, files.model, sock)
         step("attach latency")
         attach_lat = asyncio.run(attach_latencies(sock, MODEL, cfg.attaches))
         step("ready to compute: attach vs load_file")
-        ready = _measure_ready(cfg, files.model, sock)
+        ready = _measure_ready(cfg, files.model, sock, daemon)
         if cfg.cuda:
             step("the host tier")
         host_tier = _measure_host_tier(cfg, sock) if cfg.cuda else None
         step("fresh-process attach")
-        fresh = _measure_fresh(cfg, sock)
+        fresh = _measure_fresh(cfg, files.model, sock)
         step("engine restarts")
         restart = _measure_restarts(cfg, files.model, sock)
         step("status while a bigger model loads cold")
@@ -168,12 +174,27 @@ def run_bench(cfg: BenchConfig) -> int:
     return 0
 
 
+def user_checkpoint(path: str) -> tuple[Path, int]:
+    """``--checkpoint``: the file, checked as the daemon would, and its tensor count. One
+    file: the bench's rows read, drop and time a single file (a directory or an index:
+    give one of its files)."""
+    from ..loader import open_source, parse_checkpoint
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--checkpoint {path}: not a file (the bench times one .safetensors file; for a directory or an "
+                          "index, give one of its files)")
+    with open_source(p) as opened:
+        return p, len(parse_checkpoint(opened).tensors)
+
+
 def _generate(console: Console, cfg: BenchConfig) -> Checkpoints:
-    """The two synthetic checkpoints, made once per size and kept in the workdir."""
+    """The bench model (the operator's file with ``--checkpoint``, else made once per size
+    and kept in the workdir) and the control plane's bigger model."""
     work = Path(cfg.workdir or "/tmp/wc-bench")
     work.mkdir(parents=True, exist_ok=True)
-    files = Checkpoints(work=work, model=work / f"bench-{cfg.size_gib:g}g-{cfg.tensors}t.safetensors",
-                        big=work / f"big-{cfg.big_gib:g}g.safetensors")
+    model = Path(cfg.checkpoint) if cfg.checkpoint else work / f"bench-{cfg.size_gib:g}g-{cfg.tensors}t.safetensors"
+    files = Checkpoints(work=work, model=model, big=work / f"big-{cfg.big_gib:g}g.safetensors")
     with console.status("generating checkpoints"):
         if not files.model.exists():
             write_checkpoint(files.model, int(cfg.size_gib * GIB), cfg.tensors, seed=1)
@@ -241,7 +262,6 @@ def _measure_peer(cfg: BenchConfig, ckpt: Path, name: str, dist: str, measure: C
 def _measure_content_hash(cfg: BenchConfig, ckpt: Path) -> ContentHashFigures:
     """The daemon's loader in this process, with the content hash and without (the
     product always hashes; the switch is the bench's), alternating, page cache warm."""
-    os.chmod(ckpt, 0o644)  # as a daemon serves it: a file arena where the CPU backend can
     return measure_content_hash(ckpt, cfg.device, reps=max(cfg.reps, 3), threads=DaemonConfig().load_threads,
                                 chunk=DaemonConfig().load_chunk_bytes)
 
@@ -269,9 +289,10 @@ def _measure_loader(cfg: BenchConfig, ckpt: Path, sock: str) -> LoaderFigures:
     return LoaderFigures(warm_s=statistics.median(warm), cold_s=statistics.median(cold) if cold else None)
 
 
-def _measure_ready(cfg: BenchConfig, ckpt: Path, sock: str) -> ReadyToComputeFigures:
+def _measure_ready(cfg: BenchConfig, ckpt: Path, sock: str, daemon: DaemonProcess) -> ReadyToComputeFigures:
     """Ready to compute, both ways alternating (which goes first alternates too), page
-    cache warm, each in a fresh mapping: the same conditions for both, in one run."""
+    cache warm, each in a fresh mapping: the same conditions for both, in one run. On the
+    CPU, also the host memory that holds the model once the daemon serves it."""
     warm_page_cache(ckpt)
     asyncio.run(attach_and_touch(sock, MODEL))  # one of each first, not counted: lazy imports, kernels, allocator
     time_load_file_and_touch(ckpt, cfg.device)
@@ -287,20 +308,50 @@ def _measure_ready(cfg: BenchConfig, ckpt: Path, sock: str) -> ReadyToComputeFig
         import torch
 
         torch.cuda.empty_cache()  # give load_file's cached blocks back before the engines start
-    return ReadyToComputeFigures(attach_s=Spread(tuple(attach)), load_file_s=Spread(tuple(load_file)), read=READ_EVERY_BYTE)
+    resident, arena = (None, None) if cfg.cuda else _resident(ckpt, sock, daemon)
+    return ReadyToComputeFigures(attach_s=Spread(tuple(attach)), load_file_s=Spread(tuple(load_file)), read=READ_EVERY_BYTE,
+                                 resident_ratio=resident, arena=arena)
 
 
-def _measure_fresh(cfg: BenchConfig, sock: str) -> FreshAttachFigures:
-    """``cfg.fresh`` fresh engine processes, one after the other, each attaching twice."""
+def _resident(ckpt: Path, sock: str, daemon: DaemonProcess) -> tuple[float, str | None]:
+    """The daemon's copies of the model (its memfds) plus the file's page cache, over the
+    file's size, with the model resident and nobody attached; and the arena it got. A
+    file served from its page cache is 1.0x; a copy into a memfd is one too once the
+    file's pages are dropped (backends/cpu.py), but only after the load."""
+    from ..client import SyncClient
+
+    with SyncClient(sock) as c:
+        c.load(MODEL)
+        arena = next(m["arena"] for m in c.models() if m["name"] == MODEL)
+    assert daemon.proc is not None
+    return (memfd_bytes(daemon.proc.pid) + page_cache_bytes(ckpt)) / ckpt.stat().st_size, arena
+
+
+def _measure_fresh(cfg: BenchConfig, ckpt: Path, sock: str) -> FreshAttachFigures:
+    """``cfg.fresh`` rounds of fresh engine processes, one after the other: one attaching
+    twice (phase by phase), one loading the same files with load_file and, on a GPU, one
+    opening the same tensors as torch CUDA IPC handles from a process holding them."""
+    files = discover_files(ckpt)
     time_fresh_attach(model=MODEL, socket=sock, device=cfg.device)  # not counted: writes the bytecode the others read
-    runs: list[FreshAttach] = [time_fresh_attach(model=MODEL, socket=sock, device=cfg.device) for _ in range(cfg.fresh)]
+    runs: list[FreshAttach] = []
+    load_file: list[float] = []
+    ipc: list[float] = []
+    with contextlib.ExitStack() as stack:
+        held = stack.enter_context(ipc_holder(files, cfg.device, sock + ".ipc")) if cfg.cuda else None
+        for _ in range(cfg.fresh):
+            runs.append(time_fresh_attach(model=MODEL, socket=sock, device=cfg.device))
+            load_file.append(time_restart("disk", files=files, model=MODEL, socket=sock, device=cfg.device).weights_s * 1e3)
+            if held is not None:
+                ipc.append(time_restart("ipc", files=files, model=MODEL, socket=sock, device=cfg.device, ipc_socket=held).weights_s * 1e3)
+                time.sleep(1.0)  # the anchors' device memory is freed after their exit: not on the next engine's time
 
     def spread(attr: str) -> Spread:
         return Spread(tuple(getattr(x, attr) for x in runs))
 
     return FreshAttachFigures(import_client_ms=spread("import_client_ms"), connect_ms=spread("connect_ms"),
                               first_attach_ms=spread("first_attach_ms"), second_attach_ms=spread("second_attach_ms"),
-                              lazy_imports=tuple(sorted({m for x in runs for m in x.lazy_imports})))
+                              lazy_imports=tuple(sorted({m for x in runs for m in x.lazy_imports})),
+                              load_file_ms=Spread(tuple(load_file)), cuda_ipc_ms=Spread(tuple(ipc)) if ipc else None)
 
 
 def _measure_host_tier(cfg: BenchConfig, sock: str) -> HostTierFigures:
@@ -311,10 +362,12 @@ def _measure_host_tier(cfg: BenchConfig, sock: str) -> HostTierFigures:
 def _measure_restarts(cfg: BenchConfig, ckpt: Path, sock: str) -> RestartFigures:
     """A fresh engine process to ready, the three ways interleaved, page cache warm."""
     runs: dict[str, list[Restart]] = {"floor": [], "disk": [], "cache": []}
-    warm_page_cache(ckpt)
+    files = discover_files(ckpt)
+    for f in files:
+        warm_page_cache(f)
     for _ in range(cfg.restarts):
         for mode in ("floor", "disk", "cache"):
-            runs[mode].append(time_restart(mode, path=str(ckpt), model=MODEL, socket=sock, device=cfg.device))
+            runs[mode].append(time_restart(mode, files=files, model=MODEL, socket=sock, device=cfg.device))
 
     def medians(mode: str) -> RestartTimes:
         return RestartTimes(ready_s=statistics.median(x.ready_s for x in runs[mode]),

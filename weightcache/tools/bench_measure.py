@@ -8,7 +8,9 @@ torch and safetensors are imported inside the functions that use them.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
+import mmap
 import os
 import time
 from pathlib import Path
@@ -28,6 +30,33 @@ def memfd_bytes(pid: int | str) -> int:
         except OSError:  # closed while we looked
             pass
     return total
+
+
+def page_cache_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes of the file in the page cache: mincore over a fresh mapping (which faults
+    nothing in)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    size = os.stat(path).st_size
+    if not size:
+        return 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), f"mmap {path}")
+    try:
+        vec = ctypes.create_string_buffer((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE)
+        if libc.mincore(addr, size, vec) != 0:
+            raise OSError(ctypes.get_errno(), f"mincore {path}")
+        return sum(b & 1 for b in vec.raw) * mmap.PAGESIZE
+    finally:
+        libc.munmap(addr, size)
 
 
 def drop_page_cache(path: str | os.PathLike[str]) -> None:

@@ -92,13 +92,23 @@ def print_table(console: Console, r: BenchResult) -> None:
         t.add_row(f"ready to compute: load_file + read every byte, warm (p50 of {n}, range)", _range(rd.load_file_s, 1e3, "ms"), "", "1x")
         t.add_row(f"ready to compute: attach + read every byte (p50 of {n}, range)", _range(rd.attach_s, 1e3, "ms"), "",
                   f"{rd.ratio:.2f}x")
+        if rd.resident_ratio is not None:
+            t.add_row(f"host memory holding the served model ({rd.arena} arena), over the file's size", f"{rd.resident_ratio:.3f}x", "", "")
     else:  # a run from before the ready-to-compute row
         lt = r.load_file.touch_warm_s
         t.add_row("load_file + read every byte once, warm", ms(lt), "", "1x")
         t.add_row("attach + read every byte once", ms(a.touch_s), "", f"{lt / a.touch_s:.2f}x")
     if f := r.fresh_attach:
         n = len(f.connect_ms.runs)
-        t.add_row(f"fresh process: connect -> first usable tensors (p50 of {n}, range)", _range(f.connect_to_tensors_ms, 1, "ms"), "", "")
+        base = f.load_file_ms.p50 if f.load_file_ms else None
+        t.add_row(f"fresh process: import the client -> first usable tensors (p50 of {n}, range)", _range(f.import_to_tensors_ms, 1, "ms"),
+                  "", f"{f.import_to_tensors_ms.p50 / base:.2f}x load_file" if base else "")
+        if f.load_file_ms:
+            t.add_row("  fresh process: import safetensors + load_file -> usable tensors", _range(f.load_file_ms, 1, "ms"), "", "1x")
+        if f.cuda_ipc_ms:
+            t.add_row("  fresh process: torch CUDA IPC handles -> usable tensors", _range(f.cuda_ipc_ms, 1, "ms"), "",
+                      f"attach {f.import_to_tensors_ms.p50 / f.cuda_ipc_ms.p50:.2f}x of it")
+        t.add_row(f"  fresh process: connect -> first usable tensors (p50 of {n}, range)", _range(f.connect_to_tensors_ms, 1, "ms"), "", "")
         for label, sp in (("import the client on top of torch", f.import_client_ms), ("connect", f.connect_ms),
                           ("first attach", f.first_attach_ms), ("second attach, same process", f.second_attach_ms)):
             t.add_row(f"  fresh process: {label}", _range(sp, 1, "ms"), "", "")

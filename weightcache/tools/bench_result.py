@@ -147,46 +147,73 @@ class ReadyToComputeFigures:
     attach_s: Spread
     load_file_s: Spread
     read: str  # how every byte is read
+    # CPU only: host memory holding the model once the daemon serves it (its memfds plus the
+    # file's page cache), over the file's size; absent in runs before issue 23
+    resident_ratio: float | None = None
+    arena: str | None = None  # which arena it got ("file", "memfd"; models' "arena")
 
     @property
     def ratio(self) -> float:
         return self.load_file_s.p50 / self.attach_s.p50
 
     def as_dict(self) -> dict[str, Any]:
-        return {"ready_to_compute": {"read": self.read, "reps": len(self.attach_s.runs), "attach_s": self.attach_s.as_dict(),
-                                     "load_file_s": self.load_file_s.as_dict(), "ratio_load_file_over_attach": self.ratio}}
+        out = {"read": self.read, "reps": len(self.attach_s.runs), "attach_s": self.attach_s.as_dict(),
+               "load_file_s": self.load_file_s.as_dict(), "ratio_load_file_over_attach": self.ratio}
+        if self.resident_ratio is not None:
+            out |= {"resident_over_file": self.resident_ratio, "arena": self.arena}
+        return {"ready_to_compute": out}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ReadyToComputeFigures:
-        return cls(attach_s=Spread.from_dict(d["attach_s"]), load_file_s=Spread.from_dict(d["load_file_s"]), read=d["read"])
+        return cls(attach_s=Spread.from_dict(d["attach_s"]), load_file_s=Spread.from_dict(d["load_file_s"]), read=d["read"],
+                   resident_ratio=d.get("resident_over_file"), arena=d.get("arena"))
 
 
 @dataclass(frozen=True)
 class FreshAttachFigures:
     """Attach in fresh engine processes (torch imported and, on a GPU, CUDA initialised
-    first), phase by phase, one run per process, in milliseconds."""
+    first), phase by phase, one run per process, in milliseconds; and, in processes
+    alternating with those, the anchors: a fresh process's ``load_file`` of the same
+    files and (GPU) the same tensors as torch CUDA IPC handles, each from its own imports
+    to usable tensors (tools/restart.py, Note [as the engine meets it])."""
 
     import_client_ms: Spread  # the client's import on top of torch
     connect_ms: Spread
     first_attach_ms: Spread  # attach entered -> tensors usable, lazy imports included
     second_attach_ms: Spread  # the same process's next attach
     lazy_imports: tuple[str, ...] = ()  # modules connect or the first attach imported (union over the processes)
+    load_file_ms: Spread | None = None  # import safetensors + load_file -> usable (absent in runs before issue 23)
+    cuda_ipc_ms: Spread | None = None  # receive handles + open each -> usable (GPU only)
 
     @property
     def connect_to_tensors_ms(self) -> Spread:
         """connect -> first usable tensors, per process (not the sum of two medians)."""
         return Spread(tuple(c + a for c, a in zip(self.connect_ms.runs, self.first_attach_ms.runs, strict=True)))
 
+    @property
+    def import_to_tensors_ms(self) -> Spread:
+        """import the client -> first usable tensors, per process: what the engine pays."""
+        return Spread(tuple(i + c + a for i, c, a in zip(self.import_client_ms.runs, self.connect_ms.runs, self.first_attach_ms.runs,
+                                                        strict=True)))
+
     def as_dict(self) -> dict[str, Any]:
-        return {"fresh_attach": {"n": len(self.connect_ms.runs), "connect_to_tensors_ms": self.connect_to_tensors_ms.as_dict(),
-                                 "import_client_ms": self.import_client_ms.as_dict(), "connect_ms": self.connect_ms.as_dict(),
-                                 "first_attach_ms": self.first_attach_ms.as_dict(), "second_attach_ms": self.second_attach_ms.as_dict(),
-                                 "lazy_imports": list(self.lazy_imports)}}
+        out = {"n": len(self.connect_ms.runs), "connect_to_tensors_ms": self.connect_to_tensors_ms.as_dict(),
+               "import_client_ms": self.import_client_ms.as_dict(), "connect_ms": self.connect_ms.as_dict(),
+               "first_attach_ms": self.first_attach_ms.as_dict(), "second_attach_ms": self.second_attach_ms.as_dict(),
+               "lazy_imports": list(self.lazy_imports)}
+        if self.load_file_ms is not None:  # runs since issue 23: the headline beside its anchors
+            out["import_to_tensors_ms"] = self.import_to_tensors_ms.as_dict()
+        for key in ("load_file_ms", "cuda_ipc_ms"):
+            sp = getattr(self, key)
+            if sp is not None:
+                out[key] = sp.as_dict()
+        return {"fresh_attach": out}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FreshAttachFigures:
         return cls(**{k: Spread.from_dict(d[k]) for k in ("import_client_ms", "connect_ms", "first_attach_ms", "second_attach_ms")},
-                   lazy_imports=tuple(d["lazy_imports"]))
+                   lazy_imports=tuple(d["lazy_imports"]),
+                   **{k: Spread.from_dict(d[k]) for k in ("load_file_ms", "cuda_ipc_ms") if k in d})
 
 
 @dataclass(frozen=True)

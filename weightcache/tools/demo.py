@@ -43,20 +43,20 @@ def run_demo(workdir: str | None = None, restarts: int = 3, model_mib: int = 96)
     console.print(f"[bold]2.[/] daemon on the CPU backend, budget {budget} for three {model_mib} MiB models; log: {root / 'daemon.log'}")
 
     with DaemonProcess(cfg, sock, root / "daemon.log"):
-        first = time_restart("cache", path=str(paths["alpha"]), model="alpha", socket=sock)  # loads it into the cache
+        first = time_restart("cache", files=[str(paths["alpha"])], model="alpha", socket=sock)  # loads it into the cache
         console.print(f"    first attach of alpha loaded it into the cache: engine ready in {first.ready_s:.2f}s")
         runs: list[Restart] = []
         with console.status(f"restarting the engine {restarts}x with and {restarts}x without the cache"):
             for _ in range(restarts):
-                runs.append(time_restart("disk", path=str(paths["alpha"]), model="alpha", socket=sock))
-                runs.append(time_restart("cache", path=str(paths["alpha"]), model="alpha", socket=sock))
+                runs.append(time_restart("disk", files=[str(paths["alpha"])], model="alpha", socket=sock))
+                runs.append(time_restart("cache", files=[str(paths["alpha"])], model="alpha", socket=sock))
         _restart_table(console, runs, model_mib)
 
         console.print("[bold]4.[/] engines attach beta, then gamma: the budget holds two, so the least recently used goes")
         from ..client import SyncClient
 
         for name in ("beta", "gamma"):
-            time_restart("cache", path=str(paths[name]), model=name, socket=sock)
+            time_restart("cache", files=[str(paths[name])], model=name, socket=sock)
         with SyncClient(sock) as c:
             t = Table("model", "state", "size", "loads", "evictions", title="models after alpha, beta, gamma were attached")
             for m in c.models():

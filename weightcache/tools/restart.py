@@ -1,15 +1,31 @@
-"""Time a fresh engine process from spawn to "all weights usable", three ways:
+"""Time a fresh engine process from spawn to "all weights usable", the ways an engine
+can get its weights:
 
 - ``floor``: spawn + ``import torch`` (+ CUDA init on a GPU device): the restart floor;
 - ``disk``:  the floor + ``safetensors.torch.load_file`` of every file of the checkpoint;
-- ``cache``: the floor + attach through weightcache.
+- ``cache``: the floor + ``from weightcache import SyncClient`` + connect + attach;
+- ``ipc`` (GPU only): the floor + the same tensors as torch CUDA IPC handles from a
+  process that holds them (``reduce_tensor`` per tensor, one ``cudaIpcOpenMemHandle``
+  each on the way in): what vLLM's and SGLang's weight-sharing daemons hand out.
 
 The demo and the benchmarks both use it, so their numbers mean the same thing. The
 parent measures wall time until the child prints its READY line; the child reports how
-long the weights step alone took and a checksum of the weights, so the two ways can be
+long the weights step alone took (everything after torch and CUDA are ready, imports of
+safetensors or weightcache included) and a checksum of the weights, so the ways can be
 checked to give the same bytes.
 
-A fourth mode, ``fresh`` (:func:`time_fresh_attach`), is the engine's side of an attach
+Note [as the engine meets it]
+-----------------------------
+Every child runs this file by its path, never ``python -m weightcache...``: that would
+import the weightcache package before torch, and its cost would fall outside the timed
+step (the issue 23 review found the docs' fresh-process figures left ~5-20 ms out that
+way). The disk child imports nothing of weightcache (the parent hands it the file list).
+Children import weightcache's compiled bytecode, as a ``pip install`` leaves it; with
+``bytecode=False`` they import the package from a copy of its sources with
+``PYTHONDONTWRITEBYTECODE=1``, so every process compiles it: what an editable checkout
+on a host that sets that variable pays.
+
+A further mode, ``fresh`` (:func:`time_fresh_attach`), is the engine's side of an attach
 phase by phase: once torch is imported (and on a GPU its CUDA context exists), how long
 importing the client takes, then connecting, then the first attach until its tensors are
 usable, then a second attach in the same process (what is left once one-time work is done).
@@ -17,17 +33,24 @@ usable, then a second attach in the same process (what is left once one-time wor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 READY = "READY "
 RESULT = "RESULT "
+HOLDING = "HOLDING"
+MODES = ("floor", "disk", "cache", "ipc")
+PACKAGE = Path(__file__).resolve().parents[1]  # weightcache/
 
 
 @dataclass
@@ -35,7 +58,7 @@ class Restart:
     mode: str
     ready_s: float  # spawn -> READY, as the parent saw it
     import_s: float  # import torch (+ CUDA init) inside the child
-    weights_s: float  # load_file or attach inside the child
+    weights_s: float  # load_file, attach or IPC inside the child, its imports included
     checksum: float | None
     tensors: int
     extra_device_bytes: int | None  # GPU memory the weights step took (None on CPU)
@@ -59,29 +82,42 @@ class FreshAttach:
     def connect_to_tensors_ms(self) -> float:
         return self.connect_ms + self.first_attach_ms
 
+    @property
+    def import_to_tensors_ms(self) -> float:
+        """What a fresh engine pays for its weights once torch is ready: the issue 23 target."""
+        return self.import_client_ms + self.connect_ms + self.first_attach_ms
 
-def _spawn(mode: str, path: str, model: str, socket: str, device: str) -> subprocess.Popen[str]:
-    # An installed engine imports compiled bytecode; with this set (as on some dev and CI
-    # machines) every process compiled the client from source, ~10-20 ms more, which
-    # fell mostly on the cache mode's weights step (2-core VM: 14.1 ms against 4.7).
+
+@contextlib.contextmanager
+def source_only_package() -> Iterator[str]:
+    """A folder holding a copy of the weightcache package without bytecode: put first on
+    PYTHONPATH with PYTHONDONTWRITEBYTECODE=1, every import compiles it from source."""
+    with tempfile.TemporaryDirectory(prefix="wc-src-") as tmp:
+        shutil.copytree(PACKAGE, Path(tmp) / "weightcache", ignore=shutil.ignore_patterns("__pycache__"))
+        yield tmp
+
+
+def _spawn(mode: str, spec: dict[str, Any], src: str | None = None) -> subprocess.Popen[str]:
+    """Run this file by its path (Note [as the engine meets it]) as the child ``mode``.
+    ``src``: a source-only copy of the package to import instead (no bytecode)."""
     env = dict(os.environ)
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    if mode != "fresh":
-        return subprocess.Popen([sys.executable, "-m", "weightcache.tools.restart", mode, path, model, socket, device],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # ``-m weightcache.tools.restart`` would import the weightcache package before torch,
-    # hiding part of the client's import cost: run this file by its path instead, with
-    # the package findable (the script's own folder is taken off sys.path in the child).
-    here = Path(__file__).resolve()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(here.parents[2]), os.environ.get("PYTHONPATH")]))
-    return subprocess.Popen([sys.executable, str(here), mode, path, model, socket, device], env=env,
+    if src is None:
+        # An installed engine imports compiled bytecode; with this set (as on some dev and CI
+        # machines) every process compiled the client from source, ~10-20 ms more.
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        root = str(PACKAGE.parent)
+    else:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        root = src
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), mode, json.dumps(spec)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def time_fresh_attach(*, model: str, socket: str, device: str = "cpu") -> FreshAttach:
     """Spawn a fresh engine (torch imported and CUDA initialised first) and return its
     timings, which it prints as one JSON line."""
-    proc = _spawn("fresh", "-", model, socket, device)
+    proc = _spawn("fresh", {"model": model, "socket": socket, "device": device})
     out, err = proc.communicate(timeout=600)
     lines = [x for x in out.splitlines() if x.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
@@ -89,9 +125,16 @@ def time_fresh_attach(*, model: str, socket: str, device: str = "cpu") -> FreshA
     return FreshAttach(**json.loads(lines[-1][len(RESULT):]))
 
 
-def time_restart(mode: str, *, path: str, model: str, socket: str, device: str = "cpu") -> Restart:
+def time_restart(mode: str, *, files: list[str], model: str, socket: str, device: str = "cpu", ipc_socket: str | None = None,
+                 src: str | None = None) -> Restart:
+    """One fresh engine process, ``mode`` one of MODES. ``files``: the checkpoint's
+    safetensors files (the disk way loads them); ``ipc_socket``: an :func:`ipc_holder`'s
+    (the ipc way); ``src``: a :func:`source_only_package` (the cache way then compiles
+    the client, as without bytecode)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
     t0 = time.perf_counter()
-    proc = _spawn(mode, path, model, socket, device)
+    proc = _spawn(mode, {"files": files, "model": model, "socket": socket, "device": device, "ipc_socket": ipc_socket}, src)
     assert proc.stdout is not None
     info: dict[str, Any] = {}
     ready = 0.0
@@ -110,6 +153,23 @@ def time_restart(mode: str, *, path: str, model: str, socket: str, device: str =
                    checksum=info["checksum"], tensors=info["tensors"], extra_device_bytes=info.get("extra_device_bytes"))
 
 
+@contextlib.contextmanager
+def ipc_holder(files: list[str], device: str, socket_path: str) -> Iterator[str]:
+    """A process that loads the checkpoint onto ``device`` and hands every connecting
+    engine its tensors as torch CUDA IPC handles, until the block ends. Yields its socket."""
+    proc = _spawn("ipc_holder", {"files": files, "device": device, "socket": socket_path})
+    assert proc.stdout is not None
+    try:
+        line = proc.stdout.readline()
+        if line.strip() != HOLDING:
+            raise RuntimeError(f"the CUDA IPC holder did not start: {proc.communicate(timeout=60)[1][-2000:]}")
+        yield socket_path
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+
+
+# ------------------------------------------------------------------------------ the children
 def _checksum(torch: Any, tensors: dict[str, Any]) -> float:
     # Touches every tensor (so lazily mapped pages really are usable) but stays cheap:
     # the first and last elements of each, summed in float64.
@@ -121,10 +181,13 @@ def _checksum(torch: Any, tensors: dict[str, Any]) -> float:
     return total
 
 
-def _engine(mode: str, path: str, model: str, socket: str, device: str) -> None:
+def _engine(mode: str, spec: dict[str, Any]) -> None:
+    if "weightcache" in sys.modules:
+        raise RuntimeError("the engine imported weightcache before timing its weights step")
     t0 = time.perf_counter()
     import torch
 
+    device = spec["device"]
     cuda = device.startswith("cuda")
     if cuda:
         torch.empty(1, device=device)  # CUDA context: part of every engine's start
@@ -136,7 +199,10 @@ def _engine(mode: str, path: str, model: str, socket: str, device: str) -> None:
     free0 = torch.cuda.mem_get_info(torch.device(device))[0] if cuda else 0
     t1 = time.perf_counter()
     if mode == "fresh":
-        _fresh(model, socket)
+        _fresh(spec["model"], spec["socket"])
+        return
+    if mode == "ipc_holder":
+        _hold_ipc(spec)
         return
     if mode == "floor":
         print(READY + json.dumps({"import_s": t1 - t0, "weights_s": 0.0}), flush=True)
@@ -145,25 +211,64 @@ def _engine(mode: str, path: str, model: str, socket: str, device: str) -> None:
     if mode == "disk":
         from safetensors.torch import load_file
 
-        from weightcache.loader.checkpoint import discover_files
-
         weights: dict[str, Any] = {}
-        for f in discover_files(path):
+        for f in spec["files"]:
             weights.update(load_file(f, device=device))
         if cuda:
             torch.cuda.synchronize()
         _report(t0, t1, weights, extra_bytes())
         return
+    if mode == "ipc":
+        _report(t0, t1, _receive_ipc(spec["ipc_socket"]), extra_bytes())
+        return
     from weightcache import SyncClient
 
-    with SyncClient(socket, name=f"engine/{mode}") as c, c.attach(model) as m:
+    with SyncClient(spec["socket"], name=f"engine/{mode}") as c, c.attach(spec["model"]) as m:
         _report(t0, t1, dict(m), extra_bytes())
+
+
+def _hold_ipc(spec: dict[str, Any]) -> None:
+    """The ipc holder: load the files onto the device, then send each engine that connects
+    one pickle of [(name, (rebuild, args)), ...] from torch's ``reduce_tensor``."""
+    import pickle
+    import socket
+    import struct
+
+    from safetensors.torch import load_file
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    tensors: dict[str, Any] = {}
+    for f in spec["files"]:
+        tensors.update(load_file(f, device=spec["device"]))
+    payload = pickle.dumps([(name, reduce_tensor(t)) for name, t in tensors.items()])
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(spec["socket"])  # left by a run that was killed
+    server.bind(spec["socket"])
+    server.listen(8)
+    print(HOLDING, flush=True)
+    while True:
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(struct.pack(">Q", len(payload)) + payload)
+            conn.recv(1)  # the engine closes once it is done: the tensors it opened stay valid while we live
+
+
+def _receive_ipc(path: str) -> dict[str, Any]:
+    import pickle
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        f = s.makefile("rb")
+        (n,) = struct.unpack(">Q", f.read(8))
+        handles = pickle.loads(f.read(n))  # a benchmark's own trusted holder: torch's IPC protocol is pickle
+    return {name: rebuild(*args) for name, (rebuild, args) in handles}
 
 
 def _fresh(model: str, socket: str) -> None:
     """The ``fresh`` mode's child: torch (and CUDA) are ready; time the client's part."""
-    if "weightcache" in sys.modules:
-        raise RuntimeError("the fresh engine imported weightcache before timing its import")
     t0 = time.perf_counter()
     from weightcache import SyncClient, load_into_module  # what an engine imports (README)
 
@@ -198,5 +303,5 @@ def _report(t0: float, t1: float, weights: dict[str, Any], extra_device_bytes: i
 
 if __name__ == "__main__":
     if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-        del sys.path[0]  # run by path (fresh mode): this folder's modules are not top-level modules
-    _engine(*sys.argv[1:6])
+        del sys.path[0]  # run by path: this folder's modules are not top-level modules
+    _engine(sys.argv[1], json.loads(sys.argv[2]))

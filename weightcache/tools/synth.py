@@ -45,17 +45,19 @@ def kept_checkpoint(path: Path, nbytes: int, n_tensors: int, *, seed: int = 0) -
 
 
 def write_checkpoint(path: str | os.PathLike[str], nbytes: int, n_tensors: int, *, shards: int = 1,
-                     dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
-    """Write a checkpoint and return the path to give the daemon: the file for one shard,
-    the index json for several (``path`` is then a directory)."""
+                     dtype: torch.dtype = torch.bfloat16, seed: int = 0, mode: int | None = None) -> Path:
+    """Write a checkpoint with ``safetensors.torch.save_file``, as users' files are written
+    (``save_pretrained`` writes through it), and return the path to give the daemon: the
+    file for one shard, the index json for several (``path`` is then a directory). The
+    files keep save_file's mode (0600) unless ``mode`` is given, e.g. 0o644 for a file
+    that another uid's client opens in a test."""
     tensors = synth_tensors(nbytes, n_tensors, dtype=dtype, seed=seed)
     p = Path(path)
     if shards == 1:
         p.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(p), metadata={"format": "pt"})
-        # As model files on a host are (safetensors writes 0600): the CPU backend serves only
-        # world-readable files from their page cache.
-        p.chmod(0o644)
+        if mode is not None:
+            p.chmod(mode)
         return p
     p.mkdir(parents=True, exist_ok=True)
     names = list(tensors)
@@ -64,7 +66,8 @@ def write_checkpoint(path: str | os.PathLike[str], nbytes: int, n_tensors: int, 
         part = names[s::shards]
         fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         save_file({k: tensors[k] for k in part}, str(p / fname), metadata={"format": "pt"})
-        (p / fname).chmod(0o644)
+        if mode is not None:
+            (p / fname).chmod(mode)
         weight_map.update(dict.fromkeys(part, fname))
     index = p / "model.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}))
