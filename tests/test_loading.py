@@ -237,6 +237,9 @@ async def test_waiters_for_a_model_whose_load_fails_before_admission_do_not_fail
             raise LoadFailed("b: the files no longer parse", model="b")
 
         monkeypatch.setattr(loads_module, "parse_checkpoint", broken)
+        # The files changed (else the waiting load reuses the parse it kept: issue 25).
+        st = os.stat(ckpts["b"])
+        os.utime(ckpts["b"], ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
         core.detach(lease.id, 1)
         await loads.notify_space()
         results = await asyncio.gather(*waiting, return_exceptions=True)

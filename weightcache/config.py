@@ -178,6 +178,16 @@ def resolve_group(group: Any) -> int:
         raise ValueError(f"no group named {group!r}") from None
 
 
+def config_group_names(daemon: DaemonConfig) -> dict[str, int]:
+    """The group names the config file itself uses (``socket_group``, ``allowed_gids``,
+    ``admin_gids``), resolved: the only names a peer's ``allowed_gids`` may give. A peer's
+    request never makes the daemon look a name up (a publish listing "root" 1,000,000
+    times ran one getgrnam each on the event loop, 36 s; with sssd or LDAP each is a
+    network round trip). Called once per config (model_ops caches it)."""
+    names = [g for g in (daemon.socket_group, *daemon.allowed_gids, *daemon.admin_gids) if isinstance(g, str) and not g.isdigit()]
+    return {g: resolve_group(g) for g in names}
+
+
 def under_roots(path: str | os.PathLike[str], roots: list[Path]) -> bool:
     """Whether ``path``, symlinks resolved, lies under one of ``roots`` (by path component:
     /models2 is not under /models). The loader checks the files it really opened again."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import sys
 import time
 from collections.abc import Iterable, Mapping
@@ -108,11 +109,33 @@ def write_record(path: str | os.PathLike[str], names: list[str]) -> None:
 
 
 def read_record(path: str | os.PathLike[str]) -> list[str]:
-    """The names in a record file; ``#`` starts a comment. A missing file is an empty list."""
+    """The names in a record file; ``#`` starts a comment. A missing file is an empty list.
+
+    The names are modules the supervisor imports: a record someone else could write
+    chooses code a root supervisor runs. So the file must be owned by root or the reader's
+    uid and writable by no one else, in directories only they can change (the rule
+    open_source applies to checkpoint paths, loader/sources.untrusted_directory);
+    otherwise it is ignored (an empty list) and stderr says why."""
+    from .loader.sources import untrusted_directory
+
     try:
-        text = Path(path).read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return []
+    except OSError as exc:
+        print(f"weightcache.engine: module record {path} not read: {exc.strerror}", file=sys.stderr)
+        return []
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        where = untrusted_directory(os.fspath(path))
+        trusted = (0, os.geteuid())
+        if st.st_uid not in trusted or st.st_mode & 0o022 or where is not None or not stat.S_ISREG(st.st_mode):
+            why = (f"directory {where[0]} can be changed by uid {where[1]}" if where is not None
+                   else f"it is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}")
+            print(f"weightcache.engine: module record {path} ignored: {why} (a record others can write would choose "
+                  "the modules this process imports)", file=sys.stderr)
+            return []
+        text = f.read().decode("utf-8", errors="replace")
     return [s for s in (line.split("#", 1)[0].strip() for line in text.splitlines()) if s]
 
 

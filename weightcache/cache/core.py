@@ -416,6 +416,23 @@ class CacheCore:
         acct.reserved += nbytes
         return LoadPlan(name=name, nbytes=nbytes, step_down=step, promote=e.host_copy)
 
+    def could_admit(self, name: str, nbytes: int) -> bool:
+        """Whether ``begin_load(name, nbytes)`` would admit the load now, changing nothing:
+        what a request waiting for room asks before it is woken (server/loads.py,
+        SpaceFreed), so that a detach that frees too little wakes nobody."""
+        e = self.entries.get(name)
+        if e is None or e.state in (State.LOADING, State.RESIDENT):
+            return True  # not a wait for room any more: let it find out
+        try:
+            own = self._quota_victims(e, nbytes)
+        except NoSpace:
+            return False
+        acct = self.devices[e.device]
+        arenas = {self._arena_key(v): v.nbytes for v in own}
+        taken = {v.name for v in own}
+        return self._victims(e.device, nbytes - acct.free - sum(arenas.values()), self._over_count(e.device) - len(arenas),
+                             among=lambda x: x.name not in taken, commit=False) is not None
+
     def loaded_on(self, device: str) -> int:
         """Models counted against ``device``'s max_loaded: RESIDENT or LOADING there, a
         shared arena once."""

@@ -12,7 +12,10 @@ was validated is what gets loaded (sources.py says why).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
+import heapq
 import itertools
 import json
 import os
@@ -47,6 +50,24 @@ MAX_NAME_CHARS = 1024  # tensor names: real ones are < 200
 LIMIT = 2**62  # bound on every dimension, offset and byte count: far past any real tensor, and msgpack-safe
 ARENA_ALIGN = 256  # every tensor starts 256-byte aligned: what CUDA kernels and any dtype view need
 
+# Note [held bytes]
+# ~~~~~~~~~~~~~~~~~
+# A model makes the daemon hold more than its arena: one TensorInfo per tensor (a 7-tuple,
+# its name, shape and offsets as Python objects) and the attach reply's table (msgpack,
+# encoded once per load). For 100,000 zero-byte tensors (a 7.4 MB header, 22-character
+# names) tracemalloc measured 30.1 MiB for the tensors and 3.1 MiB for the table, ~350 bytes
+# a tensor; before issue 25 the raw header (7.1 MiB) was kept too, and all of it after
+# eviction, charged to nobody: a tenant with an 8 KiB quota made the daemon hold +201 MiB
+# RSS with four such models. Now the estimate below (a little above what was measured) is
+# added to the bytes a load is admitted for: it counts against the device's budget and
+# the owner's quota like the arena, is returned with it, and the raw header is dropped
+# once hashed. Evicted, a model keeps only its fingerprint and tensor count. So what a
+# model makes the daemon hold beyond its arena is counted while resident (at the 16 MiB
+# header cap, ~150k tensors, ~55 MiB), plus the parse's transient peak per io thread
+# (~2x the parsed size, ~85 MiB measured for the 7.4 MB header).
+HELD_PER_TENSOR = 320  # bytes per tensor besides its name (twice: tuple and table) and 9 per dimension
+HELD_BASE_BYTES = 4096  # the Checkpoint, its file records and the model's record
+
 @dataclass(frozen=True)
 class CheckpointFile:
     path: str
@@ -55,7 +76,7 @@ class CheckpointFile:
     dev: int  # with ino: which file this was, so a file replaced by rename counts as changed
     ino: int
     data_start: int  # 8 + header length: file offset of the first tensor byte
-    header: bytes  # raw JSON, part of the fingerprint
+    header: bytes  # raw JSON, hashed into the layout digest by parse_checkpoint, which then keeps b"" (Note [held bytes])
 
     def same_file(self, st: os.stat_result) -> bool:
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == (self.dev, self.ino, self.size, self.mtime_ns)
@@ -93,6 +114,13 @@ class Checkpoint:
     @property
     def data_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    @functools.cached_property
+    def held_bytes(self) -> int:
+        """What the daemon holds for this checkpoint beyond its arena while it is loaded:
+        the parsed tensors and the attach reply's encoded table (Note [held bytes]).
+        Computed once (parse_checkpoint does, in the io pool)."""
+        return HELD_BASE_BYTES + sum(HELD_PER_TENSOR + 2 * len(t.name) + 9 * len(t.shape) for t in self.tensors)
 
     def unchanged_on_disk(self) -> bool:
         """Cheap staleness check by path: every file is still the same file (dev, inode) with
@@ -144,6 +172,36 @@ def nbytes_of(shape: list[int], itemsize: int) -> int | None:
 
 class _HeaderError(Exception):
     """Raised from inside json.loads by the strict hooks below; becomes a CorruptCheckpoint."""
+
+
+# Big headers are taken apart in slices of this many entries: freeing (or sorting) 100k
+# objects in one C call held the interpreter lock for 20-45 ms against the daemon's
+# event loop (issue 25; the loop's 1 ms sleeps measured beside a parse).
+SLICE = 4096
+
+
+def release_gradually(container: list[Any] | dict[Any, Any]) -> None:
+    """Empty ``container`` a slice at a time (each slice's objects freed in one short C
+    call, the interpreter lock free for other threads between slices), rather than in one
+    cascade when its last reference goes."""
+    if isinstance(container, dict):
+        while len(container) > SLICE:
+            for _ in range(SLICE):
+                container.popitem()
+        container.clear()
+    else:
+        while len(container) > SLICE:
+            del container[-SLICE:]
+        container.clear()
+
+
+def sorted_gradually(items: list[Any], key: Callable[[Any], Any] | None = None) -> list[Any]:
+    """``sorted(items, key=key)``, sorted a slice at a time and merged in Python, so that no
+    single C call sorts 100k items (~40 ms holding the lock). Stable, like sorted."""
+    if len(items) <= SLICE:
+        return sorted(items, key=key)
+    runs = [sorted(items[i : i + SLICE], key=key) for i in range(0, len(items), SLICE)]
+    return list(heapq.merge(*runs, key=key))
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -295,10 +353,11 @@ def read_header(file: SourceFile) -> tuple[CheckpointFile, dict[str, Any]]:
         if end > data_len:
             raise _corrupt(path, f"tensor {show(name)}: bytes {start}..{end} run past the data ({data_len} bytes; truncated?)")
         spans.append((start, end, name))
-    spans.sort()
+    spans = sorted_gradually(spans)
     for (_s0, e0, n0), (s1, _e1, n1) in itertools.pairwise(spans):
         if s1 < e0:
             raise _corrupt(path, f"tensors {show(n0)} and {show(n1)} overlap")
+    release_gradually(spans)
     rec = CheckpointFile(path=path, size=st.st_size, mtime_ns=st.st_mtime_ns, dev=st.st_dev, ino=st.st_ino, data_start=8 + n,
                          header=raw)
     return rec, header
@@ -361,7 +420,9 @@ def parse_checkpoint(opened: OpenedSource) -> Checkpoint:
         files.append(rec)
         digest.update(f"{os.path.basename(f.path)}\0{rec.size}\0".encode())
         digest.update(rec.header)
-        for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        rec = dataclasses.replace(rec, header=b"")  # hashed into the layout: kept, it was the header's size again per model
+        in_order = sorted_gradually(list(header.items()), key=lambda kv: kv[1]["data_offsets"][0])
+        for name, e in in_order:
             if name in seen:
                 raise _corrupt(f.path, f"tensor {show(name)} also appears in {seen[name]}")
             seen[name] = f.path
@@ -372,10 +433,15 @@ def parse_checkpoint(opened: OpenedSource) -> Checkpoint:
                 file_offset=rec.data_start + start, nbytes=end - start, arena_offset=cursor,
             ))
             cursor += end - start
-    return Checkpoint(
+        release_gradually(in_order)
+        release_gradually(header)
+    release_gradually(seen)
+    ckpt = Checkpoint(
         source=opened.source, files=tuple(files), tensors=tuple(tensors),
         arena_bytes=max(cursor, 1), fingerprint="", layout=digest.hexdigest(),
     )
+    ckpt.held_bytes  # noqa: B018 -- computed here, in the io pool, not on the event loop
+    return ckpt
 
 
 def open_checkpoint(source: str | os.PathLike[str]) -> Checkpoint:

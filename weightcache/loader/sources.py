@@ -22,6 +22,7 @@ import errno
 import fcntl
 import fnmatch
 import json
+import logging
 import os
 import re
 import stat
@@ -35,6 +36,8 @@ from ..errors import BadRequest, CorruptCheckpoint, LoadFailed, PermissionDenied
 
 INDEX_SUFFIX = ".safetensors.index.json"
 MAX_INDEX_BYTES = 16 * 2**20  # the largest real index (tens of thousands of tensors) is a few MiB; as the header cap
+
+log = logging.getLogger("weightcache.loader")
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
@@ -89,8 +92,59 @@ def _under(path: str, root: str) -> bool:
     return parts[: len(rparts)] == rparts
 
 
+def untrusted_directory(path: str) -> tuple[str, int] | None:
+    """The first directory on the way to ``path`` (as written, then symlinks resolved)
+    that someone other than root or the daemon's uid can change, with its owner; None
+    when there is none. As OpenSSH's StrictModes: a directory is trusted if root or the
+    daemon's uid owns it and neither group nor others may write it, or, sticky (/tmp), if
+    the entry in it on the way is owned by root or the daemon's uid (others cannot
+    rename or remove that one). A directory that cannot be examined is untrusted."""
+    trusted = (0, os.geteuid())
+    ways = [os.path.normpath(os.path.abspath(path))]
+    real = os.path.realpath(path)
+    if real != ways[0]:
+        ways.append(real)
+    for way in ways:
+        parts = Path(way).parts
+        for i in range(1, len(parts)):
+            d = os.path.join(*parts[:i])
+            try:
+                st = os.lstat(d)
+                if stat.S_ISLNK(st.st_mode):
+                    continue  # its own directory was checked; where it leads is the second way
+                if st.st_uid not in trusted:
+                    return d, st.st_uid
+                if st.st_mode & 0o022:
+                    nxt = os.lstat(os.path.join(d, parts[i]))
+                    if not (st.st_mode & stat.S_ISVTX) or nxt.st_uid not in trusted:
+                        return d, (nxt.st_uid if st.st_mode & stat.S_ISVTX else st.st_uid)
+            except OSError:
+                return d, -1
+    return None
+
+
+# Paths already said to lie in a directory others can change (logged once each, bounded).
+_warned: set[str] = set()
+
+
+def _warn_untrusted(path: str, where: tuple[str, int]) -> None:
+    if path in _warned or len(_warned) >= 1024:
+        return
+    _warned.add(path)
+    who = "its owner cannot be told" if where[1] < 0 else f"uid {where[1]} can change it"
+    log.warning("checkpoint path %s: directory %s is not the operator's alone (%s): symbolic links on the way are not "
+                "followed, so nobody can point the daemon at a file of their choosing (make the directories root's, "
+                "or use daemon.model_roots)", path, where[0], who, extra={"path": path})
+
+
 class _Opener:
-    """Opens the files of one checkpoint, remembering every fd so that a failure closes them all."""
+    """Opens the files of one checkpoint, remembering every fd so that a failure closes them all.
+
+    Symbolic links are followed (with ``follow_symlinks``) only on a way every directory
+    of which root or the daemon's uid alone can change (untrusted_directory): else one
+    who can write a directory there could swap a file for a link to another tenant's
+    file, which the daemon, reading as root, would then serve (the stale-file reload did,
+    with the default config, before issue 25)."""
 
     def __init__(self, source: str, roots: Sequence[str | os.PathLike[str]] | None, follow_symlinks: bool) -> None:
         self.source = source
@@ -98,6 +152,7 @@ class _Opener:
         self.follow = follow_symlinks
         self.flags = _OPEN_FLAGS | (0 if follow_symlinks else os.O_NOFOLLOW)
         self.fds: list[int] = []
+        self.untrusted: tuple[str, int] | None = None  # the directory that stopped a symlink being followed
 
     def close_all(self) -> None:
         for fd in self.fds:
@@ -124,11 +179,20 @@ class _Opener:
         with ``want_dir`` (``None`` for the top-level source, which may be either)."""
         target = path if name is None else name
         try:
+            asked = os.path.abspath(target) if dir_fd is None else os.path.join(_fd_path(dir_fd), target)
+        except (OSError, ValueError):
+            asked = target
+        follow = self.follow
+        if follow and (where := untrusted_directory(asked)) is not None:
+            follow = False
+            self.untrusted = where
+            _warn_untrusted(asked, where)
+        try:
             # O_PATH first: it opens nothing (no device or FIFO open with side effects), and
             # what it names is then checked and reopened by inode, never by path again.
-            pfd = os.open(target, os.O_PATH | os.O_CLOEXEC | (0 if self.follow else os.O_NOFOLLOW), dir_fd=dir_fd)
+            pfd = os.open(target, os.O_PATH | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW), dir_fd=dir_fd)
         except OSError as exc:
-            raise self._refuse(path, target, dir_fd, self._open_error(path, exc)) from None
+            raise self._refuse(path, target, dir_fd, self._open_error(path, exc, follow)) from None
         except ValueError:  # an embedded NUL
             raise LoadFailed(f"{path}: invalid path", file=path, reason="invalid path") from None
         try:
@@ -140,19 +204,17 @@ class _Opener:
             try:
                 fd = os.open(f"/proc/self/fd/{pfd}", self.flags & ~os.O_NOFOLLOW)
             except OSError as exc:
-                raise self._refuse(path, target, dir_fd, self._open_error(path, exc)) from None
+                raise self._refuse(path, target, dir_fd, self._open_error(path, exc, follow)) from None
         finally:
             os.close(pfd)
         self.fds.append(fd)
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino) != (pre.st_dev, pre.st_ino):  # cannot happen through /proc; say so if it does
             raise LoadFailed(f"{path}: changed while being opened", file=path, reason="changed while opening")
-        if not self.follow:
-            # O_NOFOLLOW covers the last component only: a symlinked directory on the way
-            # shows as a real path that differs from the one asked for.
-            asked = os.path.abspath(target) if dir_fd is None else os.path.join(_fd_path(dir_fd), target)
-            if os.path.normpath(asked) != _fd_path(fd):
-                raise self._symlink(path)
+        # O_NOFOLLOW covers the last component only: a symlinked directory on the way
+        # shows as a real path that differs from the one asked for.
+        if not follow and os.path.normpath(asked) != _fd_path(fd):
+            raise self._symlink(path)
         if self.roots is not None:
             self.check_roots(path, _fd_path(fd))
         if not (stat.S_ISREG(st.st_mode) or (want_dir and stat.S_ISDIR(st.st_mode))):
@@ -173,13 +235,19 @@ class _Opener:
         return LoadFailed(f"{path}: is {what}, not {expected}", file=path, reason="not a regular file")
 
     def _symlink(self, path: str) -> PermissionDenied:
+        if self.follow and self.untrusted is not None:
+            d, uid = self.untrusted
+            who = "someone other than root or the daemon's user" if uid < 0 else f"uid {uid}"
+            return PermissionDenied(f"{path}: is or passes through a symbolic link in {d}, which {who} can change; "
+                                    "symbolic links are followed only through directories root or the daemon's user "
+                                    "alone can change", file=path, reason="symlink in untrusted directory")
         return PermissionDenied(f"{path}: is or passes through a symbolic link, and symbolic links are not followed here",
                                 file=path, reason="symlink")
 
-    def _open_error(self, path: str, exc: OSError) -> LoadFailed | PermissionDenied:
+    def _open_error(self, path: str, exc: OSError, follow: bool) -> LoadFailed | PermissionDenied:
         if exc.errno == errno.ENOENT:
             return LoadFailed(f"{path}: file not found", file=path, reason="not found")
-        if exc.errno == errno.ELOOP and not self.follow:
+        if exc.errno == errno.ELOOP and not follow:
             return self._symlink(path)
         if exc.errno in (errno.EACCES, errno.EPERM):
             return LoadFailed(f"{path}: permission denied", file=path, reason="permission denied")

@@ -61,6 +61,7 @@ from ..protocol.transport import recv_with_fds, send_with_fds
 from .access import AccessPolicy, Peer
 from .handlers import HANDLERS, OWNER_PIN_OPS, hello, redact
 from .loads import Loads
+from .logs import PeerEventLog
 from .metrics import Metrics
 from .requests import Caller, Context, Request
 
@@ -138,6 +139,9 @@ class Connections:
         self.partial_by_uid: dict[int, int] = {}  # the same per peer uid (max_partial_frame_bytes_per_uid)
         self._ids = itertools.count(1)
         self.background: set[asyncio.Task[Any]] = set()
+        # Lines for what peers cause, rate-limited per uid with counts of what was left out
+        # (logs.PeerEventLog): refused connections, refused admin ops, limits broken.
+        self.peer_log = PeerEventLog(log)
 
     def __len__(self) -> int:
         return len(self.conns)
@@ -173,17 +177,20 @@ class Connections:
             conn = Connection(id=next(self._ids), sock=sock, peer=Peer.of(sock))
             refusal: WeightcacheError | None = None
             if not self.access.allows(conn.peer):
-                log.warning("refused conn from pid %d uid %d gid %d: not in allowed uids/gids",
-                            conn.peer.pid, conn.peer.uid, conn.peer.gid, extra=_peer_fields(conn, code=PermissionDenied.code))
+                self.peer_log.log(logging.WARNING, "refused conn", conn.peer.uid,
+                                  "refused conn from pid %d uid %d gid %d: not in allowed uids/gids",
+                                  conn.peer.pid, conn.peer.uid, conn.peer.gid, extra=_peer_fields(conn, code=PermissionDenied.code))
                 refusal = PermissionDenied(f"uid {conn.peer.uid} may not use this weightcache daemon", uid=conn.peer.uid)
             elif len(self.conns) >= d.max_connections:
-                log.warning("refused conn from pid %d: %d connections open", conn.peer.pid, len(self.conns),
-                            extra=_peer_fields(conn, code=LimitExceeded.code))
+                self.peer_log.log(logging.WARNING, "refused conn: max_connections", conn.peer.uid,
+                                  "refused conn from pid %d: %d connections open", conn.peer.pid, len(self.conns),
+                                  extra=_peer_fields(conn, code=LimitExceeded.code))
                 refusal = LimitExceeded(f"the daemon holds its maximum of {len(self.conns)} connections",
                                         limit=d.max_connections)
             elif (mine := sum(1 for c in self.conns.values() if c.peer.uid == conn.peer.uid)) >= d.max_connections_per_uid:
-                log.warning("refused conn from pid %d: uid %d holds %d connections", conn.peer.pid, conn.peer.uid, mine,
-                            extra=_peer_fields(conn, code=LimitExceeded.code))
+                self.peer_log.log(logging.WARNING, "refused conn: max_connections_per_uid", conn.peer.uid,
+                                  "refused conn from pid %d: uid %d holds %d connections", conn.peer.pid, conn.peer.uid,
+                                  mine, extra=_peer_fields(conn, code=LimitExceeded.code))
                 refusal = LimitExceeded(f"uid {conn.peer.uid} holds its maximum of {mine} connections",
                                         limit=d.max_connections_per_uid)
             if refusal is not None:
@@ -266,7 +273,8 @@ class Connections:
     async def _drop(self, conn: Connection, exc: WeightcacheError) -> None:
         """A connection broke a limit: its fds go now (not after the goodbye), then one
         error frame, then the caller closes it."""
-        log.warning("conn %d (uid %d): %s; closing it", conn.id, conn.peer.uid, exc.message, extra=_peer_fields(conn, code=exc.code))
+        self.peer_log.log(logging.WARNING, f"connection closed: {exc.code}", conn.peer.uid, "conn %d (uid %d): %s; closing it",
+                          conn.id, conn.peer.uid, exc.message, extra=_peer_fields(conn, code=exc.code))
         conn.close_fds()
         self._count_partial(conn, 0)  # its half frame no longer counts against the others
         await self._send_final(conn, exc)
@@ -393,8 +401,8 @@ class Connections:
                 raise UnknownOp(f"unknown op {req.op!r}", op=req.op)
             # pin / unpin are also a model owner's under a pins quota: the handler decides (handlers._set_pin).
             if req.op in ADMIN_OPS and req.op not in OWNER_PIN_OPS and not self.access.is_admin(conn.peer):
-                log.warning("conn %d: uid %d refused admin op %r", conn.id, conn.peer.uid, req.op,
-                            extra=_peer_fields(conn, op=req.op, code=PermissionDenied.code))
+                self.peer_log.log(logging.WARNING, "refused admin op", conn.peer.uid, "conn %d: uid %d refused admin op %r",
+                                  conn.id, conn.peer.uid, req.op, extra=_peer_fields(conn, op=req.op, code=PermissionDenied.code))
                 raise PermissionDenied(f"op {req.op!r} is for administrators; uid {conn.peer.uid} is not one", op=req.op)
             if self._stopping.is_set() and req.op in _REFUSED_WHILE_STOPPING:
                 raise ShuttingDown("the daemon is shutting down")
@@ -505,6 +513,7 @@ class Connections:
 
     async def close(self) -> None:
         """At shutdown: close every connection and stop their readers."""
+        self.peer_log.flush()  # what was left out of the log, said before the daemon goes
         for conn in list(self.conns.values()):
             conn.sock.close()
         for t in list(self.background):

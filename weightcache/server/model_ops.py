@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from pydantic import ValidationError
 
 from ..cache import State
 from ..cache.quotas import tenant_keys
-from ..config import ModelConfig, check_model_name, problems, under_roots
+from ..config import ModelConfig, check_model_name, config_group_names, problems, under_roots
 from ..errors import Attached, BadRequest, LimitExceeded, PermissionDenied, Pinned
 from ..loader import OpenedSource, adopt_fds
 from ..loader.published import published_checkpoint
@@ -42,8 +43,11 @@ async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
     if files is not None and not (admin or d.tenant_register):
         raise PermissionDenied("registering models is for administrators here (daemon.tenant_register = false)",
                                op="register")
-    fields = {k: req.args[k] for k in ("name", "path", "device", "shards", "pin", "preload", "keep_alive", *ACCESS_FIELDS)
-              if k in req.args}
+    fields: dict[str, Any] = {k: req.args[k] for k in ("name", "path", "device", "shards", "pin", "preload", "keep_alive")
+                              if k in req.args}
+    _bounded(req.args, "shards", MAX_SHARDS)
+    _bounded(req.args, "files", MAX_SHARDS)
+    fields.update(_access_fields(ctx, req))
     mc = _private_unless_listed(_model_config(fields), caller.peer, admin)
     if mc.pin and not admin:
         raise PermissionDenied("pinning is for administrators", op="register", argument="pin")
@@ -65,7 +69,7 @@ async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
         sources = _adopt_files(mc, files, req)
     # The header checked now, as the config's models are at start: a file that is not a
     # checkpoint is refused with the error its load would give, not registered to fail later.
-    problem = await ctx.loads.check_files(mc, sources)
+    problem = await ctx.loads.check_files(mc, sources, tenant=None if admin else caller.peer.uid)
     if problem is not None:
         for src in sources or ():
             src.close()
@@ -91,6 +95,53 @@ async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
 
 # Who may use a model, as register and publish take them (config.ModelConfig).
 ACCESS_FIELDS = ("allowed_uids", "allowed_gids")
+
+# Bounds on what a request may list, checked before any per-entry work (issue 25): a
+# publish whose allowed_gids was ["root"] * 1,000,000 (a 4.8 MB frame) was validated on
+# the event loop with one getgrnam each, and another peer's status waited 24.1 s.
+# Real lists name a few teams; a model has at most a few dozen ranks.
+MAX_ACCESS_ENTRIES = 256
+MAX_SHARDS = 256
+MAX_FINGERPRINT_CHARS = 256  # a hex digest is 32-64; tenant_fingerprint prefixes the uid
+
+_group_names: tuple[object, dict[str, int]] | None = None  # (the DaemonConfig, its resolved group names)
+
+
+def _bounded(args: dict[str, Any], key: str, limit: int) -> None:
+    """BadRequest if ``args[key]`` is a list (or string) longer than ``limit``: said before
+    anything looks at its entries."""
+    v = args.get(key)
+    if isinstance(v, (list, tuple, str, bytes)) and len(v) > limit:
+        raise BadRequest(f"argument {key!r} has {len(v)} entries; at most {limit} are taken", argument=key, limit=limit)
+
+
+def _access_fields(ctx: Context, req: Request) -> dict[str, Any]:
+    """``allowed_uids`` / ``allowed_gids`` of a request, bounded, with group names
+    replaced by gids from the config's own names (config.config_group_names): a name
+    the config does not use is BAD_REQUEST, never a lookup on the peer's behalf."""
+    global _group_names
+    out: dict[str, Any] = {}
+    for key in ACCESS_FIELDS:
+        if key not in req.args:
+            continue
+        _bounded(req.args, key, MAX_ACCESS_ENTRIES)
+        v = req.args[key]
+        if key == "allowed_gids" and isinstance(v, list) and any(isinstance(g, str) for g in v):
+            daemon = ctx.settings.daemon
+            if _group_names is None or _group_names[0] is not daemon:
+                _group_names = (daemon, config_group_names(daemon))
+            known = _group_names[1]
+            gids: list[Any] = []
+            for g in v:
+                if isinstance(g, str) and not g.isdigit():
+                    if g not in known:
+                        raise BadRequest(f"allowed_gids: group {g[:64]!r} is not a name this daemon's config uses; "
+                                         "send its gid (names are resolved from the config only)", argument=key)
+                    g = known[g]
+                gids.append(g)
+            v = gids
+        out[key] = v
+    return out
 
 
 def _model_config(fields: dict[str, Any]) -> ModelConfig:
@@ -165,8 +216,24 @@ async def publish(ctx: Context, caller: Caller, req: Request) -> Reply:
         raise BadRequest(str(exc), argument="name") from None
     replace = req.arg("replace", bool, False)
     _check_may_publish(ctx, caller.peer, name, replace)
+    access_fields = _access_fields(ctx, req)
+    fingerprint = req.arg("fingerprint", str)
+    if len(fingerprint) > MAX_FINGERPRINT_CHARS:
+        raise BadRequest(f"fingerprint has {len(fingerprint)} characters; at most {MAX_FINGERPRINT_CHARS} are taken",
+                         argument="fingerprint")
+    release_slot: Callable[[], None] | None = None
     if name not in ctx.registry.groups and not ctx.access.is_admin(caller.peer):
         _check_model_count(ctx, caller.peer)
+        release_slot = ctx.registry.reserve_model(caller.peer.uid)  # held until the staging entry counts instead
+    try:
+        return await _publish(ctx, caller, req, name, replace, access_fields, fingerprint, release_slot)
+    finally:
+        if release_slot is not None:
+            release_slot()
+
+
+async def _publish(ctx: Context, caller: Caller, req: Request, name: str, replace: bool, access_fields: dict[str, Any],
+                   fingerprint: str, release_slot: Callable[[], None] | None) -> Reply:
     device = ctx.registry.resolve_device(req.arg("device", str))
     backend = ctx.backends[device]
     desc = req.arg("arena", dict)
@@ -178,16 +245,19 @@ async def publish(ctx: Context, caller: Caller, req: Request) -> Reply:
     wait = ctx.wait_arg(req)
     # Checked before anything is opened; the path is the published memory's, set below.
     access = _private_unless_listed(
-        _model_config({"name": name, "path": Path("."), "device": device, **{k: req.args[k] for k in ACCESS_FIELDS if k in req.args}}),
+        _model_config({"name": name, "path": Path("."), "device": device, **access_fields}),
         caller.peer, ctx.access.is_admin(caller.peer))
-    fingerprint = tenant_fingerprint(req.arg("fingerprint", str), caller.peer.uid)
+    fingerprint = tenant_fingerprint(fingerprint, caller.peer.uid)
     loads = ctx.loads
-    ckpt = await loads.io(published_checkpoint, name, req.arg("tensors", list), nbytes, fingerprint)
-    source = await loads.io(backend.open_published, desc, req.fds, cleanup=backend.close_published)
+    tenant = None if ctx.access.is_admin(caller.peer) else caller.peer.uid  # its share of the io pool (Loads.io)
+    ckpt = await loads.io(published_checkpoint, name, req.arg("tensors", list), nbytes, fingerprint, tenant=tenant)
+    source = await loads.io(backend.open_published, desc, req.fds, cleanup=backend.close_published, tenant=tenant)
     config = access.model_copy(update={"path": Path(ckpt.source)})
     staging = ctx.registry.stage(name, Model(config=config, path=config.parts[0][0], device=device, rank=None,
                                              origin="publish", owner=caller.peer.uid),
                                  tenants=tenant_keys(caller.peer.uid, caller.peer.groups))
+    if release_slot is not None:
+        release_slot()  # the staging entry holds the slot now (registry.models_owned_by)
     try:
         await loads.fill_new_arena(staging, ckpt, backend.capacity(ckpt.arena_bytes), wait,
                                    CopyPublished(backend, source, ckpt.arena_bytes),

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -47,8 +49,16 @@ class Model:
     # Files a load opened and then found no room for: the retry (when detaches made room)
     # reads these same files, so a path swapped meanwhile changes nothing.
     parked: OpenedSource | None = None
-    checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident
+    # Their parse (or that of ``files``), kept with them: the retry does not parse again
+    # (server/loads.py, within PARKED_PARSE_BYTES).
+    parked_parse: Checkpoint | None = None
+    checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident (or on the host tier)
     table: bytes = b""  # the attach reply's tensor table, msgpack-encoded once per load
+    # Bytes its load was charged beyond the arena for the checkpoint and table (Note [held
+    # bytes] in loader/checkpoint.py; a promotion is admitted for the same), and what
+    # ``models`` still shows once they are dropped with the arena: (fingerprint, tensors).
+    held: int = 0
+    seen: tuple[str, int] | None = None
     arena: Arena | None = None
     host: HostCopy | None = None  # the backend's host-tier copy while the model is HOST
     last_error: dict[str, Any] | None = None
@@ -59,6 +69,12 @@ class Model:
     # A device = "auto" rank has one entry per candidate device (a replica); ``slot`` is
     # the rank's name (``model``, or ``model@0``) they share. None: not placed automatically.
     slot: str | None = None
+
+    def drop_parsed(self) -> None:
+        """Forget the parsed checkpoint and table once the arena is gone (evicted, not on
+        the host tier): kept, a 100k-tensor header cost ~50 MiB of RSS per model after
+        eviction that no budget counted. The next load parses the files again."""
+        self.checkpoint, self.table, self.held = None, b"", 0
 
     @property
     def published(self) -> bool:  # sent by an engine: no files to reload it from
@@ -113,6 +129,7 @@ class Registry:
         self.placed: dict[str, dict[str, Any]] = {}
         self.size_hint: dict[str, int] = {}  # slot -> its files' bytes, until a load tells the arena's (placing.py)
         self._staging_ids = itertools.count(1)
+        self._reserved: Counter[int] = Counter()  # uid -> model slots held by publishes not yet staged
         # Names the config claims while a peer's model of that name is still attached
         # (daemon.py, Note [config names win]): that copy takes no new use, and no peer
         # may take the name again.
@@ -199,9 +216,28 @@ class Registry:
         self.groups[name] = [name]
 
     def models_owned_by(self, uid: int) -> int:
-        """Models ``uid`` registered or published, publishes in flight included: each once,
-        whatever its ranks or replicas."""
-        return len({(m.config.name, "#" in entry) for entry, m in self.models.items() if m.owner == uid})
+        """Models ``uid`` registered or published, publishes in flight included (each
+        reserved slot too): each once, whatever its ranks or replicas."""
+        return self._reserved[uid] + len({(m.config.name, "#" in entry) for entry, m in self.models.items() if m.owner == uid})
+
+    def reserve_model(self, uid: int) -> Callable[[], None]:
+        """Hold one of ``uid``'s max_models_per_uid slots for a publish that has checked the
+        count and now awaits (the table's validation, the fds' opening) before its staging
+        entry exists: checked there and not held, 120 concurrent publishes under a limit of
+        4 all passed the check and all succeeded. Returns the release (idempotent): called
+        once the staging entry counts in its place, or when the publish fails first."""
+        self._reserved[uid] += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._reserved[uid] -= 1
+                if not self._reserved[uid]:
+                    del self._reserved[uid]
+
+        return release
 
     def files_held_by(self, uid: int) -> int:
         # an auto model's replicas of one rank share its open files: counted once
@@ -348,8 +384,8 @@ class Registry:
             # who may use it (None: everyone), shown to those who may see its paths
             "allowed_uids": None if private or m.config.allowed_uids is None else list(m.config.allowed_uids),
             "allowed_gids": None if private or m.config.allowed_gids is None else list(m.config.allowed_gids),
-            "path": None if private else str(m.path), "fingerprint": m.checkpoint.fingerprint if m.checkpoint else None,
-            "tensors": len(m.checkpoint.tensors) if m.checkpoint else None,
+            "path": None if private else str(m.path), "fingerprint": m.seen[0] if m.seen else None,
+            "tensors": m.seen[1] if m.seen else None,
             "idle_s": idle, "expires_in_s": self._expires_in(e, idle),
             "loads": e.loads, "evictions": e.evictions, "demotions": e.demotions, "promotions": e.promotions,
             # its bytes are in the host tier: HOST, or resident with the copy kept since its promotion
