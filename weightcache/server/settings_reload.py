@@ -7,6 +7,8 @@ line in ``failed``."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from ..backends import Backend
@@ -48,6 +50,22 @@ def evicted(registry: Registry, core: CacheCore, step: StepDown, reason: str) ->
     return out
 
 
+async def _lowered(change: Callable[[], StepDown], key: str, reason: str, core: CacheCore, loads: Loads, registry: Registry,
+                   report: dict[str, Any]) -> bool:
+    """Apply one limit ``change`` in the core and carry out the evictions it plans, listed
+    under ``evicted``; False, with the reason under ``failed``, when attached or pinned
+    models alone exceed the new limit (the old one stays)."""
+    try:
+        step = change()
+    except NoSpace as exc:
+        report["failed"].append(f"{key}: {exc.message}")
+        return False
+    report["evicted"] += evicted(registry, core, step, reason)
+    await loads.carry_out(step, reason=reason)
+    await loads.notify_space()
+    return True
+
+
 async def reload_max_loaded(core: CacheCore, backends: dict[str, Backend], loads: Loads, registry: Registry,
                             new: Settings, report: dict[str, Any]) -> None:
     """Apply a changed daemon.max_loaded_models in place: a lowered count evicts
@@ -62,16 +80,9 @@ async def reload_max_loaded(core: CacheCore, backends: dict[str, Backend], loads
         if device not in backends:
             report["failed"].append(f"max_loaded_models.{device}: a new device needs a daemon restart")
             continue
-        try:
-            step = core.set_max_loaded(device, limit)
-        except NoSpace as exc:
-            report["failed"].append(f"max_loaded_models.{device}: {exc.message}")
-            continue
-        reason = f"{device} max_loaded_models lowered"
-        report["evicted"] += evicted(registry, core, step, reason)
-        await loads.carry_out(step, reason=reason)
-        await loads.notify_space()
-        report["max_loaded_models"].append({"device": device, "limit": limit, "previous": previous})
+        if await _lowered(functools.partial(core.set_max_loaded, device, limit), f"max_loaded_models.{device}",
+                          f"{device} max_loaded_models lowered", core, loads, registry, report):
+            report["max_loaded_models"].append({"device": device, "limit": limit, "previous": previous})
 
 
 async def reload_budgets(core: CacheCore, backends: dict[str, Backend], loads: Loads, registry: Registry,
@@ -96,14 +107,11 @@ async def reload_budgets(core: CacheCore, backends: dict[str, Backend], loads: L
         previous = core.devices[device].budget
         if nbytes == previous:
             continue
-        try:
+
+        def change(device: str = device, nbytes: int = nbytes) -> StepDown:
             step = core.set_budget(device, nbytes)
-        except NoSpace as exc:
-            report["failed"].append(f"budgets.{device}: {exc.message}")
-            continue
-        backends[device].limit(nbytes)
-        reason = f"{device} budget lowered"
-        report["evicted"] += evicted(registry, core, step, reason)
-        await loads.carry_out(step, reason=reason)
-        await loads.notify_space()
-        report["budgets"].append({"device": device, "budget": nbytes, "previous": previous})
+            backends[device].limit(nbytes)  # before the evictions are carried out, as the core now counts
+            return step
+
+        if await _lowered(change, f"budgets.{device}", f"{device} budget lowered", core, loads, registry, report):
+            report["budgets"].append({"device": device, "budget": nbytes, "previous": previous})
