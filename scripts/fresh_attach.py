@@ -54,6 +54,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -336,19 +337,24 @@ def time_anchors(args: argparse.Namespace, sock: str, model: str, clients: tuple
             ways["cuda_ipc"] = []
         for c in clients:  # warm-ups, not counted: the bytecode, the page cache, the daemon
             run_child(sock, model, args.device, False, c)
-        for _ in range(args.procs):
-            for c in clients:
-                ways[f"weightcache_{c}"].append(_import_to_usable(run_child(sock, model, args.device, False, c)))
-                ways[f"weightcache_{c}_no_bytecode"].append(_import_to_usable(run_child(sock, model, args.device, False, c, src)))
-            ways["load_file"].append(time_restart("disk", files=[ckpt], model=model, socket=sock, device=args.device).weights_s * 1e3)
-            if held is not None:
-                ways["cuda_ipc"].append(time_restart("ipc", files=[ckpt], model=model, socket=sock, device=args.device,
-                                                     ipc_socket=held).weights_s * 1e3)
-            if cuda:
-                # A process that held 9 GiB of device memory frees it after it exits, in the
-                # driver: in session 9's first H200 run the weightcache process that came next
-                # was ~3 ms slower (12.0 ms p50 here against 8.9 in the phase loop before).
-                time.sleep(args.settle_s)
+        runs: list[tuple[str, Any]] = []
+        for c in clients:
+            runs.append((f"weightcache_{c}", functools.partial(_import_to_usable_of, sock, model, args.device, c, None)))
+            runs.append((f"weightcache_{c}_no_bytecode", functools.partial(_import_to_usable_of, sock, model, args.device, c, src)))
+        runs.append(("load_file", lambda: time_restart("disk", files=[ckpt], model=model, socket=sock, device=args.device).weights_s * 1e3))
+        if held is not None:
+            runs.append(("cuda_ipc", lambda: time_restart("ipc", files=[ckpt], model=model, socket=sock, device=args.device,
+                                                          ipc_socket=held).weights_s * 1e3))
+        for i in range(args.procs):
+            # Each round starts one way later, so that every way follows every other alike.
+            for way, measure in runs[i % len(runs):] + runs[:i % len(runs)]:
+                ways[way].append(measure())
+                if cuda:
+                    # A process's device memory and context are freed by the driver after it
+                    # exits: without a pause that may fall on the next process's time (in
+                    # session 9's runs weightcache's processes were ~12 ms p50 beside the
+                    # others against ~9 ms for the same phases back to back).
+                    time.sleep(args.settle_s)
     out: dict[str, Any] = {way: {"p50": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3),
                                  "runs": [round(x, 3) for x in xs]} for way, xs in ways.items()}
     for way in ("load_file", "cuda_ipc"):
@@ -361,6 +367,10 @@ def time_anchors(args: argparse.Namespace, sock: str, model: str, clients: tuple
 
 def _import_to_usable(r: dict[str, Any]) -> float:
     return float(r["import_ms"] + r["connect_ms"] + r["attach_ms"])
+
+
+def _import_to_usable_of(sock: str, model: str, device: str, client: str, src: str | None) -> float:
+    return _import_to_usable(run_child(sock, model, device, False, client, src))
 
 
 def main() -> None:
@@ -381,7 +391,7 @@ def main() -> None:
     ap.add_argument("--anchors", action="store_true",
                     help="also time import -> usable tensors side by side: weightcache with and without bytecode, a fresh "
                          "load_file of the same file and, on a GPU, torch CUDA IPC handles of the same tensors")
-    ap.add_argument("--settle-s", type=float, default=1.0, help="with --anchors on a GPU: pause after the anchors' processes")
+    ap.add_argument("--settle-s", type=float, default=1.0, help="with --anchors on a GPU: pause after every process")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

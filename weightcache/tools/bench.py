@@ -338,12 +338,17 @@ def _measure_fresh(cfg: BenchConfig, ckpt: Path, sock: str) -> FreshAttachFigure
     ipc: list[float] = []
     with contextlib.ExitStack() as stack:
         held = stack.enter_context(ipc_holder(files, cfg.device, sock + ".ipc")) if cfg.cuda else None
+        # On a GPU each process's context and memory are freed by the driver after it exits:
+        # a pause after each, so that this does not fall on the next one's time.
+        settle = 1.0 if cfg.cuda else 0.0
         for _ in range(cfg.fresh):
             runs.append(time_fresh_attach(model=MODEL, socket=sock, device=cfg.device))
+            time.sleep(settle)
             load_file.append(time_restart("disk", files=files, model=MODEL, socket=sock, device=cfg.device).weights_s * 1e3)
+            time.sleep(settle)
             if held is not None:
                 ipc.append(time_restart("ipc", files=files, model=MODEL, socket=sock, device=cfg.device, ipc_socket=held).weights_s * 1e3)
-                time.sleep(1.0)  # the anchors' device memory is freed after their exit: not on the next engine's time
+                time.sleep(settle)
 
     def spread(attr: str) -> Spread:
         return Spread(tuple(getattr(x, attr) for x in runs))
