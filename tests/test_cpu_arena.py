@@ -379,6 +379,19 @@ async def test_a_file_written_by_save_file_is_served_from_its_page_cache(start_d
         assert entry["arena"] == "file" and entry["arena_note"] is None
 
 
+async def test_a_model_written_by_save_pretrained_is_served_from_its_page_cache(start_daemon, tmp_path):
+    # What operators' model directories hold: transformers writes through safetensors (0600).
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    model.save_pretrained(tmp_path / "gpt2")
+    files = list((tmp_path / "gpt2").glob("*.safetensors"))
+    assert files and all(f.stat().st_mode & 0o777 == 0o600 for f in files)
+    d = start_daemon(models={"gpt2": tmp_path / "gpt2"})
+    async with Client(d.socket) as c, c.attach("gpt2") as m:
+        assert m.arena_kind == "file" and same(m, {k: v for f in files for k, v in load_file(str(f)).items()})
+
+
 @pytest.mark.parametrize("extra", ["tail", "gap"])
 async def test_a_file_not_everyone_may_read_with_bytes_beyond_its_tensors_is_copied(start_daemon, tmp_path, extra):
     # Bytes no tensor covers would reach an engine that could not open the file; a file
