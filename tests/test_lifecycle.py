@@ -5,14 +5,12 @@ socket replaced and a live one left alone."""
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 
 import pytest
-from conftest import eventually
+from conftest import daemon_in_process, eventually
 from helpers import first, spawn_child
 
 from weightcache import Client
@@ -28,47 +26,31 @@ async def test_runs_under_uvloop():
 
 async def test_preload_does_not_delay_the_socket(tmp_path, ckpts):
     """The socket answers while a preload is still running. The daemon runs in this
-    process and its preload waits on an event that only the test sets, after it has been
-    served: a start that waited for its preloads before binding never returns (the
-    generous bound below then fails the test), whatever the machine's load."""
-    from conftest import write_config
-
-    from weightcache.config import load_settings
-    from weightcache.server.main import build
-
-    sockdir = tempfile.mkdtemp(prefix="wc-", dir="/tmp")
-    cfg = tmp_path / "daemon.toml"
-    write_config(cfg, os.path.join(sockdir, "d.sock"), "20MiB", {"a": ckpts["a"]}, a={"preload": True})
-    daemon = build(load_settings(cfg), str(cfg))
+    process and its preload waits on an event that only the test sets, once it has been
+    answered: a start that waited for its preloads before binding never returns, and the
+    test fails, whatever the machine's load."""
     release = asyncio.Event()
-    preload = daemon.loads._preload
 
-    async def held(name: str, gates: bool) -> None:
-        await release.wait()
-        await preload(name, gates)
+    def hold_preloads(daemon):
+        preload = daemon.loads._preload
 
-    daemon.loads._preload = held  # type: ignore[method-assign]
-    serving = None
-    try:
+        async def held(name: str, gates: bool) -> None:
+            await release.wait()
+            await preload(name, gates)
+
+        daemon.loads._preload = held
+
+    async with daemon_in_process(tmp_path, {"a": ckpts["a"]}, hold_preloads, a={"preload": True}) as daemon:
         try:
-            async with asyncio.timeout(30):  # well under a second, unless it waits for the preload
-                await daemon.start()
-        except TimeoutError:
-            pytest.fail("Daemon.start() did not return while a preload was held: it waits for preloads before serving")
-        serving = asyncio.ensure_future(daemon.serve())
-        async with Client(daemon.socket_path) as c:
-            health = await c.health()
-            assert health["preloading"] == ["a"] and not health["ready"], health
-            assert (await c.models())[0]["state"] != "resident"
-            release.set()
-            await eventually(lambda: first(c, "state", "resident"))
-            assert (await c.health())["ready"]
-    finally:
-        release.set()
-        daemon.request_stop("test over")
-        if serving is not None:
-            await serving
-        shutil.rmtree(sockdir, ignore_errors=True)
+            async with Client(daemon.socket_path) as c:
+                health = await c.health()
+                assert health["preloading"] == ["a"] and not health["ready"], health
+                assert (await c.models())[0]["state"] != "resident"
+                release.set()
+                await eventually(lambda: first(c, "state", "resident"))
+                assert (await c.health())["ready"]
+        finally:
+            release.set()  # before the daemon stops: its shutdown waits for loads
 
 
 async def test_reload_applies_config_changes(start_daemon, ckpts):
