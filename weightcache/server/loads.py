@@ -712,7 +712,7 @@ class Loads:
             # out gives its bytes back to the device's room, which the new arena's chunks
             # take as it grows (backends/base.py, Room).
             lazy = bool(plan.step_down.demote)
-            demotions = self.start_step_down(plan.step_down, f"LRU, to make room for {name}")
+            demotions = self.start_step_down(plan.step_down, f"{self.settings.eviction_policy.upper()}, to make room for {name}")
             progress = self.progress[name] = Progress(ckpt.data_bytes)
             if self._releasing:
                 # Evicted victims' memory must be back before the allocation checks the device's free memory.
