@@ -299,7 +299,7 @@ class Loads:
                     source = await self._resident_once(name)
                 except NoSpace as exc:
                     left = deadline - time.monotonic()
-                    if left <= 0 or not exc.details.get("fits_ever") or (gone is not None and gone.done()):
+                    if left <= 0 or not exc.fits_ever or (gone is not None and gone.done()):
                         raise
                     if self.space_freed.generation != generation:
                         continue  # room was freed while the refusal travelled back: try again now
@@ -698,7 +698,7 @@ class Loads:
         except WeightcacheError as exc:
             model.last_error = exc.to_wire()
             # NO_SPACE that detaches could cure is routine: callers wait and try again.
-            level = logging.INFO if isinstance(exc, NoSpace) and exc.details.get("fits_ever") else logging.ERROR
+            level = logging.INFO if isinstance(exc, NoSpace) and exc.fits_ever else logging.ERROR
             log.log(level, "load %s refused: %s", name, exc, extra={"model": name, "code": exc.code})
             raise
         # Admitted: the others waiting for room for it join this load now, as when every
@@ -805,7 +805,7 @@ class Loads:
                 return self.core.begin_load(name, nbytes)
             except NoSpace as exc:
                 left = deadline - time.monotonic()
-                if left <= 0 or not exc.details.get("fits_ever"):
+                if left <= 0 or not exc.fits_ever:
                     raise
                 if ticket is None:
                     ticket = self.space_freed.ticket()
