@@ -9,13 +9,15 @@ A test that takes ``backend`` runs once per memory backend: ``cpu`` (sealed memf
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,6 +150,38 @@ def write_config(path: Path, sock: str, budget: str, models: dict[str, Path | No
     entries = [{"name": name, **({"path": str(p)} if p else {}), **model_opts.get(name, {})} for name, p in models.items()]
     daemon = {"log_level": "debug", "shutdown_grace_s": 2, **(extra_daemon or {})}
     path.write_text(config_text(sock, {"cpu": budget, **(budgets or {})}, entries, daemon))
+
+
+@contextlib.asynccontextmanager
+async def daemon_in_process(tmp_path: Path, models: dict[str, Path | None], prepare: Callable[[Any], None] | None = None,
+                            **model_opts: Any) -> AsyncIterator[Any]:
+    """A daemon in the test's own event loop, for a test that holds one of its steps on
+    an event it sets itself (a daemon process offers no such hook): ``prepare(daemon)``
+    runs between building it and ``start()``. Yields the started ``Daemon``; stops it
+    after. ``start()`` returns in well under a second: 30 s means it waited on a held step."""
+    from weightcache.config import load_settings
+    from weightcache.server.main import build
+
+    sockdir = tempfile.mkdtemp(prefix="wc-", dir="/tmp")
+    cfg = tmp_path / "inproc.toml"
+    write_config(cfg, os.path.join(sockdir, "d.sock"), "20MiB", models, **model_opts)
+    daemon = build(load_settings(cfg), str(cfg))
+    if prepare is not None:
+        prepare(daemon)
+    serving = None
+    try:
+        try:
+            async with asyncio.timeout(30):
+                await daemon.start()
+        except TimeoutError:
+            pytest.fail("Daemon.start() did not return in 30 s: it waited on a step the test holds")
+        serving = asyncio.ensure_future(daemon.serve())
+        yield daemon
+    finally:
+        daemon.request_stop("test over")
+        if serving is not None:
+            await serving
+        shutil.rmtree(sockdir, ignore_errors=True)
 
 
 @pytest.fixture

@@ -72,7 +72,7 @@ def test_attached_and_pinned_models_are_never_victims():
     holders = {h["name"]: h for h in info.value.details["holders"]}
     assert holders["a"]["attach_count"] == 1 and holders["b"]["pinned"]
     assert "a (" in info.value.message and "pinned" in info.value.message
-    assert info.value.details["fits_ever"]  # a detach of "a" would make room
+    assert info.value.fits_ever  # a detach of "a" would make room
     core.check_invariants()
 
 
@@ -80,7 +80,7 @@ def test_model_bigger_than_budget_never_fits():
     core = make()
     with pytest.raises(NoSpace) as info:
         core.begin_load("a", 201)
-    assert not info.value.details["fits_ever"]
+    assert not info.value.fits_ever
     assert core.entry("a").state is State.REGISTERED
 
 
@@ -567,11 +567,11 @@ def test_max_loaded_models_evicts_like_bytes_do():
     with pytest.raises(NoSpace) as full:
         core.begin_load("a", 10)
     assert full.value.details["max_loaded_models"] == 2 and "max_loaded_models" in full.value.message
-    assert full.value.details["fits_ever"]  # b's lease may end
+    assert full.value.fits_ever  # b's lease may end
     core.set_pinned("b", True)
     with pytest.raises(NoSpace) as never:
         core.begin_load("a", 10)
-    assert not never.value.details["fits_ever"]  # both pinned: no detach helps
+    assert not never.value.fits_ever  # both pinned: no detach helps
 
 
 def test_set_max_loaded_evicts_down_to_the_count_or_changes_nothing():

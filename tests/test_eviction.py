@@ -30,6 +30,15 @@ async def test_lru_eviction_order_three_models_budget_for_two(start_daemon, ckpt
     assert "LRU, to make room for c" in d.log_text()
 
 
+async def test_the_eviction_reason_names_the_configured_policy(start_daemon, ckpts):
+    d = start_daemon(budget="18MiB", models={k: ckpts[k] for k in "abc"}, extra_daemon={"eviction_policy": "gdsf"})
+    async with Client(d.socket) as c:
+        for name in "abc":
+            await c.load(name)
+    log = d.log_text()
+    assert "GDSF, to make room for c" in log and "LRU, to make room" not in log
+
+
 async def test_no_space_waits_for_a_detach(start_daemon, ckpts):
     d = start_daemon(budget="9MiB", models={"a": ckpts["a"], "b": ckpts["b"]})
     async with Client(d.socket) as holder, Client(d.socket) as c:

@@ -7,7 +7,6 @@ refuses what it should with a named error (a fd that is no VMM allocation, a GPU
 process cannot see), and that a mapping really goes when its last view does.
 """
 
-import asyncio
 import gc
 import json
 import os
@@ -76,8 +75,13 @@ async def test_a_mapping_goes_when_its_last_view_does(start_daemon, gpu_ckpts):
         del m
         torch.cuda.synchronize()
         free0 = torch.cuda.mem_get_info()[0]
+        frees = d.log_text().count("freed an arena")
         assert (await c.evict("x"))["evicted"]
-        await asyncio.sleep(1.0)  # the daemon frees in a thread; give it time to (not) show
+
+        async def daemon_freed() -> bool:  # its thread released every chunk: only our mapping holds them
+            return d.log_text().count("freed an arena") > frees
+
+        await eventually(daemon_freed)  # not a fixed sleep: the check below must come after the free
         assert torch.cuda.mem_get_info()[0] - free0 < nbytes * 0.5, "memory came back while a view was still alive"
         assert float(kept.float().sum()) == total  # and the view still reads the same bytes
         del kept

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import eventually
+from conftest import daemon_in_process, eventually
 from helpers import first, spawn_child
 
 from weightcache import Client
@@ -24,10 +24,33 @@ async def test_runs_under_uvloop():
     assert isinstance(asyncio.get_running_loop(), uvloop.Loop)
 
 
-async def test_preload_does_not_delay_the_socket(start_daemon, ckpts):
-    d = start_daemon(models={"a": ckpts["a"]}, a={"preload": True})
-    async with Client(d.socket) as c:
-        await eventually(lambda: first(c, "state", "resident"))
+async def test_preload_does_not_delay_the_socket(tmp_path, ckpts):
+    """The socket answers while a preload is still running. The daemon runs in this
+    process and its preload waits on an event that only the test sets, once it has been
+    answered: a start that waited for its preloads before binding never returns, and the
+    test fails, whatever the machine's load."""
+    release = asyncio.Event()
+
+    def hold_preloads(daemon):
+        preload = daemon.loads._preload
+
+        async def held(name: str, gates: bool) -> None:
+            await release.wait()
+            await preload(name, gates)
+
+        daemon.loads._preload = held
+
+    async with daemon_in_process(tmp_path, {"a": ckpts["a"]}, hold_preloads, a={"preload": True}) as daemon:
+        try:
+            async with Client(daemon.socket_path) as c:
+                health = await c.health()
+                assert health["preloading"] == ["a"] and not health["ready"], health
+                assert (await c.models())[0]["state"] != "resident"
+                release.set()
+                await eventually(lambda: first(c, "state", "resident"))
+                assert (await c.health())["ready"]
+        finally:
+            release.set()  # before the daemon stops: its shutdown waits for loads
 
 
 async def test_reload_applies_config_changes(start_daemon, ckpts):

@@ -7,7 +7,7 @@ import os
 import time
 
 import torch
-from conftest import eventually
+from conftest import RawConn, daemon_in_process, eventually
 from helpers import first
 from safetensors.torch import save_file
 
@@ -28,13 +28,43 @@ async def test_concurrent_attaches_share_one_load(start_daemon, ckpts):
         assert (await c.models())[0]["loads"] == 1
 
 
-async def test_client_vanishing_mid_request_does_not_cancel_the_load(start_daemon, ckpts):
-    d = start_daemon(models={"a": ckpts["a"]})
-    r = d.raw()
-    r.send(encode_frame({"id": 5, "op": "load", "name": "a"}))
-    r.close()  # gone before the reply
-    async with Client(d.socket) as c:
-        await eventually(lambda: first(c, "state", "resident"))
+async def test_client_vanishing_mid_request_does_not_cancel_the_load(tmp_path, ckpts):
+    """A load whose requester closes its connection before the reply still completes. The
+    daemon runs in this process and its load waits on an event the test sets only once the
+    daemon has seen the connection close: the close provably comes mid-load (a load of
+    this small model finished before the close otherwise, and the test proved nothing)."""
+    release = asyncio.Event()
+
+    def hold_loads(daemon):
+        load = daemon.loads._load
+
+        async def held(job):
+            await release.wait()
+            return await load(job)
+
+        daemon.loads._load = held
+
+    async with daemon_in_process(tmp_path, {"a": ckpts["a"]}, hold_loads) as daemon:
+        try:
+            r = await asyncio.to_thread(RawConn, daemon.socket_path)
+            await asyncio.to_thread(r.send, encode_frame({"id": 5, "op": "load", "name": "a"}))
+
+            async def loading():
+                return "a" in daemon.loads.jobs
+
+            async def closed():
+                return not daemon.connections.conns
+
+            await eventually(loading)
+            r.close()  # gone before the reply
+            await eventually(closed)
+            job = daemon.loads.jobs.get("a")
+            assert job is not None and job.task is not None and not job.task.done(), "the load was over before the close"
+            release.set()
+            async with Client(daemon.socket_path) as c:
+                await eventually(lambda: first(c, "state", "resident"))
+        finally:
+            release.set()  # before the daemon stops: its shutdown waits for loads
 
 
 async def test_status_answers_while_a_load_runs(start_daemon, tmp_path):

@@ -85,3 +85,12 @@ async def test_corrupt_and_missing_checkpoints_leave_the_daemon_serving(start_da
         await eventually(bad_shows_error)
         async with c.attach("a") as m:
             assert len(m) == 40
+
+
+def test_no_space_fits_ever_is_a_typed_attribute_that_crosses_the_wire():
+    from weightcache.errors import NoSpace, error_from_wire
+
+    back = error_from_wire(NoSpace("full", fits_ever=True, model="m").to_wire())
+    assert isinstance(back, NoSpace) and back.fits_ever is True and back.details == {"model": "m", "fits_ever": True}
+    unknown = NoSpace("full")  # not said: waiting is not known to help
+    assert unknown.fits_ever is False and "fits_ever" not in unknown.details

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from .units import format_size
+
 
 class WeightcacheError(Exception):
     """Base class. ``code`` is the wire code, ``details`` extra fields sent with it."""
@@ -56,9 +58,31 @@ class UnknownModel(WeightcacheError):
 
 @_register
 class NoSpace(WeightcacheError):
-    """The budget cannot fit the model; ``details["holders"]`` names what holds the memory."""
+    """The budget cannot fit the model; ``details["holders"]`` names what holds the memory.
+
+    ``fits_ever``: whether detaches could ever make room, so that waiting may help (False:
+    the model is larger than what could ever be freed, or it is not known). Callers decide
+    on this attribute; it goes on the wire as the ``fits_ever`` detail where it was given."""
 
     code = "NO_SPACE"
+
+    def __init__(self, message: str, *, fits_ever: bool | None = None, **details: Any) -> None:
+        super().__init__(message, **details, **({} if fits_ever is None else {"fits_ever": fits_ever}))
+        self.fits_ever: bool = fits_ever is True
+
+    @classmethod
+    def over_budget(cls, *, model: str, needed: int, device: str, budget: int, free: int, held: list[str],
+                    loaded: int | None = None, **details: Any) -> NoSpace:
+        """The one NO_SPACE for a budget (or max_loaded_models) that cannot fit ``model``:
+        ``held`` describes each model holding the device's memory. The core raises it
+        knowing connection ids only; handlers rebuild it naming who holds the leases."""
+        full = f"{device} holds {loaded} models, its max_loaded_models; " if loaded is not None else ""
+        fields: dict[str, Any] = {"model": model, "device": device, "needed": needed, "budget": budget, "free": free,
+                                  **details}
+        if loaded is not None:
+            fields["loaded"] = loaded
+        return cls(f"model {model!r} needs {format_size(needed)} on {device}; {full}budget {format_size(budget)}, "
+                   f"free {format_size(free)}; held by: {', '.join(held) or 'nothing'}", **fields)
 
 
 @_register

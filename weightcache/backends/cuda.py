@@ -8,7 +8,9 @@ memory is reference counted, so the daemon releasing an arena never pulls memory
 under a client (legacy IPC is undefined behaviour there), and fds cross PID namespaces.
 
 Chunk size: one chunk attached in 4.3 ms, 10 x 1 GiB in 5.1 ms, 37 x 256 MiB in 32 ms on
-the H200 (shared/reference/probe2-h200.json): export cost grows per fd, so chunks are big.
+the H200 (a one-off probe of export + import + map per attach, run before this backend was
+written; its output is not kept): export cost grows per fd, so chunks are big.
+docs/benchmarks.md has this backend's attach figures since.
 """
 
 from __future__ import annotations

@@ -389,7 +389,7 @@ class CacheCore:
 
         The victims are marked EVICTED and their bytes released at once; the caller frees
         their arenas. Raises NoSpace (naming the holders) when evicting everything
-        evictable would still not make room; ``details["fits_ever"]`` says whether waiting
+        evictable would still not make room; ``fits_ever`` (an attribute) says whether waiting
         for detaches could help.
         """
         e = self.entry(name)
@@ -637,15 +637,11 @@ class CacheCore:
 
     def _no_space(self, e: Entry, nbytes: int) -> NoSpace:
         acct = self.devices[e.device]
-        holders = [
-            {"name": x.name, "nbytes": x.nbytes, "state": str(x.state), "attach_count": x.attach_count, "pinned": x.pinned}
-            for x in self.entries.values()
-            if x.device == e.device and x.state in (State.RESIDENT, State.LOADING)
-        ]
-        held = ", ".join(
-            f"{h['name']} ({h['nbytes']} B, {h['state']}, {h['attach_count']} attached{', pinned' if h['pinned'] else ''})"
-            for h in holders
-        )
+        there = [x for x in self.entries.values() if x.device == e.device and x.state in (State.RESIDENT, State.LOADING)]
+        holders = [{"name": x.name, "nbytes": x.nbytes, "state": str(x.state), "attach_count": x.attach_count, "pinned": x.pinned}
+                   for x in there]
+        held = [f"{x.name} ({format_size(x.nbytes)}, {x.state}, {x.attach_count} attached{', pinned' if x.pinned else ''})"
+                for x in there]
         # Memory that no detach can ever free: pinned models and in-flight loads.
         pinned = [x for x in self.entries.values() if x.device == e.device and x.pinned and x.state is State.RESIDENT]
         fits_ever = nbytes <= acct.budget - sum(x.nbytes for x in pinned)
@@ -655,13 +651,8 @@ class CacheCore:
             # The count, not the bytes, may be what is full: say so, naming the key.
             count = {"max_loaded_models": limit, "loaded": self.loaded_on(e.device)}
             fits_ever = fits_ever and len(pinned) < limit
-        why = (f"{e.device} holds {count['loaded']} models, its max_loaded_models; " if count else "")
-        return NoSpace(
-            f"model {e.name!r} needs {nbytes} B on {e.device}; {why}budget {acct.budget} B, "
-            f"free {acct.free} B; held by: {held or 'nothing'}",
-            model=e.name, device=e.device, needed=nbytes, budget=acct.budget, free=acct.free,
-            holders=holders, fits_ever=fits_ever, **count,
-        )
+        return NoSpace.over_budget(model=e.name, needed=nbytes, device=e.device, budget=acct.budget, free=acct.free,
+                                   held=held, holders=holders, fits_ever=fits_ever, **count)
 
     # -- quotas (Note [quotas]) ---------------------------------------------------------
     def set_quotas(self, quotas: dict[str, Quota]) -> None:

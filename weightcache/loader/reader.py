@@ -121,7 +121,9 @@ def open_for_reading(fd: int, size: int, writer: ArenaWriter, mode: str) -> tupl
     """Choose buffered or O_DIRECT reads of the open file ``fd`` (``size`` bytes). ``mode``
     "auto" uses O_DIRECT only for a cold file (< 50% in page cache): from page cache
     buffered reads reached 28 GB/s on the H200, O_DIRECT is bound by the disk; cold,
-    O_DIRECT reached 2.26 GB/s vs 1.83 buffered (shared/reference/probe2-h200.json).
+    O_DIRECT reached 2.26 GB/s vs 1.83 buffered (a one-off probe of parallel reads on the
+    H200 before this loader was written, not kept; docs/benchmarks.md has the loader's own
+    cold and warm figures, O_DIRECT chosen by this rule).
 
     O_DIRECT is a property of an open file, so it takes a second fd: it is opened through
     ``/proc/self/fd/N``, which reaches the same inode as ``fd`` whatever its path names by

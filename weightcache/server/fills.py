@@ -1,8 +1,9 @@
 """How a new arena gets its bytes: the four ways a model becomes resident.
 
-``Daemon._fill_new_arena`` admits, allocates, calls one of these in a thread, seals and
-rolls back on failure; what differs between a load from the files, a promotion from the
-host tier, a copy from another GPU and a copy of an engine's published memory is only this step.
+``Loads.fill_new_arena`` (server/loads.py) admits, allocates, calls one of these in a
+thread, seals and rolls back on failure; what differs between a load from the files, a
+promotion from the host tier, a copy from another GPU and a copy of an engine's published
+memory is only this step.
 """
 
 from __future__ import annotations

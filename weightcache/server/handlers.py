@@ -83,7 +83,7 @@ def _own_quota_only(ctx: Context, viewer: Peer, exc: WeightcacheError) -> Weight
     return NoSpace(f"model {d.get('model')!r} needs {format_size(int(d.get('needed', 0)))} on {d.get('device')}, over "
                    f"the quota of {quota}, its owner's (the owner's unattached models there cannot make room)",
                    model=d.get("model"), device=d.get("device"), needed=d.get("needed"), quota=quota,
-                   fits_ever=d.get("fits_ever"))
+                   fits_ever=exc.fits_ever)
 
 
 def lease_holders(ctx: Context, entries: list[str], viewer: Peer) -> list[dict[str, Any]]:
@@ -150,11 +150,7 @@ def _name_holders(ctx: Context, viewer: Peer, exc: WeightcacheError) -> Weightca
             held.append(f"{h['name']} ({format_size(h['nbytes'])}, {h['state']}, {who}{', pinned' if h.get('pinned') else ''})")
         if hidden:
             held.append(f"{format_size(sum(h['nbytes'] for h in hidden))} in {len(hidden)} model(s) not available to you")
-        full = (f"{d['device']} holds {d['loaded']} models, its max_loaded_models; "
-                if d.get("max_loaded_models") is not None else "")
-        message = (f"model {d['model']!r} needs {format_size(d['needed'])} on {d['device']}; {full}budget "
-                   f"{format_size(d['budget'])}, free {format_size(d['free'])}; held by: {', '.join(held) or 'nothing'}")
-        return NoSpace(message, **{**d, "holders": holders})
+        return NoSpace.over_budget(**{**d, "held": held, "holders": holders, "fits_ever": exc.fits_ever})
     return exc
 
 

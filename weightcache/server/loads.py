@@ -299,7 +299,7 @@ class Loads:
                     source = await self._resident_once(name)
                 except NoSpace as exc:
                     left = deadline - time.monotonic()
-                    if left <= 0 or not exc.details.get("fits_ever") or (gone is not None and gone.done()):
+                    if left <= 0 or not exc.fits_ever or (gone is not None and gone.done()):
                         raise
                     if self.space_freed.generation != generation:
                         continue  # room was freed while the refusal travelled back: try again now
@@ -698,7 +698,7 @@ class Loads:
         except WeightcacheError as exc:
             model.last_error = exc.to_wire()
             # NO_SPACE that detaches could cure is routine: callers wait and try again.
-            level = logging.INFO if isinstance(exc, NoSpace) and exc.details.get("fits_ever") else logging.ERROR
+            level = logging.INFO if isinstance(exc, NoSpace) and exc.fits_ever else logging.ERROR
             log.log(level, "load %s refused: %s", name, exc, extra={"model": name, "code": exc.code})
             raise
         # Admitted: the others waiting for room for it join this load now, as when every
@@ -712,7 +712,7 @@ class Loads:
             # out gives its bytes back to the device's room, which the new arena's chunks
             # take as it grows (backends/base.py, Room).
             lazy = bool(plan.step_down.demote)
-            demotions = self.start_step_down(plan.step_down, f"LRU, to make room for {name}")
+            demotions = self.start_step_down(plan.step_down, f"{self.settings.eviction_policy.upper()}, to make room for {name}")
             progress = self.progress[name] = Progress(ckpt.data_bytes)
             if self._releasing:
                 # Evicted victims' memory must be back before the allocation checks the device's free memory.
@@ -805,7 +805,7 @@ class Loads:
                 return self.core.begin_load(name, nbytes)
             except NoSpace as exc:
                 left = deadline - time.monotonic()
-                if left <= 0 or not exc.details.get("fits_ever"):
+                if left <= 0 or not exc.fits_ever:
                     raise
                 if ticket is None:
                     ticket = self.space_freed.ticket()
@@ -987,6 +987,12 @@ class Loads:
         task = self.spawn(asyncio.to_thread(self.backends[arena.device].free, arena))
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
+
+        def freed(t: asyncio.Task[Any]) -> None:  # what a test waits for (test_gpu_client): the free has run
+            if not t.cancelled() and t.exception() is None:
+                log.debug("freed an arena of %d bytes on %s", arena.nbytes, arena.device)
+
+        task.add_done_callback(freed)
 
     async def notify_space(self) -> None:
         self.space_freed.notify()

@@ -1,4 +1,5 @@
-"""M4 (SIGTERM while a client never reads) and M5 (a frame that is costly to decode)."""
+"""SIGTERM while a client never reads, and a frame that is costly to decode: neither
+holds the shutdown or the event loop."""
 
 from __future__ import annotations
 

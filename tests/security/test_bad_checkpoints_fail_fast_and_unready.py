@@ -1,4 +1,5 @@
-"""M3 (a FIFO as a checkpoint), M6 (readiness when a preload raises something unexpected)."""
+"""A FIFO as a checkpoint fails fast, and a preload that raises something unexpected
+makes the daemon not ready."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""H1: register is a way to make the root daemon read any file. By path it is admin-only;
-tenants (tenant_register = true) register only by passing fds they opened themselves;
-admins are confined to model_roots."""
+"""Register reads only the files its caller may read: else it is a way to make the root
+daemon read any file. By path it is admin-only; tenants (tenant_register = true) register
+only by passing fds they opened themselves; admins are confined to model_roots."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""M1: fds that arrive with the bytes of a frame that is never completed must not pile up
+"""Fds that arrive with the bytes of a frame that is never completed must not pile up
 in the daemon (they are claimed only when the frame ends)."""
 
 from __future__ import annotations

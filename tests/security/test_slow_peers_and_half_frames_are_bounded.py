@@ -1,4 +1,4 @@
-"""M2: slow or silent connections, many connections of one uid, and many half-sent frames."""
+"""Slow or silent connections, many connections of one uid, and many half-sent frames."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""H2: publish must not let a tenant replace or impersonate models that are not its own."""
+"""Publish must not let a tenant replace or impersonate models that are not its own."""
 
 from __future__ import annotations
 

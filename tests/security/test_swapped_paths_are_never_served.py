@@ -1,6 +1,7 @@
-"""H1 race: the daemon parses a checkpoint's header, waits for room, then reads the data.
-Whatever the path points to by then must not be what gets served: the data comes from
-the file that was parsed (or the load fails), never from a file swapped in meanwhile."""
+"""A path swapped during a load is never served. The daemon parses a checkpoint's header,
+waits for room, then reads the data: whatever the path points to by then must not be what
+gets served. The data comes from the file that was parsed (or the load fails), never from
+a file swapped in meanwhile."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""H1 oracle and visibility: a tenant must learn nothing about files through errors,
-`models` or `health`: not their existence, size, first bytes, or paths."""
+"""Errors and listings reveal nothing of files: a tenant must learn nothing about files
+through errors, `models` or `health`: not their existence, size, first bytes, or paths."""
 
 from __future__ import annotations
 

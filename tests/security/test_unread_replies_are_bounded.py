@@ -1,5 +1,5 @@
-"""H3: a client that pipelines requests and never reads its replies must not make the
-daemon buffer without bound, nor slow down everybody else."""
+"""Unread replies are bounded: a client that pipelines requests and never reads its
+replies must not make the daemon buffer without bound, nor slow down everybody else."""
 
 from __future__ import annotations
 
