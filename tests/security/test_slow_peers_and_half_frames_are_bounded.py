@@ -156,8 +156,8 @@ def test_partial_frames_share_one_budget(start_daemon):
 
 def test_partial_frame_budget_is_not_charged_to_innocent_connections(start_daemon, ckpts):
     """The connection that pushes the sum of half-received frames over the budget is the
-    one to refuse. While that refusal is being sent (up to a second to a peer that does not
-    read), the sum stays over the budget: no other connection may be closed for it."""
+    one refused, and its half frame leaves the sum before its refusal is sent (up to a
+    second to a peer that does not read): no other connection is closed for it meanwhile."""
     d = start_daemon(models={f"m{i:02d}": ckpts["tiny"] for i in range(24)},
                      extra_daemon={"max_partial_frame_bytes": 4 * MIB, "max_frame_bytes": 2 * MIB, "hello_timeout_s": 30})
     well = Conn(d.socket)
@@ -195,3 +195,41 @@ def test_partial_frame_budget_is_not_charged_to_innocent_connections(start_daemo
         well.close()
         for h in holders:
             h.close()
+
+
+async def test_a_refused_connections_half_frame_goes_before_its_goodbye(tmp_path, ckpts, monkeypatch):
+    """The goodbye to a peer that does not read may take a second: the half frame it sent
+    is dropped before it, not kept in memory that no count sees meanwhile."""
+    import asyncio
+    import socket
+
+    from conftest import daemon_in_process
+
+    from weightcache.protocol import FrameDecoder
+    from weightcache.server.connections import Connections
+
+    events: list[tuple[str, object]] = []
+    discard, send_final = FrameDecoder.discard, Connections._send_final
+
+    def recorded_discard(self: FrameDecoder) -> None:
+        events.append(("discard", self.pending))
+        discard(self)
+
+    async def recorded_send_final(self: Connections, conn, exc) -> None:
+        events.append(("goodbye", exc.code))
+        await send_final(self, conn, exc)
+
+    monkeypatch.setattr(FrameDecoder, "discard", recorded_discard)
+    monkeypatch.setattr(Connections, "_send_final", recorded_send_final)
+    async with daemon_in_process(tmp_path, {"tiny": ckpts["tiny"]}) as daemon:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            await asyncio.to_thread(s.connect, daemon.socket_path)
+            # a header past max_frame_bytes, and bytes after it in the same write
+            await asyncio.to_thread(s.sendall, HEADER.pack(2**31) + b"\0" * 4096)
+            deadline = time.monotonic() + 30
+            while not any(e[0] == "goodbye" for e in events) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        finally:
+            s.close()
+    assert events[:2] == [("discard", 4 + 4096), ("goodbye", "FRAME_TOO_LARGE")], events

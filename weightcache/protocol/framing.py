@@ -100,3 +100,7 @@ class FrameDecoder:
     def pending(self) -> int:
         """Bytes held that do not yet make a whole frame (a half-sent frame)."""
         return len(self._buf)
+
+    def discard(self) -> None:
+        """Drop the half frame held: the stream is being abandoned."""
+        self._buf = bytearray()

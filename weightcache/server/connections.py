@@ -229,7 +229,7 @@ class Connections:
                         why = f"frame incomplete {d.frame_read_timeout_s:g}s after its first byte"
                     else:
                         why = f"no hello within {d.hello_timeout_s:g}s"
-                    await self._drop(conn, RequestTimeout(f"{why}; closing the connection"))
+                    await self._drop(conn, RequestTimeout(f"{why}; closing the connection"), decoder)
                     break
                 except (ConnectionError, OSError):
                     break
@@ -238,24 +238,26 @@ class Connections:
                     conn.fds.extend(fds)  # closed with the connection if refused below
                     refusal = self._check_fds(conn, len(fds))
                     if refusal is not None:
-                        await self._drop(conn, refusal)
+                        await self._drop(conn, refusal, decoder)
                         break
                 if not data:
                     break
                 try:
                     frames = decoder.feed(data)
                 except FrameTooLarge as exc:  # the stream is out of step: this connection only
-                    await self._drop(conn, exc)
+                    await self._drop(conn, exc, decoder)
                     break
-                grew = decoder.pending > conn.partial
                 self._count_partial(conn, decoder.pending)
-                if grew and (refusal := self._check_partial(conn)) is not None:  # refuse who added, not a bystander
-                    await self._drop(conn, refusal)
+                # Only the connection that grew the sum can find it over a cap here: each
+                # refused one's half frame leaves the count (and the memory) before its
+                # goodbye, so no bystander reads while the sum is over (issue 26's review).
+                if (refusal := self._check_partial(conn)) is not None:
+                    await self._drop(conn, refusal, decoder)
                     break
                 # fds ride on a frame's first byte: a frame must start in this read.
                 started_here = pending_before == 0 or len(frames) > 1 or (len(frames) == 1 and decoder.pending > 0)
                 if fds and not started_here:
-                    await self._drop(conn, BadRequest("file descriptors must come with a frame's first byte"))
+                    await self._drop(conn, BadRequest("file descriptors must come with a frame's first byte"), decoder)
                     break
                 if not decoder.pending:
                     frame_deadline = None
@@ -270,12 +272,15 @@ class Connections:
             conn.close_fds()
             await self._close(conn)
 
-    async def _drop(self, conn: Connection, exc: WeightcacheError) -> None:
-        """A connection broke a limit: its fds go now (not after the goodbye), then one
-        error frame, then the caller closes it."""
+    async def _drop(self, conn: Connection, exc: WeightcacheError, decoder: FrameDecoder) -> None:
+        """A connection broke a limit: its fds and its half frame go now (not after the
+        goodbye, which may take up to a second to a peer that does not read: held that
+        long, up to max_frame_bytes of it was memory no count saw), then one error frame,
+        then the caller closes it."""
         self.peer_log.log(logging.WARNING, f"connection closed: {exc.code}", conn.peer.uid, "conn %d (uid %d): %s; closing it",
                           conn.id, conn.peer.uid, exc.message, extra=_peer_fields(conn, code=exc.code))
         conn.close_fds()
+        decoder.discard()
         self._count_partial(conn, 0)  # its half frame no longer counts against the others
         await self._send_final(conn, exc)
 
