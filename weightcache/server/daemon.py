@@ -117,7 +117,9 @@ class Daemon:
                         "this daemon's budget and leases until they exit or restart: %s (`weightcache status` lists "
                         "those still mapping it)", len(s.mappers), format_size(total), who)
         if s.unreadable:
-            log.info("could not read the memory maps of %d process(es) of other users (not root): mappings of an "
+            # Not only other users' processes when the daemon is not root: a root daemon in a
+            # sandbox was refused one (this VM's init) too.
+            log.info("could not read the memory maps of %d process(es) (permission denied): mappings of an "
                      "earlier daemon's memory held by them are not reported", s.unreadable)
 
     def other_daemons(self) -> list[dict[str, Any]]:
