@@ -81,7 +81,7 @@ from safetensors.torch import load_file
 
 from weightcache.client.mapping import tensor_views
 from weightcache.loader.checkpoint import Checkpoint, open_checkpoint
-from weightcache.protocol.messages import MEMFD_SEALS
+from weightcache.protocol.arena import MEMFD_SEALS
 from weightcache.tools.bench_measure import drop_page_cache, memfd_bytes
 from weightcache.tools.spawn import DaemonProcess, config_text
 from weightcache.tools.synth import kept_checkpoint

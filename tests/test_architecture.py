@@ -84,3 +84,26 @@ def test_every_op_has_a_handler():
     from weightcache.server.handlers import HANDLERS
 
     assert set(HANDLERS) | {"hello"} == OPS
+
+
+def test_an_engines_client_imports_neither_the_daemon_nor_its_loader():
+    """What an engine imports to attach and publish, in a fresh interpreter: the protocol
+    and the client, never weightcache.loader, weightcache.server or cuda-bindings (issue 26:
+    publish imported the loader, and so all of it, for one constant)."""
+    code = ("import sys, weightcache.client, weightcache.client.mapping, weightcache.client.publish, "
+            "weightcache.client.cuda_mapping, weightcache.client.torch_utils\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('weightcache.loader', 'weightcache.server', 'cuda.bindings'))))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_the_arena_layout_is_defined_in_protocol_only():
+    """The wire's arena layout (the file arena's segment, the alignment, the memfd seals)
+    lives in protocol/arena.py; the daemon and the client import it (it was written twice)."""
+    for path in PACKAGE.rglob("*.py"):
+        if path.parts[-2:] == ("protocol", "arena.py"):
+            continue
+        text = path.read_text()
+        for definition in ('struct.Struct("<4Q")', "ARENA_ALIGN = ", "MEMFD_SEALS = ", "SEGMENT = "):
+            assert definition not in text, f"{path.relative_to(PACKAGE)} defines {definition.strip(' =')} again"

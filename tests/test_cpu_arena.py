@@ -21,9 +21,10 @@ from safetensors.torch import load_file, save_file
 
 from weightcache import Client
 from weightcache.backends.cpu import CpuBackend, _populate_supported
-from weightcache.client.mapping import SEGMENT, file_tensor_views, map_files
+from weightcache.client.mapping import file_tensor_views, map_files
 from weightcache.errors import BadRequest, CorruptCheckpoint
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
+from weightcache.protocol.arena import SEGMENT
 from weightcache.tools.bench_measure import memfd_bytes, page_cache_bytes
 from weightcache.tools.synth import write_checkpoint
 

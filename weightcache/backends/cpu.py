@@ -77,7 +77,6 @@ import fcntl
 import logging
 import mmap
 import os
-import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,7 +87,7 @@ from ..loader.checkpoint import DTYPE_SIZES, Checkpoint, CheckpointFile
 from ..loader.reader import contiguous_runs, pread_full, pread_hashing
 from ..loader.sources import OpenedSource
 from ..loader.trust import why_untrusted
-from ..protocol.messages import MEMFD_SEALS
+from ..protocol.arena import MEMFD_SEALS, SEGMENT
 from ..units import capacity, round_up
 from .base import Arena, Backend, PublishedSource
 
@@ -96,8 +95,6 @@ log = logging.getLogger("weightcache.daemon")
 
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_READ = 22  # Linux >= 5.14; not in Python's mmap module
-# One segment on the wire: file index, file offset, arena offset, byte count (docs/protocol.md).
-SEGMENT = struct.Struct("<4Q")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p

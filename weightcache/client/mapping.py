@@ -20,7 +20,6 @@ import math
 import mmap
 import os
 import stat
-import struct
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import BadRequest
+from ..protocol.arena import SEGMENT
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -54,8 +54,6 @@ class Layouts(dict[tuple[Any, ...], tuple[torch.dtype, int, int, tuple[int, ...]
         return value
 
 
-# One segment of a "file" arena: file index, file offset, arena offset, byte count (docs/protocol.md).
-SEGMENT = struct.Struct("<4Q")
 
 
 def map_memfd(fd: int, nbytes: int) -> torch.Tensor:

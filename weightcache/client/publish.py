@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from ..loader.checkpoint import ARENA_ALIGN
-from ..protocol.messages import MEMFD_SEALS
+from ..protocol.arena import ARENA_ALIGN, MEMFD_SEALS
 from ..units import capacity, round_up
 from .mapping import TORCH_DTYPES
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import CorruptCheckpoint, LoadFailed
+from ..protocol.arena import ARENA_ALIGN
 from ..units import round_up
 from .sources import INDEX_SUFFIX, MAX_INDEX_BYTES, OpenedSource, SourceFile, index_names, open_source, read_capped
 
@@ -48,7 +49,6 @@ DTYPE_SIZES = {
 MAX_HEADER_BYTES = 16 * 2**20
 MAX_NAME_CHARS = 1024  # tensor names: real ones are < 200
 LIMIT = 2**62  # bound on every dimension, offset and byte count: far past any real tensor, and msgpack-safe
-ARENA_ALIGN = 256  # every tensor starts 256-byte aligned: what CUDA kernels and any dtype view need
 
 # Note [held bytes]
 # ~~~~~~~~~~~~~~~~~

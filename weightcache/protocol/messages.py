@@ -1,6 +1,5 @@
 """Names shared by both ends of the protocol. docs/protocol.md is the full specification."""
 
-import fcntl
 import hashlib
 
 PROTOCOL_VERSION = 1
@@ -10,9 +9,6 @@ OPS = frozenset(
     {"hello", "status", "models", "load", "attach", "detach", "evict", "pin", "unpin",
      "register", "unregister", "reload", "publish", "health"}
 )
-# A memfd arena on the wire (attach replies, publish requests) carries these seals: no
-# writable mapping, no resize, no more seal changes.
-MEMFD_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 # register, unregister and publish check their own rights (an owner may act on its own models).
 ADMIN_OPS = frozenset({"evict", "pin", "unpin", "reload"})
