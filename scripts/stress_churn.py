@@ -4,8 +4,9 @@ books and file descriptors must be exactly as if nothing had happened.
 
 The clients speak the wire protocol directly (scripts/stress_churn.py --client): written
 from docs/protocol.md alone, without torch, so that 200 of them fit in memory and the
-spec is exercised by a second implementation. Each maps the memfd it receives read-only
-and reads a byte of every tensor, like an engine would.
+spec is exercised by a second implementation. Each maps what it receives read-only (a
+sealed memfd, or a "file" arena's checkpoint files and their segments: two of the four
+models are served each way) and reads a byte of every tensor, like an engine would.
 
 Run: python scripts/stress_churn.py --clients 200 --seconds 30   (prints a JSON summary)
 """
@@ -79,11 +80,9 @@ def client_main(path: str, seconds: float, seed: int, models: list[str]) -> None
         if r < 0.45 and len(held) < 2:
             reply, fds = c.call("attach", name=rng.choice(models), wait_s=0.2)
             if reply["ok"]:
-                m = mmap.mmap(fds[0], reply["arena"]["nbytes"], prot=mmap.PROT_READ)
-                os.close(fds[0])
-                assert sum(m[off] for _n, _d, _s, off, nb in reply["tensors"] if nb) >= 0  # touch every tensor
-                m.close()
+                touch_every_tensor(reply, fds)
                 held.append(reply["lease"])
+                counts[f"arena_{reply['arena']['kind']}"] += 1
         elif r < 0.85 and held:
             reply, _ = c.call("detach", lease=held.pop(rng.randrange(len(held))))
         else:
@@ -93,15 +92,43 @@ def client_main(path: str, seconds: float, seed: int, models: list[str]) -> None
     print(json.dumps(counts), flush=True)  # exits holding whatever it holds: the close must release it
 
 
+def touch_every_tensor(reply: dict, fds: list[int]) -> None:
+    """Map the attach reply's arena read-only and read one byte of every tensor: a memfd
+    (one fd over the arena) or a file arena (one fd per file, and 32-byte segments:
+    file index, file offset, arena offset, byte count; docs/protocol.md). Closes the fds."""
+    arena = reply["arena"]
+    try:
+        if arena["kind"] == "memfd":
+            maps = [mmap.mmap(fds[0], arena["nbytes"], prot=mmap.PROT_READ)]
+            segments = [(0, 0, 0, arena["nbytes"])]
+        else:
+            maps = [mmap.mmap(fd, size, prot=mmap.PROT_READ) for fd, size in zip(fds, arena["files"], strict=True)]
+            segments = list(struct.iter_unpack("<4Q", arena["segments"]))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for _n, _d, _s, off, nb in reply["tensors"]:
+        if nb:
+            f, fo, ao, _n = next(seg for seg in segments if seg[2] <= off < seg[2] + seg[3])
+            assert maps[f][fo + off - ao] >= 0
+    for m in maps:
+        m.close()
+
+
 # ----------------------------------------------------------------------------- driver
-def daemon_fds(pid: int) -> collections.Counter[str]:
+def daemon_fds(pid: int, work: Path) -> collections.Counter[str]:
+    """The daemon's fds by kind; ``checkpoint``: fds of the models' files (a file arena
+    holds one per file)."""
     out: collections.Counter[str] = collections.Counter()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
-        out["memfd" if target.startswith("/memfd:") else target.split(":")[0] if ":" in target else "file"] += 1
+        if target.startswith(str(work)) and target.endswith(".safetensors"):
+            out["checkpoint"] += 1
+        else:
+            out["memfd" if target.startswith("/memfd:") else target.split(":")[0] if ":" in target else "file"] += 1
     return out
 
 
@@ -121,18 +148,20 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="wc-churn-", dir="/tmp"))
     names = [f"m{i}" for i in range(4)]
     for i, n in enumerate(names):
-        write_checkpoint(work / f"{n}.safetensors", 4 * 2**20, 30, seed=i)
+        # m0, m1 as save_file leaves them (served from their page cache); m2, m3 writable by
+        # their group, so the daemon copies them into sealed memfds: both arenas churn.
+        write_checkpoint(work / f"{n}.safetensors", 4 * 2**20, 30, seed=i, mode=0o600 if i < 2 else 0o664)
     sock = str(work / "d.sock")
     (work / "c.toml").write_text(config_text(
         sock, {"cpu": "13MiB"},  # room for three of the four: the churn forces evictions
         [{"name": n, "path": str(work / f"{n}.safetensors")} for n in names],
-        {"max_connections": 4096, "log_level": "warning"}))
+        {"max_connections": 4096, "max_connections_per_uid": 4096, "log_level": "warning"}))  # every client is this uid
     summary: dict[str, object] = {"clients": args.clients, "seconds": args.seconds}
     with DaemonProcess(work / "c.toml", sock, work / "daemon.log") as d:
         assert d.proc is not None
         with SyncClient(sock) as c:
             c.load(names[0])  # one arena exists before the baseline, so memfds are counted from there
-        baseline = daemon_fds(d.proc.pid)
+        baseline = daemon_fds(d.proc.pid, work)
         rng = random.Random(0)
         procs = []
         t0 = time.monotonic()
@@ -168,19 +197,22 @@ def main() -> int:
             models = c.models()
         resident = [m for m in models if m["state"] == "resident"]
         dev = st["devices"]["cpu"]
-        after = daemon_fds(d.proc.pid)
+        after = daemon_fds(d.proc.pid, work)
+        arenas = collections.Counter(m["arena"] for m in resident)
         checks = {
             "leases_zero": st["leases"] == 0,
             "attach_counts_zero": all(m["attach_count"] == 0 for m in models),
             "used_equals_resident_arenas": dev["used"] == sum(m["nbytes"] for m in resident),
             "nothing_reserved": dev["reserved"] == 0,
-            "memfds_equal_resident_models": after["memfd"] == len(resident),
-            "other_fds_back_to_baseline": {k: v for k, v in after.items() if k != "memfd"}
-            == {k: v for k, v in baseline.items() if k != "memfd"},
+            # each resident model holds its arena: one memfd, or its one checkpoint file
+            "arena_fds_equal_resident_models": after["memfd"] == arenas["memfd"] and after["checkpoint"] == arenas["file"],
+            "both_arenas_churned": counts["arena_file"] > 0 and counts["arena_memfd"] > 0,
+            "other_fds_back_to_baseline": {k: v for k, v in after.items() if k not in ("memfd", "checkpoint")}
+            == {k: v for k, v in baseline.items() if k not in ("memfd", "checkpoint")},
             "no_client_crashed": counts["client_crashed"] == 0,
             "no_traceback_in_daemon_log": "Traceback" not in (work / "daemon.log").read_text(),
         }
-        requests = sum(v for k, v in counts.items() if k != "client_crashed")
+        requests = sum(v for k, v in counts.items() if k != "client_crashed" and not k.startswith("arena_"))
         summary.update({
             "killed": len(victims), "spawn_s": round(spawn_s, 2), "wall_s": round(wall, 2),
             "peak_connections": peak_conns, "requests_by_survivors": requests,
