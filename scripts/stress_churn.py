@@ -132,6 +132,31 @@ def daemon_fds(pid: int, work: Path) -> collections.Counter[str]:
     return out
 
 
+def other_fds(fds: collections.Counter[str]) -> dict[str, int]:
+    """The fds that no resident model accounts for."""
+    return {k: v for k, v in fds.items() if k not in ("memfd", "checkpoint")}
+
+
+def settled_fds(pid: int, work: Path, client, like: collections.Counter[str] | None = None,
+                within_s: float = 5.0) -> collections.Counter[str]:
+    """The daemon's fds once only ``client`` is connected and the count holds still (or
+    matches ``like``). A closed connection's socket is closed on a later turn of the
+    daemon's loop than the one that stops counting it (asyncio closes a transport's
+    socket in a call_soon), so one read right after a disconnect can see it still open;
+    a leaked fd stays, and the check still fails on it."""
+    deadline = time.monotonic() + within_s
+    last = None
+    while True:
+        connected = client.status()["connections"]
+        fds = daemon_fds(pid, work)
+        if connected == 1 and (other_fds(fds) == other_fds(like) if like is not None else fds == last):
+            return fds
+        if time.monotonic() > deadline:
+            return fds
+        last = fds
+        time.sleep(0.1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", type=int, default=200)
@@ -159,9 +184,11 @@ def main() -> int:
     summary: dict[str, object] = {"clients": args.clients, "seconds": args.seconds}
     with DaemonProcess(work / "c.toml", sock, work / "daemon.log") as d:
         assert d.proc is not None
-        with SyncClient(sock) as c:
-            c.load(names[0])  # one arena exists before the baseline, so memfds are counted from there
-        baseline = daemon_fds(d.proc.pid, work)
+        # The observer stays connected from the baseline to the last count, so both counts
+        # hold its socket; one arena exists before the baseline, so memfds count from there.
+        observer = SyncClient(sock)
+        observer.load(names[0])
+        baseline = settled_fds(d.proc.pid, work, observer)
         rng = random.Random(0)
         procs = []
         t0 = time.monotonic()
@@ -173,7 +200,7 @@ def main() -> int:
         kill_at = sorted((rng.uniform(0.2, 0.9) * args.seconds, p) for p in victims), []
         peak_conns = 0
         pending = list(kill_at[0])
-        with SyncClient(sock) as c:
+        with observer as c:
             while any(p.poll() is None for p in procs):
                 now = time.monotonic() - t0
                 while pending and pending[0][0] <= now:
@@ -195,9 +222,9 @@ def main() -> int:
                     break
                 time.sleep(0.05)
             models = c.models()
+            after = settled_fds(d.proc.pid, work, c, like=baseline)
         resident = [m for m in models if m["state"] == "resident"]
         dev = st["devices"]["cpu"]
-        after = daemon_fds(d.proc.pid, work)
         arenas = collections.Counter(m["arena"] for m in resident)
         checks = {
             "leases_zero": st["leases"] == 0,
@@ -207,8 +234,7 @@ def main() -> int:
             # each resident model holds its arena: one memfd, or its one checkpoint file
             "arena_fds_equal_resident_models": after["memfd"] == arenas["memfd"] and after["checkpoint"] == arenas["file"],
             "both_arenas_churned": counts["arena_file"] > 0 and counts["arena_memfd"] > 0,
-            "other_fds_back_to_baseline": {k: v for k, v in after.items() if k not in ("memfd", "checkpoint")}
-            == {k: v for k, v in baseline.items() if k not in ("memfd", "checkpoint")},
+            "other_fds_back_to_baseline": other_fds(after) == other_fds(baseline),
             "no_client_crashed": counts["client_crashed"] == 0,
             "no_traceback_in_daemon_log": "Traceback" not in (work / "daemon.log").read_text(),
         }
