@@ -15,6 +15,7 @@ import os
 import struct
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -90,7 +91,7 @@ def load_in_process(path: Path, backend: CpuBackend):
         read_checkpoint(ckpt, opened, backend.writer(arena, 1 << 20), threads=2, chunk=1 << 20)
         backend.seal(arena)
     fds, desc = backend.export(arena)
-    reply = {"lease": 1, "fingerprint": ckpt.fingerprint, "device": "cpu", "arena": desc, "tensors": ckpt.wire_tensors()}
+    reply = {"lease": 1, "fingerprint": ckpt.fingerprint, "device": "cpu", "arena": desc, "tensors": msgpack.unpackb(ckpt.encoded_table())}
     return arena, attached_model("t", reply, fds)
 
 

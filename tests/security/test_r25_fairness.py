@@ -15,7 +15,8 @@ from weightcache.backends.cpu import CpuBackend
 from weightcache.cache import CacheCore
 from weightcache.config import DaemonConfig
 from weightcache.loader import open_source, parse_checkpoint
-from weightcache.server.loads import TABLE_SLICE, TENANT_IO_SHARE, Loads, encode_table
+from weightcache.loader.tensor_table import TABLE_SLICE
+from weightcache.server.loads import TENANT_IO_SHARE, Loads, encode_table
 from weightcache.server.registry import Registry
 
 from .test_r25_held import header_bomb
@@ -72,5 +73,6 @@ def test_the_table_packed_in_slices_is_the_same_bytes(tmp_path, n) -> None:
     back to the event loop; packed in slices, the bytes must be exactly the same."""
     with open_source(header_bomb(tmp_path / "t.safetensors", n)) as opened:
         ckpt = parse_checkpoint(opened)
-    assert encode_table(ckpt) == msgpack.packb(ckpt.wire_tensors(), use_bin_type=True)
+    rows = [[t.name, t.dtype, list(t.shape), t.arena_offset, t.nbytes] for t in ckpt.tensors]
+    assert encode_table(ckpt) == msgpack.packb(rows, use_bin_type=True)
     assert msgpack.unpackb(encode_table(ckpt))[-1][0] == ckpt.tensors[-1].name

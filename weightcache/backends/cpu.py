@@ -83,9 +83,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BadRequest, CorruptCheckpoint, LoadFailed, NoSpace
-from ..loader.checkpoint import DTYPE_SIZES, Checkpoint, CheckpointFile
+from ..loader.checkpoint import Checkpoint, CheckpointFile
 from ..loader.reader import contiguous_runs, pread_full, pread_hashing
 from ..loader.sources import OpenedSource
+from ..loader.tensor_table import DTYPE_SIZES
 from ..loader.trust import why_untrusted
 from ..protocol.arena import MEMFD_SEALS, SEGMENT
 from ..units import capacity, round_up

@@ -28,14 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import msgpack
-
 from ..backends import Arena, Backend
 from ..cache import CacheCore, LoadPlan, State, StepDown
 from ..config import DaemonConfig, ModelConfig
 from ..errors import LoadFailed, NoSpace, WeightcacheError
 from ..loader import Checkpoint, OpenedSource, Progress, open_source, parse_checkpoint
-from ..loader.checkpoint import release_gradually
 from ..loader.published import _gc_paused
 from ..loader.sources import unindexed_note
 from ..protocol.messages import tenant_fingerprint
@@ -54,23 +51,15 @@ T = TypeVar("T")
 # GIL for up to 250 ms against the loop (the loop's sleep(1 ms) late by 253 ms; 22 ms
 # with the collector paused), and msgpack packed the whole table in one C call (62-180
 # ms). So the work a big checkpoint makes is done with the collector paused (nothing it
-# builds forms a cycle), the table is packed in slices, and each tenant gets a bounded
-# share of the io pool (TENANT_IO_SHARE).
-TABLE_SLICE = 4096  # rows packed per C call: ~2 ms each, after which the loop may take the GIL
+# builds forms a cycle), the table is packed in slices (tensor_table.wire_table), each
+# tenant gets a bounded share of the io pool (TENANT_IO_SHARE), and big headers are
+# parsed in a worker process (loader/parse_worker.py).
 MANY_TENSORS = 4096  # checkpoints with more are filled with the collector paused, and queue for the device's fill
 SMALL_FILL_BYTES = 64 * 2**20  # fills of at most this (and few tensors) do not wait for the device's fill lock
 
 
 def encode_table(ckpt: Checkpoint) -> bytes:
-    rows = ckpt.wire_tensors()
-    if len(rows) <= TABLE_SLICE:
-        return msgpack.packb(rows, use_bin_type=True)  # type: ignore[no-any-return]
-    packer = msgpack.Packer(use_bin_type=True)
-    parts = [packer.pack_array_header(len(rows))]  # the same bytes as packb(rows)
-    for i in range(0, len(rows), TABLE_SLICE):
-        parts.append(b"".join([packer.pack(r) for r in rows[i : i + TABLE_SLICE]]))
-    release_gradually(rows)  # freed at once, 100k rows held the lock ~20 ms
-    return b"".join(parts)
+    return ckpt.encoded_table()
 
 
 def _libc_malloc_trim() -> Callable[[int], int] | None:
