@@ -274,6 +274,10 @@ class CacheCore:
             return []
         return [self.entries[n] for n in sorted(self._shares[e.share]) if n != name]
 
+    def sharing(self, share: str) -> list[str]:
+        """The entries registered with the arena key ``share`` (an ``Entry.share``)."""
+        return sorted(self._shares.get(share, ()))
+
     def _sibling_in(self, e: Entry, state: State) -> Entry | None:
         return next((x for x in self.siblings(e.name) if x.state is state), None)
 
@@ -418,7 +422,7 @@ class CacheCore:
 
     def could_admit(self, name: str, nbytes: int) -> bool:
         """Whether ``begin_load(name, nbytes)`` would admit the load now, changing nothing:
-        what a request waiting for room asks before it is woken (server/loads.py,
+        what a request waiting for room asks before it is woken (server/residency/room.py,
         SpaceFreed), so that a detach that frees too little wakes nobody."""
         e = self.entries.get(name)
         if e is None or e.state in (State.LOADING, State.RESIDENT):

@@ -60,10 +60,10 @@ from ..protocol.packed import encode_reply
 from ..protocol.transport import recv_with_fds, send_with_fds
 from .access import AccessPolicy, Peer
 from .handlers import HANDLERS, OWNER_PIN_OPS, hello, redact
-from .loads import Loads
 from .logs import PeerEventLog
 from .metrics import Metrics
 from .requests import Caller, Context, Request
+from .residency import Residency
 
 log = logging.getLogger("weightcache.daemon")
 
@@ -125,12 +125,12 @@ def _op_label(op: str) -> str:
 
 
 class Connections:
-    def __init__(self, settings: DaemonConfig, access: AccessPolicy, core: CacheCore, loads: Loads, metrics: Metrics,
+    def __init__(self, settings: DaemonConfig, access: AccessPolicy, core: CacheCore, residency: Residency, metrics: Metrics,
                  context: Callable[[], Context], stopping: asyncio.Event) -> None:
         self.settings = settings
         self.access = access
         self.core = core
-        self.loads = loads
+        self.residency = residency
         self.metrics = metrics
         self._context = context
         self._stopping = stopping
@@ -324,13 +324,12 @@ class Connections:
             t.cancel()
         await asyncio.gather(*cancelled, return_exceptions=True)
         for t in list(conn.tasks):  # loads: now the daemon's to finish and to await at shutdown
-            self.loads.background.add(t)
-            t.add_done_callback(self.loads.background.discard)
+            self.residency.tasks.adopt(t)
         dropped = self.core.drop_connection(conn.id)
         if dropped:
             log.info("conn %d (%r, pid %d) closed holding %d lease(s); released", conn.id, conn.client, conn.peer.pid, len(dropped),
                      extra=_peer_fields(conn, leases=len(dropped)))
-            await self.loads.notify_space()
+            self.residency.room.notify()
         else:
             log.debug("conn %d (%r, pid %d) closed", conn.id, conn.client, conn.peer.pid, extra=_peer_fields(conn, leases=0))
         conn.sock.close()

@@ -1,7 +1,7 @@
 """The daemon's lifecycle: it builds the rooms, binds the socket, serves until told to
 stop, then shuts down in order. It owns no policy (cache/core.py), no connection
 handling (connections.py), no op (handlers.py, model_ops.py) and no I/O of models
-(loads.py); it wires them together, re-reads the config (reload) and hands metrics a
+(residency/); it wires them together, re-reads the config (reload) and hands metrics a
 snapshot.
 """
 
@@ -18,6 +18,7 @@ from typing import Any
 from .. import __version__
 from ..backends import Backend
 from ..cache import CacheCore
+from ..cache.names import is_staging
 from ..cache.quotas import Quota
 from ..config import AUTO, ModelConfig, Settings, load_settings
 from ..errors import BadRequest, ConfigError, WeightcacheError
@@ -25,11 +26,11 @@ from ..systemd import reloading_message, sd_notify
 from ..units import format_size
 from .access import AccessPolicy, check_socket_dir, resolve_gid
 from .connections import Connections
-from .loads import Loads
 from .metrics import MODEL_COUNTERS, Metrics, ModelFigures, Snapshot
 from .outlived import Survey, other_daemons, still_mapping, survey
 from .registry import CHECK_FAILED, Registry
 from .requests import Context
+from .residency import Residency
 from .settings_reload import reload_budgets, reload_max_loaded, settings_changes
 
 # The fields a reload changes in place: the rest say which bytes and where.
@@ -65,16 +66,16 @@ class Daemon:
         self._claims: dict[str, ModelConfig] = {}  # config names a peer's model still holds (Note [config names win])
         core.set_quotas(quotas_of(settings))
         self.registry = Registry(core, backends, self.access)
-        self.loads = Loads(settings.daemon, core, self.registry, backends, shutting_down=self._stopping.is_set)
+        self.residency = Residency(settings.daemon, core, self.registry, backends, shutting_down=self._stopping.is_set)
         self.metrics = Metrics(self.snapshot)
         self.context = Context(
-            settings=settings, core=core, registry=self.registry, loads=self.loads, access=self.access, backends=backends,
+            settings=settings, core=core, registry=self.registry, residency=self.residency, access=self.access, backends=backends,
             started=self.started, socket_path=self.socket_path, connections=lambda: len(self.connections),
             caller_of=lambda conn: self.connections.caller(conn),
             shutting_down=self._stopping.is_set, health=self.health, reload=self.reload_config,
             outlived=self.outlived, other_daemons=self.other_daemons,
         )
-        self.connections = Connections(settings.daemon, self.access, core, self.loads, self.metrics,
+        self.connections = Connections(settings.daemon, self.access, core, self.residency, self.metrics,
                                        context=lambda: self.context, stopping=self._stopping)
 
     @property
@@ -105,8 +106,8 @@ class Daemon:
             self._preload_if_asked(mc)
         # Paths and headers are checked behind the socket (in the io pool): a bad one shows
         # in `models` as last_error long before anyone asks to load it.
-        self.loads.spawn(self._check_config_models([mc.name for mc in self.settings.models]))
-        self.loads.spawn(self.loads.keep_alive_loop())
+        self.residency.tasks.spawn(self._check_config_models([mc.name for mc in self.settings.models]))
+        self.residency.tasks.spawn(self.residency.keep_alive_loop())
 
     def _warn_outlived(self) -> None:
         s = self._outlived
@@ -139,7 +140,7 @@ class Daemon:
 
     def _preload_if_asked(self, mc: ModelConfig) -> None:
         if mc.preload:
-            self.loads.start_preload(mc.name)
+            self.residency.preloads.start(mc.name)
 
     def _bind(self, path: str) -> socket.socket:
         p = Path(path)
@@ -208,7 +209,7 @@ class Daemon:
             self._listener.close()
         # Tell every client; engines holding leases should detach (or restart elsewhere).
         await self.connections.broadcast({"event": "shutting_down", "grace_s": grace, "leases": len(self.core.leases)})
-        pending = self.connections.in_flight() + self.loads.tasks
+        pending = self.connections.in_flight() + self.residency.flights.tasks
         if pending:
             log.info("waiting up to %.1fs for %d request(s) in flight", grace, len(pending))
             _, still = await asyncio.wait(pending, timeout=grace or None) if grace else (set(), set(pending))
@@ -217,14 +218,14 @@ class Daemon:
             await asyncio.gather(*still, return_exceptions=True)
         if self.core.leases:
             log.info("waiting up to %.1fs for %d lease(s) to end", max(0.0, deadline - time.monotonic()), len(self.core.leases))
-            ticket = self.loads.space_freed.ticket()
+            ticket = self.residency.room.freed.ticket()
             while self.core.leases and time.monotonic() < deadline:
-                await self.loads.space_freed.wait(ticket, deadline - time.monotonic())
+                await self.residency.room.freed.wait(ticket, deadline - time.monotonic())
             if self.core.leases:
                 log.warning("exiting with %d lease(s) still held; their mappings stay valid (memory is refcounted)",
                             len(self.core.leases))
         await self.connections.close()
-        await self.loads.close()
+        await self.residency.close()
         for backend in self.backends.values():
             backend.close()
         try:
@@ -240,7 +241,7 @@ class Daemon:
         stops at the first node instead of reaching them all). Also read from the metrics
         thread: it only copies containers (atomic under the GIL)."""
         serving = not self.shutting_down
-        pending, failed = sorted(self.loads.preloads_pending), dict(sorted(self.loads.preloads_failed.items()))
+        pending, failed = sorted(self.residency.preloads.pending), dict(sorted(self.residency.preloads.failed.items()))
         return {"serving": serving, "ready": serving and not pending and not failed,
                 "preloading": pending, "failed_preloads": failed, "uptime_s": time.monotonic() - self.started}
 
@@ -256,13 +257,13 @@ class Daemon:
         models = [ModelFigures(e.name, e.device, str(e.state), e.nbytes, e.attach_count,
                                {k: getattr(e, k) for k in MODEL_COUNTERS})
                   for e in list(core.entries.values())
-                  if "#" not in e.name and (everyone or self._open_to_all(e.name))]
+                  if not is_staging(e.name) and (everyone or self._open_to_all(e.name))]
         health = self.health()
-        return Snapshot(devices=devices, models=models, last_load_rate=dict(self.loads.last_load_rate),
+        return Snapshot(devices=devices, models=models, last_load_rate=dict(self.residency.stats.last_load_rate),
                         connections=len(self.connections), leases=len(core.leases), ready=health["ready"],
                         failed_preloads=[n for n in health["failed_preloads"]
                                          if everyone or self._open_to_all(self.registry.groups.get(n, [n])[0])],
-                        counters=dict(self.loads.counters))
+                        counters=dict(self.residency.stats.counters))
 
     def _open_to_all(self, entry: str) -> bool:
         model = self.registry.models.get(entry)
@@ -305,8 +306,8 @@ class Daemon:
                                   "pending": [], "unchanged": [], "displaced": [], "evicted": [], "budgets": [],
                                   "max_loaded_models": [], "quotas": None}
         settings_changes(self.settings, new, report)
-        await reload_budgets(self.core, self.backends, self.loads, self.registry, new, report)
-        await reload_max_loaded(self.core, self.backends, self.loads, self.registry, new, report)
+        await reload_budgets(self.core, self.backends, self.residency, self.registry, new, report)
+        await reload_max_loaded(self.core, self.backends, self.residency, self.registry, new, report)
         quotas = quotas_of(new)
         if quotas != self.core.quotas:
             self.core.set_quotas(quotas)  # in place; a lowered one evicts nothing now (Note [quotas])
@@ -335,14 +336,14 @@ class Daemon:
                     wanted.pop(name)
                     continue
             try:
-                self.loads.forget(registry.unregister(name))
+                self.residency.step_down.forget(registry.unregister(name))
             except WeightcacheError as exc:
                 what = "changed in the file" if mc is not None else "removed from the file"
                 report["failed"].append(f"{name}: {what}, but kept as it was: {exc.message}; run the reload again "
                                         "once it is free")
                 wanted.pop(name, None)
                 continue
-            self.loads.forget_preload(name)
+            self.residency.preloads.forget(name)
             report["changed" if name in wanted else "removed"].append(name)
         for name, mc in wanted.items():
             if name in registry.groups and registry.first(name).origin == "config":
@@ -360,7 +361,7 @@ class Daemon:
                 # The config names it: the operator's model wins over a peer's of that name
                 # (else a tenant could take a name before the operator adds it).
                 try:
-                    self.loads.forget(registry.unregister(name))
+                    self.residency.step_down.forget(registry.unregister(name))
                 except WeightcacheError as exc:
                     self._claim(name, mc)
                     owner = registry.first(name).owner
@@ -405,7 +406,7 @@ class Daemon:
         self._claims[name] = mc
         self.registry.claimed.add(name)
         if first:
-            self.loads.spawn(self._take_name(name))
+            self.residency.tasks.spawn(self._take_name(name))
 
     def _drop_claim(self, name: str) -> None:
         self._claims.pop(name, None)
@@ -416,12 +417,12 @@ class Daemon:
         while name in self._claims and not self.shutting_down:
             if name in registry.groups and registry.first(name).origin != "config":
                 try:
-                    self.loads.forget(registry.unregister(name))
+                    self.residency.step_down.forget(registry.unregister(name))
                 except WeightcacheError:
                     # Woken at each lease end (and each detach anywhere). The timeout bounds
                     # what wakes nobody (the peer unregistering or replacing its model); it
                     # decides nothing, each pass checks again.
-                    await self.loads.space_freed.wait(self.loads.space_freed.ticket(), 5.0)
+                    await self.residency.room.freed.wait(self.residency.room.freed.ticket(), 5.0)
                     continue
                 log.info("model %s: the peer's copy of that name had no lease left; the config's model takes the name",
                          name, extra={"model": name})
@@ -452,12 +453,12 @@ class Daemon:
         if mc.preload and not old.preload:
             self._preload_if_asked(mc)
         elif not mc.preload:
-            self.loads.forget_preload(name)  # no longer gates readiness
+            self.residency.preloads.forget(name)  # no longer gates readiness
 
     async def _checkpoint_problem(self, mc: ModelConfig) -> WeightcacheError | None:
-        """Why ``mc``'s checkpoints cannot be loaded (Loads.check_files, which register
+        """Why ``mc``'s checkpoints cannot be loaded (Checks.check_files, which register
         runs too), or None when they can."""
-        return await self.loads.check_files(mc)
+        return await self.residency.checks.check_files(mc)
 
     async def _check_config_models(self, names: list[str]) -> list[str]:
         """Check each named config model's files; a bad one gets last_error (shown by
