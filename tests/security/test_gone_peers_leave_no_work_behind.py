@@ -206,14 +206,14 @@ async def test_a_peer_cannot_take_a_name_the_reload_is_adding(tmp_path, ckpts):
     peer = ModelConfig(name="x", path=ckpts["b"])
     daemon.registry.register(peer, origin="register", owner=4242)
     cfg.write_text(config_text(sock, {"cpu": "64MiB"}, [{"name": "x", "path": str(ckpts["a"])}], {}))
-    check = daemon._checkpoint_problem
+    check = daemon.config_models.checkpoint_problem
 
     async def squatting(mc):  # a peer registers the name again while the files are checked
         if "x" not in daemon.registry.groups:
             daemon.registry.register(peer, origin="register", owner=4242)
         return await check(mc)
 
-    daemon._checkpoint_problem = squatting  # type: ignore[method-assign]
+    daemon.config_models.checkpoint_problem = squatting  # type: ignore[method-assign]
     try:
         report = await daemon.reload_config()
         assert report["displaced"] == ["x"] and report["added"] == ["x"], report

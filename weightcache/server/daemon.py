@@ -1,8 +1,8 @@
 """The daemon's lifecycle: it builds the rooms, binds the socket, serves until told to
 stop, then shuts down in order. It owns no policy (cache/core.py), no connection
 handling (connections.py), no op (handlers.py, model_ops.py) and no I/O of models
-(residency/); it wires them together, re-reads the config (reload) and hands metrics a
-snapshot.
+(residency/), nor the config's models (config_models.py); it wires them together,
+re-reads the config (reload) and hands metrics a snapshot.
 """
 
 from __future__ import annotations
@@ -20,21 +20,20 @@ from ..backends import Backend
 from ..cache import CacheCore
 from ..cache.names import is_staging
 from ..cache.quotas import Quota
-from ..config import AUTO, ModelConfig, Settings, load_settings
-from ..errors import BadRequest, ConfigError, WeightcacheError
+from ..config import Settings, load_settings
+from ..errors import BadRequest, ConfigError
 from ..systemd import reloading_message, sd_notify
 from ..units import format_size
 from .access import AccessPolicy, check_socket_dir, resolve_gid
+from .config_models import ConfigModels
 from .connections import Connections
 from .metrics import MODEL_COUNTERS, Metrics, ModelFigures, Snapshot
 from .outlived import Survey, other_daemons, still_mapping, survey
-from .registry import CHECK_FAILED, Registry
+from .registry import Registry
 from .requests import Context
 from .residency import Residency
 from .settings_reload import reload_budgets, reload_max_loaded, settings_changes
 
-# The fields a reload changes in place: the rest say which bytes and where.
-POLICY_FIELDS = ("keep_alive", "pin", "preload", "allowed_uids", "allowed_gids")
 # last_error["reason"] of a failed start/reload check, which a later good check clears
 # (a load's own error stays until a load succeeds).
 
@@ -63,10 +62,10 @@ class Daemon:
         self._reload_lock = asyncio.Lock()
         self._outlived = Survey(mappers=[], unreadable=0)
         self._others: list[dict[str, Any]] = []
-        self._claims: dict[str, ModelConfig] = {}  # config names a peer's model still holds (Note [config names win])
         core.set_quotas(quotas_of(settings))
         self.registry = Registry(core, backends, self.access)
         self.residency = Residency(settings.daemon, core, self.registry, backends, shutting_down=self._stopping.is_set)
+        self.config_models = ConfigModels(core, self.registry, self.residency, backends, self._stopping.is_set)
         self.metrics = Metrics(self.snapshot)
         self.context = Context(
             settings=settings, core=core, registry=self.registry, residency=self.residency, access=self.access, backends=backends,
@@ -103,10 +102,10 @@ class Daemon:
         log.info("weightcache %s serving on %s (pid %d)", __version__, self.socket_path, os.getpid())
         sd_notify(f"READY=1\nSTATUS=serving on {self.socket_path}")
         for mc in self.settings.models:
-            self._preload_if_asked(mc)
+            self.config_models.preload_if_asked(mc)
         # Paths and headers are checked behind the socket (in the io pool): a bad one shows
         # in `models` as last_error long before anyone asks to load it.
-        self.residency.tasks.spawn(self._check_config_models([mc.name for mc in self.settings.models]))
+        self.residency.tasks.spawn(self.config_models.check([mc.name for mc in self.settings.models]))
         self.residency.tasks.spawn(self.residency.keep_alive_loop())
 
     def _warn_outlived(self) -> None:
@@ -137,10 +136,6 @@ class Daemon:
             return []
         self._outlived.mappers = still_mapping(self._outlived.mappers)
         return [m.describe() for m in self._outlived.mappers]
-
-    def _preload_if_asked(self, mc: ModelConfig) -> None:
-        if mc.preload:
-            self.residency.preloads.start(mc.name)
 
     def _bind(self, path: str) -> socket.socket:
         p = Path(path)
@@ -278,7 +273,7 @@ class Daemon:
         checked as start checks them (``resolve_budget``) and applied, evicting what a
         lowered one no longer holds. Models that peers registered or published are left
         alone unless the config now names them: then the config's wins (``displaced``, or
-        ``pending`` while the peer's copy is attached; Note [config names win]).
+        ``pending`` while the peer's copy is attached; Note [config names win] in config_models.py).
 
         One rule for the report: every change that did not take effect is one line in
         ``failed`` (a model kept because it is attached, a budget that attached models
@@ -312,190 +307,14 @@ class Daemon:
         if quotas != self.core.quotas:
             self.core.set_quotas(quotas)  # in place; a lowered one evicts nothing now (Note [quotas])
             report["quotas"] = sorted(quotas)
-        registry = self.registry
-        wanted = {m.name: m for m in new.models}
-        for name in list(self._claims):
-            if name not in wanted:  # the file no longer names it: the peer's model keeps its name
-                self._drop_claim(name)
-        # Only the config's own models: what peers registered or published stays.
-        for name in [n for n in registry.groups if registry.first(n).origin == "config"]:
-            old = registry.first(name).config
-            mc = wanted.get(name)
-            if mc == old:
-                report["unchanged"].append(name)
-                continue
-            if mc is not None and mc == old.model_copy(update={f: getattr(mc, f) for f in POLICY_FIELDS}):
-                self._update_policy(name, old, mc)
-                report["updated"].append(name)
-                wanted.pop(name)
-                continue
-            if mc is not None:
-                problem = await self._checkpoint_problem(mc)
-                if problem is not None:  # keep what works until the file is fixed
-                    report["failed"].append(f"{name}: {problem.message}")
-                    wanted.pop(name)
-                    continue
-            try:
-                self.residency.step_down.forget(registry.unregister(name))
-            except WeightcacheError as exc:
-                what = "changed in the file" if mc is not None else "removed from the file"
-                report["failed"].append(f"{name}: {what}, but kept as it was: {exc.message}; run the reload again "
-                                        "once it is free")
-                wanted.pop(name, None)
-                continue
-            self.residency.preloads.forget(name)
-            report["changed" if name in wanted else "removed"].append(name)
-        for name, mc in wanted.items():
-            if name in registry.groups and registry.first(name).origin == "config":
-                continue  # unchanged: the config's own model stands
-            # Checked before the peer's model of that name is displaced, so that no await
-            # lies between displacing it and registering the config's: a peer that
-            # registered the name again meanwhile made the reload fail half done.
-            problem = None if name in report["changed"] else await self._checkpoint_problem(mc)
-            missing = [dev for _p, dev in mc.parts if dev not in self.backends and dev != AUTO]
-            if missing:
-                report["failed"].append(f"{name}: device {missing[0]} has no budget in the running daemon "
-                                        "(a new device needs a daemon restart)")
-                continue
-            if name in registry.groups and registry.first(name).origin != "config":
-                # The config names it: the operator's model wins over a peer's of that name
-                # (else a tenant could take a name before the operator adds it).
-                try:
-                    self.residency.step_down.forget(registry.unregister(name))
-                except WeightcacheError as exc:
-                    self._claim(name, mc)
-                    owner = registry.first(name).owner
-                    report["pending"].append(
-                        f"{name}: a model of that name registered by uid {owner} stays while {exc.message}; new "
-                        "attaches of it are refused, and the config's model takes the name when they end")
-                    continue
-                report["displaced"].append(name)
-            if name not in registry.groups:
-                # Checked before it is registered (above): what `models` shows from then on is final.
-                registry.register(mc)
-                if name not in report["changed"]:
-                    report["added"].append(name)
-                    if problem is not None:
-                        # A new model with a bad file is registered (the operator sees it and
-                        # its last_error in `models`) but the reload reports it as failed.
-                        self._mark_bad(name, problem)
-                        report["failed"].append(f"{name}: {problem.message}")
-                self._preload_if_asked(mc)
+        await self.config_models.reload(new.models, report)
         log.info("reload: %s", {k: v for k, v in report.items() if v and k != "unchanged"})
         for line in report["failed"] + report["pending"]:  # each change that did not take effect, on its own line
             log.error("reload: not in effect: %s", line)
         # The models the file left as they were get the same check: a file deleted or
         # replaced since the last one shows now, not at the next load (the check logs it).
-        await self._check_config_models(report["unchanged"] + report["updated"])
+        await self.config_models.check(report["unchanged"] + report["updated"])
         return report
-
-    # Note [config names win]
-    # A tenant may register or publish a name before the operator adds it to the config
-    # (issue 25: it held one lease, the reload said "kept", and every tenant attaching
-    # the name got the squatter's bytes). The config's name wins. Displaced at once when
-    # the peer's model is free; while it is attached, the name is *claimed*: no new
-    # load, attach, pin or evict of the peer's copy (Registry.check_use refuses them),
-    # no register, publish or replace of the name by a peer (Registry.register,
-    # swap_in), the existing leases run on (their mappings are the engines'), and when
-    # the last ends (every lease end notifies space_freed) the peer's model is dropped
-    # and the config's registered. The reload reports it under ``pending`` and exits
-    # non-zero: the config's model is not serving yet. At a daemon restart the config's
-    # models are registered before the socket listens, so no peer can take one.
-    def _claim(self, name: str, mc: ModelConfig) -> None:
-        first = name not in self._claims
-        self._claims[name] = mc
-        self.registry.claimed.add(name)
-        if first:
-            self.residency.tasks.spawn(self._take_name(name))
-
-    def _drop_claim(self, name: str) -> None:
-        self._claims.pop(name, None)
-        self.registry.claimed.discard(name)
-
-    async def _take_name(self, name: str) -> None:
-        registry = self.registry
-        while name in self._claims and not self.shutting_down:
-            if name in registry.groups and registry.first(name).origin != "config":
-                try:
-                    self.residency.step_down.forget(registry.unregister(name))
-                except WeightcacheError:
-                    # Woken at each lease end (and each detach anywhere). The timeout bounds
-                    # what wakes nobody (the peer unregistering or replacing its model); it
-                    # decides nothing, each pass checks again.
-                    await self.residency.room.freed.wait(self.residency.room.freed.ticket(), 5.0)
-                    continue
-                log.info("model %s: the peer's copy of that name had no lease left; the config's model takes the name",
-                         name, extra={"model": name})
-            mc = self._claims.pop(name)
-            registry.claimed.discard(name)
-            if name not in registry.groups:
-                registry.register(mc)
-                self._preload_if_asked(mc)
-                await self._check_config_models([name])
-            return
-
-
-
-    def _update_policy(self, name: str, old: ModelConfig, mc: ModelConfig) -> None:
-        """Apply a new keep_alive, pin or preload to a registered model without touching
-        what is resident. A pin the file changed is applied; an unchanged one leaves a
-        runtime pin or unpin (the ``pin`` op) as the operator set it."""
-        for entry in self.registry.groups[name]:
-            self.registry.models[entry].config = mc
-            e = self.core.entry(entry)
-            if mc.keep_alive != old.keep_alive:
-                # The configured value, and the one in force: a request's keep_alive is
-                # replaced by the operator's new one, as a fresh registration would be.
-                e.configured_keep_alive = mc.keep_alive
-                self.core.set_keep_alive(entry, mc.keep_alive)
-            if mc.pin != old.pin:
-                self.core.set_pinned(entry, mc.pin)
-        if mc.preload and not old.preload:
-            self._preload_if_asked(mc)
-        elif not mc.preload:
-            self.residency.preloads.forget(name)  # no longer gates readiness
-
-    async def _checkpoint_problem(self, mc: ModelConfig) -> WeightcacheError | None:
-        """Why ``mc``'s checkpoints cannot be loaded (Checks.check_files, which register
-        runs too), or None when they can."""
-        return await self.residency.checks.check_files(mc)
-
-    async def _check_config_models(self, names: list[str]) -> list[str]:
-        """Check each named config model's files; a bad one gets last_error (shown by
-        ``models``, redacted for peers like a load's error) and a log line. Returns
-        the names that failed."""
-        bad = []
-        for name in names:
-            if name not in self.registry.groups:
-                continue
-            problem = await self._checkpoint_problem(self.registry.first(name).config)
-            if name not in self.registry.groups:
-                continue
-            if problem is None:  # fixed since the last check: its error no longer applies
-                for entry in self.registry.groups[name]:
-                    m = self.registry.models[entry]
-                    m.check_failed = None
-                    if m.last_error is not None and m.last_error.get("reason") == CHECK_FAILED:
-                        m.last_error = None
-                continue
-            bad.append(name)
-            self._mark_bad(name, problem)
-        return bad
-
-    def _mark_bad(self, name: str, problem: WeightcacheError) -> None:
-        # The check's own code (CORRUPT_CHECKPOINT for a bad header, LOAD_FAILED for a file
-        # that does not open), as a load and a register of the same file say it.
-        reason = problem.message
-        err = type(problem)(f"{name}: {reason}", **{**problem.details, "model": name, "reason": CHECK_FAILED}).to_wire()
-        for entry in self.registry.groups[name]:
-            m = self.registry.models[entry]
-            m.check_failed = reason
-            if m.last_error is None:  # a real load's error says more
-                m.last_error = err
-        log.error("model %s cannot be loaded: %s; fix the file or the model's path in the config, then run "
-                  "`weightcache reload` (until then `weightcache models` shows it as error)", name, reason,
-                  extra={"model": name, "code": err["code"]})
-
 
 def _notify(message: str) -> None:
     """sd_notify for a reload: a notify socket that has gone (systemd re-executed) must not

@@ -146,7 +146,7 @@ class Registry:
         self._staging_ids = itertools.count(1)
         self._reserved: Counter[int] = Counter()  # uid -> model slots held by publishes not yet staged
         # Names the config claims while a peer's model of that name is still attached
-        # (daemon.py, Note [config names win]): that copy takes no new use, and no peer
+        # (config_models.py, Note [config names win]): that copy takes no new use, and no peer
         # may take the name again.
         self.claimed: set[str] = set()
 
