@@ -5,7 +5,9 @@ A model is one entry named like the model; a sharded one has an entry per rank,
 ``model@rank``; a rank placed automatically (device = "auto") has a replica per candidate
 device, ``<rank's name>@<device>``; a publish fills a staging entry, ``model#N``, before it
 takes the model's name. '@' and '#' are never in a model name (config.check_model_name),
-so none of these can clash with a model's own name.
+so none of these can clash with a model's own name. Names that read the same files share
+one arena: they are registered with one share key (``files_share``), which the core keys
+per device (``shared_arena``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ def model_of(entry: str) -> str:
     """The model an entry belongs to (``model@rank``, ``model@rank@device``): pins are
     counted per model, so a sharded model pinned is one pin."""
     return entry.partition("@")[0]
+
+
+def files_share(real_path: str, rank: int, ranks: int, owner: int | None) -> str:
+    """The share key of a checkpoint's names (server/registry.py's share_key says when two
+    names get one): its real path, as rank ``rank`` of ``ranks``, for ``owner``."""
+    return f"{real_path}\0rank {rank} of {ranks}\0owner {owner}"
 
 
 def shared_arena(device: str, share: str) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..cache import State
+from ..cache.names import rank_entry
 from ..cache.quotas import tenant_keys
 from ..config import ModelConfig, check_model_name, config_group_names, problems, under_roots
 from ..errors import Attached, BadRequest, LimitExceeded, PermissionDenied, Pinned
@@ -181,7 +182,7 @@ def _adopt_files(mc: ModelConfig, files: Any, req: Request) -> list[OpenedSource
         for rank, names in enumerate(files):
             part = fds[start : start + len(names)]
             start += len(names)
-            sources.append(adopt_fds(f"fds:{mc.name}@{rank}", names, part))
+            sources.append(adopt_fds(f"fds:{rank_entry(mc.name, rank)}", names, part))
     except BaseException:
         for src in sources:
             src.close()

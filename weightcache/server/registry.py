@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from ..backends import Arena, Backend, HostCopy
 from ..cache import CacheCore, Entry, State
-from ..cache.names import is_staging, rank_entry, replica_entry, staging_entry
+from ..cache.names import files_share, is_staging, rank_entry, replica_entry, staging_entry
 from ..config import AUTO, ModelConfig, auto_devices
 from ..errors import BadRequest, PermissionDenied, UnknownModel
 from ..loader import Checkpoint, OpenedSource, Progress
@@ -119,7 +119,7 @@ def share_key(path: Path, rank: int, ranks: int, owner: int | None) -> str | Non
             return None
     except OSError:
         return None
-    return f"{real}\0rank {rank} of {ranks}\0owner {owner}"
+    return files_share(real, rank, ranks, owner)
 
 
 def redacted(error: dict[str, Any]) -> dict[str, Any]:
