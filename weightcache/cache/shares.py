@@ -5,8 +5,9 @@ Note [shared arenas]
 Entries registered with one ``share`` key (the server gives it to names whose checkpoint
 is the same files, on the same device and rank, for the same owner) hold one arena
 between them. Each keeps its own leases, pin, keep_alive, last use and counters; the
-arena is counted once (Note [invariants] 1, core.py) and loaded once: an entry whose sibling is RESIDENT ``join``s
-it instead of loading, and ``begin_load`` refuses while a sibling loads or is resident.
+arena is counted once (core.py's Note [invariants], 1) and loaded once: an entry whose
+sibling is RESIDENT ``join``s it instead of loading, and ``begin_load`` refuses while a
+sibling loads or is resident.
 Evicting one name (``evict``, keep_alive) makes that name EVICTED and frees nothing while
 a sibling is still RESIDENT; the arena's bytes go with its last resident name. The
 policy sees a shared arena as one candidate, only when none of its names is attached or

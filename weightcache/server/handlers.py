@@ -200,7 +200,7 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
 
 def tenant_usage(ctx: Context, viewer: Peer) -> dict[str, Any]:
     """Per tenant, the bytes its models hold per device, its pins and its quota
-    (cache/core.py, Note [quotas]): every tenant for administrators, a peer's own uid
+    (cache/quotas.py, Note [quotas]): every tenant for administrators, a peer's own uid
     and groups for anyone else."""
     usage = ctx.core.tenant_usage()
     if ctx.access.is_admin(viewer):

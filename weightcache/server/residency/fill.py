@@ -209,7 +209,7 @@ class Fill:
             own = ("open", "allocate", "fill", "seal", "table")
             self.core.observe_load(name, "host" if plan.promote else "files", nbytes, sum(phases.get(k, 0.0) for k in own))
         self.counters["loads"] += 1  # from files or the host tier, as the core counts them per model
-        if plan.promote:  # the host copy stays (Note [kept host copies] in cache/core.py)
+        if plan.promote:  # the host copy stays (Note [kept host copies] in cache/tiers.py)
             self.counters["promotions"] += 1
         dt = time.monotonic() - t0
         shown = published_as(name)  # a publish's staging entry is renamed to the model
