@@ -40,14 +40,38 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
-MAX_MODULE_LINES = 1100  # docs/architecture.md states it; server/loads.py (~1,000) is the largest
+# The most lines a module may have, by the package it sits in (its first folder under
+# weightcache/). Issue 26 brings every package under 500 as its split lands: add a
+# package here when it does. The rest are held to MAX_MODULE_LINES_ELSEWHERE (cli.py,
+# ~830, is the largest). docs/architecture.md states every bound.
+MAX_MODULE_LINES = {"server": 500, "cache": 500}
+MAX_MODULE_LINES_ELSEWHERE = 1100
+
+
+def _bound(path: Path) -> int:
+    parts = path.relative_to(PACKAGE).parts
+    return MAX_MODULE_LINES.get(parts[0], MAX_MODULE_LINES_ELSEWHERE) if len(parts) > 1 else MAX_MODULE_LINES_ELSEWHERE
 
 
 def test_no_module_is_over_the_bound_the_docs_state():
-    sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
-    over = {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES}
-    assert not over, f"modules over {MAX_MODULE_LINES} lines: {over}"
-    assert f"{MAX_MODULE_LINES:,} lines" in (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    over = {str(p.relative_to(PACKAGE)): (n, _bound(p)) for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > _bound(p)}
+    assert not over, f"modules over their package's bound (lines, bound): {over}"
+    docs = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    for package, bound in MAX_MODULE_LINES.items():
+        assert f"{package}/" in docs and f"{bound:,} lines" in docs, f"docs/architecture.md does not state {package}/'s bound"
+    assert f"{MAX_MODULE_LINES_ELSEWHERE:,} lines" in docs
+
+
+def test_entry_names_and_share_keys_are_spelled_in_one_place():
+    """A staging entry, a rank's or a replica's name and a share key are spelled by
+    cache/names.py alone (issue 26: "#" in name was tested in six places)."""
+    for path in PACKAGE.rglob("*.py"):
+        if path.parts[-2:] in (("cache", "names.py"),) or path.parts[-2] not in ("server", "cache", "residency"):
+            continue
+        text = path.read_text()
+        for spelling in ('"#" in ', 'partition("#")', '"\\0rank', '}@{', '"\\0" + '):
+            assert spelling not in text, f"{path.relative_to(PACKAGE)} spells {spelling!r} itself: use cache/names.py"
 
 
 def test_no_import_cycles():

@@ -16,8 +16,10 @@ from weightcache.cache import CacheCore
 from weightcache.config import DaemonConfig
 from weightcache.loader import open_source, parse_checkpoint
 from weightcache.loader.tensor_table import TABLE_SLICE
-from weightcache.server.loads import TENANT_IO_SHARE, Loads, encode_table
 from weightcache.server.registry import Registry
+from weightcache.server.residency import Residency
+from weightcache.server.residency.fill import encode_table
+from weightcache.server.residency.io import TENANT_IO_SHARE
 
 from .test_r25_held import header_bomb
 
@@ -29,7 +31,7 @@ async def test_one_tenant_holds_at_most_half_the_io_pool() -> None:
     its own."""
     core = CacheCore({"cpu": 2**20})
     backends = {"cpu": CpuBackend("cpu")}
-    loads = Loads(DaemonConfig(io_threads=4), core, Registry(core, backends, access=None), backends, lambda: False)
+    residency = Residency(DaemonConfig(io_threads=4), core, Registry(core, backends, access=None), backends, lambda: False)
     running: dict[int, int] = {1: 0, 2: 0}
     most = {1: 0, 2: 0}
     lock = threading.Lock()
@@ -47,12 +49,12 @@ async def test_one_tenant_holds_at_most_half_the_io_pool() -> None:
         return uid
 
     try:
-        hog = [asyncio.ensure_future(loads.io(work, 1, tenant=1)) for _ in range(4)]
+        hog = [asyncio.ensure_future(residency.io.run(work, 1, tenant=1)) for _ in range(4)]
         for _ in range(200):
             await asyncio.sleep(0.01)
             if running[1] == share:
                 break
-        other = asyncio.ensure_future(loads.io(work, 2, tenant=2))
+        other = asyncio.ensure_future(residency.io.run(work, 2, tenant=2))
         for _ in range(200):
             await asyncio.sleep(0.01)
             if running[2] == 1:
@@ -61,10 +63,10 @@ async def test_one_tenant_holds_at_most_half_the_io_pool() -> None:
         release.set()
         assert await asyncio.gather(*hog, other) == [1, 1, 1, 1, 2]
         assert most == {1: share, 2: 1}, most
-        assert loads._io_shares == {}  # nothing kept per uid once its calls ended
+        assert residency.io._shares == {}  # nothing kept per uid once its calls ended
     finally:
         release.set()
-        loads.io_pool.shutdown()
+        residency.io.close()
 
 
 @pytest.mark.parametrize("n", [10, TABLE_SLICE + 1, 3 * TABLE_SLICE + 7])

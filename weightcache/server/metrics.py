@@ -47,7 +47,7 @@ class Snapshot:
     leases: int
     ready: bool
     failed_preloads: list[str]
-    counters: dict[str, int]  # daemon-wide: server/loads.py COUNTERS
+    counters: dict[str, int]  # daemon-wide: server/residency/stats.py COUNTERS
 
 
 class Metrics:
