@@ -573,7 +573,7 @@ def cmd_workload(args: argparse.Namespace) -> int:
 
 
 def cmd_supervise(args: argparse.Namespace) -> int:
-    from .supervisor import SupervisorOptions, supervise
+    from .supervise import SupervisorOptions, supervise
 
     preload = tuple(m.strip() for arg in args.preload for m in arg.split(",") if m.strip())
     exclude = tuple(m.strip() for arg in args.exclude for m in arg.split(",") if m.strip())
