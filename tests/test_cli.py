@@ -343,7 +343,7 @@ def test_json_before_the_command_and_an_unknown_model_says_where_to_look(start_d
 def test_the_socket_of_the_config_file_is_found_as_the_daemon_reads_it(start_daemon, capsys, tmp_path, monkeypatch):
     d = start_daemon()
     sock = Path(d.socket)
-    # A relative socket is relative to the config file (config.config_relative), "~" the home.
+    # A relative socket is relative to the config file (config/file.py, config_relative), "~" the home.
     cfg = sock.parent / "etc" / "c.toml"
     cfg.parent.mkdir()
     cfg.write_text(f'[daemon]\nsocket = "../{sock.name}"\n')

@@ -20,60 +20,20 @@ from typing import Any
 
 from . import __version__
 from .errors import ConfigError, WeightcacheError
-from .units import format_size
-
-
-def _socket(args: argparse.Namespace) -> str | None:
-    """The socket a client command uses: --socket, else $WEIGHTCACHE_SOCKET (or
-    $WEIGHTCACHE_DAEMON__SOCKET, which the daemon also reads), else the ``[daemon] socket``
-    of the file --config or $WEIGHTCACHE_CONFIG names (the environment wins over the file,
-    as for the daemon), else None (the client's default). Only that key is read: a client
-    command must not fail on parts of the daemon's config it does not use."""
-    from .defaults import CONFIG_ENV, SOCKET_ENV
-
-    if args.socket:
-        return str(args.socket)
-    for env in (SOCKET_ENV, "WEIGHTCACHE_DAEMON__SOCKET"):
-        if os.environ.get(env):
-            return os.environ[env]
-    path = args.config or os.environ.get(CONFIG_ENV)
-    if not path:
-        return None
-    import tomllib
-
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except OSError as exc:
-        named = "--config" if args.config else f"${CONFIG_ENV}"
-        raise ConfigError(f"{named} names {path}, which cannot be read ({exc.strerror}); "
-                          "pass --socket or fix it") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    daemon = data.get("daemon", {})
-    sock = daemon.get("socket") if isinstance(daemon, dict) else None
-    if sock is not None and not isinstance(sock, str):
-        raise ConfigError(f"daemon.socket in {path} must be a string, got {type(sock).__name__}")
-    if sock is None:
-        return None
-    # As the daemon reads it (config.config_relative, not imported: it pulls in pydantic):
-    # "~" expanded, a relative path taken from the config file's directory.
-    sock = os.path.expanduser(sock)
-    return sock if os.path.isabs(sock) else str((Path(path).parent / sock).resolve())
+from .units import format_size, parse_duration
 
 
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from .client import Client
+    from .config.file import daemon_socket
 
     # An operator's command and a health probe answer about now: no waiting for a
     # daemon that is not running (engines wait; see Client's wait_for_daemon).
-    return Client(_socket(args), name="weightcache-cli", wait_for_daemon=0)
+    return Client(args.socket or daemon_socket(args.config), name="weightcache-cli", wait_for_daemon=0)
 
 
 def _seconds(text: str) -> float:
-    """An argparse type: seconds, or "30s" / "5m" as the config takes them (pydantic is
-    imported only when the flag is given: `weightcache health` must stay light)."""
-    from .config import parse_duration
-
+    """An argparse type: seconds, or "30s" / "5m" as the config takes them."""
     try:
         return parse_duration(text)
     except ValueError as exc:
@@ -322,8 +282,6 @@ async def cmd_pin(args: argparse.Namespace) -> int:
 
 
 async def cmd_register(args: argparse.Namespace) -> int:
-    from .config import parse_duration
-
     if (args.path is None) == (not args.shard):
         print("weightcache register: give PATH, or one --shard DEVICE=PATH per rank", file=sys.stderr)
         return 2
