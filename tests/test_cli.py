@@ -362,12 +362,12 @@ def test_attach_times_the_attach_not_the_import_of_torch(start_daemon, ckpts):
     d = start_daemon(models={"tiny": ckpts["tiny"]})
     code = (
         "import sys, time, types\n"
-        "import weightcache.cli as cli\n"
+        "import weightcache.cli as cli, weightcache.cli.commands as commands\n"
         "seen = []\n"
         "def perf_counter():\n"
         "    seen.append('torch' in sys.modules)\n"
         "    return time.perf_counter()\n"
-        "cli.time = types.SimpleNamespace(perf_counter=perf_counter, sleep=time.sleep)\n"
+        "commands.time = types.SimpleNamespace(perf_counter=perf_counter, sleep=time.sleep)\n"
         f"rc = cli.main(['--socket', {d.socket!r}, 'attach', 'tiny'])\n"
         "print('torch imported at the first clock read:', seen[0])\n"
         "sys.exit(rc)\n"

@@ -7,7 +7,6 @@ failing on parts of the daemon's config it does not use.
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,8 @@ def read_file(path: Path, named: str = "") -> dict[str, Any]:
     and the socket's, :func:`config_relative`); nothing validated. Raises
     :class:`ConfigError` saying what is wrong with the file; ``named`` follows the
     message when it cannot be opened (who named it, and what to do)."""
+    import tomllib  # here: `weightcache health` (a probe, run often) reads no file without a config
+
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
