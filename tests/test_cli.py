@@ -264,6 +264,8 @@ def test_register_and_unregister(start_daemon, ckpts, capsys, tmp_path, monkeypa
     models = {m["name"]: m for m in cli_json(capsys, *s, "models")}
     assert models["t"]["keep_alive"] == 300 and models["t"]["path"] == str(ckpts["tiny"])
     assert cli(capsys, *s, "load", "t")[0] == 0
+    # u's preload may still run (a model is not unregistered while it loads): join it.
+    assert cli(capsys, *s, "load", "u")[0] == 0
     rc, out, _ = cli(capsys, *s, "unregister", "t")
     assert rc == 0 and out == "unregistered t\n"
     assert cli_json(capsys, *s, "unregister", "u") == {"unregistered": "u"}
