@@ -429,3 +429,15 @@ def test_register_keep_alive_of_0_or_minus_1_says_what_to_write(value, capsys, t
     rc, _, err = cli(capsys, "--socket", str(tmp_path / "none.sock"), "register", "m", str(tmp_path / "m.safetensors"),
                      "--keep-alive", value)  # was "not a duration: '-1'", and for 0 the daemon's pydantic dump
     assert rc == 2 and f"--keep-alive {value}: give a time > 0" in err and "weightcache load --keep-alive" in err, err
+
+
+def test_a_config_file_that_is_not_text_is_a_message_for_client_commands_too(capsys, tmp_path, monkeypatch):
+    # Client commands read the file's [daemon] socket as the daemon reads the file
+    # (config/file.py); their own reader let a UnicodeDecodeError out as a traceback.
+    cfg = tmp_path / "c.toml"
+    cfg.write_bytes(b"\xff[daemon]\n")
+    monkeypatch.setenv("WEIGHTCACHE_CONFIG", str(cfg))
+    rc, _, err = cli(capsys, "status")
+    assert rc == 2 and f"config file {cfg} is not UTF-8 text (byte 0)" in err, err
+    rc, _, err = cli(capsys, "--config", str(tmp_path / "gone.toml"), "status")
+    assert rc == 2 and "does not exist (named by --config; pass --socket or fix it)" in err, err
