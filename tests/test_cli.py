@@ -441,3 +441,20 @@ def test_a_config_file_that_is_not_text_is_a_message_for_client_commands_too(cap
     assert rc == 2 and f"config file {cfg} is not UTF-8 text (byte 0)" in err, err
     rc, _, err = cli(capsys, "--config", str(tmp_path / "gone.toml"), "status")
     assert rc == 2 and "does not exist (named by --config; pass --socket or fix it)" in err, err
+
+
+def test_client_commands_do_not_import_pydantic(tmp_path):
+    """Only what needs the config's schema (serve, and the tools that start daemons)
+    imports pydantic, ~150 ms at every start: a client command finds the socket in the
+    config file (config/file.py) and parses sizes and durations with units.py."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[daemon]\nsocket = "{tmp_path / "none.sock"}"\n[budgets]\ncpu = "1GiB"\n')
+    code = ("import sys\n"
+            "from weightcache.cli import main\n"
+            "for argv in (['health'], ['status'], ['load', 'm', '--wait', '5s'], ['attach', 'm', '--hold', '1m'],\n"
+            "             ['register', 'm', 'x.safetensors', '--keep-alive', '1h']):\n"
+            "    assert main(['--config', sys.argv[1], *argv]) == 1, argv  # no daemon there\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pydantic', 'pydantic_settings')))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(cfg)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout

@@ -17,8 +17,8 @@ The supervisor (docs/deployment.md, "Supervisor"):
 3. when the engine exits, forks the next one: at once after a planned restart (exit
    status :data:`~weightcache.engine.RESTART_EXIT_CODE`, see
    :func:`weightcache.engine.restart`) or a first crash, with backoff after repeated
-   crashes (:class:`RestartPolicy`); exit status 0 means "finished" and stops the
-   supervisor with 0;
+   crashes (:class:`~weightcache.supervise.policy.RestartPolicy`); exit status 0 means
+   "finished" and stops the supervisor with 0;
 4. passes signals through (SIGHUP, SIGUSR1, SIGUSR2, SIGWINCH), and on SIGTERM, SIGINT or
    SIGQUIT passes the signal on, waits up to ``--stop-timeout`` for the engine, SIGKILLs it
    if it is still there, then exits (0, or 1 when it had to kill); a second stop signal
