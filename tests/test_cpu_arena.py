@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from weightcache import Client
-from weightcache.backends.cpu import CpuBackend, _populate_supported
+from weightcache.backends.cpu import CpuBackend
+from weightcache.backends.page_cache import populate_supported
 from weightcache.client.mapping import file_tensor_views, map_files
 from weightcache.errors import BadRequest, CorruptCheckpoint
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
@@ -32,7 +33,7 @@ from weightcache.tools.synth import write_checkpoint
 MIB = 2**20
 PAGE = mmap.PAGESIZE
 
-pytestmark = pytest.mark.skipif(not _populate_supported(), reason="page-cache arenas need MADV_POPULATE_READ (Linux >= 5.14)")
+pytestmark = pytest.mark.skipif(not populate_supported(), reason="page-cache arenas need MADV_POPULATE_READ (Linux >= 5.14)")
 
 
 def same(attached, expected) -> bool:
@@ -110,13 +111,13 @@ def test_a_trusted_checkpoint_is_served_from_its_page_cache(ckpts):
 
 
 def test_without_mlock_the_pages_are_served_populated(ckpts, monkeypatch, caplog):
-    from weightcache.backends import cpu
+    from weightcache.backends import page_cache
 
     def refused(addr: int, length: int) -> int:  # what RLIMIT_MEMLOCK without CAP_IPC_LOCK gives
         ctypes.set_errno(12)
         return -1
 
-    monkeypatch.setattr(cpu._libc, "mlock", refused)
+    monkeypatch.setattr(page_cache._libc, "mlock", refused)
     backend = CpuBackend("cpu")
     arena, m = load_in_process(ckpts["a"], backend)
     try:

@@ -15,7 +15,6 @@ from .. import __version__
 from ..cache import State
 from ..cache.names import is_staging, published_as
 from ..cache.quotas import tenant_keys
-from ..config import parse_duration
 from ..errors import (
     Attached,
     BadRequest,
@@ -30,7 +29,7 @@ from ..errors import (
 from ..protocol import PROTOCOL_VERSION
 from ..protocol.messages import OPS
 from ..protocol.packed import Packed
-from ..units import format_size
+from ..units import format_size, parse_duration
 from . import model_ops, placing
 from .access import Peer
 from .registry import redacted
@@ -238,7 +237,7 @@ _UNSET = object()
 def keep_alive_arg(req: Request) -> Any:
     """``keep_alive`` of a load or attach, in seconds: ``-1`` (or ``"-1"``) is None,
     never expire; ``0`` expires the model as soon as its last lease goes; durations follow
-    config.parse_duration ("30s", "5m", "1h"). ``_UNSET`` when the request has none."""
+    units.parse_duration ("30s", "5m", "1h"). ``_UNSET`` when the request has none."""
     v = req.args.get("keep_alive")
     if v is None:
         return _UNSET
