@@ -35,6 +35,7 @@ from weightcache import Client
 from weightcache.client import cuda_mapping, libcuda
 from weightcache.client.libcuda import CudaError, DriverNotFound
 from weightcache.protocol import FrameDecoder, decode_payload, encode_frame
+from weightcache.protocol.arena import VmmArenaDesc
 
 MIB = 2**20
 
@@ -352,11 +353,11 @@ def test_map_vmm_closes_every_fd_whatever_fails(fake, monkeypatch, failing):
     monkeypatch.setattr(torch.cuda, "init", lambda: None)  # a CPU build of torch has no CUDA to init
     uuid = fake.drv.device_uuid(0)
     fds = memfds(2)
-    arena = {"kind": "cuda_vmm", "chunks": [2 * MIB, 2 * MIB], "device_uuid": uuid}
+    arena = VmmArenaDesc(4 * MIB, [2 * MIB, 2 * MIB], uuid)
     if failing == "count":
-        arena["chunks"] = [4 * MIB]
+        arena.chunks = [4 * MIB]
     elif failing == "uuid":
-        arena["device_uuid"] = "GPU-00000000-0000-0000-0000-000000000000"
+        arena.device_uuid = "GPU-00000000-0000-0000-0000-000000000000"
     else:
         fake.fail("cuMemImportFromShareableHandle", 1, on_call=2)
     with pytest.raises(CudaError, match={"count": "1 chunks but 2 fds", "uuid": "has that UUID",

@@ -26,6 +26,7 @@ from test_client_libcuda import GpuArenaDaemon, is_open, memfds, open_inodes  # 
 from weightcache import Client  # noqa: E402
 from weightcache.client import cuda_mapping, libcuda  # noqa: E402
 from weightcache.client.libcuda import CudaError  # noqa: E402
+from weightcache.protocol.arena import VmmArenaDesc  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -140,7 +141,7 @@ async def test_a_device_this_process_cannot_see_is_refused_before_asking(start_d
 
 def test_map_vmm_closes_fds_when_the_driver_refuses_them():
     fds = memfds(2)
-    arena = {"kind": "cuda_vmm", "chunks": [2 * MIB, 2 * MIB], "device_uuid": libcuda.driver().device_uuid(0)}
+    arena = VmmArenaDesc(4 * MIB, [2 * MIB, 2 * MIB], libcuda.driver().device_uuid(0))
     with pytest.raises(CudaError, match="cuMemImportFromShareableHandle"):
         cuda_mapping.map_vmm(arena, fds)
     assert not any(is_open(fd) for fd in fds)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..protocol.arena import VmmArenaDesc
 from .libcuda import CudaError, Driver, driver
 
 DEINITIALIZED = "CUDA_ERROR_DEINITIALIZED"  # cuGetErrorName of CUresult 4
@@ -71,15 +72,15 @@ class VmmMapping:
                 raise
 
 
-def map_vmm(arena: dict[str, Any], fds: list[int], *, read_only: bool = True) -> torch.Tensor:
+def map_vmm(arena: VmmArenaDesc, fds: list[int], *, read_only: bool = True) -> torch.Tensor:
     """fds (closed here, whatever happens) + the reply's arena description -> a uint8
     tensor over the whole range on the GPU the arena names."""
     try:
-        sizes = [int(s) for s in arena["chunks"]]  # inside the try: a bad description still closes the fds
+        sizes = arena.chunks
         if len(fds) != len(sizes):
             raise CudaError(f"arena has {len(sizes)} chunks but {len(fds)} fds arrived")
         drv = driver()
-        ordinal = drv.ordinal_of(str(arena["device_uuid"]))
+        ordinal = drv.ordinal_of(arena.device_uuid)
         torch.cuda.init()  # torch and we share the primary context (cuda_driver's Note [contexts]); a no-op once initialised
         ctx = drv.primary_context(ordinal)
         with drv.current(ctx):
