@@ -86,16 +86,39 @@ def test_every_op_has_a_handler():
     assert set(HANDLERS) | {"hello"} == OPS
 
 
-def test_an_engines_client_imports_neither_the_daemon_nor_its_loader():
-    """What an engine imports to attach and publish, in a fresh interpreter: the protocol
-    and the client, never weightcache.loader, weightcache.server or cuda-bindings (issue 26:
-    publish imported the loader, and so all of it, for one constant)."""
-    code = ("import sys, weightcache.client, weightcache.client.mapping, weightcache.client.publish, "
-            "weightcache.client.cuda_mapping, weightcache.client.torch_utils\n"
-            "print(sorted(m for m in sys.modules if m.startswith(('weightcache.loader', 'weightcache.server', 'cuda.bindings'))))")
+CLIENT_MUST_NOT_IMPORT = ("weightcache.loader", "weightcache.server", "weightcache.cuda_driver", "cuda.bindings")
+
+
+def test_no_module_of_the_client_imports_the_daemon_nor_its_loader():
+    """Every module of weightcache.client, imported in a fresh interpreter, imports the
+    protocol and the client only: never weightcache.loader, weightcache.server or
+    cuda-bindings (issue 26: publish imported the loader, and so all of it, for one
+    constant; the client's modules are what engines and the CLI pay for)."""
+    code = ("import pkgutil, sys, weightcache.client\n"
+            "for m in pkgutil.iter_modules(weightcache.client.__path__):\n"
+            "    __import__(f'weightcache.client.{m.name}')\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({CLIENT_MUST_NOT_IMPORT!r})))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+# What the client still reaches at call time, inside the one function that needs it (a
+# lazy import): checkpoint discovery for register and verify, which lives in the loader.
+CLIENT_CALL_TIME_IMPORTS = {
+    "weightcache.client.files": {"weightcache.loader.checkpoint"},
+    "weightcache.client.verify": {"weightcache.loader.checkpoint"},
+}
+
+
+def test_the_client_reaches_the_loader_only_where_listed():
+    """No import anywhere in a client module (function bodies included) of the loader, the
+    server or cuda-bindings, beyond CLIENT_CALL_TIME_IMPORTS: a new one fails here."""
+    for path in sorted((PACKAGE / "client").glob("*.py")):
+        mod = _module_name(path)
+        allowed = tuple(CLIENT_CALL_TIME_IMPORTS.get(mod, ()))
+        reached = {m for m in _imports(path) if m.startswith(CLIENT_MUST_NOT_IMPORT) and not (allowed and m.startswith(allowed))}
+        assert not reached, f"{mod} imports {sorted(reached)}"
 
 
 def test_the_arena_layout_is_defined_in_protocol_only():

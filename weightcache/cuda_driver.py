@@ -19,7 +19,7 @@ from typing import Any
 from cuda.bindings import driver as cu
 
 from .errors import WeightcacheError
-from .units import capacity
+from .protocol.arena import chunk_sizes  # noqa: F401  # backends/cuda.py's drv.chunk_sizes; the layout lives in protocol/
 
 FD_HANDLE = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
@@ -126,17 +126,6 @@ def allocation_prop(ordinal: int) -> Any:
     prop.location.id = ordinal
     prop.requestedHandleTypes = FD_HANDLE
     return prop
-
-
-CHUNK_BYTES = 1 << 30  # VMM chunk size: export cost grows per fd (backends/cuda.py), so chunks are big
-
-
-def chunk_sizes(total: int, granularity: int) -> list[int]:
-    """The chunks an arena of ``total`` bytes (a multiple of ``granularity``) is made of:
-    ~1 GiB each, granularity-rounded, the last one the rest. The daemon's arenas and an
-    engine's published memory are laid out alike."""
-    chunk = capacity(CHUNK_BYTES, granularity)
-    return [min(chunk, total - off) for off in range(0, total, chunk)]
 
 
 def granularity(ordinal: int) -> int:

@@ -103,7 +103,9 @@ def file_tensor_views(slabs: list[torch.Tensor], arena: FileArenaDesc, table: li
             raise BadRequest(f"file arena: segment {(f, fo, ao, n)} is outside its file or out of order")
         end = ao + n
     out = {}
-    typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    # Per file, its views by dtype: nested, not keyed by (file, dtype), so that no key
+    # tuple is made per tensor (each one counted toward the cyclic GC's next collection).
+    typed: list[dict[torch.dtype, torch.Tensor]] = [{} for _ in slabs]
     layouts = Layouts()
     for name, dtype_name, shape, offset, nbytes in table:
         dtype, itemsize, want, strides = layouts[(dtype_name, *shape)]
@@ -116,10 +118,10 @@ def file_tensor_views(slabs: list[torch.Tensor], arena: FileArenaDesc, table: li
         if want != nbytes or offset + nbytes > ao + n or at < 0 or at % itemsize:
             raise BadRequest(f"tensor {name!r}: {dtype_name}{list(shape)} at offset {offset} ({nbytes} bytes) "
                              "lies in no segment of the file arena")
-        base = typed.get((f, dtype))
+        base = typed[f].get(dtype)
         if base is None:
             size = slabs[f].numel()
-            base = typed[(f, dtype)] = slabs[f][: size - size % itemsize].view(dtype)
+            base = typed[f][dtype] = slabs[f][: size - size % itemsize].view(dtype)
         out[name] = base.as_strided(shape, strides, at // itemsize)
     return out
 

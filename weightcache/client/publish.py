@@ -1,7 +1,9 @@
 """Pack an engine's tensors into shareable memory for ``publish``: a sealed memfd for CPU
-tensors, a VMM allocation exported as fds for CUDA tensors. Same layout as an arena
-(256-byte-aligned offsets, the daemon's seals and VMM chunk sizes), same description as
-an attach reply's ``arena``. Imports torch: client.py imports it at the first publish."""
+tensors, a VMM allocation exported as fds for CUDA tensors (through the client's ctypes
+driver binding, client/libcuda.py: no cuda-bindings in an engine). Same layout as an
+arena (256-byte-aligned offsets, the daemon's seals and VMM chunk sizes: protocol/arena.py),
+same description as an attach reply's ``arena``. Imports torch: client.py imports it at
+the first publish."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..protocol.arena import ARENA_ALIGN, MEMFD_SEALS, MemfdArenaDesc, TensorRow, VmmArenaDesc
+from ..protocol.arena import ARENA_ALIGN, MEMFD_SEALS, MemfdArenaDesc, TensorRow, VmmArenaDesc, chunk_sizes
 from ..units import capacity, round_up
 from .mapping import TORCH_DTYPES
 
@@ -53,7 +55,7 @@ def pack(tensors: Mapping[str, torch.Tensor]) -> Packed:
 
     >>> packed = pack({"w": torch.ones(4)})
     >>> packed.device, packed.arena.to_wire(), packed.table
-    ('cpu', {'kind': 'memfd', 'nbytes': 4096}, [TensorRow(name='w', dtype='F32', shape=[4], offset=0, nbytes=16)])
+    ('cpu', {'kind': 'memfd', 'nbytes': 4096}, [TensorRow('w', 'F32', [4], 0, 16)])
     >>> packed.release()
     """
     devices = {t.device for t in tensors.values()}
@@ -85,33 +87,28 @@ def _pack_memfd(tensors: Mapping[str, torch.Tensor], table: list[TensorRow], siz
 
 
 def _pack_vmm(tensors: Mapping[str, torch.Tensor], table: list[TensorRow], size: int, ordinal: int) -> Packed:
-    from cuda.bindings import driver as cu
-
-    from .. import cuda_driver as drv
     from .cuda_mapping import VmmMapping
+    from .libcuda import driver
 
-    torch.cuda.init()
+    drv = driver()
+    torch.cuda.init()  # torch and we share the primary context (cuda_driver's Note [contexts])
     ctx = drv.primary_context(ordinal)
     gran = drv.granularity(ordinal)
     total = capacity(size, gran)
-    sizes = drv.chunk_sizes(total, gran)  # ~1 GiB chunks like the daemon's arenas (backends/cuda.py says why)
-    prop = drv.allocation_prop(ordinal)
-    fds: list[int] = []
+    sizes = chunk_sizes(total, gran)  # ~1 GiB chunks like the daemon's arenas
     with drv.current(ctx):
-        handles = [drv.check(cu.cuMemCreate(s, prop, 0)) for s in sizes]
-        try:
-            va = drv.map_chunks(handles, sizes, ordinal, read_only=False)
-            fds = [int(drv.check(cu.cuMemExportToShareableHandle(h, drv.FD_HANDLE, 0))) for h in handles]
-        finally:
-            for h in handles:
-                cu.cuMemRelease(h)  # the mapping (and the fds) keep the memory
-    slab = torch.as_tensor(VmmMapping(va, total, ordinal, ctx), device=f"cuda:{ordinal}")
-    for t, row in zip(tensors.values(), table, strict=True):
-        if row.nbytes:
-            slab[row.offset : row.offset + row.nbytes].copy_(_bytes_of(t))
-    torch.cuda.synchronize(ordinal)
+        va, fds = drv.create_exported(sizes, ordinal)
+    try:
+        slab = torch.as_tensor(VmmMapping(va, total, ordinal, ctx), device=f"cuda:{ordinal}")  # unmapped when collected
+        for t, row in zip(tensors.values(), table, strict=True):
+            if row.nbytes:
+                slab[row.offset : row.offset + row.nbytes].copy_(_bytes_of(t))
+        torch.cuda.synchronize(ordinal)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
     uuid = drv.device_uuid(ordinal)
-    desc = VmmArenaDesc(total, sizes, uuid)
 
     def release() -> None:
         nonlocal slab
@@ -119,4 +116,4 @@ def _pack_vmm(tensors: Mapping[str, torch.Tensor], table: list[TensorRow], size:
             os.close(fd)
         del slab  # unmaps; the daemon has its own copy by now
 
-    return Packed(fds, desc, table, f"cuda:{uuid}", release)
+    return Packed(fds, VmmArenaDesc(total, sizes, uuid), table, f"cuda:{uuid}", release)
