@@ -81,7 +81,7 @@ def misaligned_checkpoint(path: Path) -> dict[str, torch.Tensor]:
 
 def load_in_process(path: Path, backend: CpuBackend):
     """A load as the daemon does it (bind, read, seal) and an attach as the client maps it."""
-    from weightcache.client.core import parse_attach
+    from weightcache.client.attach import parse_attach
     from weightcache.client.mapping import attached_model
 
     with open_source(path) as opened:

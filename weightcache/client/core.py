@@ -7,10 +7,12 @@ share everything here, so that the protocol is written once.
 It holds: the settings and timeouts, the hello and what the daemon said in it
 (``server_info``), request ids, the frame decoder and the fds not yet claimed by a reply,
 what to do with a reply nobody waits for, the errors (by what went wrong, never by
-message text), the connect-retry schedule, and the reading of an attach reply into
-typed records (protocol/arena.py). No torch here, nor in the modules on an engine's
-import path (tests/test_client_imports.py): ``weightcache health``, the CLI and control
-calls import only the client, msgpack and the standard library.
+message text) and the connect-retry schedule. An attach reply is read into typed
+records by attach.py, the core's other half, which an engine imports with the attach
+half (connection.py's ``prefetch_attach``) rather than with the client. No torch here,
+nor in the modules on an engine's import path (tests/test_client_imports.py):
+``weightcache health``, the CLI and control calls import only the client, msgpack and
+the standard library.
 
 Note [timeouts]
 ---------------
@@ -58,9 +60,8 @@ from collections import deque
 from typing import Any
 
 from ..defaults import SOCKET_ENV, client_socket_path
-from ..errors import BadRequest, DaemonUnavailable, PermissionDenied, RequestTimeout, WeightcacheError, error_from_wire
+from ..errors import DaemonUnavailable, PermissionDenied, RequestTimeout, WeightcacheError, error_from_wire
 from ..protocol import PROTOCOL_VERSION, FrameDecoder, decode_payload, encode_frame
-from ..protocol.arena import ArenaDesc, parse_arena
 
 DEFAULT_MAX_FRAME_BYTES = 256 * 2**20  # replies: an attach's tensor table can be long
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -113,42 +114,6 @@ class Retry:
             return None
         wait, self.delay = min(self.delay, left), min(2 * self.delay, RETRY_MAX_S)
         return wait
-
-
-class AttachReply:
-    """An attach reply read and checked: the arena as its typed record, its fds (as many
-    as the arena needs), the lease, and the tensor table (TensorRow order) to view."""
-
-    __slots__ = ("arena", "device", "fds", "fingerprint", "lease", "source", "tensors", "waited_s")
-
-    def __init__(self, lease: int, fingerprint: str, device: str, arena: ArenaDesc, tensors: list[list[Any]],
-                 fds: list[int], source: str, waited_s: float) -> None:
-        self.lease = lease
-        self.fingerprint = fingerprint
-        self.device = device
-        self.arena = arena
-        self.tensors = tensors
-        self.fds = fds  # the caller's to close, or to hand to the mapper that closes them
-        # Where the daemon got the bytes: "resident" (a hit), "host", "files" or "peer".
-        self.source = source
-        self.waited_s = waited_s  # seconds the daemon waited for room that others held
-
-
-def parse_attach(reply: dict[str, Any], fds: list[int]) -> AttachReply:
-    """An attach reply and its fds -> :class:`AttachReply`. Raises BadRequest for a reply
-    that does not hold together, closing the fds first: nothing is mapped from it."""
-    try:
-        arena = parse_arena(reply.get("arena"))
-        if len(fds) != arena.fd_count:
-            raise BadRequest(f"{arena.kind} arena needs {arena.fd_count} fds, {len(fds)} arrived")
-        tensors, lease, fingerprint, device = reply.get("tensors"), reply.get("lease"), reply.get("fingerprint"), reply.get("device")
-        if not isinstance(tensors, list) or type(lease) is not int or not isinstance(fingerprint, str) or not isinstance(device, str):
-            raise BadRequest("an attach reply needs 'tensors' (a list), 'lease' (an int), 'fingerprint' and 'device' (strings)")
-        return AttachReply(lease, fingerprint, device, arena, tensors, fds, str(reply.get("source", "resident")),
-                           float(reply.get("waited_s", 0.0)))
-    except BaseException:
-        close_fds(fds)
-        raise
 
 
 class ClientCore:

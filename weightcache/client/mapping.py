@@ -28,7 +28,8 @@ import torch
 
 from ..errors import BadRequest
 from ..protocol.arena import FileArenaDesc, MemfdArenaDesc, VmmArenaDesc
-from .core import AttachReply, close_fds
+from .attach import AttachReply
+from .core import close_fds
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -103,9 +104,7 @@ def file_tensor_views(slabs: list[torch.Tensor], arena: FileArenaDesc, table: li
             raise BadRequest(f"file arena: segment {(f, fo, ao, n)} is outside its file or out of order")
         end = ao + n
     out = {}
-    # Per file, its views by dtype: nested, not keyed by (file, dtype), so that no key
-    # tuple is made per tensor (each one counted toward the cyclic GC's next collection).
-    typed: list[dict[torch.dtype, torch.Tensor]] = [{} for _ in slabs]
+    typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
     layouts = Layouts()
     for name, dtype_name, shape, offset, nbytes in table:
         dtype, itemsize, want, strides = layouts[(dtype_name, *shape)]
@@ -118,10 +117,10 @@ def file_tensor_views(slabs: list[torch.Tensor], arena: FileArenaDesc, table: li
         if want != nbytes or offset + nbytes > ao + n or at < 0 or at % itemsize:
             raise BadRequest(f"tensor {name!r}: {dtype_name}{list(shape)} at offset {offset} ({nbytes} bytes) "
                              "lies in no segment of the file arena")
-        base = typed[f].get(dtype)
+        base = typed.get((f, dtype))
         if base is None:
             size = slabs[f].numel()
-            base = typed[f][dtype] = slabs[f][: size - size % itemsize].view(dtype)
+            base = typed[(f, dtype)] = slabs[f][: size - size % itemsize].view(dtype)
         out[name] = base.as_strided(shape, strides, at // itemsize)
     return out
 
