@@ -9,11 +9,10 @@ import os
 import msgpack
 import pytest
 
-from weightcache.client.attach import parse_attach
 from weightcache.client.core import RETRY_MAX_S, ClientCore, Retry
 from weightcache.errors import BadRequest, DaemonUnavailable, FrameTooLarge, UnknownModel
 from weightcache.protocol import encode_frame
-from weightcache.protocol.arena import SEGMENT, FileArenaDesc, MemfdArenaDesc, TensorRow, VmmArenaDesc, parse_arena
+from weightcache.protocol.arena import SEGMENT, FileArenaDesc, MemfdArenaDesc, TensorRow, VmmArenaDesc, parse_arena, parse_attach
 
 
 def memfds(n: int) -> list[int]:

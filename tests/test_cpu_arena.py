@@ -81,8 +81,8 @@ def misaligned_checkpoint(path: Path) -> dict[str, torch.Tensor]:
 
 def load_in_process(path: Path, backend: CpuBackend):
     """A load as the daemon does it (bind, read, seal) and an attach as the client maps it."""
-    from weightcache.client.attach import parse_attach
     from weightcache.client.mapping import attached_model
+    from weightcache.protocol.arena import parse_attach
 
     with open_source(path) as opened:
         ckpt = parse_checkpoint(opened)

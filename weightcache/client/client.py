@@ -187,7 +187,7 @@ class ClientOps(ConnectionBase):
         """
         # Imported before the request, not after: torch's import (~1.5 s) is then not
         # taken from the request's timeout, and an import that fails leaves no lease.
-        from .attach import parse_attach
+        from ..protocol.arena import parse_attach
         from .mapping import attached_model
 
         if device is not None and device.startswith("cuda:") and device[5:].isdigit():

@@ -52,7 +52,7 @@ def prefetch_attach() -> None:
 
 def _import_for_attach() -> None:
     try:
-        from . import attach, mapping  # noqa: F401
+        from . import mapping  # noqa: F401
 
         torch = sys.modules["torch"]
         if torch.cuda.is_initialized():  # the engine made its CUDA context: a GPU attach is coming

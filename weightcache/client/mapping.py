@@ -27,8 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import BadRequest
-from ..protocol.arena import FileArenaDesc, MemfdArenaDesc, VmmArenaDesc
-from .attach import AttachReply
+from ..protocol.arena import AttachReply, FileArenaDesc, MemfdArenaDesc, VmmArenaDesc
 from .core import close_fds
 
 TORCH_DTYPES: dict[str, torch.dtype] = {

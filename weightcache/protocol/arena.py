@@ -2,6 +2,7 @@
 that maps them (docs/protocol.md, "attach" and "publish"): both ends import it, so the
 layout cannot drift between them (issue 26: the segment format was written twice, and
 each backend built its reply's arena map by hand while the client parsed it by hand).
+:func:`parse_attach` reads a whole attach reply around its arena, for the client.
 
 An arena travels as a map, ``{"kind": ..., "nbytes": ..., ...}``, beside its fds. Each
 kind is a record here that builds that map (``to_wire``) and is parsed back from it
@@ -16,19 +17,20 @@ kind is a record here that builds that map (``to_wire``) and is parsed back from
 An attach reply's map also says ``writable`` (the daemon adds it per request); a publish
 request's never does. The tensor table beside it is one :class:`TensorRow` per tensor.
 
-The records are plain classes with ``__slots__``, not dataclasses: the client imports
-this module on an engine's restart path, and making one frozen dataclass with slots cost
-~0.5 ms on the 2-core VM (a plain class ~6 us), more than the rest of this module.
+The records are plain classes with ``__slots__``, not dataclasses: an engine imports
+this module on its restart path (with the attach half, client/mapping.py, at the first
+attach or while connecting), and making one frozen dataclass with slots cost ~0.5 ms on
+the 2-core VM (a plain class ~6 us), more than the rest of this module.
 """
 
 from __future__ import annotations
 
 import fcntl
+import os
 import struct
 from typing import Any
 
 from ..errors import BadRequest
-from ..units import capacity
 
 # Every tensor starts ARENA_ALIGN-aligned within its arena: what CUDA kernels and any
 # dtype's view need. Checkpoint layouts (loader/checkpoint.py) and published tables
@@ -52,6 +54,8 @@ CHUNK_BYTES = 1 << 30
 
 def chunk_sizes(total: int, granularity: int) -> list[int]:
     """The chunks of a VMM arena of ``total`` bytes (a multiple of ``granularity``)."""
+    from ..units import capacity  # the daemon's and publish's: not an attach's, which imports this module
+
     chunk = capacity(CHUNK_BYTES, granularity)
     return [min(chunk, total - off) for off in range(0, total, chunk)]
 
@@ -190,3 +194,41 @@ def parse_arena(wire: Any) -> ArenaDesc:
             raise BadRequest(f"cuda_vmm arena: 'device_uuid' must be a string, got {uuid!r}"[:300])
         return VmmArenaDesc(nbytes, _sizes(wire.get("chunks"), "cuda_vmm arena: 'chunks'"), uuid, writable=writable)
     raise BadRequest(f"unknown arena kind {kind!r}"[:200])
+
+
+class AttachReply:
+    """An attach reply read and checked: the arena as its typed record, its fds (as many
+    as the arena needs), the lease, and the tensor table (TensorRow order) to view."""
+
+    __slots__ = ("arena", "device", "fds", "fingerprint", "lease", "source", "tensors", "waited_s")
+
+    def __init__(self, lease: int, fingerprint: str, device: str, arena: ArenaDesc, tensors: list[list[Any]],
+                 fds: list[int], source: str, waited_s: float) -> None:
+        self.lease = lease
+        self.fingerprint = fingerprint
+        self.device = device
+        self.arena = arena
+        self.tensors = tensors
+        self.fds = fds  # the caller's to close, or to hand to the mapper that closes them
+        # Where the daemon got the bytes: "resident" (a hit), "host", "files" or "peer".
+        self.source = source
+        self.waited_s = waited_s  # seconds the daemon waited for room that others held
+
+
+def parse_attach(reply: dict[str, Any], fds: list[int]) -> AttachReply:
+    """An attach reply and its fds -> :class:`AttachReply` (the client's reading of it).
+    Raises BadRequest for a reply that does not hold together, closing the fds first:
+    nothing is mapped from it."""
+    try:
+        arena = parse_arena(reply.get("arena"))
+        if len(fds) != arena.fd_count:
+            raise BadRequest(f"{arena.kind} arena needs {arena.fd_count} fds, {len(fds)} arrived")
+        tensors, lease, fingerprint, device = reply.get("tensors"), reply.get("lease"), reply.get("fingerprint"), reply.get("device")
+        if not isinstance(tensors, list) or type(lease) is not int or not isinstance(fingerprint, str) or not isinstance(device, str):
+            raise BadRequest("an attach reply needs 'tensors' (a list), 'lease' (an int), 'fingerprint' and 'device' (strings)")
+        return AttachReply(lease, fingerprint, device, arena, tensors, fds, str(reply.get("source", "resident")),
+                           float(reply.get("waited_s", 0.0)))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
