@@ -1,5 +1,6 @@
-"""Thin helpers over the CUDA driver API (``cuda-bindings``), shared by the daemon's VMM
-backend and the client's importer. Imported only when a CUDA device is used.
+"""Thin helpers over the CUDA driver API (``cuda-bindings``) for the daemon's VMM backend.
+Imported only when a CUDA device is used. The client makes its driver calls (an attach's
+imports, a publish's allocations) through ctypes instead (client/libcuda.py).
 
 Note [contexts]
 ---------------
