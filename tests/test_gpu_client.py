@@ -62,6 +62,35 @@ async def test_a_fresh_engine_attaches_through_ctypes_without_cuda_bindings(star
     assert got["import_ms"] < 50, got  # not a benchmark (scripts/fresh_attach.py is): only that nothing heavy came in
 
 
+def test_a_fresh_engine_publishes_gpu_tensors_through_ctypes_without_cuda_bindings(start_daemon):
+    # client/publish.py allocates and exports its VMM chunks through libcuda.py now: a
+    # publish larger than one ~1 GiB chunk (two fds) must reach the daemon with the same
+    # bytes, and pull in no cuda-bindings.
+    d = gpu_daemon(start_daemon, "4GiB", {})
+    code = textwrap.dedent("""
+        import json, sys
+        import torch
+        torch.empty(1, device="cuda:0")  # the engine's CUDA context
+        from weightcache import SyncClient
+        g = torch.Generator(device="cuda:0").manual_seed(7)
+        mine = {"a": torch.randint(-127, 127, (1 << 30,), dtype=torch.int8, device="cuda:0", generator=g),
+                "b": torch.rand((1 << 29) // 2, dtype=torch.bfloat16, device="cuda:0", generator=g),
+                "c": torch.arange(5, dtype=torch.int64, device="cuda:0")}
+        with SyncClient(sys.argv[1]) as c:
+            m = c.publish("pub", mine, fingerprint="src+x")
+            with c.attach("pub", device="cuda:0") as w:
+                same = set(w) == set(mine) and all(torch.equal(w[k], v) for k, v in mine.items())
+        bindings = sorted(n for n in sys.modules if n == "cuda.bindings" or n.startswith("cuda.bindings."))
+        print(json.dumps({"same": same, "state": m["state"], "bindings": bindings, "nbytes": m["nbytes"]}))
+    """)
+    r = subprocess.run([sys.executable, "-c", code, d.socket], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["same"] and got["state"] == "resident", got
+    assert got["nbytes"] >= (1 << 30) + (1 << 29), got  # more than one ~1 GiB chunk: several fds went
+    assert got["bindings"] == [], got  # publish's driver calls went through ctypes
+
+
 async def test_a_mapping_goes_when_its_last_view_does(start_daemon, gpu_ckpts):
     # The daemon's memory is reference counted by the driver: an evicted model's memory
     # comes back only once every mapping of it is gone. So eviction freeing the memory
