@@ -40,27 +40,17 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
-# The most lines a module may have, by the package it sits in (its first folder under
-# weightcache/). Issue 26 brings every package under 500 as its split lands: add a
-# package here when it does. The rest are held to MAX_MODULE_LINES_ELSEWHERE (cli.py,
-# ~830, is the largest). docs/architecture.md states every bound.
-MAX_MODULE_LINES = {"server": 500, "cache": 500}
-MAX_MODULE_LINES_ELSEWHERE = 1100
-
-
-def _bound(path: Path) -> int:
-    parts = path.relative_to(PACKAGE).parts
-    return MAX_MODULE_LINES.get(parts[0], MAX_MODULE_LINES_ELSEWHERE) if len(parts) > 1 else MAX_MODULE_LINES_ELSEWHERE
+# The most lines a module may have (issue 26: every package was split into rooms under
+# it). docs/architecture.md states it.
+MAX_MODULE_LINES = 500
 
 
 def test_no_module_is_over_the_bound_the_docs_state():
-    over = {str(p.relative_to(PACKAGE)): (n, _bound(p)) for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > _bound(p)}
-    assert not over, f"modules over their package's bound (lines, bound): {over}"
+    over = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not over, f"modules over {MAX_MODULE_LINES} lines: {over}"
     docs = (PACKAGE.parent / "docs" / "architecture.md").read_text()
-    for package, bound in MAX_MODULE_LINES.items():
-        assert f"{package}/" in docs and f"{bound:,} lines" in docs, f"docs/architecture.md does not state {package}/'s bound"
-    assert f"{MAX_MODULE_LINES_ELSEWHERE:,} lines" in docs
+    assert f"No module is over {MAX_MODULE_LINES:,} lines" in docs
 
 
 def test_entry_names_and_share_keys_are_spelled_in_one_place():
@@ -110,16 +100,39 @@ def test_every_op_has_a_handler():
     assert set(HANDLERS) | {"hello"} == OPS
 
 
-def test_an_engines_client_imports_neither_the_daemon_nor_its_loader():
-    """What an engine imports to attach and publish, in a fresh interpreter: the protocol
-    and the client, never weightcache.loader, weightcache.server or cuda-bindings (issue 26:
-    publish imported the loader, and so all of it, for one constant)."""
-    code = ("import sys, weightcache.client, weightcache.client.mapping, weightcache.client.publish, "
-            "weightcache.client.cuda_mapping, weightcache.client.torch_utils\n"
-            "print(sorted(m for m in sys.modules if m.startswith(('weightcache.loader', 'weightcache.server', 'cuda.bindings'))))")
+CLIENT_MUST_NOT_IMPORT = ("weightcache.loader", "weightcache.server", "weightcache.cuda_driver", "cuda.bindings")
+
+
+def test_no_module_of_the_client_imports_the_daemon_nor_its_loader():
+    """Every module of weightcache.client, imported in a fresh interpreter, imports the
+    protocol and the client only: never weightcache.loader, weightcache.server or
+    cuda-bindings (issue 26: publish imported the loader, and so all of it, for one
+    constant; the client's modules are what engines and the CLI pay for)."""
+    code = ("import pkgutil, sys, weightcache.client\n"
+            "for m in pkgutil.iter_modules(weightcache.client.__path__):\n"
+            "    __import__(f'weightcache.client.{m.name}')\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({CLIENT_MUST_NOT_IMPORT!r})))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+# What the client still reaches at call time, inside the one function that needs it (a
+# lazy import): checkpoint discovery for register and verify, which lives in the loader.
+CLIENT_CALL_TIME_IMPORTS = {
+    "weightcache.client.files": {"weightcache.loader.checkpoint"},
+    "weightcache.client.verify": {"weightcache.loader.checkpoint"},
+}
+
+
+def test_the_client_reaches_the_loader_only_where_listed():
+    """No import anywhere in a client module (function bodies included) of the loader, the
+    server or cuda-bindings, beyond CLIENT_CALL_TIME_IMPORTS: a new one fails here."""
+    for path in sorted((PACKAGE / "client").glob("*.py")):
+        mod = _module_name(path)
+        allowed = tuple(CLIENT_CALL_TIME_IMPORTS.get(mod, ()))
+        reached = {m for m in _imports(path) if m.startswith(CLIENT_MUST_NOT_IMPORT) and not (allowed and m.startswith(allowed))}
+        assert not reached, f"{mod} imports {sorted(reached)}"
 
 
 def test_the_arena_layout_is_defined_in_protocol_only():

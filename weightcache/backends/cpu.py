@@ -86,7 +86,7 @@ from ..errors import BadRequest, CorruptCheckpoint, NoSpace
 from ..loader.checkpoint import Checkpoint
 from ..loader.reader import pread_full, pread_hashing
 from ..loader.sources import OpenedSource
-from ..protocol.arena import MEMFD_SEALS
+from ..protocol.arena import MEMFD_SEALS, FileArenaDesc, MemfdArenaDesc
 from ..units import capacity
 from .base import Arena, Backend, PublishedSource
 from .page_cache import PAGE, HeldFile, PageCacheWriter, hold_files, mlock_files, populate_supported, release, segments
@@ -284,7 +284,7 @@ class CpuBackend(Backend):
     def export(self, arena: Arena) -> tuple[list[int], dict[str, Any]]:
         assert isinstance(arena, MemfdArena)
         if arena.files is None:
-            return [os.dup(arena.fd)], {"kind": "memfd", "nbytes": arena.nbytes}
+            return [os.dup(arena.fd)], MemfdArenaDesc(arena.nbytes).to_wire()
         for f in arena.files:
             # The held inode rewritten in place (by its owner or root): the bytes engines
             # would map are no longer the ones loaded. Say so rather than hand them out.
@@ -301,7 +301,7 @@ class CpuBackend(Backend):
             for fd in fds:
                 os.close(fd)
             raise
-        return fds, {"kind": "file", "nbytes": arena.nbytes, "files": [f.size for f in arena.files], "segments": arena.segments}
+        return fds, FileArenaDesc(arena.nbytes, [f.size for f in arena.files], arena.segments).to_wire()
 
     def free(self, arena: Arena) -> None:
         assert isinstance(arena, MemfdArena)

@@ -28,6 +28,7 @@ from .. import cuda_driver as drv
 from ..errors import BadRequest, NoSpace
 from ..loader.content import TaskHasher
 from ..loader.reader import DIRECT_ALIGN, pread_direct, pread_full, pread_hashing
+from ..protocol.arena import VmmArenaDesc, chunk_sizes
 from ..units import capacity
 from .base import Arena, Backend, HostCopy, HostPool, PublishedSource, Room
 from .cuda_hash import DEVICE_MIN, DIGEST_SLOTS, HASH_STREAMS, DigestBlock, GpuHasher, HashUnavailable
@@ -249,7 +250,7 @@ class CudaBackend(Backend):
     def _reserve(self, nbytes: int, label: str, lazy: bool = False) -> VmmArena:
         total = self.capacity(nbytes)
         arena = VmmArena(device=self.device, nbytes=total, label=label, ordinal=self.ordinal,
-                         sizes=drv.chunk_sizes(total, self.granularity))
+                         sizes=chunk_sizes(total, self.granularity))
         with drv.current(self.ctx):
             free = drv.free_memory(self.ctx)
             if not lazy and free < total:
@@ -384,7 +385,7 @@ class CudaBackend(Backend):
     def export(self, arena: Arena) -> tuple[list[int], dict[str, Any]]:
         assert isinstance(arena, VmmArena)
         fds = [os.dup(fd) for fd in arena.export_fds]
-        return fds, {"kind": self.kind, "nbytes": arena.nbytes, "chunks": list(arena.sizes), "device_uuid": self.uuid}
+        return fds, VmmArenaDesc(arena.nbytes, list(arena.sizes), self.gpu_uuid).to_wire()
 
     def start_host_tier(self, nbytes: int) -> PinnedPool:
         return PinnedPool(self.ctx, nbytes)
