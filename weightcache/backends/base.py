@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +105,29 @@ class PublishedSource:
     """An engine's published memory, mapped read-only by ``open_published``."""
 
     nbytes: int
+
+
+@dataclass
+class DmaRegion:
+    """Bytes of an arena that a transfer engine (NIXL, weightcache/peers/) may read or
+    write directly: ``nbytes`` at ``arena_offset`` of the arena are at ``addr``."""
+
+    arena_offset: int
+    addr: int  # in this process (host memory) or on the device (VRAM)
+    nbytes: int
+
+
+@dataclass
+class DmaView:
+    """An arena as a transfer engine sees it: its regions, in arena order, and what memory
+    they are (NIXL's names: "DRAM", "VRAM" with the GPU's ordinal). ``release`` undoes
+    what making the view took (a read-only mapping of a sealed memfd); the arena itself
+    stays the backend's."""
+
+    regions: list[DmaRegion]
+    memory: str
+    device_id: int = 0
+    release: Callable[[], None] = lambda: None
 
 
 class Backend(ABC):
@@ -218,6 +242,18 @@ class Backend(ABC):
         """Copy ``nbytes`` of ``source`` (sealed, on ``source_backend``'s device) into this
         device's fresh, unsealed ``arena``."""
         raise RuntimeError(f"{type(self).__name__} cannot copy from another device")  # callers check can_copy_from
+
+    # -- a neighbour daemon's transfer engine (weightcache/peers/) ----------------------
+    def dma_source(self, arena: Arena) -> DmaView | None:
+        """The sealed ``arena``'s bytes, readable by a transfer engine for as long as the
+        view is not released (a peer copies them out), or None where this backend cannot
+        offer them."""
+        return None
+
+    def dma_target(self, arena: Arena) -> DmaView | None:
+        """The fresh, unsealed ``arena``'s memory, writable by a transfer engine until
+        ``seal``, or None where this backend cannot offer it (the fill then reads the files)."""
+        return None
 
     # -- publish: an engine hands the daemon weights it processed itself ---------------
     @abstractmethod

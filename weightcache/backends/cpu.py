@@ -89,7 +89,7 @@ from ..loader.sources import OpenedSource
 from ..loader.trust import why_untrusted
 from ..protocol.arena import MEMFD_SEALS, SEGMENT
 from ..units import capacity, round_up
-from .base import Arena, Backend, PublishedSource
+from .base import Arena, Backend, DmaRegion, DmaView, PublishedSource
 
 log = logging.getLogger("weightcache.daemon")
 
@@ -397,6 +397,27 @@ class CpuBackend(Backend):
             arena.mapping = None
         fcntl.fcntl(arena.fd, fcntl.F_ADD_SEALS, MEMFD_SEALS)
 
+    # -- a neighbour daemon's transfer engine (weightcache/peers/) ----------------------
+    def dma_source(self, arena: Arena) -> DmaView | None:
+        assert isinstance(arena, MemfdArena)
+        if arena.files is not None:  # a file arena: its bytes are the held files' mappings
+            regions = [DmaRegion(ao, arena.files[f].addr + fo, n) for f, fo, ao, n in SEGMENT.iter_unpack(arena.segments)]
+            return DmaView(regions, "DRAM")
+        if arena.fd < 0:
+            return None
+        # Sealed: the daemon's own mapping is gone; a read-only one for the peer's read.
+        addr = _libc.mmap(None, arena.nbytes, mmap.PROT_READ, mmap.MAP_SHARED, arena.fd, 0)
+        if addr in (None, _MAP_FAILED):
+            e = ctypes.get_errno()
+            raise OSError(e, f"mmap: {os.strerror(e)}")
+        return DmaView([DmaRegion(0, addr, arena.nbytes)], "DRAM", release=lambda: _libc.munmap(addr, arena.nbytes))
+
+    def dma_target(self, arena: Arena) -> DmaView | None:
+        assert isinstance(arena, MemfdArena) and arena.files is None
+        self._make_memfd(arena)
+        assert arena.mapping is not None
+        return DmaView([DmaRegion(0, _address(arena.mapping), arena.nbytes)], "DRAM")
+
     # -- publish ----------------------------------------------------------------------
     def open_published(self, arena: dict[str, Any], fds: list[int]) -> MemfdSource:
         if len(fds) != 1:
@@ -473,6 +494,16 @@ class CpuBackend(Backend):
             with contextlib.suppress(BufferError):
                 arena.mapping.close()
             arena.mapping = None
+
+
+def _address(mapping: mmap.mmap) -> int:
+    """Where ``mapping`` starts. The ctypes object that tells it holds a buffer export of
+    the mapping (close() would then fail with BufferError): dropped at once."""
+    probe = ctypes.c_char.from_buffer(mapping)
+    try:
+        return ctypes.addressof(probe)
+    finally:
+        del probe
 
 
 def _release(f: HeldFile) -> None:

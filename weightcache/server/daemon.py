@@ -12,8 +12,9 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..backends import Backend
@@ -30,6 +31,9 @@ from .metrics import MODEL_COUNTERS, Metrics, ModelFigures, Snapshot
 from .outlived import Survey, other_daemons, still_mapping, survey
 from .registry import CHECK_FAILED, Registry
 from .requests import Context
+
+if TYPE_CHECKING:
+    from ..peers import Peers
 from .settings_reload import reload_budgets, reload_max_loaded, settings_changes
 
 # The fields a reload changes in place: the rest say which bytes and where.
@@ -67,12 +71,14 @@ class Daemon:
         self.registry = Registry(core, backends, self.access)
         self.loads = Loads(settings.daemon, core, self.registry, backends, shutting_down=self._stopping.is_set)
         self.metrics = Metrics(self.snapshot)
+        self.peers = _peers(settings, core, self.registry, backends, self.loads, self._stopping.is_set)
         self.context = Context(
             settings=settings, core=core, registry=self.registry, loads=self.loads, access=self.access, backends=backends,
             started=self.started, socket_path=self.socket_path, connections=lambda: len(self.connections),
             caller_of=lambda conn: self.connections.caller(conn),
             shutting_down=self._stopping.is_set, health=self.health, reload=self.reload_config,
             outlived=self.outlived, other_daemons=self.other_daemons,
+            peers=lambda: self.peers.status() if self.peers is not None else None,
         )
         self.connections = Connections(settings.daemon, self.access, core, self.loads, self.metrics,
                                        context=lambda: self.context, stopping=self._stopping)
@@ -98,6 +104,8 @@ class Daemon:
         self._listener = self._bind(self.socket_path)
         if self.settings.daemon.metrics_listen:
             self.metrics.serve(self.settings.daemon.metrics_listen)
+        if self.peers is not None:
+            await self.peers.start()
         self._accepting = asyncio.ensure_future(self.connections.accept_loop(self._listener))
         log.info("weightcache %s serving on %s (pid %d)", __version__, self.socket_path, os.getpid())
         sd_notify(f"READY=1\nSTATUS=serving on {self.socket_path}")
@@ -223,6 +231,8 @@ class Daemon:
             if self.core.leases:
                 log.warning("exiting with %d lease(s) still held; their mappings stay valid (memory is refcounted)",
                             len(self.core.leases))
+        if self.peers is not None:
+            await self.peers.close()  # its lends' leases end with it
         await self.connections.close()
         await self.loads.close()
         for backend in self.backends.values():
@@ -262,7 +272,8 @@ class Daemon:
                         connections=len(self.connections), leases=len(core.leases), ready=health["ready"],
                         failed_preloads=[n for n in health["failed_preloads"]
                                          if everyone or self._open_to_all(self.registry.groups.get(n, [n])[0])],
-                        counters=dict(self.loads.counters))
+                        counters=dict(self.loads.counters),
+                        filled={k: (v, self.loads.filled_seconds.get(k, 0.0)) for k, v in list(self.loads.filled_bytes.items())})
 
     def _open_to_all(self, entry: str) -> bool:
         model = self.registry.models.get(entry)
@@ -494,6 +505,19 @@ class Daemon:
         log.error("model %s cannot be loaded: %s; fix the file or the model's path in the config, then run "
                   "`weightcache reload` (until then `weightcache models` shows it as error)", name, reason,
                   extra={"model": name, "code": err["code"]})
+
+
+def _peers(settings: Settings, core: CacheCore, registry: Registry, backends: dict[str, Backend], loads: Loads,
+           stopping: Callable[[], bool]) -> Peers | None:
+    """The [peers] section at work (weightcache/peers/), or None when it has no listen address."""
+    if settings.peers.listen is None:
+        return None
+    from ..peers import Peers  # only where configured: it imports NIXL's wrapper
+
+    peers = Peers(settings.peers, core=core, registry=registry, backends=backends, notify_space=loads.notify_space,
+                  shutting_down=stopping)
+    loads.neighbours = peers
+    return peers
 
 
 def _notify(message: str) -> None:

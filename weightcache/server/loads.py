@@ -40,7 +40,7 @@ from ..loader.published import _gc_paused
 from ..loader.sources import unindexed_note
 from ..protocol.messages import tenant_fingerprint
 from . import placing
-from .fills import FillStrategy, PeerCopy, Promote, ReadFiles
+from .fills import FillStrategy, NeighbourFills, PeerCopy, Promote, ReadFiles
 from .registry import Model, Registry
 
 log = logging.getLogger("weightcache.daemon")
@@ -139,7 +139,7 @@ class LoadJob:
     """One load in flight: the requests waiting on it, and whether it was given up."""
 
     name: str
-    source: str = "files"  # where its bytes come from: "files", "host" (a promotion) or "peer" (another GPU)
+    source: str = "files"  # where its bytes come from: "files", "host" (a promotion), "peer" (another GPU), "neighbour" (another daemon)
     waiters: int = 0
     # Set when every waiter went and the load was not worth finishing: the filling
     # threads check it between chunks, the load task between phases.
@@ -244,6 +244,10 @@ class Loads:
         # together took 256 ms each, one after the other 109 + 104 ms (same for promotions:
         # 131 ms each vs 73 + 66); queued, the first is ready sooner and neither is later.
         self._fill_locks: dict[str, asyncio.Lock] = {}
+        self.neighbours: NeighbourFills | None = None  # [peers]: a miss filled from another daemon (weightcache/peers/)
+        # Bytes and seconds of the fills that made models resident, by where the bytes came from (metrics).
+        self.filled_bytes: Counter[str] = Counter()
+        self.filled_seconds: dict[str, float] = {}
         # (target, source) GPUs whose peer copy failed: loads from the files there instead
         self.no_peer_copy: set[tuple[str, str]] = set()
         # Opening and parsing what peers name or send: bounded, and apart from the loads.
@@ -401,7 +405,7 @@ class Loads:
         step = self.core.join(name)
         m, s = self.registry.models[name], self.registry.models[sibling]
         m.arena, m.checkpoint, m.table, m.last_error = s.arena, s.checkpoint, s.table, None
-        m.held, m.seen = s.held, s.seen
+        m.held, m.seen, m.source = s.held, s.seen, s.source
         log.info("%s shares the arena of %s (the same files): no second copy", name, sibling,
                  extra={"model": name, "bytes": self.core.entry(name).nbytes})
         if step.drop_host:
@@ -504,6 +508,8 @@ class Loads:
             raise err from None
         opening = time.monotonic() - t_open
         try:
+            if self.neighbours is not None and await self.neighbours.fill(self, job, name, ckpt, opened):
+                return job.source
             await self.fill_new_arena(name, ckpt, backend.capacity(ckpt.arena_bytes), 0,
                                       ReadFiles(backend, d, opened, label=name,
                                                 cancelled=lambda: self._shutting_down() or job.abandoned.is_set()),
@@ -781,6 +787,9 @@ class Loads:
         if plan.promote:  # the host copy stays (Note [kept host copies] in cache/core.py)
             self.counters["promotions"] += 1
         dt = time.monotonic() - t0
+        model.source = job.source if job is not None else "publish"
+        self.filled_bytes[model.source] += ckpt.data_bytes
+        self.filled_seconds[model.source] = self.filled_seconds.get(model.source, 0.0) + dt
         # Keyed by the entry a publish ends as (its staging entry is renamed), and only for
         # entries still registered: removed models' rates go (the dict grew with every name).
         self.last_load_rate = {k: v for k, v in self.last_load_rate.items() if k in self.registry.models}
