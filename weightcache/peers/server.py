@@ -22,6 +22,7 @@ import contextlib
 import ipaddress
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -168,7 +169,8 @@ class Lender:
         assert arena is not None
         lease = self.core.attach(name, conn)
         self.lent_now += 1
-        view = reg = None
+        view = reg = pump = None
+        pumping = threading.Event()
         t0 = time.monotonic()
         try:
             view = await asyncio.to_thread(backend.dma_source, arena)
@@ -178,6 +180,7 @@ class Lender:
             regions = [(r.addr, r.nbytes) for r in view.regions if r.nbytes]
             reg = await asyncio.to_thread(transport.register, regions, view.memory, view.device_id)
             metadata = await asyncio.to_thread(transport.metadata)
+            pump = asyncio.ensure_future(asyncio.to_thread(transport.progress, pumping))
             await wire.send(writer, {"ok": True, "metadata": metadata, "memory": view.memory, "device_id": view.device_id,
                                      "regions": [[r.arena_offset, r.addr, r.nbytes] for r in view.regions if r.nbytes]})
             self.lends += 1
@@ -192,6 +195,9 @@ class Lender:
         finally:
             # Deregistered before the view goes, the view before the lease: see the Note.
             try:
+                pumping.set()
+                if pump is not None:
+                    await asyncio.shield(pump)
                 if reg is not None:
                     await asyncio.shield(asyncio.to_thread(transport.deregister, reg))
                 if view is not None:

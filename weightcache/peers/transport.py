@@ -82,7 +82,11 @@ class Transport:
         api = _import_api()
         self._api = api
         self.name = name or f"weightcache-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
-        conf = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"],
+        # No progress thread: NIXL's polls without pause (pthrDelay 0), ~45% of a core for
+        # an idle agent on the CI VM; without it 0. Reads progress in ``read``'s polls,
+        # a lend in ``progress`` (Lender: while it lends, for transports that need the
+        # lender's side to act, TCP).
+        conf = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"],
                                      sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.agent = api.nixl_agent(self.name, conf)
         if "UCX" not in self.agent.backends:
@@ -98,6 +102,12 @@ class Transport:
 
     def deregister(self, handle: Any) -> None:
         self.agent.deregister_memory(handle)
+
+    def progress(self, stop: threading.Event, every_s: float = 0.001) -> None:
+        """Make the agent progress until ``stop`` is set (a lend's thread): a read over TCP
+        is served by the lender's own worker (UCX's rma_am), which runs only when polled."""
+        while not stop.wait(every_s):
+            self.agent.get_new_notifs()
 
     def metadata(self) -> bytes:
         """This agent's metadata (taken after a registration: it carries the keys a peer

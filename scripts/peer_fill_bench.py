@@ -1,0 +1,261 @@
+"""A model filled from a neighbour daemon over NIXL, against the same daemon's cold load
+from its files and against NIXL's raw rate between two processes (issue 27).
+
+One checkpoint (default 1 GiB, 64 bf16 tensors) is written twice, in two directories:
+the lender daemon serves ``a/model.safetensors`` (a page-cache arena, as its load makes
+it), the borrower's config names ``b/model.safetensors`` with the fingerprint pinned.
+Then, ``--rounds`` times, interleaved:
+
+- ``fill``: the borrower evicts the model and loads it: filled from the lender over NIXL
+  (source "neighbour"; every piece hashed, the fingerprint checked);
+- ``files (cold)``: the lender evicts its copy (no peer offers it), the borrower's file
+  is dropped from the page cache (POSIX_FADV_DONTNEED, checked with RWF_NOWAIT probes),
+  and the borrower loads it from its files; then the lender loads it again;
+- ``raw``: two fresh processes with the daemon's own NIXL agent code
+  (weightcache/peers/transport.py): one maps ``a/model.safetensors`` read-only and
+  registers it, the other reads all of it into a fresh, fallocated memfd, in the fill's
+  request size and window; ``raw (one request)`` reads it in one request.
+
+Rates are data bytes over the wall time of the client's ``load`` call (fill, files) or
+of the read (raw). Writes JSON to ``--out``.
+
+    .venv/bin/python scripts/peer_fill_bench.py --gib 1 --rounds 5 --out docs/peer-fill-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from weightcache import Client
+from weightcache.loader import fingerprint_files
+from weightcache.loader.reader import resident_fraction
+from weightcache.peers.fill import TASK_BYTES, WINDOW
+from weightcache.protocol.framing import HEADER, decode_payload, encode_frame
+from weightcache.tools.spawn import DaemonProcess, config_text
+from weightcache.tools.synth import write_checkpoint
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def send(sock: socket.socket, msg: dict[str, Any]) -> None:
+    sock.sendall(encode_frame(msg))
+
+
+def recv(sock: socket.socket) -> dict[str, Any]:
+    (n,) = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
+    return decode_payload(sock.recv(n, socket.MSG_WAITALL), max_bin_len=1 << 24, max_str_len=1 << 24)
+
+
+# -- raw NIXL: two processes, the daemon's transport code, no daemon --------------------
+def raw_lender(path: str) -> None:
+    """Map ``path`` read-only (as a file arena holds it), register it, serve one read."""
+    from weightcache.backends.cpu import _MAP_FAILED, _libc
+    from weightcache.peers.transport import Transport
+
+    t = Transport()
+    fd = os.open(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    assert addr not in (None, _MAP_FAILED)
+    with open(path, "rb") as f:  # in page cache, as the lender daemon's arena is
+        while f.read(1 << 24):
+            pass
+    reg = t.register([(addr, size)], "DRAM")
+    stop = threading.Event()
+    pump = threading.Thread(target=t.progress, args=(stop,))  # as the lender daemon does while it lends
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        print(f"PORT {ls.getsockname()[1]}", flush=True)  # NIXL logs to stdout too: the line is marked
+        conn, _ = ls.accept()
+        with conn:
+            send(conn, {"metadata": t.metadata(), "addr": addr, "nbytes": size})
+            pump.start()
+            recv(conn)  # done
+    stop.set()
+    pump.join()
+    t.deregister(reg)
+
+
+def raw_read(port: int, one_request: bool) -> dict[str, float]:
+    from weightcache.backends.cpu import _address
+    from weightcache.peers.transport import Extent, Transport
+
+    t = Transport()
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        info = recv(conn)
+        size = info["nbytes"]
+        fd = os.memfd_create("raw-target")
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)  # as the daemon's memfd arena
+        m = mmap.mmap(fd, size)
+        base = _address(m)
+        step = size if one_request else TASK_BYTES
+        extents = [Extent(base + o, info["addr"] + o, min(step, size - o)) for o in range(0, size, step)]
+        t0 = time.monotonic()
+        t.read(info["metadata"], extents, "DRAM", 0, "DRAM", 0, window=WINDOW, on_done=lambda _d, _n: None,
+               stop=lambda: None, deadline=t0 + 600)
+        dt = time.monotonic() - t0
+        send(conn, {"op": "done"})
+        m.close()
+        os.close(fd)
+    return {"bytes": size, "seconds": dt}
+
+
+def run_raw(path: Path, one_request: bool) -> dict[str, float]:
+    lender = subprocess.Popen([sys.executable, __file__, "raw-lender", str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert lender.stdout is not None
+        port = next(int(line.split()[1]) for line in lender.stdout if line.startswith("PORT "))
+        out = subprocess.run([sys.executable, __file__, "raw-read", str(port), "1" if one_request else "0"],
+                             check=True, capture_output=True, text=True)
+        return json.loads(next(x[7:] for x in out.stdout.splitlines() if x.startswith("RESULT ")))  # type: ignore[no-any-return]
+    finally:
+        lender.wait(timeout=60)
+
+
+# -- the daemons --------------------------------------------------------------------------
+def start(tmp: Path, i: int, model: Path, ports: list[int], fp: str | None) -> DaemonProcess:
+    sock = str(tmp / f"d{i}.sock")
+    text = config_text(sock, {"cpu": "6GiB"}, [{"name": "m", "path": str(model)}], {"log_level": "info"})
+    text += (f'\n[peers]\nlisten = "127.0.0.1:{ports[i]}"\naddresses = ["127.0.0.1:{ports[1 - i]}"]\nrefresh_s = 0.2\n'
+             + (f'fingerprints = {{ m = "{fp}" }}\n' if fp else ""))
+    cfg = tmp / f"d{i}.toml"
+    cfg.write_text(text)
+    return DaemonProcess(cfg, sock, tmp / f"d{i}.log").start()
+
+
+async def offers(c: Client) -> int:
+    st = await c.status()
+    return sum(len(p["models"]) for p in st["peers"]["peers"])
+
+
+async def until(pred: Any, timeout: float = 30) -> None:
+    end = time.monotonic() + timeout
+    while not await pred():
+        if time.monotonic() > end:
+            raise TimeoutError
+        await asyncio.sleep(0.05)
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="wc-peerbench-"))
+    try:
+        a_path = write_checkpoint(tmp / "a" / "model.safetensors", int(args.gib * 2**30), 64, mode=0o644)
+        (tmp / "b").mkdir()
+        b_path = tmp / "b" / "model.safetensors"
+        shutil.copyfile(a_path, b_path)
+        b_path.chmod(0o644)
+        for f in (a_path, b_path):  # written back: DONTNEED drops clean pages only
+            fd = os.open(f, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        fp = fingerprint_files(b_path)
+        nbytes = 0
+        ports = [free_port(), free_port()]
+        lender, borrower = start(tmp, 0, a_path, ports, None), start(tmp, 1, b_path, ports, fp)
+        rows: dict[str, list[float]] = {"fill": [], "files (cold)": [], "raw": [], "raw (one request)": []}
+        try:
+            async with Client(lender.socket) as a, Client(borrower.socket) as b:
+                await a.load("m")
+                for _ in range(args.rounds):
+                    # fill from the lender
+                    await until(lambda: offers(b))
+                    t0 = time.monotonic()
+                    await b.load("m")
+                    dt = time.monotonic() - t0
+                    row = next(m for m in await b.models() if m["name"] == "m")
+                    assert row["source"] == "neighbour" and row["fingerprint"] == fp, row
+                    nbytes = row["nbytes"]
+                    rows["fill"].append(dt)
+                    await b.evict("m")
+                    # cold from the files: nobody offers it, its pages dropped
+                    await until(lambda: _no_leases(a))  # the lend's lease ends as the lender reads "done"
+                    await a.evict("m")
+                    await until(lambda: _none(offers(b)))
+                    fd = os.open(b_path, os.O_RDONLY)
+                    try:
+                        for _ in range(50):  # the evicted arena's mapping goes in a thread: until then pages stay
+                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                            warm = resident_fraction(fd, os.fstat(fd).st_size, samples=256)
+                            if warm < 0.02:
+                                break
+                            await asyncio.sleep(0.1)
+                    finally:
+                        os.close(fd)
+                    assert warm < 0.1, f"{warm:.0%} of the file still in page cache"
+                    t0 = time.monotonic()
+                    await b.load("m")
+                    dt = time.monotonic() - t0
+                    row = next(m for m in await b.models() if m["name"] == "m")
+                    assert row["source"] == "files", row
+                    rows["files (cold)"].append(dt)
+                    await b.evict("m")
+                    await a.load("m")
+                    # raw NIXL between two processes
+                    for key, one in (("raw", False), ("raw (one request)", True)):
+                        r = run_raw(a_path, one)
+                        rows[key].append(r["seconds"])
+        finally:
+            lender.stop()
+            borrower.stop()
+        data = a_path.stat().st_size
+        out: dict[str, Any] = {"gib": args.gib, "file_bytes": data, "arena_bytes": nbytes, "rounds": args.rounds,
+                               "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rows": {}}
+        for k, secs in rows.items():
+            out["rows"][k] = {"seconds": secs, "median_s": statistics.median(secs),
+                              "gb_per_s_median": data / statistics.median(secs) / 1e9}
+        raw = out["rows"]["raw"]["gb_per_s_median"]
+        out["fill_vs_raw"] = out["rows"]["fill"]["gb_per_s_median"] / raw
+        return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def _no_leases(c: Client) -> bool:
+    return (await c.status())["leases"] == 0
+
+
+async def _none(c: Any) -> bool:
+    return (await c) == 0
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "raw-lender":
+        raw_lender(sys.argv[2])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "raw-read":
+        print("RESULT " + json.dumps(raw_read(int(sys.argv[2]), sys.argv[3] == "1")))
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    out = asyncio.run(bench(args))
+    for k, r in out["rows"].items():
+        print(f"{k:20s} median {r['median_s'] * 1e3:8.1f} ms  {r['gb_per_s_median']:6.2f} GB/s  "
+              f"({', '.join(f'{s * 1e3:.0f}' for s in r['seconds'])} ms)")
+    print(f"fill / raw: {out['fill_vs_raw']:.0%}")
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
