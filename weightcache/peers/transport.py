@@ -46,9 +46,9 @@ def _import_api() -> ModuleType:
     """nixl's Python API. The ``nixl`` meta package picks its CUDA 12 or 13 build from the
     CUDA stack already imported, and imports torch to ask when none is (1.8 s on the CI
     VM): a daemon without a GPU backend takes whichever build is installed directly."""
-    if "torch" in sys.modules or "cuda.bindings" in sys.modules:
-        return importlib.import_module("nixl._api")
-    for name in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
+    builds = ("nixl_cu12._api", "nixl_cu13._api")  # CI installs nixl-cu12 alone (the Makefile's NIXL)
+    cuda_loaded = "torch" in sys.modules or "cuda.bindings" in sys.modules
+    for name in ("nixl._api", *builds) if cuda_loaded else (*builds, "nixl._api"):
         try:
             return importlib.import_module(name)
         except ModuleNotFoundError:

@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgpack
 
@@ -40,7 +40,7 @@ from ..loader.published import _gc_paused
 from ..loader.sources import unindexed_note
 from ..protocol.messages import tenant_fingerprint
 from . import placing
-from .fills import FillStrategy, NeighbourFills, PeerCopy, Promote, ReadFiles
+from .fills import FillStrategy, PeerCopy, Promote, ReadFiles
 from .registry import Model, Registry
 
 log = logging.getLogger("weightcache.daemon")
@@ -145,6 +145,15 @@ class LoadJob:
     # threads check it between chunks, the load task between phases.
     abandoned: threading.Event = field(default_factory=threading.Event)
     task: asyncio.Task[str] | None = None
+
+
+class NeighbourFills(Protocol):
+    """Fills from a neighbour daemon's copy (weightcache/peers/, issue 27), tried for a
+    load that missed here before the files are read."""
+
+    async def fill(self, loads: Loads, job: LoadJob, name: str, ckpt: Checkpoint, opened: OpenedSource) -> bool:
+        """True once ``name`` is resident from a peer's bytes (checked against its
+        fingerprint); False where no peer could, and the files are read instead."""
 
 
 class SpaceFreed:
