@@ -219,10 +219,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         out: dict[str, Any] = {"gib": args.gib, "file_bytes": data, "arena_bytes": nbytes, "rounds": args.rounds,
                                "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rows": {}}
         for k, secs in rows.items():
-            out["rows"][k] = {"seconds": secs, "median_s": statistics.median(secs),
-                              "gb_per_s_median": data / statistics.median(secs) / 1e9}
-        raw = out["rows"]["raw"]["gb_per_s_median"]
-        out["fill_vs_raw"] = out["rows"]["fill"]["gb_per_s_median"] / raw
+            out["rows"][k] = {"seconds": secs, "median_s": statistics.median(secs), "best_s": min(secs),
+                              "gb_per_s_median": data / statistics.median(secs) / 1e9, "gb_per_s_best": data / min(secs) / 1e9}
+        rows_out = out["rows"]
+        out["fill_vs_raw"] = rows_out["fill"]["gb_per_s_median"] / rows_out["raw"]["gb_per_s_median"]
+        out["fill_vs_raw_best"] = rows_out["fill"]["gb_per_s_best"] / rows_out["raw"]["gb_per_s_best"]
+        out["load_avg_after"] = os.getloadavg()
         return out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -250,9 +252,9 @@ def main() -> None:
     args = p.parse_args()
     out = asyncio.run(bench(args))
     for k, r in out["rows"].items():
-        print(f"{k:20s} median {r['median_s'] * 1e3:8.1f} ms  {r['gb_per_s_median']:6.2f} GB/s  "
+        print(f"{k:20s} median {r['median_s'] * 1e3:8.1f} ms  {r['gb_per_s_median']:6.2f} GB/s  best {r['gb_per_s_best']:6.2f} GB/s  "
               f"({', '.join(f'{s * 1e3:.0f}' for s in r['seconds'])} ms)")
-    print(f"fill / raw: {out['fill_vs_raw']:.0%}")
+    print(f"fill / raw: {out['fill_vs_raw']:.0%} (medians), {out['fill_vs_raw_best']:.0%} (best of each)")
     if args.out:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
 

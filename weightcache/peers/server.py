@@ -36,6 +36,8 @@ from .transport import Transport
 log = logging.getLogger("weightcache.peers")
 
 HELLO_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 60.0  # a peer connection with no request for this long is closed
+LENDS_PER_PEER = 4  # lends one peer address holds at once; more are refused BUSY (each pins a model)
 
 
 def lendable(name: str, model: Model, core: CacheCore) -> bool:
@@ -70,6 +72,7 @@ class Lender:
         self.lent_now = 0  # lends holding a lease now
         self.lends = 0  # lends made since start
         self.refused = 0  # connections from addresses that are not configured peers
+        self._by_peer: dict[str, int] = {}  # peer host -> lends it holds now
 
     async def start(self, host: str, port: int) -> None:
         self._server = await asyncio.start_server(self._accept, host or None, port, reuse_address=True)
@@ -140,7 +143,7 @@ class Lender:
         await wire.send(writer, {"ok": True, "protocol": wire.PROTOCOL, "daemon": self.daemon_id})
         conn = -(1_000_000 + next(self._conn_ids))  # the lender's own lease holder (Note [what a lend holds])
         while True:
-            req = await wire.recv(reader)
+            req = await asyncio.wait_for(wire.recv(reader), IDLE_TIMEOUT_S)
             if req is None:
                 return
             op = req.get("op")
@@ -163,12 +166,16 @@ class Lender:
         if name is None or transport is None:
             await wire.send(writer, wire.reply_error("UNKNOWN_MODEL", "no lendable resident model has that fingerprint and layout"))
             return
+        if self._by_peer.get(host, 0) >= LENDS_PER_PEER:
+            await wire.send(writer, wire.reply_error("BUSY", f"this peer holds {LENDS_PER_PEER} lends already"))
+            return
         model = self.registry.models[name]
         backend = self.backends[model.device]
         arena = model.arena
         assert arena is not None
         lease = self.core.attach(name, conn)
         self.lent_now += 1
+        self._by_peer[host] = self._by_peer.get(host, 0) + 1
         view = reg = pump = None
         pumping = threading.Event()
         t0 = time.monotonic()
@@ -205,6 +212,9 @@ class Lender:
             finally:
                 self.core.detach(lease.id, conn)
                 self.lent_now -= 1
+                self._by_peer[host] -= 1
+                if not self._by_peer[host]:
+                    del self._by_peer[host]
                 log.info("lend of %s to peer %s ended after %.2fs", name, host, time.monotonic() - t0,
                          extra={"model": name, "peer": host})
                 await self._notify_space()
