@@ -11,14 +11,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from ..backends import Arena, Backend
 from ..config import DaemonConfig
 from ..loader import Checkpoint, OpenedSource, Progress, read_checkpoint
-
-if TYPE_CHECKING:
-    from .loads import LoadJob, Loads
 
 log = logging.getLogger("weightcache.daemon")
 
@@ -91,12 +88,3 @@ class PeerCopy:
         self.backend.copy_from_peer(self.source_backend, self.source, arena, min(self.source.nbytes, arena.nbytes))
         progress.add(ckpt.data_bytes)
         return None
-
-
-class NeighbourFills(Protocol):
-    """Fills from a neighbour daemon's copy (weightcache/peers/, issue 27), tried for a load
-    that missed here before the files are read."""
-
-    async def fill(self, loads: Loads, job: LoadJob, name: str, ckpt: Checkpoint, opened: OpenedSource) -> bool:
-        """True once ``name`` is resident from a peer's bytes (checked against its
-        fingerprint); False where no peer could, and the files are read instead."""
