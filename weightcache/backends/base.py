@@ -138,6 +138,9 @@ class Backend(ABC):
     supports_host_tier = False
     # may a client map an arena read-write? (Sealed memfds cannot be.)
     supports_writable_attach = False
+    # can a neighbour daemon's transfer engine read its arenas and fill new ones
+    # (dma_source, dma_target; weightcache/peers/)?
+    supports_dma = False
 
     def __init__(self, device: str) -> None:
         self.device = device

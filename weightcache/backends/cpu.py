@@ -238,6 +238,7 @@ class _PageCacheWriter:
 
 class CpuBackend(Backend):
     kind = "memfd"  # what engines publish on this device; attach replies say "file" or "memfd" per arena
+    supports_dma = True  # host memory: NIXL's DRAM
 
     def __init__(self, device: str, page_cache: bool = True) -> None:
         super().__init__(device)

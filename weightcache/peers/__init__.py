@@ -125,13 +125,13 @@ class Peers:
         try failed and was logged); the caller loads from the files. NoSpace, and the
         load's cancellation, pass through as from any fill."""
         model: Model = loads.registry.models[name]
-        if self.transport is None or model.origin != "config" or model.owner is not None:
+        backend = loads.backends[model.device]
+        if self.transport is None or not backend.supports_dma or model.origin != "config" or model.owner is not None:
             return False
         expected = known_fingerprint(self.settings, name, ckpt, opened)
         if expected is None:
             return False
         offers = self.directory.offers(expected, ckpt.layout)
-        backend = loads.backends[model.device]
         for peer, _offer in offers:
             t0 = time.monotonic()
             try:

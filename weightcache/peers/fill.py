@@ -97,6 +97,10 @@ class PeerFill:
         view = self.backend.dma_target(arena)
         if view is None or len(view.regions) != 1:
             raise LoadFailed(f"the {arena.device} backend offers no memory a peer's transfer can write")
+        if view.memory != "DRAM":
+            # The pieces are hashed from host memory here; a GPU arena's need the device's
+            # hash kernel (backends/cuda_hash.py) behind a backend hook that does not exist yet.
+            raise LoadFailed(f"a fill from a peer into {view.memory} cannot check its pieces yet")
         base = view.regions[0].addr
         # Capped, a read is at most ~1/8 s of the rate (at least one piece): the cap holds
         # within that, not per 64 MiB.

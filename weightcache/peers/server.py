@@ -40,11 +40,13 @@ IDLE_TIMEOUT_S = 60.0  # a peer connection with no request for this long is clos
 LENDS_PER_PEER = 4  # lends one peer address holds at once; more are refused BUSY (each pins a model)
 
 
-def lendable(name: str, model: Model, core: CacheCore) -> bool:
+def lendable(name: str, model: Model, core: CacheCore, backends: dict[str, Backend]) -> bool:
     """Whether ``model`` may be listed to peers and lent: the operator's, open to every
-    user, resident with its files unchanged since it was loaded."""
+    user, resident with its files unchanged since it was loaded, on a device whose
+    backend offers its arenas to a transfer engine."""
     cfg = model.config
-    return (model.origin == "config" and model.owner is None and cfg.allowed_uids is None and cfg.allowed_gids is None
+    return (backends[model.device].supports_dma and model.origin == "config" and model.owner is None
+            and cfg.allowed_uids is None and cfg.allowed_gids is None
             and core.entry(name).state is State.RESIDENT and model.arena is not None and model.checkpoint is not None
             and bool(model.checkpoint.fingerprint) and model.unchanged())
 
@@ -96,7 +98,7 @@ class Lender:
     def inventory(self) -> list[dict[str, Any]]:
         out = []
         for name, m in self.registry.models.items():
-            if lendable(name, m, self.core):
+            if lendable(name, m, self.core, self.backends):
                 assert m.checkpoint is not None
                 out.append({"fingerprint": m.checkpoint.fingerprint, "layout": m.checkpoint.layout,
                             "nbytes": m.checkpoint.data_bytes, "tier": tier(m.device), "device": m.device})
@@ -104,7 +106,7 @@ class Lender:
 
     def _find(self, fingerprint: str, layout: str) -> str | None:
         for name, m in self.registry.models.items():
-            if (lendable(name, m, self.core) and m.checkpoint is not None and m.checkpoint.fingerprint == fingerprint
+            if (lendable(name, m, self.core, self.backends) and m.checkpoint is not None and m.checkpoint.fingerprint == fingerprint
                     and m.checkpoint.layout == layout):
                 return name
         return None
