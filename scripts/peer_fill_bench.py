@@ -14,12 +14,18 @@ Then, ``--rounds`` times, interleaved:
 - ``raw``: two fresh processes with the daemon's own NIXL agent code
   (weightcache/peers/transport.py): one maps ``a/model.safetensors`` read-only and
   registers it, the other reads all of it into a fresh, fallocated memfd, in the fill's
-  request size and window; ``raw (one request)`` reads it in one request.
+  request size and window; ``raw (one request)`` reads it in one request; ``raw +
+  allocating the memfd`` counts the memfd's ``posix_fallocate`` too, which the daemon's
+  fill pays (its arena) and the plain raw rows do not.
 
 Rates are data bytes over the wall time of the client's ``load`` call (fill, files) or
 of the read (raw). Writes JSON to ``--out``.
 
-    .venv/bin/python scripts/peer_fill_bench.py --gib 1 --rounds 5 --out docs/peer-fill-cpu.json
+    .venv/bin/python scripts/peer_fill_bench.py --gib 1 --rounds 7 --out docs/peer-fill-cpu.json
+
+``--vram 0,1`` measures only NIXL's raw GPU-to-GPU rate between two processes (one per
+GPU, or ``0,0`` for one GPU), with the fill's request size and window: the bar a GPU
+fill would be held to once the CUDA backend lends its VMM arenas.
 """
 
 from __future__ import annotations
@@ -93,7 +99,7 @@ def raw_lender(path: str) -> None:
     t.deregister(reg)
 
 
-def raw_read(port: int, one_request: bool) -> dict[str, float]:
+def raw_read(port: int, one_request: bool, allocate_timed: bool = False) -> dict[str, float]:
     from weightcache.backends.cpu import _address
     from weightcache.peers.transport import Extent, Transport
 
@@ -101,6 +107,7 @@ def raw_read(port: int, one_request: bool) -> dict[str, float]:
     with socket.create_connection(("127.0.0.1", port)) as conn:
         info = recv(conn)
         size = info["nbytes"]
+        ta = time.monotonic()
         fd = os.memfd_create("raw-target")
         os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)  # as the daemon's memfd arena
@@ -108,7 +115,7 @@ def raw_read(port: int, one_request: bool) -> dict[str, float]:
         base = _address(m)
         step = size if one_request else TASK_BYTES
         extents = [Extent(base + o, info["addr"] + o, min(step, size - o)) for o in range(0, size, step)]
-        t0 = time.monotonic()
+        t0 = ta if allocate_timed else time.monotonic()
         t.read(info["metadata"], extents, "DRAM", 0, "DRAM", 0, window=WINDOW, on_done=lambda _d, _n: None,
                stop=lambda: None, deadline=t0 + 600)
         dt = time.monotonic() - t0
@@ -118,16 +125,79 @@ def raw_read(port: int, one_request: bool) -> dict[str, float]:
     return {"bytes": size, "seconds": dt}
 
 
-def run_raw(path: Path, one_request: bool) -> dict[str, float]:
+def run_raw(path: Path, one_request: bool, allocate_timed: bool = False) -> dict[str, float]:
     lender = subprocess.Popen([sys.executable, __file__, "raw-lender", str(path)], stdout=subprocess.PIPE, text=True)
     try:
         assert lender.stdout is not None
         port = next(int(line.split()[1]) for line in lender.stdout if line.startswith("PORT "))
-        out = subprocess.run([sys.executable, __file__, "raw-read", str(port), "1" if one_request else "0"],
+        out = subprocess.run([sys.executable, __file__, "raw-read", str(port), "1" if one_request else "0",
+                              "1" if allocate_timed else "0"],
                              check=True, capture_output=True, text=True)
         return json.loads(next(x[7:] for x in out.stdout.splitlines() if x.startswith("RESULT ")))  # type: ignore[no-any-return]
     finally:
         lender.wait(timeout=60)
+
+
+# -- raw NIXL between GPUs (for the H200; no daemon can lend VRAM yet) ----------------------
+def vram_lender(nbytes: int) -> None:
+    import torch
+
+    from weightcache.peers.transport import Transport
+
+    buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    t = Transport()
+    reg = t.register([(buf.data_ptr(), nbytes)], "VRAM", torch.cuda.current_device())
+    stop = threading.Event()
+    pump = threading.Thread(target=t.progress, args=(stop,))
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        print(f"PORT {ls.getsockname()[1]}", flush=True)
+        conn, _ = ls.accept()
+        with conn:
+            send(conn, {"metadata": t.metadata(), "addr": buf.data_ptr(), "nbytes": nbytes,
+                        "device_id": torch.cuda.current_device()})
+            pump.start()
+            recv(conn)
+    stop.set()
+    pump.join()
+    t.deregister(reg)
+
+
+def vram_read(port: int, rounds: int) -> list[float]:
+    import torch
+
+    from weightcache.peers.transport import Extent, Transport
+
+    t = Transport()
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        info = recv(conn)
+        size = info["nbytes"]
+        dst = torch.empty(size, dtype=torch.uint8, device="cuda")
+        dev = torch.cuda.current_device()
+        out = []
+        for _ in range(rounds):
+            extents = [Extent(dst.data_ptr() + o, info["addr"] + o, min(TASK_BYTES, size - o)) for o in range(0, size, TASK_BYTES)]
+            t0 = time.monotonic()
+            t.read(info["metadata"], extents, "VRAM", dev, "VRAM", info["device_id"], window=WINDOW,
+                   on_done=lambda _d, _n: None, stop=lambda: None, deadline=t0 + 600)
+            out.append(time.monotonic() - t0)
+        send(conn, {"op": "done"})
+    return out
+
+
+def run_vram(gib: float, rounds: int, lender_gpu: str, reader_gpu: str) -> dict[str, Any]:
+    nbytes = int(gib * 2**30)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": lender_gpu}
+    lender = subprocess.Popen([sys.executable, __file__, "vram-lender", str(nbytes)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert lender.stdout is not None
+        port = next(int(line.split()[1]) for line in lender.stdout if line.startswith("PORT "))
+        out = subprocess.run([sys.executable, __file__, "vram-read", str(port), str(rounds)], check=True, capture_output=True,
+                             text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": reader_gpu})
+        secs = json.loads(next(x[7:] for x in out.stdout.splitlines() if x.startswith("RESULT ")))
+    finally:
+        lender.wait(timeout=120)
+    return {"gib": gib, "lender_gpu": lender_gpu, "reader_gpu": reader_gpu, "seconds": secs,
+            "gb_per_s_median": nbytes / statistics.median(secs) / 1e9, "gb_per_s_best": nbytes / min(secs) / 1e9}
 
 
 # -- the daemons --------------------------------------------------------------------------
@@ -170,7 +240,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         nbytes = 0
         ports = [free_port(), free_port()]
         lender, borrower = start(tmp, 0, a_path, ports, None), start(tmp, 1, b_path, ports, fp)
-        rows: dict[str, list[float]] = {"fill": [], "files (cold)": [], "raw": [], "raw (one request)": []}
+        rows: dict[str, list[float]] = {"fill": [], "files (cold)": [], "raw": [], "raw (one request)": [],
+                                        "raw + allocating the memfd": []}
         try:
             async with Client(lender.socket) as a, Client(borrower.socket) as b:
                 await a.load("m")
@@ -209,8 +280,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     await b.evict("m")
                     await a.load("m")
                     # raw NIXL between two processes
-                    for key, one in (("raw", False), ("raw (one request)", True)):
-                        r = run_raw(a_path, one)
+                    for key, one, alloc in (("raw", False, False), ("raw (one request)", True, False),
+                                            ("raw + allocating the memfd", False, True)):
+                        r = run_raw(a_path, one, alloc)
                         rows[key].append(r["seconds"])
         finally:
             lender.stop()
@@ -227,6 +299,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         out["load_avg_after"] = os.getloadavg()
         return out
     finally:
+        if args.logs:  # the daemons' logs: each load's phases (allocate, fill, seal) are in them
+            args.logs.mkdir(parents=True, exist_ok=True)
+            for log in tmp.glob("d*.log"):
+                shutil.copy(log, args.logs / log.name)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -243,13 +319,29 @@ def main() -> None:
         raw_lender(sys.argv[2])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "raw-read":
-        print("RESULT " + json.dumps(raw_read(int(sys.argv[2]), sys.argv[3] == "1")))
+        print("RESULT " + json.dumps(raw_read(int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1")))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "vram-lender":
+        vram_lender(int(sys.argv[2]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "vram-read":
+        print("RESULT " + json.dumps(vram_read(int(sys.argv[2]), int(sys.argv[3]))))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", type=Path)
+    p.add_argument("--logs", type=Path, help="copy the daemons' logs here")
+    p.add_argument("--vram", metavar="LENDER_GPU,READER_GPU",
+                   help="only raw NIXL between two GPU processes (CUDA_VISIBLE_DEVICES of each, e.g. 0,0 or 0,1)")
     args = p.parse_args()
+    if args.vram:
+        lg, rg = args.vram.split(",")
+        res = run_vram(args.gib, args.rounds, lg, rg)
+        print(json.dumps(res, indent=1))
+        if args.out:
+            args.out.write_text(json.dumps(res, indent=1) + "\n")
+        return
     out = asyncio.run(bench(args))
     for k, r in out["rows"].items():
         print(f"{k:20s} median {r['median_s'] * 1e3:8.1f} ms  {r['gb_per_s_median']:6.2f} GB/s  best {r['gb_per_s_best']:6.2f} GB/s  "

@@ -128,6 +128,10 @@ class DmaView:
     memory: str
     device_id: int = 0
     release: Callable[[], None] = lambda: None
+    # A target's bytes [offset, offset + nbytes) made ready to be written before a read
+    # lands there (the CPU backend reserves their pages), called in arena order, ahead of
+    # the reads, so that it overlaps them.
+    prepare: Callable[[int, int], None] = lambda _offset, _nbytes: None
 
 
 class Backend(ABC):

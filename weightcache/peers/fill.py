@@ -35,6 +35,7 @@ from .transport import Extent, TransferFailed, Transport
 # hashing starts after the first 64 MiB instead of after the last byte.
 TASK_BYTES = 64 * 2**20
 WINDOW = 4
+PREPARE_AHEAD = 2 * TASK_BYTES
 HASH_THREADS = 2
 
 
@@ -141,10 +142,38 @@ class PeerFill:
                 hashes.append(pool.submit(hash_task, task))
 
         posted = 0
+        # The target's pages are reserved a task ahead of the reads (DmaView.prepare), in
+        # a thread of its own, up to PREPARE_AHEAD bytes beyond the last read posted.
+        prepared = threading.Condition()
+        ready = [0, 0]  # [bytes of the arena prepared, bytes posted]
+        failure: list[BaseException] = []
+        quit_prep = threading.Event()
 
-        def pace(nbytes: int) -> None:
-            """Never ahead of the rate cap: a read is posted once the ones before it are due."""
+        def preparer() -> None:
+            try:
+                for task in tasks:
+                    with prepared:
+                        prepared.wait_for(lambda: ready[0] - ready[1] < PREPARE_AHEAD or quit_prep.is_set())
+                    if quit_prep.is_set():
+                        return
+                    view.prepare(task.arena_offset, task.nbytes)
+                    with prepared:
+                        ready[0] = task.arena_offset + task.nbytes
+                        prepared.notify_all()
+            except BaseException as exc:
+                failure.append(exc)
+                with prepared:
+                    prepared.notify_all()
+
+        def pace(nbytes: int, dst: int) -> None:
+            """The read's bytes prepared, and never ahead of the rate cap."""
             nonlocal posted
+            with prepared:
+                ready[1] = dst - base + nbytes
+                prepared.notify_all()
+                prepared.wait_for(lambda: ready[0] >= dst - base + nbytes or bool(failure))
+            if failure:
+                raise failure[0]
             if self.max_bytes_per_s:
                 ahead = posted / self.max_bytes_per_s - (time.monotonic() - t0)
                 while ahead > 0 and self.stop() is None:
@@ -152,14 +181,23 @@ class PeerFill:
                     ahead = posted / self.max_bytes_per_s - (time.monotonic() - t0)
             posted += nbytes
 
+        prep = threading.Thread(target=preparer, name="wc-peer-prepare")
+        prep.start()
         with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="wc-peer-hash") as pool:
             try:
                 self.transport.read(self.lent.metadata, extents, view.memory, view.device_id, self.lent.memory,
                                     self.lent.device_id, window=WINDOW, on_done=on_done, stop=self.stop,
                                     deadline=t0 + self.timeout_s, pace=pace)
             except TransferFailed as exc:
+                if failure:  # the target could not be prepared (host memory exhausted)
+                    raise failure[0] from None
                 raise LoadFailed(f"reading from the peer failed after {done_bytes} of {ckpt.data_bytes} bytes: {exc}",
                                  reason="peer transfer failed") from None
+            finally:
+                quit_prep.set()
+                with prepared:
+                    prepared.notify_all()
+                prep.join()
             for f in hashes:
                 f.result()
         nonzero = [i for i, t in enumerate(ckpt.tensors) if t.nbytes]

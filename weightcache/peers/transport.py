@@ -117,15 +117,15 @@ class Transport:
     # -- reading from a peer ----------------------------------------------------------
     def read(self, remote_md: bytes, extents: Sequence[Extent], memory: str, device_id: int, remote_memory: str,
              remote_device_id: int, *, window: int, on_done: Callable[[int, int], None],
-             stop: Callable[[], str | None], deadline: float, pace: Callable[[int], None] = lambda _n: None) -> None:
+             stop: Callable[[], str | None], deadline: float, pace: Callable[[int, int], None] = lambda _n, _dst: None) -> None:
         """Read every extent (one request each) from
         the peer whose metadata is ``remote_md``, keeping up to ``window`` requests in
         flight. ``on_done(dst, nbytes)`` is called, in this thread, as each extent's
         bytes are in place. ``stop()`` returning a reason (the peer's control
         connection closed, the load was cancelled) or the ``deadline`` passing ends it
         with TransferFailed. Returns only with no request in flight (Note [reads and the
-        arena's lifetime]). ``pace(nbytes)`` is called before each read is posted (it may
-        sleep: a fill's rate cap)."""
+        arena's lifetime]). ``pace(nbytes, dst)`` is called before each read is posted (it
+        may wait: the target's pages reserved, a fill's rate cap)."""
         with self._reading:
             try:
                 self._read(remote_md, extents, memory, device_id, remote_memory, remote_device_id, window=window,
@@ -137,7 +137,7 @@ class Transport:
 
     def _read(self, remote_md: bytes, extents: Sequence[Extent], memory: str, device_id: int, remote_memory: str,
               remote_device_id: int, *, window: int, on_done: Callable[[int, int], None],
-              stop: Callable[[], str | None], deadline: float, pace: Callable[[int], None]) -> None:
+              stop: Callable[[], str | None], deadline: float, pace: Callable[[int, int], None]) -> None:
         remote = self._add_remote(remote_md)
         lo, hi = min(e.dst for e in extents), max(e.dst + e.nbytes for e in extents)
         local_reg = self.register([(lo, hi - lo)], memory, device_id)
@@ -147,7 +147,7 @@ class Transport:
             while todo or inflight:
                 while todo and len(inflight) < window:
                     e = todo.pop()
-                    pace(e.nbytes)
+                    pace(e.nbytes, e.dst)
                     local = self.agent.get_xfer_descs([(e.dst, e.nbytes, device_id)], memory)
                     far = self.agent.get_xfer_descs([(e.src, e.nbytes, remote_device_id)], remote_memory)
                     h = self.agent.initialize_xfer("READ", local, far, remote)
