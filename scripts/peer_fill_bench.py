@@ -203,7 +203,8 @@ def run_vram(gib: float, rounds: int, lender_gpu: str, reader_gpu: str) -> dict[
 # -- the daemons --------------------------------------------------------------------------
 def start(tmp: Path, i: int, model: Path, ports: list[int], fp: str | None) -> DaemonProcess:
     sock = str(tmp / f"d{i}.sock")
-    text = config_text(sock, {"cpu": "6GiB"}, [{"name": "m", "path": str(model)}], {"log_level": "info"})
+    budget = f"{max(6, 2 * model.stat().st_size // 2**30 + 2)}GiB"  # the model, and room for a second copy in flight
+    text = config_text(sock, {"cpu": budget}, [{"name": "m", "path": str(model)}], {"log_level": "info"})
     text += (f'\n[peers]\nlisten = "127.0.0.1:{ports[i]}"\naddresses = ["127.0.0.1:{ports[1 - i]}"]\nrefresh_s = 0.2\n'
              + (f'fingerprints = {{ m = "{fp}" }}\n' if fp else ""))
     cfg = tmp / f"d{i}.toml"
