@@ -104,3 +104,14 @@ def test_the_daemonset_discovers_peers_through_a_headless_service() -> None:
     peers = load_settings(ROOT / "examples/kubernetes/weightcache.toml").peers
     assert peers.dns is not None and peers.dns.startswith(f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc")
     assert peers.dns.endswith(f":{svc['spec']['ports'][0]['port']}")
+
+
+def test_a_reload_says_peers_are_read_at_start_only() -> None:
+    from weightcache.server.settings_reload import settings_changes
+
+    report: dict[str, list[str]] = {"failed": []}
+    old = Settings(peers=PeersConfig(listen="127.0.0.1:7470"))
+    settings_changes(old, old, report)
+    assert report["failed"] == []
+    settings_changes(old, Settings(peers=PeersConfig(listen="127.0.0.1:7471")), report)
+    assert report["failed"] == ["peers: changed in the file, but read at start only: restart the daemon to apply it"]
