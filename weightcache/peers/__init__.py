@@ -20,10 +20,11 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..backends import Backend
 from ..cache import CacheCore
@@ -38,8 +39,14 @@ from .fill import Lent, PeerFill
 from .server import Lender
 from .transport import Transport, unavailable
 
-if TYPE_CHECKING:
-    from ..server.loads import LoadJob, Loads
+
+class Job(Protocol):
+    """The load in flight the fill is for (server/loads.py LoadJob): where its bytes come
+    from, and whether it was given up."""
+
+    name: str
+    source: str
+    abandoned: threading.Event
 
 log = logging.getLogger("weightcache.peers")
 
@@ -119,13 +126,14 @@ class Peers:
                 "fills": dict(self.filled)}
 
     # -- the load path's hook -----------------------------------------------------------
-    async def fill(self, loads: Loads, job: LoadJob, name: str, ckpt: Checkpoint, opened: OpenedSource) -> bool:
-        """Try to fill ``name``'s new arena from a peer that holds its content. True: it is
-        resident (``job.source`` is SOURCE). False: no peer could (nothing to try, or every
-        try failed and was logged); the caller loads from the files. NoSpace, and the
-        load's cancellation, pass through as from any fill."""
-        model: Model = loads.registry.models[name]
-        backend = loads.backends[model.device]
+    async def fill(self, job: Job, model: Model, backend: Backend, ckpt: Checkpoint, opened: OpenedSource,
+                   fill_new_arena: Callable[..., Awaitable[None]]) -> bool:
+        """Try to fill ``job``'s new arena (``model``'s, on ``backend``) from a peer that
+        holds its content, through the daemon's ``fill_new_arena`` (admit, allocate, fill,
+        seal, or roll back). True: it is resident (``job.source`` is SOURCE). False: no
+        peer could (nothing to try, or every try failed and was logged); the caller loads
+        from the files. NoSpace, and the load's cancellation, pass through as from any fill."""
+        name = job.name
         if self.transport is None or not backend.supports_dma or model.origin != "config" or model.owner is not None:
             return False
         expected = known_fingerprint(self.settings, name, ckpt, opened)
@@ -135,7 +143,7 @@ class Peers:
         for peer, _offer in offers:
             t0 = time.monotonic()
             try:
-                await self._fill_from(loads, job, name, ckpt, backend, peer, expected)
+                await self._fill_from(fill_new_arena, job, ckpt, backend, peer, expected)
             except NoSpace:
                 raise
             except (WeightcacheError, wire.PeerError, OSError, TimeoutError, ValueError) as exc:
@@ -152,8 +160,8 @@ class Peers:
             return True
         return False
 
-    async def _fill_from(self, loads: Loads, job: LoadJob, name: str, ckpt: Checkpoint, backend: Backend, peer: PeerState,
-                         expected: str) -> None:
+    async def _fill_from(self, fill_new_arena: Callable[..., Awaitable[None]], job: Job, ckpt: Checkpoint, backend: Backend,
+                         peer: PeerState, expected: str) -> None:
         assert self.transport is not None
         reader, writer, _ = await connect(peer.address, self.daemon_id)
         closed: list[str] = []
@@ -180,8 +188,8 @@ class Peers:
             fill = PeerFill(self.transport, backend, lent, expected, stop, self.settings.timeout_s,
                             self.settings.max_fill_bytes_per_s)
             job.source = SOURCE
-            await loads.fill_new_arena(name, ckpt, backend.capacity(ckpt.arena_bytes), 0, fill,
-                                       verb=f"filled from peer {peer.address}", job=job)
+            await fill_new_arena(job.name, ckpt, backend.capacity(ckpt.arena_bytes), 0, fill,
+                                 verb=f"filled from peer {peer.address}", job=job)
             watcher.cancel()
             with contextlib.suppress(OSError, ConnectionError):
                 await wire.send(writer, {"op": "done"})

@@ -151,9 +151,11 @@ class NeighbourFills(Protocol):
     """Fills from a neighbour daemon's copy (weightcache/peers/, issue 27), tried for a
     load that missed here before the files are read."""
 
-    async def fill(self, loads: Loads, job: LoadJob, name: str, ckpt: Checkpoint, opened: OpenedSource) -> bool:
-        """True once ``name`` is resident from a peer's bytes (checked against its
-        fingerprint); False where no peer could, and the files are read instead."""
+    async def fill(self, job: LoadJob, model: Model, backend: Backend, ckpt: Checkpoint, opened: OpenedSource,
+                   fill_new_arena: Callable[..., Awaitable[None]]) -> bool:
+        """True once ``job.name`` is resident from a peer's bytes (checked against its
+        fingerprint), filled through ``fill_new_arena``; False where no peer could, and
+        the files are read instead."""
 
 
 class SpaceFreed:
@@ -517,7 +519,7 @@ class Loads:
             raise err from None
         opening = time.monotonic() - t_open
         try:
-            if self.neighbours is not None and await self.neighbours.fill(self, job, name, ckpt, opened):
+            if self.neighbours is not None and await self.neighbours.fill(job, model, backend, ckpt, opened, self.fill_new_arena):
                 return job.source
             await self.fill_new_arena(name, ckpt, backend.capacity(ckpt.arena_bytes), 0,
                                       ReadFiles(backend, d, opened, label=name,
