@@ -31,10 +31,10 @@ from .metrics import MODEL_COUNTERS, Metrics, ModelFigures, Snapshot
 from .outlived import Survey, other_daemons, still_mapping, survey
 from .registry import CHECK_FAILED, Registry
 from .requests import Context
+from .settings_reload import reload_budgets, reload_max_loaded, settings_changes
 
 if TYPE_CHECKING:
     from ..peers import Peers
-from .settings_reload import reload_budgets, reload_max_loaded, settings_changes
 
 # The fields a reload changes in place: the rest say which bytes and where.
 POLICY_FIELDS = ("keep_alive", "pin", "preload", "allowed_uids", "allowed_gids")
