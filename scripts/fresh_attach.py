@@ -33,7 +33,10 @@ install leaves it, and compiled from source, as an editable checkout with
 PYTHONDONTWRITEBYTECODE=1 has it), with a fresh process's ``load_file`` of the same file,
 and on a GPU with the same tensors as torch CUDA IPC handles from a holder process
 (``import_to_usable_ms`` in the JSON; targets: <= 8 ms and <= 0.5x CUDA IPC on the H200,
-<= 10 ms and no slower than load_file on the CPU VM). The checkpoint is written by
+<= 10 ms and no slower than load_file on the CPU VM). Each way also reports the engine
+process's CPU time for the same span (``cpu_p50``; ``time.process_time``, every thread,
+so the client's prefetch thread counts, and no waiting): on a machine others keep busy
+the wall times move with their load, the CPU times much less. The checkpoint is written by
 ``safetensors.torch.save_file`` (mode 0600), as users' files are.
 
 Prints one JSON object: the setup, every process's phases, and median / min / max / p90
@@ -66,7 +69,8 @@ from pathlib import Path
 from typing import Any
 
 RESULT = "RESULT "
-PHASES = ["import_ms", "connect_ms", "import_mapping_ms", "attach_ms", "driver_load_ms", "request_ms", "map_ms", "driver_map_ms",
+PHASES = ["import_ms", "import_cpu_ms", "connect_ms", "connect_cpu_ms", "attach_cpu_ms",
+          "import_mapping_ms", "attach_ms", "driver_load_ms", "request_ms", "map_ms", "driver_map_ms",
           "views_ms", "connect_to_usable_ms", "first_touch_ms", "second_attach_ms"]
 TARGET_MS = 5.0
 CLIENTS = ("sync", "async")
@@ -86,11 +90,12 @@ def child(sock: str, model: str, device: str, breakdown: bool, client: str) -> d
     before = set(sys.modules)
     out: dict[str, Any] = {"client": client, "floor_ms": floor_ms}
 
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     import weightcache
     from weightcache import Client, SyncClient
 
     out["import_ms"] = (time.perf_counter() - t) * 1e3
+    out["import_cpu_ms"] = (time.process_time() - cpu) * 1e3
     times: dict[str, float] = {}
     if breakdown:
         t = time.perf_counter()
@@ -168,14 +173,14 @@ def _touch(weights: Any, out: dict[str, Any], free0: int, device: str | None) ->
 def _sync_engine(sync_client: Any, sock: str, model: str, device: str | None, times: dict[str, float]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     free0 = _free_device_bytes(device)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     c = sync_client(sock, name="fresh-attach")
-    out["connect_ms"] = (time.perf_counter() - t) * 1e3
+    out["connect_ms"], out["connect_cpu_ms"] = (time.perf_counter() - t) * 1e3, (time.process_time() - cpu) * 1e3
     with c:
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         cm = c.attach(model, device=device)
         weights = cm.__enter__()
-        out["attach_ms"] = (time.perf_counter() - t) * 1e3
+        out["attach_ms"], out["attach_cpu_ms"] = (time.perf_counter() - t) * 1e3, (time.process_time() - cpu) * 1e3
         out.update({k: round(v, 4) for k, v in times.items()})
         times.clear()
         _touch(weights, out, free0, device)
@@ -191,14 +196,14 @@ def _sync_engine(sync_client: Any, sock: str, model: str, device: str | None, ti
 async def _async_engine(client: Any, sock: str, model: str, device: str | None, times: dict[str, float]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     free0 = _free_device_bytes(device)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     c = await client(sock, name="fresh-attach").connect()
-    out["connect_ms"] = (time.perf_counter() - t) * 1e3
+    out["connect_ms"], out["connect_cpu_ms"] = (time.perf_counter() - t) * 1e3, (time.process_time() - cpu) * 1e3
     try:
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         cm = c.attach(model, device=device)
         weights = await cm.__aenter__()
-        out["attach_ms"] = (time.perf_counter() - t) * 1e3
+        out["attach_ms"], out["attach_cpu_ms"] = (time.perf_counter() - t) * 1e3, (time.process_time() - cpu) * 1e3
         out.update({k: round(v, 4) for k, v in times.items()})
         times.clear()
         _touch(weights, out, free0, device)
@@ -327,7 +332,7 @@ def time_anchors(args: argparse.Namespace, sock: str, model: str, clients: tuple
 
     ckpt = str(Path(args.dir) / f"fresh-{args.size_gib:g}gib-{args.tensors}t.safetensors")
     warm_page_cache(ckpt)
-    ways: dict[str, list[float]] = {f"weightcache_{c}": [] for c in clients}
+    ways: dict[str, list[tuple[float, float]]] = {f"weightcache_{c}": [] for c in clients}
     ways.update({f"weightcache_{c}_no_bytecode": [] for c in clients})
     ways["load_file"] = []
     cuda = args.device.startswith("cuda")
@@ -341,10 +346,11 @@ def time_anchors(args: argparse.Namespace, sock: str, model: str, clients: tuple
         for c in clients:
             runs.append((f"weightcache_{c}", functools.partial(_import_to_usable_of, sock, model, args.device, c, None)))
             runs.append((f"weightcache_{c}_no_bytecode", functools.partial(_import_to_usable_of, sock, model, args.device, c, src)))
-        runs.append(("load_file", lambda: time_restart("disk", files=[ckpt], model=model, socket=sock, device=args.device).weights_s * 1e3))
+        runs.append(("load_file", lambda: _weights_ms(time_restart("disk", files=[ckpt], model=model, socket=sock,
+                                                                   device=args.device))))
         if held is not None:
-            runs.append(("cuda_ipc", lambda: time_restart("ipc", files=[ckpt], model=model, socket=sock, device=args.device,
-                                                          ipc_socket=held).weights_s * 1e3))
+            runs.append(("cuda_ipc", lambda: _weights_ms(time_restart("ipc", files=[ckpt], model=model, socket=sock, device=args.device,
+                                                                      ipc_socket=held))))
         for i in range(args.procs):
             # Each round starts one way later, so that every way follows every other alike.
             for way, measure in runs[i % len(runs):] + runs[:i % len(runs)]:
@@ -355,22 +361,35 @@ def time_anchors(args: argparse.Namespace, sock: str, model: str, clients: tuple
                     # session 9's runs weightcache's processes were ~12 ms p50 beside the
                     # others against ~9 ms for the same phases back to back).
                     time.sleep(args.settle_s)
-    out: dict[str, Any] = {way: {"p50": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3),
-                                 "runs": [round(x, 3) for x in xs]} for way, xs in ways.items()}
+    out: dict[str, Any] = {}
+    for way, pairs in ways.items():
+        wall, cpu = [w for w, _ in pairs], [c for _, c in pairs]
+        out[way] = {"p50": round(statistics.median(wall), 3), "min": round(min(wall), 3), "max": round(max(wall), 3),
+                    "runs": [round(x, 3) for x in wall],
+                    # the engine process's CPU time for the same span (every thread, no waits)
+                    "cpu_p50": round(statistics.median(cpu), 3), "cpu_min": round(min(cpu), 3), "cpu_max": round(max(cpu), 3)}
     for way in ("load_file", "cuda_ipc"):
         if way in out:
-            out[f"weightcache_{clients[0]}_over_{way}"] = round(out[f"weightcache_{clients[0]}"]["p50"] / out[way]["p50"], 3)
-    line = ", ".join(f"{way} {v['p50']:.2f} ms" for way, v in out.items() if isinstance(v, dict))
+            mine, theirs = out[f"weightcache_{clients[0]}"], out[way]
+            out[f"weightcache_{clients[0]}_over_{way}"] = round(mine["p50"] / theirs["p50"], 3)
+            out[f"weightcache_{clients[0]}_over_{way}_cpu"] = round(mine["cpu_p50"] / theirs["cpu_p50"], 3)
+    line = ", ".join(f"{way} {v['p50']:.2f} ms (cpu {v['cpu_p50']:.2f})" for way, v in out.items() if isinstance(v, dict))
     print(f"import -> usable tensors, p50 of {args.procs}: {line}", file=sys.stderr, flush=True)
     return out
 
 
-def _import_to_usable(r: dict[str, Any]) -> float:
-    return float(r["import_ms"] + r["connect_ms"] + r["attach_ms"])
+def _import_to_usable(r: dict[str, Any]) -> tuple[float, float]:
+    """Wall and CPU milliseconds from the import to usable tensors."""
+    return (float(r["import_ms"] + r["connect_ms"] + r["attach_ms"]),
+            float(r["import_cpu_ms"] + r["connect_cpu_ms"] + r["attach_cpu_ms"]))
 
 
-def _import_to_usable_of(sock: str, model: str, device: str, client: str, src: str | None) -> float:
+def _import_to_usable_of(sock: str, model: str, device: str, client: str, src: str | None) -> tuple[float, float]:
     return _import_to_usable(run_child(sock, model, device, False, client, src))
+
+
+def _weights_ms(r: Any) -> tuple[float, float]:
+    return r.weights_s * 1e3, (r.weights_cpu_s or 0.0) * 1e3
 
 
 def main() -> None:

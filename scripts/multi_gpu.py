@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 GIB = 1 << 30
-# The daemon's line for a fill (server/loads.py): verb, entry, bytes, seconds, GB/s.
+# The daemon's line for a fill (server/residency/fill.py): verb, entry, bytes, seconds, GB/s.
 FILL_LINE = re.compile(r"(loaded|promoted|copied from \S+ \(peer\) to) (\S+): \d+ tensors, (\d+) bytes in ([\d.]+)s "
                        r"\(([\d.]+) GB/s")
 SOURCE_OF_VERB = {"loaded": "files", "promoted": "host"}

@@ -73,14 +73,13 @@ def recv(sock: socket.socket) -> dict[str, Any]:
 # -- raw NIXL: two processes, the daemon's transport code, no daemon --------------------
 def raw_lender(path: str) -> None:
     """Map ``path`` read-only (as a file arena holds it), register it, serve one read."""
-    from weightcache.backends.cpu import _MAP_FAILED, _libc
+    from weightcache.backends.page_cache import map_readonly
     from weightcache.peers.transport import Transport
 
     t = Transport()
     fd = os.open(path, os.O_RDONLY)
     size = os.fstat(fd).st_size
-    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    assert addr not in (None, _MAP_FAILED)
+    addr = map_readonly(fd, size)
     with open(path, "rb") as f:  # in page cache, as the lender daemon's arena is
         while f.read(1 << 24):
             pass

@@ -10,15 +10,16 @@ import struct
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from weightcache.errors import BadRequest, CorruptCheckpoint, LoadFailed
 from weightcache.loader import ARENA_ALIGN, TensorInfo, open_checkpoint
-from weightcache.loader.checkpoint import DTYPE_SIZES
 from weightcache.loader.published import _checked_table, _fast_table, published_checkpoint
 from weightcache.loader.reader import copy_ranges
+from weightcache.loader.tensor_table import DTYPE_SIZES
 
 
 def raw_file(path: Path, header: dict, data: bytes = b"", header_len: int | None = None) -> Path:
@@ -184,8 +185,8 @@ def test_published_table_fast_path_agrees_with_the_row_by_row_check():
         assert all(type(t) is TensorInfo for t in fast)
         assert [t.arena_offset for t in fast] == sorted(t.arena_offset for t in fast)
         ckpt = publish(table, arena)
-        assert ckpt.tensors == fast and ckpt.wire_tensors() == [[t.name, t.dtype, list(t.shape), t.arena_offset, t.nbytes]
-                                                                  for t in fast]
+        assert ckpt.tensors == fast
+        assert msgpack.unpackb(ckpt.encoded_table()) == [[t.name, t.dtype, list(t.shape), t.arena_offset, t.nbytes] for t in fast]
 
 
 GOOD_ROW = ["w", "F32", [4], 0, 16]

@@ -1,5 +1,5 @@
 """Connecting waits for a daemon that is not running yet (Note [waiting for the daemon] in
-connection.py): an engine started before the daemon, as systemd ordering races and pods
+core.py): an engine started before the daemon, as systemd ordering races and pods
 started together make happen. Real daemon processes, started late on purpose."""
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from conftest import write_config
 from helpers import NOBODY, as_uid
 
 from weightcache import Client, SyncClient
-from weightcache.client import connection
-from weightcache.client.connection import RETRY_MAX_S, WAIT_FOR_DAEMON_ENV, ConnectionBase
+from weightcache.client import core
+from weightcache.client.connection import ConnectionBase
+from weightcache.client.core import RETRY_MAX_S, WAIT_FOR_DAEMON_ENV
 from weightcache.errors import DaemonUnavailable, PermissionDenied
 from weightcache.tools.spawn import DaemonProcess
 
@@ -150,7 +151,7 @@ async def test_wait_for_daemon_zero_tries_once(sockdir, attempts):
 
 async def test_the_default_wait_comes_from_the_environment(sockdir, attempts, monkeypatch):
     sock = os.path.join(sockdir, "d.sock")
-    assert Client(sock).wait_for_daemon == connection.DEFAULT_WAIT_FOR_DAEMON == 5.0
+    assert Client(sock).wait_for_daemon == core.DEFAULT_WAIT_FOR_DAEMON == 5.0
     monkeypatch.setenv(WAIT_FOR_DAEMON_ENV, "0.3")
     assert Client(sock).wait_for_daemon == 0.3
     assert Client(sock, wait_for_daemon=2).wait_for_daemon == 2  # an argument wins

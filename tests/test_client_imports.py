@@ -47,6 +47,9 @@ def test_control_calls_do_not_import_torch(start_daemon, ckpts):
         with SyncClient(sys.argv[1]) as c:
             assert c.status()["devices"]["cpu"]["used"] > 0 and c.health()["serving"]
         no_torch("by a SyncClient")
+        # The attach half's pure part (the reply's reading, the arena records) comes with
+        # the first attach, not with every control client (client/core.py says why).
+        assert "weightcache.protocol.arena" not in sys.modules
         print("OK")
     """, d.socket)
     assert out.strip() == "OK"

@@ -35,6 +35,7 @@ from weightcache import Client
 from weightcache.client import cuda_mapping, libcuda
 from weightcache.client.libcuda import CudaError, DriverNotFound
 from weightcache.protocol import FrameDecoder, decode_payload, encode_frame
+from weightcache.protocol.arena import VmmArenaDesc
 
 MIB = 2**20
 
@@ -46,6 +47,7 @@ FAKE_LIBCUDA = r"""
 #include <stdio.h>
 #include <string.h>
 #include <stddef.h>
+#include <fcntl.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -58,6 +60,15 @@ typedef enum { CU_MEM_LOCATION_TYPE_DEVICE = 1, CU_MEM_LOCATION_TYPE_MAX_ = 0x7F
 typedef enum { CU_MEM_ACCESS_FLAGS_PROT_READ = 1, CU_MEM_ACCESS_FLAGS_PROT_MAX_ = 0x7FFFFFFF } CUmemAccess_flags;
 typedef struct CUmemLocation_st { CUmemLocationType type; int id; } CUmemLocation;
 typedef struct CUmemAccessDesc_st { CUmemLocation location; CUmemAccess_flags flags; } CUmemAccessDesc;
+typedef enum { CU_MEM_ALLOCATION_TYPE_PINNED = 1, CU_MEM_ALLOCATION_TYPE_MAX_ = 0x7FFFFFFF } CUmemAllocationType;
+typedef enum { CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1, CU_MEM_ALLOC_GRANULARITY_MAX_ = 0x7FFFFFFF } CUmemAllocationGranularity_flags;
+typedef struct CUmemAllocationProp_st {
+    CUmemAllocationType type;
+    CUmemAllocationHandleType requestedHandleTypes;
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct { unsigned char compressionType; unsigned char gpuDirectRDMACapable; unsigned short usage; unsigned char reserved[4]; } allocFlags;
+} CUmemAllocationProp;
 
 static char log_buf[1 << 16];
 static size_t log_len;
@@ -68,7 +79,8 @@ static CUcontext current;
 #define LOG(...) (log_len += snprintf(log_buf + log_len, sizeof log_buf - log_len, __VA_ARGS__))
 
 const char *fake_log(void) { return log_buf; }
-void fake_reset(void) { log_len = 0; log_buf[0] = 0; fail_name[0] = 0; calls = 0; }
+static unsigned long long created;
+void fake_reset(void) { log_len = 0; log_buf[0] = 0; fail_name[0] = 0; calls = 0; created = 0; }
 void fake_fail(const char *name, int result, int on_call) {
     snprintf(fail_name, sizeof fail_name, "%s", name); fail_result = result; fail_on = on_call; calls = 0;
 }
@@ -144,6 +156,27 @@ CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const CUmemAccessDesc *d, si
 CUresult cuMemUnmap(CUdeviceptr p, size_t size) { LOG("unmap %#llx size=%zu\n", p, size); return outcome("cuMemUnmap"); }
 CUresult cuMemAddressFree(CUdeviceptr p, size_t size) { LOG("free %#llx size=%zu\n", p, size); return 0; }
 CUresult cuMemRelease(CUmemGenericAllocationHandle h) { LOG("release %#llx\n", h); return 0; }
+static void log_prop(const char *what, const CUmemAllocationProp *p) {
+    LOG("%s type=%d handles=%d loc=%d id=%d win32=%p flags=%d,%d,%d size=%zu\n", what, (int)p->type, (int)p->requestedHandleTypes,
+        (int)p->location.type, p->location.id, p->win32HandleMetaData, p->allocFlags.compressionType,
+        p->allocFlags.gpuDirectRDMACapable, p->allocFlags.usage, sizeof *p);
+}
+CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *p, CUmemAllocationGranularity_flags option) {
+    log_prop("granularity", p); LOG("option=%d\n", (int)option);
+    *g = 2 << 20; return outcome("cuMemGetAllocationGranularity");
+}
+CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *p, unsigned long long flags) {
+    log_prop("create", p); LOG("size=%zu flags=%llu\n", size, flags);
+    CUresult r = outcome("cuMemCreate");
+    if (!r) *h = 0xdef000000000ULL + created++;
+    return r;
+}
+CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, CUmemAllocationHandleType t, unsigned long long flags) {
+    LOG("export %#llx type=%d flags=%llu\n", h, (int)t, flags);
+    CUresult r = outcome("cuMemExportToShareableHandle");
+    if (!r) *(int *)out = open("/dev/null", O_RDONLY | O_CLOEXEC);  /* a real fd: the caller must close it */
+    return r;
+}
 """
 
 VA = 0x7F0000000000
@@ -203,6 +236,11 @@ def test_struct_layouts_are_cuda_hs():
     assert ctypes.sizeof(libcuda.CUmemLocation) == 8 and libcuda.CUmemLocation.id.offset == 4
     assert ctypes.sizeof(libcuda.CUmemAccessDesc) == 12 and libcuda.CUmemAccessDesc.flags.offset == 8
     assert ctypes.sizeof(libcuda.CUuuid) == 16
+    # CUmemAllocationProp {CUmemAllocationType type; CUmemAllocationHandleType requestedHandleTypes;
+    # CUmemLocation location; void *win32HandleMetaData; struct {uchar, uchar, ushort, uchar[4]} allocFlags;}
+    prop = libcuda.CUmemAllocationProp
+    assert ctypes.sizeof(prop) == 32 and prop.location.offset == 8 and prop.win32HandleMetaData.offset == 16
+    assert prop.allocFlags.offset == 24 and libcuda.CUmemAllocFlags.usage.offset == 2
 
 
 # -- no driver ----------------------------------------------------------------------------
@@ -260,6 +298,45 @@ def test_import_and_map_passes_what_cuda_h_declares(fake):
         drv.unmap(va, 6 * MIB)
     assert f"access {VA:#x} size={2 * MIB} type=1 id=1 flags=3 count=1" in fake.log()  # PROT_READWRITE
     assert fake.log()[-4:] == ["sync", f"unmap {VA:#x} size={6 * MIB}", f"free {VA:#x} size={6 * MIB}", "pop"]
+
+
+PROP = "type=1 handles=1 loc=1 id=1 win32=(nil) flags=0,0,0 size=32"  # pinned, POSIX fd, device 1, the rest zero
+
+
+def test_create_exported_allocates_maps_and_exports_as_cuda_h_declares(fake):
+    drv = fake.drv
+    assert drv.granularity(1) == 2 * MIB
+    assert fake.log() == [f"granularity {PROP}", "option=1"]  # CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+    fake.reset()
+    with drv.current(drv.primary_context(1)):
+        va, fds = drv.create_exported([2 * MIB, 4 * MIB], 1)
+    try:
+        assert va == VA and len(fds) == 2 and all(is_open(fd) for fd in fds)
+        assert fake.log()[2:] == [
+            f"create {PROP}", f"size={2 * MIB} flags=0", f"create {PROP}", f"size={4 * MIB} flags=0",
+            f"reserve size={6 * MIB} align=0 addr=0 flags=0",
+            f"map {VA:#x} size={2 * MIB} off=0 handle=0xdef000000000 flags=0",
+            f"map {VA + 2 * MIB:#x} size={4 * MIB} off=0 handle=0xdef000000001 flags=0",
+            f"access {VA:#x} size={6 * MIB} type=1 id=1 flags=3 count=1",  # the engine writes it: PROT_READWRITE
+            "export 0xdef000000000 type=1 flags=0", "export 0xdef000000001 type=1 flags=0",  # POSIX fds
+            "release 0xdef000000000", "release 0xdef000000001",  # the mapping and the fds keep the memory
+            "pop",
+        ]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_a_failed_export_closes_what_it_exported_and_undoes_the_mapping(fake):
+    before = set(os.listdir("/proc/self/fd"))
+    fake.fail("cuMemExportToShareableHandle", 2, on_call=2)
+    with pytest.raises(CudaError, match="cuMemExportToShareableHandle failed"), fake.drv.current(fake.drv.primary_context(0)):
+        fake.drv.create_exported([2 * MIB, 2 * MIB], 0)
+    log = fake.log()
+    assert log[log.index("FAIL cuMemExportToShareableHandle") + 1 :] == [
+        f"unmap {VA:#x} size={4 * MIB}", f"free {VA:#x} size={4 * MIB}",
+        "release 0xdef000000000", "release 0xdef000000001", "pop"]
+    assert set(os.listdir("/proc/self/fd")) == before  # the first chunk's fd was closed
 
 
 @pytest.mark.parametrize(("failing", "undo"), [
@@ -352,11 +429,11 @@ def test_map_vmm_closes_every_fd_whatever_fails(fake, monkeypatch, failing):
     monkeypatch.setattr(torch.cuda, "init", lambda: None)  # a CPU build of torch has no CUDA to init
     uuid = fake.drv.device_uuid(0)
     fds = memfds(2)
-    arena = {"kind": "cuda_vmm", "chunks": [2 * MIB, 2 * MIB], "device_uuid": uuid}
+    arena = VmmArenaDesc(4 * MIB, [2 * MIB, 2 * MIB], uuid)
     if failing == "count":
-        arena["chunks"] = [4 * MIB]
+        arena.chunks = [4 * MIB]
     elif failing == "uuid":
-        arena["device_uuid"] = "GPU-00000000-0000-0000-0000-000000000000"
+        arena.device_uuid = "GPU-00000000-0000-0000-0000-000000000000"
     else:
         fake.fail("cuMemImportFromShareableHandle", 1, on_call=2)
     with pytest.raises(CudaError, match={"count": "1 chunks but 2 fds", "uuid": "has that UUID",

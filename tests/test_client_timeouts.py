@@ -1,4 +1,4 @@
-"""The client never waits on the daemon without a bound (Note [timeouts] in connection.py),
+"""The client never waits on the daemon without a bound (Note [timeouts] in core.py),
 and registers with its own file descriptors.
 
 Real processes and real sockets, no mocks of the client: a real daemon (stopped with

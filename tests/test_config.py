@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from weightcache.config import Budget, DaemonConfig, load_settings, parse_size
+from weightcache.config import Budget, DaemonConfig, load_settings
 from weightcache.errors import ConfigError
+from weightcache.units import parse_size
 
 
 @pytest.mark.parametrize(("text", "n"), [("6GiB", 6 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
@@ -37,7 +38,7 @@ def test_budget_forms():
                                   "examples/kubernetes/weightcache.toml"])
 def test_shipped_configs_are_valid(path, monkeypatch):
     # Their groups (weightcache-clients, ...) are made by the deployment steps, not here.
-    monkeypatch.setattr("weightcache.config.grp.getgrnam", lambda name: SimpleNamespace(gr_gid=4242))
+    monkeypatch.setattr("weightcache.config.checks.grp.getgrnam", lambda name: SimpleNamespace(gr_gid=4242))
     s = load_settings(path)
     assert s.models and s.budgets
 
@@ -191,7 +192,7 @@ def test_the_systemd_daemon_may_give_its_socket_to_socket_group(monkeypatch):
     """chown(2) to a group needs membership: with socket_group set, a daemon user outside
     that group fails at start ("Operation not permitted"), as examples/systemd's did."""
     root = Path(__file__).parents[1] / "examples" / "systemd"
-    monkeypatch.setattr("weightcache.config.grp.getgrnam", lambda name: SimpleNamespace(gr_gid=4242))
+    monkeypatch.setattr("weightcache.config.checks.grp.getgrnam", lambda name: SimpleNamespace(gr_gid=4242))
     group = load_settings(root / "weightcache.toml").daemon.socket_group
     unit = dict(line.split("=", 1) for line in (root / "weightcache.service").read_text().splitlines()
                 if "=" in line and not line.startswith("#"))
@@ -234,7 +235,7 @@ def test_the_readmes_configuration_is_valid(tmp_path, monkeypatch):
     block = readme.split("## Configuration", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
     cfg = tmp_path / "c.toml"
     cfg.write_text(block)
-    monkeypatch.setattr("weightcache.config.grp.getgrnam", lambda name: SimpleNamespace(gr_gid=4242))
+    monkeypatch.setattr("weightcache.config.checks.grp.getgrnam", lambda name: SimpleNamespace(gr_gid=4242))
     s = load_settings(cfg)
     assert {m.name for m in s.models} == {"qwen-7b", "llama-70b-tp2", "mistral-7b", "llama-8b-tp2"}
 

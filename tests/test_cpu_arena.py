@@ -15,23 +15,25 @@ import os
 import struct
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from weightcache import Client
-from weightcache.backends.cpu import CpuBackend, _populate_supported
+from weightcache.backends.cpu import CpuBackend
+from weightcache.backends.page_cache import populate_supported
 from weightcache.client.mapping import file_tensor_views, map_files
 from weightcache.errors import BadRequest, CorruptCheckpoint
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
-from weightcache.protocol.arena import SEGMENT
+from weightcache.protocol.arena import SEGMENT, FileArenaDesc, parse_arena
 from weightcache.tools.bench_measure import memfd_bytes, page_cache_bytes
 from weightcache.tools.synth import write_checkpoint
 
 MIB = 2**20
 PAGE = mmap.PAGESIZE
 
-pytestmark = pytest.mark.skipif(not _populate_supported(), reason="page-cache arenas need MADV_POPULATE_READ (Linux >= 5.14)")
+pytestmark = pytest.mark.skipif(not populate_supported(), reason="page-cache arenas need MADV_POPULATE_READ (Linux >= 5.14)")
 
 
 def same(attached, expected) -> bool:
@@ -82,6 +84,7 @@ def misaligned_checkpoint(path: Path) -> dict[str, torch.Tensor]:
 def load_in_process(path: Path, backend: CpuBackend):
     """A load as the daemon does it (bind, read, seal) and an attach as the client maps it."""
     from weightcache.client.mapping import attached_model
+    from weightcache.protocol.arena import parse_attach
 
     with open_source(path) as opened:
         ckpt = parse_checkpoint(opened)
@@ -90,8 +93,8 @@ def load_in_process(path: Path, backend: CpuBackend):
         read_checkpoint(ckpt, opened, backend.writer(arena, 1 << 20), threads=2, chunk=1 << 20)
         backend.seal(arena)
     fds, desc = backend.export(arena)
-    reply = {"lease": 1, "fingerprint": ckpt.fingerprint, "device": "cpu", "arena": desc, "tensors": ckpt.wire_tensors()}
-    return arena, attached_model("t", reply, fds)
+    reply = {"lease": 1, "fingerprint": ckpt.fingerprint, "device": "cpu", "arena": desc, "tensors": msgpack.unpackb(ckpt.encoded_table())}
+    return arena, attached_model("t", parse_attach(reply, fds))
 
 
 def test_a_trusted_checkpoint_is_served_from_its_page_cache(ckpts):
@@ -109,13 +112,13 @@ def test_a_trusted_checkpoint_is_served_from_its_page_cache(ckpts):
 
 
 def test_without_mlock_the_pages_are_served_populated(ckpts, monkeypatch, caplog):
-    from weightcache.backends import cpu
+    from weightcache.backends import page_cache
 
     def refused(addr: int, length: int) -> int:  # what RLIMIT_MEMLOCK without CAP_IPC_LOCK gives
         ctypes.set_errno(12)
         return -1
 
-    monkeypatch.setattr(cpu._libc, "mlock", refused)
+    monkeypatch.setattr(page_cache._libc, "mlock", refused)
     backend = CpuBackend("cpu")
     arena, m = load_in_process(ckpts["a"], backend)
     try:
@@ -196,19 +199,26 @@ def test_the_client_refuses_segments_that_do_not_fit(tmp_path):
     p.write_bytes(bytes(range(256)) * 32)  # 8 KiB
     row = ["w", "U8", [16], 4096, 16]
 
-    def slabs(size: int = 8192) -> list[torch.Tensor]:
-        return map_files({"files": [size]}, [os.open(p, os.O_RDONLY)])
+    def arena(seg: bytes, *sizes: int) -> FileArenaDesc:
+        desc = parse_arena({"kind": "file", "nbytes": 8192, "files": list(sizes or [8192]), "segments": seg})
+        assert isinstance(desc, FileArenaDesc)
+        return desc
 
-    ok = file_tensor_views(slabs(), SEGMENT.pack(0, 256, 4096, 4096), [row])
+    def slabs(size: int = 8192) -> list[torch.Tensor]:
+        return map_files(arena(b"", size), [os.open(p, os.O_RDONLY)])
+
+    ok = file_tensor_views(slabs(), arena(SEGMENT.pack(0, 256, 4096, 4096)), [row])
     assert ok["w"].tolist() == list(range(16))  # arena offset 4096 is file offset 256
-    for seg in (SEGMENT.pack(1, 0, 4096, 16), SEGMENT.pack(0, 8000, 4096, 400), SEGMENT.pack(0, 0, 4100, 16), b"x"):
+    for seg in (SEGMENT.pack(1, 0, 4096, 16), SEGMENT.pack(0, 8000, 4096, 400), SEGMENT.pack(0, 0, 4100, 16)):
         with pytest.raises(BadRequest):
-            file_tensor_views(slabs(), seg, [row])
+            file_tensor_views(slabs(), arena(seg), [row])
+    with pytest.raises(BadRequest, match="32 per segment"):
+        arena(b"x")
     before = len(os.listdir("/proc/self/fd"))
     with pytest.raises(BadRequest, match="at least 9000 bytes"):  # past its end a mapping is SIGBUS: refused
         slabs(9000)
     with pytest.raises(BadRequest):
-        map_files({"files": [8192, 8192]}, [os.open(p, os.O_RDONLY)])
+        map_files(arena(b"", 8192, 8192), [os.open(p, os.O_RDONLY)])
     assert len(os.listdir("/proc/self/fd")) == before  # every fd closed, on errors too
 
 

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from weightcache import Client
-from weightcache.backends.cpu import CpuBackend, _populate_supported
+from weightcache.backends.cpu import CpuBackend
+from weightcache.backends.page_cache import populate_supported
 from weightcache.loader import fingerprint_files, open_source, parse_checkpoint, read_checkpoint
 from weightcache.loader.content import FILE_DIGESTS, HASH_BLOCK, TaskHasher, plan_tasks
 
@@ -122,7 +123,7 @@ def test_tasks_hold_whole_pieces_and_cover_every_byte(tmp_path):
     assert whole == cut and len(whole) == len(task.pieces)
 
 
-@pytest.mark.skipif(not _populate_supported(), reason="page-cache arenas need MADV_POPULATE_READ (Linux >= 5.14)")
+@pytest.mark.skipif(not populate_supported(), reason="page-cache arenas need MADV_POPULATE_READ (Linux >= 5.14)")
 def test_file_arenas_and_memfd_arenas_agree_and_file_digests_are_reused_until_the_file_changes(tmp_path):
     p = tmp_path / "m.safetensors"
     save_file(tensors(), str(p))

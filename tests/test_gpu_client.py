@@ -26,6 +26,7 @@ from test_client_libcuda import GpuArenaDaemon, is_open, memfds, open_inodes  # 
 from weightcache import Client  # noqa: E402
 from weightcache.client import cuda_mapping, libcuda  # noqa: E402
 from weightcache.client.libcuda import CudaError  # noqa: E402
+from weightcache.protocol.arena import VmmArenaDesc  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -59,6 +60,35 @@ async def test_a_fresh_engine_attaches_through_ctypes_without_cuda_bindings(star
     assert got["extra"] == 0, got  # zero-copy: no GPU memory of its own
     assert got["cuda_modules"] == [], got  # the client's driver calls went through ctypes
     assert got["import_ms"] < 50, got  # not a benchmark (scripts/fresh_attach.py is): only that nothing heavy came in
+
+
+def test_a_fresh_engine_publishes_gpu_tensors_through_ctypes_without_cuda_bindings(start_daemon):
+    # client/publish.py allocates and exports its VMM chunks through libcuda.py now: a
+    # publish larger than one ~1 GiB chunk (two fds) must reach the daemon with the same
+    # bytes, and pull in no cuda-bindings.
+    d = gpu_daemon(start_daemon, "4GiB", {})
+    code = textwrap.dedent("""
+        import json, sys
+        import torch
+        torch.empty(1, device="cuda:0")  # the engine's CUDA context
+        from weightcache import SyncClient
+        g = torch.Generator(device="cuda:0").manual_seed(7)
+        mine = {"a": torch.randint(-127, 127, (1 << 30,), dtype=torch.int8, device="cuda:0", generator=g),
+                "b": torch.rand((1 << 29) // 2, dtype=torch.bfloat16, device="cuda:0", generator=g),
+                "c": torch.arange(5, dtype=torch.int64, device="cuda:0")}
+        with SyncClient(sys.argv[1]) as c:
+            m = c.publish("pub", mine, fingerprint="src+x")
+            with c.attach("pub", device="cuda:0") as w:
+                same = set(w) == set(mine) and all(torch.equal(w[k], v) for k, v in mine.items())
+        bindings = sorted(n for n in sys.modules if n == "cuda.bindings" or n.startswith("cuda.bindings."))
+        print(json.dumps({"same": same, "state": m["state"], "bindings": bindings, "nbytes": m["nbytes"]}))
+    """)
+    r = subprocess.run([sys.executable, "-c", code, d.socket], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["same"] and got["state"] == "resident", got
+    assert got["nbytes"] >= (1 << 30) + (1 << 29), got  # more than one ~1 GiB chunk: several fds went
+    assert got["bindings"] == [], got  # publish's driver calls went through ctypes
 
 
 async def test_a_mapping_goes_when_its_last_view_does(start_daemon, gpu_ckpts):
@@ -140,7 +170,7 @@ async def test_a_device_this_process_cannot_see_is_refused_before_asking(start_d
 
 def test_map_vmm_closes_fds_when_the_driver_refuses_them():
     fds = memfds(2)
-    arena = {"kind": "cuda_vmm", "chunks": [2 * MIB, 2 * MIB], "device_uuid": libcuda.driver().device_uuid(0)}
+    arena = VmmArenaDesc(4 * MIB, [2 * MIB, 2 * MIB], libcuda.driver().device_uuid(0))
     with pytest.raises(CudaError, match="cuMemImportFromShareableHandle"):
         cuda_mapping.map_vmm(arena, fds)
     assert not any(is_open(fd) for fd in fds)

@@ -32,13 +32,13 @@ async def test_preload_does_not_delay_the_socket(tmp_path, ckpts):
     release = asyncio.Event()
 
     def hold_preloads(daemon):
-        preload = daemon.loads._preload
+        preload = daemon.residency.preloads._preload
 
         async def held(name: str, gates: bool) -> None:
             await release.wait()
             await preload(name, gates)
 
-        daemon.loads._preload = held
+        daemon.residency.preloads._preload = held
 
     async with daemon_in_process(tmp_path, {"a": ckpts["a"]}, hold_preloads, a={"preload": True}) as daemon:
         try:

@@ -36,13 +36,13 @@ async def test_client_vanishing_mid_request_does_not_cancel_the_load(tmp_path, c
     release = asyncio.Event()
 
     def hold_loads(daemon):
-        load = daemon.loads._load
+        load = daemon.residency.flights._load
 
         async def held(job):
             await release.wait()
             return await load(job)
 
-        daemon.loads._load = held
+        daemon.residency.flights._load = held
 
     async with daemon_in_process(tmp_path, {"a": ckpts["a"]}, hold_loads) as daemon:
         try:
@@ -50,7 +50,7 @@ async def test_client_vanishing_mid_request_does_not_cancel_the_load(tmp_path, c
             await asyncio.to_thread(r.send, encode_frame({"id": 5, "op": "load", "name": "a"}))
 
             async def loading():
-                return "a" in daemon.loads.jobs
+                return "a" in daemon.residency.flights.jobs
 
             async def closed():
                 return not daemon.connections.conns
@@ -58,7 +58,7 @@ async def test_client_vanishing_mid_request_does_not_cancel_the_load(tmp_path, c
             await eventually(loading)
             r.close()  # gone before the reply
             await eventually(closed)
-            job = daemon.loads.jobs.get("a")
+            job = daemon.residency.flights.jobs.get("a")
             assert job is not None and job.task is not None and not job.task.done(), "the load was over before the close"
             release.set()
             async with Client(daemon.socket_path) as c:
@@ -147,7 +147,7 @@ async def test_a_load_nobody_waits_for_is_cancelled_and_returns_its_reservation(
 
 
 async def test_waiters_for_room_are_woken_oldest_first():
-    from weightcache.server.loads import SpaceFreed
+    from weightcache.server.residency import SpaceFreed
 
     room = SpaceFreed()
     woken: list[int] = []
@@ -169,7 +169,7 @@ async def test_a_notification_wakes_the_oldest_waiter_of_each_model_and_settle_t
     ~2,000 refused retries (34 ms of the loop per detach on the CI VM). Now only the
     oldest of each model tries; the rest follow once it has the model (everyone), or the
     next oldest when it failed another way (it may have held the turn)."""
-    from weightcache.server.loads import SpaceFreed
+    from weightcache.server.residency import SpaceFreed
 
     room = SpaceFreed()
     woken: list[str] = []
@@ -208,27 +208,28 @@ async def test_a_request_that_finds_an_abandoned_load_already_done_loads_afresh(
     from weightcache.backends.cpu import CpuBackend
     from weightcache.cache import CacheCore
     from weightcache.config import ModelConfig, Settings
-    from weightcache.server.loads import LoadJob, Loads
     from weightcache.server.registry import Registry
+    from weightcache.server.residency import LoadJob, Residency
 
     core = CacheCore({"cpu": 1 << 30})
-    registry = Registry(core, {"cpu": CpuBackend("cpu")}, access=None)
+    backends = {"cpu": CpuBackend("cpu")}
+    registry = Registry(core, backends, access=None)
     registry.register(ModelConfig(name="tiny", path=ckpts["tiny"]))
-    loads = Loads(Settings().daemon, core, registry, {"cpu": CpuBackend("cpu")}, lambda: False)
+    residency = Residency(Settings().daemon, core, registry, backends, lambda: False)
     try:
         job = LoadJob("tiny")
         job.abandoned.set()
         job.task = asyncio.get_running_loop().create_future()
         job.task.set_exception(RuntimeError("cancelled load"))
         job.task.exception()
-        loads.jobs["tiny"] = job  # finished, its _load_done not yet run
-        assert await loads.ensure_resident("tiny", 0) == "files"
+        residency.flights.jobs["tiny"] = job  # finished, its _load_done not yet run
+        assert await residency.flights.ensure_resident("tiny", 0) == "files"
         assert core.entry("tiny").state.value == "resident"
     finally:
         for m in registry.models.values():
             if m.arena is not None:
-                loads.backends["cpu"].free(m.arena)
-        loads.io_pool.shutdown()
+                backends["cpu"].free(m.arena)
+        residency.io.close()
 
 
 async def test_waiters_for_a_model_whose_load_fails_before_admission_do_not_fail_one_by_one(ckpts, monkeypatch):
@@ -241,23 +242,22 @@ async def test_waiters_for_a_model_whose_load_fails_before_admission_do_not_fail
     from weightcache.cache import CacheCore
     from weightcache.config import ModelConfig, Settings
     from weightcache.errors import LoadFailed
-    from weightcache.server import loads as loads_module
-    from weightcache.server.loads import Loads
     from weightcache.server.registry import Registry
+    from weightcache.server.residency import Residency, flight
 
     core = CacheCore({"cpu": 12 * 2**20})  # room for one of a, b (8 MiB each)
     backends = {"cpu": CpuBackend("cpu")}
     registry = Registry(core, backends, access=None)
     for n in "ab":
         registry.register(ModelConfig(name=n, path=ckpts[n]))
-    loads = Loads(Settings().daemon, core, registry, backends, lambda: False)
+    residency = Residency(Settings().daemon, core, registry, backends, lambda: False)
     try:
-        await loads.ensure_resident("a", 0)
+        await residency.flights.ensure_resident("a", 0)
         lease = core.attach("a", 1)  # b cannot fit until a is detached
-        waiting = [asyncio.ensure_future(loads.ensure_resident("b", 30)) for _ in range(4)]
+        waiting = [asyncio.ensure_future(residency.flights.ensure_resident("b", 30)) for _ in range(4)]
 
         async def all_waiting() -> bool:
-            return len(loads.space_freed._waiters) == len(waiting)
+            return len(residency.room.freed._waiters) == len(waiting)
 
         await eventually(all_waiting)
         parses = []
@@ -266,12 +266,12 @@ async def test_waiters_for_a_model_whose_load_fails_before_admission_do_not_fail
             parses.append(opened)
             raise LoadFailed("b: the files no longer parse", model="b")
 
-        monkeypatch.setattr(loads_module, "parse_checkpoint", broken)
+        monkeypatch.setattr(flight, "parse_checkpoint", broken)
         # The files changed (else the waiting load reuses the parse it kept: issue 25).
         st = os.stat(ckpts["b"])
         os.utime(ckpts["b"], ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
         core.detach(lease.id, 1)
-        await loads.notify_space()
+        residency.room.notify()
         results = await asyncio.gather(*waiting, return_exceptions=True)
         assert all(isinstance(r, LoadFailed) for r in results), results
         assert len(parses) == 2, parses  # the oldest's load, then one the rest joined (was 4: one each, in turn)
@@ -279,7 +279,7 @@ async def test_waiters_for_a_model_whose_load_fails_before_admission_do_not_fail
         for m in registry.models.values():
             if m.arena is not None:
                 backends["cpu"].free(m.arena)
-        loads.io_pool.shutdown()
+        residency.io.close()
 
 
 async def test_two_names_of_one_file_asked_for_at_once_share_one_load(ckpts):
@@ -290,20 +290,20 @@ async def test_two_names_of_one_file_asked_for_at_once_share_one_load(ckpts):
     from weightcache.backends.cpu import CpuBackend
     from weightcache.cache import CacheCore
     from weightcache.config import ModelConfig, Settings
-    from weightcache.server.loads import Loads
     from weightcache.server.registry import Registry
+    from weightcache.server.residency import Residency
 
     core = CacheCore({"cpu": 1 << 30})
     backends = {"cpu": CpuBackend("cpu")}
     registry = Registry(core, backends, access=None)
     for n in ("m1", "m2"):
         registry.register(ModelConfig(name=n, path=ckpts["a"]))
-    loads = Loads(Settings().daemon, core, registry, backends, lambda: False)
+    residency = Residency(Settings().daemon, core, registry, backends, lambda: False)
     try:
-        assert await asyncio.gather(loads.ensure_resident("m1", 0), loads.ensure_resident("m2", 0)) == ["files", "resident"]
-        assert registry.models["m1"].arena is registry.models["m2"].arena and loads.counters["loads"] == 1
+        assert await asyncio.gather(residency.flights.ensure_resident("m1", 0), residency.flights.ensure_resident("m2", 0)) == ["files", "resident"]
+        assert registry.models["m1"].arena is registry.models["m2"].arena and residency.stats.counters["loads"] == 1
     finally:
         arenas = {id(m.arena): m.arena for m in registry.models.values() if m.arena is not None}
         for arena in arenas.values():
             backends["cpu"].free(arena)
-        loads.io_pool.shutdown()
+        residency.io.close()

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from weightcache import __version__
-from weightcache.cli import _print_json, build_parser, main
+from weightcache.cli import build_parser, main
+from weightcache.cli.render import print_json
 from weightcache.config import load_settings
 from weightcache.errors import ConfigError
 
@@ -49,7 +50,7 @@ def test_a_closed_pipe_ends_the_command_quietly(start_daemon, ckpts, command):
 
 
 def test_json_output_is_strict(capsys):
-    _print_json({"keep_alive": float("inf"), "rate": float("nan"), "nested": [{"x": -float("inf")}], "n": 1.5})
+    print_json({"keep_alive": float("inf"), "rate": float("nan"), "nested": [{"x": -float("inf")}], "n": 1.5})
     out = capsys.readouterr().out
     assert json.loads(out, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}")) == {
         "keep_alive": None, "rate": None, "nested": [{"x": None}], "n": 1.5}

@@ -1,4 +1,4 @@
-"""server/placing.py and the peer-copy choice of server/loads.py over several fake GPUs,
+"""server/placing.py and the peer-copy choice of server/residency/flight.py over several fake GPUs,
 without a daemon: the registry, core and loads rooms are real, the backends stand-ins
 that only name their device, report free memory and say whom they can copy from."""
 
@@ -8,8 +8,8 @@ from weightcache.cache import CacheCore
 from weightcache.config import ModelConfig, Settings
 from weightcache.errors import BadRequest
 from weightcache.server import placing
-from weightcache.server.loads import Loads
 from weightcache.server.registry import Registry
+from weightcache.server.residency import Residency
 
 GPUS = [f"cuda:{i}" for i in range(3)]
 
@@ -89,20 +89,21 @@ def test_a_fixed_model_only_confirms_its_device():
 def test_peer_copy_source_is_a_resident_current_replica_on_a_gpu_it_can_read():
     core, reg, backends = setup()
     reg.register(ModelConfig(name="m", path="/m", device="auto"))
-    loads = Loads(Settings().daemon, core, reg, backends, lambda: False)
+    residency = Residency(Settings().daemon, core, reg, backends, lambda: False)
+    flights = residency.flights
     try:
-        assert loads._peer_source("m@cuda:1") is None  # nowhere resident
+        assert flights._peer_source("m@cuda:1") is None  # nowhere resident
         loaded(core, "m@cuda:0", 10)
         reg.models["m@cuda:0"].checkpoint = object()  # loaded: a checkpoint is known
         core.attach("m@cuda:0", conn=7)  # attached: served as is, whatever the files say
-        assert loads._peer_source("m@cuda:1") == "m@cuda:0"
-        loads.no_peer_copy.add(("cuda:1", "cuda:0"))  # a copy between these two failed once
-        assert loads._peer_source("m@cuda:1") is None
-        loads.no_peer_copy.clear()
+        assert flights._peer_source("m@cuda:1") == "m@cuda:0"
+        flights.no_peer_copy.add(("cuda:1", "cuda:0"))  # a copy between these two failed once
+        assert flights._peer_source("m@cuda:1") is None
+        flights.no_peer_copy.clear()
         backends["cuda:1"].peers = False  # no peer access: the host tier or the files instead
-        assert loads._peer_source("m@cuda:1") is None
+        assert flights._peer_source("m@cuda:1") is None
     finally:
-        loads.io_pool.shutdown()
+        residency.io.close()
 
 
 def test_a_tenants_auto_model_counts_its_open_files_once():
@@ -129,11 +130,11 @@ async def test_a_model_never_loaded_is_placed_by_its_files_size(tmp_path):
         core.register(name, device, pinned=pin)
         loaded(core, name, nbytes)
     assert placing.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:0"]  # size unknown: the most free
-    loads = Loads(Settings().daemon, core, reg, backends, lambda: False)
+    residency = Residency(Settings().daemon, core, reg, backends, lambda: False)
     try:
-        await loads.learn_sizes("m")
+        await residency.checks.learn_sizes("m")
     finally:
-        loads.io_pool.shutdown()
+        residency.io.close()
     assert reg.size_hint["m"] == 50
     assert placing.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:1"]  # evicts 45 B, not 90
     assert reg.placed["m"]["reason"] == "evicts" and reg.placed["m"]["evicts"] == ["small"]

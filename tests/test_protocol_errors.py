@@ -56,7 +56,7 @@ async def test_client_maps_error_codes_to_classes(start_daemon):
 
 async def test_hello_version_mismatch_is_an_exception(start_daemon, monkeypatch):
     d = start_daemon()
-    monkeypatch.setattr("weightcache.client.client.PROTOCOL_VERSION", 2)
+    monkeypatch.setattr("weightcache.client.core.PROTOCOL_VERSION", 2)
     with pytest.raises(ProtocolVersionError):
         await Client(d.socket).connect()
 

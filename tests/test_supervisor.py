@@ -22,7 +22,9 @@ import pytest
 
 from weightcache.engine import RESTART_EXIT_CODE, read_record, recordable_modules, write_record
 from weightcache.errors import ConfigError
-from weightcache.supervisor import EngineExit, RestartPolicy, Supervisor, SupervisorOptions, parse_command
+from weightcache.supervise.command import parse_command
+from weightcache.supervise.loop import Supervisor, SupervisorOptions
+from weightcache.supervise.policy import EngineExit, RestartPolicy
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parent.parent
@@ -327,7 +329,7 @@ def test_refuses_when_the_cuda_driver_was_initialised(tmp_path):
     # file of its own and opens it, as the driver would its device file.
     err = refused(tmp_path, """
         import os
-        import weightcache.fork_safety as fs
+        import weightcache.supervise.fork_safety as fs
         fs.DRIVER_DEVICES = (os.path.join(os.path.dirname(__file__), "nvidiactl"),)
         DRIVER = open(fs.DRIVER_DEVICES[0], "w")
     """)

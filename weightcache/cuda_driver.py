@@ -1,5 +1,6 @@
-"""Thin helpers over the CUDA driver API (``cuda-bindings``), shared by the daemon's VMM
-backend and the client's importer. Imported only when a CUDA device is used.
+"""Thin helpers over the CUDA driver API (``cuda-bindings``) for the daemon's VMM backend.
+Imported only when a CUDA device is used. The client makes its driver calls (an attach's
+imports, a publish's allocations) through ctypes instead (client/libcuda.py).
 
 Note [contexts]
 ---------------
@@ -19,7 +20,6 @@ from typing import Any
 from cuda.bindings import driver as cu
 
 from .errors import WeightcacheError
-from .units import capacity
 
 FD_HANDLE = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
@@ -126,17 +126,6 @@ def allocation_prop(ordinal: int) -> Any:
     prop.location.id = ordinal
     prop.requestedHandleTypes = FD_HANDLE
     return prop
-
-
-CHUNK_BYTES = 1 << 30  # VMM chunk size: export cost grows per fd (backends/cuda.py), so chunks are big
-
-
-def chunk_sizes(total: int, granularity: int) -> list[int]:
-    """The chunks an arena of ``total`` bytes (a multiple of ``granularity``) is made of:
-    ~1 GiB each, granularity-rounded, the last one the rest. The daemon's arenas and an
-    engine's published memory are laid out alike."""
-    chunk = capacity(CHUNK_BYTES, granularity)
-    return [min(chunk, total - off) for off in range(0, total, chunk)]
 
 
 def granularity(ordinal: int) -> int:

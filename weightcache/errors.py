@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from .units import format_size
-
 
 class WeightcacheError(Exception):
     """Base class. ``code`` is the wire code, ``details`` extra fields sent with it."""
@@ -81,6 +79,8 @@ class NoSpace(WeightcacheError):
                                   **details}
         if loaded is not None:
             fields["loaded"] = loaded
+        from .units import format_size  # the daemon's message: not on the client's import path
+
         return cls(f"model {model!r} needs {format_size(needed)} on {device}; {full}budget {format_size(budget)}, "
                    f"free {format_size(free)}; held by: {', '.join(held) or 'nothing'}", **fields)
 

@@ -3,7 +3,7 @@ add (open to the other tenants) and keeps one lease on it. At reload the config'
 was reported `kept` and never registered, and other tenants attaching the name got the
 squatter's bytes. Now the name is claimed at reload: the reload reports it `pending` and
 exits non-zero, nobody may attach the squatter's copy any more, and when its last lease
-ends the config's model takes the name (daemon.py, Note [config names win])."""
+ends the config's model takes the name (config_models.py, Note [config names win])."""
 
 from __future__ import annotations
 

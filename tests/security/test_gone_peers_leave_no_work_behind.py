@@ -1,4 +1,4 @@
-"""An attacker's review of the wait for room (loads.py ensure_resident, SpaceFreed) and of
+"""An attacker's review of the wait for room (residency/room.py: RoomQueue.until_admitted, SpaceFreed) and of
 requests whose peer went away: what a peer that may connect, but is not trusted, can make
 the daemon keep doing for it once it is gone."""
 
@@ -92,8 +92,8 @@ async def test_keep_alive_goes_on_after_a_model_it_listed_was_attached_meanwhile
     from weightcache.backends.cpu import CpuBackend
     from weightcache.cache import CacheCore
     from weightcache.config import ModelConfig, Settings
-    from weightcache.server.loads import Loads
     from weightcache.server.registry import Registry
+    from weightcache.server.residency import Residency
 
     core = CacheCore({"cpu": 1 << 30})
     registry = Registry(core, {"cpu": CpuBackend("cpu")}, access=None)
@@ -102,8 +102,8 @@ async def test_keep_alive_goes_on_after_a_model_it_listed_was_attached_meanwhile
         core.set_keep_alive(n, 0)  # as a request's keep_alive=0 sets it
         core.begin_load(n, 4096)
         core.finish_load(n)
-    loads = Loads(Settings().daemon, core, registry, {"cpu": CpuBackend("cpu")}, lambda: False)
-    carry_out = loads.carry_out
+    residency = Residency(Settings().daemon, core, registry, {"cpu": CpuBackend("cpu")}, lambda: False)
+    carry_out = residency.step_down.carry_out
     lease = None
 
     async def demoting(step, reason):  # the first eviction waits, and y is attached meanwhile
@@ -113,8 +113,8 @@ async def test_keep_alive_goes_on_after_a_model_it_listed_was_attached_meanwhile
             lease = core.attach("y", conn=1)
             await asyncio.sleep(0)
 
-    loads.carry_out = demoting  # type: ignore[method-assign]
-    task = asyncio.ensure_future(loads.keep_alive_loop())
+    residency.step_down.carry_out = demoting  # type: ignore[method-assign]
+    task = asyncio.ensure_future(residency.keep_alive_loop())
     try:
         await _until(lambda: lease is not None)
         assert core.entry("y").state.value == "resident"  # attached: kept
@@ -125,7 +125,7 @@ async def test_keep_alive_goes_on_after_a_model_it_listed_was_attached_meanwhile
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        loads.io_pool.shutdown()
+        residency.io.close()
 
 
 async def _until(check, timeout: float = 10.0) -> None:
@@ -148,14 +148,14 @@ async def test_an_arena_is_freed_only_after_the_thread_filling_it_is_done(ckpts)
     from weightcache.config import ModelConfig, Settings
     from weightcache.loader.checkpoint import parse_checkpoint
     from weightcache.loader.sources import open_source
-    from weightcache.server.loads import Loads
     from weightcache.server.registry import Registry
+    from weightcache.server.residency import Residency
 
     backend = CpuBackend("cpu")
     core = CacheCore({"cpu": 1 << 30})
     registry = Registry(core, {"cpu": backend}, access=None)
     registry.register(ModelConfig(name="m", path=ckpts["tiny"]))
-    loads = Loads(Settings().daemon, core, registry, {"cpu": backend}, lambda: False)
+    residency = Residency(Settings().daemon, core, registry, {"cpu": backend}, lambda: False)
     opened = open_source(ckpts["tiny"])
     started, go, copied = threading.Event(), threading.Event(), threading.Event()
     arenas = []
@@ -169,7 +169,7 @@ async def test_an_arena_is_freed_only_after_the_thread_filling_it_is_done(ckpts)
 
     try:
         ckpt = parse_checkpoint(opened)
-        task = asyncio.ensure_future(loads.fill_new_arena("m", ckpt, backend.capacity(ckpt.arena_bytes), 0, slow_copy,
+        task = asyncio.ensure_future(residency.fill.fill_new_arena("m", ckpt, backend.capacity(ckpt.arena_bytes), 0, slow_copy,
                                                           verb="published"))
         await asyncio.to_thread(started.wait, 10)
         task.cancel()  # the peer went
@@ -177,8 +177,8 @@ async def test_an_arena_is_freed_only_after_the_thread_filling_it_is_done(ckpts)
         go.set()
         await asyncio.gather(task, return_exceptions=True)
         await asyncio.to_thread(copied.wait, 10)
-        while loads._releasing:
-            await asyncio.gather(*loads._releasing)
+        while residency.step_down.releasing:
+            await asyncio.gather(*residency.step_down.releasing)
         assert arenas and arenas[0].fd == -1 and arenas[0].mapping is None, "the arena's memfd outlived its load"
         assert core.entry("m").state.value == "registered" and core.devices["cpu"].reserved == 0
     finally:
@@ -186,7 +186,7 @@ async def test_an_arena_is_freed_only_after_the_thread_filling_it_is_done(ckpts)
         opened.close()
         for a in arenas:
             backend.free(a)
-        loads.io_pool.shutdown()
+        residency.io.close()
 
 
 async def test_a_peer_cannot_take_a_name_the_reload_is_adding(tmp_path, ckpts):
@@ -206,20 +206,20 @@ async def test_a_peer_cannot_take_a_name_the_reload_is_adding(tmp_path, ckpts):
     peer = ModelConfig(name="x", path=ckpts["b"])
     daemon.registry.register(peer, origin="register", owner=4242)
     cfg.write_text(config_text(sock, {"cpu": "64MiB"}, [{"name": "x", "path": str(ckpts["a"])}], {}))
-    check = daemon._checkpoint_problem
+    check = daemon.config_models.checkpoint_problem
 
     async def squatting(mc):  # a peer registers the name again while the files are checked
         if "x" not in daemon.registry.groups:
             daemon.registry.register(peer, origin="register", owner=4242)
         return await check(mc)
 
-    daemon._checkpoint_problem = squatting  # type: ignore[method-assign]
+    daemon.config_models.checkpoint_problem = squatting  # type: ignore[method-assign]
     try:
         report = await daemon.reload_config()
         assert report["displaced"] == ["x"] and report["added"] == ["x"], report
         assert daemon.registry.first("x").origin == "config"
     finally:
-        await daemon.loads.close()
+        await daemon.residency.close()
 
 
 @root_only

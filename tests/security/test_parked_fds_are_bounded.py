@@ -64,8 +64,11 @@ def test_too_many_fds_for_one_frame_are_refused(start_daemon):
 
         frame = encode_frame({"id": 1, "op": "status", "fds": 9})
         c.sock.sendmsg([frame[:1]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [null] * 9))])
-        c.sock.sendall(frame[1:])
-        r = c.recv()
+        try:
+            c.sock.sendall(frame[1:])
+            r = c.recv()
+        except (BrokenPipeError, ConnectionResetError):
+            r = None  # closed on the first byte's fds, before the rest was sent (seen on a loaded machine)
         assert r is None or not r["ok"], r  # closed, or refused
         time.sleep(0.2)
         assert nfds(pid) <= base + 1

@@ -15,8 +15,11 @@ from weightcache.backends.cpu import CpuBackend
 from weightcache.cache import CacheCore
 from weightcache.config import DaemonConfig
 from weightcache.loader import open_source, parse_checkpoint
-from weightcache.server.loads import TABLE_SLICE, TENANT_IO_SHARE, Loads, encode_table
+from weightcache.loader.tensor_table import TABLE_SLICE
 from weightcache.server.registry import Registry
+from weightcache.server.residency import Residency
+from weightcache.server.residency.fill import encode_table
+from weightcache.server.residency.io import TENANT_IO_SHARE
 
 from .test_r25_held import header_bomb
 
@@ -28,7 +31,7 @@ async def test_one_tenant_holds_at_most_half_the_io_pool() -> None:
     its own."""
     core = CacheCore({"cpu": 2**20})
     backends = {"cpu": CpuBackend("cpu")}
-    loads = Loads(DaemonConfig(io_threads=4), core, Registry(core, backends, access=None), backends, lambda: False)
+    residency = Residency(DaemonConfig(io_threads=4), core, Registry(core, backends, access=None), backends, lambda: False)
     running: dict[int, int] = {1: 0, 2: 0}
     most = {1: 0, 2: 0}
     lock = threading.Lock()
@@ -46,12 +49,12 @@ async def test_one_tenant_holds_at_most_half_the_io_pool() -> None:
         return uid
 
     try:
-        hog = [asyncio.ensure_future(loads.io(work, 1, tenant=1)) for _ in range(4)]
+        hog = [asyncio.ensure_future(residency.io.run(work, 1, tenant=1)) for _ in range(4)]
         for _ in range(200):
             await asyncio.sleep(0.01)
             if running[1] == share:
                 break
-        other = asyncio.ensure_future(loads.io(work, 2, tenant=2))
+        other = asyncio.ensure_future(residency.io.run(work, 2, tenant=2))
         for _ in range(200):
             await asyncio.sleep(0.01)
             if running[2] == 1:
@@ -60,10 +63,10 @@ async def test_one_tenant_holds_at_most_half_the_io_pool() -> None:
         release.set()
         assert await asyncio.gather(*hog, other) == [1, 1, 1, 1, 2]
         assert most == {1: share, 2: 1}, most
-        assert loads._io_shares == {}  # nothing kept per uid once its calls ended
+        assert residency.io._shares == {}  # nothing kept per uid once its calls ended
     finally:
         release.set()
-        loads.io_pool.shutdown()
+        residency.io.close()
 
 
 @pytest.mark.parametrize("n", [10, TABLE_SLICE + 1, 3 * TABLE_SLICE + 7])
@@ -72,5 +75,6 @@ def test_the_table_packed_in_slices_is_the_same_bytes(tmp_path, n) -> None:
     back to the event loop; packed in slices, the bytes must be exactly the same."""
     with open_source(header_bomb(tmp_path / "t.safetensors", n)) as opened:
         ckpt = parse_checkpoint(opened)
-    assert encode_table(ckpt) == msgpack.packb(ckpt.wire_tensors(), use_bin_type=True)
+    rows = [[t.name, t.dtype, list(t.shape), t.arena_offset, t.nbytes] for t in ckpt.tensors]
+    assert encode_table(ckpt) == msgpack.packb(rows, use_bin_type=True)
     assert msgpack.unpackb(encode_table(ckpt))[-1][0] == ckpt.tensors[-1].name

@@ -4,6 +4,7 @@ root daemon follows no symbolic link in a directory someone else can change."""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from helpers import NOBODY, as_uid, root_only
@@ -31,6 +32,11 @@ def test_a_tenant_cannot_point_a_configured_model_at_another_tenants_file(start_
     raw = secret.read_bytes()
     secret_data = raw[8 + int.from_bytes(raw[:8], "little"):][:4096]  # its first tensor's first bytes
     d = multi_tenant(start_daemon, TENANTS, budget="16MiB", models={"m": model})
+    # The start checks the configured paths behind the socket (Daemon.start): it may say
+    # so a moment after the daemon serves, before anyone loads the model.
+    deadline = time.monotonic() + 30
+    while "is not the operator's alone" not in d.log_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert "is not the operator's alone" in d.log_text() and str(a_dir) in d.log_text()
     c = Conn(d.socket)
     r = c.call({"id": 1, "op": "load", "name": "m"})

@@ -28,12 +28,12 @@ mlocked is only whole pages inside those bytes, so never more. The header's page
 the partial pages at the ends of each file's tensor bytes are ordinary page cache.
 
 Nothing seals a file, so a file is served this way only if nobody the daemon does not
-trust can change it (``_page_cache_refusal``); every other load is copied into a memfd:
+trust can change it (``page_cache.hold_files``); every other load is copied into a memfd:
 
 - trusted (loader/trust.py, the rule the kept digests follow too): opened by the daemon
   itself, owned by root or the daemon's user and not writable by its group or others, or
   immutable / fs-verity; on a local file system;
-- open for writing nowhere (a read lease, ``_open_for_writing``);
+- open for writing nowhere (a read lease, ``page_cache._open_for_writing``);
 - every tensor aligned to its dtype within the file (a zero-copy view needs it);
 - if not readable by every user (``safetensors.save_file`` writes mode 0600): no byte
   after the header that is not a tensor's, since an engine's fd reads the whole file.
@@ -65,7 +65,8 @@ filled from files, the pages the reader brought into the page cache are dropped 
 (POSIX_FADV_DONTNEED; the kernel keeps pages someone maps), so the memfd is the only copy.
 
 An arena is created empty; a load from files offers it the files first (``bind_files``)
-and it becomes a file arena or, at its first write, a memfd.
+and it becomes a file arena or, at its first write, a memfd. This module is the memfd
+arena and the choice; backends/page_cache.py the file arena's mechanism.
 """
 
 from __future__ import annotations
@@ -82,64 +83,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BadRequest, CorruptCheckpoint, LoadFailed, NoSpace
-from ..loader.checkpoint import DTYPE_SIZES, Checkpoint, CheckpointFile
-from ..loader.reader import contiguous_runs, pread_full, pread_hashing
+from ..errors import BadRequest, CorruptCheckpoint, NoSpace
+from ..loader.checkpoint import Checkpoint
+from ..loader.reader import pread_full, pread_hashing
 from ..loader.sources import OpenedSource
-from ..loader.trust import why_untrusted
-from ..protocol.arena import MEMFD_SEALS, SEGMENT
-from ..units import capacity, round_up
+from ..protocol.arena import MEMFD_SEALS, SEGMENT, FileArenaDesc, MemfdArenaDesc
+from ..units import capacity
 from .base import Arena, Backend, DmaRegion, DmaView, PublishedSource
+from .page_cache import (
+    PAGE,
+    HeldFile,
+    PageCacheWriter,
+    hold_files,
+    map_readonly,
+    mlock_files,
+    populate_supported,
+    release,
+    segments,
+    unmap,
+)
 
 log = logging.getLogger("weightcache.daemon")
-
-PAGE = mmap.PAGESIZE
-MADV_POPULATE_READ = 22  # Linux >= 5.14; not in Python's mmap module
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def _check(ret: int, what: str) -> None:
-    if ret != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"{what}: {os.strerror(e)}")
-
-
-def _madvise(addr: int, length: int, advice: int) -> None:
-    # ctypes releases the GIL for the call: populating a range reads it from disk when cold.
-    _check(_libc.madvise(addr, length, advice), "madvise")
-
-
-def _populate_supported() -> bool:
-    """MADV_POPULATE_READ exists (Linux >= 5.14): an unknown advice is EINVAL even for an
-    empty range, which is otherwise a no-op."""
-    return _libc.madvise(None, 0, MADV_POPULATE_READ) == 0
-
-
-def _identity(st: os.stat_result) -> tuple[int, ...]:
-    # Not ctime: unlinking the old file (a rename over it) moves its ctime too, and that
-    # leaves its bytes as they were.
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-@dataclass
-class HeldFile:
-    """One checkpoint file of a file arena."""
-
-    path: str  # for messages
-    source_fd: int  # the loader's fd of this file: the reader names the file by it
-    fd: int  # the arena's own read-only open of the same inode; clients get dups of it
-    size: int
-    identity: tuple[int, ...]  # dev, ino, size, mtime when bound
-    addr: int = 0  # the daemon's read-only mapping of the whole file (0: not mapped)
-    lock_start: int = 0  # [lock_start, lock_end): whole pages inside the tensor bytes, mlocked at seal
-    lock_end: int = 0
 
 
 @dataclass
@@ -200,42 +164,6 @@ class _MemfdWriter:
         self._read.clear()
 
 
-class _PageCacheWriter:
-    """Makes a file arena's pages resident: each range the reader hands it is populated
-    in the daemon's mapping of that file instead of being copied."""
-
-    direct_io = False  # the page cache is the arena: O_DIRECT would bypass it
-    serves_files = True  # trusted files' own pages: their digests are reused by file identity (loader/content.py)
-
-    def __init__(self, arena: MemfdArena) -> None:
-        assert arena.files is not None
-        self._by_fd = {f.source_fd: f for f in arena.files}
-
-    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False,
-                        seen: Callable[[memoryview], None] | None = None) -> None:
-        f = self._by_fd.get(fd)
-        if f is None or direct:  # the reader reads the fds the arena was bound to, buffered
-            raise RuntimeError(f"fd {fd} is not a file bound to this arena")
-        start = file_offset // PAGE * PAGE
-        end = min(round_up(file_offset + nbytes, PAGE), round_up(f.size, PAGE))
-        try:
-            _madvise(f.addr + start, end - start, MADV_POPULATE_READ)
-        except OSError as exc:
-            if exc.errno == errno.EFAULT:  # a page past the end of the file: it shrank since it was parsed
-                raise CorruptCheckpoint(f"{f.path}: file ended before byte {file_offset + nbytes} while loading (truncated?)",
-                                        file=f.path, reason="truncated") from None
-            raise LoadFailed(f"{f.path}: read failed: {os.strerror(exc.errno or 0)}", file=f.path,
-                             reason=os.strerror(exc.errno or 0)) from None
-        if seen is not None:
-            # Nothing was copied: the hash is a pass over the populated mapping (read-only;
-            # the pages are resident, so it reads memory, not the disk).
-            with memoryview((ctypes.c_char * nbytes).from_address(f.addr + file_offset)).cast("B") as view:
-                seen(view)
-
-    def finish(self) -> None:
-        pass
-
-
 class CpuBackend(Backend):
     kind = "memfd"  # what engines publish on this device; attach replies say "file" or "memfd" per arena
     supports_dma = True  # host memory: NIXL's DRAM
@@ -243,7 +171,7 @@ class CpuBackend(Backend):
     def __init__(self, device: str, page_cache: bool = True) -> None:
         super().__init__(device)
         # Off: every arena is a sealed memfd, the files' page cache never served.
-        self.page_cache = page_cache and _populate_supported()
+        self.page_cache = page_cache and populate_supported()
         self._warned_mlock = False
 
     def total_memory(self) -> int:
@@ -284,102 +212,31 @@ class CpuBackend(Backend):
     # -- page-cache arenas (Note [page-cache arenas]) ---------------------------------
     def bind_files(self, arena: Arena, ckpt: Checkpoint, files: OpenedSource) -> None:
         assert isinstance(arena, MemfdArena) and arena.fd < 0 and arena.files is None
-        why = self._page_cache_refusal(ckpt, files)
         held: list[HeldFile] = []
-        try:
-            if why is None:
-                for rec, sf in zip(ckpt.files, files.files, strict=True):
-                    held.append(self._hold(rec.path, sf.fd))
-                    f = held[-1]
-                    if f.identity != (rec.dev, rec.ino, rec.size, rec.mtime_ns):
-                        why = f"{rec.path} changed since it was parsed"
-                        break
-        except OSError as exc:
-            why = f"{exc.filename or 'a file'}: {exc.strerror}"
+        why: str | None = "page-cache arenas are off (or the kernel lacks MADV_POPULATE_READ, Linux < 5.14)"
+        if self.page_cache:
+            held, why = hold_files(ckpt, files)
         if why is not None:
-            for f in held:
-                _release(f)
             arena.fallback = why
             log.info("load %s: copied into a sealed memfd, not served from the page cache: %s", arena.label, why)
             return
-        # Whole pages inside each file's tensor bytes: what seal() mlocks.
-        for i, f in enumerate(held):
-            spans = [(t.file_offset, t.file_offset + t.nbytes) for t in ckpt.tensors if t.file == i and t.nbytes]
-            if spans:
-                f.lock_start = round_up(min(s for s, _ in spans), PAGE)
-                f.lock_end = max(e for _, e in spans) // PAGE * PAGE
         arena.files = held
-        arena.segments = _segments(ckpt)
-
-    def _page_cache_refusal(self, ckpt: Checkpoint, files: OpenedSource) -> str | None:
-        """Why ``files`` must be copied into a memfd rather than served from the page
-        cache, or None (Note [page-cache arenas])."""
-        if not self.page_cache:
-            return "page-cache arenas are off (or the kernel lacks MADV_POPULATE_READ, Linux < 5.14)"
-        why = why_untrusted(files)  # peers' fds, tenants' files, writable by others, network file systems
-        if why is not None:
-            return why
-        for rec, sf in zip(ckpt.files, files.files, strict=True):
-            writer = _open_for_writing(sf.fd)
-            if writer is not None:
-                return f"{rec.path}: {writer}"
-            if not os.fstat(sf.fd).st_mode & 0o004:
-                hidden = _bytes_beyond_tensors(ckpt, rec)
-                if hidden:
-                    # An engine's fd would let it read these too, and nobody may otherwise.
-                    return (f"{rec.path} is not readable by every user and holds {hidden} byte(s) outside its header and "
-                            "tensors, which an engine's fd of it would expose")
-        for t in ckpt.tensors:
-            if t.nbytes and t.file_offset % DTYPE_SIZES[t.dtype]:
-                return f"tensor {t.name!r} is not aligned to its {t.dtype} elements in {ckpt.files[t.file].path}"
-        return None
-
-    @staticmethod
-    def _hold(path: str, source_fd: int) -> HeldFile:
-        """Open the inode behind ``source_fd`` anew (an open file description of the arena's
-        own: flags clients set on their dups never reach the loader's), and map it."""
-        fd = os.open(f"/proc/self/fd/{source_fd}", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            st = os.fstat(fd)
-            if not os.path.samestat(st, os.fstat(source_fd)):  # cannot happen through /proc's magic links
-                raise OSError(errno.ESTALE, "reopened another file", path)
-            f = HeldFile(path=path, source_fd=source_fd, fd=fd, size=st.st_size, identity=_identity(st))
-            if f.size:
-                addr = _libc.mmap(None, f.size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-                if addr in (None, _MAP_FAILED):
-                    e = ctypes.get_errno()
-                    raise OSError(e, os.strerror(e), path)
-                f.addr = addr
-                # Cold pages are then read in 2 MiB folios, which engines map whole (a hint:
-                # refused where transparent huge pages are off, and then nothing changes).
-                with contextlib.suppress(OSError):
-                    _madvise(addr, f.size, mmap.MADV_HUGEPAGE)
-            return f
-        except BaseException:
-            os.close(fd)
-            raise
+        arena.segments = segments(ckpt)
 
     def _lock(self, arena: MemfdArena) -> None:
         assert arena.files is not None
-        for f in arena.files:
-            n = f.lock_end - f.lock_start
-            if n <= 0:
-                continue
-            if _libc.mlock(f.addr + f.lock_start, n) == 0:
-                arena.locked += n
-                continue
-            e = ctypes.get_errno()
-            if not self._warned_mlock:
-                self._warned_mlock = True
-                log.warning("mlock refused (%s): page-cache arenas stay resident while mapped but the kernel may reclaim "
-                            "them under memory pressure (engines then fault them back from disk); run the daemon as root, "
-                            "with CAP_IPC_LOCK, or with LimitMEMLOCK=infinity", os.strerror(e))
-            return
+        locked, err = mlock_files(arena.files)
+        arena.locked += locked
+        if err and not self._warned_mlock:
+            self._warned_mlock = True
+            log.warning("mlock refused (%s): page-cache arenas stay resident while mapped but the kernel may reclaim "
+                        "them under memory pressure (engines then fault them back from disk); run the daemon as root, "
+                        "with CAP_IPC_LOCK, or with LimitMEMLOCK=infinity", os.strerror(err))
 
-    def writer(self, arena: Arena, chunk_bytes: int) -> _MemfdWriter | _PageCacheWriter:
+    def writer(self, arena: Arena, chunk_bytes: int) -> _MemfdWriter | PageCacheWriter:
         assert isinstance(arena, MemfdArena)
         if arena.files is not None:
-            return _PageCacheWriter(arena)
+            return PageCacheWriter(arena.files)
         self._make_memfd(arena)
         return _MemfdWriter(arena)
 
@@ -387,7 +244,7 @@ class CpuBackend(Backend):
         assert isinstance(arena, MemfdArena)
         if arena.files is not None:
             for f in arena.files:
-                if _identity(os.fstat(f.fd)) != f.identity:
+                if f.changed():
                     raise CorruptCheckpoint(f"{f.path}: checkpoint changed on disk while it was loading", file=f.path,
                                             reason="changed during load")
             self._lock(arena)
@@ -409,11 +266,8 @@ class CpuBackend(Backend):
         if arena.fd < 0:
             return None
         # Sealed: the daemon's own mapping is gone; a read-only one for the peer's read.
-        addr = _libc.mmap(None, arena.nbytes, mmap.PROT_READ, mmap.MAP_SHARED, arena.fd, 0)
-        if addr in (None, _MAP_FAILED):
-            e = ctypes.get_errno()
-            raise OSError(e, f"mmap: {os.strerror(e)}")
-        return DmaView([DmaRegion(0, addr, arena.nbytes)], "DRAM", release=lambda: _libc.munmap(addr, arena.nbytes))
+        addr = map_readonly(arena.fd, arena.nbytes)
+        return DmaView([DmaRegion(0, addr, arena.nbytes)], "DRAM", release=lambda: unmap(addr, arena.nbytes))
 
     def dma_target(self, arena: Arena) -> DmaView | None:
         assert isinstance(arena, MemfdArena) and arena.files is None
@@ -475,11 +329,11 @@ class CpuBackend(Backend):
     def export(self, arena: Arena) -> tuple[list[int], dict[str, Any]]:
         assert isinstance(arena, MemfdArena)
         if arena.files is None:
-            return [os.dup(arena.fd)], {"kind": "memfd", "nbytes": arena.nbytes}
+            return [os.dup(arena.fd)], MemfdArenaDesc(arena.nbytes).to_wire()
         for f in arena.files:
             # The held inode rewritten in place (by its owner or root): the bytes engines
             # would map are no longer the ones loaded. Say so rather than hand them out.
-            if _identity(os.fstat(f.fd)) != f.identity:
+            if f.changed():
                 raise CorruptCheckpoint(
                     f"{f.path}: the checkpoint file was changed in place since it was loaded; attaches are refused until "
                     "no engine is attached, then it is reloaded (replace checkpoint files by rename instead)",
@@ -492,13 +346,13 @@ class CpuBackend(Backend):
             for fd in fds:
                 os.close(fd)
             raise
-        return fds, {"kind": "file", "nbytes": arena.nbytes, "files": [f.size for f in arena.files], "segments": arena.segments}
+        return fds, FileArenaDesc(arena.nbytes, [f.size for f in arena.files], arena.segments).to_wire()
 
     def free(self, arena: Arena) -> None:
         assert isinstance(arena, MemfdArena)
         if arena.files is not None:
             for f in arena.files:
-                _release(f)  # unmapping unlocks; the pages stay page cache, reclaimable
+                release(f)  # unmapping unlocks; the pages stay page cache, reclaimable
             arena.files = None
             arena.locked = 0
         if arena.fd >= 0:
@@ -519,48 +373,3 @@ def _address(mapping: mmap.mmap) -> int:
         return ctypes.addressof(probe)
     finally:
         del probe
-
-
-def _release(f: HeldFile) -> None:
-    if f.addr:
-        _libc.munmap(f.addr, f.size)
-        f.addr = 0
-    if f.fd >= 0:
-        os.close(f.fd)
-        f.fd = -1
-
-
-def _bytes_beyond_tensors(ckpt: Checkpoint, rec: CheckpointFile) -> int:
-    """Bytes of ``rec`` after its header that no tensor covers: gaps between tensors and
-    a tail. safetensors writes none (the data follows the header, tensor after tensor)."""
-    i = ckpt.files.index(rec)
-    spans = sorted((t.file_offset, t.file_offset + t.nbytes) for t in ckpt.tensors if t.file == i and t.nbytes)
-    covered, end = 0, rec.data_start
-    for start, stop in spans:
-        covered += max(0, stop - max(start, end))
-        end = max(end, stop)
-    return rec.size - rec.data_start - covered
-
-
-def _segments(ckpt: Checkpoint) -> bytes:
-    """The arena's byte ranges that are contiguous in one file, as wire segments."""
-    return b"".join(SEGMENT.pack(r.file, r.file_offset, r.arena_offset, r.nbytes) for r in contiguous_runs(ckpt))
-
-
-def _open_for_writing(fd: int) -> str | None:
-    """Whether some process holds the file open for writing (an fd or a shared writable
-    mapping, perhaps from before a chmod): a read lease is refused exactly then. Taken
-    and dropped at once (held, a writer's open would signal the daemon with SIGIO). If
-    the lease cannot be taken at all (not the owner, no CAP_LEASE), say so: unknown is
-    not safe."""
-    probe = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        fcntl.fcntl(probe, fcntl.F_SETLEASE, fcntl.F_RDLCK)
-        fcntl.fcntl(probe, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-        return None
-    except OSError as exc:
-        if exc.errno == errno.EAGAIN:
-            return "some process has it open for writing"
-        return f"cannot tell whether some process has it open for writing (read lease: {exc.strerror})"
-    finally:
-        os.close(probe)

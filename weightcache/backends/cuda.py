@@ -15,11 +15,9 @@ docs/benchmarks.md has this backend's attach figures since.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,10 +28,12 @@ from .. import cuda_driver as drv
 from ..errors import BadRequest, NoSpace
 from ..loader.content import TaskHasher
 from ..loader.reader import DIRECT_ALIGN, pread_direct, pread_full, pread_hashing
+from ..protocol.arena import VmmArenaDesc, chunk_sizes
 from ..units import capacity
 from .base import Arena, Backend, HostCopy, HostPool, PublishedSource, Room
 from .cuda_hash import DEVICE_MIN, DIGEST_SLOTS, HASH_STREAMS, DigestBlock, GpuHasher, HashUnavailable
-from .extents import ExtentAllocator, split_by_chunks
+from .extents import split_by_chunks
+from .pinned import PinnedCopy, PinnedPool, Staging, StagingPool
 
 log = logging.getLogger("weightcache.daemon")
 
@@ -61,65 +61,6 @@ class VmmArena(Arena):
         return CudaBackend.kind
 
 
-@dataclass
-class _Staging:
-    """A loader thread's pinned buffer and stream. The buffer is reused once the previous
-    copy out of it has completed (stream sync)."""
-
-    host_ptr: int
-    view: memoryview
-    stream: Any
-    copied: Any  # an event recorded after a copy: the hash kernels wait for it, not the stream
-    size: int
-    busy: bool = False
-    # Streams for the hash kernels of the pieces this buffer carried (backends/cuda_hash.py),
-    # in turn: the thread's own, so a load waits only for its own kernels.
-    hash_streams: list[Any] = field(default_factory=list)
-    next_hash: int = 0
-
-
-class _StagingPool:
-    """Pinned staging buffers kept across loads. Allocating them per load (8 threads x
-    16 MiB: cuMemHostAlloc, and cuMemFreeHost at the end) was part of the fixed cost
-    every load paid (issue 12); kept, they cost load_threads x load_chunk_bytes of
-    pinned host memory for the daemon's life."""
-
-    def __init__(self, ctx: Any, hash_streams: int) -> None:
-        self._ctx = ctx
-        self._hash_streams = hash_streams
-        self._free: list[_Staging] = []
-        self._lock = threading.Lock()
-
-    def take(self, size: int) -> _Staging:
-        with self._lock:
-            for i, st in enumerate(self._free):
-                if st.size == size:
-                    return self._free.pop(i)
-        ptr = int(drv.check(cu.cuMemHostAlloc(size, 0)))
-        view = memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
-        stream = drv.check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
-        copied = drv.check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
-        hashing = [drv.check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)) for _ in range(self._hash_streams)]
-        return _Staging(ptr, view, stream, copied, size, hash_streams=hashing)
-
-    def give_back(self, st: _Staging) -> None:
-        """Called with the stream synchronized: nothing reads the buffer any more."""
-        st.busy = False
-        with self._lock:
-            self._free.append(st)
-
-    def close(self) -> None:
-        with self._lock, drv.current(self._ctx):
-            for st in self._free:
-                drv.check(cu.cuStreamDestroy(st.stream))
-                drv.check(cu.cuEventDestroy(st.copied))
-                for hs in st.hash_streams:
-                    drv.check(cu.cuStreamDestroy(hs))
-                st.view.release()
-                drv.check(cu.cuMemFreeHost(st.host_ptr))
-            self._free.clear()
-
-
 class _VmmWriter:
     """preadv into a per-thread pinned buffer, then an async host-to-device copy on that
     thread's own stream: 8 threads x 16 MiB reached 28 GB/s from page cache on the H200.
@@ -141,14 +82,14 @@ class _VmmWriter:
         self._arena = arena
         self._size = chunk + 2 * DIRECT_ALIGN  # room to widen a read to O_DIRECT alignment
         self._local = threading.local()
-        self._all: list[_Staging] = []
+        self._all: list[Staging] = []
         self._lock = threading.Lock()
         self._hasher = backend.gpu_hash
         self.device_hash_min = DEVICE_MIN if self._hasher is not None else None
         self._blocks: list[DigestBlock] = []  # taken from the hasher, in use
         self._slots: list[tuple[DigestBlock, int, dict[tuple[int, int], bytes], tuple[int, int]]] = []
 
-    def _staging(self) -> _Staging:
+    def _staging(self) -> Staging:
         st = getattr(self._local, "st", None)
         if st is None:
             st = self._local.st = self._b.staging.take(self._size)
@@ -190,7 +131,7 @@ class _VmmWriter:
                     assert isinstance(seen, TaskHasher)
                     self._hash_on_device(seen, st)
 
-    def _hash_on_device(self, seen: TaskHasher, st: _Staging) -> None:
+    def _hash_on_device(self, seen: TaskHasher, st: Staging) -> None:
         """Launch the kernels of the pieces whose last bytes this call copied."""
         assert self._hasher is not None
         done = seen.take_device_done()
@@ -240,79 +181,10 @@ class _VmmWriter:
 
 
 @dataclass
-class PinnedCopy(HostCopy):
-    """An arena's bytes in page-locked host memory: the host tier. Pinned so the copy
-    back runs at PCIe speed (55 GB/s both ways on the H200 vs 6.3 pageable). The bytes
-    may be in several pieces (``pieces``: host address, length; in arena order)."""
-
-    pieces: list[tuple[int, int]] = field(default_factory=list)
-
-
-@dataclass
 class VmmSource(PublishedSource):
     """An engine's published VMM chunks, mapped read-only into the daemon's context."""
 
     va: int = 0
-
-
-class PinnedPool(HostPool):
-    """The host tier's pinned memory, pinned once and carved into copies first-fit.
-
-    Why a pool: on the H200, pinning 10 GB per demotion (cuMemHostAlloc) took ~4 s, and
-    unpinning it (cuMemFreeHost) ~0.8 s during which the next load's driver calls waited
-    (the warm loader fell from 30 to 8 GB/s in docs/benchmarks.md's run). Pinned once
-    at start, in a thread (the socket answers meanwhile), with PORTABLE so every GPU's
-    context may copy from it. A copy takes any free bytes, in pieces (backends/extents.py):
-    the pool never refuses a copy while the tier's budget has room.
-    """
-
-    def __init__(self, ctx: Any, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self._ctx = ctx
-        self._base = 0
-        self._ranges = ExtentAllocator(nbytes)
-        self._returned = threading.Condition()  # notified when pieces come back
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        threading.Thread(target=self._pin, name="wc-pin-host-pool", daemon=True).start()
-
-    def _pin(self) -> None:
-        try:
-            with drv.current(self._ctx):
-                self._base = int(drv.check(cu.cuMemHostAlloc(self.nbytes, cu.CU_MEMHOSTALLOC_PORTABLE)))
-        except BaseException as exc:  # reported by alloc(); demotions then become evictions
-            self._error = exc
-        finally:
-            self._ready.set()
-
-    def alloc(self, n: int, wait_s: float = 30.0) -> list[tuple[int, int]] | None:
-        """Host pieces (address, length) adding up to ``n`` bytes; None if fewer are free
-        after ``wait_s``. The core admits a demotion only within the tier's budget, but
-        a copy it dropped may still be on its way back: a demotion of it in flight
-        returns its pieces when it ends."""
-        self._ready.wait()
-        if self._error is not None:
-            raise RuntimeError(f"the pinned host pool could not be allocated: {self._error}")
-        deadline = time.monotonic() + wait_s
-        with self._returned:
-            while (pieces := self._ranges.alloc(n)) is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._returned.wait(left)
-        return [(self._base + off, length) for off, length in pieces]
-
-    def free(self, pieces: list[tuple[int, int]]) -> None:
-        with self._returned:
-            self._ranges.free([(ptr - self._base, length) for ptr, length in pieces])
-            self._returned.notify_all()
-
-    def close(self) -> None:
-        self._ready.wait()
-        if self._base:
-            with drv.current(self._ctx):
-                drv.check(cu.cuMemFreeHost(self._base))
-            self._base = 0
 
 
 class CudaBackend(Backend):
@@ -340,7 +212,7 @@ class CudaBackend(Backend):
             except HashUnavailable as exc:
                 self.gpu_hash_unavailable = str(exc)
                 log.warning("%s: the content hash runs on the host, not the GPU: %s", device, exc)
-        self.staging = _StagingPool(self.ctx, HASH_STREAMS if self.gpu_hash is not None else 0)
+        self.staging = StagingPool(self.ctx, HASH_STREAMS if self.gpu_hash is not None else 0)
         # The budget not held by chunks (``limit``): each chunk created takes from it,
         # each released gives back. Unlimited until the daemon sets the budget.
         self.room = Room(1 << 62)
@@ -378,7 +250,7 @@ class CudaBackend(Backend):
     def _reserve(self, nbytes: int, label: str, lazy: bool = False) -> VmmArena:
         total = self.capacity(nbytes)
         arena = VmmArena(device=self.device, nbytes=total, label=label, ordinal=self.ordinal,
-                         sizes=drv.chunk_sizes(total, self.granularity))
+                         sizes=chunk_sizes(total, self.granularity))
         with drv.current(self.ctx):
             free = drv.free_memory(self.ctx)
             if not lazy and free < total:
@@ -513,7 +385,7 @@ class CudaBackend(Backend):
     def export(self, arena: Arena) -> tuple[list[int], dict[str, Any]]:
         assert isinstance(arena, VmmArena)
         fds = [os.dup(fd) for fd in arena.export_fds]
-        return fds, {"kind": self.kind, "nbytes": arena.nbytes, "chunks": list(arena.sizes), "device_uuid": self.uuid}
+        return fds, VmmArenaDesc(arena.nbytes, list(arena.sizes), self.gpu_uuid).to_wire()
 
     def start_host_tier(self, nbytes: int) -> PinnedPool:
         return PinnedPool(self.ctx, nbytes)

@@ -220,7 +220,7 @@ class DigestBlock:
 
 class GpuHasher:
     """One device's hash kernel and the pinned blocks its digests go to. The streams the
-    kernels run on are the loader threads' (backends/cuda.py, _Staging.hash_streams).
+    kernels run on are the loader threads' (backends/pinned.py, Staging.hash_streams).
     ``compile_s`` says what setting it up cost (NVRTC and the module load)."""
 
     def __init__(self, ctx: Any, ordinal: int) -> None:

@@ -1,4 +1,4 @@
-"""Cache policy (pure): see core.py's Note [invariants]."""
+"""Cache policy (pure): see core.py's Note [invariants] and the map of its rooms there."""
 
 from .core import CacheCore, Entry, Lease, LoadPlan, State, StepDown
 

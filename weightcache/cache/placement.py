@@ -48,7 +48,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from .core import State
+from .entries import State, arena_key
 
 if TYPE_CHECKING:
     from .core import CacheCore
@@ -83,7 +83,7 @@ class DeviceView:
     evictable: tuple[Victim, ...] = ()
     pinned_bytes: int = 0  # RESIDENT and pinned: memory no detach frees
     # What the model's tenants may still add there under their byte quotas (the least of
-    # them); None: no quota limits it there (Note [quotas] in core.py)
+    # them); None: no quota limits it there (Note [quotas] in quotas.py)
     quota_free: int | None = None
 
     @property
@@ -207,7 +207,7 @@ def views(core: CacheCore, replicas: dict[str, str], free_memory: dict[str, int 
             if x.pinned:
                 pinned += x.nbytes
             if x.evictable and all(s.evictable for s in core.siblings(x.name) if s.state is State.RESIDENT):
-                key = x.share if x.share is not None else "\0" + x.name
+                key = arena_key(x)
                 old = victims.get(key)
                 if old is None or x.last_used > old.last_used:
                     victims[key] = Victim(x.name, x.nbytes, x.last_used)

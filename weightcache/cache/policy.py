@@ -14,7 +14,7 @@ like the core: no I/O, no await; the core asks, the policy answers.
   rising clock, so what was popular once and no longer is goes in the end.
 
 A policy chooses only what leaves a device. Which host copy the host tier drops to take a
-demotion stays least recently used under both (core.py, ``_step_down``), as it always was;
+demotion stays least recently used under both (tiers.py, ``HostTier.step_down``), as it always was;
 a cost-aware choice there (a dropped copy comes back from its files) is not made yet.
 """
 

@@ -4,7 +4,7 @@ Importing this module does not import torch (tests/test_client_imports.py): the 
 calls need none, and they are what the CLI and health probes make. ``attach`` imports
 mapping.py (tensors from fds) and ``publish`` publish.py (fds from tensors) the first time
 they are called, so only an engine that handles weights pays for torch.
-Timeouts and cancellation: Note [timeouts] and Note [cancellation] in connection.py.
+Timeouts and cancellation: Note [timeouts] and Note [cancellation] in core.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, Self
 
-from ..protocol import PROTOCOL_VERSION
 from .connection import Connection, ConnectionBase
 
 if TYPE_CHECKING:  # annotations only: importing them would import torch
@@ -33,12 +32,12 @@ class ClientOps(ConnectionBase):
 
     async def connect(self) -> Self:
         """Connect and say hello. A daemon not running yet is waited for, up to
-        ``wait_for_daemon`` (Note [waiting for the daemon] in connection.py); then
+        ``wait_for_daemon`` (Note [waiting for the daemon] in core.py); then
         DaemonUnavailable says how to start it. A socket this user may not use raises
         PermissionDenied at once. The connect and hello are bounded by ``connect_timeout``
         (else DaemonUnavailable); a daemon that speaks another protocol version raises
         ProtocolVersionError."""
-        await self._open({"protocol": PROTOCOL_VERSION, "client": self.name})
+        await self._open()
         return self
 
     async def __aenter__(self) -> Self:
@@ -163,7 +162,7 @@ class ClientOps(ConnectionBase):
         packed = await self._offload(pack, tensors)
         try:
             reply, _ = await self._request("publish", timeout, {
-                "name": name, "device": packed.device, "fingerprint": fingerprint, "arena": packed.arena,
+                "name": name, "device": packed.device, "fingerprint": fingerprint, "arena": packed.arena.to_wire(),
                 "tensors": packed.table, "replace": replace or None, "wait_s": wait_s,
                 "allowed_uids": allowed_uids, "allowed_gids": allowed_gids}, send_fds=packed.fds)
             return reply["model"]
@@ -188,6 +187,7 @@ class ClientOps(ConnectionBase):
         """
         # Imported before the request, not after: torch's import (~1.5 s) is then not
         # taken from the request's timeout, and an import that fails leaves no lease.
+        from ..protocol.arena import parse_attach
         from .mapping import attached_model
 
         if device is not None and device.startswith("cuda:") and device[5:].isdigit():
@@ -196,8 +196,8 @@ class ClientOps(ConnectionBase):
             device = f"cuda:{driver().device_uuid(int(device[5:]))}"  # this process's numbering -> UUID
         reply, fds = await self._request("attach", timeout, {"name": name, "device": device, "rank": rank, "wait_s": wait_s,
                                                        "writable": writable or None, "keep_alive": keep_alive})
-        async with self._lease(reply["lease"]):  # ends the lease even if mapping fails
-            yield attached_model(name, reply, fds)
+        async with self._lease(reply["lease"]):  # ends the lease even if the reply is bad or mapping fails
+            yield attached_model(name, parse_attach(reply, fds))
 
 
 class Client(ClientOps, Connection):

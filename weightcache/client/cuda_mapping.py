@@ -14,7 +14,7 @@ What the first GPU attach in a process did once, and what became of it:
 - ``import cuda.bindings.driver`` (15.5-16 ms on the H200): gone; ctypes is already
   imported by torch, and libcuda.so.1 already loaded by torch's CUDA init.
 - cuda-bindings' first driver call resolved its whole table of entry points: gone; the
-  binding looks up the 18 symbols it uses once, at the first attach (dlsym, microseconds).
+  binding looks up the 21 symbols it uses (18 for an attach) once, at the first attach (dlsym, microseconds).
 - ``cuInit`` and, on every attach, ``cuDeviceGetCount`` plus ``cuDeviceGet`` and
   ``cuDeviceGetUuid`` for each GPU, twice over (to find the reply's GPU by UUID):
   now once per process (the UUID table is kept: CUDA_VISIBLE_DEVICES cannot change
@@ -27,10 +27,10 @@ reserve and one set-access for the range, and the tensor views.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 
+from ..protocol.arena import VmmArenaDesc
 from .libcuda import CudaError, Driver, driver
 
 DEINITIALIZED = "CUDA_ERROR_DEINITIALIZED"  # cuGetErrorName of CUresult 4
@@ -39,15 +39,13 @@ DEINITIALIZED = "CUDA_ERROR_DEINITIALIZED"  # cuGetErrorName of CUresult 4
 class VmmMapping:
     """Owns one mapped range. torch keeps this object alive for as long as any tensor
     made from its ``__cuda_array_interface__`` lives; when it is collected, the range is
-    synchronized and unmapped.
+    synchronized and unmapped. ``ctx`` is the device's primary context (libcuda's handle):
+    attach maps imported memory here, publish.py its own allocation."""
 
-    ``ctx`` is the device's primary context: a handle from libcuda (an int) for attach,
-    or a cuda-bindings ``CUcontext`` for publish.py, which allocates with cuda-bindings."""
-
-    def __init__(self, va: int, nbytes: int, ordinal: int, ctx: Any) -> None:
+    def __init__(self, va: int, nbytes: int, ordinal: int, ctx: int) -> None:
         self.va, self.nbytes, self.ordinal, self._ctx = va, nbytes, ordinal, ctx
         # Kept here, not looked up at collection: at interpreter exit module globals may be gone.
-        self._driver: Driver | None = driver() if isinstance(ctx, int) else None
+        self._driver: Driver = driver()
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (va, False), "version": 3,
                                          "strides": None}
 
@@ -55,12 +53,6 @@ class VmmMapping:
         if not self.va:
             return
         va, self.va = self.va, 0
-        if self._driver is None:  # publish.py's memory, mapped with cuda-bindings
-            from .. import cuda_driver as drv
-
-            with drv.current(self._ctx):
-                drv.unmap(va, self.nbytes)
-            return
         try:
             with self._driver.current(self._ctx):
                 self._driver.unmap(va, self.nbytes)
@@ -71,15 +63,15 @@ class VmmMapping:
                 raise
 
 
-def map_vmm(arena: dict[str, Any], fds: list[int], *, read_only: bool = True) -> torch.Tensor:
+def map_vmm(arena: VmmArenaDesc, fds: list[int], *, read_only: bool = True) -> torch.Tensor:
     """fds (closed here, whatever happens) + the reply's arena description -> a uint8
     tensor over the whole range on the GPU the arena names."""
     try:
-        sizes = [int(s) for s in arena["chunks"]]  # inside the try: a bad description still closes the fds
+        sizes = arena.chunks
         if len(fds) != len(sizes):
             raise CudaError(f"arena has {len(sizes)} chunks but {len(fds)} fds arrived")
         drv = driver()
-        ordinal = drv.ordinal_of(str(arena["device_uuid"]))
+        ordinal = drv.ordinal_of(arena.device_uuid)
         torch.cuda.init()  # torch and we share the primary context (cuda_driver's Note [contexts]); a no-op once initialised
         ctx = drv.primary_context(ordinal)
         with drv.current(ctx):

@@ -1,12 +1,14 @@
-"""The CUDA driver calls an engine's attach makes, through ``ctypes`` on libcuda.so.1.
+"""The CUDA driver calls an engine's attach (and publish) makes, through ``ctypes`` on libcuda.so.1.
 
 The daemon uses cuda-bindings (weightcache/cuda_driver.py); the client does not, because
 an engine pays for every import on its restart path: ``import cuda.bindings.driver``
 took 15.5-16 ms in a fresh engine process on the H200 (issue 13), and its first call
 resolves its whole table of driver entry points. This module imports only ``ctypes``
 (which torch has imported already), loads the library at the first GPU attach (an engine
-with CUDA initialised has it loaded: dlopen then only finds it), and looks up the dozen
-symbols it uses, once.
+with CUDA initialised has it loaded: dlopen then only finds it), and looks up the 21
+symbols it uses, once: an attach's imports and maps, and publish's allocations and
+exports (client/publish.py; cuda_driver.py did those before, and the client imported
+cuda-bindings for them).
 
 Note [symbols]
 --------------
@@ -14,12 +16,15 @@ cuda.h maps some API names to versioned symbols (``#define cuCtxPushCurrent
 cuCtxPushCurrent_v2``); ctypes sees the library's symbols, so those are the names used
 here: ``cuCtxPushCurrent_v2``, ``cuCtxPopCurrent_v2``, and ``cuDeviceGetUuid_v2`` where
 the driver has it (11.4+; ``cuDeviceGetUuid`` before). The VMM calls
-(``cuMemAddressReserve``, ``cuMemMap``, ``cuMemImportFromShareableHandle``, ...),
+(``cuMemAddressReserve``, ``cuMemMap``, ``cuMemImportFromShareableHandle``, ``cuMemCreate``,
+``cuMemExportToShareableHandle``, ``cuMemGetAllocationGranularity``, ...),
 ``cuDevicePrimaryCtxRetain`` and ``cuCtxSynchronize`` have no versioned symbol. Types as
 in cuda.h on 64-bit Linux: CUresult, CUdevice and the enums are ``int``; CUdeviceptr and
 CUmemGenericAllocationHandle are ``unsigned long long``; CUcontext is a pointer. A POSIX
 fd is passed to cuMemImportFromShareableHandle as the pointer *value*
-``(void *)(uintptr_t)fd``, not as a pointer to an int.
+``(void *)(uintptr_t)fd``, not as a pointer to an int; cuMemExportToShareableHandle
+writes one through an ``int *``. ``CUmemAllocationProp`` is cuda.h's 32-byte struct
+(type, requested handle types, location, a Windows-only pointer, the allocFlags bytes).
 
 Every CUresult is checked: a failure raises :class:`CudaError` naming the call and the
 driver's name and text for the result (cuGetErrorName / cuGetErrorString). A library
@@ -44,6 +49,8 @@ LIBRARY_ENV = "WEIGHTCACHE_LIBCUDA"
 CUDA_SUCCESS = 0
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1
 CU_MEM_LOCATION_TYPE_DEVICE = 0x1
+CU_MEM_ALLOCATION_TYPE_PINNED = 0x1
+CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 0x1
 CU_MEM_ACCESS_FLAGS_PROT_READ = 0x1
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3
 
@@ -68,6 +75,18 @@ class CUmemAccessDesc(ctypes.Structure):
     _fields_ = [("location", CUmemLocation), ("flags", ctypes.c_int)]  # CUmemAccess_flags
 
 
+class CUmemAllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class CUmemAllocationProp(ctypes.Structure):
+    # CUmemAllocationType, CUmemAllocationHandleType, CUmemLocation, void *win32HandleMetaData,
+    # then the allocFlags struct: 32 bytes. Zero-initialised, as cuda.h's users memset it.
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", CUmemLocation),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", CUmemAllocFlags)]
+
+
 _P = ctypes.POINTER
 # name -> (argtypes); every one returns CUresult. The names are the library's symbols (Note [symbols]).
 _SIGNATURES: dict[str, list[Any]] = {
@@ -88,6 +107,10 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuMemUnmap": [_CUdeviceptr, _size_t],
     "cuMemAddressFree": [_CUdeviceptr, _size_t],
     "cuMemRelease": [_CUhandle],
+    # publish's own memory (client/publish.py): allocate, export
+    "cuMemGetAllocationGranularity": [_P(_size_t), _P(CUmemAllocationProp), ctypes.c_int],
+    "cuMemCreate": [_P(_CUhandle), _size_t, _P(CUmemAllocationProp), ctypes.c_ulonglong],
+    "cuMemExportToShareableHandle": [ctypes.c_void_p, _CUhandle, ctypes.c_int, ctypes.c_ulonglong],
 }
 _UUID_SYMBOLS = ("cuDeviceGetUuid_v2", "cuDeviceGetUuid")  # the first the library has
 _UUID_ARGTYPES = [_P(CUuuid), _CUdevice]
@@ -217,31 +240,75 @@ class Driver:
         everything done so far is undone."""
         if len(fds) != len(sizes):
             raise CudaError(f"{len(fds)} fds for {len(sizes)} chunks")
-        total = sum(sizes)
         handles: list[int] = []
         try:
             for fd in fds:
                 h = _CUhandle()
                 self._call("cuMemImportFromShareableHandle", ctypes.byref(h), fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
                 handles.append(h.value)
-            base = _CUdeviceptr()
-            self._call("cuMemAddressReserve", ctypes.byref(base), total, 0, 0, 0)
-            va, mapped = base.value, 0
+            return self._map(handles, sizes, ordinal, read_only=read_only)
+        finally:
+            for h_value in handles:
+                self._fn["cuMemRelease"](h_value)
+
+    def granularity(self, ordinal: int) -> int:
+        """The recommended granularity of an exportable allocation on ``ordinal``."""
+        g = _size_t()
+        self._call("cuMemGetAllocationGranularity", ctypes.byref(g), ctypes.byref(_exportable(ordinal)),
+                   CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
+        return g.value
+
+    def create_exported(self, sizes: list[int], ordinal: int) -> tuple[int, list[int]]:
+        """Allocate one chunk per size on ``ordinal`` (exportable as POSIX fds; sizes that
+        are multiples of :meth:`granularity`), map them back to back read-write in one
+        reserved range, and export each as an fd: ``(base address, fds)``, the fds the
+        caller's to close. Needs a current context. The handles are released here (the
+        mapping and the fds keep the memory). On failure everything done so far is undone."""
+        prop = _exportable(ordinal)
+        handles: list[int] = []
+        fds: list[int] = []
+        try:
+            for size in sizes:
+                h = _CUhandle()
+                self._call("cuMemCreate", ctypes.byref(h), size, ctypes.byref(prop), 0)
+                handles.append(h.value)
+            va = self._map(handles, sizes, ordinal, read_only=False)
             try:
-                for h_value, size in zip(handles, sizes, strict=True):
-                    self._call("cuMemMap", va + mapped, size, 0, h_value, 0)
-                    mapped += size
-                desc = CUmemAccessDesc(CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, ordinal),
-                                       CU_MEM_ACCESS_FLAGS_PROT_READ if read_only else CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
-                self._call("cuMemSetAccess", va, total, ctypes.byref(desc), 1)
+                for h_value in handles:
+                    fd = ctypes.c_int(-1)
+                    self._call("cuMemExportToShareableHandle", ctypes.byref(fd), h_value,
+                               CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
+                    fds.append(fd.value)
             except BaseException:
-                if mapped:
-                    self._fn["cuMemUnmap"](va, mapped)  # best effort: the first error is the one to report
-                self._fn["cuMemAddressFree"](va, total)
+                for fd_value in fds:
+                    os.close(fd_value)
+                self._fn["cuMemUnmap"](va, sum(sizes))  # best effort: the first error is the one to report
+                self._fn["cuMemAddressFree"](va, sum(sizes))
                 raise
         finally:
             for h_value in handles:
                 self._fn["cuMemRelease"](h_value)
+        return va, fds
+
+    def _map(self, handles: list[int], sizes: list[int], ordinal: int, *, read_only: bool) -> int:
+        """Reserve one range, map the handles back to back, set access; the base address.
+        On failure the range is unmapped and freed (the handles stay the caller's)."""
+        total = sum(sizes)
+        base = _CUdeviceptr()
+        self._call("cuMemAddressReserve", ctypes.byref(base), total, 0, 0, 0)
+        va, mapped = base.value, 0
+        try:
+            for h_value, size in zip(handles, sizes, strict=True):
+                self._call("cuMemMap", va + mapped, size, 0, h_value, 0)
+                mapped += size
+            desc = CUmemAccessDesc(CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, ordinal),
+                                   CU_MEM_ACCESS_FLAGS_PROT_READ if read_only else CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            self._call("cuMemSetAccess", va, total, ctypes.byref(desc), 1)
+        except BaseException:
+            if mapped:
+                self._fn["cuMemUnmap"](va, mapped)  # best effort: the first error is the one to report
+            self._fn["cuMemAddressFree"](va, total)
+            raise
         return va
 
     def unmap(self, va: int, total: int) -> None:
@@ -250,6 +317,16 @@ class Driver:
         self._call("cuCtxSynchronize")
         self._call("cuMemUnmap", va, total)
         self._call("cuMemAddressFree", va, total)
+
+
+def _exportable(ordinal: int) -> CUmemAllocationProp:
+    """What the daemon's arenas are too: pinned device memory on ``ordinal`` that can be
+    exported as a POSIX fd."""
+    prop = CUmemAllocationProp()
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    prop.location = CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, ordinal)
+    return prop
 
 
 def _bind(lib: ctypes.CDLL, name: str, argtypes: list[Any]) -> Any:

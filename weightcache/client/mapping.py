@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from ..errors import BadRequest
-from ..protocol.arena import SEGMENT
+from ..protocol.arena import AttachReply, FileArenaDesc, MemfdArenaDesc, VmmArenaDesc
+from .core import close_fds
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -54,8 +55,6 @@ class Layouts(dict[tuple[Any, ...], tuple[torch.dtype, int, int, tuple[int, ...]
         return value
 
 
-
-
 def map_memfd(fd: int, nbytes: int) -> torch.Tensor:
     """Map a sealed memfd (or a file) read-only and wrap it as a uint8 tensor (closes ``fd``)."""
     try:
@@ -69,17 +68,16 @@ def map_memfd(fd: int, nbytes: int) -> torch.Tensor:
         return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
-def map_files(arena: dict[str, Any], fds: list[int]) -> list[torch.Tensor]:
+def map_files(arena: FileArenaDesc, fds: list[int]) -> list[torch.Tensor]:
     """A ``file`` arena's fds (one read-only regular file each) -> one uint8 tensor per
-    file over its first ``arena["files"][i]`` bytes. Takes the fds: each is closed here,
+    file over its first ``arena.files[i]`` bytes. Takes the fds: each is closed here,
     whether this returns or raises (the mappings keep the files)."""
     slabs: list[torch.Tensor] = []
     pending = list(fds)
     try:
-        sizes = arena.get("files")
-        if not isinstance(sizes, list) or len(sizes) != len(fds) or not all(type(n) is int and n > 0 for n in sizes):
-            raise BadRequest(f"file arena: 'files' must list one positive size per fd ({len(fds)} fds), got {sizes!r}"[:300])
-        for fd, size in zip(fds, sizes, strict=True):
+        if len(arena.files) != len(fds):
+            raise BadRequest(f"file arena: 'files' lists {len(arena.files)} sizes for {len(fds)} fds")
+        for fd, size in zip(fds, arena.files, strict=True):
             st = os.fstat(fd)
             # Past a file's end a mapping raises SIGBUS, not an error: refuse a short file here.
             if not stat.S_ISREG(st.st_mode) or st.st_size < size:
@@ -87,20 +85,17 @@ def map_files(arena: dict[str, Any], fds: list[int]) -> list[torch.Tensor]:
             pending.remove(fd)
             slabs.append(map_memfd(fd, size))
     finally:
-        for fd in pending:
-            os.close(fd)
+        close_fds(pending)
     return slabs
 
 
-def file_tensor_views(slabs: list[torch.Tensor], segments: Any, table: list[list[Any]]) -> dict[str, torch.Tensor]:
+def file_tensor_views(slabs: list[torch.Tensor], arena: FileArenaDesc, table: list[list[Any]]) -> dict[str, torch.Tensor]:
     """[name, dtype, shape, offset, nbytes] rows of a ``file`` arena -> views of the mapped
     files (no copies). ``offset`` is in the arena; the segment that holds it says which
     file, and where in it."""
-    if not isinstance(segments, bytes) or len(segments) % SEGMENT.size:
-        raise BadRequest("file arena: 'segments' must be bytes, 32 per segment")
     if not slabs:
         raise BadRequest("file arena without files")
-    segs = list(SEGMENT.iter_unpack(segments))
+    segs = arena.segment_list()
     starts = [s[2] for s in segs]
     end = 0
     for f, fo, ao, n in segs:
@@ -129,28 +124,18 @@ def file_tensor_views(slabs: list[torch.Tensor], segments: Any, table: list[list
     return out
 
 
-def map_arena(arena: dict[str, Any], fds: list[int]) -> torch.Tensor:
-    """The reply's arena description + its fds -> one uint8 tensor over the whole arena.
-    Takes the fds: each is closed exactly once, here or by the mapper it is handed to,
-    whether this returns or raises (the mapping keeps the memory)."""
-    unclaimed = list(fds)
-    try:
-        kind = arena.get("kind")
-        if kind == "memfd":
-            if len(fds) != 1:
-                raise BadRequest(f"memfd arena needs 1 fd, got {len(fds)}")
-            nbytes = int(arena["nbytes"])
-            unclaimed = []  # map_memfd closes it
-            return map_memfd(fds[0], nbytes)
-        if kind == "cuda_vmm":
-            from .cuda_mapping import map_vmm
+def map_arena(arena: MemfdArenaDesc | VmmArenaDesc, fds: list[int]) -> torch.Tensor:
+    """A memfd or VMM arena + its fds -> one uint8 tensor over the whole arena. Takes the
+    fds: each is closed exactly once, here or by the mapper it is handed to, whether this
+    returns or raises (the mapping keeps the memory)."""
+    if isinstance(arena, VmmArenaDesc):
+        from .cuda_mapping import map_vmm
 
-            unclaimed = []  # map_vmm closes them
-            return map_vmm(arena, fds, read_only=not arena.get("writable", False))
-        raise BadRequest(f"unknown arena kind {kind!r}" + (" (one slab per file: map_files)" if kind == "file" else ""))
-    finally:
-        for fd in unclaimed:
-            os.close(fd)
+        return map_vmm(arena, fds, read_only=not arena.writable)  # closes them
+    if len(fds) != 1:
+        close_fds(fds)
+        raise BadRequest(f"memfd arena needs 1 fd, got {len(fds)}")
+    return map_memfd(fds[0], arena.nbytes)  # closes it
 
 
 def tensor_views(slab: torch.Tensor, table: list[list[Any]]) -> dict[str, torch.Tensor]:
@@ -220,14 +205,13 @@ class AttachedModel(Mapping[str, torch.Tensor]):
         return f"AttachedModel({self.name!r}, lease={self.lease}, tensors={len(self)}, device={self.device!r})"
 
 
-def attached_model(name: str, reply: dict[str, Any], fds: list[int]) -> AttachedModel:
-    """An attach reply and its fds (taken, as by :func:`map_arena` and :func:`map_files`) -> the model's tensors.
-    The lease stays the caller's to end."""
-    arena = reply.get("arena") or {}
-    if arena.get("kind") == "file":
-        tensors = file_tensor_views(map_files(arena, fds), arena.get("segments"), reply["tensors"])
+def attached_model(name: str, reply: AttachReply) -> AttachedModel:
+    """A parsed attach reply (its fds taken, as by :func:`map_arena` and :func:`map_files`)
+    -> the model's tensors. The lease stays the caller's to end."""
+    arena = reply.arena
+    if isinstance(arena, FileArenaDesc):
+        tensors = file_tensor_views(map_files(arena, reply.fds), arena, reply.tensors)
     else:
-        tensors = tensor_views(map_arena(arena, fds), reply["tensors"])
-    return AttachedModel(name, reply["lease"], reply["fingerprint"], reply["device"], tensors,
-                         source=reply.get("source", "resident"), arena_kind=arena.get("kind"),
-                         waited_s=float(reply.get("waited_s", 0.0)))
+        tensors = tensor_views(map_arena(arena, reply.fds), reply.tensors)
+    return AttachedModel(name, reply.lease, reply.fingerprint, reply.device, tensors,
+                         source=reply.source, arena_kind=arena.kind, waited_s=reply.waited_s)

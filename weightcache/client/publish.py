@@ -1,7 +1,9 @@
 """Pack an engine's tensors into shareable memory for ``publish``: a sealed memfd for CPU
-tensors, a VMM allocation exported as fds for CUDA tensors. Same layout as an arena
-(256-byte-aligned offsets, the daemon's seals and VMM chunk sizes), same description as
-an attach reply's ``arena``. Imports torch: client.py imports it at the first publish."""
+tensors, a VMM allocation exported as fds for CUDA tensors (through the client's ctypes
+driver binding, client/libcuda.py: no cuda-bindings in an engine). Same layout as an
+arena (256-byte-aligned offsets, the daemon's seals and VMM chunk sizes: protocol/arena.py),
+same description as an attach reply's ``arena``. Imports torch: client.py imports it at
+the first publish."""
 
 from __future__ import annotations
 
@@ -10,11 +12,10 @@ import mmap
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from ..protocol.arena import ARENA_ALIGN, MEMFD_SEALS
+from ..protocol.arena import ARENA_ALIGN, MEMFD_SEALS, MemfdArenaDesc, TensorRow, VmmArenaDesc, chunk_sizes
 from ..units import capacity, round_up
 from .mapping import TORCH_DTYPES
 
@@ -26,13 +27,13 @@ class Packed:
     """What a publish request carries, and how to let go of it afterwards."""
 
     fds: list[int]
-    arena: dict[str, Any]  # as in an attach reply: kind, nbytes (+ chunks, device_uuid)
-    table: list[list[Any]]  # [name, dtype, shape, offset, nbytes] per tensor
+    arena: MemfdArenaDesc | VmmArenaDesc  # as in an attach reply (``to_wire`` for the request)
+    table: list[TensorRow]
     device: str  # the wire's name for the device: "cpu" or "cuda:<uuid>"
     release: Callable[[], None]  # closes the fds and frees this process's copy; call after the reply
 
 
-def layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[list[Any]], int]:
+def layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorRow], int]:
     """The tensor table of an arena holding ``tensors`` in order, and its size in bytes."""
     table, cursor = [], 0
     for name, t in tensors.items():
@@ -40,7 +41,7 @@ def layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[list[Any]], int]:
             raise TypeError(f"tensor {name!r}: dtype {t.dtype} cannot be published")
         cursor = round_up(cursor, ARENA_ALIGN)
         nbytes = t.numel() * t.element_size()
-        table.append([name, SAFETENSORS_NAMES[t.dtype], list(t.shape), cursor, nbytes])
+        table.append(TensorRow(name, SAFETENSORS_NAMES[t.dtype], list(t.shape), cursor, nbytes))
         cursor += nbytes
     return table, cursor
 
@@ -53,8 +54,8 @@ def pack(tensors: Mapping[str, torch.Tensor]) -> Packed:
     """Copy ``tensors`` (all on one device) into memory the daemon can take.
 
     >>> packed = pack({"w": torch.ones(4)})
-    >>> packed.device, packed.arena, packed.table
-    ('cpu', {'kind': 'memfd', 'nbytes': 4096}, [['w', 'F32', [4], 0, 16]])
+    >>> packed.device, packed.arena.to_wire(), packed.table
+    ('cpu', {'kind': 'memfd', 'nbytes': 4096}, [TensorRow('w', 'F32', [4], 0, 16)])
     >>> packed.release()
     """
     devices = {t.device for t in tensors.values()}
@@ -69,50 +70,45 @@ def pack(tensors: Mapping[str, torch.Tensor]) -> Packed:
     raise ValueError(f"cannot publish tensors on {device}")
 
 
-def _pack_memfd(tensors: Mapping[str, torch.Tensor], table: list[list[Any]], size: int) -> Packed:
+def _pack_memfd(tensors: Mapping[str, torch.Tensor], table: list[TensorRow], size: int) -> Packed:
     size = capacity(size, mmap.PAGESIZE)
     fd = os.memfd_create("weightcache-publish", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
         with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as m:
-            for (_name, t), (_, _, _, off, n) in zip(tensors.items(), table, strict=True):
-                if n:
-                    m[off : off + n] = _bytes_of(t).numpy().tobytes()
+            for t, row in zip(tensors.values(), table, strict=True):
+                if row.nbytes:
+                    m[row.offset : row.offset + row.nbytes] = _bytes_of(t).numpy().tobytes()
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, MEMFD_SEALS)  # the daemon refuses memory we could still change
     except BaseException:
         os.close(fd)
         raise
-    return Packed([fd], {"kind": "memfd", "nbytes": size}, table, "cpu", lambda: os.close(fd))
+    return Packed([fd], MemfdArenaDesc(size), table, "cpu", lambda: os.close(fd))
 
 
-def _pack_vmm(tensors: Mapping[str, torch.Tensor], table: list[list[Any]], size: int, ordinal: int) -> Packed:
-    from cuda.bindings import driver as cu
-
-    from .. import cuda_driver as drv
+def _pack_vmm(tensors: Mapping[str, torch.Tensor], table: list[TensorRow], size: int, ordinal: int) -> Packed:
     from .cuda_mapping import VmmMapping
+    from .libcuda import driver
 
-    torch.cuda.init()
+    drv = driver()
+    torch.cuda.init()  # torch and we share the primary context (cuda_driver's Note [contexts])
     ctx = drv.primary_context(ordinal)
     gran = drv.granularity(ordinal)
     total = capacity(size, gran)
-    sizes = drv.chunk_sizes(total, gran)  # ~1 GiB chunks like the daemon's arenas (backends/cuda.py says why)
-    prop = drv.allocation_prop(ordinal)
-    fds: list[int] = []
+    sizes = chunk_sizes(total, gran)  # ~1 GiB chunks like the daemon's arenas
     with drv.current(ctx):
-        handles = [drv.check(cu.cuMemCreate(s, prop, 0)) for s in sizes]
-        try:
-            va = drv.map_chunks(handles, sizes, ordinal, read_only=False)
-            fds = [int(drv.check(cu.cuMemExportToShareableHandle(h, drv.FD_HANDLE, 0))) for h in handles]
-        finally:
-            for h in handles:
-                cu.cuMemRelease(h)  # the mapping (and the fds) keep the memory
-    slab = torch.as_tensor(VmmMapping(va, total, ordinal, ctx), device=f"cuda:{ordinal}")
-    for (_name, t), (_, _, _, off, n) in zip(tensors.items(), table, strict=True):
-        if n:
-            slab[off : off + n].copy_(_bytes_of(t))
-    torch.cuda.synchronize(ordinal)
+        va, fds = drv.create_exported(sizes, ordinal)
+    try:
+        slab = torch.as_tensor(VmmMapping(va, total, ordinal, ctx), device=f"cuda:{ordinal}")  # unmapped when collected
+        for t, row in zip(tensors.values(), table, strict=True):
+            if row.nbytes:
+                slab[row.offset : row.offset + row.nbytes].copy_(_bytes_of(t))
+        torch.cuda.synchronize(ordinal)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
     uuid = drv.device_uuid(ordinal)
-    desc = {"kind": "cuda_vmm", "nbytes": total, "chunks": sizes, "device_uuid": uuid}
 
     def release() -> None:
         nonlocal slab
@@ -120,4 +116,4 @@ def _pack_vmm(tensors: Mapping[str, torch.Tensor], table: list[list[Any]], size:
             os.close(fd)
         del slab  # unmaps; the daemon has its own copy by now
 
-    return Packed(fds, desc, table, f"cuda:{uuid}", release)
+    return Packed(fds, VmmArenaDesc(total, sizes, uuid), table, f"cuda:{uuid}", release)

@@ -8,15 +8,16 @@ its own. The first version ran the async client on a private loop thread; starti
 thread and loop, and two cross-thread handoffs per call, cost a fresh engine ~0.6-1.2 ms
 of a ~2 ms connect on the H200 (issue 13), against 0.35 ms for the async client's connect.
 
-One implementation of the protocol: the ops are client.py's ``ClientOps`` coroutines, and
+One implementation of the protocol: the ops are client.py's ``ClientOps`` coroutines,
+connecting (the retry loop, the hello) is connection.py's ``ConnectionBase``, and
 everything that is not waiting (framing, reading replies and their fds, errors, stale
-replies) is connection.py's ``ConnectionBase``. ``BlockingConnection`` implements the
+replies) is core.py's ``ClientCore``. ``BlockingConnection`` implements the
 waits with plain blocking calls, so those coroutines never suspend: ``run_to_end`` drives
 one with a single ``send(None)`` and gets its result (or exception) back, and raises if
 one ever does suspend (a wait that is not the transport's).
 
 - Socket: non-blocking, waited on with poll(2) up to each request's deadline, so one
-  socket serves several threads and every wait keeps its own bound (Note [timeouts]).
+  socket serves several threads and every wait keeps its own bound (Note [timeouts] in core.py).
 - Threads: any number may call one client at once, as before. Sends are serialised by a
   lock; replies are read by whichever waiting thread finds nobody reading (it hands
   every reply it reads to the thread waiting for its id, and wakes the others when it
@@ -38,31 +39,19 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import math
 import os
 import sys
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
-from ..errors import DaemonUnavailable, RequestTimeout, WeightcacheError
-from ..protocol import PROTOCOL_VERSION, FrameDecoder
+from ..errors import DaemonUnavailable, WeightcacheError
 from ..protocol.transport import recv_with_fds_blocking, send_with_fds_blocking
 from .client import Client, ClientOps
-from .connection import (
-    DEFAULT_CONNECT_TIMEOUT,
-    DEFAULT_MAX_FRAME_BYTES,
-    DEFAULT_REQUEST_TIMEOUT,
-    RETRY_FIRST_S,
-    RETRY_MAX_S,
-    ConnectionBase,
-    Reply,
-    check_daemon_identity,
-    prefetch_attach,
-)
+from .connection import ConnectionBase
+from .core import DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_FRAME_BYTES, DEFAULT_REQUEST_TIMEOUT, Reply
 
 if TYPE_CHECKING:
     import socket
@@ -118,58 +107,24 @@ class BlockingConnection(ConnectionBase):
         self._state = threading.Condition()  # guards what follows; notified when a reply lands or the reader stops
         self._pending: dict[int, Reply | WeightcacheError | None] = {}
         self._reading = False  # a thread is reading replies for everyone
-        self._decoder = FrameDecoder(self._max_frame)
-        self._fd_queue: deque[int] = deque()
         self._leftover_leases: list[int] = []  # from late attach replies: detached after the read that found them
 
-    # -- connecting -----------------------------------------------------------------
-    async def _open(self, hello: dict[str, Any]) -> None:
-        prefetch_attach()
-        sock, started = self._connect_socket()
-        self._sock, self._closed_error = sock, None
-        self._decoder = FrameDecoder(self._max_frame)
-        try:
-            limit = None if math.isinf(self.connect_timeout) else max(1e-3, started + self.connect_timeout - time.monotonic())
-            try:
-                self.server_info = await self.request("hello", timeout=limit if limit is not None else math.inf, **hello)
-            except RequestTimeout:
-                raise self._no_answer() from None
-        except BaseException:
-            self._close_now()
-            raise
-
-    def _connect_socket(self) -> tuple[socket.socket, float]:
-        """As Connection._connect_socket: retries while the daemon is not there, up to
-        ``wait_for_daemon``; each attempt's connect is bounded by ``connect_timeout``."""
-        give_up = time.monotonic() + self.wait_for_daemon
-        delay = RETRY_FIRST_S
+    # -- connecting: the waits of ConnectionBase._connect ----------------------------
+    async def _connect_once(self, sock: socket.socket, deadline: float | None) -> None:
         while True:
-            started = time.monotonic()
             try:
-                return self._connect_once(None if math.isinf(self.connect_timeout) else started + self.connect_timeout), started
-            except TimeoutError:
-                raise self._no_answer() from None
-            except OSError as exc:
-                wait = self._retry_after(exc, give_up, time.monotonic(), delay)
-            time.sleep(wait)
-            delay = min(2 * delay, RETRY_MAX_S)
+                sock.connect(self.core.socket_path)
+                return
+            except (BlockingIOError, InterruptedError):  # the listen backlog is full: wait for room
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError from None
+                time.sleep(1e-3)
 
-    def _connect_once(self, deadline: float | None) -> socket.socket:
-        sock = self._new_socket()
-        try:
-            while True:
-                try:
-                    sock.connect(self.socket_path)
-                    break
-                except (BlockingIOError, InterruptedError):  # the listen backlog is full: wait for room
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise TimeoutError from None
-                    time.sleep(1e-3)
-            check_daemon_identity(sock, self.socket_path)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+    async def _sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def _started(self) -> None:
+        pass  # replies are read by the threads that wait for them (_wait_for)
 
     async def close(self) -> None:
         self._close_now()
@@ -177,18 +132,15 @@ class BlockingConnection(ConnectionBase):
     def _close_now(self) -> None:
         with self._state:
             sock, self._sock = self._sock, None
-            if self._closed_error is None:
-                self._closed_error = DaemonUnavailable("client closed")
-            self._fail_pending(self._closed_error)
+            self._fail_pending(self.core.stop(DaemonUnavailable("client closed")))
             self._leftover_leases.clear()  # they end with the connection
-            while self._fd_queue:
-                os.close(self._fd_queue.popleft())
         if sock is not None:
             sock.close()
 
     # -- requests -------------------------------------------------------------------
     async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None) -> Reply:
-        rid, limit, frame = self._frame(op, timeout, args, send_fds)
+        rid, frame = self.core.request(op, args, len(send_fds or ()))
+        limit = self.core.limit(op, timeout)
         deadline = _deadline(limit)
         with self._state:
             self._pending[rid] = _WAITING
@@ -199,7 +151,7 @@ class BlockingConnection(ConnectionBase):
             try:
                 sock = self._sock
                 if sock is None:
-                    raise self._closed_error or DaemonUnavailable("client closed")
+                    raise self.core.error or DaemonUnavailable("client closed")
                 sending = True
                 send_with_fds_blocking(sock, frame, send_fds or [], deadline)
                 sending = False
@@ -208,19 +160,19 @@ class BlockingConnection(ConnectionBase):
             reply, fds = self._wait_for(rid, deadline)
         except BaseException as exc:
             if sending:  # part of the frame may be out (Note [timeouts])
-                self._break_connection(self._abandoned(op))
+                self._break_connection(self.core.abandoned(op))
             if isinstance(exc, TimeoutError):
-                raise self._timed_out(op, limit) from None
+                raise self.core.timed_out(op, limit) from None
             if isinstance(exc, OSError):
-                raise DaemonUnavailable(f"connection to {self.socket_path} broke: {exc}") from exc
+                raise self.core.broken(exc) from exc
             raise
         finally:
             with self._state:
                 slot = self._pending.pop(rid, None)  # a late reply for rid is now dropped (Note [cancellation])
             if isinstance(slot, tuple):  # interrupted after its reply came in: give it back
-                self._drop_reply(*slot)
+                self._unclaimed(*slot)
             self._detach_leftovers()
-        return self._checked(reply, fds)
+        return self.core.checked(reply, fds)
 
     def _wait_for(self, rid: int, deadline: float | None) -> Reply:
         """The reply to ``rid``: read by this thread, or by another that is reading."""
@@ -228,8 +180,8 @@ class BlockingConnection(ConnectionBase):
             while True:
                 if (got := self._take(rid)) is not None:
                     return got
-                if self._closed_error is not None:
-                    raise self._closed_error
+                if self.core.error is not None:
+                    raise self.core.error
                 if not self._reading:
                     self._reading = True
                     break
@@ -264,30 +216,29 @@ class BlockingConnection(ConnectionBase):
         Only the thread that is reading calls this."""
         sock = self._sock
         if sock is None:
-            raise self._closed_error or DaemonUnavailable("client closed")
+            raise self.core.error or DaemonUnavailable("client closed")
         try:
             data, fds = recv_with_fds_blocking(sock, deadline)
         except TimeoutError:
             raise
         except OSError as exc:
-            self._break_connection(DaemonUnavailable(f"connection to {self.socket_path} broke: {exc}"))
+            self._break_connection(self.core.broken(exc))
             raise
         try:
-            replies = self._read_replies(self._decoder, self._fd_queue, data, fds)
+            replies = self.core.receive(data, fds)
             with self._state:
                 for reply, mine in replies:
                     rid = reply.get("id")
                     if rid in self._pending and self._pending[rid] is _WAITING:
                         self._pending[rid] = (reply, mine)
                     else:
-                        self._drop_reply(reply, mine)
+                        self._unclaimed(reply, mine)
                 self._state.notify_all()
         except WeightcacheError as exc:  # the end of the stream, or garbage: the connection is over
             self._break_connection(exc)
             raise
         except BaseException:  # e.g. KeyboardInterrupt: bytes read but not handed on
-            self._break_connection(DaemonUnavailable(
-                f"connection to {self.socket_path} closed: a read was interrupted", socket=self.socket_path))
+            self._break_connection(self.core.interrupted())
             raise
 
     def _give_back(self, lease: int) -> None:
@@ -301,8 +252,8 @@ class BlockingConnection(ConnectionBase):
             leases, self._leftover_leases = self._leftover_leases, []
         for lease in leases:
             with contextlib.suppress(WeightcacheError, OSError):
-                _rid, limit, frame = self._frame("detach", None, {"lease": lease}, None)
-                deadline = _deadline(limit)
+                _rid, frame = self.core.request("detach", {"lease": lease})
+                deadline = _deadline(self.core.limit("detach", None))
                 if not _acquire(self._send_lock, deadline):
                     continue  # another thread is stuck sending; the connection will break with it
                 try:
@@ -310,7 +261,7 @@ class BlockingConnection(ConnectionBase):
                         try:
                             send_with_fds_blocking(self._sock, frame, [], deadline)
                         except BaseException:
-                            self._break_connection(self._abandoned("detach"))
+                            self._break_connection(self.core.abandoned("detach"))
                             raise
                 finally:
                     self._send_lock.release()
@@ -329,8 +280,7 @@ class BlockingConnection(ConnectionBase):
     def _break_connection(self, err: WeightcacheError) -> None:
         """The stream is out of step or over: fail every request and close the socket."""
         with self._state:
-            if self._closed_error is None:
-                self._closed_error = err
+            self.core.stop(err)
         self._close_now()
 
     def _fail_pending(self, exc: WeightcacheError) -> None:
@@ -366,7 +316,7 @@ class SyncClient:
     >>> with SyncClient() as c, c.attach("qwen-7b") as weights:   # doctest: +SKIP
     ...     model = load_into_module(skeleton, weights)
 
-    Each call returns, or raises, within its timeout (Note [timeouts] in connection.py);
+    Each call returns, or raises, within its timeout (Note [timeouts] in core.py);
     the constructor waits up to ``wait_for_daemon`` for a daemon not started yet (Note
     [waiting for the daemon]). The I/O happens in the calling thread (Note [blocking
     transport]); several threads may share one client. Importing it does not import
@@ -379,7 +329,7 @@ class SyncClient:
         self._client = _BlockingClient(socket_path, name=name, max_frame_bytes=max_frame_bytes,
                                        connect_timeout=connect_timeout, request_timeout=request_timeout,
                                        load_timeout=load_timeout, wait_for_daemon=wait_for_daemon)
-        run_to_end(self._client._open({"protocol": PROTOCOL_VERSION, "client": self._client.name}))
+        run_to_end(self._client._open())
         _open_clients.add(self)
 
     def close(self) -> None:

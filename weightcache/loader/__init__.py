@@ -1,8 +1,10 @@
 """Checkpoint opening, parsing and parallel reading."""
 
-from .checkpoint import ARENA_ALIGN, Checkpoint, TensorInfo, open_checkpoint, parse_checkpoint
+from ..protocol.arena import ARENA_ALIGN
+from .checkpoint import Checkpoint, open_checkpoint, parse_checkpoint
 from .reader import ArenaWriter, Progress, fingerprint_files, read_checkpoint
 from .sources import OpenedSource, SourceFile, adopt_fds, open_source
+from .tensor_table import TensorInfo
 
 __all__ = [
     "ARENA_ALIGN", "ArenaWriter", "Checkpoint", "OpenedSource", "Progress", "SourceFile", "TensorInfo", "adopt_fds",

@@ -18,7 +18,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import BadRequest
-from .checkpoint import ARENA_ALIGN, DTYPE_SIZES, LIMIT, MAX_NAME_CHARS, Checkpoint, TensorInfo, nbytes_of, show
+from ..protocol.arena import ARENA_ALIGN
+from .checkpoint import Checkpoint
+from .layout import LIMIT, MAX_NAME_CHARS, nbytes_of, show
+from .tensor_table import DTYPE_SIZES, TensorInfo
 
 
 def published_checkpoint(name: str, table: Any, arena_nbytes: int, fingerprint: str) -> Checkpoint:

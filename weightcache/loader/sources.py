@@ -32,7 +32,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ..errors import BadRequest, CorruptCheckpoint, LoadFailed, PermissionDenied, WeightcacheError
+from ..errors import BadRequest, LoadFailed, PermissionDenied, WeightcacheError
+from .layout import corrupt
 
 INDEX_SUFFIX = ".safetensors.index.json"
 MAX_INDEX_BYTES = 16 * 2**20  # the largest real index (tens of thousands of tensors) is a few MiB; as the header cap
@@ -75,10 +76,6 @@ class OpenedSource:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"fds {[f.fd for f in self.files]}"
         return f"OpenedSource({self.source!r}, {len(self.files)} files, {state})"
-
-
-def _corrupt(path: str, reason: str) -> CorruptCheckpoint:
-    return CorruptCheckpoint(f"{path}: {reason}", file=path, reason=reason)
 
 
 def _fd_path(fd: int) -> str:
@@ -283,13 +280,13 @@ def index_names(raw: bytes, index: str) -> list[str]:
             reason += f": {exc.msg.partition(': ')[0]} at char {exc.pos}"
         elif not isinstance(exc, UnicodeDecodeError):
             reason += f": {exc}"
-        raise _corrupt(index, reason) from None
+        raise corrupt(index, reason) from None
     except RecursionError:
-        raise _corrupt(index, "invalid index: nested too deeply") from None
+        raise corrupt(index, "invalid index: nested too deeply") from None
     names = sorted(set(weight_map.values()))
     for n in names:
         if not n or os.path.isabs(n) or ".." in Path(n).parts or "\0" in n:
-            raise _corrupt(index, f"index names a file outside its directory: {n[:200]!r}")
+            raise corrupt(index, f"index names a file outside its directory: {n[:200]!r}")
     return names
 
 
@@ -376,7 +373,7 @@ def _open_indexed(op: _Opener, dfd: int, index_path: str, ifd: int) -> OpenedSou
     """Read the index from ``ifd`` (then close it) and open the files it names relative to ``dfd``."""
     raw = read_capped(ifd, MAX_INDEX_BYTES)
     if raw is None:
-        raise _corrupt(index_path, f"invalid index: larger than {MAX_INDEX_BYTES >> 20} MiB")
+        raise corrupt(index_path, f"invalid index: larger than {MAX_INDEX_BYTES >> 20} MiB")
     op.release(ifd)
     parent = Path(index_path).parent
     names = index_names(raw, index_path)

@@ -8,7 +8,7 @@ daemon's resident copy over NIXL instead of from the files.
 - transport.py: the NIXL agent; wire.py: the control channel's frames.
 
 ``Peers`` ties them to a daemon: ``start``/``close`` with it, ``fill`` from the load path
-(server/loads.py, the one hook), ``status`` for the status op. The ``nixl`` package is
+(server/residency/flight.py, the one hook), ``status`` for the status op. The ``nixl`` package is
 optional (``pip install weightcache[peers]``): without it the daemon logs why and loads
 from the files.
 """
@@ -41,7 +41,7 @@ from .transport import Transport, unavailable
 
 
 class Job(Protocol):
-    """The load in flight the fill is for (server/loads.py LoadJob): where its bytes come
+    """The load in flight the fill is for (server/residency/job.py LoadJob): where its bytes come
     from, and whether it was given up."""
 
     name: str
@@ -81,7 +81,7 @@ def known_fingerprint(settings: PeersConfig, name: str, ckpt: Checkpoint, opened
 
 class Peers:
     def __init__(self, settings: PeersConfig, *, core: CacheCore, registry: Registry, backends: dict[str, Backend],
-                 notify_space: Callable[[], Awaitable[None]], shutting_down: Callable[[], bool]) -> None:
+                 notify_space: Callable[[], None], shutting_down: Callable[[], bool]) -> None:
         self.settings = settings
         self.daemon_id = f"{socket.gethostname()}/{os.getpid()}/{os.urandom(4).hex()}"
         self.directory = Directory(settings, self.daemon_id)

@@ -58,7 +58,7 @@ def tier(device: str) -> str:
 class Lender:
     def __init__(self, *, daemon_id: str, core: CacheCore, registry: Registry, backends: dict[str, Backend],
                  transport: Callable[[], Transport | None], allowed: Callable[[str], Awaitable[bool]],
-                 notify_space: Callable[[], Awaitable[None]], timeout_s: float, serve: bool) -> None:
+                 notify_space: Callable[[], None], timeout_s: float, serve: bool) -> None:
         self.daemon_id = daemon_id
         self.core = core
         self.registry = registry
@@ -219,7 +219,7 @@ class Lender:
                     del self._by_peer[host]
                 log.info("lend of %s to peer %s ended after %.2fs", name, host, time.monotonic() - t0,
                          extra={"model": name, "peer": host})
-                await self._notify_space()
+                self._notify_space()
 
 
 def same_host(a: str, b: str) -> bool:

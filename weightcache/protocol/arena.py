@@ -1,14 +1,39 @@
-"""The arena's layout on the wire, defined once for the daemon that exports arenas and
-the client that maps them (docs/protocol.md, "attach"): both ends import it, so the
-layout cannot drift between them (issue 26: the segment format was written twice)."""
+"""The arena on the wire, defined once for the daemon that exports arenas and the client
+that maps them (docs/protocol.md, "attach" and "publish"): both ends import it, so the
+layout cannot drift between them (issue 26: the segment format was written twice, and
+each backend built its reply's arena map by hand while the client parsed it by hand).
+:func:`parse_attach` reads a whole attach reply around its arena, for the client.
+
+An arena travels as a map, ``{"kind": ..., "nbytes": ..., ...}``, beside its fds. Each
+kind is a record here that builds that map (``to_wire``) and is parsed back from it
+(:func:`parse_arena`), checking what a client must check before it maps anything:
+
+- :class:`MemfdArenaDesc`: one sealed memfd (attach replies on the CPU, CPU publishes);
+- :class:`FileArenaDesc`: the checkpoint's own files, one fd each, and the segments
+  that say where each arena range lies in them (attach replies on the CPU);
+- :class:`VmmArenaDesc`: CUDA VMM chunks, one fd each, on the GPU named by its UUID
+  (attach replies on a GPU, GPU publishes).
+
+An attach reply's map also says ``writable`` (the daemon adds it per request); a publish
+request's never does. The tensor table beside it is one :class:`TensorRow` per tensor.
+
+The records are plain classes with ``__slots__``, not dataclasses: an engine imports
+this module on its restart path (with the attach half, client/mapping.py, at the first
+attach or while connecting), and making one frozen dataclass with slots cost ~0.5 ms on
+the 2-core VM (a plain class ~6 us), more than the rest of this module.
+"""
 
 from __future__ import annotations
 
 import fcntl
+import os
 import struct
+from typing import Any
+
+from ..errors import BadRequest
 
 # Every tensor starts ARENA_ALIGN-aligned within its arena: what CUDA kernels and any
-# dtype's view need. Checkpoint layouts (loader/checkpoint.py) and published tables
+# dtype's view need. Checkpoint layouts (loader/layout.py) and published tables
 # (client/publish.py, loader/published.py) both follow it.
 ARENA_ALIGN = 256
 
@@ -18,3 +43,192 @@ SEGMENT = struct.Struct("<4Q")
 # A memfd arena (attach replies, publish requests) carries these seals: no writable
 # mapping, no resize, no more seal changes.
 MEMFD_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+MEMFD, FILE, CUDA_VMM = "memfd", "file", "cuda_vmm"  # the wire's arena kinds
+
+# A VMM arena's chunks: ~1 GiB each, granularity-rounded (export cost grows per fd:
+# backends/cuda.py), the last one the rest. The daemon's arenas and an engine's
+# published memory are laid out alike.
+CHUNK_BYTES = 1 << 30
+
+
+def chunk_sizes(total: int, granularity: int) -> list[int]:
+    """The chunks of a VMM arena of ``total`` bytes (a multiple of ``granularity``)."""
+    from ..units import capacity  # the daemon's and publish's: not an attach's, which imports this module
+
+    chunk = capacity(CHUNK_BYTES, granularity)
+    return [min(chunk, total - off) for off in range(0, total, chunk)]
+
+
+class TensorRow(tuple[str, str, list[int], int, int]):
+    """One row of a tensor table, in the wire's order: ``nbytes`` bytes at byte
+    ``offset`` of the arena (a multiple of ARENA_ALIGN), C-contiguous, ``dtype`` a
+    safetensors dtype name. msgpack sends it as the array it is (a tuple); readers
+    unpack rows positionally in this order. Written out rather than a NamedTuple, which
+    cost ~0.3 ms to create at import (see the module docstring)."""
+
+    __slots__ = ()
+
+    def __new__(cls, name: str, dtype: str, shape: list[int], offset: int, nbytes: int) -> TensorRow:
+        return tuple.__new__(cls, (name, dtype, shape, offset, nbytes))
+
+    @property
+    def name(self) -> str:
+        return self[0]
+
+    @property
+    def dtype(self) -> str:
+        return self[1]
+
+    @property
+    def shape(self) -> list[int]:
+        return self[2]
+
+    @property
+    def offset(self) -> int:
+        return self[3]
+
+    @property
+    def nbytes(self) -> int:
+        return self[4]
+
+    def __repr__(self) -> str:
+        return f"TensorRow{tuple(self)!r}"
+
+
+class MemfdArenaDesc:
+    """One sealed memfd of ``nbytes`` bytes (MEMFD_SEALS): map it whole, read-only."""
+
+    __slots__ = ("nbytes", "writable")
+    kind = MEMFD
+
+    def __init__(self, nbytes: int, *, writable: bool = False) -> None:
+        self.nbytes = nbytes
+        self.writable = writable  # what the attach reply said; a memfd is never mapped writable
+
+    @property
+    def fd_count(self) -> int:
+        return 1
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": MEMFD, "nbytes": self.nbytes}
+
+
+class FileArenaDesc:
+    """The checkpoint's files served from their page cache: fd ``i`` is mapped over its
+    first ``files[i]`` bytes; ``segments`` (SEGMENT records, sorted by arena offset) say
+    which file bytes are which arena bytes."""
+
+    __slots__ = ("files", "nbytes", "segments", "writable")
+    kind = FILE
+
+    def __init__(self, nbytes: int, files: list[int], segments: bytes, *, writable: bool = False) -> None:
+        self.nbytes = nbytes
+        self.files = files
+        self.segments = segments
+        self.writable = writable
+
+    @property
+    def fd_count(self) -> int:
+        return len(self.files)
+
+    def segment_list(self) -> list[tuple[int, int, int, int]]:
+        """``(file, file_offset, arena_offset, nbytes)`` per segment."""
+        return list(SEGMENT.iter_unpack(self.segments))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": FILE, "nbytes": self.nbytes, "files": self.files, "segments": self.segments}
+
+
+class VmmArenaDesc:
+    """CUDA VMM chunks of ``chunks[i]`` bytes, one exported POSIX fd each, mapped back to
+    back in one range on the GPU whose UUID is ``device_uuid``."""
+
+    __slots__ = ("chunks", "device_uuid", "nbytes", "writable")
+    kind = CUDA_VMM
+
+    def __init__(self, nbytes: int, chunks: list[int], device_uuid: str, *, writable: bool = False) -> None:
+        self.nbytes = nbytes
+        self.chunks = chunks
+        self.device_uuid = device_uuid
+        self.writable = writable
+
+    @property
+    def fd_count(self) -> int:
+        return len(self.chunks)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": CUDA_VMM, "nbytes": self.nbytes, "chunks": self.chunks, "device_uuid": self.device_uuid}
+
+
+ArenaDesc = MemfdArenaDesc | FileArenaDesc | VmmArenaDesc
+
+
+def _sizes(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not value or not all(type(n) is int and n > 0 for n in value):
+        raise BadRequest(f"{what} must list positive sizes, got {value!r}"[:300])
+    return value
+
+
+def parse_arena(wire: Any) -> ArenaDesc:
+    """An arena map as it came off the wire -> its record. Raises BadRequest, naming the
+    field, for an unknown kind or a field of the wrong shape: nothing is mapped from a
+    description that does not hold together."""
+    if not isinstance(wire, dict):
+        raise BadRequest(f"the arena must be a map, got {type(wire).__name__}")
+    kind, nbytes, writable = wire.get("kind"), wire.get("nbytes"), wire.get("writable", False)
+    if type(nbytes) is not int or nbytes <= 0:
+        raise BadRequest(f"{kind} arena: 'nbytes' must be a positive integer, got {nbytes!r}"[:300])
+    if type(writable) is not bool:
+        raise BadRequest(f"{kind} arena: 'writable' must be a boolean, got {writable!r}"[:300])
+    if kind == MEMFD:
+        return MemfdArenaDesc(nbytes, writable=writable)
+    if kind == FILE:
+        segments = wire.get("segments")
+        if not isinstance(segments, bytes) or len(segments) % SEGMENT.size:
+            raise BadRequest(f"file arena: 'segments' must be bytes, {SEGMENT.size} per segment")
+        return FileArenaDesc(nbytes, _sizes(wire.get("files"), "file arena: 'files'"), segments, writable=writable)
+    if kind == CUDA_VMM:
+        uuid = wire.get("device_uuid")
+        if not isinstance(uuid, str):
+            raise BadRequest(f"cuda_vmm arena: 'device_uuid' must be a string, got {uuid!r}"[:300])
+        return VmmArenaDesc(nbytes, _sizes(wire.get("chunks"), "cuda_vmm arena: 'chunks'"), uuid, writable=writable)
+    raise BadRequest(f"unknown arena kind {kind!r}"[:200])
+
+
+class AttachReply:
+    """An attach reply read and checked: the arena as its typed record, its fds (as many
+    as the arena needs), the lease, and the tensor table (TensorRow order) to view."""
+
+    __slots__ = ("arena", "device", "fds", "fingerprint", "lease", "source", "tensors", "waited_s")
+
+    def __init__(self, lease: int, fingerprint: str, device: str, arena: ArenaDesc, tensors: list[list[Any]],
+                 fds: list[int], source: str, waited_s: float) -> None:
+        self.lease = lease
+        self.fingerprint = fingerprint
+        self.device = device
+        self.arena = arena
+        self.tensors = tensors
+        self.fds = fds  # the caller's to close, or to hand to the mapper that closes them
+        # Where the daemon got the bytes: "resident" (a hit), "host", "files" or "peer".
+        self.source = source
+        self.waited_s = waited_s  # seconds the daemon waited for room that others held
+
+
+def parse_attach(reply: dict[str, Any], fds: list[int]) -> AttachReply:
+    """An attach reply and its fds -> :class:`AttachReply` (the client's reading of it).
+    Raises BadRequest for a reply that does not hold together, closing the fds first:
+    nothing is mapped from it."""
+    try:
+        arena = parse_arena(reply.get("arena"))
+        if len(fds) != arena.fd_count:
+            raise BadRequest(f"{arena.kind} arena needs {arena.fd_count} fds, {len(fds)} arrived")
+        tensors, lease, fingerprint, device = reply.get("tensors"), reply.get("lease"), reply.get("fingerprint"), reply.get("device")
+        if not isinstance(tensors, list) or type(lease) is not int or not isinstance(fingerprint, str) or not isinstance(device, str):
+            raise BadRequest("an attach reply needs 'tensors' (a list), 'lease' (an int), 'fingerprint' and 'device' (strings)")
+        return AttachReply(lease, fingerprint, device, arena, tensors, fds, str(reply.get("source", "resident")),
+                           float(reply.get("waited_s", 0.0)))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise

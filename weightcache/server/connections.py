@@ -3,24 +3,8 @@ peer from costing the others.
 
 Each connection owns its raw non-blocking socket (see protocol/transport.py for why not
 streams). Every request runs as its own task, so a slow ``load`` never holds up a
-``status`` on the same or another connection.
-
-Note [untrusted peers]
-----------------------
-Any allowed peer may be hostile. Nothing one connection sends may cost the daemon
-unbounded memory, fds, threads or loop time, or delay another connection:
-- requests: at most max_requests_per_connection in flight; beyond that, or while a
-  reply of more than max_queued_reply_bytes waits for the peer to read it, the daemon
-  stops reading the connection (the kernel's buffer then stops the peer);
-- frames: one deadline per frame from its first byte (frame_read_timeout_s), a deadline
-  for hello, and half-received frames summed over every connection
-  (max_partial_frame_bytes);
-- fds: only with a frame's first bytes, at most max_fds_per_frame, and at most
-  max_fds_per_uid waiting for frames not yet complete; and, the other way, at most
-  max_fds_per_uid sent to a uid's peers that they have not read (Connections._fds_out):
-  the kernel counts fds in flight against the daemon's RLIMIT_NOFILE;
-- decoding: msgpack's structural limits (framing.decode_payload) bound loop time; big
-  tables are validated in the io pool and attach tables are encoded once.
+``status`` on the same or another connection. What one peer may cost the others is
+bounded as bounds.py's Note [untrusted peers] says, by the counts kept there.
 """
 
 from __future__ import annotations
@@ -28,17 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import fcntl
 import itertools
 import logging
 import os
 import socket
-import struct
-import termios
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..cache import CacheCore
@@ -59,41 +38,17 @@ from ..protocol.messages import ADMIN_OPS
 from ..protocol.packed import encode_reply
 from ..protocol.transport import recv_with_fds, send_with_fds
 from .access import AccessPolicy, Peer
+from .bounds import Bounds, Connection
 from .handlers import HANDLERS, OWNER_PIN_OPS, hello, redact
-from .loads import Loads
 from .logs import PeerEventLog
 from .metrics import Metrics
 from .requests import Caller, Context, Request
+from .residency import Residency
 
 log = logging.getLogger("weightcache.daemon")
 
 _REFUSED_WHILE_STOPPING = frozenset({"load", "attach", "register", "publish"})
 _CLIENT_NAME_CHARS = 128
-
-
-@dataclass
-class Connection:
-    id: int
-    sock: socket.socket
-    peer: Peer  # pid, uid, gid(s) from SO_PEERCRED
-    client: str = "?"
-    greeted: bool = False
-    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    tasks: dict[asyncio.Task[None], str] = field(default_factory=dict)  # request in flight -> its op
-    fds: deque[int] = field(default_factory=deque)  # received, not yet claimed by a frame ("fds": n)
-    unsent: int = 0  # bytes of the reply being sent that the peer has not taken yet
-    partial: int = 0  # bytes of a half-received frame (summed in Connections.partial_bytes)
-    # Set while the daemon may read more requests: fewer than max_requests_per_connection
-    # in flight and at most max_queued_reply_bytes of replies the peer has not read.
-    readable: asyncio.Event = field(default_factory=asyncio.Event)
-    # fds sent since the peer was last seen to have read everything (Connections._fds_out)
-    fds_out: int = 0
-    # Done once the peer is gone: its loads go on, but stop waiting for room (Caller.gone).
-    gone: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-
-    def close_fds(self) -> None:
-        while self.fds:
-            os.close(self.fds.popleft())
 
 
 # sendmsg errors that mean the peer is gone (its reader notices and cleans up)
@@ -125,18 +80,17 @@ def _op_label(op: str) -> str:
 
 
 class Connections:
-    def __init__(self, settings: DaemonConfig, access: AccessPolicy, core: CacheCore, loads: Loads, metrics: Metrics,
+    def __init__(self, settings: DaemonConfig, access: AccessPolicy, core: CacheCore, residency: Residency, metrics: Metrics,
                  context: Callable[[], Context], stopping: asyncio.Event) -> None:
         self.settings = settings
         self.access = access
         self.core = core
-        self.loads = loads
+        self.residency = residency
         self.metrics = metrics
         self._context = context
         self._stopping = stopping
         self.conns: dict[int, Connection] = {}
-        self.partial_bytes = 0  # half-received frames over every connection (max_partial_frame_bytes)
-        self.partial_by_uid: dict[int, int] = {}  # the same per peer uid (max_partial_frame_bytes_per_uid)
+        self.bounds = Bounds(settings, self.conns)
         self._ids = itertools.count(1)
         self.background: set[asyncio.Task[Any]] = set()
         # Lines for what peers cause, rate-limited per uid with counts of what was left out
@@ -236,7 +190,7 @@ class Connections:
                 pending_before = decoder.pending
                 if fds:
                     conn.fds.extend(fds)  # closed with the connection if refused below
-                    refusal = self._check_fds(conn, len(fds))
+                    refusal = self.bounds.check_fds(conn, len(fds))
                     if refusal is not None:
                         await self._drop(conn, refusal, decoder)
                         break
@@ -247,11 +201,11 @@ class Connections:
                 except FrameTooLarge as exc:  # the stream is out of step: this connection only
                     await self._drop(conn, exc, decoder)
                     break
-                self._count_partial(conn, decoder.pending)
+                self.bounds.count_partial(conn, decoder.pending)
                 # Only the connection that grew the sum can find it over a cap here: each
                 # refused one's half frame leaves the count (and the memory) before its
                 # goodbye, so no bystander reads while the sum is over (issue 26's review).
-                if (refusal := self._check_partial(conn)) is not None:
+                if (refusal := self.bounds.check_partial(conn)) is not None:
                     await self._drop(conn, refusal, decoder)
                     break
                 # fds ride on a frame's first byte: a frame must start in this read.
@@ -268,7 +222,7 @@ class Connections:
                 if not decoder.pending:  # fds no frame claimed: nobody will
                     conn.close_fds()
         finally:
-            self._count_partial(conn, 0)
+            self.bounds.count_partial(conn, 0)
             conn.close_fds()
             await self._close(conn)
 
@@ -281,35 +235,8 @@ class Connections:
                           conn.id, conn.peer.uid, exc.message, extra=_peer_fields(conn, code=exc.code))
         conn.close_fds()
         decoder.discard()
-        self._count_partial(conn, 0)  # its half frame no longer counts against the others
+        self.bounds.count_partial(conn, 0)  # its half frame no longer counts against the others
         await self._send_final(conn, exc)
-
-    def _count_partial(self, conn: Connection, pending: int) -> None:
-        self.partial_bytes += pending - conn.partial
-        self.partial_by_uid[conn.peer.uid] = self.partial_by_uid.get(conn.peer.uid, 0) + pending - conn.partial
-        conn.partial = pending
-
-    def _check_partial(self, conn: Connection) -> WeightcacheError | None:
-        """Half-received frames: a share per uid, so that one tenant cannot hold the
-        whole budget and make every other peer's large frame fail; and a total."""
-        d = self.settings
-        if self.partial_by_uid[conn.peer.uid] > d.max_partial_frame_bytes_per_uid:
-            return LimitExceeded(f"uid {conn.peer.uid} holds {d.max_partial_frame_bytes_per_uid} bytes of unfinished "
-                                 "frames; send whole frames", limit=d.max_partial_frame_bytes_per_uid)
-        if self.partial_bytes > d.max_partial_frame_bytes:
-            return LimitExceeded(f"the daemon holds {d.max_partial_frame_bytes} bytes of unfinished frames; "
-                                 "send whole frames", limit=d.max_partial_frame_bytes)
-        return None
-
-    def _check_fds(self, conn: Connection, arrived: int) -> WeightcacheError | None:
-        d = self.settings
-        if arrived > d.max_fds_per_frame or len(conn.fds) > 2 * d.max_fds_per_frame:
-            return LimitExceeded(f"at most {d.max_fds_per_frame} file descriptors per frame", limit=d.max_fds_per_frame)
-        waiting = sum(len(c.fds) for c in self.conns.values() if c.peer.uid == conn.peer.uid)
-        if waiting > d.max_fds_per_uid:
-            return LimitExceeded(f"uid {conn.peer.uid} has {waiting} file descriptors waiting for unfinished frames "
-                                 f"(limit {d.max_fds_per_uid})", limit=d.max_fds_per_uid)
-        return None
 
     async def _close(self, conn: Connection) -> None:
         """The peer is gone. A ``load`` it asked for still completes (the docs promise it,
@@ -324,13 +251,12 @@ class Connections:
             t.cancel()
         await asyncio.gather(*cancelled, return_exceptions=True)
         for t in list(conn.tasks):  # loads: now the daemon's to finish and to await at shutdown
-            self.loads.background.add(t)
-            t.add_done_callback(self.loads.background.discard)
+            self.residency.tasks.adopt(t)
         dropped = self.core.drop_connection(conn.id)
         if dropped:
             log.info("conn %d (%r, pid %d) closed holding %d lease(s); released", conn.id, conn.client, conn.peer.pid, len(dropped),
                      extra=_peer_fields(conn, leases=len(dropped)))
-            await self.loads.notify_space()
+            self.residency.room.notify()
         else:
             log.debug("conn %d (%r, pid %d) closed", conn.id, conn.client, conn.peer.pid, extra=_peer_fields(conn, leases=0))
         conn.sock.close()
@@ -439,40 +365,12 @@ class Connections:
                 os.close(fd)
 
     # -- sending --------------------------------------------------------------------
-    def _unread_fds(self, uid: int) -> int:
-        """fds sent to ``uid``'s connections that their peers may not have read yet; a
-        connection whose send queue is empty (SIOCOUTQ) has read all of its."""
-        total = 0
-        for c in self.conns.values():
-            if c.peer.uid == uid and c.fds_out:
-                try:
-                    queued = struct.unpack("i", fcntl.ioctl(c.sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
-                except OSError:
-                    queued = 0  # closed: its fds went with it
-                if not queued:
-                    c.fds_out = 0
-                total += c.fds_out
-        return total
-
-    async def _fds_out(self, conn: Connection, n: int) -> None:
-        """Wait until ``n`` more fds may go to ``conn``. An fd sent over a Unix socket stays
-        "in flight" until the peer reads it, and Linux counts those against the sender's
-        RLIMIT_NOFILE: a tenant that pipelined attaches without reading their replies
-        held thousands, and past the limit every peer's reply with fds failed
-        (ETOOMANYREFS). So a uid's peers get at most max_fds_per_uid fds they have not
-        read; a connection with none unread always gets its next reply (a reply may
-        carry more). The peer's reading gives no event: polled while over."""
-        limit = self.settings.max_fds_per_uid
-        while conn.fds_out and self._unread_fds(conn.peer.uid) + n > limit and conn.id in self.conns:
-            await asyncio.sleep(0.01)
-        conn.fds_out += n
-
     async def _send(self, conn: Connection, msg: dict[str, Any], fds: list[int] | None = None) -> None:
         if fds:
             msg["fds"] = len(fds)
         async with conn.write_lock:
             if fds:
-                await self._fds_out(conn, len(fds))
+                await self.bounds.fds_out(conn, len(fds))
             # Encoded under the lock: replies waiting for a peer that does not read hold
             # their (small, or shared) reply maps, never a second copy of their bytes.
             frame = encode_reply(msg)

@@ -1,8 +1,8 @@
 """The daemon's lifecycle: it builds the rooms, binds the socket, serves until told to
 stop, then shuts down in order. It owns no policy (cache/core.py), no connection
 handling (connections.py), no op (handlers.py, model_ops.py) and no I/O of models
-(loads.py); it wires them together, re-reads the config (reload) and hands metrics a
-snapshot.
+(residency/), nor the config's models (config_models.py); it wires them together,
+re-reads the config (reload) and hands metrics a snapshot.
 """
 
 from __future__ import annotations
@@ -19,25 +19,25 @@ from typing import TYPE_CHECKING, Any
 from .. import __version__
 from ..backends import Backend
 from ..cache import CacheCore
+from ..cache.names import is_staging
 from ..cache.quotas import Quota
-from ..config import AUTO, ModelConfig, Settings, load_settings
-from ..errors import BadRequest, ConfigError, WeightcacheError
+from ..config import Settings, load_settings
+from ..errors import BadRequest, ConfigError
 from ..systemd import reloading_message, sd_notify
 from ..units import format_size
 from .access import AccessPolicy, check_socket_dir, resolve_gid
+from .config_models import ConfigModels
 from .connections import Connections
-from .loads import Loads
 from .metrics import MODEL_COUNTERS, Metrics, ModelFigures, Snapshot
 from .outlived import Survey, other_daemons, still_mapping, survey
-from .registry import CHECK_FAILED, Registry
+from .registry import Registry
 from .requests import Context
+from .residency import Residency
 from .settings_reload import reload_budgets, reload_max_loaded, settings_changes
 
 if TYPE_CHECKING:
     from ..peers import Peers
 
-# The fields a reload changes in place: the rest say which bytes and where.
-POLICY_FIELDS = ("keep_alive", "pin", "preload", "allowed_uids", "allowed_gids")
 # last_error["reason"] of a failed start/reload check, which a later good check clears
 # (a load's own error stays until a load succeeds).
 
@@ -66,21 +66,21 @@ class Daemon:
         self._reload_lock = asyncio.Lock()
         self._outlived = Survey(mappers=[], unreadable=0)
         self._others: list[dict[str, Any]] = []
-        self._claims: dict[str, ModelConfig] = {}  # config names a peer's model still holds (Note [config names win])
         core.set_quotas(quotas_of(settings))
         self.registry = Registry(core, backends, self.access)
-        self.loads = Loads(settings.daemon, core, self.registry, backends, shutting_down=self._stopping.is_set)
+        self.residency = Residency(settings.daemon, core, self.registry, backends, shutting_down=self._stopping.is_set)
+        self.config_models = ConfigModels(core, self.registry, self.residency, backends, self._stopping.is_set)
         self.metrics = Metrics(self.snapshot)
-        self.peers = _peers(settings, core, self.registry, backends, self.loads, self._stopping.is_set)
+        self.peers = _peers(settings, core, self.registry, backends, self.residency, self._stopping.is_set)
         self.context = Context(
-            settings=settings, core=core, registry=self.registry, loads=self.loads, access=self.access, backends=backends,
+            settings=settings, core=core, registry=self.registry, residency=self.residency, access=self.access, backends=backends,
             started=self.started, socket_path=self.socket_path, connections=lambda: len(self.connections),
             caller_of=lambda conn: self.connections.caller(conn),
             shutting_down=self._stopping.is_set, health=self.health, reload=self.reload_config,
             outlived=self.outlived, other_daemons=self.other_daemons,
             peers=lambda: self.peers.status() if self.peers is not None else None,
         )
-        self.connections = Connections(settings.daemon, self.access, core, self.loads, self.metrics,
+        self.connections = Connections(settings.daemon, self.access, core, self.residency, self.metrics,
                                        context=lambda: self.context, stopping=self._stopping)
 
     @property
@@ -110,11 +110,11 @@ class Daemon:
         log.info("weightcache %s serving on %s (pid %d)", __version__, self.socket_path, os.getpid())
         sd_notify(f"READY=1\nSTATUS=serving on {self.socket_path}")
         for mc in self.settings.models:
-            self._preload_if_asked(mc)
+            self.config_models.preload_if_asked(mc)
         # Paths and headers are checked behind the socket (in the io pool): a bad one shows
         # in `models` as last_error long before anyone asks to load it.
-        self.loads.spawn(self._check_config_models([mc.name for mc in self.settings.models]))
-        self.loads.spawn(self.loads.keep_alive_loop())
+        self.residency.tasks.spawn(self.config_models.check([mc.name for mc in self.settings.models]))
+        self.residency.tasks.spawn(self.residency.keep_alive_loop())
 
     def _warn_outlived(self) -> None:
         s = self._outlived
@@ -144,10 +144,6 @@ class Daemon:
             return []
         self._outlived.mappers = still_mapping(self._outlived.mappers)
         return [m.describe() for m in self._outlived.mappers]
-
-    def _preload_if_asked(self, mc: ModelConfig) -> None:
-        if mc.preload:
-            self.loads.start_preload(mc.name)
 
     def _bind(self, path: str) -> socket.socket:
         p = Path(path)
@@ -216,7 +212,7 @@ class Daemon:
             self._listener.close()
         # Tell every client; engines holding leases should detach (or restart elsewhere).
         await self.connections.broadcast({"event": "shutting_down", "grace_s": grace, "leases": len(self.core.leases)})
-        pending = self.connections.in_flight() + self.loads.tasks
+        pending = self.connections.in_flight() + self.residency.flights.tasks
         if pending:
             log.info("waiting up to %.1fs for %d request(s) in flight", grace, len(pending))
             _, still = await asyncio.wait(pending, timeout=grace or None) if grace else (set(), set(pending))
@@ -225,16 +221,16 @@ class Daemon:
             await asyncio.gather(*still, return_exceptions=True)
         if self.core.leases:
             log.info("waiting up to %.1fs for %d lease(s) to end", max(0.0, deadline - time.monotonic()), len(self.core.leases))
-            ticket = self.loads.space_freed.ticket()
+            ticket = self.residency.room.freed.ticket()
             while self.core.leases and time.monotonic() < deadline:
-                await self.loads.space_freed.wait(ticket, deadline - time.monotonic())
+                await self.residency.room.freed.wait(ticket, deadline - time.monotonic())
             if self.core.leases:
                 log.warning("exiting with %d lease(s) still held; their mappings stay valid (memory is refcounted)",
                             len(self.core.leases))
         if self.peers is not None:
             await self.peers.close()  # its lends' leases end with it
         await self.connections.close()
-        await self.loads.close()
+        await self.residency.close()
         for backend in self.backends.values():
             backend.close()
         try:
@@ -250,7 +246,7 @@ class Daemon:
         stops at the first node instead of reaching them all). Also read from the metrics
         thread: it only copies containers (atomic under the GIL)."""
         serving = not self.shutting_down
-        pending, failed = sorted(self.loads.preloads_pending), dict(sorted(self.loads.preloads_failed.items()))
+        pending, failed = sorted(self.residency.preloads.pending), dict(sorted(self.residency.preloads.failed.items()))
         return {"serving": serving, "ready": serving and not pending and not failed,
                 "preloading": pending, "failed_preloads": failed, "uptime_s": time.monotonic() - self.started}
 
@@ -266,14 +262,14 @@ class Daemon:
         models = [ModelFigures(e.name, e.device, str(e.state), e.nbytes, e.attach_count,
                                {k: getattr(e, k) for k in MODEL_COUNTERS})
                   for e in list(core.entries.values())
-                  if "#" not in e.name and (everyone or self._open_to_all(e.name))]
+                  if not is_staging(e.name) and (everyone or self._open_to_all(e.name))]
         health = self.health()
-        return Snapshot(devices=devices, models=models, last_load_rate=dict(self.loads.last_load_rate),
+        return Snapshot(devices=devices, models=models, last_load_rate=dict(self.residency.stats.last_load_rate),
                         connections=len(self.connections), leases=len(core.leases), ready=health["ready"],
                         failed_preloads=[n for n in health["failed_preloads"]
                                          if everyone or self._open_to_all(self.registry.groups.get(n, [n])[0])],
-                        counters=dict(self.loads.counters),
-                        filled={k: (v, self.loads.filled_seconds.get(k, 0.0)) for k, v in list(self.loads.filled_bytes.items())})
+                        counters=dict(self.residency.stats.counters),
+                        filled=self.residency.stats.filled())
 
     def _open_to_all(self, entry: str) -> bool:
         model = self.registry.models.get(entry)
@@ -288,7 +284,7 @@ class Daemon:
         checked as start checks them (``resolve_budget``) and applied, evicting what a
         lowered one no longer holds. Models that peers registered or published are left
         alone unless the config now names them: then the config's wins (``displaced``, or
-        ``pending`` while the peer's copy is attached; Note [config names win]).
+        ``pending`` while the peer's copy is attached; Note [config names win] in config_models.py).
 
         One rule for the report: every change that did not take effect is one line in
         ``failed`` (a model kept because it is attached, a budget that attached models
@@ -316,207 +312,32 @@ class Daemon:
                                   "pending": [], "unchanged": [], "displaced": [], "evicted": [], "budgets": [],
                                   "max_loaded_models": [], "quotas": None}
         settings_changes(self.settings, new, report)
-        await reload_budgets(self.core, self.backends, self.loads, self.registry, new, report)
-        await reload_max_loaded(self.core, self.backends, self.loads, self.registry, new, report)
+        await reload_budgets(self.core, self.backends, self.residency, self.registry, new, report)
+        await reload_max_loaded(self.core, self.backends, self.residency, self.registry, new, report)
         quotas = quotas_of(new)
         if quotas != self.core.quotas:
             self.core.set_quotas(quotas)  # in place; a lowered one evicts nothing now (Note [quotas])
             report["quotas"] = sorted(quotas)
-        registry = self.registry
-        wanted = {m.name: m for m in new.models}
-        for name in list(self._claims):
-            if name not in wanted:  # the file no longer names it: the peer's model keeps its name
-                self._drop_claim(name)
-        # Only the config's own models: what peers registered or published stays.
-        for name in [n for n in registry.groups if registry.first(n).origin == "config"]:
-            old = registry.first(name).config
-            mc = wanted.get(name)
-            if mc == old:
-                report["unchanged"].append(name)
-                continue
-            if mc is not None and mc == old.model_copy(update={f: getattr(mc, f) for f in POLICY_FIELDS}):
-                self._update_policy(name, old, mc)
-                report["updated"].append(name)
-                wanted.pop(name)
-                continue
-            if mc is not None:
-                problem = await self._checkpoint_problem(mc)
-                if problem is not None:  # keep what works until the file is fixed
-                    report["failed"].append(f"{name}: {problem.message}")
-                    wanted.pop(name)
-                    continue
-            try:
-                self.loads.forget(registry.unregister(name))
-            except WeightcacheError as exc:
-                what = "changed in the file" if mc is not None else "removed from the file"
-                report["failed"].append(f"{name}: {what}, but kept as it was: {exc.message}; run the reload again "
-                                        "once it is free")
-                wanted.pop(name, None)
-                continue
-            self.loads.forget_preload(name)
-            report["changed" if name in wanted else "removed"].append(name)
-        for name, mc in wanted.items():
-            if name in registry.groups and registry.first(name).origin == "config":
-                continue  # unchanged: the config's own model stands
-            # Checked before the peer's model of that name is displaced, so that no await
-            # lies between displacing it and registering the config's: a peer that
-            # registered the name again meanwhile made the reload fail half done.
-            problem = None if name in report["changed"] else await self._checkpoint_problem(mc)
-            missing = [dev for _p, dev in mc.parts if dev not in self.backends and dev != AUTO]
-            if missing:
-                report["failed"].append(f"{name}: device {missing[0]} has no budget in the running daemon "
-                                        "(a new device needs a daemon restart)")
-                continue
-            if name in registry.groups and registry.first(name).origin != "config":
-                # The config names it: the operator's model wins over a peer's of that name
-                # (else a tenant could take a name before the operator adds it).
-                try:
-                    self.loads.forget(registry.unregister(name))
-                except WeightcacheError as exc:
-                    self._claim(name, mc)
-                    owner = registry.first(name).owner
-                    report["pending"].append(
-                        f"{name}: a model of that name registered by uid {owner} stays while {exc.message}; new "
-                        "attaches of it are refused, and the config's model takes the name when they end")
-                    continue
-                report["displaced"].append(name)
-            if name not in registry.groups:
-                # Checked before it is registered (above): what `models` shows from then on is final.
-                registry.register(mc)
-                if name not in report["changed"]:
-                    report["added"].append(name)
-                    if problem is not None:
-                        # A new model with a bad file is registered (the operator sees it and
-                        # its last_error in `models`) but the reload reports it as failed.
-                        self._mark_bad(name, problem)
-                        report["failed"].append(f"{name}: {problem.message}")
-                self._preload_if_asked(mc)
+        await self.config_models.reload(new.models, report)
         log.info("reload: %s", {k: v for k, v in report.items() if v and k != "unchanged"})
         for line in report["failed"] + report["pending"]:  # each change that did not take effect, on its own line
             log.error("reload: not in effect: %s", line)
         # The models the file left as they were get the same check: a file deleted or
         # replaced since the last one shows now, not at the next load (the check logs it).
-        await self._check_config_models(report["unchanged"] + report["updated"])
+        await self.config_models.check(report["unchanged"] + report["updated"])
         return report
 
-    # Note [config names win]
-    # A tenant may register or publish a name before the operator adds it to the config
-    # (issue 25: it held one lease, the reload said "kept", and every tenant attaching
-    # the name got the squatter's bytes). The config's name wins. Displaced at once when
-    # the peer's model is free; while it is attached, the name is *claimed*: no new
-    # load, attach, pin or evict of the peer's copy (Registry.check_use refuses them),
-    # no register, publish or replace of the name by a peer (Registry.register,
-    # swap_in), the existing leases run on (their mappings are the engines'), and when
-    # the last ends (every lease end notifies space_freed) the peer's model is dropped
-    # and the config's registered. The reload reports it under ``pending`` and exits
-    # non-zero: the config's model is not serving yet. At a daemon restart the config's
-    # models are registered before the socket listens, so no peer can take one.
-    def _claim(self, name: str, mc: ModelConfig) -> None:
-        first = name not in self._claims
-        self._claims[name] = mc
-        self.registry.claimed.add(name)
-        if first:
-            self.loads.spawn(self._take_name(name))
 
-    def _drop_claim(self, name: str) -> None:
-        self._claims.pop(name, None)
-        self.registry.claimed.discard(name)
-
-    async def _take_name(self, name: str) -> None:
-        registry = self.registry
-        while name in self._claims and not self.shutting_down:
-            if name in registry.groups and registry.first(name).origin != "config":
-                try:
-                    self.loads.forget(registry.unregister(name))
-                except WeightcacheError:
-                    # Woken at each lease end (and each detach anywhere). The timeout bounds
-                    # what wakes nobody (the peer unregistering or replacing its model); it
-                    # decides nothing, each pass checks again.
-                    await self.loads.space_freed.wait(self.loads.space_freed.ticket(), 5.0)
-                    continue
-                log.info("model %s: the peer's copy of that name had no lease left; the config's model takes the name",
-                         name, extra={"model": name})
-            mc = self._claims.pop(name)
-            registry.claimed.discard(name)
-            if name not in registry.groups:
-                registry.register(mc)
-                self._preload_if_asked(mc)
-                await self._check_config_models([name])
-            return
-
-
-
-    def _update_policy(self, name: str, old: ModelConfig, mc: ModelConfig) -> None:
-        """Apply a new keep_alive, pin or preload to a registered model without touching
-        what is resident. A pin the file changed is applied; an unchanged one leaves a
-        runtime pin or unpin (the ``pin`` op) as the operator set it."""
-        for entry in self.registry.groups[name]:
-            self.registry.models[entry].config = mc
-            e = self.core.entry(entry)
-            if mc.keep_alive != old.keep_alive:
-                # The configured value, and the one in force: a request's keep_alive is
-                # replaced by the operator's new one, as a fresh registration would be.
-                e.configured_keep_alive = mc.keep_alive
-                self.core.set_keep_alive(entry, mc.keep_alive)
-            if mc.pin != old.pin:
-                self.core.set_pinned(entry, mc.pin)
-        if mc.preload and not old.preload:
-            self._preload_if_asked(mc)
-        elif not mc.preload:
-            self.loads.forget_preload(name)  # no longer gates readiness
-
-    async def _checkpoint_problem(self, mc: ModelConfig) -> WeightcacheError | None:
-        """Why ``mc``'s checkpoints cannot be loaded (Loads.check_files, which register
-        runs too), or None when they can."""
-        return await self.loads.check_files(mc)
-
-    async def _check_config_models(self, names: list[str]) -> list[str]:
-        """Check each named config model's files; a bad one gets last_error (shown by
-        ``models``, redacted for peers like a load's error) and a log line. Returns
-        the names that failed."""
-        bad = []
-        for name in names:
-            if name not in self.registry.groups:
-                continue
-            problem = await self._checkpoint_problem(self.registry.first(name).config)
-            if name not in self.registry.groups:
-                continue
-            if problem is None:  # fixed since the last check: its error no longer applies
-                for entry in self.registry.groups[name]:
-                    m = self.registry.models[entry]
-                    m.check_failed = None
-                    if m.last_error is not None and m.last_error.get("reason") == CHECK_FAILED:
-                        m.last_error = None
-                continue
-            bad.append(name)
-            self._mark_bad(name, problem)
-        return bad
-
-    def _mark_bad(self, name: str, problem: WeightcacheError) -> None:
-        # The check's own code (CORRUPT_CHECKPOINT for a bad header, LOAD_FAILED for a file
-        # that does not open), as a load and a register of the same file say it.
-        reason = problem.message
-        err = type(problem)(f"{name}: {reason}", **{**problem.details, "model": name, "reason": CHECK_FAILED}).to_wire()
-        for entry in self.registry.groups[name]:
-            m = self.registry.models[entry]
-            m.check_failed = reason
-            if m.last_error is None:  # a real load's error says more
-                m.last_error = err
-        log.error("model %s cannot be loaded: %s; fix the file or the model's path in the config, then run "
-                  "`weightcache reload` (until then `weightcache models` shows it as error)", name, reason,
-                  extra={"model": name, "code": err["code"]})
-
-
-def _peers(settings: Settings, core: CacheCore, registry: Registry, backends: dict[str, Backend], loads: Loads,
+def _peers(settings: Settings, core: CacheCore, registry: Registry, backends: dict[str, Backend], residency: Residency,
            stopping: Callable[[], bool]) -> Peers | None:
     """The [peers] section at work (weightcache/peers/), or None when it has no listen address."""
     if settings.peers.listen is None:
         return None
     from ..peers import Peers  # only where configured: it imports NIXL's wrapper
 
-    peers = Peers(settings.peers, core=core, registry=registry, backends=backends, notify_space=loads.notify_space,
+    peers = Peers(settings.peers, core=core, registry=registry, backends=backends, notify_space=residency.room.notify,
                   shutting_down=stopping)
-    loads.neighbours = peers
+    residency.flights.neighbours = peers
     return peers
 
 

@@ -1,6 +1,6 @@
 """How a new arena gets its bytes: the four ways a model becomes resident.
 
-``Loads.fill_new_arena`` (server/loads.py) admits, allocates, calls one of these in a
+``Fill.fill_new_arena`` (server/residency/fill.py) admits, allocates, calls one of these in a
 thread, seals and rolls back on failure; what differs between a load from the files, a
 promotion from the host tier, a copy from another GPU and a copy of an engine's published
 memory is only this step.

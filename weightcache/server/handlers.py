@@ -13,8 +13,8 @@ from typing import Any
 
 from .. import __version__
 from ..cache import State
+from ..cache.names import is_staging, published_as
 from ..cache.quotas import tenant_keys
-from ..config import parse_duration
 from ..errors import (
     Attached,
     BadRequest,
@@ -29,7 +29,7 @@ from ..errors import (
 from ..protocol import PROTOCOL_VERSION
 from ..protocol.messages import OPS
 from ..protocol.packed import Packed
-from ..units import format_size
+from ..units import format_size, parse_duration
 from . import model_ops, placing
 from .access import Peer
 from .registry import redacted
@@ -157,7 +157,7 @@ def _name_holders(ctx: Context, viewer: Peer, exc: WeightcacheError) -> Weightca
 def describe(ctx: Context, entry: str, caller: Caller) -> dict[str, Any]:
     """The ``models`` entry: the registry's view, and who holds its leases (the registry
     knows no connections)."""
-    out = {**ctx.registry.describe(entry, caller.peer, ctx.loads.progress.get(entry)),
+    out = {**ctx.registry.describe(entry, caller.peer, ctx.residency.stats.progress.get(entry)),
            "leases": lease_holders(ctx, [entry], caller.peer)}
     if out.get("shares_with"):  # names of models the viewer may not use are not told
         out["shares_with"] = [n for n in out["shares_with"] if ctx.registry.visible(caller.peer, n)]
@@ -178,8 +178,8 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
     return {
         "version": __version__, "pid": os.getpid(), "uptime_s": time.monotonic() - ctx.started,
         "socket": ctx.socket_path, "devices": devices, "connections": ctx.connections(),
-        "leases": len(ctx.core.leases), "counters": dict(ctx.loads.counters),
-        "loading": {name.partition("#")[0]: p.snapshot() for name, p in ctx.loads.progress.items()
+        "leases": len(ctx.core.leases), "counters": dict(ctx.residency.stats.counters),
+        "loading": {published_as(name): p.snapshot() for name, p in ctx.residency.stats.progress.items()
                     if ctx.registry.visible(caller.peer, name)},
         "shutting_down": ctx.shutting_down(),
         # What `weightcache ps` shows: the models that hold memory, with their leases.
@@ -200,7 +200,7 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
 
 def tenant_usage(ctx: Context, viewer: Peer) -> dict[str, Any]:
     """Per tenant, the bytes its models hold per device, its pins and its quota
-    (cache/core.py, Note [quotas]): every tenant for administrators, a peer's own uid
+    (cache/quotas.py, Note [quotas]): every tenant for administrators, a peer's own uid
     and groups for anyone else."""
     usage = ctx.core.tenant_usage()
     if ctx.access.is_admin(viewer):
@@ -225,7 +225,7 @@ def _first(ctx: Context, name: str) -> str:
 
 def _listed(ctx: Context, viewer: Peer) -> list[str]:
     """The entries ``viewer`` is shown: not a publish's staging entry, nor a model it may not use."""
-    return [n for n in ctx.registry.models if "#" not in n and ctx.registry.visible(viewer, n)]
+    return [n for n in ctx.registry.models if not is_staging(n) and ctx.registry.visible(viewer, n)]
 
 
 async def models(ctx: Context, caller: Caller, req: Request) -> Reply:
@@ -238,7 +238,7 @@ _UNSET = object()
 def keep_alive_arg(req: Request) -> Any:
     """``keep_alive`` of a load or attach, in seconds: ``-1`` (or ``"-1"``) is None,
     never expire; ``0`` expires the model as soon as its last lease goes; durations follow
-    config.parse_duration ("30s", "5m", "1h"). ``_UNSET`` when the request has none."""
+    units.parse_duration ("30s", "5m", "1h"). ``_UNSET`` when the request has none."""
     v = req.args.get("keep_alive")
     if v is None:
         return _UNSET
@@ -279,9 +279,9 @@ async def load(ctx: Context, caller: Caller, req: Request) -> Reply:
     ctx.registry.check_use(caller.peer, name)
     # device: where an engine that must run on one GPU needs it (an auto model goes there;
     # any other must already live there); none: placed (cache/placement.py).
-    await ctx.loads.learn_sizes(name)
+    await ctx.residency.checks.learn_sizes(name)
     entries = placing.entries_for(ctx.core, ctx.registry, ctx.backends, name, rank, req.arg("device", str, None))
-    await asyncio.gather(*(ctx.loads.ensure_resident(e, wait, gone=caller.gone) for e in entries))
+    await asyncio.gather(*(ctx.residency.flights.ensure_resident(e, wait, gone=caller.gone) for e in entries))
     apply_keep_alive(ctx, caller, entries, keep_alive)
     return describe_all(ctx, entries, caller), []
 
@@ -292,7 +292,7 @@ async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
     rank = req.arg("rank", int, None)
     ctx.registry.entry_for(req.arg("name", str), rank)  # BAD_REQUEST for a rank that does not exist, or none given
     # An auto model's replica on the named device, or the placed one (server/placing.py).
-    await ctx.loads.learn_sizes(req.arg("name", str))
+    await ctx.residency.checks.learn_sizes(req.arg("name", str))
     [name] = placing.entries_for(ctx.core, ctx.registry, ctx.backends, req.arg("name", str), rank, device)
     wait = ctx.wait_arg(req)
     keep_alive = keep_alive_arg(req)
@@ -306,7 +306,7 @@ async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
     source = "resident"
     waits: list[float] = []  # for room that other models held (attached, or loading)
     while True:
-        got = await ctx.loads.ensure_resident(name, wait, waits)
+        got = await ctx.residency.flights.ensure_resident(name, wait, waits)
         if got != "resident":
             source = got  # a miss stays a miss, even if a retry then found it resident
         # Another request may have evicted it between the load and here; retry then.
@@ -333,7 +333,7 @@ async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
 
 async def detach(ctx: Context, caller: Caller, req: Request) -> Reply:
     lease = ctx.core.detach(req.arg("lease", int), caller.conn)
-    await ctx.loads.notify_space()
+    ctx.residency.room.notify()
     return {"lease": lease.id, "model": lease.model}, []
 
 
@@ -350,8 +350,8 @@ async def evict(ctx: Context, caller: Caller, req: Request) -> Reply:
     # at a time, a peer could attach a later rank while an earlier one was copied to the
     # host tier, and the evict stopped between ranks with ATTACHED.
     steps = [ctx.core.evict(e.name) for e in movable]
-    await asyncio.gather(*(t for step in steps for t in ctx.loads.start_step_down(step, reason="requested")))
-    await ctx.loads.notify_space()
+    await asyncio.gather(*(t for step in steps for t in ctx.residency.step_down.start(step, reason="requested")))
+    ctx.residency.room.notify()
     return {"evicted": bool(movable), "freed": freed, "state": str(entries[0].state)}, []
 
 
@@ -382,7 +382,7 @@ async def _set_pin(ctx: Context, caller: Caller, req: Request, pinned: bool) -> 
     for e in entries:
         ctx.core.set_pinned(e, pinned)
     if not pinned:
-        await ctx.loads.notify_space()
+        ctx.residency.room.notify()
     return describe_all(ctx, entries, caller), []
 
 

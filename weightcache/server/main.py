@@ -149,7 +149,7 @@ async def _main(settings: Settings, config_path: str | None) -> None:
             except WeightcacheError as exc:
                 log.error("SIGHUP reload failed: %s", exc)
 
-        daemon.loads.spawn(reload())
+        daemon.residency.tasks.spawn(reload())
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     # Handlers first: systemd may send SIGTERM as soon as READY=1 went out in start().

@@ -48,7 +48,7 @@ class Snapshot:
     leases: int
     ready: bool
     failed_preloads: list[str]
-    counters: dict[str, int]  # daemon-wide: server/loads.py COUNTERS
+    counters: dict[str, int]  # daemon-wide: server/residency/stats.py COUNTERS
     # where fills' bytes came from ("files", "host", "peer", "neighbour", "publish") -> (bytes, seconds)
     filled: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
 

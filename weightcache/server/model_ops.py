@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..cache import State
+from ..cache.names import rank_entry
 from ..cache.quotas import tenant_keys
 from ..config import ModelConfig, check_model_name, config_group_names, problems, under_roots
 from ..errors import Attached, BadRequest, LimitExceeded, PermissionDenied, Pinned
@@ -69,7 +70,7 @@ async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
         sources = _adopt_files(mc, files, req)
     # The header checked now, as the config's models are at start: a file that is not a
     # checkpoint is refused with the error its load would give, not registered to fail later.
-    problem = await ctx.loads.check_files(mc, sources, tenant=None if admin else caller.peer.uid)
+    problem = await ctx.residency.checks.check_files(mc, sources, tenant=None if admin else caller.peer.uid)
     if problem is not None:
         for src in sources or ():
             src.close()
@@ -89,7 +90,7 @@ async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
             src.close()
         raise
     if mc.preload:
-        ctx.loads.start_preload(mc.name, gates=admin)
+        ctx.residency.preloads.start(mc.name, gates=admin)
     return {"model": ctx.registry.describe(ctx.registry.groups[mc.name][0], caller.peer, None)}, []
 
 
@@ -181,7 +182,7 @@ def _adopt_files(mc: ModelConfig, files: Any, req: Request) -> list[OpenedSource
         for rank, names in enumerate(files):
             part = fds[start : start + len(names)]
             start += len(names)
-            sources.append(adopt_fds(f"fds:{mc.name}@{rank}", names, part))
+            sources.append(adopt_fds(f"fds:{rank_entry(mc.name, rank)}", names, part))
     except BaseException:
         for src in sources:
             src.close()
@@ -197,8 +198,8 @@ async def unregister(ctx: Context, caller: Caller, req: Request) -> Reply:
     model = ctx.registry.first(name)
     if not (ctx.access.is_admin(caller.peer) or (model.owner == caller.peer.uid and model.origin != "config")):
         raise PermissionDenied(f"model {name!r} is not yours to unregister", model=name, op="unregister")
-    ctx.loads.forget(ctx.registry.unregister(name))
-    ctx.loads.forget_preload(name)
+    ctx.residency.step_down.forget(ctx.registry.unregister(name))
+    ctx.residency.preloads.forget(name)
     return {"unregistered": name}, []
 
 
@@ -248,10 +249,10 @@ async def _publish(ctx: Context, caller: Caller, req: Request, name: str, replac
         _model_config({"name": name, "path": Path("."), "device": device, **access_fields}),
         caller.peer, ctx.access.is_admin(caller.peer))
     fingerprint = tenant_fingerprint(fingerprint, caller.peer.uid)
-    loads = ctx.loads
-    tenant = None if ctx.access.is_admin(caller.peer) else caller.peer.uid  # its share of the io pool (Loads.io)
-    ckpt = await loads.io(published_checkpoint, name, req.arg("tensors", list), nbytes, fingerprint, tenant=tenant)
-    source = await loads.io(backend.open_published, desc, req.fds, cleanup=backend.close_published, tenant=tenant)
+    residency = ctx.residency
+    tenant = None if ctx.access.is_admin(caller.peer) else caller.peer.uid  # its share of the io pool (IoPool.run)
+    ckpt = await residency.io.run(published_checkpoint, name, req.arg("tensors", list), nbytes, fingerprint, tenant=tenant)
+    source = await residency.io.run(backend.open_published, desc, req.fds, cleanup=backend.close_published, tenant=tenant)
     config = access.model_copy(update={"path": Path(ckpt.source)})
     staging = ctx.registry.stage(name, Model(config=config, path=config.parts[0][0], device=device, rank=None,
                                              origin="publish", owner=caller.peer.uid),
@@ -259,19 +260,19 @@ async def _publish(ctx: Context, caller: Caller, req: Request, name: str, replac
     if release_slot is not None:
         release_slot()  # the staging entry holds the slot now (registry.models_owned_by)
     try:
-        await loads.fill_new_arena(staging, ckpt, backend.capacity(ckpt.arena_bytes), wait,
+        await residency.fill.fill_new_arena(staging, ckpt, backend.capacity(ckpt.arena_bytes), wait,
                                    CopyPublished(backend, source, ckpt.arena_bytes),
                                    verb=f"published by {caller.client!r} (pid {caller.peer.pid}, uid {caller.peer.uid}):")
         if name in ctx.registry.groups:  # again: it may have been attached or pinned during the copy
             _check_may_publish(ctx, caller.peer, name, replace)
-            loads.forget(ctx.registry.unregister(name))
+            residency.step_down.forget(ctx.registry.unregister(name))
         ctx.registry.swap_in(staging, name)
     except BaseException:
         if staging in ctx.registry.models:
-            loads.forget([ctx.registry.drop_entry(staging)])  # a failed publish leaves nothing behind
+            residency.step_down.forget([ctx.registry.drop_entry(staging)])  # a failed publish leaves nothing behind
         raise
     finally:
-        await loads.io(backend.close_published, source)
+        await residency.io.run(backend.close_published, source)
     return {"model": ctx.registry.describe(name, caller.peer, None)}, []
 
 

@@ -113,7 +113,7 @@ def still_mapping(mappers: list[Mapper]) -> list[Mapper]:
     return out
 
 
-# cli.py's subcommands (not imported: the daemon need not load the CLI for this)
+# cli/parser.py's subcommands (not imported: the daemon need not load the CLI for this)
 _COMMANDS = frozenset({"serve", "status", "models", "ps", "health", "load", "evict", "pin", "unpin", "register",
                        "unregister", "reload", "attach", "demo", "bench", "workload", "supervise"})
 

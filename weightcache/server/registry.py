@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from ..backends import Arena, Backend, HostCopy
 from ..cache import CacheCore, Entry, State
+from ..cache.names import files_share, is_staging, rank_entry, replica_entry, staging_entry
 from ..config import AUTO, ModelConfig, auto_devices
 from ..errors import BadRequest, PermissionDenied, UnknownModel
 from ..loader import Checkpoint, OpenedSource, Progress
@@ -50,7 +51,7 @@ class Model:
     # reads these same files, so a path swapped meanwhile changes nothing.
     parked: OpenedSource | None = None
     # Their parse (or that of ``files``), kept with them: the retry does not parse again
-    # (server/loads.py, within PARKED_PARSE_BYTES).
+    # (server/residency/flight.py, within PARKED_PARSE_BYTES).
     parked_parse: Checkpoint | None = None
     checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident (or on the host tier)
     table: bytes = b""  # the attach reply's tensor table, msgpack-encoded once per load
@@ -72,6 +73,20 @@ class Model:
     # Where the resident bytes came from (LoadJob.source: "files", "host", "peer" for
     # another GPU, "neighbour" for another daemon; "publish"); shown in ``models``.
     source: str | None = None
+    # The core's key of the arena it shares with other names of the same files (Note
+    # [shared arenas]); None: it holds its own. Only those names can hold its arena.
+    share: str | None = None
+
+    def hold(self, arena: Arena | None, checkpoint: Checkpoint, table: bytes, held: int) -> None:
+        """Its arena is resident, holding ``checkpoint``'s bytes: filled, or a sibling's."""
+        self.arena, self.checkpoint, self.table, self.last_error = arena, checkpoint, table, None
+        self.held, self.seen = held, (checkpoint.fingerprint, len(checkpoint.tensors))
+
+    def close_files(self) -> None:
+        """Close the open files it holds (a peer's, or those parked by a load that waits)."""
+        for files in (self.files, self.parked):
+            if files is not None:
+                files.close()
 
     def drop_parsed(self) -> None:
         """Forget the parsed checkpoint and table once the arena is gone (evicted, not on
@@ -95,7 +110,7 @@ class Model:
 
 
 def share_key(path: Path, rank: int, ranks: int, owner: int | None) -> str | None:
-    """What makes two names' entries one arena (cache/core.py, Note [shared arenas]): the
+    """What makes two names' entries one arena (cache/shares.py, Note [shared arenas]): the
     same checkpoint path, symlinks resolved, as the same rank of the same number of
     ranks, for the same owner (the core adds the device). So the two always read the same
     files, whose identity (the staleness check) is then the same for both. A path through
@@ -107,7 +122,7 @@ def share_key(path: Path, rank: int, ranks: int, owner: int | None) -> str | Non
             return None
     except OSError:
         return None
-    return f"{real}\0rank {rank} of {ranks}\0owner {owner}"
+    return files_share(real, rank, ranks, owner)
 
 
 def redacted(error: dict[str, Any]) -> dict[str, Any]:
@@ -134,7 +149,7 @@ class Registry:
         self._staging_ids = itertools.count(1)
         self._reserved: Counter[int] = Counter()  # uid -> model slots held by publishes not yet staged
         # Names the config claims while a peer's model of that name is still attached
-        # (daemon.py, Note [config names win]): that copy takes no new use, and no peer
+        # (config_models.py, Note [config names win]): that copy takes no new use, and no peer
         # may take the name again.
         self.claimed: set[str] = set()
 
@@ -149,13 +164,13 @@ class Registry:
         if origin != "config":
             self._check_unclaimed(mc.name)
         sharded = bool(mc.shards)
-        ranks = [f"{mc.name}@{r}" if sharded else mc.name for r in range(len(mc.parts))]
+        ranks = [rank_entry(mc.name, r) if sharded else mc.name for r in range(len(mc.parts))]
         # (entry, rank, path, device, slot): a fixed rank is one entry named like the rank;
         # an auto rank one replica per candidate device, "<rank>@<device>".
         todo: list[tuple[str, int, Path, str, str | None]] = []
         for i, (rank_name, (path, device)) in enumerate(zip(ranks, mc.parts, strict=True)):
             if device == AUTO:
-                todo += [(f"{rank_name}@{d}", i, path, d, rank_name) for d in auto_devices(self.backends)]
+                todo += [(replica_entry(rank_name, d), i, path, d, rank_name) for d in auto_devices(self.backends)]
             else:
                 todo.append((rank_name, i, path, device, None))
         done: list[str] = []
@@ -163,8 +178,8 @@ class Registry:
             # A peer's own open files are its alone; published memory has no files.
             share = share_key(path, i, len(mc.parts), owner) if sources is None and origin != "publish" else None
             try:
-                self.core.register(entry, device, pinned=mc.pin, keep_alive=mc.keep_alive, share=share,
-                                   tenants=tenants)
+                e = self.core.register(entry, device, pinned=mc.pin, keep_alive=mc.keep_alive, share=share,
+                                       tenants=tenants)
             except BaseException:
                 for d in done:
                     self.core.unregister(d)
@@ -172,7 +187,7 @@ class Registry:
                 raise
             done.append(entry)
             self.models[entry] = Model(config=mc, path=path, device=device, rank=i if sharded else None, origin=origin,
-                                       owner=owner, files=sources[i] if sources else None, slot=slot)
+                                       owner=owner, files=sources[i] if sources else None, slot=slot, share=e.share)
             if slot is not None:
                 self.replicas.setdefault(slot, {})[device] = entry
         if any(slot is not None for *_, slot in todo):
@@ -202,9 +217,8 @@ class Registry:
 
     def stage(self, name: str, model: Model, tenants: tuple[str, ...] = ()) -> str:
         """An entry for ``name``'s next version that nobody can reach by name yet (a
-        publish fills it, then ``swap_in`` makes it the model). '#' is never in a model
-        name, so the entry cannot clash."""
-        staging = f"{name}#{next(self._staging_ids)}"
+        publish fills it, then ``swap_in`` makes it the model; cache/names.py)."""
+        staging = staging_entry(name, next(self._staging_ids))
         self.core.register(staging, model.device, tenants=tenants)
         self.models[staging] = model
         return staging
@@ -221,7 +235,7 @@ class Registry:
     def models_owned_by(self, uid: int) -> int:
         """Models ``uid`` registered or published, publishes in flight included (each
         reserved slot too): each once, whatever its ranks or replicas."""
-        return self._reserved[uid] + len({(m.config.name, "#" in entry) for entry, m in self.models.items() if m.owner == uid})
+        return self._reserved[uid] + len({(m.config.name, is_staging(entry)) for entry, m in self.models.items() if m.owner == uid})
 
     def reserve_model(self, uid: int) -> Callable[[], None]:
         """Hold one of ``uid``'s max_models_per_uid slots for a publish that has checked the
@@ -242,6 +256,10 @@ class Registry:
 
         return release
 
+    def sharing(self, model: Model) -> list[str]:
+        """The registered names that may hold ``model``'s arena: those of its share key."""
+        return self.core.sharing(model.share) if model.share is not None else []
+
     def files_held_by(self, uid: int) -> int:
         # an auto model's replicas of one rank share its open files: counted once
         held = {id(m.files): len(m.files.files) for m in self.models.values() if m.files is not None and m.owner == uid}
@@ -257,7 +275,7 @@ class Registry:
         one entry (a shard may also be named directly as ``model@rank``)."""
         if name in self.groups:
             return self.groups[name]
-        if name in self.models and "#" not in name:
+        if name in self.models and not is_staging(name):
             return [name]
         raise UnknownModel(f"no model named {name!r} is registered", model=name)
 

@@ -17,8 +17,8 @@ from ..cache import CacheCore
 from ..config import Settings
 from ..errors import BadRequest
 from .access import AccessPolicy, Peer
-from .loads import Loads
 from .registry import Registry
+from .residency import Residency
 
 Reply = tuple[dict[str, Any], list[int]]  # the reply's fields, and fds to send with it (closed once sent)
 
@@ -43,7 +43,7 @@ class Caller:
     peer: Peer
     client: str  # the name it gave in hello
     # Done once the connection closed: a load it asked for finishes but waits for room no
-    # more (Loads.ensure_resident). None where no request runs (a lease's holder).
+    # more (SingleFlight.ensure_resident). None where no request runs (a lease's holder).
     gone: asyncio.Future[None] | None = field(default=None, compare=False)
 
 
@@ -52,7 +52,7 @@ class Context:
     settings: Settings
     core: CacheCore
     registry: Registry
-    loads: Loads
+    residency: Residency
     access: AccessPolicy
     backends: dict[str, Backend]
     started: float  # monotonic time the daemon started

@@ -16,8 +16,8 @@ from ..cache import CacheCore, StepDown
 from ..config import Budget, Settings
 from ..errors import ConfigError, NoSpace
 from ..units import format_size
-from .loads import Loads
 from .registry import Registry
+from .residency import Residency
 
 
 def resolve_budget(device: str, budget: Budget, total: int) -> int:
@@ -52,7 +52,7 @@ def evicted(registry: Registry, core: CacheCore, step: StepDown, reason: str) ->
     return out
 
 
-async def _lowered(change: Callable[[], StepDown], key: str, reason: str, core: CacheCore, loads: Loads, registry: Registry,
+async def _lowered(change: Callable[[], StepDown], key: str, reason: str, core: CacheCore, residency: Residency, registry: Registry,
                    report: dict[str, Any]) -> bool:
     """Apply one limit ``change`` in the core and carry out the evictions it plans, listed
     under ``evicted``; False, with the reason under ``failed``, when attached or pinned
@@ -63,12 +63,12 @@ async def _lowered(change: Callable[[], StepDown], key: str, reason: str, core: 
         report["failed"].append(f"{key}: {exc.message}")
         return False
     report["evicted"] += evicted(registry, core, step, reason)
-    await loads.carry_out(step, reason=reason)
-    await loads.notify_space()
+    await residency.step_down.carry_out(step, reason=reason)
+    residency.room.notify()
     return True
 
 
-async def reload_max_loaded(core: CacheCore, backends: dict[str, Backend], loads: Loads, registry: Registry,
+async def reload_max_loaded(core: CacheCore, backends: dict[str, Backend], residency: Residency, registry: Registry,
                             new: Settings, report: dict[str, Any]) -> None:
     """Apply a changed daemon.max_loaded_models in place: a lowered count evicts
     unattached models in the policy's order, as a lowered budget does. A count that
@@ -83,11 +83,11 @@ async def reload_max_loaded(core: CacheCore, backends: dict[str, Backend], loads
             report["failed"].append(f"max_loaded_models.{device}: a new device needs a daemon restart")
             continue
         if await _lowered(functools.partial(core.set_max_loaded, device, limit), f"max_loaded_models.{device}",
-                          f"{device} max_loaded_models lowered", core, loads, registry, report):
+                          f"{device} max_loaded_models lowered", core, residency, registry, report):
             report["max_loaded_models"].append({"device": device, "limit": limit, "previous": previous})
 
 
-async def reload_budgets(core: CacheCore, backends: dict[str, Backend], loads: Loads, registry: Registry,
+async def reload_budgets(core: CacheCore, backends: dict[str, Backend], residency: Residency, registry: Registry,
                          new: Settings, report: dict[str, Any]) -> None:
     """Each [budgets] entry as start resolves and checks it (``resolve_budget``), then
     applied: a lowered budget evicts unattached models in the policy's order. A device
@@ -115,5 +115,5 @@ async def reload_budgets(core: CacheCore, backends: dict[str, Backend], loads: L
             backends[device].limit(nbytes)  # before the evictions are carried out, as the core now counts
             return step
 
-        if await _lowered(change, f"budgets.{device}", f"{device} budget lowered", core, loads, registry, report):
+        if await _lowered(change, f"budgets.{device}", f"{device} budget lowered", core, residency, registry, report):
             report["budgets"].append({"device": device, "budget": nbytes, "previous": previous})

@@ -1,5 +1,5 @@
 """Reading the daemon's own account of each load from its log: every "loaded" and
-"promoted" line gives the bytes, the time and the phases (server/loads.py writes them).
+"promoted" line gives the bytes, the time and the phases (server/residency/fill.py writes them).
 The benchmarks use it to tell the loader's speed under churn from what an engine waits
 (which also counts waiting for room and for other loads in the queue)."""
 

@@ -62,6 +62,9 @@ class Restart:
     checksum: float | None
     tensors: int
     extra_device_bytes: int | None  # GPU memory the weights step took (None on CPU)
+    # The weights step's CPU time in the engine process (every thread, not the waits):
+    # what the engine's own work costs, steadier than weights_s on a machine others load.
+    weights_cpu_s: float | None = None
 
 
 @dataclass
@@ -150,7 +153,8 @@ def time_restart(mode: str, *, files: list[str], model: str, socket: str, device
     if not ready or "checksum" not in info or proc.returncode != 0:
         raise RuntimeError(f"engine ({mode}) failed with {proc.returncode}: {err[-2000:]}")
     return Restart(mode=mode, ready_s=ready, import_s=info["import_s"], weights_s=info["weights_s"],
-                   checksum=info["checksum"], tensors=info["tensors"], extra_device_bytes=info.get("extra_device_bytes"))
+                   checksum=info["checksum"], tensors=info["tensors"], extra_device_bytes=info.get("extra_device_bytes"),
+                   weights_cpu_s=info.get("weights_cpu_s"))
 
 
 @contextlib.contextmanager
@@ -197,7 +201,7 @@ def _engine(mode: str, spec: dict[str, Any]) -> None:
         return free0 - torch.cuda.mem_get_info(torch.device(device))[0] if cuda else None
 
     free0 = torch.cuda.mem_get_info(torch.device(device))[0] if cuda else 0
-    t1 = time.perf_counter()
+    t1, cpu1 = time.perf_counter(), time.process_time()
     if mode == "fresh":
         _fresh(spec["model"], spec["socket"])
         return
@@ -216,15 +220,15 @@ def _engine(mode: str, spec: dict[str, Any]) -> None:
             weights.update(load_file(f, device=device))
         if cuda:
             torch.cuda.synchronize()
-        _report(t0, t1, weights, extra_bytes())
+        _report(t0, t1, cpu1, weights, extra_bytes())
         return
     if mode == "ipc":
-        _report(t0, t1, _receive_ipc(spec["ipc_socket"]), extra_bytes())
+        _report(t0, t1, cpu1, _receive_ipc(spec["ipc_socket"]), extra_bytes())
         return
     from weightcache import SyncClient
 
     with SyncClient(spec["socket"], name=f"engine/{mode}") as c, c.attach(spec["model"]) as m:
-        _report(t0, t1, dict(m), extra_bytes())
+        _report(t0, t1, cpu1, dict(m), extra_bytes())
 
 
 def _hold_ipc(spec: dict[str, Any]) -> None:
@@ -291,12 +295,13 @@ def _fresh(model: str, socket: str) -> None:
                                "second_attach_ms": (t5 - t4) * 1e3, "tensors": n, "lazy_imports": lazy}), flush=True)
 
 
-def _report(t0: float, t1: float, weights: dict[str, Any], extra_device_bytes: int | None) -> None:
+def _report(t0: float, t1: float, cpu1: float, weights: dict[str, Any], extra_device_bytes: int | None) -> None:
     """READY as soon as the weights are usable; the checksum (which launches kernels and
     syncs per tensor on a GPU) comes after, so it is not counted as restart time."""
+    weights_s, weights_cpu_s = time.perf_counter() - t1, time.process_time() - cpu1
     import torch
 
-    print(READY + json.dumps({"import_s": t1 - t0, "weights_s": time.perf_counter() - t1,
+    print(READY + json.dumps({"import_s": t1 - t0, "weights_s": weights_s, "weights_cpu_s": weights_cpu_s,
                               "extra_device_bytes": extra_device_bytes}), flush=True)
     print(RESULT + json.dumps({"checksum": _checksum(torch, weights), "tensors": len(weights)}), flush=True)
 

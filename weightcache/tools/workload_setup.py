@@ -12,6 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
+from ..units import parse_size
 from .workload_trace import GIB, Trace, model_names, parse_range, read_trace, write_trace, zipf_trace
 
 
@@ -55,8 +56,6 @@ def workload_config(*, engines: int, models: str | None, model_sizes: str | None
                     trace: str | None, policies: str, tensors: int, kill_every: str | None, cold: bool, wait_s: float,
                     reps: int, drain_s: float | None, mem_slack: str, workdir: str | None, out: str | None) -> WorkloadConfig:
     """The command line's strings -> a config; ValueError says what is wrong."""
-    from ..config import parse_size
-
     if models and model_sizes:
         raise ValueError("give --models (GiB) or --model-sizes (with units), not both")
     sizes: list[int] = []

@@ -1,82 +1,24 @@
-"""Daemon configuration: a TOML file read through pydantic-settings.
+"""The config file's shape: one pydantic model per table, validated at load and frozen.
 
-Precedence, highest first: ``WEIGHTCACHE_*`` environment variables (nested keys with
-``__``, e.g. ``WEIGHTCACHE_DAEMON__LOG_LEVEL=debug``), then the TOML file, then the
-defaults below. ``WEIGHTCACHE_SOCKET`` sets the socket path for the daemon and the
-clients alike; ``WEIGHTCACHE_CONFIG`` names the file the daemon reads when none is given.
-
-This module imports no torch: the CLI and the client read it before anything heavy.
+``Settings`` is the whole file: a field per top-level table. A new table is a model class
+here and a field of ``Settings`` (and a commented example in configs/example.toml); one
+that would take this module past 500 lines gets a module of its own (peers.py, ``[peers]``).
 """
 
 from __future__ import annotations
 
-import grp
-import math
 import os
 import re
-import tomllib
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from .defaults import CONFIG_ENV, DEFAULT_SOCKET, SOCKET_ENV
-from .errors import ConfigError
-from .units import format_size
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_POW2 = {"K": 10, "M": 20, "G": 30, "T": 40}
-_POW10 = {"K": 3, "M": 6, "G": 9, "T": 12}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(value: str | int) -> int:
-    """``"6GiB"`` -> 6442450944. Integers are bytes. Raises ValueError with the reason."""
-    if isinstance(value, bool):
-        raise ValueError(f"not a size: {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"size must be >= 0, got {value}")
-        return value
-    m = _SIZE_RE.match(str(value))
-    if m and m.group(2).lower() in ("k", "m", "g", "t"):
-        # "8G" is 8 GiB to docker and java, 8 GB to Kubernetes: read either way, a budget
-        # is off by 7%. Ask which one was meant.
-        n, unit = m.group(1), m.group(2).upper()
-        raise ValueError(f"{value!r} is ambiguous: write '{n}{unit}iB' ({n} x 2^{_POW2[unit]} bytes) "
-                         f"or '{n}{unit}B' ({n} x 10^{_POW10[unit]})")
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {value!r} (use bytes or a unit: KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-_DURATION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(s|m|h|d)?\s*$")
-_DURATION_UNITS = {None: 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(value: Any) -> float:
-    """``"90s"``, ``"5m"``, ``"1h"``, ``"1d"``, or a number of seconds -> seconds."""
-    if isinstance(value, bool):
-        raise ValueError(f"not a duration: {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    else:
-        m = _DURATION_RE.match(str(value))
-        if not m:
-            raise ValueError(f"not a duration: {value!r} (use seconds, or a number with s, m, h or d: '30s', '5m', '1h')")
-        seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
-    if not math.isfinite(seconds):
-        # TOML's `inf` (and nan) passed as a duration, and `models --json` then printed
-        # Infinity, which strict JSON parsers refuse. "Never" is said by leaving the key out.
-        raise ValueError(f"{value!r} is not a finite duration: give a time such as '30m' or '1h' (to never expire, "
-                         "leave the key out)")
-    return seconds
+from ..defaults import DEFAULT_SOCKET
+from ..units import format_size, parse_duration, parse_size
+from .checks import AUTO, auto_devices, check_device, check_model_name, resolve_group, tenant_key, under_roots
+from .peers import PeersConfig
 
 
 class Budget(BaseModel):
@@ -126,73 +68,6 @@ class Budget(BaseModel):
 
     def __str__(self) -> str:
         return format_size(self.nbytes) if self.nbytes is not None else f"{self.fraction:g} of total"
-
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
-_DEVICE_RE = re.compile(r"^(cpu|cuda:[0-9]+|cuda:GPU-[0-9a-fA-F-]+)$")
-
-
-def check_model_name(name: str) -> str:
-    if not _NAME_RE.match(name):
-        raise ValueError(f"model name {name!r} must be 1-128 chars of letters, digits and . _ : / -, starting alphanumeric")
-    return name
-
-
-AUTO = "auto"  # a model's device chosen by the daemon (cache/placement.py)
-
-
-def check_device(device: str, *, auto: bool = False) -> str:
-    """A device name; ``auto`` also allows "auto" (a model's or shard's device in the config)."""
-    if auto and device == AUTO:
-        return device
-    if not _DEVICE_RE.match(device):
-        more = ", 'auto'" if auto else ""
-        raise ValueError(f"device {device!r} must be 'cpu', 'cuda:N', 'cuda:GPU-<uuid>'{more}")
-    return device
-
-
-def auto_devices(devices: Iterable[str]) -> list[str]:
-    """Where a ``device = "auto"`` model may be placed, in order: every budgeted GPU, or
-    the CPU on a host without one (an engine that wants a GPU never gets the CPU because
-    a GPU was full)."""
-    gpus = sorted((d for d in devices if d.startswith("cuda:")), key=_device_order)
-    return gpus or [d for d in devices if d == "cpu"]
-
-
-def _device_order(device: str) -> tuple[int, str]:
-    ident = device.partition(":")[2]
-    return (int(ident), "") if ident.isdigit() else (1 << 30, ident)
-
-
-def resolve_group(group: Any) -> int:
-    """A group name or gid -> the gid; ValueError naming it when no such group exists."""
-    if isinstance(group, bool) or not isinstance(group, (int, str)):
-        raise ValueError(f"not a group name or gid: {group!r}")
-    if isinstance(group, int) or group.isdigit():
-        if int(group) < 0:
-            raise ValueError(f"gid must be >= 0, not {group}")
-        return int(group)
-    try:
-        return grp.getgrnam(group).gr_gid
-    except KeyError:
-        raise ValueError(f"no group named {group!r}") from None
-
-
-def config_group_names(daemon: DaemonConfig) -> dict[str, int]:
-    """The group names the config file itself uses (``socket_group``, ``allowed_gids``,
-    ``admin_gids``), resolved: the only names a peer's ``allowed_gids`` may give. A peer's
-    request never makes the daemon look a name up (a publish listing "root" 1,000,000
-    times ran one getgrnam each on the event loop, 36 s; with sssd or LDAP each is a
-    network round trip). Called once per config (model_ops caches it)."""
-    names = [g for g in (daemon.socket_group, *daemon.allowed_gids, *daemon.admin_gids) if isinstance(g, str) and not g.isdigit()]
-    return {g: resolve_group(g) for g in names}
-
-
-def under_roots(path: str | os.PathLike[str], roots: list[Path]) -> bool:
-    """Whether ``path``, symlinks resolved, lies under one of ``roots`` (by path component:
-    /models2 is not under /models). The loader checks the files it really opened again."""
-    real = Path(os.path.realpath(path))
-    return any(real.is_relative_to(os.path.realpath(r)) for r in roots)
 
 
 class ShardConfig(BaseModel):
@@ -314,23 +189,6 @@ class QuotaConfig(BaseModel):
             except ValueError as exc:
                 raise ValueError(f"{k}: {exc}") from None
         return out
-
-
-_TENANT_RE = re.compile(r"^(uid|gid):(.+)$")
-
-
-def tenant_key(key: str) -> str:
-    """``"uid:1000"`` / ``"gid:1000"`` / ``"gid:ml-team"`` -> ``"uid:1000"`` / ``"gid:<gid>"``,
-    the form the daemon keys quotas by; ValueError naming what is wrong."""
-    m = _TENANT_RE.match(key)
-    if not m:
-        raise ValueError(f"quota key {key!r} must be 'uid:<uid>' or 'gid:<group name or gid>'")
-    kind, who = m.groups()
-    if kind == "uid":
-        if not who.isdigit():
-            raise ValueError(f"quota key {key!r}: a uid is a number")
-        return f"uid:{int(who)}"
-    return f"gid:{resolve_group(who)}"
 
 
 class DaemonConfig(BaseModel):
@@ -469,52 +327,14 @@ class DaemonConfig(BaseModel):
         return parse_size(v)
 
 
-class PeersConfig(BaseModel):
-    """``[peers]``: neighbour daemons a load that misses may be filled from, over NIXL
-    (weightcache/peers/, issue 27; docs/deployment.md, "Peers"). Off unless ``listen``
-    is set. Only the peers named here (``addresses``, and what ``dns`` resolves to) are
-    asked and answered."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    listen: str | None = Field(default=None, description="host:port of this daemon's peer port (None: no peers)")
-    addresses: tuple[str, ...] = Field(default=(), description="host:port of each peer daemon")
-    dns: str | None = Field(default=None, description="name:port that resolves to the peers (a headless Service)")
-    refresh_s: float = Field(default=10.0, gt=0, description="how often each peer is asked what it holds")
-    # Model name -> the content fingerprint its files must have (`weightcache models`
-    # shows it): what a peer's copy is checked against before it is served. A model whose
-    # fingerprint this daemon does not know (pinned here, or from an earlier load of the
-    # same, unchanged files) is never filled from a peer.
-    fingerprints: dict[str, str] = Field(default_factory=dict)
-    serve: bool = Field(default=True, description="lend this daemon's resident models to its peers")
-    timeout_s: float = Field(default=120.0, gt=0, description="a fill from a peer not done by then falls back to the files")
-    max_fill_bytes_per_s: int | None = Field(default=None, gt=0, description="cap on one fill's rate (None: none)")
-
-    @field_validator("refresh_s", "timeout_s", mode="before")
-    @classmethod
-    def _peer_durations(cls, v: Any) -> float:
-        return parse_duration(v)
-
-    @field_validator("max_fill_bytes_per_s", mode="before")
-    @classmethod
-    def _peer_rate(cls, v: Any) -> int | None:
-        return None if v is None else parse_size(v)
-
-    @field_validator("listen", "dns")
-    @classmethod
-    def _host_port(cls, v: str | None) -> str | None:
-        if v is not None:
-            host, sep, port = v.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-                raise ValueError(f"{v!r} is not host:port")
-        return v
-
-    @field_validator("addresses")
-    @classmethod
-    def _addresses(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for a in v:
-            cls._host_port(a)
-        return v
+def config_group_names(daemon: DaemonConfig) -> dict[str, int]:
+    """The group names the config file itself uses (``socket_group``, ``allowed_gids``,
+    ``admin_gids``), resolved: the only names a peer's ``allowed_gids`` may give. A peer's
+    request never makes the daemon look a name up (a publish listing "root" 1,000,000
+    times ran one getgrnam each on the event loop, 36 s; with sssd or LDAP each is a
+    network round trip). Called once per config (model_ops caches it)."""
+    names = [g for g in (daemon.socket_group, *daemon.allowed_gids, *daemon.admin_gids) if isinstance(g, str) and not g.isdigit()]
+    return {g: resolve_group(g) for g in names}
 
 
 class Settings(BaseSettings):
@@ -601,115 +421,4 @@ class Settings(BaseSettings):
         # must win over the file, so it comes first.
         return (env_settings, init_settings)
 
-
-def problems(exc: ValidationError, root: type[BaseModel] | None = None) -> list[str]:
-    """One line per problem of ``exc``, each naming its key: for the config file
-    (``root`` Settings, the default), or for one model the daemon is sent (``register``:
-    ``root=ModelConfig``), whose pydantic dump spanned four lines and a URL."""
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err["loc"])
-        # Our validators' messages are sentences, often naming the key themselves
-        # ("budgets.cpu: ..."): no "Value error, " before them, no key twice.
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = _unknown_key(err["loc"], root or Settings)
-        env = _env_name(err["loc"]) if root is None else None
-        if env:  # the file may be fine: say where the value came from
-            msg += f" (from ${env})"
-        lines.append(msg if not loc or msg.startswith((f"{loc}.", f"{loc}:")) else f"{loc}: {msg}")
-    return lines
-
-
-def _unknown_key(loc: tuple[int | str, ...], root: type[BaseModel]) -> str:
-    """pydantic says "Extra inputs are not permitted"; an operator wants to hear that the
-    key is unknown and which known one it is closest to ("sokcet": socket)."""
-    import difflib
-
-    cls: Any = root
-    for part in loc[:-1]:
-        if isinstance(part, int):  # a [[models]] entry's index
-            continue
-        field = getattr(cls, "model_fields", {}).get(part) if isinstance(cls, type) else None
-        if field is None:  # a table's own key ([budgets], [quotas."uid:1000"]): its values' model
-            continue
-        cls = _model_in(field.annotation)
-    known = list(getattr(cls, "model_fields", {}))
-    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
-    if close:
-        return f"unknown key; did you mean {close[0]!r}?"
-    return "unknown key" + (f" (known: {', '.join(known)})" if len(known) <= 10 else "; configs/example.toml shows every key")
-
-
-def _model_in(annotation: Any) -> Any:
-    """The pydantic model a field holds: itself, or inside list[...], tuple[...], dict[...]."""
-    import typing
-
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _env_name(loc: tuple[int | str, ...]) -> str | None:
-    """The WEIGHTCACHE_* variable that set ``loc`` (or a table above it), if one is set."""
-    parts = [str(p) for p in loc if not isinstance(p, int)]
-    for n in range(len(parts), 0, -1):
-        name = "WEIGHTCACHE_" + "__".join(parts[:n]).upper()
-        if any(k.upper() == name for k in os.environ):
-            return name
-    return None
-
-
-def config_relative(path: str, config_file: Path) -> str:
-    """A path as written in ``config_file``: ``~`` expanded, relative ones taken from the
-    file's directory. The CLI finds the daemon's socket the same way."""
-    expanded = os.path.expanduser(path)
-    return expanded if os.path.isabs(expanded) else str((config_file.parent / expanded).resolve())
-
-
-def load_settings(path: str | Path | None = None) -> Settings:
-    """Read the config file (``path``, else ``$WEIGHTCACHE_CONFIG``, else defaults only).
-
-    Raises :class:`ConfigError` with one line per problem, each naming the key.
-    """
-    from_env = not path and bool(os.environ.get(CONFIG_ENV))
-    path = path or os.environ.get(CONFIG_ENV)
-    data: dict[str, Any] = {}
-    if path:
-        p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text())
-        except FileNotFoundError:
-            # A stale $WEIGHTCACHE_CONFIG in the environment is the likely cause: name it.
-            named = f" (named by ${CONFIG_ENV}; pass --config or fix the variable)" if from_env else ""
-            raise ConfigError(f"config file {p} does not exist{named}") from None
-        except OSError as exc:  # a directory, no read permission: was a traceback (and INTERNAL on reload)
-            raise ConfigError(f"config file {p} cannot be read: {exc.strerror}") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"config file {p} is not UTF-8 text (byte {exc.start}): is it the TOML file?") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
-        # Relative paths (the models' and the socket's) are relative to the config file,
-        # not to the cwd, which under systemd is /; "~" is the daemon user's home, as in a
-        # shell (read literally it became a directory named "~").
-        daemon = data.get("daemon")
-        if isinstance(daemon, dict) and isinstance(daemon.get("socket"), str):
-            daemon["socket"] = config_relative(daemon["socket"], p)
-        for m in data.get("models", []) if isinstance(data.get("models"), list) else []:
-            shards = m.get("shards", []) if isinstance(m, dict) else []
-            for part in [m, *shards] if isinstance(shards, list) else [m]:
-                if isinstance(part, dict) and isinstance(part.get("path"), str):
-                    part["path"] = config_relative(part["path"], p)
-    if os.environ.get(SOCKET_ENV):
-        data.setdefault("daemon", {})["socket"] = os.environ[SOCKET_ENV]
-    try:
-        return Settings(**data)
-    except ValidationError as exc:
-        lines = problems(exc)
-        where = f" in {path}" if path else ""
-        raise ConfigError(f"invalid configuration{where}:\n  " + "\n  ".join(lines)) from None
 

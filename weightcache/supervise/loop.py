@@ -1,62 +1,30 @@
-"""``weightcache supervise``: keep an engine's imports in a template process and fork each
-engine from it, so a restart costs a fork instead of ``import torch, transformers``.
-
-    weightcache supervise [--preload MODULES] [--record FILE [--exclude MODULES]] [--status FILE] -- python engine.py ARGS
-
-In the spirit of gunicorn's ``--preload`` and Android's zygote. With the cache, an
-engine's imports, not its weights, decide its restart time (issue 16: on the H200 an
-8B transformers engine spent 13.8-14.6 s of a 16.6-17.7 s restart importing; a forked
-engine that found torch and transformers imported was ready in 0.36 s).
-
-The supervisor (docs/deployment.md, "Supervisor"):
-
-1. imports the ``--preload`` modules and those the last engine recorded (``--record``),
-   never touching CUDA; checks that forking is safe (weightcache/fork_safety.py);
-2. forks the engine, which runs ``engine.py`` (or ``-m module``) as ``__main__`` with the
-   argv, cwd, environment, stdio and signal state it would have had unsupervised;
-3. when the engine exits, forks the next one: at once after a planned restart (exit
-   status :data:`~weightcache.engine.RESTART_EXIT_CODE`, see
-   :func:`weightcache.engine.restart`) or a first crash, with backoff after repeated
-   crashes (:class:`RestartPolicy`); exit status 0 means "finished" and stops the
-   supervisor with 0;
-4. passes signals through (SIGHUP, SIGUSR1, SIGUSR2, SIGWINCH), and on SIGTERM, SIGINT or
-   SIGQUIT passes the signal on, waits up to ``--stop-timeout`` for the engine, SIGKILLs it
-   if it is still there, then exits (0, or 1 when it had to kill); a second stop signal
-   kills at once;
-5. reaps every child (it can be a container's PID 1) and logs each exit, its status and
-   the restart counts to stderr, and to ``--status FILE`` as JSON.
-
-It is single-threaded and waits with ``sigtimedwait``: signals are blocked in the
-supervisor and taken one at a time, so none is lost between a check and a wait.
-"""
+"""The supervisor process (``weightcache supervise``, the package's docstring): preload
+the template, fork engines, wait for them and for signals, restart by the policy, and
+say where it stands (stderr, ``--status FILE``, systemd)."""
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import ctypes
 import gc
 import importlib
-import importlib.machinery
 import json
 import logging
 import os
-import runpy
-import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import engine as engine_api
-from .errors import ConfigError
+from .. import engine as engine_api
+from ..errors import ConfigError
+from .command import EngineCommand, parse_command, run_engine
 from .fork_safety import ForkUnsafe, check_fork_safe, driver_files, open_fds, reseed, socket_fds
+from .policy import EngineExit, RestartPolicy
 
 log = logging.getLogger("weightcache.supervisor")
 
@@ -73,48 +41,6 @@ PR_SET_CHILD_SUBREAPER = 36
 
 
 @dataclass(frozen=True)
-class EngineCommand:
-    """How to run the engine in a forked child, as ``python ...`` would have."""
-
-    orig_argv: tuple[str, ...]  # the command as given: sys.orig_argv
-    argv: tuple[str, ...]  # sys.argv at start (runpy rewrites argv[0] for -m, as python does)
-    script: str | None  # absolute path of the script, or None with -m
-    module: str | None  # -m MODULE
-    path0: str  # sys.path[0]: the script's directory (symlinks resolved), or the cwd with -m
-
-
-def parse_command(cmd: list[str], executable: str = sys.executable) -> EngineCommand:
-    """``python engine.py ARGS`` or ``python -m module ARGS``; the interpreter must be this
-    one (the engine runs in the supervisor's interpreter, so another one's packages and
-    version would silently not apply)."""
-    if cmd and cmd[0] == "--":
-        cmd = cmd[1:]
-    usage = "the engine command must be `python SCRIPT [ARGS]` or `python -m MODULE [ARGS]` (after --)"
-    if len(cmd) < 2:
-        raise ConfigError(f"no engine to run: {usage}")
-    found = shutil.which(cmd[0])
-    if found is None:
-        raise ConfigError(f"{cmd[0]!r} not found: {usage}")
-    same = os.path.abspath(found) == os.path.abspath(executable) or (
-        os.path.dirname(os.path.abspath(found)) == os.path.dirname(os.path.abspath(executable))
-        and os.path.realpath(found) == os.path.realpath(executable))
-    if not same:
-        raise ConfigError(f"the engine command names {found}, but the supervisor runs in {executable}, and the engine runs in "
-                          f"the supervisor's interpreter: start the supervisor with that one ({cmd[0]} -m weightcache supervise ...)")
-    if cmd[1] == "-m":
-        if len(cmd) < 3:
-            raise ConfigError(f"-m needs a module name: {usage}")
-        return EngineCommand(tuple(cmd), ("-m", *cmd[3:]), None, cmd[2], os.getcwd())
-    if cmd[1].startswith("-"):
-        raise ConfigError(f"python option {cmd[1]} cannot apply to an engine forked from a running interpreter: set it for the "
-                          f"supervisor instead (e.g. PYTHONUNBUFFERED=1 for -u); {usage}")
-    if not os.path.isfile(cmd[1]):
-        raise ConfigError(f"can't open file {os.path.abspath(cmd[1])!r}: {usage}")
-    script = os.path.abspath(cmd[1])
-    return EngineCommand(tuple(cmd), tuple(cmd[1:]), script, None, os.path.dirname(os.path.realpath(script)))
-
-
-@dataclass(frozen=True)
 class SupervisorOptions:
     preload: tuple[str, ...] = ()  # imported before the first fork; a failure stops the supervisor
     record: str | None = None  # engines write their modules here at ready(); preloaded (failures logged) at start
@@ -123,137 +49,6 @@ class SupervisorOptions:
     stop_timeout_s: float = 30.0  # from the stop signal to SIGKILL
     backoff_max_s: float = 30.0
     stable_after_s: float = 30.0  # an engine that ran this long before crashing starts a new crash streak
-
-
-@dataclass(frozen=True)
-class EngineExit:
-    pid: int
-    status: int  # os.waitstatus_to_exitcode: the exit status, or -N for signal N
-    uptime_s: float
-    ready_s: float | None  # from fork to weightcache.engine.ready(), if it was called
-    reason: str | None  # what weightcache.engine.restart() was given
-
-    @property
-    def planned(self) -> bool:
-        return self.status == engine_api.RESTART_EXIT_CODE
-
-    def describe(self) -> str:
-        how = f"was killed by {signal.Signals(-self.status).name}" if self.status < 0 else f"exited with status {self.status}"
-        text = f"engine pid {self.pid} {how} after {self.uptime_s:.2f} s"
-        if self.reason is not None:
-            text += f", asking for a restart: {self.reason}"
-        return text
-
-    def to_json(self) -> dict[str, Any]:
-        return {"pid": self.pid, "status": self.status, "uptime_s": round(self.uptime_s, 3),
-                "ready_s": None if self.ready_s is None else round(self.ready_s, 3), "reason": self.reason,
-                "kind": "planned" if self.planned else "finished" if self.status == 0 else "crash", "at": time.time()}
-
-
-class RestartPolicy:
-    """What to do after an engine exits; pure (no clock, no I/O), so tested directly.
-
-    Status 0: the engine finished; stop. :data:`RESTART_EXIT_CODE`: restart now, and the
-    crash streak ends. Anything else is a crash: the first of a streak restarts at once,
-    the next ones wait 1, 2, 4 ... s up to ``backoff_max_s``. A crash after at least
-    ``stable_after_s`` of running starts a new streak.
-
-    Planned restarts are not free of limits either: an engine that asks for one at every
-    start (a condition its restart never clears) was forked ~190 times a second, two log
-    lines each, forever. So only ``PLANNED_BURST`` restarts in a row by engines that ran
-    less than ``stable_after_s`` (planned or crashed) are at once; further ones wait 1,
-    2, 4 ... s like crashes, until an engine runs ``stable_after_s``.
-    """
-
-    PLANNED_BURST = 3
-
-    def __init__(self, backoff_max_s: float = 30.0, stable_after_s: float = 30.0) -> None:
-        self.backoff_max_s = backoff_max_s
-        self.stable_after_s = stable_after_s
-        self.crash_streak = 0
-        self.crashes = 0
-        self.planned = 0
-        self.quick_planned = 0  # planned restarts since an engine last ran stable_after_s
-
-    def decide(self, ex: EngineExit) -> float | None:
-        """Seconds to wait before the next fork, or None: stop."""
-        if ex.status == 0:
-            return None
-        if ex.uptime_s >= self.stable_after_s:
-            self.quick_planned = 0
-        if ex.planned:
-            self.planned += 1
-            self.crash_streak = 0
-            if ex.uptime_s >= self.stable_after_s:
-                return 0.0
-            self.quick_planned += 1
-            over = self.quick_planned - self.PLANNED_BURST
-            return 0.0 if over <= 0 else min(self.backoff_max_s, 2.0 ** (over - 1))
-        self.crashes += 1
-        self.crash_streak = 1 if ex.uptime_s >= self.stable_after_s else self.crash_streak + 1
-        return 0.0 if self.crash_streak == 1 else min(self.backoff_max_s, 2.0 ** (self.crash_streak - 2))
-
-
-def run_script(path: str) -> None:
-    """Run a file as ``__main__`` the way ``python path`` does. Not ``runpy.run_path``: that
-    sets ``__file__`` to the path as given (python makes it absolute), runs in a temporary
-    module that leaves ``sys.modules`` afterwards, and has no ``__loader__``."""
-    main = types.ModuleType("__main__")
-    main.__file__ = path
-    main.__cached__ = None  # type: ignore[attr-defined]
-    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
-    main.__package__ = None
-    main.__spec__ = None
-    main.__builtins__ = builtins  # type: ignore[attr-defined]
-    sys.modules["__main__"] = main
-    with open(path, "rb") as f:
-        source = f.read()
-    # dont_inherit: this module's `from __future__ import annotations` must not apply to the engine.
-    exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
-
-
-def run_engine(cmd: EngineCommand) -> int | signal.Signals:
-    """Run the engine in this (forked) process and end it as the interpreter would: the
-    status to exit with, or the signal to die by (an uncaught KeyboardInterrupt)."""
-    sys.argv = list(cmd.argv)
-    sys.orig_argv = list(cmd.orig_argv)
-    if not sys.flags.safe_path and sys.path:
-        sys.path[0] = cmd.path0  # the supervisor's own entry (its script's directory) is not the engine's
-    result: int | signal.Signals = 0
-    try:
-        if cmd.module is not None:
-            runpy._run_module_as_main(cmd.module, alter_argv=True)  # type: ignore[attr-defined]  # what `python -m` calls
-        else:
-            assert cmd.script is not None
-            run_script(cmd.script)
-    except SystemExit as exc:
-        result = exit_status(exc)
-    except KeyboardInterrupt:
-        sys.excepthook(*sys.exc_info())
-        result = signal.SIGINT  # python >= 3.8 ends an uncaught KeyboardInterrupt by dying of SIGINT
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        result = 1
-    shutdown = getattr(threading, "_shutdown", None)
-    if shutdown is not None:
-        shutdown()  # the interpreter waits for non-daemon threads before atexit, so do we
-    import atexit
-
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    return result
-
-
-def exit_status(exc: SystemExit) -> int:
-    """The status ``python`` exits with for this SystemExit."""
-    if exc.code is None:
-        return 0
-    if isinstance(exc.code, int):
-        return exc.code
-    print(exc.code, file=sys.stderr)
-    return 1
 
 
 def _prctl(option: int, arg: int) -> None:

@@ -1,0 +1,325 @@
+"""Where a CUDA load from a warm page cache spends its time, and what a path that skips
+the CPU copy gains (issue 28).
+
+The daemon's loader reads each chunk with ``preadv`` into a pinned staging buffer, then
+copies it to the GPU: every byte crosses host memory twice before the DMA reads it a
+third time. This script measures, side by side in one process on one GPU:
+
+- ``pinned H2D``: the copy engine's ceiling, from one pinned buffer;
+- ``staging``: the daemon's own writer (read_checkpoint into a VMM arena, hash on), at
+  several thread counts, with its phases timed (preadv, waits for the previous copy);
+- ``registered``: the file mmapped (PROT_READ) and its page-cache pages registered with
+  ``cuMemHostRegister(READ_ONLY)`` in aligned windows, each chunk copied to the GPU
+  straight from them (the CPU never touches the mapping: a file truncated meanwhile
+  cannot raise SIGBUS in the daemon), hashed on the GPU as today; chunks holding a piece
+  that the host hashes go the staging way;
+- ``register`` alone: what pinning page-cache pages costs per window size.
+
+    python3 scripts/loader_paths.py --size-gib 9.15 --tensors 183 --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from cuda.bindings import driver as cu
+
+from weightcache import cuda_driver as drv
+from weightcache.backends.cuda import CudaBackend, _VmmWriter
+from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
+from weightcache.loader.content import FILE_DIGESTS, TaskHasher
+from weightcache.tools.bench_measure import warm_page_cache
+from weightcache.tools.synth import kept_checkpoint
+
+PAGE = mmap.PAGESIZE
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def map_file(fd: int, size: int) -> int:
+    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap")
+    return int(addr)
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.s: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, k: str, dt: float) -> None:
+        with self._lock:
+            self.s[k] = self.s.get(k, 0.0) + dt
+
+
+class TimedStaging(_VmmWriter):
+    """The daemon's writer, its phases timed (summed over threads)."""
+
+    def __init__(self, *a: Any, timers: Timers) -> None:
+        super().__init__(*a)
+        self.t = timers
+
+    def write_from_file(self, fd, file_offset, arena_offset, nbytes, direct=False, seen=None):  # type: ignore[override]
+        t = time.perf_counter()
+        super().write_from_file(fd, file_offset, arena_offset, nbytes, direct, seen)
+        self.t.add("write_s", time.perf_counter() - t)
+
+
+def host_bytes_ahead(seen: TaskHasher, n: int) -> bool:
+    """Whether the next ``n`` bytes the hasher will see hold a piece it hashes on the host."""
+    starts = getattr(seen, "_starts", None)
+    if starts is None:
+        starts, pos = [], 0
+        for p in seen.task.pieces:
+            starts.append((pos, p))
+            pos += p.nbytes
+        seen._starts = starts  # type: ignore[attr-defined]
+    lo, hi = seen._pos, seen._pos + n
+    for start, p in starts:
+        if start >= hi:
+            break
+        if start + p.nbytes <= lo:
+            continue
+        on_device = (seen.device_min is not None and p.nbytes > seen.device_min
+                     and (seen.task.arena_offset + start) % 16 == 0)
+        if not on_device:
+            return True
+    return False
+
+
+class Registered(_VmmWriter):
+    """Copies straight from registered page-cache pages (see the module docstring)."""
+
+    def __init__(self, backend, arena, chunk, *, maps: dict[int, tuple[int, int]], window: int, timers: Timers) -> None:
+        super().__init__(backend, arena, chunk)
+        self.maps = maps  # fd -> (address, size)
+        self.window = window
+        self.t = timers
+        self._reg: dict[tuple[int, int], threading.Event] = {}
+        self._reg_lock = threading.Lock()
+        self.zeros = memoryview(bytearray(chunk))
+        self.fallback_bytes = 0
+
+    def _registered(self, fd: int, w: int) -> None:
+        with self._reg_lock:
+            ev = self._reg.get((fd, w))
+            mine = ev is None
+            if mine:
+                ev = self._reg[(fd, w)] = threading.Event()
+        if not mine:
+            ev.wait()
+            return
+        base, size = self.maps[fd]
+        lo = w * self.window
+        n = min(self.window, size - lo)
+        n = (n + PAGE - 1) // PAGE * PAGE
+        t = time.perf_counter()
+        drv.check(cu.cuMemHostRegister(base + lo, n, cu.CU_MEMHOSTREGISTER_READ_ONLY))
+        self.t.add("register_s", time.perf_counter() - t)
+        ev.set()
+
+    def write_from_file(self, fd, file_offset, arena_offset, nbytes, direct=False, seen=None):  # type: ignore[override]
+        t0 = time.perf_counter()
+        device_only = seen is None or (isinstance(seen, TaskHasher) and seen.device_min is not None
+                                       and not host_bytes_ahead(seen, nbytes))
+        if direct or fd not in self.maps or not device_only:
+            self.fallback_bytes += nbytes
+            super().write_from_file(fd, file_offset, arena_offset, nbytes, direct, seen)
+            self.t.add("fallback_s", time.perf_counter() - t0)
+            return
+        with drv.current(self._b.ctx):
+            st = self._staging()
+            if st.busy:
+                t = time.perf_counter()
+                drv.check(cu.cuStreamSynchronize(st.stream))
+                self.t.add("wait_copy_s", time.perf_counter() - t)
+            base, _ = self.maps[fd]
+            for w in range(file_offset // self.window, (file_offset + nbytes - 1) // self.window + 1):
+                self._registered(fd, w)
+            if self._arena.mapped < arena_offset + nbytes:
+                self._b.grow(self._arena, arena_offset + nbytes)
+            drv.check(cu.cuMemcpyHtoDAsync(self._arena.va + arena_offset, base + file_offset, nbytes, st.stream))
+            st.busy = True
+            if seen is not None:
+                seen(self.zeros[:nbytes])  # device pieces only: counted, never read
+                self._hash_on_device(seen, st)
+        self.t.add("write_s", time.perf_counter() - t0)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            t = time.perf_counter()
+            with drv.current(self._b.ctx):
+                for (fd, w) in self._reg:
+                    base, _ = self.maps[fd]
+                    drv.check(cu.cuMemHostUnregister(base + w * self.window))
+            self._reg.clear()
+            self.t.add("unregister_s", time.perf_counter() - t)
+
+
+def load_once(path: Path, backend: CudaBackend, threads: int, chunk: int, make: Callable[..., Any]) -> dict[str, Any]:
+    FILE_DIGESTS.clear()
+    timers = Timers()
+    with open_source(path) as opened:
+        ckpt = parse_checkpoint(opened)
+        maps = {sf.fd: (map_file(sf.fd, f.size), f.size) for sf, f in zip(opened.files, ckpt.files, strict=True)}
+        try:
+            t0 = time.perf_counter()
+            arena = backend.allocate(backend.capacity(ckpt.arena_bytes), "loader-paths")
+            timers.add("allocate_s", time.perf_counter() - t0)
+            try:
+                w = make(backend, arena, chunk, maps=maps, timers=timers)
+                t = time.perf_counter()
+                fp = read_checkpoint(ckpt, opened, w, threads=threads, chunk=chunk, nice=0, direct_io="off")
+                timers.add("read_checkpoint_s", time.perf_counter() - t)
+                t = time.perf_counter()
+                backend.seal(arena)
+                timers.add("seal_s", time.perf_counter() - t)
+                dt = time.perf_counter() - t0
+            finally:
+                backend.free(arena)
+        finally:
+            for addr, size in maps.values():
+                libc.munmap(addr, size)
+    return {"s": dt, "GBps": ckpt.data_bytes / dt / 1e9, "fingerprint": fp, "fallback_bytes": getattr(w, "fallback_bytes", None),
+            **{k: round(v, 4) for k, v in timers.s.items()}}
+
+
+def register_cost(path: Path, windows: list[int], threads: int) -> dict[str, float]:
+    out = {}
+    fd = os.open(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size // PAGE * PAGE
+    base = map_file(fd, size)
+    try:
+        for win in windows:
+            offs = list(range(0, size - win + 1, win))
+
+            def reg(off: int, win: int = win) -> None:
+                drv.check(cu.cuMemHostRegister(base + off, win, cu.CU_MEMHOSTREGISTER_READ_ONLY))
+
+            def unreg(off: int) -> None:
+                drv.check(cu.cuMemHostUnregister(base + off))
+
+            for n in (1, threads):
+                with ThreadPoolExecutor(n) as pool:
+                    t = time.perf_counter()
+                    list(pool.map(reg, offs))
+                    r = time.perf_counter() - t
+                    t = time.perf_counter()
+                    list(pool.map(unreg, offs))
+                    u = time.perf_counter() - t
+                gb = len(offs) * win / 1e9
+                out[f"register_{win >> 20}MiB_{n}thr_GBps"] = round(gb / r, 1)
+                out[f"unregister_{win >> 20}MiB_{n}thr_GBps"] = round(gb / u, 1)
+    finally:
+        libc.munmap(base, size)
+        os.close(fd)
+    return out
+
+
+def pinned_h2d(backend: CudaBackend, nbytes: int = 1 << 30) -> float:
+    with drv.current(backend.ctx):
+        host = int(drv.check(cu.cuMemHostAlloc(nbytes, 0)))
+        dev = int(drv.check(cu.cuMemAlloc(nbytes)))
+        best = 0.0
+        for _ in range(3):
+            t = time.perf_counter()
+            drv.check(cu.cuMemcpyHtoD(dev, host, nbytes))
+            best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
+        drv.check(cu.cuMemFree(dev))
+        drv.check(cu.cuMemFreeHost(host))
+    return round(best, 1)
+
+
+def anchors(path: Path, device: str, reps: int) -> dict[str, Any]:
+    """load_file and InstantTensor's three backends on the same file, each in a fresh
+    process (a library's pools and pinned buffers do not outlive its run), best of
+    ``reps``; InstantTensor's MMAP once more with its own page-cache registration on
+    (INSTANTTENSOR_USE_INTERNAL_MEMORY_REGISTER=1, off by default)."""
+    import subprocess
+    import sys
+
+    out: dict[str, Any] = {}
+    kinds = [("load_file", {}), *((f"instanttensor_{b}", {}) for b in ("default", "buffered", "mmap")),
+             ("instanttensor_mmap", {"INSTANTTENSOR_USE_INTERNAL_MEMORY_REGISTER": "1"})]
+    for kind, env in kinds:
+        label = kind + ("_registered" if env else "")
+        for _ in range(reps):
+            code = ("import sys; from pathlib import Path; from weightcache.tools import bench_measure as m; "
+                    f"p = Path({str(path)!r}); "
+                    + (f"print(m.time_load_file(p, {device!r}))" if kind == "load_file"
+                       else f"print(m.time_instanttensor(p, {device!r}, {kind.split('_', 1)[1]!r}))"))
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
+            if r.returncode:
+                out[label] = {"error": r.stderr.strip().splitlines()[-1:] }
+                break
+            s = float(r.stdout.strip().splitlines()[-1])
+            out.setdefault(label, []).append(round(path.stat().st_size / s / 1e9, 2))
+        print(label, out[label], flush=True)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--size-gib", type=float, default=9.15)
+    p.add_argument("--tensors", type=int, default=183)
+    p.add_argument("--path", default=None, help="an existing checkpoint instead of a generated one")
+    p.add_argument("--threads", default="8,16")
+    p.add_argument("--windows-mib", default="64,256")
+    p.add_argument("--chunk-mib", default="16")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--workdir", default="/tmp/wc-loader-paths")
+    p.add_argument("--anchors", action="store_true", help="also load_file and InstantTensor, each in a fresh process")
+    p.add_argument("--out")
+    a = p.parse_args()
+    path = Path(a.path) if a.path else kept_checkpoint(Path(a.workdir) / f"paths-{a.size_gib:g}g.safetensors",
+                                                       int(a.size_gib * 2**30), a.tensors)
+    os.sync()
+    warm_page_cache(path)
+    backend = CudaBackend(a.device)
+    res: dict[str, Any] = {"nbytes": path.stat().st_size, "pinned_h2d_GBps": pinned_h2d(backend), "runs": {}}
+    windows = [int(w) << 20 for w in a.windows_mib.split(",")]
+    res["register_cost"] = register_cost(path, [2 << 20, 16 << 20, *windows], 8)
+    print(json.dumps(res, indent=1), flush=True)
+    variants: list[tuple[str, int, int, Callable[..., Any]]] = []
+    for threads in (int(t) for t in a.threads.split(",")):
+        for chunk in (int(c) << 20 for c in a.chunk_mib.split(",")):
+            variants.append((f"staging {threads}thr {chunk >> 20}M", threads, chunk,
+                             lambda b, ar, c, maps, timers: TimedStaging(b, ar, c, timers=timers)))
+            for win in windows:
+                variants.append((f"registered {threads}thr {chunk >> 20}M win{win >> 20}M", threads, chunk,
+                                 lambda b, ar, c, maps, timers, win=win: Registered(b, ar, c, maps=maps, window=win, timers=timers)))
+    for rep in range(a.reps):
+        for name, threads, chunk, make in variants if rep % 2 == 0 else variants[::-1]:
+            r = load_once(path, backend, threads, chunk, make)
+            res["runs"].setdefault(name, []).append(r)
+            print(name, json.dumps(r), flush=True)
+    if a.anchors:
+        res["anchors_GBps"] = anchors(path, a.device, a.reps)
+    fps = {r["fingerprint"] for rs in res["runs"].values() for r in rs}
+    res["fingerprints_agree"] = len(fps) == 1
+    res["best_GBps"] = {k: max(r["GBps"] for r in v) for k, v in res["runs"].items()}
+    print(json.dumps({"best_GBps": res["best_GBps"], "fingerprints_agree": res["fingerprints_agree"]}, indent=1))
+    backend.close()
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    return 0 if res["fingerprints_agree"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

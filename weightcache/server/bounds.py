@@ -1,0 +1,125 @@
+"""What one peer's connections may cost the daemon, and the counts that hold them to it.
+
+Note [untrusted peers]
+----------------------
+Any allowed peer may be hostile. Nothing one connection sends may cost the daemon
+unbounded memory, fds, threads or loop time, or delay another connection:
+- requests: at most max_requests_per_connection in flight; beyond that, or while a
+  reply of more than max_queued_reply_bytes waits for the peer to read it, the daemon
+  stops reading the connection (the kernel's buffer then stops the peer);
+- frames: one deadline per frame from its first byte (frame_read_timeout_s), a deadline
+  for hello, and half-received frames summed over every connection
+  (max_partial_frame_bytes);
+- fds: only with a frame's first bytes, at most max_fds_per_frame, and at most
+  max_fds_per_uid waiting for frames not yet complete; and, the other way, at most
+  max_fds_per_uid sent to a uid's peers that they have not read (Bounds.fds_out):
+  the kernel counts fds in flight against the daemon's RLIMIT_NOFILE;
+- decoding: msgpack's structural limits (framing.decode_payload) bound loop time; big
+  tables are validated in the io pool and attach tables are encoded once.
+
+The counts summed over connections live here (``Bounds``); the reader and sender in
+connections.py ask them before they take more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import socket
+import struct
+import termios
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..config import DaemonConfig
+from ..errors import LimitExceeded, WeightcacheError
+from .access import Peer
+
+
+@dataclass
+class Connection:
+    id: int
+    sock: socket.socket
+    peer: Peer  # pid, uid, gid(s) from SO_PEERCRED
+    client: str = "?"
+    greeted: bool = False
+    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tasks: dict[asyncio.Task[None], str] = field(default_factory=dict)  # request in flight -> its op
+    fds: deque[int] = field(default_factory=deque)  # received, not yet claimed by a frame ("fds": n)
+    unsent: int = 0  # bytes of the reply being sent that the peer has not taken yet
+    partial: int = 0  # bytes of a half-received frame (summed in Bounds.partial_bytes)
+    # Set while the daemon may read more requests: fewer than max_requests_per_connection
+    # in flight and at most max_queued_reply_bytes of replies the peer has not read.
+    readable: asyncio.Event = field(default_factory=asyncio.Event)
+    # fds sent since the peer was last seen to have read everything (Bounds.fds_out)
+    fds_out: int = 0
+    # Done once the peer is gone: its loads go on, but stop waiting for room (Caller.gone).
+    gone: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def close_fds(self) -> None:
+        while self.fds:
+            os.close(self.fds.popleft())
+
+
+class Bounds:
+    def __init__(self, settings: DaemonConfig, conns: dict[int, Connection]) -> None:
+        self.settings = settings
+        self.conns = conns  # Connections' own, by id: the open connections
+        self.partial_bytes = 0  # half-received frames over every connection (max_partial_frame_bytes)
+        self.partial_by_uid: dict[int, int] = {}  # the same per peer uid (max_partial_frame_bytes_per_uid)
+
+    def count_partial(self, conn: Connection, pending: int) -> None:
+        self.partial_bytes += pending - conn.partial
+        self.partial_by_uid[conn.peer.uid] = self.partial_by_uid.get(conn.peer.uid, 0) + pending - conn.partial
+        conn.partial = pending
+
+    def check_partial(self, conn: Connection) -> WeightcacheError | None:
+        """Half-received frames: a share per uid, so that one tenant cannot hold the
+        whole budget and make every other peer's large frame fail; and a total."""
+        d = self.settings
+        if self.partial_by_uid[conn.peer.uid] > d.max_partial_frame_bytes_per_uid:
+            return LimitExceeded(f"uid {conn.peer.uid} holds {d.max_partial_frame_bytes_per_uid} bytes of unfinished "
+                                 "frames; send whole frames", limit=d.max_partial_frame_bytes_per_uid)
+        if self.partial_bytes > d.max_partial_frame_bytes:
+            return LimitExceeded(f"the daemon holds {d.max_partial_frame_bytes} bytes of unfinished frames; "
+                                 "send whole frames", limit=d.max_partial_frame_bytes)
+        return None
+
+    def check_fds(self, conn: Connection, arrived: int) -> WeightcacheError | None:
+        d = self.settings
+        if arrived > d.max_fds_per_frame or len(conn.fds) > 2 * d.max_fds_per_frame:
+            return LimitExceeded(f"at most {d.max_fds_per_frame} file descriptors per frame", limit=d.max_fds_per_frame)
+        waiting = sum(len(c.fds) for c in self.conns.values() if c.peer.uid == conn.peer.uid)
+        if waiting > d.max_fds_per_uid:
+            return LimitExceeded(f"uid {conn.peer.uid} has {waiting} file descriptors waiting for unfinished frames "
+                                 f"(limit {d.max_fds_per_uid})", limit=d.max_fds_per_uid)
+        return None
+
+    def unread_fds(self, uid: int) -> int:
+        """fds sent to ``uid``'s connections that their peers may not have read yet; a
+        connection whose send queue is empty (SIOCOUTQ) has read all of its."""
+        total = 0
+        for c in self.conns.values():
+            if c.peer.uid == uid and c.fds_out:
+                try:
+                    queued = struct.unpack("i", fcntl.ioctl(c.sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+                except OSError:
+                    queued = 0  # closed: its fds went with it
+                if not queued:
+                    c.fds_out = 0
+                total += c.fds_out
+        return total
+
+    async def fds_out(self, conn: Connection, n: int) -> None:
+        """Wait until ``n`` more fds may go to ``conn``. An fd sent over a Unix socket stays
+        "in flight" until the peer reads it, and Linux counts those against the sender's
+        RLIMIT_NOFILE: a tenant that pipelined attaches without reading their replies
+        held thousands, and past the limit every peer's reply with fds failed
+        (ETOOMANYREFS). So a uid's peers get at most max_fds_per_uid fds they have not
+        read; a connection with none unread always gets its next reply (a reply may
+        carry more). The peer's reading gives no event: polled while over."""
+        limit = self.settings.max_fds_per_uid
+        while conn.fds_out and self.unread_fds(conn.peer.uid) + n > limit and conn.id in self.conns:
+            await asyncio.sleep(0.01)
+        conn.fds_out += n

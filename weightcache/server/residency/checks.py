@@ -1,0 +1,73 @@
+"""Reading checkpoints without loading them, in the io pool: whether a model's files can
+be loaded at all (``check_files``), and how big an auto model's ranks are before it is
+first placed (``learn_sizes``)."""
+
+from __future__ import annotations
+
+import logging
+
+from ...cache import CacheCore
+from ...config import DaemonConfig, ModelConfig
+from ...errors import LoadFailed, WeightcacheError
+from ...loader import OpenedSource, open_source, parse_checkpoint
+from ...loader.sources import unindexed_note
+from .. import placing
+from ..registry import Registry
+from .io import IoPool, collector_paused
+
+log = logging.getLogger("weightcache.daemon")
+
+
+class Checks:
+    def __init__(self, settings: DaemonConfig, core: CacheCore, registry: Registry, io: IoPool) -> None:
+        self.settings = settings
+        self.core = core
+        self.registry = registry
+        self.io = io
+
+    async def check_files(self, mc: ModelConfig, sources: list[OpenedSource] | None = None,
+                          tenant: int | None = None) -> WeightcacheError | None:
+        """Why ``mc``'s checkpoints cannot be loaded, as a load would say it (the files
+        opened as a load opens them, or a peer's own ``sources``, and every header parsed,
+        in the io pool), or None when they can. One check for every way a model arrives:
+        the config at start and reload, and ``register`` (issue 24: a pickle registered
+        fine and failed only at its load)."""
+        d = self.settings
+        for i, (path, _device) in enumerate(mc.parts):
+            opened = None
+            try:
+                # As a load parses (its tenant's share of the io pool, the collector paused).
+                if sources is not None:
+                    await self.io.run(collector_paused(parse_checkpoint), sources[i], tenant=tenant)
+                else:
+                    opened = await self.io.run(open_source, path, roots=d.model_roots or None,
+                                               follow_symlinks=d.follow_symlinks, cleanup=OpenedSource.close, tenant=tenant)
+                    await self.io.run(collector_paused(parse_checkpoint), opened, tenant=tenant)
+                    note = await self.io.run(unindexed_note, path)
+                    if note is not None:  # merged as it always was, but not silently
+                        log.warning("model %s: %s", mc.name, note, extra={"model": mc.name})
+            except WeightcacheError as exc:
+                return exc
+            except Exception as exc:  # an OSError and the like: the reason, not a traceback
+                return LoadFailed(f"{type(exc).__name__}: {exc}", model=mc.name)
+            finally:
+                if opened is not None:
+                    opened.close()
+        return None
+
+    async def learn_sizes(self, name: str) -> None:
+        """Before an auto model is first placed: how big each rank is, from its files'
+        sizes (in the io pool), so that placement can tell which devices have room for it
+        (server/placing.py). Known sizes (an earlier load's arena, an earlier hint) are kept."""
+        for slot in self.registry.slots.get(name, ()):
+            replicas = self.registry.replicas.get(slot)
+            if not replicas or slot in self.registry.size_hint:
+                continue
+            if any(self.core.entry(e).nbytes for e in replicas.values()):
+                continue
+            m = self.registry.models[next(iter(replicas.values()))]
+            fds = [f.fd for f in m.files.files] if m.files is not None else None
+            try:
+                self.registry.size_hint[slot] = await self.io.run(placing.checkpoint_bytes, m.path, fds)
+            except LoadFailed:  # the io pool's timeout: placed as of unknown size
+                self.registry.size_hint[slot] = 0

@@ -1,0 +1,217 @@
+"""Filling a new arena: admit (the core's plan, its victims stepped down), allocate, fill
+with one of server/fills.py's strategies in a thread, seal, encode the attach table, and
+make the entry resident; or roll all of it back. Loads, promotions, peer copies and
+publishes all come here."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ...backends import Arena, Backend
+from ...cache import CacheCore, LoadPlan
+from ...cache.names import published_as
+from ...config import DaemonConfig
+from ...errors import LoadFailed, NoSpace, WeightcacheError
+from ...loader import Checkpoint, Progress
+from ...protocol.messages import tenant_fingerprint
+from ..fills import FillStrategy
+from ..registry import Registry
+from .io import MANY_TENSORS, collector_paused
+from .job import LoadJob
+from .room import RoomQueue
+from .stats import Stats
+from .stepdown import StepDowns
+
+log = logging.getLogger("weightcache.daemon")
+T = TypeVar("T")
+
+SMALL_FILL_BYTES = 64 * 2**20  # fills of at most this (and few tensors) do not wait for the device's fill lock
+
+
+def encode_table(ckpt: Checkpoint) -> bytes:
+    return ckpt.encoded_table()
+
+
+async def _to_thread_finished(fn: Callable[..., T], *args: Any, cleanup: Callable[[T], object] | None = None) -> T:
+    """``fn(*args)`` in a thread, as ``asyncio.to_thread``, except that a caller cancelled
+    meanwhile (a publish whose peer closed its connection, shutdown) waits for the thread
+    before it goes on: a thread cannot be stopped, and the caller's next step frees the
+    arena the thread works on. Freed under it, a CPU fill or seal made a new memfd of the
+    arena's size for an arena already freed (counted by no budget, never freed), and an
+    allocation that finished after its caller left was never freed: ``cleanup`` frees
+    what such a thread returns."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        if not fut.cancelled() and fut.exception() is None and cleanup is not None:
+            cleanup(fut.result())
+        raise
+
+
+class Fill:
+    def __init__(self, settings: DaemonConfig, core: CacheCore, registry: Registry, backends: dict[str, Backend],
+                 room: RoomQueue, step_down: StepDowns, stats: Stats, shutting_down: Callable[[], bool]) -> None:
+        self.settings = settings
+        self.core = core
+        self.registry = registry
+        self.backends = backends
+        self.room = room
+        self.step_down = step_down
+        self.stats = stats
+        self.counters = stats.counters
+        self._shutting_down = shutting_down
+        # One fill at a time per device: on the H200 two 3 GiB loads from page cache run
+        # together took 256 ms each, one after the other 109 + 104 ms (same for promotions:
+        # 131 ms each vs 73 + 66); queued, the first is ready sooner and neither is later.
+        self._fill_locks: dict[str, asyncio.Lock] = {}
+
+    async def fill_new_arena(self, name: str, ckpt: Checkpoint, nbytes: int, wait_s: float, fill: FillStrategy,
+                             verb: str, job: LoadJob | None = None, phases: dict[str, float] | None = None,
+                             held: int | None = None) -> None:
+        """Admit (evicting as planned), allocate, ``fill`` in a thread, seal, and make the
+        model resident; on any failure free the arena and return the reservation, so the
+        budget is exactly as before. Loads, promotions and publishes all come here.
+
+        Every phase is timed and logged with the load: the fixed costs a small model pays
+        (making room, allocating, sealing) are hidden in a big one's GB/s (issue 12).
+
+        ``nbytes`` is the arena's size; the load is admitted for that plus what the
+        daemon holds for the checkpoint besides (``held``, by default its ``held_bytes``:
+        Note [held bytes] in loader/checkpoint.py), so the device's budget and the owner's
+        quota count both. A publish waits up to ``wait_s`` for room (RoomQueue); a load
+        waits in SingleFlight.ensure_resident instead, with the others asking for it."""
+        model = self.registry.models[name]
+        backend = self.backends[self.core.entry(name).device]
+        phases = dict(phases or {})
+        t0 = mark = time.monotonic()
+
+        def phase(label: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            phases[label] = phases.get(label, 0.0) + now - mark
+            mark = now
+
+        def check_wanted() -> None:
+            if job is not None and job.abandoned.is_set():
+                raise LoadFailed(f"load of {name!r} cancelled: no one waits for it", model=name, reason="cancelled")
+
+        check_wanted()
+        if held is None:
+            held = (await asyncio.to_thread(collector_paused(lambda: ckpt.held_bytes)) if len(ckpt.tensors) > MANY_TENSORS
+                    else ckpt.held_bytes)
+        charged = nbytes + held
+
+        async def admit() -> LoadPlan:
+            return self.core.begin_load(name, charged)
+
+        try:
+            plan = await self.room.until_admitted(name, admit, wait_s, key=None)
+        except WeightcacheError as exc:
+            model.last_error = exc.to_wire()
+            # NO_SPACE that detaches could cure is routine: callers wait and try again.
+            level = logging.INFO if isinstance(exc, NoSpace) and exc.fits_ever else logging.ERROR
+            log.log(level, "load %s refused: %s", name, exc, extra={"model": name, "code": exc.code})
+            raise
+        # Admitted: the others waiting for room for it join this load now, as when every
+        # waiter was woken, rather than at its end (their waited_s would count the load).
+        self.room.freed.settle(name, everyone=True)
+        phase("admit")
+        arena: Arena | None = None
+        demotions: list[asyncio.Task[None]] = []
+        try:
+            # The victims' demotions run while this arena fills: each victim chunk copied
+            # out gives its bytes back to the device's room, which the new arena's chunks
+            # take as it grows (backends/base.py, Room).
+            lazy = bool(plan.step_down.demote)
+            demotions = self.step_down.start(plan.step_down,
+                                             f"{self.settings.eviction_policy.upper()}, to make room for {name}")
+            progress = self.stats.progress[name] = Progress(ckpt.data_bytes)
+            if self.step_down.releasing:
+                # Evicted victims' memory must be back before the allocation checks the device's free memory.
+                await asyncio.wait(list(self.step_down.releasing))
+                phase("wait for frees")
+            many = len(ckpt.tensors) > MANY_TENSORS
+            # A small fill takes no bandwidth worth queueing for: behind one tenant's 100k-tensor
+            # fill (~1 s of per-tensor work) another's 4 KiB cold load waited for all of it.
+            small = nbytes <= SMALL_FILL_BYTES and not many
+            async with contextlib.nullcontext() if small else self._fill_locks.setdefault(backend.device, asyncio.Lock()):
+                phase("queued")
+                check_wanted()
+                allocate = backend.allocate_as_room_frees if lazy else backend.allocate
+                arena = await _to_thread_finished(allocate, nbytes, name, cleanup=self.step_down.release)
+                phase("allocate")
+                content = await _to_thread_finished(collector_paused(fill) if many else fill, ckpt, arena, progress)
+                phase("fill")
+                if content is not None:  # read from files: the fingerprint of the bytes just read
+                    # A peer's model: nobody may pass it off as the operator's (tenant_fingerprint).
+                    ckpt = dataclasses.replace(ckpt, fingerprint=content if model.owner is None
+                                               else tenant_fingerprint(content, model.owner))
+                if arena.room_wait_s:
+                    # Part of "fill", not a phase of its own: while the fill waits for a
+                    # victim's next chunk, the chunks it already has are still copying.
+                    phases["room wait in fill"] = arena.room_wait_s
+                check_wanted()
+                await _to_thread_finished(backend.seal, arena)
+                phase("seal")
+            # Encoded once, spliced into every attach reply: a 600,000-row table encoded
+            # per attach cost ~2 s of loop time each.
+            table = await asyncio.to_thread(collector_paused(encode_table) if len(ckpt.tensors) > MANY_TENSORS else encode_table, ckpt)
+            phase("table")
+        except BaseException as exc:
+            await asyncio.gather(*(asyncio.shield(t) for t in demotions), return_exceptions=True)
+            if arena is not None:
+                self.step_down.release(arena)
+            self.core.abort_load(name)
+            err = exc if isinstance(exc, WeightcacheError) else LoadFailed(f"{name}: {type(exc).__name__}: {exc}", model=name)
+            if job is not None and job.abandoned.is_set() and not self._shutting_down():
+                self.counters["cancelled_loads"] += 1
+                log.info("load %s cancelled after %.2fs: no one waits for it; its reservation is returned",
+                         name, time.monotonic() - t0,
+                         extra={"model": name, "code": "LOAD_FAILED", "reason": "cancelled", "seconds": round(time.monotonic() - t0, 6)})
+                err = LoadFailed(f"load of {name!r} cancelled: no one waits for it", model=name, reason="cancelled")
+            else:
+                model.last_error = err.to_wire()
+                self.counters["failed_loads"] += 1
+                log.error("load %s failed: %s", name, err,
+                          extra={"model": name, "code": err.code, "seconds": round(time.monotonic() - t0, 6)})
+            self.room.notify()
+            if err is exc or isinstance(exc, asyncio.CancelledError):
+                raise
+            raise err from exc
+        finally:
+            self.stats.progress.pop(name, None)
+        model.hold(arena, ckpt, table, held)
+        model.check_failed = None
+        if not self.core.finish_load(name).host_copy:  # a promotion's copy the core did not keep
+            self.step_down.drop_host_copy(model)
+        if verb in ("loaded", "promoted"):  # what the cost-aware policy prices a return with
+            # The fill's own time: waiting in the queue or for frees is not the model's cost.
+            own = ("open", "allocate", "fill", "seal", "table")
+            self.core.observe_load(name, "host" if plan.promote else "files", nbytes, sum(phases.get(k, 0.0) for k in own))
+        self.counters["loads"] += 1  # from files or the host tier, as the core counts them per model
+        if plan.promote:  # the host copy stays (Note [kept host copies] in cache/tiers.py)
+            self.counters["promotions"] += 1
+        dt = time.monotonic() - t0
+        model.source = job.source if job is not None else "publish"  # shown in ``models``; the metrics' label
+        self.stats.filled_bytes[model.source] += ckpt.data_bytes
+        self.stats.filled_seconds[model.source] = self.stats.filled_seconds.get(model.source, 0.0) + dt
+        shown = published_as(name)  # a publish's staging entry is renamed to the model
+        # Only for entries still registered: removed models' rates go (the dict grew with every name).
+        rates = self.stats.last_load_rate = {k: v for k, v in self.stats.last_load_rate.items() if k in self.registry.models}
+        rates[shown] = ckpt.data_bytes / max(dt, 1e-9)
+        wasted = job is not None and not job.waiters
+        if wasted:
+            self.counters["wasted_loads"] += 1
+        log.info("%s %s: %d tensors, %d bytes in %.3fs (%.2f GB/s; %s)%s", verb, shown,
+                 len(ckpt.tensors), ckpt.data_bytes, dt, ckpt.data_bytes / max(dt, 1e-9) / 1e9,
+                 ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items()),
+                 "; finished with no one waiting for it" if wasted else "",
+                 extra={"model": shown, "bytes": ckpt.data_bytes, "seconds": round(dt, 6), "tensors": len(ckpt.tensors)})

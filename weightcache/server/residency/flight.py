@@ -1,0 +1,340 @@
+"""Single flight: one load per entry, joined by every request that asks for it meanwhile,
+and the choice of where its bytes come from (the host tier, a replica on another GPU, a
+neighbour daemon's copy (``neighbours``, weightcache/peers/), the files). Loads are
+tasks that belong to the daemon, not to the request that started them: a client that
+disconnects mid-load does not cancel a load that others wait on."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from ...backends import Backend
+from ...cache import CacheCore, State, StepDown
+from ...config import DaemonConfig
+from ...errors import LoadFailed, NoSpace, WeightcacheError
+from ...loader import Checkpoint, OpenedSource, open_source, parse_checkpoint
+from ..fills import PeerCopy, Promote, ReadFiles
+from ..registry import Model, Registry
+from .fill import Fill
+from .io import IoPool, collector_paused
+from .job import LoadJob
+from .room import RoomQueue
+from .stats import Stats
+from .stepdown import StepDowns
+
+log = logging.getLogger("weightcache.daemon")
+
+# The connection id of the daemon's own leases (a peer copy's source): real connections count from 1.
+INTERNAL_CONN = -1
+# Parses kept by loads waiting for room (SingleFlight._may_keep_parse), at most, in all; a
+# quarter of it per tenant. 256 MiB is ~7 parked 100k-tensor headers, or thousands of real
+# ones (a 183-tensor checkpoint's parse holds ~60 KiB).
+PARKED_PARSE_BYTES = 256 * 2**20
+# An orphaned load (every waiter gone) further along than this finishes: throwing away
+# more than half the work to save the rest is the worse bet if anyone asks again.
+FINISH_ORPHAN_AFTER = 0.5
+
+
+class NeighbourFills(Protocol):
+    """Fills from a neighbour daemon's copy (weightcache/peers/, issue 27), tried for a
+    load that missed here before the files are read."""
+
+    async def fill(self, job: LoadJob, model: Model, backend: Backend, ckpt: Checkpoint, opened: OpenedSource,
+                   fill_new_arena: Callable[..., Awaitable[None]]) -> bool:
+        """True once ``job.name`` is resident from a peer's bytes (checked against its
+        fingerprint), filled through ``fill_new_arena``; False where no peer could, and
+        the files are read instead."""
+
+
+class SingleFlight:
+    def __init__(self, settings: DaemonConfig, core: CacheCore, registry: Registry, backends: dict[str, Backend],
+                 io: IoPool, room: RoomQueue, step_down: StepDowns, fill: Fill, stats: Stats,
+                 shutting_down: Callable[[], bool]) -> None:
+        self.settings = settings
+        self.core = core
+        self.registry = registry
+        self.backends = backends
+        self.io = io
+        self.room = room
+        self.step_down = step_down
+        self.fill = fill
+        self.stats = stats
+        self._shutting_down = shutting_down
+        self.jobs: dict[str, LoadJob] = {}  # entry -> its load in flight
+        # (target, source) GPUs whose peer copy failed: loads from the files there instead
+        self.no_peer_copy: set[tuple[str, str]] = set()
+        self.neighbours: NeighbourFills | None = None  # [peers]: a miss filled from another daemon (weightcache/peers/)
+
+    @property
+    def tasks(self) -> list[asyncio.Task[str]]:
+        """The loads in flight (shutdown waits for them)."""
+        return [j.task for j in self.jobs.values() if j.task is not None]
+
+    async def ensure_resident(self, name: str, wait_s: float, waits: list[float] | None = None,
+                              gone: asyncio.Future[None] | None = None) -> str:
+        """Return once ``name`` is resident: at once if it is, else by joining the one
+        load in flight or starting it. Returns how: "resident" (it was, or it took a
+        sibling's arena), "files", "host" or "peer" (where its load read the bytes).
+
+        A load refused NO_SPACE waits for room (RoomQueue.until_admitted) up to ``wait_s``
+        and tries again, behind the older requests for the same model; each wait's
+        seconds go in ``waits`` (the attach reply's ``waited_s``). So no request can make
+        the others that join its load wait longer than they asked to. ``gone`` is done
+        once the requester's connection closed: it then waits for room no more."""
+        return await self.room.until_admitted(name, functools.partial(self._resident_once, name), wait_s,
+                                              key=name, waits=waits, gone=gone)
+
+    async def _resident_once(self, name: str) -> str:
+        e = self.core.entry(name)
+        if e.state is State.RESIDENT:
+            if self._current(name):
+                self.core.touch(name)
+                return "resident"
+            await self._drop_stale(name)
+        elif (sibling := self.core.resident_sibling(name)) is not None:
+            # Another name of the same files holds them (Note [shared arenas]): take its
+            # arena rather than a second copy, if its bytes are still the files'.
+            if self._current(sibling):
+                await self._join(name, sibling)
+                return "resident"
+            await self._drop_stale(sibling)
+        elif (sibling := self._sibling_loading(name)) is not None:
+            await self._wait_for(self.jobs[sibling])  # its arena will be ours too
+            return await self._resident_once(name)
+        job = self.jobs.get(name)
+        if job is not None and job.abandoned.is_set():
+            # Given up, and stopping at its next chunk: let it stop, then load afresh.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(job.task)  # type: ignore[arg-type]
+            if self.jobs.get(name) is job:
+                # Its done callback (_load_done) has not run yet: awaiting a task that is
+                # already done does not yield to the loop. Left here, the retry found the
+                # same finished job again, forever (a RecursionError in the fuzz run).
+                del self.jobs[name]
+            return await self._resident_once(name)
+        if job is None:
+            job = self.jobs[name] = LoadJob(name)
+            job.task = asyncio.ensure_future(self._load(job))
+            job.task.add_done_callback(functools.partial(self._load_done, job))
+        job.waiters += 1
+        try:
+            assert job.task is not None
+            return await asyncio.shield(job.task)
+        finally:
+            job.waiters -= 1
+            if not job.waiters and job.task is not None and not job.task.done():
+                self._orphaned(job)
+
+    def _sibling_loading(self, name: str) -> str | None:
+        """Another name of the same files whose load is in flight. Told by its job, not by
+        its state: an entry is LOADING only once admitted, after its files are opened and
+        parsed, and a second load of the same files begun meanwhile was refused at its
+        own admission (BAD_REQUEST "join it"). A finished job whose done callback has not
+        run yet is not one: waiting on it does not yield, and the retry would find it again."""
+        for x in self.core.siblings(name):
+            job = self.jobs.get(x.name)
+            if job is not None and job.task is not None and not job.task.done():
+                return x.name
+        return None
+
+    def _current(self, name: str) -> bool:
+        """Whether RESIDENT ``name``'s arena may be served: its files unchanged since it was
+        loaded, or someone attached to the arena (under any of its names) holds the old
+        bytes (they are served until nobody does, then reloaded)."""
+        m = self.registry.models[name]
+        attached = any(x.attach_count for x in (self.core.entry(name), *self.core.siblings(name))
+                       if x.state is State.RESIDENT)
+        return m.checkpoint is not None and (attached or m.unchanged())
+
+    async def _drop_stale(self, name: str) -> None:
+        """The files changed since ``name`` was loaded and nobody holds the old bytes: drop
+        them (under every name on the arena) so the new checkpoint is what gets served."""
+        log.warning("model %s changed on disk; reloading it", name, extra={"model": name})
+        for x in [name, *(s.name for s in self.core.siblings(name) if s.state is State.RESIDENT)]:
+            # a pin keeps a model, not stale bytes; and stale bytes do not go to the host tier
+            await self.step_down.carry_out(self.core.evict(x, ignore_pin=True, demote=False), reason="changed on disk")
+
+    async def _join(self, name: str, sibling: str) -> None:
+        """``name`` becomes RESIDENT on ``sibling``'s arena: the same bytes, no load."""
+        step = self.core.join(name)
+        s = self.registry.models[sibling]
+        assert s.checkpoint is not None
+        m = self.registry.models[name]
+        m.hold(s.arena, s.checkpoint, s.table, s.held)
+        m.source = s.source
+        log.info("%s shares the arena of %s (the same files): no second copy", name, sibling,
+                 extra={"model": name, "bytes": self.core.entry(name).nbytes})
+        if step.drop_host:
+            await self.step_down.carry_out(step, reason=f"{name} shares the arena of {sibling}")
+
+    async def _wait_for(self, job: LoadJob) -> None:
+        """Wait for another name's load as one of its waiters (its outcome is seen by the retry)."""
+        job.waiters += 1
+        try:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(job.task)  # type: ignore[arg-type]
+        finally:
+            job.waiters -= 1
+            if not job.waiters and job.task is not None and not job.task.done():
+                self._orphaned(job)
+
+    def _orphaned(self, job: LoadJob) -> None:
+        """Every request waiting on this load went away (their engines died or gave up):
+        cancel it, or finish it if that is cheaper; the log says which."""
+        progress = self.stats.progress.get(job.name)
+        done = progress.done / max(progress.total, 1) if progress is not None else 0.0
+        if job.source in ("host", "peer"):
+            log.info("load %s: no one waits for it any more; finishing it (one copy from the %s)", job.name,
+                     "host tier" if job.source == "host" else "other GPU")
+        elif done >= FINISH_ORPHAN_AFTER:
+            log.info("load %s: no one waits for it any more; finishing it (%.0f%% done)", job.name, 100 * done)
+        else:
+            log.info("load %s: no one waits for it any more; cancelling it (%.0f%% done)", job.name, 100 * done)
+            job.abandoned.set()
+
+    def _load_done(self, job: LoadJob, task: asyncio.Task[str]) -> None:
+        # The load may outlive every request that waited on it; its error is already
+        # logged and kept in last_error, so mark it retrieved here.
+        if self.jobs.get(job.name) is job:
+            del self.jobs[job.name]
+        if not task.cancelled():
+            task.exception()
+
+    # -- where the bytes come from ----------------------------------------------------
+    async def _load(self, job: LoadJob) -> str:
+        """Decide where the bytes come from (the host tier, another GPU, the files), then fill."""
+        name = job.name
+        model = self.registry.models[name]
+        entry = self.core.entry(name)
+        backend = self.backends[entry.device]
+        if name in self.step_down.demotions:
+            await asyncio.shield(self.step_down.demotions[name])  # its host copy is still being made
+        if entry.state is State.HOST and (model.host is None or not model.unchanged()):
+            log.warning("host copy of %s is stale or missing; loading from disk", name)
+            self.core.drop_host(name)
+            await self.step_down.carry_out(StepDown(drop_host=(name,)), reason="stale")
+        if entry.state is State.HOST:
+            assert model.checkpoint is not None and model.host is not None
+            job.source = "host"
+            await self.fill.fill_new_arena(name, model.checkpoint, entry.nbytes - model.held, 0, Promote(backend, model.host),
+                                           verb="promoted", job=job, held=model.held)  # the entry's size, as the core requires
+            return job.source
+        if (peer := self._peer_source(name)) is not None:
+            job.source = "peer"
+            try:
+                await self._copy_from_peer(job, model, peer)
+                return job.source
+            except NoSpace:
+                raise  # the caller waits for room and tries again
+            except WeightcacheError as exc:
+                if job.abandoned.is_set() or self._shutting_down():
+                    raise
+                # The copy was rolled back (fill_new_arena); the files still serve. A pair
+                # of GPUs whose copy failed once is not tried again (no_peer_copy).
+                pair = (entry.device, self.core.entry(peer).device)
+                self.no_peer_copy.add(pair)
+                log.warning("copy of %s from %s to %s failed (%s); loading from the files, and no more peer copies "
+                            "between these two GPUs", name, pair[1], pair[0], exc, extra={"model": name})
+                job.source = "files"
+        if model.published:
+            raise LoadFailed(f"model {name!r} was published by an engine and has since been evicted; publish it again",
+                             model=name, reason="published model evicted")
+        return await self._load_files(job, model, backend)
+
+    async def _load_files(self, job: LoadJob, model: Model, backend: Backend) -> str:
+        name = job.name
+        d = self.settings
+        opened, model.parked = model.files or model.parked, None
+        kept, model.parked_parse = model.parked_parse, None
+        t_open = time.monotonic()
+        try:
+            if opened is None:  # the daemon opens the files itself: the operator's or an admin's paths
+                opened = await self.io.run(open_source, model.path, roots=d.model_roots or None,
+                                           follow_symlinks=d.follow_symlinks, cleanup=OpenedSource.close, tenant=model.owner)
+            if kept is not None and kept.matches(opened):
+                # Parsed when the load was first refused for room, from these same fds,
+                # unchanged since (fstat): a wait for room costs one parse, not one per retry.
+                ckpt = kept
+                log.info("load %s: reusing the parse kept while it waited for room", name, extra={"model": name})
+            else:
+                # its fingerprint comes with the bytes, in the fill
+                ckpt = await self.io.run(collector_paused(parse_checkpoint), opened, tenant=model.owner)
+        except Exception as exc:
+            if opened is not None and opened is not model.files:
+                opened.close()
+            err = exc if isinstance(exc, WeightcacheError) else LoadFailed(f"{name}: {type(exc).__name__}: {exc}", model=name)
+            model.last_error = err.to_wire()
+            self.stats.counters["failed_loads"] += 1  # opening or parsing failed: a load that failed before it filled
+            log.error("load %s refused: %s", name, err, extra={"model": name, "code": err.code})
+            raise err from None
+        opening = time.monotonic() - t_open
+        try:
+            if self.neighbours is not None and await self.neighbours.fill(job, model, backend, ckpt, opened,
+                                                                          self.fill.fill_new_arena):
+                return job.source
+            await self.fill.fill_new_arena(name, ckpt, backend.capacity(ckpt.arena_bytes), 0,
+                                           ReadFiles(backend, d, opened, label=name,
+                                                     cancelled=lambda: self._shutting_down() or job.abandoned.is_set()),
+                                           verb="loaded", job=job, phases={"open": opening})
+            return job.source
+        except NoSpace:
+            if opened is not model.files:
+                model.parked = opened  # the caller waits for room, then retries with these same files
+            if self._may_keep_parse(model, ckpt):
+                model.parked_parse = ckpt
+            else:
+                self.step_down.trim_soon(len(ckpt.tensors))
+            raise
+        finally:
+            if opened is not model.files and opened is not model.parked:
+                opened.close()
+
+    def _may_keep_parse(self, model: Model, ckpt: Checkpoint) -> bool:
+        """Whether a load refused for room may keep its parse while it waits: within a fixed
+        cache (PARKED_PARSE_BYTES in all, a quarter of it per owner), so waiting loads
+        cannot make the daemon hold unbounded, uncounted memory. Past it the retry parses
+        again, which a wait pays once per wake-up that fits (SpaceFreed)."""
+        held = ckpt.held_bytes
+        total = mine = 0
+        for m in self.registry.models.values():
+            if m.parked_parse is not None and m is not model:
+                total += m.parked_parse.held_bytes
+                if m.owner == model.owner:
+                    mine += m.parked_parse.held_bytes
+        return total + held <= PARKED_PARSE_BYTES and (model.owner is None or mine + held <= PARKED_PARSE_BYTES // 4)
+
+    def _peer_source(self, name: str) -> str | None:
+        """A replica of the same rank (device = "auto") RESIDENT on another GPU, with its
+        files unchanged, that this device can copy from directly (backends' can_copy_from:
+        peer access, NVLink or PCIe P2P); None: load from the host tier or the files."""
+        m = self.registry.models[name]
+        if m.slot is None:
+            return None
+        backend = self.backends[m.device]
+        for dev, other in self.registry.replicas.get(m.slot, {}).items():
+            if (other != name and self.core.entry(other).state is State.RESIDENT and self._current(other)
+                    and (m.device, dev) not in self.no_peer_copy and backend.can_copy_from(self.backends[dev])):
+                return other
+        return None
+
+    async def _copy_from_peer(self, job: LoadJob, model: Model, source: str) -> None:
+        """Fill ``job``'s replica from the replica resident on another GPU (fills.PeerCopy).
+        The source is held by a lease of the daemon's own while the copy runs (an
+        attached model is never a victim); afterwards it is an ordinary resident model,
+        kept or evicted by the budgets like any other."""
+        src = self.registry.models[source]
+        assert src.arena is not None and src.checkpoint is not None
+        lease = self.core.attach(source, INTERNAL_CONN)
+        try:
+            fill = PeerCopy(self.backends[model.device], self.backends[src.device], src.arena)
+            await self.fill.fill_new_arena(job.name, src.checkpoint, fill.backend.capacity(src.checkpoint.arena_bytes), 0,
+                                           fill, verb=f"copied from {src.device} (peer) to", job=job)
+        finally:
+            self.core.detach(lease.id, INTERNAL_CONN)
+            self.room.notify()

@@ -1,0 +1,22 @@
+"""One load in flight (flight.py starts and joins it; fill.py checks whether it is still wanted)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoadJob:
+    """One load in flight: the requests waiting on it, and whether it was given up."""
+
+    name: str
+    # where its bytes come from: "files", "host" (a promotion), "peer" (another GPU) or
+    # "neighbour" (another daemon, weightcache/peers/)
+    source: str = "files"
+    waiters: int = 0
+    # Set when every waiter went and the load was not worth finishing: the filling
+    # threads check it between chunks, the load task between phases.
+    abandoned: threading.Event = field(default_factory=threading.Event)
+    task: asyncio.Task[str] | None = None
