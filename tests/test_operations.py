@@ -125,7 +125,7 @@ def test_kubernetes_manifest_matches_the_tested_config_and_cli():
 
     root = Path(__file__).resolve().parent.parent / "examples" / "kubernetes"
     docs = {d["kind"]: d for d in yaml.safe_load_all((root / "weightcache-daemonset.yaml").read_text())}
-    assert set(docs) == {"ConfigMap", "DaemonSet", "Pod"}
+    assert set(docs) == {"ConfigMap", "Service", "DaemonSet", "Pod"}  # Service: the peers' headless Service (issue 27)
     # The ConfigMap's TOML is the file test_config.py loads.
     assert docs["ConfigMap"]["data"]["weightcache.toml"] == (root / "weightcache.toml").read_text()
     (daemon,) = docs["DaemonSet"]["spec"]["template"]["spec"]["containers"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -106,6 +107,33 @@ class PublishedSource:
     nbytes: int
 
 
+@dataclass
+class DmaRegion:
+    """Bytes of an arena that a transfer engine (NIXL, weightcache/peers/) may read or
+    write directly: ``nbytes`` at ``arena_offset`` of the arena are at ``addr``."""
+
+    arena_offset: int
+    addr: int  # in this process (host memory) or on the device (VRAM)
+    nbytes: int
+
+
+@dataclass
+class DmaView:
+    """An arena as a transfer engine sees it: its regions, in arena order, and what memory
+    they are (NIXL's names: "DRAM", "VRAM" with the GPU's ordinal). ``release`` undoes
+    what making the view took (a read-only mapping of a sealed memfd); the arena itself
+    stays the backend's."""
+
+    regions: list[DmaRegion]
+    memory: str
+    device_id: int = 0
+    release: Callable[[], None] = lambda: None
+    # A target's bytes [offset, offset + nbytes) made ready to be written before a read
+    # lands there (the CPU backend reserves their pages), called in arena order, ahead of
+    # the reads, so that it overlaps them.
+    prepare: Callable[[int, int], None] = lambda _offset, _nbytes: None
+
+
 class Backend(ABC):
     kind: str  # the export kind named on the wire ("memfd", "cuda_vmm")
     # Capabilities, asked by the daemon instead of comparing kinds:
@@ -114,6 +142,9 @@ class Backend(ABC):
     supports_host_tier = False
     # may a client map an arena read-write? (Sealed memfds cannot be.)
     supports_writable_attach = False
+    # can a neighbour daemon's transfer engine read its arenas and fill new ones
+    # (dma_source, dma_target; weightcache/peers/)?
+    supports_dma = False
 
     def __init__(self, device: str) -> None:
         self.device = device
@@ -218,6 +249,18 @@ class Backend(ABC):
         """Copy ``nbytes`` of ``source`` (sealed, on ``source_backend``'s device) into this
         device's fresh, unsealed ``arena``."""
         raise RuntimeError(f"{type(self).__name__} cannot copy from another device")  # callers check can_copy_from
+
+    # -- a neighbour daemon's transfer engine (weightcache/peers/) ----------------------
+    def dma_source(self, arena: Arena) -> DmaView | None:
+        """The sealed ``arena``'s bytes, readable by a transfer engine for as long as the
+        view is not released (a peer copies them out), or None where this backend cannot
+        offer them."""
+        return None
+
+    def dma_target(self, arena: Arena) -> DmaView | None:
+        """The fresh, unsealed ``arena``'s memory, writable by a transfer engine until
+        ``seal``, or None where this backend cannot offer it (the fill then reads the files)."""
+        return None
 
     # -- publish: an engine hands the daemon weights it processed itself ---------------
     @abstractmethod

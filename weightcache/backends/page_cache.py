@@ -203,6 +203,20 @@ def mlock_files(files: list[HeldFile]) -> tuple[int, int]:
     return locked, 0
 
 
+def map_readonly(fd: int, size: int) -> int:
+    """A read-only shared mapping of ``size`` bytes of ``fd`` (a sealed memfd a neighbour
+    daemon's transfer engine reads, weightcache/peers/): its address; ``unmap`` undoes it."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        e = ctypes.get_errno()
+        raise OSError(e, f"mmap: {os.strerror(e)}")
+    return int(addr)
+
+
+def unmap(addr: int, size: int) -> None:
+    _libc.munmap(addr, size)
+
+
 def release(f: HeldFile) -> None:
     """Unmap (which unlocks; the pages stay page cache, reclaimable) and close."""
     if f.addr:

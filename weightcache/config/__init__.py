@@ -8,7 +8,8 @@ alike; ``WEIGHTCACHE_CONFIG`` names the file the daemon reads when none is given
 The rooms:
 
 - schema.py: the file's shape, one pydantic model per table (``Settings`` is the whole
-  file; a new table is a model there and a field of ``Settings``);
+  file; a new table is a model there and a field of ``Settings``); peers.py: ``[peers]``'s
+  (weightcache/peers/), apart to keep schema.py under 500 lines;
 - load.py: :func:`load_settings` (file, then environment) and :func:`problems` (one line
   per problem, naming its key);
 - file.py: the TOML file before validation (reading it, its relative paths, the socket it
@@ -39,12 +40,14 @@ from .checks import (
 
 if TYPE_CHECKING:
     from .load import load_settings, problems
+    from .peers import PeersConfig
     from .schema import Budget, DaemonConfig, ModelConfig, QuotaConfig, Settings, ShardConfig, config_group_names
 
 _LAZY = {
     **dict.fromkeys(("Budget", "DaemonConfig", "ModelConfig", "QuotaConfig", "Settings", "ShardConfig", "config_group_names"),
                     "schema"),
     **dict.fromkeys(("load_settings", "problems"), "load"),
+    "PeersConfig": "peers",
 }
 
 
@@ -56,6 +59,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["AUTO", "Budget", "DaemonConfig", "ModelConfig", "QuotaConfig", "Settings", "ShardConfig", "auto_devices",
-           "check_device", "check_model_name", "config_group_names", "load_settings", "problems",
+__all__ = ["AUTO", "Budget", "DaemonConfig", "ModelConfig", "PeersConfig", "QuotaConfig", "Settings", "ShardConfig",
+           "auto_devices", "check_device", "check_model_name", "config_group_names", "load_settings", "problems",
            "resolve_group", "tenant_key", "under_roots"]

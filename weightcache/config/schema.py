@@ -1,7 +1,8 @@
 """The config file's shape: one pydantic model per table, validated at load and frozen.
 
 ``Settings`` is the whole file: a field per top-level table. A new table is a model class
-here and a field of ``Settings`` (and a commented example in configs/example.toml).
+here and a field of ``Settings`` (and a commented example in configs/example.toml); one
+that would take this module past 500 lines gets a module of its own (peers.py, ``[peers]``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from ..defaults import DEFAULT_SOCKET
 from ..units import format_size, parse_duration, parse_size
 from .checks import AUTO, auto_devices, check_device, check_model_name, resolve_group, tenant_key, under_roots
+from .peers import PeersConfig
 
 
 class Budget(BaseModel):
@@ -345,6 +347,7 @@ class Settings(BaseSettings):
     daemon: DaemonConfig = DaemonConfig()
     budgets: dict[str, Budget] = Field(default_factory=lambda: {"cpu": Budget(fraction=0.5)})
     models: list[ModelConfig] = Field(default_factory=list)
+    peers: PeersConfig = PeersConfig()  # neighbour daemons (weightcache/peers/)
 
     # "uid:1000" or "gid:<name or gid>" -> what that tenant's models may hold; keys are
     # normalised to "uid:N" / "gid:N" (tenant_key).

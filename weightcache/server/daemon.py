@@ -12,8 +12,9 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..backends import Backend
@@ -33,6 +34,9 @@ from .registry import Registry
 from .requests import Context
 from .residency import Residency
 from .settings_reload import reload_budgets, reload_max_loaded, settings_changes
+
+if TYPE_CHECKING:
+    from ..peers import Peers
 
 # last_error["reason"] of a failed start/reload check, which a later good check clears
 # (a load's own error stays until a load succeeds).
@@ -67,12 +71,14 @@ class Daemon:
         self.residency = Residency(settings.daemon, core, self.registry, backends, shutting_down=self._stopping.is_set)
         self.config_models = ConfigModels(core, self.registry, self.residency, backends, self._stopping.is_set)
         self.metrics = Metrics(self.snapshot)
+        self.peers = _peers(settings, core, self.registry, backends, self.residency, self._stopping.is_set)
         self.context = Context(
             settings=settings, core=core, registry=self.registry, residency=self.residency, access=self.access, backends=backends,
             started=self.started, socket_path=self.socket_path, connections=lambda: len(self.connections),
             caller_of=lambda conn: self.connections.caller(conn),
             shutting_down=self._stopping.is_set, health=self.health, reload=self.reload_config,
             outlived=self.outlived, other_daemons=self.other_daemons,
+            peers=lambda: self.peers.status() if self.peers is not None else None,
         )
         self.connections = Connections(settings.daemon, self.access, core, self.residency, self.metrics,
                                        context=lambda: self.context, stopping=self._stopping)
@@ -98,6 +104,8 @@ class Daemon:
         self._listener = self._bind(self.socket_path)
         if self.settings.daemon.metrics_listen:
             self.metrics.serve(self.settings.daemon.metrics_listen)
+        if self.peers is not None:
+            await self.peers.start()
         self._accepting = asyncio.ensure_future(self.connections.accept_loop(self._listener))
         log.info("weightcache %s serving on %s (pid %d)", __version__, self.socket_path, os.getpid())
         sd_notify(f"READY=1\nSTATUS=serving on {self.socket_path}")
@@ -219,6 +227,8 @@ class Daemon:
             if self.core.leases:
                 log.warning("exiting with %d lease(s) still held; their mappings stay valid (memory is refcounted)",
                             len(self.core.leases))
+        if self.peers is not None:
+            await self.peers.close()  # its lends' leases end with it
         await self.connections.close()
         await self.residency.close()
         for backend in self.backends.values():
@@ -258,7 +268,8 @@ class Daemon:
                         connections=len(self.connections), leases=len(core.leases), ready=health["ready"],
                         failed_preloads=[n for n in health["failed_preloads"]
                                          if everyone or self._open_to_all(self.registry.groups.get(n, [n])[0])],
-                        counters=dict(self.residency.stats.counters))
+                        counters=dict(self.residency.stats.counters),
+                        filled=self.residency.stats.filled())
 
     def _open_to_all(self, entry: str) -> bool:
         model = self.registry.models.get(entry)
@@ -315,6 +326,20 @@ class Daemon:
         # replaced since the last one shows now, not at the next load (the check logs it).
         await self.config_models.check(report["unchanged"] + report["updated"])
         return report
+
+
+def _peers(settings: Settings, core: CacheCore, registry: Registry, backends: dict[str, Backend], residency: Residency,
+           stopping: Callable[[], bool]) -> Peers | None:
+    """The [peers] section at work (weightcache/peers/), or None when it has no listen address."""
+    if settings.peers.listen is None:
+        return None
+    from ..peers import Peers  # only where configured: it imports NIXL's wrapper
+
+    peers = Peers(settings.peers, core=core, registry=registry, backends=backends, notify_space=residency.room.notify,
+                  shutting_down=stopping)
+    residency.flights.neighbours = peers
+    return peers
+
 
 def _notify(message: str) -> None:
     """sd_notify for a reload: a notify socket that has gone (systemd re-executed) must not

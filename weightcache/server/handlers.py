@@ -192,6 +192,7 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
         # Administrators only: with /proc mounted hidepid, others could not see them.
         "other_daemons": ctx.other_daemons() if ctx.access.is_admin(caller.peer) else [],
         # device = "auto" models: the last placement of each (rank), as models shows it
+        "peers": ctx.peers(),  # neighbour daemons and what they hold ([peers]; None when off)
         "placement": {slot: ctx.registry.placement_as_seen(caller.peer, slot) for slot in ctx.registry.placed
                       if ctx.registry.visible(caller.peer, next(iter(ctx.registry.replicas[slot].values())))},
     }, []

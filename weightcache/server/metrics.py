@@ -9,6 +9,7 @@ Per-model series come from the models registered now: a removed model's series g
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
@@ -48,6 +49,8 @@ class Snapshot:
     ready: bool
     failed_preloads: list[str]
     counters: dict[str, int]  # daemon-wide: server/residency/stats.py COUNTERS
+    # where fills' bytes came from ("files", "host", "peer", "neighbour", "publish") -> (bytes, seconds)
+    filled: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
 
 
 class Metrics:
@@ -173,6 +176,13 @@ class _SnapshotCollector(Collector):
         yield rate
         for k, v in snap.counters.items():
             yield CounterMetricFamily(f"weightcache_{k}", f"Since the daemon started: {k.replace('_', ' ')}", value=v)
+        filled = CounterMetricFamily("weightcache_filled_bytes", "Bytes of the fills that made models resident, by source",
+                                     labels=["source"])
+        took = CounterMetricFamily("weightcache_filled_seconds", "Seconds those fills took, by source", labels=["source"])
+        for source, (nbytes, seconds) in sorted(snap.filled.items()):
+            filled.add_metric([source], nbytes)
+            took.add_metric([source], seconds)
+        yield from (filled, took)
         yield GaugeMetricFamily("weightcache_connections", "Open client connections", value=snap.connections)
         yield GaugeMetricFamily("weightcache_leases", "Live leases", value=snap.leases)
         yield GaugeMetricFamily("weightcache_ready", "1 when serving with every preload resident (the health op)",

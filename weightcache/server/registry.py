@@ -70,6 +70,9 @@ class Model:
     # A device = "auto" rank has one entry per candidate device (a replica); ``slot`` is
     # the rank's name (``model``, or ``model@0``) they share. None: not placed automatically.
     slot: str | None = None
+    # Where the resident bytes came from (LoadJob.source: "files", "host", "peer" for
+    # another GPU, "neighbour" for another daemon; "publish"); shown in ``models``.
+    source: str | None = None
     # The core's key of the arena it shares with other names of the same files (Note
     # [shared arenas]); None: it holds its own. Only those names can hold its arena.
     share: str | None = None
@@ -411,6 +414,7 @@ class Registry:
             # which arena the resident copy got ("file", "memfd", "cuda_vmm") and, where the
             # faster one was refused, why (it names files: shown where path is)
             "arena": m.arena.kind if m.arena is not None else None,
+            "source": m.source if m.arena is not None else None,  # where the resident bytes came from
             "arena_note": (m.arena.fallback or None) if m.arena is not None and not private else None,
             "last_error": redacted(m.last_error) if private and m.last_error else self._error_as_seen(viewer, m.last_error),
             "progress": progress.snapshot() if progress is not None else None,

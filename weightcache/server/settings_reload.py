@@ -38,6 +38,8 @@ def settings_changes(old: Settings, new: Settings, report: dict[str, Any]) -> No
             continue
         report["failed"].append(f"daemon.{key}: changed in the file, but read at start only: restart the daemon "
                                 "to apply it")
+    if new.peers != old.peers:  # [peers] (weightcache/peers/): its port, agent and peers are made at start
+        report["failed"].append("peers: changed in the file, but read at start only: restart the daemon to apply it")
 
 
 def evicted(registry: Registry, core: CacheCore, step: StepDown, reason: str) -> list[dict[str, Any]]:

@@ -200,6 +200,9 @@ class Fill:
         if plan.promote:  # the host copy stays (Note [kept host copies] in cache/tiers.py)
             self.counters["promotions"] += 1
         dt = time.monotonic() - t0
+        model.source = job.source if job is not None else "publish"  # shown in ``models``; the metrics' label
+        self.stats.filled_bytes[model.source] += ckpt.data_bytes
+        self.stats.filled_seconds[model.source] = self.stats.filled_seconds.get(model.source, 0.0) + dt
         shown = published_as(name)  # a publish's staging entry is renamed to the model
         # Only for entries still registered: removed models' rates go (the dict grew with every name).
         rates = self.stats.last_load_rate = {k: v for k, v in self.stats.last_load_rate.items() if k in self.registry.models}

@@ -1,7 +1,8 @@
 """Single flight: one load per entry, joined by every request that asks for it meanwhile,
-and the choice of where its bytes come from (the host tier, a replica on another GPU,
-the files). Loads are tasks that belong to the daemon, not to the request that started
-them: a client that disconnects mid-load does not cancel a load that others wait on."""
+and the choice of where its bytes come from (the host tier, a replica on another GPU, a
+neighbour daemon's copy (``neighbours``, weightcache/peers/), the files). Loads are
+tasks that belong to the daemon, not to the request that started them: a client that
+disconnects mid-load does not cancel a load that others wait on."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from ...backends import Backend
 from ...cache import CacheCore, State, StepDown
@@ -39,6 +41,17 @@ PARKED_PARSE_BYTES = 256 * 2**20
 FINISH_ORPHAN_AFTER = 0.5
 
 
+class NeighbourFills(Protocol):
+    """Fills from a neighbour daemon's copy (weightcache/peers/, issue 27), tried for a
+    load that missed here before the files are read."""
+
+    async def fill(self, job: LoadJob, model: Model, backend: Backend, ckpt: Checkpoint, opened: OpenedSource,
+                   fill_new_arena: Callable[..., Awaitable[None]]) -> bool:
+        """True once ``job.name`` is resident from a peer's bytes (checked against its
+        fingerprint), filled through ``fill_new_arena``; False where no peer could, and
+        the files are read instead."""
+
+
 class SingleFlight:
     def __init__(self, settings: DaemonConfig, core: CacheCore, registry: Registry, backends: dict[str, Backend],
                  io: IoPool, room: RoomQueue, step_down: StepDowns, fill: Fill, stats: Stats,
@@ -56,6 +69,7 @@ class SingleFlight:
         self.jobs: dict[str, LoadJob] = {}  # entry -> its load in flight
         # (target, source) GPUs whose peer copy failed: loads from the files there instead
         self.no_peer_copy: set[tuple[str, str]] = set()
+        self.neighbours: NeighbourFills | None = None  # [peers]: a miss filled from another daemon (weightcache/peers/)
 
     @property
     def tasks(self) -> list[asyncio.Task[str]]:
@@ -151,7 +165,9 @@ class SingleFlight:
         step = self.core.join(name)
         s = self.registry.models[sibling]
         assert s.checkpoint is not None
-        self.registry.models[name].hold(s.arena, s.checkpoint, s.table, s.held)
+        m = self.registry.models[name]
+        m.hold(s.arena, s.checkpoint, s.table, s.held)
+        m.source = s.source
         log.info("%s shares the arena of %s (the same files): no second copy", name, sibling,
                  extra={"model": name, "bytes": self.core.entry(name).nbytes})
         if step.drop_host:
@@ -259,6 +275,9 @@ class SingleFlight:
             raise err from None
         opening = time.monotonic() - t_open
         try:
+            if self.neighbours is not None and await self.neighbours.fill(job, model, backend, ckpt, opened,
+                                                                          self.fill.fill_new_arena):
+                return job.source
             await self.fill.fill_new_arena(name, ckpt, backend.capacity(ckpt.arena_bytes), 0,
                                            ReadFiles(backend, d, opened, label=name,
                                                      cancelled=lambda: self._shutting_down() or job.abandoned.is_set()),

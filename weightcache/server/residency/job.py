@@ -12,7 +12,9 @@ class LoadJob:
     """One load in flight: the requests waiting on it, and whether it was given up."""
 
     name: str
-    source: str = "files"  # where its bytes come from: "files", "host" (a promotion) or "peer" (another GPU)
+    # where its bytes come from: "files", "host" (a promotion), "peer" (another GPU) or
+    # "neighbour" (another daemon, weightcache/peers/)
+    source: str = "files"
     waiters: int = 0
     # Set when every waiter went and the load was not worth finishing: the filling
     # threads check it between chunks, the load task between phases.

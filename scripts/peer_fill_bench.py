@@ -1,0 +1,355 @@
+"""A model filled from a neighbour daemon over NIXL, against the same daemon's cold load
+from its files and against NIXL's raw rate between two processes (issue 27).
+
+One checkpoint (default 1 GiB, 64 bf16 tensors) is written twice, in two directories:
+the lender daemon serves ``a/model.safetensors`` (a page-cache arena, as its load makes
+it), the borrower's config names ``b/model.safetensors`` with the fingerprint pinned.
+Then, ``--rounds`` times, interleaved:
+
+- ``fill``: the borrower evicts the model and loads it: filled from the lender over NIXL
+  (source "neighbour"; every piece hashed, the fingerprint checked);
+- ``files (cold)``: the lender evicts its copy (no peer offers it), the borrower's file
+  is dropped from the page cache (POSIX_FADV_DONTNEED, checked with RWF_NOWAIT probes),
+  and the borrower loads it from its files; then the lender loads it again;
+- ``raw``: two fresh processes with the daemon's own NIXL agent code
+  (weightcache/peers/transport.py): one maps ``a/model.safetensors`` read-only and
+  registers it, the other reads all of it into a fresh, fallocated memfd, in the fill's
+  request size and window; ``raw (one request)`` reads it in one request; ``raw +
+  allocating the memfd`` counts the memfd's ``posix_fallocate`` too, which the daemon's
+  fill pays (its arena) and the plain raw rows do not.
+
+Rates are data bytes over the wall time of the client's ``load`` call (fill, files) or
+of the read (raw). Writes JSON to ``--out``.
+
+    .venv/bin/python scripts/peer_fill_bench.py --gib 1 --rounds 7 --out docs/peer-fill-cpu.json
+
+``--vram 0,1`` measures only NIXL's raw GPU-to-GPU rate between two processes (one per
+GPU, or ``0,0`` for one GPU), with the fill's request size and window: the bar a GPU
+fill would be held to once the CUDA backend lends its VMM arenas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from weightcache import Client
+from weightcache.loader import fingerprint_files
+from weightcache.loader.reader import resident_fraction
+from weightcache.peers.fill import TASK_BYTES, WINDOW
+from weightcache.protocol.framing import HEADER, decode_payload, encode_frame
+from weightcache.tools.spawn import DaemonProcess, config_text
+from weightcache.tools.synth import write_checkpoint
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def send(sock: socket.socket, msg: dict[str, Any]) -> None:
+    sock.sendall(encode_frame(msg))
+
+
+def recv(sock: socket.socket) -> dict[str, Any]:
+    (n,) = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
+    return decode_payload(sock.recv(n, socket.MSG_WAITALL), max_bin_len=1 << 24, max_str_len=1 << 24)
+
+
+# -- raw NIXL: two processes, the daemon's transport code, no daemon --------------------
+def raw_lender(path: str) -> None:
+    """Map ``path`` read-only (as a file arena holds it), register it, serve one read."""
+    from weightcache.backends.page_cache import map_readonly
+    from weightcache.peers.transport import Transport
+
+    t = Transport()
+    fd = os.open(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    addr = map_readonly(fd, size)
+    with open(path, "rb") as f:  # in page cache, as the lender daemon's arena is
+        while f.read(1 << 24):
+            pass
+    reg = t.register([(addr, size)], "DRAM")
+    stop = threading.Event()
+    pump = threading.Thread(target=t.progress, args=(stop,))  # as the lender daemon does while it lends
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        print(f"PORT {ls.getsockname()[1]}", flush=True)  # NIXL logs to stdout too: the line is marked
+        conn, _ = ls.accept()
+        with conn:
+            send(conn, {"metadata": t.metadata(), "addr": addr, "nbytes": size})
+            pump.start()
+            recv(conn)  # done
+    stop.set()
+    pump.join()
+    t.deregister(reg)
+
+
+def raw_read(port: int, one_request: bool, allocate_timed: bool = False) -> dict[str, float]:
+    from weightcache.backends.cpu import _address
+    from weightcache.peers.transport import Extent, Transport
+
+    t = Transport()
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        info = recv(conn)
+        size = info["nbytes"]
+        ta = time.monotonic()
+        fd = os.memfd_create("raw-target")
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)  # as the daemon's memfd arena
+        m = mmap.mmap(fd, size)
+        base = _address(m)
+        step = size if one_request else TASK_BYTES
+        extents = [Extent(base + o, info["addr"] + o, min(step, size - o)) for o in range(0, size, step)]
+        t0 = ta if allocate_timed else time.monotonic()
+        t.read(info["metadata"], extents, "DRAM", 0, "DRAM", 0, window=WINDOW, on_done=lambda _d, _n: None,
+               stop=lambda: None, deadline=t0 + 600)
+        dt = time.monotonic() - t0
+        send(conn, {"op": "done"})
+        m.close()
+        os.close(fd)
+    return {"bytes": size, "seconds": dt}
+
+
+def run_raw(path: Path, one_request: bool, allocate_timed: bool = False) -> dict[str, float]:
+    lender = subprocess.Popen([sys.executable, __file__, "raw-lender", str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert lender.stdout is not None
+        port = next(int(line.split()[1]) for line in lender.stdout if line.startswith("PORT "))
+        out = subprocess.run([sys.executable, __file__, "raw-read", str(port), "1" if one_request else "0",
+                              "1" if allocate_timed else "0"],
+                             check=True, capture_output=True, text=True)
+        return json.loads(next(x[7:] for x in out.stdout.splitlines() if x.startswith("RESULT ")))  # type: ignore[no-any-return]
+    finally:
+        lender.wait(timeout=60)
+
+
+# -- raw NIXL between GPUs (for the H200; no daemon can lend VRAM yet) ----------------------
+def vram_lender(nbytes: int) -> None:
+    import torch
+
+    from weightcache.peers.transport import Transport
+
+    buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    t = Transport()
+    reg = t.register([(buf.data_ptr(), nbytes)], "VRAM", torch.cuda.current_device())
+    stop = threading.Event()
+    pump = threading.Thread(target=t.progress, args=(stop,))
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        print(f"PORT {ls.getsockname()[1]}", flush=True)
+        conn, _ = ls.accept()
+        with conn:
+            send(conn, {"metadata": t.metadata(), "addr": buf.data_ptr(), "nbytes": nbytes,
+                        "device_id": torch.cuda.current_device()})
+            pump.start()
+            recv(conn)
+    stop.set()
+    pump.join()
+    t.deregister(reg)
+
+
+def vram_read(port: int, rounds: int) -> list[float]:
+    import torch
+
+    from weightcache.peers.transport import Extent, Transport
+
+    t = Transport()
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        info = recv(conn)
+        size = info["nbytes"]
+        dst = torch.empty(size, dtype=torch.uint8, device="cuda")
+        dev = torch.cuda.current_device()
+        out = []
+        for _ in range(rounds):
+            extents = [Extent(dst.data_ptr() + o, info["addr"] + o, min(TASK_BYTES, size - o)) for o in range(0, size, TASK_BYTES)]
+            t0 = time.monotonic()
+            t.read(info["metadata"], extents, "VRAM", dev, "VRAM", info["device_id"], window=WINDOW,
+                   on_done=lambda _d, _n: None, stop=lambda: None, deadline=t0 + 600)
+            out.append(time.monotonic() - t0)
+        send(conn, {"op": "done"})
+    return out
+
+
+def run_vram(gib: float, rounds: int, lender_gpu: str, reader_gpu: str) -> dict[str, Any]:
+    nbytes = int(gib * 2**30)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": lender_gpu}
+    lender = subprocess.Popen([sys.executable, __file__, "vram-lender", str(nbytes)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert lender.stdout is not None
+        port = next(int(line.split()[1]) for line in lender.stdout if line.startswith("PORT "))
+        out = subprocess.run([sys.executable, __file__, "vram-read", str(port), str(rounds)], check=True, capture_output=True,
+                             text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": reader_gpu})
+        secs = json.loads(next(x[7:] for x in out.stdout.splitlines() if x.startswith("RESULT ")))
+    finally:
+        lender.wait(timeout=120)
+    return {"gib": gib, "lender_gpu": lender_gpu, "reader_gpu": reader_gpu, "seconds": secs,
+            "gb_per_s_median": nbytes / statistics.median(secs) / 1e9, "gb_per_s_best": nbytes / min(secs) / 1e9}
+
+
+# -- the daemons --------------------------------------------------------------------------
+def start(tmp: Path, i: int, model: Path, ports: list[int], fp: str | None) -> DaemonProcess:
+    sock = str(tmp / f"d{i}.sock")
+    budget = f"{max(6, 2 * model.stat().st_size // 2**30 + 2)}GiB"  # the model, and room for a second copy in flight
+    text = config_text(sock, {"cpu": budget}, [{"name": "m", "path": str(model)}], {"log_level": "info"})
+    text += (f'\n[peers]\nlisten = "127.0.0.1:{ports[i]}"\naddresses = ["127.0.0.1:{ports[1 - i]}"]\nrefresh_s = 0.2\n'
+             + (f'fingerprints = {{ m = "{fp}" }}\n' if fp else ""))
+    cfg = tmp / f"d{i}.toml"
+    cfg.write_text(text)
+    return DaemonProcess(cfg, sock, tmp / f"d{i}.log").start()
+
+
+async def offers(c: Client) -> int:
+    st = await c.status()
+    return sum(len(p["models"]) for p in st["peers"]["peers"])
+
+
+async def until(pred: Any, timeout: float = 30) -> None:
+    end = time.monotonic() + timeout
+    while not await pred():
+        if time.monotonic() > end:
+            raise TimeoutError
+        await asyncio.sleep(0.05)
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="wc-peerbench-"))
+    try:
+        a_path = write_checkpoint(tmp / "a" / "model.safetensors", int(args.gib * 2**30), 64, mode=0o644)
+        (tmp / "b").mkdir()
+        b_path = tmp / "b" / "model.safetensors"
+        shutil.copyfile(a_path, b_path)
+        b_path.chmod(0o644)
+        for f in (a_path, b_path):  # written back: DONTNEED drops clean pages only
+            fd = os.open(f, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        fp = fingerprint_files(b_path)
+        nbytes = 0
+        ports = [free_port(), free_port()]
+        lender, borrower = start(tmp, 0, a_path, ports, None), start(tmp, 1, b_path, ports, fp)
+        rows: dict[str, list[float]] = {"fill": [], "files (cold)": [], "raw": [], "raw (one request)": [],
+                                        "raw + allocating the memfd": []}
+        try:
+            async with Client(lender.socket) as a, Client(borrower.socket) as b:
+                await a.load("m")
+                for _ in range(args.rounds):
+                    # fill from the lender
+                    await until(lambda: offers(b))
+                    t0 = time.monotonic()
+                    await b.load("m")
+                    dt = time.monotonic() - t0
+                    row = next(m for m in await b.models() if m["name"] == "m")
+                    assert row["source"] == "neighbour" and row["fingerprint"] == fp, row
+                    nbytes = row["nbytes"]
+                    rows["fill"].append(dt)
+                    await b.evict("m")
+                    # cold from the files: nobody offers it, its pages dropped
+                    await until(lambda: _no_leases(a))  # the lend's lease ends as the lender reads "done"
+                    await a.evict("m")
+                    await until(lambda: _none(offers(b)))
+                    fd = os.open(b_path, os.O_RDONLY)
+                    try:
+                        for _ in range(50):  # the evicted arena's mapping goes in a thread: until then pages stay
+                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                            warm = resident_fraction(fd, os.fstat(fd).st_size, samples=256)
+                            if warm < 0.02:
+                                break
+                            await asyncio.sleep(0.1)
+                    finally:
+                        os.close(fd)
+                    assert warm < 0.1, f"{warm:.0%} of the file still in page cache"
+                    t0 = time.monotonic()
+                    await b.load("m")
+                    dt = time.monotonic() - t0
+                    row = next(m for m in await b.models() if m["name"] == "m")
+                    assert row["source"] == "files", row
+                    rows["files (cold)"].append(dt)
+                    await b.evict("m")
+                    await a.load("m")
+                    # raw NIXL between two processes
+                    for key, one, alloc in (("raw", False, False), ("raw (one request)", True, False),
+                                            ("raw + allocating the memfd", False, True)):
+                        r = run_raw(a_path, one, alloc)
+                        rows[key].append(r["seconds"])
+        finally:
+            lender.stop()
+            borrower.stop()
+        data = a_path.stat().st_size
+        out: dict[str, Any] = {"gib": args.gib, "file_bytes": data, "arena_bytes": nbytes, "rounds": args.rounds,
+                               "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rows": {}}
+        for k, secs in rows.items():
+            out["rows"][k] = {"seconds": secs, "median_s": statistics.median(secs), "best_s": min(secs),
+                              "gb_per_s_median": data / statistics.median(secs) / 1e9, "gb_per_s_best": data / min(secs) / 1e9}
+        rows_out = out["rows"]
+        out["fill_vs_raw"] = rows_out["fill"]["gb_per_s_median"] / rows_out["raw"]["gb_per_s_median"]
+        out["fill_vs_raw_best"] = rows_out["fill"]["gb_per_s_best"] / rows_out["raw"]["gb_per_s_best"]
+        out["load_avg_after"] = os.getloadavg()
+        return out
+    finally:
+        if args.logs:  # the daemons' logs: each load's phases (allocate, fill, seal) are in them
+            args.logs.mkdir(parents=True, exist_ok=True)
+            for log in tmp.glob("d*.log"):
+                shutil.copy(log, args.logs / log.name)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def _no_leases(c: Client) -> bool:
+    return (await c.status())["leases"] == 0
+
+
+async def _none(c: Any) -> bool:
+    return (await c) == 0
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "raw-lender":
+        raw_lender(sys.argv[2])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "raw-read":
+        print("RESULT " + json.dumps(raw_read(int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1")))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "vram-lender":
+        vram_lender(int(sys.argv[2]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "vram-read":
+        print("RESULT " + json.dumps(vram_read(int(sys.argv[2]), int(sys.argv[3]))))
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--logs", type=Path, help="copy the daemons' logs here")
+    p.add_argument("--vram", metavar="LENDER_GPU,READER_GPU",
+                   help="only raw NIXL between two GPU processes (CUDA_VISIBLE_DEVICES of each, e.g. 0,0 or 0,1)")
+    args = p.parse_args()
+    if args.vram:
+        lg, rg = args.vram.split(",")
+        res = run_vram(args.gib, args.rounds, lg, rg)
+        print(json.dumps(res, indent=1))
+        if args.out:
+            args.out.write_text(json.dumps(res, indent=1) + "\n")
+        return
+    out = asyncio.run(bench(args))
+    for k, r in out["rows"].items():
+        print(f"{k:20s} median {r['median_s'] * 1e3:8.1f} ms  {r['gb_per_s_median']:6.2f} GB/s  best {r['gb_per_s_best']:6.2f} GB/s  "
+              f"({', '.join(f'{s * 1e3:.0f}' for s in r['seconds'])} ms)")
+    print(f"fill / raw: {out['fill_vs_raw']:.0%} (medians), {out['fill_vs_raw_best']:.0%} (best of each)")
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

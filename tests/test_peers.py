@@ -1,0 +1,225 @@
+"""Two daemons on loopback (issue 27): a model resident in one is loaded by the other
+from the first's memory over NIXL, bit-exact and with the same fingerprint; when the
+lender dies mid-transfer the load finishes from the files and nothing leaks; bytes that
+do not match the fingerprint are never served. Skipped where NIXL cannot start."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from weightcache import Client
+from weightcache.loader import fingerprint_files
+from weightcache.peers.transport import unavailable
+from weightcache.tools.bench_measure import memfd_bytes
+from weightcache.tools.spawn import DaemonProcess, config_text
+from weightcache.tools.synth import write_checkpoint
+
+MIB = 2**20
+WHY = unavailable()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"NIXL cannot start here (pip install 'weightcache[peers]'): {WHY}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Pair:
+    """Two daemon processes that are each other's peers."""
+
+    def __init__(self, tmp: Path, sockdir: str) -> None:
+        self.tmp, self.sockdir = tmp, sockdir
+        self.ports = [free_port(), free_port()]
+        self.procs: list[DaemonProcess] = []
+
+    def start(self, i: int, models: dict[str, Path], peers: dict[str, Any] | None = None,
+              budget: str = "1GiB") -> DaemonProcess:
+        sock = os.path.join(self.sockdir, f"p{i}.sock")
+        cfg = self.tmp / f"peer{i}.toml"
+        text = config_text(sock, {"cpu": budget}, [{"name": n, "path": str(p)} for n, p in models.items()],
+                           {"log_level": "debug", "shutdown_grace_s": 2})
+        other = self.ports[1 - i]
+        lines = ["", "[peers]", f'listen = "127.0.0.1:{self.ports[i]}"', f'addresses = ["127.0.0.1:{other}"]', "refresh_s = 0.3"]
+        for k, v in (peers or {}).items():
+            lines.append(f"{k} = {v}")
+        cfg.write_text(text + "\n".join(lines) + "\n")
+        d = DaemonProcess(cfg, sock, self.tmp / f"peer{i}.log").start()
+        self.procs.append(d)
+        return d
+
+    def log(self, i: int) -> str:
+        return (self.tmp / f"peer{i}.log").read_text(errors="replace")
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[Pair]:
+    sockdir = tempfile.mkdtemp(prefix="wc-", dir="/tmp")
+    p = Pair(tmp_path, sockdir)
+    yield p
+    for d in p.procs:
+        assert d.proc is not None
+        if d.proc.poll() is None:
+            assert d.stop() == 0, f"daemon exited uncleanly:\n{d.log.read_text()[-3000:]}"
+
+
+def ckpt(tmp_path: Path, nbytes: int, seed: int = 0, mode: int = 0o644) -> Path:
+    return write_checkpoint(tmp_path / f"m{seed}-{nbytes}.safetensors", nbytes, 12, seed=seed, mode=mode)
+
+
+async def offered(c: Client, fp: str) -> bool:
+    st = await c.status()
+    return any(m["fingerprint"] == fp for p in st["peers"]["peers"] for m in p["models"])
+
+
+async def wait_for(check: Any, timeout: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(0.05)
+
+
+def model_row(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return next(m for m in rows if m["name"] == name)
+
+
+async def test_model_resident_in_one_daemon_is_filled_into_the_other(pair: Pair, tmp_path: Path) -> None:
+    path = ckpt(tmp_path, 48 * MIB)
+    fp = fingerprint_files(path)
+    lender = pair.start(0, {"m": path})
+    borrower = pair.start(1, {"m": path}, {"fingerprints": f'{{ m = "{fp}" }}'})
+    async with Client(lender.socket) as a, Client(borrower.socket) as b:
+        await a.load("m")
+        await wait_for(lambda: offered(b, fp))
+        await b.load("m")
+        row = model_row(await b.models(), "m")
+        assert row["source"] == "neighbour", pair.log(1)[-3000:]
+        assert row["fingerprint"] == fp
+        assert model_row(await a.models(), "m")["source"] == "files"
+        async with a.attach("m") as ma, b.attach("m") as mb:
+            assert ma.fingerprint == mb.fingerprint == fp
+            assert set(ma) == set(mb)
+            for k in ma:
+                assert torch.equal(ma[k].reshape(-1).view(torch.uint8), mb[k].reshape(-1).view(torch.uint8)), k
+        st = await b.status()
+        assert st["peers"]["fills"] == {"ok": 1}
+        assert (await a.status())["peers"]["lending_now"] == 0  # the lender's lease ended with the fill
+        assert (await a.status())["leases"] == 0
+    assert "lend of m to peer 127.0.0.1 ended" in pair.log(0)
+
+
+async def test_no_fill_without_a_known_fingerprint(pair: Pair, tmp_path: Path) -> None:
+    """A layout alone (same headers) is never enough: the borrower must know the content
+    its files have. Without a pinned fingerprint and never having loaded them, it reads its files."""
+    path = ckpt(tmp_path, 4 * MIB)
+    lender = pair.start(0, {"m": path})
+    borrower = pair.start(1, {"m": path})
+    async with Client(lender.socket) as a, Client(borrower.socket) as b:
+        await a.load("m")
+        fp = model_row(await a.models(), "m")["fingerprint"]
+        await wait_for(lambda: offered(b, fp))
+        await b.load("m")
+        assert model_row(await b.models(), "m")["source"] == "files"
+
+
+async def test_other_bytes_under_the_same_layout_are_not_served(pair: Pair, tmp_path: Path) -> None:
+    """The borrower's files hold other values in the same layout (a fine-tune of the same
+    base); its pinned fingerprint is theirs. The lender's copy is not asked for (its
+    fingerprint differs), and the model is loaded from the files, bytes of its own files."""
+    mine = ckpt(tmp_path, 4 * MIB, seed=1)
+    theirs = ckpt(tmp_path, 4 * MIB, seed=2)
+    lender = pair.start(0, {"m": theirs})
+    borrower = pair.start(1, {"m": mine}, {"fingerprints": f'{{ m = "{fingerprint_files(mine)}" }}'})
+    async with Client(lender.socket) as a, Client(borrower.socket) as b:
+        await a.load("m")
+        await wait_for(lambda: offered(b, fingerprint_files(theirs)))
+        await b.load("m")
+        row = model_row(await b.models(), "m")
+        assert row["source"] == "files" and row["fingerprint"] == fingerprint_files(mine)
+
+
+async def test_lender_killed_mid_transfer_load_finishes_from_the_files(pair: Pair, tmp_path: Path) -> None:
+    path = ckpt(tmp_path, 96 * MIB)
+    fp = fingerprint_files(path)
+    lender = pair.start(0, {"m": path})
+    # Paced to ~1 s so that the kill lands while bytes move.
+    borrower = pair.start(1, {"m": path}, {"fingerprints": f'{{ m = "{fp}" }}', "max_fill_bytes_per_s": '"96MiB"'})
+    assert lender.proc is not None and borrower.proc is not None
+    async with Client(lender.socket) as a:
+        await a.load("m")
+    async with Client(borrower.socket) as b:
+        await wait_for(lambda: offered(b, fp))
+        before_fds = len(os.listdir(f"/proc/{borrower.proc.pid}/fd"))
+        load = asyncio.ensure_future(b.load("m"))
+
+        async def moving() -> bool:
+            got = (await b.status())["loading"].get("m")
+            return got is not None and 0 < got["bytes_done"] < got["bytes_total"] // 2
+
+        await wait_for(moving)  # the precondition: the transfer had begun, and was not near its end
+        os.kill(lender.proc.pid, signal.SIGKILL)
+        lender.proc.wait()
+        await asyncio.wait_for(load, 60)
+        row = model_row(await b.models(), "m")
+        assert row["source"] == "files" and row["fingerprint"] == fp
+        log = pair.log(1)
+        assert "fill of m from peer" in log and "failed" in log and "loading from the files" in log, log[-3000:]
+        st = await b.status()
+        assert st["peers"]["fills"] == {"failed": 1}
+        # Nothing leaked: no lease, the failed arena's memfd is gone (the files' arena is
+        # their page cache), and once evicted the budget is back to nothing used and the fds as before.
+        assert st["leases"] == 0 and st["peers"]["lending_now"] == 0
+        assert row["arena"] == "file" and memfd_bytes(borrower.proc.pid) == 0
+        await b.evict("m")
+
+        async def settled() -> bool:
+            s = await b.status()
+            return s["devices"]["cpu"]["used"] == 0 and len(os.listdir(f"/proc/{borrower.proc.pid}/fd")) <= before_fds
+
+        await wait_for(settled, 10)
+    pair.procs.remove(lender)
+
+
+async def test_a_peer_whose_bytes_do_not_match_the_fingerprint_is_not_served(pair: Pair, tmp_path: Path) -> None:
+    """A broken lender: its file was rewritten in place under its page-cache arena with the
+    mtime put back, so it still believes (and says) it holds the fingerprint. The borrower
+    reads every piece, finds the fingerprint differs, and loads its own files instead."""
+    import shutil
+
+    theirs = ckpt(tmp_path, 8 * MIB, seed=3)
+    (tmp_path / "b").mkdir()
+    mine = tmp_path / "b" / theirs.name  # the same name, size and header: the same layout
+    shutil.copyfile(theirs, mine)
+    fp = fingerprint_files(mine)
+    lender = pair.start(0, {"m": theirs})
+    borrower = pair.start(1, {"m": mine}, {"fingerprints": f'{{ m = "{fp}" }}'})
+    async with Client(lender.socket) as a, Client(borrower.socket) as b:
+        await a.load("m")
+        assert model_row(await a.models(), "m")["arena"] == "file"  # the lender serves the file's own pages
+        st = os.stat(theirs)
+        with open(theirs, "r+b") as f:  # one byte of the last tensor changed
+            f.seek(-1, 2)
+            last = f.read(1)
+            f.seek(-1, 2)
+            f.write(bytes([last[0] ^ 0xFF]))
+        os.utime(theirs, ns=(st.st_atime_ns, st.st_mtime_ns))
+        await wait_for(lambda: offered(b, fp))  # it still offers the old fingerprint
+        await b.load("m")
+        row = model_row(await b.models(), "m")
+        assert row["source"] == "files" and row["fingerprint"] == fp
+        log = pair.log(1)
+        assert "do not match this checkpoint's fingerprint" in log, log[-3000:]
+        assert (await b.status())["peers"]["fills"] == {"failed": 1}
+        async with b.attach("m") as mb:
+            assert mb.fingerprint == fp

@@ -1,0 +1,117 @@
+"""The peers' pure parts (weightcache/peers/), without NIXL: the config section, how a
+lender's regions map onto this daemon's arena, what a peer's answers may hold, who may
+connect, and the Kubernetes example's peer discovery."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from weightcache.config import PeersConfig, Settings, load_settings
+from weightcache.loader import fingerprint_files, open_source, parse_checkpoint
+from weightcache.peers import known_fingerprint
+from weightcache.peers.directory import Directory, _parse_offers
+from weightcache.peers.fill import Lent, extents_for
+from weightcache.peers.server import same_host
+from weightcache.peers.transport import Extent
+from weightcache.peers.wire import PeerError
+from weightcache.tools.synth import write_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_peers_config_parses_and_refuses_what_is_not_host_port() -> None:
+    p = PeersConfig(listen="0.0.0.0:7470", addresses=["10.0.0.2:7470"], dns="peers.svc:7470", timeout_s="2m",
+                    max_fill_bytes_per_s="1GiB", fingerprints={"m": "ab"})
+    assert p.timeout_s == 120 and p.max_fill_bytes_per_s == 2**30 and p.addresses == ("10.0.0.2:7470",)
+    for bad in ({"listen": "7470"}, {"addresses": ["host"]}, {"dns": "svc:http"}, {"refresh_s": 0}, {"nope": 1}):
+        with pytest.raises(ValidationError):
+            PeersConfig(**bad)
+    assert Settings().peers.listen is None  # off unless configured
+
+
+def test_lender_regions_map_onto_the_arena() -> None:
+    # A file arena's regions: runs at arena offsets 0 and 4096 (padding between), elsewhere in memory.
+    regions = ((0, 10_000, 1000), (4096, 50_000, 3000))
+    assert extents_for(0, 1000, 1 << 20, regions) == [Extent((1 << 20), 10_000, 1000)]
+    assert extents_for(4096, 3000, 1 << 20, regions) == [Extent((1 << 20) + 4096, 50_000, 3000)]
+    assert extents_for(4196, 100, 0, regions) == [Extent(4196, 50_100, 100)]
+    one = ((0, 7, 100),)
+    assert extents_for(10, 50, 1000, one) == [Extent(1010, 17, 50)]
+    with pytest.raises(ValueError, match="do not cover"):
+        extents_for(900, 200, 0, regions)  # past the first run, not in the second
+    with pytest.raises(ValueError, match="do not cover"):
+        extents_for(0, 8000, 0, regions)
+
+
+def test_a_malformed_lend_reply_is_refused() -> None:
+    good = {"metadata": b"md", "memory": "DRAM", "device_id": 0, "regions": [[4096, 2, 3], [0, 1, 2]]}
+    assert Lent.parse(good).regions == ((0, 1, 2), (4096, 2, 3))  # sorted by arena offset
+    for bad in ({**good, "memory": "DISK"}, {**good, "metadata": "md"}, {**good, "regions": [[0, -1, 2]]},
+                {**good, "regions": [[0, 1]]}, {**good, "regions": "x"}):
+        with pytest.raises(ValueError):
+            Lent.parse(bad)
+
+
+def test_a_peers_inventory_keeps_only_well_formed_offers() -> None:
+    ok = {"fingerprint": "f", "layout": "l", "nbytes": 5, "tier": "host", "device": "cpu"}
+    got = _parse_offers([ok, {**ok, "tier": "disk"}, {**ok, "nbytes": "5"}, "junk", {**ok, "fingerprint": "x" * 999}])
+    assert [o.fingerprint for o in got] == ["f"]
+    with pytest.raises(PeerError):
+        _parse_offers({"not": "a list"})
+
+
+def test_same_host_sees_through_ipv4_mapped_addresses() -> None:
+    assert same_host("::ffff:10.0.0.2", "10.0.0.2") and same_host("10.0.0.2", "10.0.0.2")
+    assert not same_host("10.0.0.3", "10.0.0.2")
+
+
+async def test_only_configured_peers_are_allowed() -> None:
+    d = Directory(PeersConfig(listen="127.0.0.1:1", addresses=["127.0.0.1:7470", "localhost:7471"]), "me")
+    assert await d.allowed("127.0.0.1")
+    assert not await d.allowed("10.9.9.9")
+
+
+def test_the_fingerprint_is_known_only_when_pinned_or_kept(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path / "k.safetensors", 2 * 2**20, 4, seed=7, mode=0o644)
+    with open_source(path) as opened:
+        ckpt = parse_checkpoint(opened)
+        assert known_fingerprint(PeersConfig(fingerprints={"k": "pinned"}), "k", ckpt, opened) == "pinned"
+        assert known_fingerprint(PeersConfig(), "k", ckpt, opened) is None  # never read: not known
+    # Read once (files only the daemon's uid or root can change keep their tensor digests,
+    # by file identity): the fingerprint of these very files is known without reading them.
+    fp = fingerprint_files(path)
+    with open_source(path) as opened:
+        assert known_fingerprint(PeersConfig(), "k", parse_checkpoint(opened), opened) == fp
+    with open(path, "r+b") as f:  # rewritten in place: st_ctime moves, the kept digests no longer apply
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(last)
+    with open_source(path) as opened:
+        assert known_fingerprint(PeersConfig(), "k", parse_checkpoint(opened), opened) is None
+
+
+def test_the_daemonset_discovers_peers_through_a_headless_service() -> None:
+    docs = list(yaml.safe_load_all((ROOT / "examples/kubernetes/weightcache-daemonset.yaml").read_text()))
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["weightcache.toml"]
+    assert cm.strip() == (ROOT / "examples/kubernetes/weightcache.toml").read_text().strip()
+    svc = next(d for d in docs if d["kind"] == "Service")
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["selector"] == {"app": "weightcache"}
+    peers = load_settings(ROOT / "examples/kubernetes/weightcache.toml").peers
+    assert peers.dns is not None and peers.dns.startswith(f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc")
+    assert peers.dns.endswith(f":{svc['spec']['ports'][0]['port']}")
+
+
+def test_a_reload_says_peers_are_read_at_start_only() -> None:
+    from weightcache.server.settings_reload import settings_changes
+
+    report: dict[str, list[str]] = {"failed": []}
+    old = Settings(peers=PeersConfig(listen="127.0.0.1:7470"))
+    settings_changes(old, old, report)
+    assert report["failed"] == []
+    settings_changes(old, Settings(peers=PeersConfig(listen="127.0.0.1:7471")), report)
+    assert report["failed"] == ["peers: changed in the file, but read at start only: restart the daemon to apply it"]

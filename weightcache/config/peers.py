@@ -1,0 +1,59 @@
+"""``[peers]``: the neighbour daemons a load that misses may be filled from (weightcache/peers/,
+issue 27). A model of its own, apart from schema.py (which holds it as ``Settings.peers``),
+to keep that module under 500 lines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..units import parse_duration, parse_size
+
+
+class PeersConfig(BaseModel):
+    """``[peers]``: neighbour daemons a load that misses may be filled from, over NIXL
+    (weightcache/peers/, issue 27; docs/deployment.md, "Peers"). Off unless ``listen``
+    is set. Only the peers named here (``addresses``, and what ``dns`` resolves to) are
+    asked and answered."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    listen: str | None = Field(default=None, description="host:port of this daemon's peer port (None: no peers)")
+    addresses: tuple[str, ...] = Field(default=(), description="host:port of each peer daemon")
+    dns: str | None = Field(default=None, description="name:port that resolves to the peers (a headless Service)")
+    refresh_s: float = Field(default=10.0, gt=0, description="how often each peer is asked what it holds")
+    # Model name -> the content fingerprint its files must have (`weightcache models`
+    # shows it): what a peer's copy is checked against before it is served. A model whose
+    # fingerprint this daemon does not know (pinned here, or from an earlier load of the
+    # same, unchanged files) is never filled from a peer.
+    fingerprints: dict[str, str] = Field(default_factory=dict)
+    serve: bool = Field(default=True, description="lend this daemon's resident models to its peers")
+    timeout_s: float = Field(default=120.0, gt=0, description="a fill from a peer not done by then falls back to the files")
+    max_fill_bytes_per_s: int | None = Field(default=None, gt=0, description="cap on one fill's rate (None: none)")
+
+    @field_validator("refresh_s", "timeout_s", mode="before")
+    @classmethod
+    def _peer_durations(cls, v: Any) -> float:
+        return parse_duration(v)
+
+    @field_validator("max_fill_bytes_per_s", mode="before")
+    @classmethod
+    def _peer_rate(cls, v: Any) -> int | None:
+        return None if v is None else parse_size(v)
+
+    @field_validator("listen", "dns")
+    @classmethod
+    def _host_port(cls, v: str | None) -> str | None:
+        if v is not None:
+            host, sep, port = v.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise ValueError(f"{v!r} is not host:port")
+        return v
+
+    @field_validator("addresses")
+    @classmethod
+    def _addresses(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for a in v:
+            cls._host_port(a)
+        return v

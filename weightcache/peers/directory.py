@@ -1,0 +1,166 @@
+"""Who the peers are and what each holds: the configured addresses (and those the DNS
+name resolves to, a Kubernetes headless Service), each asked ``inventory`` every
+``refresh_s``. What a peer says it holds only chooses where a fill is tried: the bytes
+are checked against this daemon's own fingerprint before they are served (fill.py), and
+nothing a peer says reaches the access rules of this daemon's models."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import PeersConfig
+from . import wire
+from .server import same_host
+
+log = logging.getLogger("weightcache.peers")
+
+CONNECT_TIMEOUT_S = 5.0
+MAX_MODELS = 4096  # a peer's inventory is cut here: a broken peer cannot make this daemon hold unbounded lists
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A model a peer said it holds."""
+
+    fingerprint: str
+    layout: str
+    nbytes: int
+    tier: str  # "gpu" or "host"
+    device: str
+
+
+@dataclass
+class PeerState:
+    address: str  # host:port as resolved (an IP)
+    daemon: str | None = None  # its id, from hello
+    offers: list[Offer] = field(default_factory=list)
+    last_seen: float | None = None  # monotonic time of its last good answer
+    error: str | None = None  # why its last inventory failed
+    failed_fills: int = 0
+    fills: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        return {"address": self.address, "daemon": self.daemon, "reachable": self.error is None and self.last_seen is not None,
+                "seen_s_ago": None if self.last_seen is None else round(time.monotonic() - self.last_seen, 3),
+                "error": self.error, "fills": self.fills, "failed_fills": self.failed_fills,
+                "models": [{"fingerprint": o.fingerprint, "layout": o.layout, "nbytes": o.nbytes, "tier": o.tier,
+                            "device": o.device} for o in self.offers]}
+
+
+async def connect(address: str, daemon_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
+    """A control connection to the peer at ``address``, past hello; returns its daemon id."""
+    host, port = wire.split_host_port(address)
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+    try:
+        await wire.send(writer, {"op": "hello", "protocol": wire.PROTOCOL, "daemon": daemon_id})
+        reply = wire.check_reply(await asyncio.wait_for(wire.recv(reader), CONNECT_TIMEOUT_S), "hello")
+        peer_id = reply.get("daemon")
+        if not isinstance(peer_id, str):
+            raise wire.PeerError("hello: the peer did not say who it is")
+        return reader, writer, peer_id
+    except BaseException:
+        writer.close()
+        raise
+
+
+def _parse_offers(models: Any) -> list[Offer]:
+    if not isinstance(models, list):
+        raise wire.PeerError("inventory: models is not a list")
+    out = []
+    for m in models[:MAX_MODELS]:
+        if not isinstance(m, dict):
+            continue
+        fp, layout, nbytes, tier, device = (m.get(k) for k in ("fingerprint", "layout", "nbytes", "tier", "device"))
+        if (isinstance(fp, str) and isinstance(layout, str) and isinstance(nbytes, int) and tier in ("gpu", "host")
+                and isinstance(device, str) and len(fp) <= 256 and len(layout) <= 256):
+            out.append(Offer(fp, layout, nbytes, str(tier), device[:64]))
+    return out
+
+
+class Directory:
+    def __init__(self, settings: PeersConfig, daemon_id: str) -> None:
+        self.settings = settings
+        self.daemon_id = daemon_id
+        self.peers: dict[str, PeerState] = {}  # resolved address -> state
+        self._hosts: set[str] = set()  # IPs of the configured peers, as last resolved
+        self._resolved_at = 0.0
+        self._resolving = asyncio.Lock()
+        self.changed = asyncio.Event()  # set after each refresh (tests wait on it)
+
+    async def resolve(self) -> list[str]:
+        """The configured peers as host:port with an IP each (DNS names resolved now)."""
+        names = list(self.settings.addresses) + ([self.settings.dns] if self.settings.dns else [])
+        loop = asyncio.get_running_loop()
+        out: list[str] = []
+        for name in names:
+            host, port = wire.split_host_port(name)
+            try:
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                log.warning("peers: cannot resolve %s: %s", name, exc)
+                continue
+            for family, _, _, _, sockaddr in infos:
+                ip = str(sockaddr[0])
+                addr = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
+                if addr not in out:
+                    out.append(addr)
+        async with self._resolving:
+            self._hosts = {wire.split_host_port(a)[0] for a in out}
+            self._resolved_at = time.monotonic()
+        return out
+
+    async def allowed(self, host: str) -> bool:
+        """Whether a connection from ``host`` comes from a configured peer (resolved again,
+        at most once a second, when it is not among the last answer: a pod just started)."""
+        if any(same_host(host, h) for h in self._hosts):
+            return True
+        if time.monotonic() - self._resolved_at >= 1.0:
+            await self.resolve()
+        return any(same_host(host, h) for h in self._hosts)
+
+    async def run(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await self.refresh()
+            await asyncio.sleep(self.settings.refresh_s)
+
+    async def refresh(self) -> None:
+        addresses = await self.resolve()
+        for gone in set(self.peers) - set(addresses):
+            del self.peers[gone]
+        await asyncio.gather(*(self._ask(a) for a in addresses))
+        self.changed.set()
+
+    async def _ask(self, address: str) -> None:
+        state = self.peers.setdefault(address, PeerState(address))
+        try:
+            reader, writer, peer_id = await connect(address, self.daemon_id)
+            try:
+                if peer_id == self.daemon_id:  # this daemon itself (the Service resolves to every pod)
+                    self.peers.pop(address, None)
+                    return
+                await wire.send(writer, {"op": "inventory"})
+                reply = wire.check_reply(await asyncio.wait_for(wire.recv(reader), CONNECT_TIMEOUT_S), "inventory")
+                state.daemon, state.offers = peer_id, _parse_offers(reply.get("models"))
+                state.last_seen, state.error = time.monotonic(), None
+            finally:
+                writer.close()
+        except (OSError, wire.PeerError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            if state.error is None:
+                log.info("peer %s: cannot ask what it holds: %s", address, exc or type(exc).__name__)
+            state.error = str(exc) or type(exc).__name__
+            state.offers = []
+
+    def offers(self, fingerprint: str, layout: str) -> list[tuple[PeerState, Offer]]:
+        """Peers that said they hold this content, best first: GPU before host memory (a
+        GPU-to-GPU read is the fastest path where both ends have one), then the fewest
+        failed fills."""
+        found = [(p, o) for p in self.peers.values() if p.error is None
+                 for o in p.offers if o.fingerprint == fingerprint and o.layout == layout]
+        return sorted(found, key=lambda po: (po[1].tier != "gpu", po[0].failed_fills))

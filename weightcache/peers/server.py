@@ -1,0 +1,233 @@
+"""The lending side: a daemon's peer port, answering its configured peers' ``inventory``
+and ``lend`` (wire.py).
+
+Note [what a lend holds]
+------------------------
+A lend takes a lease on the model, of the daemon's own (a negative connection id, one per
+peer connection, so no engine's connection can end it), before it registers the arena's
+memory with NIXL, and gives it back only after the registration is removed and the
+arena's view released: an attached model is never a victim (cache/core.py), so the
+arena the peer reads is never freed under the read. The lease ends with ``done``, when
+the peer's connection closes (the peer died, or gave up), or at ``timeout_s`` after the
+lend, whichever comes first. What is lent is only what the operator configured and
+every user may use (``lendable``): a tenant's registered or published model, or one
+restricted to some uids or groups, is neither listed nor lent, so a peer's question
+never reaches past the access rules of this daemon's tenants.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ..backends import Backend
+from ..cache import CacheCore, State
+from ..server.registry import Model, Registry
+from . import wire
+from .transport import Transport
+
+log = logging.getLogger("weightcache.peers")
+
+HELLO_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 60.0  # a peer connection with no request for this long is closed
+LENDS_PER_PEER = 4  # lends one peer address holds at once; more are refused BUSY (each pins a model)
+
+
+def lendable(name: str, model: Model, core: CacheCore, backends: dict[str, Backend]) -> bool:
+    """Whether ``model`` may be listed to peers and lent: the operator's, open to every
+    user, resident with its files unchanged since it was loaded, on a device whose
+    backend offers its arenas to a transfer engine."""
+    cfg = model.config
+    return (backends[model.device].supports_dma and model.origin == "config" and model.owner is None
+            and cfg.allowed_uids is None and cfg.allowed_gids is None
+            and core.entry(name).state is State.RESIDENT and model.arena is not None and model.checkpoint is not None
+            and bool(model.checkpoint.fingerprint) and model.unchanged())
+
+
+def tier(device: str) -> str:
+    return "gpu" if device.startswith("cuda") else "host"
+
+
+class Lender:
+    def __init__(self, *, daemon_id: str, core: CacheCore, registry: Registry, backends: dict[str, Backend],
+                 transport: Callable[[], Transport | None], allowed: Callable[[str], Awaitable[bool]],
+                 notify_space: Callable[[], None], timeout_s: float, serve: bool) -> None:
+        self.daemon_id = daemon_id
+        self.core = core
+        self.registry = registry
+        self.backends = backends
+        self._transport = transport
+        self._allowed = allowed
+        self._notify_space = notify_space
+        self.timeout_s = timeout_s
+        self.serve = serve
+        self._server: asyncio.Server | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self._conn_ids = itertools.count(1)
+        self.lent_now = 0  # lends holding a lease now
+        self.lends = 0  # lends made since start
+        self.refused = 0  # connections from addresses that are not configured peers
+        self._by_peer: dict[str, int] = {}  # peer host -> lends it holds now
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._accept, host or None, port, reuse_address=True)
+
+    @property
+    def port(self) -> int | None:
+        if self._server is None or not self._server.sockets:
+            return None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._conns):
+            t.cancel()
+        await asyncio.gather(*self._conns, return_exceptions=True)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+
+    def inventory(self) -> list[dict[str, Any]]:
+        out = []
+        for name, m in self.registry.models.items():
+            if lendable(name, m, self.core, self.backends):
+                assert m.checkpoint is not None
+                out.append({"fingerprint": m.checkpoint.fingerprint, "layout": m.checkpoint.layout,
+                            "nbytes": m.checkpoint.data_bytes, "tier": tier(m.device), "device": m.device})
+        return out
+
+    def _find(self, fingerprint: str, layout: str) -> str | None:
+        for name, m in self.registry.models.items():
+            if (lendable(name, m, self.core, self.backends) and m.checkpoint is not None and m.checkpoint.fingerprint == fingerprint
+                    and m.checkpoint.layout == layout):
+                return name
+        return None
+
+    # -- one peer connection ------------------------------------------------------------
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        peer = writer.get_extra_info("peername")
+        host = str(peer[0]) if peer else "?"
+        try:
+            if not await self._allowed(host):
+                self.refused += 1
+                log.warning("peer port: refused a connection from %s, which is not a configured peer", host,
+                            extra={"peer": host})
+                return
+            await self._serve(reader, writer, host)
+        except (wire.PeerError, OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+            log.info("peer %s: connection ended: %s", host, exc, extra={"peer": host})
+        except Exception as exc:  # a malformed request must not end the daemon's port
+            log.warning("peer %s: %s: %s", host, type(exc).__name__, exc, extra={"peer": host})
+        finally:
+            self._conns.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
+        hello = await asyncio.wait_for(wire.recv(reader), HELLO_TIMEOUT_S)
+        if hello is None:
+            return
+        if hello.get("op") != "hello" or hello.get("protocol") != wire.PROTOCOL:
+            await wire.send(writer, wire.reply_error("PROTOCOL_VERSION", f"this daemon speaks peer protocol {wire.PROTOCOL}"))
+            return
+        await wire.send(writer, {"ok": True, "protocol": wire.PROTOCOL, "daemon": self.daemon_id})
+        conn = -(1_000_000 + next(self._conn_ids))  # the lender's own lease holder (Note [what a lend holds])
+        while True:
+            req = await asyncio.wait_for(wire.recv(reader), IDLE_TIMEOUT_S)
+            if req is None:
+                return
+            op = req.get("op")
+            if op == "inventory":
+                await wire.send(writer, {"ok": True, "models": self.inventory() if self.serve else []})
+            elif op == "lend":
+                await self._lend(req, reader, writer, host, conn)
+                return  # one lend per connection: its end is the lease's end
+            else:
+                await wire.send(writer, wire.reply_error("UNKNOWN_OP", f"unknown peer op {str(op)[:64]!r}"))
+
+    async def _lend(self, req: dict[str, Any], reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str,
+                    conn: int) -> None:
+        fingerprint, layout = req.get("fingerprint"), req.get("layout")
+        transport = self._transport()
+        if not isinstance(fingerprint, str) or not isinstance(layout, str):
+            await wire.send(writer, wire.reply_error("BAD_REQUEST", "lend needs a fingerprint and a layout (strings)"))
+            return
+        name = self._find(fingerprint, layout) if self.serve else None
+        if name is None or transport is None:
+            await wire.send(writer, wire.reply_error("UNKNOWN_MODEL", "no lendable resident model has that fingerprint and layout"))
+            return
+        if self._by_peer.get(host, 0) >= LENDS_PER_PEER:
+            await wire.send(writer, wire.reply_error("BUSY", f"this peer holds {LENDS_PER_PEER} lends already"))
+            return
+        model = self.registry.models[name]
+        backend = self.backends[model.device]
+        arena = model.arena
+        assert arena is not None
+        lease = self.core.attach(name, conn)
+        self.lent_now += 1
+        self._by_peer[host] = self._by_peer.get(host, 0) + 1
+        view = reg = pump = None
+        pumping = threading.Event()
+        t0 = time.monotonic()
+        try:
+            view = await asyncio.to_thread(backend.dma_source, arena)
+            if view is None:
+                await wire.send(writer, wire.reply_error("UNSUPPORTED", f"the {model.device} backend cannot lend its arenas"))
+                return
+            regions = [(r.addr, r.nbytes) for r in view.regions if r.nbytes]
+            reg = await asyncio.to_thread(transport.register, regions, view.memory, view.device_id)
+            metadata = await asyncio.to_thread(transport.metadata)
+            pump = asyncio.ensure_future(asyncio.to_thread(transport.progress, pumping))
+            await wire.send(writer, {"ok": True, "metadata": metadata, "memory": view.memory, "device_id": view.device_id,
+                                     "regions": [[r.arena_offset, r.addr, r.nbytes] for r in view.regions if r.nbytes]})
+            self.lends += 1
+            log.info("lending %s (%d bytes) to peer %s", name, model.checkpoint.data_bytes if model.checkpoint else 0, host,
+                     extra={"model": name, "peer": host})
+            # Until done, EOF, or the timeout (Note [what a lend holds]).
+            with contextlib.suppress(TimeoutError):
+                msg = await asyncio.wait_for(wire.recv(reader), self.timeout_s)
+                if msg is not None and msg.get("op") == "done":
+                    with contextlib.suppress(OSError):
+                        await wire.send(writer, {"ok": True})
+        finally:
+            # Deregistered before the view goes, the view before the lease: see the Note.
+            try:
+                pumping.set()
+                if pump is not None:
+                    await asyncio.shield(pump)
+                if reg is not None:
+                    await asyncio.shield(asyncio.to_thread(transport.deregister, reg))
+                if view is not None:
+                    view.release()
+            finally:
+                self.core.detach(lease.id, conn)
+                self.lent_now -= 1
+                self._by_peer[host] -= 1
+                if not self._by_peer[host]:
+                    del self._by_peer[host]
+                log.info("lend of %s to peer %s ended after %.2fs", name, host, time.monotonic() - t0,
+                         extra={"model": name, "peer": host})
+                self._notify_space()
+
+
+def same_host(a: str, b: str) -> bool:
+    """Whether two textual IP addresses are the same address (an IPv4 peer may connect as
+    ::ffff:a.b.c.d on a dual-stack socket)."""
+    try:
+        x, y = ipaddress.ip_address(a), ipaddress.ip_address(b)
+    except ValueError:
+        return a == b
+    unmap = lambda ip: ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped else ip  # noqa: E731
+    return unmap(x) == unmap(y)

@@ -1,0 +1,92 @@
+"""The peers' control channel: the daemon's own frames (4-byte big-endian length, one
+msgpack map; protocol/framing.py) over TCP, between daemons.
+
+Why a TCP side port and not NIXL's own channel: NIXL's metadata listener exchanges agent
+metadata only, and its notifications flow only once both agents hold each other's
+metadata, arrive by polling, and have no request/reply pairing nor size limits. A lend
+needs a request and its reply, and a lease that ends when the borrower goes: here the
+lease lives exactly as long as the borrower's TCP connection (as an engine's lease lives
+as long as its Unix socket connection), so a borrower that dies releases what it held,
+and a lender that dies is seen by the borrower as EOF within the transfer.
+
+Ops, each a request map with "op" and a reply map with "ok" (and "error": {"code",
+"message"} when not ok):
+
+- ``hello`` {"protocol": 1, "daemon": id} -> {"protocol": 1, "daemon": id}
+- ``inventory`` -> {"models": [{"fingerprint", "layout", "nbytes", "tier", "device"}]}:
+  what the lender would lend now (its operator's models open to every user, resident,
+  files unchanged). ``tier``: "gpu" (VMM memory) or "host" (host memory).
+- ``lend`` {"fingerprint", "layout"} -> {"metadata": bin, "memory": "DRAM"|"VRAM",
+  "device_id": int, "regions": [[arena_offset, addr, nbytes], ...]}: the lender holds a
+  lease on the model and keeps the regions registered with NIXL until ``done`` or the
+  connection closes.
+- ``done`` -> {}: the borrower has what it needs; the lease ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ..errors import BadRequest, FrameTooLarge
+from ..protocol.framing import HEADER, decode_payload, encode_frame
+
+PROTOCOL = 1
+# A lend's reply is the biggest frame: NIXL metadata (a few KiB) and one region per
+# contiguous run of a file arena (~40 bytes each: 100k runs fit).
+MAX_FRAME = 16 * 2**20
+MAX_REGIONS = 1 << 20
+
+
+class PeerError(Exception):
+    """A peer answered an error, broke the protocol, or went away."""
+
+    def __init__(self, message: str, code: str = "PEER") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+async def send(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+    writer.write(encode_frame(message))
+    await writer.drain()
+
+
+async def recv(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME) -> dict[str, Any] | None:
+    """The next frame's map; None at a clean end of stream (between frames)."""
+    try:
+        head = await reader.readexactly(HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise PeerError("connection closed inside a frame header") from None
+    (n,) = HEADER.unpack(head)
+    if n > max_frame:
+        raise FrameTooLarge(f"frame of {n} bytes exceeds the limit of {max_frame}", limit=max_frame)
+    try:
+        payload = await reader.readexactly(n)
+    except asyncio.IncompleteReadError:
+        raise PeerError("connection closed inside a frame") from None
+    try:
+        return decode_payload(payload, max_array_len=MAX_REGIONS, max_str_len=4096, max_bin_len=max_frame)
+    except BadRequest as exc:
+        raise PeerError(f"malformed frame: {exc.message}") from None
+
+
+def reply_error(code: str, message: str) -> dict[str, Any]:
+    return {"ok": False, "error": {"code": code, "message": message}}
+
+
+def check_reply(reply: dict[str, Any] | None, what: str) -> dict[str, Any]:
+    if reply is None:
+        raise PeerError(f"the peer closed the connection before answering {what}")
+    if reply.get("ok") is not True:
+        err = reply.get("error")
+        if isinstance(err, dict):
+            raise PeerError(f"{what}: {err.get('message')!s:.300}", code=str(err.get("code", "PEER"))[:64])
+        raise PeerError(f"{what}: the peer's reply is malformed")
+    return reply
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
