@@ -18,7 +18,6 @@ from weightcache.loader import open_source, parse_checkpoint
 from weightcache.loader.tensor_table import TABLE_SLICE
 from weightcache.server.registry import Registry
 from weightcache.server.residency import Residency
-from weightcache.server.residency.fill import encode_table
 from weightcache.server.residency.io import TENANT_IO_SHARE
 
 from .test_r25_held import header_bomb
@@ -76,5 +75,5 @@ def test_the_table_packed_in_slices_is_the_same_bytes(tmp_path, n) -> None:
     with open_source(header_bomb(tmp_path / "t.safetensors", n)) as opened:
         ckpt = parse_checkpoint(opened)
     rows = [[t.name, t.dtype, list(t.shape), t.arena_offset, t.nbytes] for t in ckpt.tensors]
-    assert encode_table(ckpt) == msgpack.packb(rows, use_bin_type=True)
-    assert msgpack.unpackb(encode_table(ckpt))[-1][0] == ckpt.tensors[-1].name
+    assert ckpt.encoded_table() == msgpack.packb(rows, use_bin_type=True)
+    assert msgpack.unpackb(ckpt.encoded_table())[-1][0] == ckpt.tensors[-1].name

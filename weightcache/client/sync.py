@@ -124,7 +124,7 @@ class BlockingConnection(ConnectionBase):
         time.sleep(seconds)
 
     def _started(self) -> None:
-        pass  # replies are read by the threads that wait for them (_wait_for)
+        """Nothing to start: replies are read by the threads that wait for them (_wait_for)."""
 
     async def close(self) -> None:
         self._close_now()

@@ -19,6 +19,7 @@ before use (TensorTable.from_wire, and every row's bytes inside the arena).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -91,10 +92,9 @@ def _serve() -> int:
     """The worker: a msgpack request on stdin, the reply on stdout, then exit."""
     from .layout import lay_out
 
-    try:
+    # Refused in some sandboxes: the parse still runs then, at the daemon's priority.
+    with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, 0, WORKER_NICE)
-    except OSError:
-        pass  # refused in some sandboxes: the parse still runs, at the daemon's priority
     request = msgpack.unpackb(sys.stdin.buffer.read(), raw=False)
     headers = [(str(path), int(size), bytes(raw)) for path, size, raw in request]
     try:

@@ -34,10 +34,6 @@ T = TypeVar("T")
 SMALL_FILL_BYTES = 64 * 2**20  # fills of at most this (and few tensors) do not wait for the device's fill lock
 
 
-def encode_table(ckpt: Checkpoint) -> bytes:
-    return ckpt.encoded_table()
-
-
 async def _to_thread_finished(fn: Callable[..., T], *args: Any, cleanup: Callable[[T], object] | None = None) -> T:
     """``fn(*args)`` in a thread, as ``asyncio.to_thread``, except that a caller cancelled
     meanwhile (a publish whose peer closed its connection, shutdown) waits for the thread
@@ -163,7 +159,8 @@ class Fill:
                 phase("seal")
             # Encoded once, spliced into every attach reply: a 600,000-row table encoded
             # per attach cost ~2 s of loop time each.
-            table = await asyncio.to_thread(collector_paused(encode_table) if len(ckpt.tensors) > MANY_TENSORS else encode_table, ckpt)
+            encode = Checkpoint.encoded_table
+            table = await asyncio.to_thread(collector_paused(encode) if len(ckpt.tensors) > MANY_TENSORS else encode, ckpt)
             phase("table")
         except BaseException as exc:
             await asyncio.gather(*(asyncio.shield(t) for t in demotions), return_exceptions=True)
