@@ -199,7 +199,7 @@ def load_once(path: Path, backend: CudaBackend, threads: int, chunk: int, make: 
             **{k: round(v, 4) for k, v in timers.s.items()}}
 
 
-def register_cost(path: Path, windows: list[int], threads: int) -> dict[str, float]:
+def register_cost(path: Path, backend: CudaBackend, windows: list[int], threads: int) -> dict[str, float]:
     out = {}
     fd = os.open(path, os.O_RDONLY)
     size = os.fstat(fd).st_size // PAGE * PAGE
@@ -208,11 +208,14 @@ def register_cost(path: Path, windows: list[int], threads: int) -> dict[str, flo
         for win in windows:
             offs = list(range(0, size - win + 1, win))
 
+            # The pool's threads have no current context of their own.
             def reg(off: int, win: int = win) -> None:
-                drv.check(cu.cuMemHostRegister(base + off, win, cu.CU_MEMHOSTREGISTER_READ_ONLY))
+                with drv.current(backend.ctx):
+                    drv.check(cu.cuMemHostRegister(base + off, win, cu.CU_MEMHOSTREGISTER_READ_ONLY))
 
             def unreg(off: int) -> None:
-                drv.check(cu.cuMemHostUnregister(base + off))
+                with drv.current(backend.ctx):
+                    drv.check(cu.cuMemHostUnregister(base + off))
 
             for n in (1, threads):
                 with ThreadPoolExecutor(n) as pool:
@@ -294,7 +297,7 @@ def main() -> int:
     backend = CudaBackend(a.device)
     res: dict[str, Any] = {"nbytes": path.stat().st_size, "pinned_h2d_GBps": pinned_h2d(backend), "runs": {}}
     windows = [int(w) << 20 for w in a.windows_mib.split(",")]
-    res["register_cost"] = register_cost(path, [2 << 20, 16 << 20, *windows], 8)
+    res["register_cost"] = register_cost(path, backend, [2 << 20, 16 << 20, *windows], 8)
     print(json.dumps(res, indent=1), flush=True)
     variants: list[tuple[str, int, int, Callable[..., Any]]] = []
     for threads in (int(t) for t in a.threads.split(",")):
