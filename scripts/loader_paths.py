@@ -151,7 +151,13 @@ class Registered(_VmmWriter):
                 self._registered(fd, w)
             if self._arena.mapped < arena_offset + nbytes:
                 self._b.grow(self._arena, arena_offset + nbytes)
-            drv.check(cu.cuMemcpyHtoDAsync(self._arena.va + arena_offset, base + file_offset, nbytes, st.stream))
+            # One copy per registered window: a copy whose source spans two registrations
+            # is refused (CUDA_ERROR_INVALID_VALUE, the first H200 run).
+            pos = 0
+            while pos < nbytes:
+                n = min(nbytes - pos, self.window - (file_offset + pos) % self.window)
+                drv.check(cu.cuMemcpyHtoDAsync(self._arena.va + arena_offset + pos, base + file_offset + pos, n, st.stream))
+                pos += n
             st.busy = True
             if seen is not None:
                 seen(self.zeros[:nbytes])  # device pieces only: counted, never read
@@ -282,7 +288,7 @@ def main() -> int:
     p.add_argument("--size-gib", type=float, default=9.15)
     p.add_argument("--tensors", type=int, default=183)
     p.add_argument("--path", default=None, help="an existing checkpoint instead of a generated one")
-    p.add_argument("--threads", default="8,16")
+    p.add_argument("--threads", default="8,12,16")
     p.add_argument("--windows-mib", default="64,256")
     p.add_argument("--chunk-mib", default="16")
     p.add_argument("--reps", type=int, default=2)
