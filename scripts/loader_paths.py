@@ -315,7 +315,12 @@ def main() -> int:
                                  lambda b, ar, c, maps, timers, win=win: Registered(b, ar, c, maps=maps, window=win, timers=timers)))
     for rep in range(a.reps):
         for name, threads, chunk, make in variants if rep % 2 == 0 else variants[::-1]:
-            r = load_once(path, backend, threads, chunk, make)
+            try:
+                r = load_once(path, backend, threads, chunk, make)
+            except drv.CudaError as e:  # one path refused by the driver: say so, time the others
+                res.setdefault("errors", {})[name] = str(e)
+                print(name, "failed:", e, flush=True)
+                continue
             res["runs"].setdefault(name, []).append(r)
             print(name, json.dumps(r), flush=True)
     if a.anchors:
