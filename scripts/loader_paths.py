@@ -36,6 +36,7 @@ from cuda.bindings import driver as cu
 
 from weightcache import cuda_driver as drv
 from weightcache.backends.cuda import CudaBackend, _VmmWriter
+from weightcache.backends.registered_reads import RegisteredReads
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
 from weightcache.loader.content import FILE_DIGESTS, TaskHasher
 from weightcache.tools.bench_measure import warm_page_cache
@@ -101,62 +102,37 @@ def host_bytes_ahead(seen: TaskHasher, n: int) -> bool:
 
 
 class Registered(_VmmWriter):
-    """Copies straight from registered page-cache pages (see the module docstring)."""
+    """Copies straight from registered page-cache pages (backends/registered_reads.py)."""
 
     def __init__(self, backend, arena, chunk, *, maps: dict[int, tuple[int, int]], window: int, timers: Timers) -> None:
         super().__init__(backend, arena, chunk)
-        self.maps = maps  # fd -> (address, size)
-        self.window = window
+        self.reads = RegisteredReads(backend.ctx, window)
         self.t = timers
-        self._reg: dict[tuple[int, int], threading.Event] = {}
-        self._reg_lock = threading.Lock()
         self.zeros = memoryview(bytearray(chunk))
         self.fallback_bytes = 0
-
-    def _registered(self, fd: int, w: int) -> None:
-        with self._reg_lock:
-            ev = self._reg.get((fd, w))
-            mine = ev is None
-            if mine:
-                ev = self._reg[(fd, w)] = threading.Event()
-        if not mine:
-            ev.wait()
-            return
-        base, size = self.maps[fd]
-        lo = w * self.window
-        n = min(self.window, size - lo)
-        n = (n + PAGE - 1) // PAGE * PAGE
-        t = time.perf_counter()
-        drv.check(cu.cuMemHostRegister(base + lo, n, cu.CU_MEMHOSTREGISTER_READ_ONLY))
-        self.t.add("register_s", time.perf_counter() - t)
-        ev.set()
 
     def write_from_file(self, fd, file_offset, arena_offset, nbytes, direct=False, seen=None):  # type: ignore[override]
         t0 = time.perf_counter()
         device_only = seen is None or (isinstance(seen, TaskHasher) and seen.device_min is not None
                                        and not host_bytes_ahead(seen, nbytes))
-        if direct or fd not in self.maps or not device_only:
-            self.fallback_bytes += nbytes
-            super().write_from_file(fd, file_offset, arena_offset, nbytes, direct, seen)
-            self.t.add("fallback_s", time.perf_counter() - t0)
-            return
         with drv.current(self._b.ctx):
+            srcs = None if direct or not device_only else self.reads.sources(fd, file_offset, nbytes)
+            self.t.add("register_s", time.perf_counter() - t0)
+            if srcs is None:
+                self.fallback_bytes += nbytes
+                super().write_from_file(fd, file_offset, arena_offset, nbytes, direct, seen)
+                self.t.add("fallback_s", time.perf_counter() - t0)
+                return
             st = self._staging()
             if st.busy:
                 t = time.perf_counter()
                 drv.check(cu.cuStreamSynchronize(st.stream))
                 self.t.add("wait_copy_s", time.perf_counter() - t)
-            base, _ = self.maps[fd]
-            for w in range(file_offset // self.window, (file_offset + nbytes - 1) // self.window + 1):
-                self._registered(fd, w)
             if self._arena.mapped < arena_offset + nbytes:
                 self._b.grow(self._arena, arena_offset + nbytes)
-            # One copy per registered window: a copy whose source spans two registrations
-            # is refused (CUDA_ERROR_INVALID_VALUE, the first H200 run).
-            pos = 0
-            while pos < nbytes:
-                n = min(nbytes - pos, self.window - (file_offset + pos) % self.window)
-                drv.check(cu.cuMemcpyHtoDAsync(self._arena.va + arena_offset + pos, base + file_offset + pos, n, st.stream))
+            pos = arena_offset
+            for addr, n in srcs:
+                drv.check(cu.cuMemcpyHtoDAsync(self._arena.va + pos, addr, n, st.stream))
                 pos += n
             st.busy = True
             if seen is not None:
@@ -169,11 +145,7 @@ class Registered(_VmmWriter):
             super().finish()
         finally:
             t = time.perf_counter()
-            with drv.current(self._b.ctx):
-                for (fd, w) in self._reg:
-                    base, _ = self.maps[fd]
-                    drv.check(cu.cuMemHostUnregister(base + w * self.window))
-            self._reg.clear()
+            self.reads.close()
             self.t.add("unregister_s", time.perf_counter() - t)
 
 
