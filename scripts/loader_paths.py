@@ -79,6 +79,28 @@ class TimedStaging(_VmmWriter):
         self.t.add("write_s", time.perf_counter() - t)
 
 
+def host_bytes_ahead(seen: TaskHasher, n: int) -> bool:
+    """Whether the next ``n`` bytes the hasher will see hold a piece it hashes on the host."""
+    starts = getattr(seen, "_starts", None)
+    if starts is None:
+        starts, pos = [], 0
+        for p in seen.task.pieces:
+            starts.append((pos, p))
+            pos += p.nbytes
+        seen._starts = starts  # type: ignore[attr-defined]
+    lo, hi = seen._pos, seen._pos + n
+    for start, p in starts:
+        if start >= hi:
+            break
+        if start + p.nbytes <= lo:
+            continue
+        on_device = (seen.device_min is not None and p.nbytes > seen.device_min
+                     and (seen.task.arena_offset + start) % 16 == 0)
+        if not on_device:
+            return True
+    return False
+
+
 class Registered(_VmmWriter):
     """Copies straight from registered page-cache pages (backends/registered_reads.py)."""
 
@@ -92,7 +114,7 @@ class Registered(_VmmWriter):
     def write_from_file(self, fd, file_offset, arena_offset, nbytes, direct=False, seen=None):  # type: ignore[override]
         t0 = time.perf_counter()
         device_only = seen is None or (isinstance(seen, TaskHasher) and seen.device_min is not None
-                                       and not seen.hashes_on_host(nbytes))
+                                       and not host_bytes_ahead(seen, nbytes))
         with drv.current(self._b.ctx):
             srcs = None if direct or not device_only else self.reads.sources(fd, file_offset, nbytes)
             self.t.add("register_s", time.perf_counter() - t0)

@@ -229,27 +229,6 @@ def test_pieces_left_to_the_device_are_counted_not_hashed_and_say_where_they_are
         assert split == host_only
 
 
-def test_hashes_on_host_looks_ahead_exactly_as_far_as_it_is_asked():
-    """A writer that copies bytes without reading them (backends/registered_reads.py) asks,
-    before each chunk, whether any of its bytes belong to a piece the host hashes; the
-    answer must match where the hasher then really hashes on the host, chunk by chunk."""
-    from weightcache.loader.content import Piece, Task
-
-    # device, device, host (304 <= device_min), device
-    pieces = (Piece(0, 0, HASH_BLOCK), Piece(0, 1, 5008), Piece(1, 0, 304), Piece(2, 0, HASH_BLOCK // 2 + 3))
-    total = sum(p.nbytes for p in pieces)
-    host_lo = HASH_BLOCK + 5008  # where the host piece starts in the task
-    host_hi = host_lo + 304
-    for step in (4096, 3_000_017, HASH_BLOCK, total):
-        h = TaskHasher(Task(0, 0, 256, total, pieces), {}, device_min=4096)
-        for off in range(0, total, step):
-            n = min(step, total - off)
-            assert h.hashes_on_host(n) == (off < host_hi and off + n > host_lo), (step, off)
-            h(memoryview(bytes(n)))
-    assert TaskHasher(Task(0, 0, 256, total, pieces), {}).hashes_on_host(1)  # no device_min: all on the host
-    assert TaskHasher(Task(0, 0, 8, total, pieces), {}, device_min=4096).hashes_on_host(1)  # misaligned: on the host
-
-
 class _DeviceHashingWriter:
     """A writer that, like the CUDA one, hashes big pieces "on its device" (here: from its
     own copy of the arena, at finish) when the reader hands it a TaskHasher with

@@ -128,7 +128,7 @@ class TaskHasher:
     def __init__(self, task: Task, out: dict[tuple[int, int], bytes], device_min: int | None = None) -> None:
         self.task = task
         self.out = out
-        self._next = 0  # index in task.pieces of the piece after the current one
+        self._pieces = iter(task.pieces)
         self.device_min = device_min
         self._piece: Piece | None = None
         self._on_device = False
@@ -142,11 +142,13 @@ class TaskHasher:
         pos, n = 0, len(view)
         while pos < n:
             if self._piece is None:
-                self._piece = self.task.pieces[self._next]
-                self._next += 1
+                self._piece = next(self._pieces)
                 self._left = self._piece.nbytes
                 self._start = self._pos + pos
-                self._on_device = self._device_hashes(self._piece, self._start)
+                # 16-byte aligned in the arena for the kernel's loads: every piece of a
+                # tensor placed at a 256-byte offset is, the check only guards the rule.
+                self._on_device = (self.device_min is not None and self._piece.nbytes > self.device_min
+                                   and (self.task.arena_offset + self._start) % 16 == 0)
                 self._h.reset()
             take = min(self._left, n - pos)
             if not self._on_device:
@@ -161,33 +163,6 @@ class TaskHasher:
                     self.out[(self._piece.tensor, self._piece.index)] = self._h.digest()
                 self._piece = None
         self._pos += n
-
-    def _device_hashes(self, piece: Piece, start: int) -> bool:
-        # 16-byte aligned in the arena for the kernel's loads: every piece of a tensor
-        # placed at a 256-byte offset is, the check only guards the rule.
-        return (self.device_min is not None and piece.nbytes > self.device_min
-                and (self.task.arena_offset + start) % 16 == 0)
-
-    def hashes_on_host(self, n: int) -> bool:
-        """Whether any of the next ``n`` bytes belong to a piece hashed here, on the host:
-        the writer must then pass them through a host buffer it can read (a writer that
-        copies them without reading them, backends/registered_reads.py, cannot)."""
-        if self.device_min is None:
-            return True
-        ahead, start, i = 0, self._pos, self._next
-        if self._piece is not None:
-            if not self._on_device:
-                return True
-            ahead = self._left
-            start += self._left
-        while ahead < n and i < len(self.task.pieces):
-            piece = self.task.pieces[i]
-            if not self._device_hashes(piece, start):
-                return True
-            ahead += piece.nbytes
-            start += piece.nbytes
-            i += 1
-        return False
 
     def take_device_done(self) -> list[tuple[Piece, int]]:
         done, self.device_done = self.device_done, []
