@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from cuda.bindings import driver as cu
+from registered_reads import RegisteredReads  # beside this script (scripts/)
 
 from weightcache import cuda_driver as drv
 from weightcache.backends.cuda import CudaBackend, _VmmWriter
-from weightcache.backends.registered_reads import RegisteredReads
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
 from weightcache.loader.content import FILE_DIGESTS, TaskHasher
 from weightcache.tools.bench_measure import warm_page_cache
@@ -102,7 +102,7 @@ def host_bytes_ahead(seen: TaskHasher, n: int) -> bool:
 
 
 class Registered(_VmmWriter):
-    """Copies straight from registered page-cache pages (backends/registered_reads.py)."""
+    """Copies straight from registered page-cache pages (scripts/registered_reads.py)."""
 
     def __init__(self, backend, arena, chunk, *, maps: dict[int, tuple[int, int]], window: int, timers: Timers) -> None:
         super().__init__(backend, arena, chunk)
@@ -263,7 +263,7 @@ def through_daemon(path: Path, device: str, threads: list[int], reps: int, workd
     warm, content hash on; the first load (staging buffers allocated) not counted."""
     import asyncio
 
-    from weightcache.tools.bench_measure import daemon_load
+    from weightcache.tools.bench_measure import daemon_load, status_under_load
     from weightcache.tools.spawn import DaemonProcess, config_text
 
     out: dict[str, Any] = {}
@@ -276,8 +276,12 @@ def through_daemon(path: Path, device: str, threads: list[int], reps: int, workd
         with DaemonProcess(cfg, sock, workdir / f"paths-{t}.log"):
             asyncio.run(daemon_load(sock, "m"))
             runs = [asyncio.run(daemon_load(sock, "m")) for _ in range(reps)]
+            # what more loader threads cost the control plane: status, back to back, during a load
+            st = asyncio.run(status_under_load(sock, "m"))
         out[f"daemon_{t}thr_GBps"] = [round(path.stat().st_size / s / 1e9, 2) for s in runs]
-        print(f"daemon load_threads={t}", out[f"daemon_{t}thr_GBps"], flush=True)
+        out[f"daemon_{t}thr_status_during_load_ms"] = {"n": st.n, "p50": round(st.p50_ms, 3), "p99": round(st.p99_ms, 3),
+                                                       "max": round(st.max_ms, 3)}
+        print(f"daemon load_threads={t}", out[f"daemon_{t}thr_GBps"], out[f"daemon_{t}thr_status_during_load_ms"], flush=True)
     return out
 
 

@@ -1,4 +1,15 @@
-"""Copies to the GPU straight from the page cache: the loader's warm path on CUDA.
+"""Copies to the GPU straight from registered page-cache pages: a warm path for the CUDA
+loader that was measured on the H200 and rejected (issue 28, session 11).
+
+It was slower than the staging path at every thread count: 20-24 GB/s against
+staging's 35-41 GB/s in the same run (scripts/loader_paths.py, 9.15 GiB of 183 bf16
+tensors, page cache warm). ``cuMemHostRegister`` of page-cache pages is the cost: 38-41
+GB/s for 64-256 MiB windows from one thread and no faster from 8 (the driver serialises
+it), then unregistering at 94-117 GB/s, all before or beside copies that the pinned
+ceiling (55 GB/s) bounds anyway. InstantTensor's own registration switch
+(INSTANTTENSOR_USE_INTERNAL_MEMORY_REGISTER=1) made its MMAP backend slower the same way
+(19 vs 42 GB/s). Kept beside the probe that times it, for whoever tries again (a driver
+whose registration scales with threads would change the answer).
 
 Note [registered page-cache reads]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -36,7 +47,7 @@ from typing import Any
 
 from cuda.bindings import driver as cu
 
-from .. import cuda_driver as drv
+from weightcache import cuda_driver as drv
 
 log = logging.getLogger("weightcache.daemon")
 
