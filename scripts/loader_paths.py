@@ -279,6 +279,9 @@ def through_daemon(path: Path, device: str, threads: list[int], reps: int, workd
             # what more loader threads cost the control plane: status, back to back, during a load
             st = asyncio.run(status_under_load(sock, "m"))
         out[f"daemon_{t}thr_GBps"] = [round(path.stat().st_size / s / 1e9, 2) for s in runs]
+        # The daemon's own account of each load, phase by phase (residency/fill.py's log line).
+        out[f"daemon_{t}thr_phases"] = [line.split(" in ", 1)[-1].strip() for line in
+                                        (workdir / f"paths-{t}.log").read_text().splitlines() if "loaded m:" in line]
         out[f"daemon_{t}thr_status_during_load_ms"] = {"n": st.n, "p50": round(st.p50_ms, 3), "p99": round(st.p99_ms, 3),
                                                        "max": round(st.max_ms, 3)}
         print(f"daemon load_threads={t}", out[f"daemon_{t}thr_GBps"], out[f"daemon_{t}thr_status_during_load_ms"], flush=True)
