@@ -3,6 +3,7 @@ arenas]): the bytes are held and counted once, each name keeps its own leases an
 policy, the arena goes only with its last name, and a reload that changes one name's
 path splits them."""
 
+import asyncio
 import os
 
 import pytest
@@ -105,3 +106,58 @@ async def test_a_reload_that_changes_one_names_path_splits_them(start_daemon, ck
         async with c.attach("a1") as m1, c.attach("a2") as m2:
             assert m1.fingerprint != m2.fingerprint
             assert used(await c.status()) == one + {m["name"]: m["nbytes"] for m in await c.models()}["a1"]
+
+
+async def test_names_of_one_arena_point_at_one_record(ckpts):
+    """Note [one record per arena] (server/registry.py): the registry keeps one record per
+    arena key the core counts, the names of one share key point at the same one, a name
+    evicted lets go of the arena without taking it from its sibling, and the arena is
+    freed with the last name that holds it."""
+    from weightcache.backends.cpu import CpuBackend
+    from weightcache.cache import CacheCore
+    from weightcache.cache.entries import arena_key
+    from weightcache.config import ModelConfig, Settings
+    from weightcache.server.registry import Registry
+    from weightcache.server.residency import Residency
+
+    core = CacheCore({"cpu": 1 << 30})
+    backends = {"cpu": CpuBackend("cpu")}
+    registry = Registry(core, backends, access=None)
+    for n, ckpt in (("m1", "a"), ("m2", "a"), ("b", "b")):
+        registry.register(ModelConfig(name=n, path=ckpts[ckpt]))
+    residency = Residency(Settings().daemon, core, registry, backends, lambda: False)
+
+    def keyed_as_the_core() -> None:
+        assert set(registry.arenas) == {arena_key(e) for e in core.entries.values()}
+        for name, m in registry.models.items():
+            assert m.resident is registry.arenas[arena_key(core.entry(name))]
+
+    try:
+        keyed_as_the_core()
+        assert registry.models["m1"].resident is registry.models["m2"].resident
+        assert registry.models["b"].resident is not registry.models["m1"].resident
+        assert await residency.flights.ensure_resident("m1", 0) == "files"
+        assert await residency.flights.ensure_resident("m2", 0) == "resident"  # joined
+        res = registry.models["m1"].resident
+        arena = res.arena
+        assert arena is not None and res.holders == {"m1", "m2"} and registry.models["m2"].seen is not None
+        await residency.step_down.carry_out(core.evict("m1"), reason="test")
+        assert registry.holding("m1") is None and registry.holding("m2") is arena  # m2 keeps it, and its parse
+        assert res.checkpoint is not None and res.holders == {"m2"} and not residency.step_down.releasing
+        [dropped] = registry.unregister("m2")
+        assert dropped.arena is arena  # the last name holding it: the caller frees it
+        residency.step_down.forget([dropped])
+        await asyncio.gather(*residency.step_down.releasing)
+        assert res.arena is None and res.checkpoint is None and registry.models["m1"].resident is res
+        keyed_as_the_core()
+        assert await residency.flights.ensure_resident("m1", 0) == "files"  # loads again into the same record
+        assert res.arena is not None and res.holders == {"m1"}
+        residency.step_down.forget(registry.unregister("m1"))
+        await asyncio.gather(*residency.step_down.releasing)
+        keyed_as_the_core()
+        assert list(registry.arenas) == [arena_key(core.entry("b"))]
+    finally:
+        for r in registry.arenas.values():
+            if r.arena is not None:
+                backends["cpu"].free(r.arena)
+        residency.io.close()

@@ -6,6 +6,22 @@ to their ``Model`` records, resolves the names clients use for models and device
 describes models to a viewer (paths and errors only to their owner and admins). It
 decides nothing about memory and does no I/O: unregistering returns the records whose
 arenas, host copies and files the caller must free.
+
+Note [one record per arena]
+---------------------------
+What the daemon holds for an arena's bytes is one ``Resident`` record, keyed as the core
+keys the arena (cache/entries.py's ``arena_key``: the entry's own name, or the share key
+of the names that read the same files, Note [shared arenas]); every name's ``Model``
+points at its key's record. So two names on one arena see one arena, one checkpoint,
+one table and one source, and nothing copies them from name to name. Which names
+hold the arena now is the record's ``holders``: a name takes it when its fill ends or
+when it joins a sibling, and lets go when it steps down or is unregistered; the arena is
+freed by the last one to let go. A host copy is one entry's (the core's host tier counts
+a copy per entry: ``host_of``). Names of one arena never keep one (the core never
+demotes an arena two names share), except a name demoted before a second name of its
+files was registered: when that second name then fills the arena from the files, the
+host copy is dropped (residency/fill.py), so that a record never holds two versions
+of its bytes (the host copy's checkpoint would be overwritten by the new fill's).
 """
 
 from __future__ import annotations
@@ -14,12 +30,13 @@ import itertools
 import os
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from ..backends import Arena, Backend, HostCopy
 from ..cache import CacheCore, Entry, State
+from ..cache.entries import arena_key
 from ..cache.names import files_share, is_staging, rank_entry, replica_entry, staging_entry
 from ..config import AUTO, ModelConfig, auto_devices
 from ..errors import BadRequest, PermissionDenied, UnknownModel
@@ -36,9 +53,70 @@ CHECK_FAILED = "checkpoint check failed"
 Origin = Literal["config", "register", "publish"]
 
 
+@dataclass(eq=False)
+class Resident:
+    """One arena's bytes, wherever they are (Note [one record per arena])."""
+
+    key: str  # the core's key of the arena (cache/entries.arena_key)
+    arena: Arena | None = None  # while some name holds it on its device
+    checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident (or on the host tier)
+    table: bytes = b""  # the attach reply's tensor table, msgpack-encoded once per load
+    # Bytes its load was charged beyond the arena for the checkpoint and table (Note [held
+    # bytes] in loader/checkpoint.py; a promotion is admitted for the same).
+    held: int = 0
+    # Where the resident bytes came from (LoadJob.source: "files", "host", "peer" for
+    # another GPU, "neighbour" for another daemon; "publish"); shown in ``models``.
+    source: str | None = None
+    host: HostCopy | None = None  # the backend's host-tier copy (the model HOST, or one kept since its promotion)
+    host_of: str | None = None  # the entry whose host copy it is
+    holders: set[str] = field(default_factory=set)  # the names that hold ``arena`` now
+
+    def fill(self, name: str, arena: Arena, checkpoint: Checkpoint, table: bytes, held: int, source: str) -> None:
+        """``name`` filled the arena with ``checkpoint``'s bytes (no other name holds one:
+        the core admits no load while a sibling loads or is resident)."""
+        self.arena, self.checkpoint, self.table, self.held, self.source = arena, checkpoint, table, held, source
+        self.holders = {name}
+
+    def held_by(self, name: str) -> Arena | None:
+        """The arena, if ``name`` holds it (a sibling may hold it while ``name`` is evicted)."""
+        return self.arena if name in self.holders else None
+
+    def let_go(self, name: str) -> Arena | None:
+        """``name`` no longer holds the arena (it steps down, or is unregistered). Returns
+        the arena if it was the last name holding it: the caller frees it."""
+        if name not in self.holders:
+            return None
+        self.holders.discard(name)
+        if self.holders:
+            return None
+        arena, self.arena = self.arena, None
+        return arena
+
+    def take_host(self, name: str) -> HostCopy | None:
+        """``name``'s host copy, forgotten here (the caller frees it); None if it has none."""
+        if self.host is None or self.host_of != name:
+            return None
+        host, self.host, self.host_of = self.host, None, None
+        return host
+
+    def drop_parsed(self) -> None:
+        """Forget the parsed checkpoint and table once the arena is gone (evicted, not on
+        the host tier): kept, a 100k-tensor header cost ~50 MiB of RSS per model after
+        eviction that no budget counted. The next load parses the files again."""
+        self.checkpoint, self.table, self.held = None, b"", 0
+
+    def rename(self, name: str, new: str, key: str) -> None:
+        """A publish's staging entry became the model ``new``: its own arena's key is ``key`` now."""
+        self.key = key
+        if name in self.holders:
+            self.holders = (self.holders - {name}) | {new}
+        if self.host_of == name:
+            self.host_of = new
+
+
 @dataclass
 class Model:
-    """One cache entry's record."""
+    """One cache entry's record; its arena's is ``resident``."""
 
     config: ModelConfig  # the whole model's config (all ranks)
     path: Path  # this entry's checkpoint
@@ -53,15 +131,9 @@ class Model:
     # Their parse (or that of ``files``), kept with them: the retry does not parse again
     # (server/residency/flight.py, within PARKED_PARSE_BYTES).
     parked_parse: Checkpoint | None = None
-    checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident (or on the host tier)
-    table: bytes = b""  # the attach reply's tensor table, msgpack-encoded once per load
-    # Bytes its load was charged beyond the arena for the checkpoint and table (Note [held
-    # bytes] in loader/checkpoint.py; a promotion is admitted for the same), and what
-    # ``models`` still shows once they are dropped with the arena: (fingerprint, tensors).
-    held: int = 0
+    # What ``models`` shows of the bytes this name last held, also once they are dropped:
+    # (fingerprint, tensors); None until it first holds an arena.
     seen: tuple[str, int] | None = None
-    arena: Arena | None = None
-    host: HostCopy | None = None  # the backend's host-tier copy while the model is HOST
     last_error: dict[str, Any] | None = None
     # Why the last check of its files (start, reload) failed; None once one passes or a
     # load succeeds. Kept apart from last_error: a load that failed on the same files
@@ -70,17 +142,9 @@ class Model:
     # A device = "auto" rank has one entry per candidate device (a replica); ``slot`` is
     # the rank's name (``model``, or ``model@0``) they share. None: not placed automatically.
     slot: str | None = None
-    # Where the resident bytes came from (LoadJob.source: "files", "host", "peer" for
-    # another GPU, "neighbour" for another daemon; "publish"); shown in ``models``.
-    source: str | None = None
-    # The core's key of the arena it shares with other names of the same files (Note
-    # [shared arenas]); None: it holds its own. Only those names can hold its arena.
-    share: str | None = None
-
-    def hold(self, arena: Arena | None, checkpoint: Checkpoint, table: bytes, held: int) -> None:
-        """Its arena is resident, holding ``checkpoint``'s bytes: filled, or a sibling's."""
-        self.arena, self.checkpoint, self.table, self.last_error = arena, checkpoint, table, None
-        self.held, self.seen = held, (checkpoint.fingerprint, len(checkpoint.tensors))
+    # Its arena's record, shared with the other names of its share key (Note [one record
+    # per arena]); set by the registry when the entry is registered.
+    resident: Resident = field(init=False, repr=False)
 
     def close_files(self) -> None:
         """Close the open files it holds (a peer's, or those parked by a load that waits)."""
@@ -88,25 +152,30 @@ class Model:
             if files is not None:
                 files.close()
 
-    def drop_parsed(self) -> None:
-        """Forget the parsed checkpoint and table once the arena is gone (evicted, not on
-        the host tier): kept, a 100k-tensor header cost ~50 MiB of RSS per model after
-        eviction that no budget counted. The next load parses the files again."""
-        self.checkpoint, self.table, self.held = None, b"", 0
-
     @property
     def published(self) -> bool:  # sent by an engine: no files to reload it from
         return self.origin == "publish"
 
     def unchanged(self) -> bool:
         """The resident bytes still are what the files hold (the staleness check)."""
-        if self.checkpoint is None:
+        checkpoint = self.resident.checkpoint
+        if checkpoint is None:
             return False
         if self.published:
             return True
         if self.files is not None:  # a peer's fds: the same inodes, unchanged since parsed
-            return self.checkpoint.matches(self.files)
-        return self.checkpoint.unchanged_on_disk()
+            return checkpoint.matches(self.files)
+        return checkpoint.unchanged_on_disk()
+
+
+@dataclass
+class Dropped:
+    """An unregistered entry, and what of its memory the caller frees."""
+
+    entry: str
+    model: Model
+    arena: Arena | None  # it was the last name holding it
+    host: HostCopy | None  # its host copy
 
 
 def share_key(path: Path, rank: int, ranks: int, owner: int | None) -> str | None:
@@ -138,6 +207,7 @@ class Registry:
         self.backends = backends
         self.access = access
         self.models: dict[str, Model] = {}  # by entry name
+        self.arenas: dict[str, Resident] = {}  # by the core's arena key (Note [one record per arena])
         self.groups: dict[str, list[str]] = {}  # model name -> its entries, in rank order
         # Auto models (Note [placement] in cache/placement.py): model name -> its ranks'
         # slots in rank order; slot -> device -> the replica entry there; slot -> the last
@@ -182,19 +252,25 @@ class Registry:
                                        tenants=tenants)
             except BaseException:
                 for d in done:
-                    self.core.unregister(d)
-                    del self.models[d]
+                    self.drop_entry(d)
                 raise
             done.append(entry)
-            self.models[entry] = Model(config=mc, path=path, device=device, rank=i if sharded else None, origin=origin,
-                                       owner=owner, files=sources[i] if sources else None, slot=slot, share=e.share)
+            self.models[entry] = self._with_record(
+                Model(config=mc, path=path, device=device, rank=i if sharded else None, origin=origin, owner=owner,
+                      files=sources[i] if sources else None, slot=slot), e)
             if slot is not None:
                 self.replicas.setdefault(slot, {})[device] = entry
         if any(slot is not None for *_, slot in todo):
             self.slots[mc.name] = ranks
         self.groups[mc.name] = done
 
-    def unregister(self, name: str) -> list[Model]:
+    def _with_record(self, model: Model, e: Entry) -> Model:
+        """``model`` pointing at its arena's record, made by the first name of its key."""
+        key = arena_key(e)
+        model.resident = self.arenas.setdefault(key, Resident(key))
+        return model
+
+    def unregister(self, name: str) -> list[Dropped]:
         """Forget a whole model (every rank), only if no rank is attached or loading.
         Returns the records whose arenas, host copies and files the caller frees."""
         if name not in self.groups:
@@ -207,20 +283,24 @@ class Registry:
             self.size_hint.pop(slot, None)
         return [self.drop_entry(entry) for entry in self.groups.pop(name)]
 
-    def drop_entry(self, entry: str) -> Model:
+    def drop_entry(self, entry: str) -> Dropped:
         """Forget one entry (a rank, or a publish's staging entry); the caller frees what
-        the returned record holds."""
+        the returned record says: the arena if no other name holds it, its host copy, its files."""
         if self.core.entry(entry).state is State.LOADING:
             self.core.abort_load(entry)
         self.core.unregister(entry)
-        return self.models.pop(entry)
+        model = self.models.pop(entry)
+        res = model.resident
+        dropped = Dropped(entry, model, arena=res.let_go(entry), host=res.take_host(entry))
+        if not self.core.sharing(res.key):  # its key's last name
+            del self.arenas[res.key]
+        return dropped
 
     def stage(self, name: str, model: Model, tenants: tuple[str, ...] = ()) -> str:
         """An entry for ``name``'s next version that nobody can reach by name yet (a
         publish fills it, then ``swap_in`` makes it the model; cache/names.py)."""
         staging = staging_entry(name, next(self._staging_ids))
-        self.core.register(staging, model.device, tenants=tenants)
-        self.models[staging] = model
+        self.models[staging] = self._with_record(model, self.core.register(staging, model.device, tenants=tenants))
         return staging
 
     def swap_in(self, staging: str, name: str) -> None:
@@ -228,9 +308,31 @@ class Registry:
         # A name the config claims (checked here, where a failed publish is rolled back,
         # and not when staging: the caller's published memory is closed only past that).
         self._check_unclaimed(name)
-        self.core.rename(staging, name)
-        self.models[name] = self.models.pop(staging)
+        e = self.core.rename(staging, name)
+        model = self.models[name] = self.models.pop(staging)
+        res = self.arenas[arena_key(e)] = self.arenas.pop(model.resident.key)  # its own arena: keyed by its name
+        res.rename(staging, name, arena_key(e))
         self.groups[name] = [name]
+
+    # -- holding arenas (Note [one record per arena]) ------------------------------------
+    def filled(self, name: str, arena: Arena, checkpoint: Checkpoint, table: bytes, held: int, source: str) -> None:
+        """``name``'s fill made its arena resident, holding ``checkpoint``'s bytes."""
+        model = self.models[name]
+        model.resident.fill(name, arena, checkpoint, table, held, source)
+        self._holds(model)
+
+    def joined(self, name: str) -> None:
+        """``name`` is resident on the arena a sibling of its share key holds (CacheCore.join)."""
+        model = self.models[name]
+        assert model.resident.holders, f"{name} joined an arena no name holds"
+        model.resident.holders.add(name)
+        self._holds(model)
+
+    @staticmethod
+    def _holds(model: Model) -> None:
+        checkpoint = model.resident.checkpoint
+        assert checkpoint is not None
+        model.last_error, model.seen = None, (checkpoint.fingerprint, len(checkpoint.tensors))
 
     def models_owned_by(self, uid: int) -> int:
         """Models ``uid`` registered or published, publishes in flight included (each
@@ -256,9 +358,9 @@ class Registry:
 
         return release
 
-    def sharing(self, model: Model) -> list[str]:
-        """The registered names that may hold ``model``'s arena: those of its share key."""
-        return self.core.sharing(model.share) if model.share is not None else []
+    def holding(self, name: str) -> Arena | None:
+        """The arena ``name`` holds now, or None (not resident, or only a sibling is)."""
+        return self.models[name].resident.held_by(name)
 
     def files_held_by(self, uid: int) -> int:
         # an auto model's replicas of one rank share its open files: counted once
@@ -413,9 +515,9 @@ class Registry:
             "host_copy": e.host_copy,
             # which arena the resident copy got ("file", "memfd", "cuda_vmm") and, where the
             # faster one was refused, why (it names files: shown where path is)
-            "arena": m.arena.kind if m.arena is not None else None,
-            "source": m.source if m.arena is not None else None,  # where the resident bytes came from
-            "arena_note": (m.arena.fallback or None) if m.arena is not None and not private else None,
+            "arena": arena.kind if (arena := m.resident.held_by(name)) is not None else None,
+            "source": m.resident.source if arena is not None else None,  # where the resident bytes came from
+            "arena_note": (arena.fallback or None) if arena is not None and not private else None,
             "last_error": redacted(m.last_error) if private and m.last_error else self._error_as_seen(viewer, m.last_error),
             "progress": progress.snapshot() if progress is not None else None,
         }
