@@ -133,8 +133,7 @@ class Registered(_VmmWriter):
 
     def write_from_file(self, fd, file_offset, arena_offset, nbytes, direct=False, seen=None):  # type: ignore[override]
         t0 = time.perf_counter()
-        device_only = seen is None or (isinstance(seen, TaskHasher) and seen.device_min is not None
-                                       and not host_bytes_ahead(seen, nbytes))
+        device_only = seen is None or (seen.on_device and not host_bytes_ahead(seen, nbytes))
         if direct or fd not in self.maps or not device_only:
             self.fallback_bytes += nbytes
             super().write_from_file(fd, file_offset, arena_offset, nbytes, direct, seen)
