@@ -161,3 +161,58 @@ async def test_names_of_one_arena_point_at_one_record(ckpts):
             if r.arena is not None:
                 backends["cpu"].free(r.arena)
         residency.io.close()
+
+
+async def test_a_second_names_fill_drops_the_first_names_host_copy(ckpts):
+    """Note [one record per arena]: m1 was demoted to the host tier before m2, a second
+    name of its files, was registered; m2 then loads from the files (m1 is not resident,
+    so there is nothing to join). The record now holds m2's arena, so m1's host copy,
+    which would be a second version of its bytes, is dropped (the core told, the copy
+    freed), and m1 joins m2's arena when next asked for. The host tier is the CUDA
+    backend's (the core demotes from a GPU only): a CPU backend named cuda:0 stands in for
+    it here, its demotion a copy of nothing."""
+    from weightcache.backends.base import HostCopy
+    from weightcache.backends.cpu import CpuBackend
+    from weightcache.cache import CacheCore, State
+    from weightcache.config import ModelConfig, Settings
+    from weightcache.server.registry import Registry
+    from weightcache.server.residency import Residency
+
+    class HostTierStandIn(CpuBackend):
+        supports_host_tier = True
+
+        def __init__(self) -> None:
+            super().__init__("cuda:0")
+            self.freed: list[HostCopy] = []
+
+        def demote(self, arena):  # type: ignore[no-untyped-def]
+            self.free(arena)
+            return HostCopy(arena.nbytes)
+
+        def free_host(self, host):  # type: ignore[no-untyped-def]
+            self.freed.append(host)
+
+    core = CacheCore({"cuda:0": 1 << 30}, host_budget=1 << 30)
+    backend = HostTierStandIn()
+    registry = Registry(core, {"cuda:0": backend}, access=None)
+    registry.register(ModelConfig(name="m1", path=ckpts["a"], device="cuda:0"))
+    residency = Residency(Settings().daemon, core, registry, {"cuda:0": backend}, lambda: False)
+    try:
+        assert await residency.flights.ensure_resident("m1", 0) == "files"
+        await residency.step_down.carry_out(core.evict("m1"), reason="test")
+        res = registry.models["m1"].resident
+        assert core.entry("m1").state is State.HOST and res.host is not None and res.host_of == "m1"
+        copy = res.host
+        registry.register(ModelConfig(name="m2", path=ckpts["a"], device="cuda:0"))
+        assert registry.models["m2"].resident is res
+        assert await residency.flights.ensure_resident("m2", 0) == "files"  # nothing resident to join
+        core.check_invariants()
+        assert core.entry("m1").state is State.EVICTED and not core.entry("m1").host_copy
+        assert backend.freed == [copy] and res.host is None and res.holders == {"m2"}
+        assert await residency.flights.ensure_resident("m1", 0) == "resident"  # joined m2's arena
+        assert res.holders == {"m1", "m2"}
+    finally:
+        for r in registry.arenas.values():
+            if r.arena is not None:
+                backend.free(r.arena)
+        residency.io.close()
