@@ -11,7 +11,8 @@ functions ran (a module's own body, run by a lazy import, is not counted), so a 
 read only as attributes (server/resident.py's ``Resident`` in an attach) is not.
 
     python scripts/walk_files.py            # the counts and the files, per side
-    python scripts/walk_files.py --json     # the same, as JSON
+    python scripts/walk_files.py --json     # every file:function called, as JSON
+    PYTHONPATH=<other checkout> python scripts/walk_files.py   # another version's
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -119,15 +120,15 @@ async def main(as_json: bool) -> None:
         threading.setprofile(None)  # type: ignore[arg-type]
         daemon.request_stop("walk over")
         await serving
+        shutil.rmtree(tmp, ignore_errors=True)
     if as_json:
         print(json.dumps(out, indent=1))
         return
     for op, sides in out.items():
         for side, files in sides.items():
-            print(f"{op}, {side}: {len(files)} files")
-            for f in files:
+            print(f"{op}, {side}: {len({f.partition(':')[0] for f in files})} files")
+            for f in sorted({f.partition(":")[0] for f in files}):
                 print(f"    {f}")
-    os.system(f"rm -rf {tmp}")
 
 
 if __name__ == "__main__":
