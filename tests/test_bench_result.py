@@ -51,6 +51,7 @@ def typed(r: dict[str, Any]) -> BenchResult:
         disk_ceiling=DiskCeiling(gbps=r.get("disk_ceiling_GBps"), error=r.get("disk_ceiling_error")),
         fastsafetensors=peer(r, "fastsafetensors") or PeerLoaderFigures(),
         runai_streamer=peer(r, "runai_streamer"),
+        instanttensor=tuple(p for b in ("default", "buffered", "mmap") if (p := peer(r, f"instanttensor_{b}")) is not None),
         ready=ReadyToComputeFigures.from_dict(r["ready_to_compute"]) if "ready_to_compute" in r else None,
         fresh_attach=FreshAttachFigures.from_dict(r["fresh_attach"]) if "fresh_attach" in r else None,
         content_hash=ContentHashFigures.from_dict(r["content_hash"]) if "content_hash" in r else None,
@@ -101,6 +102,9 @@ def new_rows(base: BenchResult) -> BenchResult:
         base,
         fastsafetensors=PeerLoaderFigures(warm_s=0.7, cold_s=1.0),
         runai_streamer=PeerLoaderFigures(warm_s=0.5, cold_s=0.9, version="0.17.0", name="runai_streamer"),
+        instanttensor=(PeerLoaderFigures(warm_s=0.3, cold_s=8.0, version="0.2.2", name="instanttensor_default"),
+                       PeerLoaderFigures(warm_s=0.26, cold_s=7.0, version="0.2.2", name="instanttensor_buffered"),
+                       PeerLoaderFigures(warm_s=0.24, error="RuntimeError: x", version="0.2.2", name="instanttensor_mmap")),
         ready=ReadyToComputeFigures(attach_s=Spread((0.1, 0.3, 0.2)), load_file_s=Spread((0.6, 0.4, 0.5)), read="max per tensor"),
         # per process, connect + first attach = 11, 11, 2: the median is 11, while the sum of
         # the two medians would be 1 + 1 = 2
@@ -116,6 +120,11 @@ def test_new_rows_sit_beside_their_kin_and_read_back():
     keys = list(d)
     # runai's keys right after the other peer loader's, ready to compute after attach, fresh before the restarts
     assert keys[keys.index("fastsafetensors_cold_s") + 1:][:3] == ["runai_streamer_version", "runai_streamer_warm_s", "runai_streamer_cold_s"]
+    # InstantTensor's backends after runai, before the daemon's loader; a failed cold step keeps the warm figure
+    assert keys[keys.index("runai_streamer_cold_s") + 1:][:3] == ["instanttensor_default_version", "instanttensor_default_warm_s",
+                                                                  "instanttensor_default_cold_s"]
+    assert keys[keys.index("instanttensor_mmap_error") + 1] == "loader_warm_s"
+    assert "instanttensor_mmap_cold_s" not in d and d["instanttensor_mmap_warm_s"] == 0.24
     assert keys[keys.index("attach_touch_s") + 1] == "ready_to_compute"
     assert keys[keys.index("restart_floor_s") - 1] == "fresh_attach"
     assert (d["runai_streamer_warm_s"], d["runai_streamer_cold_s"], d["runai_streamer_version"]) == (0.5, 0.9, "0.17.0")
@@ -190,4 +199,6 @@ def test_bench_runs_end_to_end_small(tmp_path, capsys):
             assert f"{dist}: skipped" in printed.out + printed.err
         else:
             assert r[f"{name}_warm_s"] > 0 and r[f"{name}_cold_s"] > 0 and r[f"{name}_version"]
+    for b in ("default", "buffered", "mmap"):  # no CPU target: each backend's row says why, no figure
+        assert r[f"instanttensor_{b}_error"].startswith("no CPU target") and f"instanttensor_{b}_warm_s" not in r
     assert typed(r).as_dict().keys() == r.keys()

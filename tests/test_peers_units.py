@@ -4,6 +4,8 @@ connect, and the Kubernetes example's peer discovery."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from weightcache.peers import known_fingerprint
 from weightcache.peers.directory import Directory, _parse_offers
 from weightcache.peers.fill import Lent, extents_for
 from weightcache.peers.server import same_host
-from weightcache.peers.transport import Extent
+from weightcache.peers.transport import Extent, TransferFailed, Transport
 from weightcache.peers.wire import PeerError
 from weightcache.tools.synth import write_checkpoint
 
@@ -115,3 +117,83 @@ def test_a_reload_says_peers_are_read_at_start_only() -> None:
     assert report["failed"] == []
     settings_changes(old, Settings(peers=PeersConfig(listen="127.0.0.1:7471")), report)
     assert report["failed"] == ["peers: changed in the file, but read at start only: restart the daemon to apply it"]
+
+
+class _StuckAgent:
+    """A NIXL agent whose reads complete ``completes`` times, then never again (a peer that
+    hung mid-transfer: its control connection still open, its NIC or process stopped)."""
+
+    def __init__(self, completes: int, delay_s: float = 0.0) -> None:
+        self.completes = completes
+        self.delay_s = delay_s  # how long after it is posted a read completes
+        self.released: list[int] = []
+        self.posted = 0
+        self.posted_at: dict[int, float] = {}
+
+    def add_remote_agent(self, md: bytes) -> str:
+        return "peer"
+
+    def remove_remote_agent(self, name: str) -> None:
+        pass
+
+    def register_memory(self, regions: list, memory: str) -> str:
+        return "reg"
+
+    def deregister_memory(self, handle: str) -> None:
+        pass
+
+    def get_xfer_descs(self, descs: list, memory: str) -> list:
+        return descs
+
+    def initialize_xfer(self, op: str, local: list, far: list, remote: str) -> int:
+        self.posted += 1
+        self.posted_at[self.posted] = time.monotonic()
+        return self.posted
+
+    def transfer(self, h: int) -> str:
+        return "PROC"
+
+    def check_xfer_state(self, h: int) -> str:
+        return "DONE" if h <= self.completes and time.monotonic() - self.posted_at[h] >= self.delay_s else "PROC"
+
+    def release_xfer_handle(self, h: int) -> None:
+        self.released.append(h)
+
+
+def _stuck_transport(completes: int, delay_s: float = 0.0) -> tuple[Transport, _StuckAgent]:
+    t = Transport.__new__(Transport)  # no NIXL: the read loop alone, over a stand-in agent
+    t.agent = _StuckAgent(completes, delay_s)  # type: ignore[assignment]
+    t._reading = threading.Lock()
+    return t, t.agent  # type: ignore[return-value]
+
+
+def test_a_peer_that_stops_moving_bytes_fails_the_read_after_stall_s_not_timeout_s() -> None:
+    t, agent = _stuck_transport(completes=3)
+    done: list[int] = []
+    extents = [Extent(dst=i * 4096, src=i * 4096, nbytes=4096) for i in range(8)]
+    t0 = time.monotonic()
+    with pytest.raises(TransferFailed, match=r"stalled: no read completed for 0\.3 s"):
+        t.read(b"md", extents, "DRAM", 0, "DRAM", 0, window=4, on_done=lambda dst, n: done.append(dst),
+               stop=lambda: None, deadline=t0 + 60, stall_s=0.3)
+    waited = time.monotonic() - t0
+    assert 0.3 <= waited < 5, waited  # the stall bound, far from the 60 s deadline
+    assert done == [0, 4096, 8192]  # what did arrive was handed on
+    assert sorted(agent.released) == list(range(1, agent.posted + 1))  # nothing left in flight
+
+
+def test_a_slow_but_moving_peer_is_not_a_stall() -> None:
+    """Reads that keep completing, each within stall_s of being posted, run to the end
+    however long the whole takes; this side's own waits before posting (``pace``: pages
+    reserved, a rate cap) do not count as the peer's stall."""
+    t, _ = _stuck_transport(completes=10**9, delay_s=0.01)
+    slow: list[float] = []
+
+    def pace(n: int, dst: int) -> None:
+        time.sleep(0.05)
+        slow.append(time.monotonic())
+
+    extents = [Extent(dst=i * 4096, src=i * 4096, nbytes=4096) for i in range(8)]
+    done: list[int] = []
+    t.read(b"md", extents, "DRAM", 0, "DRAM", 0, window=1, on_done=lambda dst, n: done.append(dst), stop=lambda: None,
+           deadline=time.monotonic() + 60, stall_s=0.03, pace=pace)
+    assert len(done) == 8 and slow[-1] - slow[0] > 0.3  # took 10x stall_s in all, never stalled

@@ -30,9 +30,13 @@ class PeersConfig(BaseModel):
     fingerprints: dict[str, str] = Field(default_factory=dict)
     serve: bool = Field(default=True, description="lend this daemon's resident models to its peers")
     timeout_s: float = Field(default=120.0, gt=0, description="a fill from a peer not done by then falls back to the files")
+    # A peer that stops moving bytes (hung, its NIC gone, SIGSTOPped) would otherwise hold
+    # the load until timeout_s; a healthy one finishes a read of at most 64 MiB in well
+    # under a second, even at 1 GB/s over TCP.
+    stall_s: float = Field(default=5.0, gt=0, description="a fill from a peer that moves no bytes for this long falls back to the files")
     max_fill_bytes_per_s: int | None = Field(default=None, gt=0, description="cap on one fill's rate (None: none)")
 
-    @field_validator("refresh_s", "timeout_s", mode="before")
+    @field_validator("refresh_s", "timeout_s", "stall_s", mode="before")
     @classmethod
     def _peer_durations(cls, v: Any) -> float:
         return parse_duration(v)

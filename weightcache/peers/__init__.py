@@ -186,7 +186,7 @@ class Peers:
                 return None
 
             fill = PeerFill(self.transport, backend, lent, expected, stop, self.settings.timeout_s,
-                            self.settings.max_fill_bytes_per_s)
+                            self.settings.max_fill_bytes_per_s, stall_s=self.settings.stall_s)
             job.source = SOURCE
             await fill_new_arena(job.name, ckpt, backend.capacity(ckpt.arena_bytes), 0, fill,
                                  verb=f"filled from peer {peer.address}", job=job)

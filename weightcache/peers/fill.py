@@ -93,6 +93,7 @@ class PeerFill:
     stop: Callable[[], str | None]  # why to stop now (the lender's connection closed, the load cancelled), or None
     timeout_s: float
     max_bytes_per_s: int | None = None
+    stall_s: float = 5.0  # no read completing for this long while some are in flight: give up
 
     def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> str | None:
         view = self.backend.dma_target(arena)
@@ -187,7 +188,7 @@ class PeerFill:
             try:
                 self.transport.read(self.lent.metadata, extents, view.memory, view.device_id, self.lent.memory,
                                     self.lent.device_id, window=WINDOW, on_done=on_done, stop=self.stop,
-                                    deadline=t0 + self.timeout_s, pace=pace)
+                                    deadline=t0 + self.timeout_s, stall_s=self.stall_s, pace=pace)
             except TransferFailed as exc:
                 if failure:  # the target could not be prepared (host memory exhausted)
                     raise failure[0] from None

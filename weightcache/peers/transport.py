@@ -117,19 +117,21 @@ class Transport:
     # -- reading from a peer ----------------------------------------------------------
     def read(self, remote_md: bytes, extents: Sequence[Extent], memory: str, device_id: int, remote_memory: str,
              remote_device_id: int, *, window: int, on_done: Callable[[int, int], None],
-             stop: Callable[[], str | None], deadline: float, pace: Callable[[int, int], None] = lambda _n, _dst: None) -> None:
+             stop: Callable[[], str | None], deadline: float, stall_s: float = 5.0,
+             pace: Callable[[int, int], None] = lambda _n, _dst: None) -> None:
         """Read every extent (one request each) from
         the peer whose metadata is ``remote_md``, keeping up to ``window`` requests in
         flight. ``on_done(dst, nbytes)`` is called, in this thread, as each extent's
         bytes are in place. ``stop()`` returning a reason (the peer's control
-        connection closed, the load was cancelled) or the ``deadline`` passing ends it
-        with TransferFailed. Returns only with no request in flight (Note [reads and the
+        connection closed, the load was cancelled), the ``deadline`` passing, or no
+        request completing for ``stall_s`` while some are in flight, ends it with
+        TransferFailed. Returns only with no request in flight (Note [reads and the
         arena's lifetime]). ``pace(nbytes, dst)`` is called before each read is posted (it
         may wait: the target's pages reserved, a fill's rate cap)."""
         with self._reading:
             try:
                 self._read(remote_md, extents, memory, device_id, remote_memory, remote_device_id, window=window,
-                           on_done=on_done, stop=stop, deadline=deadline, pace=pace)
+                           on_done=on_done, stop=stop, deadline=deadline, stall_s=stall_s, pace=pace)
             except TransferFailed:
                 raise
             except Exception as exc:  # NIXL's own (nixlRemoteDisconnectError: the lender died)
@@ -137,17 +139,22 @@ class Transport:
 
     def _read(self, remote_md: bytes, extents: Sequence[Extent], memory: str, device_id: int, remote_memory: str,
               remote_device_id: int, *, window: int, on_done: Callable[[int, int], None],
-              stop: Callable[[], str | None], deadline: float, pace: Callable[[int, int], None]) -> None:
+              stop: Callable[[], str | None], deadline: float, stall_s: float, pace: Callable[[int, int], None]) -> None:
         remote = self._add_remote(remote_md)
         lo, hi = min(e.dst for e in extents), max(e.dst + e.nbytes for e in extents)
         local_reg = self.register([(lo, hi - lo)], memory, device_id)
         inflight: list[tuple[Any, Extent]] = []
         try:
             todo = list(reversed(extents))
+            # When a read last completed, or was posted with none in flight: the time a
+            # stall is counted from (time spent in ``pace`` is this side's, not a stall).
+            moved = time.monotonic()
             while todo or inflight:
                 while todo and len(inflight) < window:
                     e = todo.pop()
                     pace(e.nbytes, e.dst)
+                    if not inflight:
+                        moved = time.monotonic()
                     local = self.agent.get_xfer_descs([(e.dst, e.nbytes, device_id)], memory)
                     far = self.agent.get_xfer_descs([(e.src, e.nbytes, remote_device_id)], remote_memory)
                     h = self.agent.initialize_xfer("READ", local, far, remote)
@@ -165,12 +172,16 @@ class Transport:
                         self.agent.release_xfer_handle(h)
                         on_done(e.dst, e.nbytes)
                         progressed = True
+                        moved = time.monotonic()
                 if not progressed:
                     why = stop()
                     if why is not None:
                         raise TransferFailed(why)
-                    if time.monotonic() > deadline:
+                    now = time.monotonic()
+                    if now > deadline:
                         raise TransferFailed("timed out")
+                    if inflight and now - moved > stall_s:
+                        raise TransferFailed(f"stalled: no read completed for {stall_s:g} s")
                     time.sleep(POLL_S)
         finally:
             for h, _ in inflight:  # releasing a request still in flight aborts it

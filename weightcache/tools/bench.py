@@ -4,8 +4,8 @@ For one generated checkpoint (default 1 GiB, 200 bf16 tensors) on one device:
 
 - ``safetensors.torch.load_file`` to the device, page cache warm and cold;
 - the peer loaders where installed (fastsafetensors; runai-model-streamer as vLLM's
-  ``--load-format runai_streamer`` uses it), warm and cold; a missing one is skipped and
-  the reason printed;
+  ``--load-format runai_streamer`` uses it; InstantTensor's three backends on a GPU),
+  warm and cold; a missing one is skipped and the reason printed;
 - the weightcache loader (daemon ``load``), warm and cold;
 - the same loader in this process with the content hash and without (bench_hash.py);
 - attach latency through the real client API (p50/p99 over many attaches);
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.metadata
 import os
 import platform
@@ -42,6 +43,7 @@ from ..config import DaemonConfig
 from ..errors import ConfigError
 from .bench_hash import measure_content_hash
 from .bench_measure import (
+    INSTANTTENSOR_BACKENDS,
     READ_EVERY_BYTE,
     attach_and_touch,
     attach_latencies,
@@ -54,6 +56,7 @@ from .bench_measure import (
     pct,
     status_under_load,
     time_fastsafetensors,
+    time_instanttensor,
     time_load_file,
     time_load_file_and_touch,
     time_runai_streamer,
@@ -136,6 +139,8 @@ def run_bench(cfg: BenchConfig) -> int:
     peer = _measure_peer(cfg, files.model, "fastsafetensors", "fastsafetensors", time_fastsafetensors)
     step("runai-model-streamer")
     runai = _measure_peer(cfg, files.model, "runai_streamer", "runai-model-streamer", time_runai_streamer)
+    step("InstantTensor, each backend")
+    instant = tuple(_measure_instanttensor(cfg, files.model, backend) for backend in INSTANTTENSOR_BACKENDS)
     step("the loader with and without the content hash")
     content_hash = _measure_content_hash(cfg, files.model)
     if cfg.cuda:
@@ -167,7 +172,7 @@ def run_bench(cfg: BenchConfig) -> int:
                            touch_s=ready.attach_s.p50)
     result = BenchResult(env=env, load_file=load_file, disk_ceiling=ceiling, fastsafetensors=peer, loader=loader, attach=attach,
                          host_tier=host_tier, restart=restart, control_plane=control_plane, runai_streamer=runai, ready=ready,
-                         fresh_attach=fresh, content_hash=content_hash)
+                         fresh_attach=fresh, content_hash=content_hash, instanttensor=instant)
     print_table(console, result)
     if cfg.out:
         _write_outputs(console, result, Path(cfg.out))
@@ -257,6 +262,15 @@ def _measure_peer(cfg: BenchConfig, ckpt: Path, name: str, dist: str, measure: C
         error = f"{type(exc).__name__}: {exc}"[:300]
         Console(stderr=True).print(f"{dist}: {'failed' if warm else 'skipped'} ({error})")
         return PeerLoaderFigures(warm_s=warm, error=error, version=version, name=name)
+
+
+def _measure_instanttensor(cfg: BenchConfig, ckpt: Path, backend: str) -> PeerLoaderFigures:
+    """InstantTensor with one of its backends (bench_measure.time_instanttensor). It
+    loads to a GPU only: on the CPU its rows say so."""
+    name = f"instanttensor_{backend}"
+    if not cfg.cuda:
+        return PeerLoaderFigures(error="no CPU target: InstantTensor loads into GPU memory only", name=name)
+    return _measure_peer(cfg, ckpt, name, "instanttensor", functools.partial(time_instanttensor, backend=backend))
 
 
 def _measure_content_hash(cfg: BenchConfig, ckpt: Path) -> ContentHashFigures:

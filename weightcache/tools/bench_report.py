@@ -30,6 +30,8 @@ def write_chart(r: dict[str, Any], png: Path) -> bool:
     timed = [("load_file warm", r.get("load_file_warm_s")), ("load_file cold", r.get("load_file_cold_s")),
             ("fastsafetensors warm", r.get("fastsafetensors_warm_s")), ("fastsafetensors cold", r.get("fastsafetensors_cold_s")),
             ("runai-model-streamer warm", r.get("runai_streamer_warm_s")), ("runai-model-streamer cold", r.get("runai_streamer_cold_s")),
+            *((f"InstantTensor {b} {w}", r.get(f"instanttensor_{b}_{w}_s")) for b in ("default", "buffered", "mmap")
+              for w in ("warm", "cold")),
             ("weightcache loader warm", r.get("loader_warm_s")), ("weightcache loader cold", r.get("loader_cold_s")),
             ("host-tier promotion", r.get("host_promote_s"))]
     rows: list[tuple[str, float]] = [(label, n / s / 1e9) for label, s in timed if s]
@@ -79,7 +81,7 @@ def print_table(console: Console, r: BenchResult) -> None:
                       f"(p50 of {len(sp.runs)}, range)", _range(sp, 1e3, "ms"), gbps(sp.p50), rel)
         t.add_row(f"  xxh3-128 one thread; a Python loop's pace while a thread hashes (GIL released: ~1; "
                   f"while one copies with bytes(): {ch.gil_pace_copy:.2f})", f"{ch.gil_pace:.2f}", f"{ch.xxh3_GBps:.1f}", "")
-    for label, peer in (("fastsafetensors", r.fastsafetensors), ("runai-model-streamer", r.runai_streamer)):
+    for label, peer in _peers(r):
         _peer_rows(t, label, peer, lw, lc, ms, gbps)
     if (host := r.host_tier) and host.promote_s:
         t.add_row("host tier: demote (device -> pinned host)", ms(host.demote_s), gbps(host.demote_s), "")
@@ -120,13 +122,19 @@ def print_table(console: Console, r: BenchResult) -> None:
     t.add_row(f"status during a {r.control_plane.big_bytes / GIB:.1f} GiB cold load (n={s.n})",
               f"p50 {s.p50_ms:.2f} / p99 {s.p99_ms:.2f} / max {s.max_ms:.2f} ms", "", "")
     console.print(t)
-    for label, peer in (("fastsafetensors", r.fastsafetensors), ("runai-model-streamer", r.runai_streamer)):
+    for label, peer in _peers(r):
         if peer is not None and peer.error:
             console.print(f"{label}: {'failed' if peer.warm_s else 'skipped'}: {peer.error}")
     if r.fresh_attach and r.fresh_attach.lazy_imports:
         console.print(f"fresh process: packages first imported by connect or the first attach: {', '.join(r.fresh_attach.lazy_imports)}")
     console.print(f"disk and cache restarts saw identical weights: {rs.checksums_equal}; "
                   f"extra device memory of an attached client: {rs.attached_client_extra_device_bytes}")
+
+
+def _peers(r: BenchResult) -> list[tuple[str, PeerLoaderFigures | None]]:
+    """The other loaders' figures, with the label each row shows."""
+    return [("fastsafetensors", r.fastsafetensors), ("runai-model-streamer", r.runai_streamer),
+            *((f"InstantTensor {p.name.split('_', 1)[1]}", p) for p in r.instanttensor)]
 
 
 def _range(sp: Spread, scale: float, unit: str) -> str:

@@ -70,7 +70,7 @@ class DiskCeiling:
 
 @dataclass(frozen=True)
 class PeerLoaderFigures:
-    """Another loader (fastsafetensors, runai-model-streamer), where it can be installed:
+    """Another loader (fastsafetensors, runai-model-streamer, InstantTensor), where it can be installed:
     medians warm and cold, or why not. Its keys are ``<name>_warm_s`` and so on."""
 
     warm_s: float | None = None
@@ -331,13 +331,15 @@ class BenchResult:
     ready: ReadyToComputeFigures | None = None
     fresh_attach: FreshAttachFigures | None = None
     content_hash: ContentHashFigures | None = None  # issue 14: the loader with and without the content hash
+    # issue 28: InstantTensor, one per backend ("instanttensor_default", _buffered, _mmap)
+    instanttensor: tuple[PeerLoaderFigures, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """The flat object of docs/bench-*.json, keys in the order they always had (the
         later rows' keys beside their kin)."""
         out: dict[str, Any] = {}
-        for part in (self.env, self.load_file, self.disk_ceiling, self.fastsafetensors, self.runai_streamer, self.loader,
-                     self.content_hash, self.attach,
+        for part in (self.env, self.load_file, self.disk_ceiling, self.fastsafetensors, self.runai_streamer, *self.instanttensor,
+                     self.loader, self.content_hash, self.attach,
                      self.ready, self.host_tier, self.fresh_attach, self.restart, self.control_plane):
             if part is not None:
                 out.update(part.as_dict())
