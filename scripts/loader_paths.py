@@ -113,8 +113,7 @@ class Registered(_VmmWriter):
 
     def write_from_file(self, fd, file_offset, arena_offset, nbytes, direct=False, seen=None):  # type: ignore[override]
         t0 = time.perf_counter()
-        device_only = seen is None or (isinstance(seen, TaskHasher) and seen.device_min is not None
-                                       and not host_bytes_ahead(seen, nbytes))
+        device_only = seen is None or (seen.on_device and not host_bytes_ahead(seen, nbytes))
         with drv.current(self._b.ctx):
             srcs = None if direct or not device_only else self.reads.sources(fd, file_offset, nbytes)
             self.t.add("register_s", time.perf_counter() - t0)

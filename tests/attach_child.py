@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from weightcache import SyncClient
-from weightcache.loader.checkpoint import discover_files
+from weightcache.checkpoint_files import discover_files
 
 sock, model, path, mode = sys.argv[1:5]
 if mode == "leave":  # an engine whose main() returns or calls sys.exit() while serving

@@ -117,22 +117,39 @@ def test_no_module_of_the_client_imports_the_daemon_nor_its_loader():
     assert r.stdout.strip() == "[]"
 
 
-# What the client still reaches at call time, inside the one function that needs it (a
-# lazy import): checkpoint discovery for register and verify, which lives in the loader.
-CLIENT_CALL_TIME_IMPORTS = {
-    "weightcache.client.files": {"weightcache.loader.checkpoint"},
-    "weightcache.client.verify": {"weightcache.loader.checkpoint"},
-}
-
-
-def test_the_client_reaches_the_loader_only_where_listed():
-    """No import anywhere in a client module (function bodies included) of the loader, the
-    server or cuda-bindings, beyond CLIENT_CALL_TIME_IMPORTS: a new one fails here."""
+def test_no_client_module_reaches_the_loader_even_at_call_time():
+    """No import anywhere in a client module, function bodies included, of the loader,
+    the server or cuda-bindings (issue 26: register and verify reached the loader for
+    checkpoint discovery, now in the leaf weightcache/checkpoint_files.py)."""
     for path in sorted((PACKAGE / "client").glob("*.py")):
-        mod = _module_name(path)
-        allowed = tuple(CLIENT_CALL_TIME_IMPORTS.get(mod, ()))
-        reached = {m for m in _imports(path) if m.startswith(CLIENT_MUST_NOT_IMPORT) and not (allowed and m.startswith(allowed))}
-        assert not reached, f"{mod} imports {sorted(reached)}"
+        reached = {m for m in _imports(path) if m.startswith(CLIENT_MUST_NOT_IMPORT)}
+        assert not reached, f"{_module_name(path)} imports {sorted(reached)}"
+
+
+def test_register_and_verify_import_nothing_of_the_daemon_when_called(tmp_path):
+    """What the static check above cannot see (an import by a module the client imports):
+    opening a checkpoint's files for register and comparing an attached model with them,
+    run in a fresh interpreter, leave no module of the loader, the server or
+    cuda-bindings in sys.modules."""
+    import torch
+    from safetensors.torch import save_file
+
+    (tmp_path / "ck").mkdir()
+    save_file({"w": torch.arange(6, dtype=torch.float32)}, str(tmp_path / "ck" / "a.safetensors"))
+    save_file({"b": torch.ones(2, dtype=torch.bfloat16)}, str(tmp_path / "ck" / "b.safetensors"))
+    code = ("import os, sys, torch\n"
+            "from weightcache.client.files import open_checkpoint_files\n"
+            "from weightcache.client.verify import verify_against_files\n"
+            f"names, fds = open_checkpoint_files([{str(tmp_path / 'ck')!r}])\n"
+            "assert len(names[0]) == 2 == len(fds), names\n"
+            "[os.close(fd) for fd in fds]\n"
+            "weights = {'w': torch.arange(6, dtype=torch.float32), 'b': torch.ones(2, dtype=torch.bfloat16)}\n"
+            f"assert verify_against_files(weights, {str(tmp_path / 'ck')!r}) == []\n"
+            f"assert verify_against_files({{**weights, 'w': torch.zeros(6)}}, {str(tmp_path / 'ck')!r}) == ['w: bytes differ']\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({CLIENT_MUST_NOT_IMPORT!r})))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
 
 
 def test_the_arena_layout_is_defined_in_protocol_only():

@@ -31,8 +31,8 @@ from helpers import NOBODY, as_uid
 from safetensors.torch import load_file
 
 from weightcache import Client, SyncClient
+from weightcache.checkpoint_files import discover_files
 from weightcache.errors import DaemonUnavailable, LoadFailed, PermissionDenied, RequestTimeout
-from weightcache.loader.checkpoint import discover_files
 from weightcache.protocol import FrameDecoder, decode_payload, encode_frame
 
 HANG_GUARD_S = 10  # not a benchmark: only proves the call returned instead of hanging

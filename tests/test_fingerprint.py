@@ -231,10 +231,11 @@ def test_pieces_left_to_the_device_are_counted_not_hashed_and_say_where_they_are
 
 class _DeviceHashingWriter:
     """A writer that, like the CUDA one, hashes big pieces "on its device" (here: from its
-    own copy of the arena, at finish) when the reader hands it a TaskHasher with
-    ``device_min``; records whether it ever was."""
+    own copy of the arena, at finish) when the reader's plan says so (a TaskHasher
+    ``on_device``); records whether it ever was."""
 
     direct_io = False
+    serves_files = False
     device_hash_min = 4096
 
     def __init__(self, nbytes: int) -> None:
@@ -248,7 +249,7 @@ class _DeviceHashingWriter:
             assert n == nbytes
             if seen is not None:
                 seen(dst)
-        if isinstance(seen, TaskHasher) and seen.device_min is not None:
+        if seen is not None and seen.on_device:
             self.asked = True
             self._todo += [(seen, piece, start) for piece, start in seen.take_device_done()]
 

@@ -226,9 +226,9 @@ async def test_a_request_that_finds_an_abandoned_load_already_done_loads_afresh(
         assert await residency.flights.ensure_resident("tiny", 0) == "files"
         assert core.entry("tiny").state.value == "resident"
     finally:
-        for m in registry.models.values():
-            if m.arena is not None:
-                backends["cpu"].free(m.arena)
+        for r in registry.arenas.values():
+            if r.arena is not None:
+                backends["cpu"].free(r.arena)
         residency.io.close()
 
 
@@ -276,9 +276,9 @@ async def test_waiters_for_a_model_whose_load_fails_before_admission_do_not_fail
         assert all(isinstance(r, LoadFailed) for r in results), results
         assert len(parses) == 2, parses  # the oldest's load, then one the rest joined (was 4: one each, in turn)
     finally:
-        for m in registry.models.values():
-            if m.arena is not None:
-                backends["cpu"].free(m.arena)
+        for r in registry.arenas.values():
+            if r.arena is not None:
+                backends["cpu"].free(r.arena)
         residency.io.close()
 
 
@@ -301,9 +301,12 @@ async def test_two_names_of_one_file_asked_for_at_once_share_one_load(ckpts):
     residency = Residency(Settings().daemon, core, registry, backends, lambda: False)
     try:
         assert await asyncio.gather(residency.flights.ensure_resident("m1", 0), residency.flights.ensure_resident("m2", 0)) == ["files", "resident"]
-        assert registry.models["m1"].arena is registry.models["m2"].arena and residency.stats.counters["loads"] == 1
+        # one record for the two names' arena (Note [one record per arena]), held by both
+        res = registry.models["m1"].resident
+        assert res is registry.models["m2"].resident and res.holders == {"m1", "m2"}
+        assert residency.stats.counters["loads"] == 1
     finally:
-        arenas = {id(m.arena): m.arena for m in registry.models.values() if m.arena is not None}
-        for arena in arenas.values():
-            backends["cpu"].free(arena)
+        for r in registry.arenas.values():
+            if r.arena is not None:
+                backends["cpu"].free(r.arena)
         residency.io.close()

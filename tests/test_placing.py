@@ -94,7 +94,7 @@ def test_peer_copy_source_is_a_resident_current_replica_on_a_gpu_it_can_read():
     try:
         assert flights._peer_source("m@cuda:1") is None  # nowhere resident
         loaded(core, "m@cuda:0", 10)
-        reg.models["m@cuda:0"].checkpoint = object()  # loaded: a checkpoint is known
+        reg.models["m@cuda:0"].resident.checkpoint = object()  # loaded: a checkpoint is known
         core.attach("m@cuda:0", conn=7)  # attached: served as is, whatever the files say
         assert flights._peer_source("m@cuda:1") == "m@cuda:0"
         flights.no_peer_copy.add(("cuda:1", "cuda:0"))  # a copy between these two failed once

@@ -19,6 +19,8 @@ from weightcache.loader.reader import DIRECT_ALIGN, open_for_reading, pread_dire
 
 class DirectWriter:
     direct_io = True
+    serves_files = False
+    device_hash_min = None
 
 
 @pytest.fixture
@@ -113,6 +115,8 @@ class BytesArena:
     buffer (as the CUDA backend's pinned buffers do) into a bytearray."""
 
     direct_io = True
+    serves_files = False
+    device_hash_min = None
 
     def __init__(self, nbytes: int) -> None:
         self.data = bytearray(nbytes)

@@ -3,6 +3,7 @@ arenas]): the bytes are held and counted once, each name keeps its own leases an
 policy, the arena goes only with its last name, and a reload that changes one name's
 path splits them."""
 
+import asyncio
 import os
 
 import pytest
@@ -105,3 +106,113 @@ async def test_a_reload_that_changes_one_names_path_splits_them(start_daemon, ck
         async with c.attach("a1") as m1, c.attach("a2") as m2:
             assert m1.fingerprint != m2.fingerprint
             assert used(await c.status()) == one + {m["name"]: m["nbytes"] for m in await c.models()}["a1"]
+
+
+async def test_names_of_one_arena_point_at_one_record(ckpts):
+    """Note [one record per arena] (server/resident.py): the registry keeps one record per
+    arena key the core counts, the names of one share key point at the same one, a name
+    evicted lets go of the arena without taking it from its sibling, and the arena is
+    freed with the last name that holds it."""
+    from weightcache.backends.cpu import CpuBackend
+    from weightcache.cache import CacheCore
+    from weightcache.cache.entries import arena_key
+    from weightcache.config import ModelConfig, Settings
+    from weightcache.server.registry import Registry
+    from weightcache.server.residency import Residency
+
+    core = CacheCore({"cpu": 1 << 30})
+    backends = {"cpu": CpuBackend("cpu")}
+    registry = Registry(core, backends, access=None)
+    for n, ckpt in (("m1", "a"), ("m2", "a"), ("b", "b")):
+        registry.register(ModelConfig(name=n, path=ckpts[ckpt]))
+    residency = Residency(Settings().daemon, core, registry, backends, lambda: False)
+
+    def keyed_as_the_core() -> None:
+        assert set(registry.arenas) == {arena_key(e) for e in core.entries.values()}
+        for name, m in registry.models.items():
+            assert m.resident is registry.arenas[arena_key(core.entry(name))]
+
+    try:
+        keyed_as_the_core()
+        assert registry.models["m1"].resident is registry.models["m2"].resident
+        assert registry.models["b"].resident is not registry.models["m1"].resident
+        assert await residency.flights.ensure_resident("m1", 0) == "files"
+        assert await residency.flights.ensure_resident("m2", 0) == "resident"  # joined
+        res = registry.models["m1"].resident
+        arena = res.arena
+        assert arena is not None and res.holders == {"m1", "m2"} and registry.models["m2"].seen is not None
+        await residency.step_down.carry_out(core.evict("m1"), reason="test")
+        assert registry.holding("m1") is None and registry.holding("m2") is arena  # m2 keeps it, and its parse
+        assert res.checkpoint is not None and res.holders == {"m2"} and not residency.step_down.releasing
+        [dropped] = registry.unregister("m2")
+        assert dropped.arena is arena  # the last name holding it: the caller frees it
+        residency.step_down.forget([dropped])
+        await asyncio.gather(*residency.step_down.releasing)
+        assert res.arena is None and res.checkpoint is None and registry.models["m1"].resident is res
+        keyed_as_the_core()
+        assert await residency.flights.ensure_resident("m1", 0) == "files"  # loads again into the same record
+        assert res.arena is not None and res.holders == {"m1"}
+        residency.step_down.forget(registry.unregister("m1"))
+        await asyncio.gather(*residency.step_down.releasing)
+        keyed_as_the_core()
+        assert list(registry.arenas) == [arena_key(core.entry("b"))]
+    finally:
+        for r in registry.arenas.values():
+            if r.arena is not None:
+                backends["cpu"].free(r.arena)
+        residency.io.close()
+
+
+async def test_a_second_names_fill_drops_the_first_names_host_copy(ckpts):
+    """Note [one record per arena]: m1 was demoted to the host tier before m2, a second
+    name of its files, was registered; m2 then loads from the files (m1 is not resident,
+    so there is nothing to join). The record now holds m2's arena, so m1's host copy,
+    which would be a second version of its bytes, is dropped (the core told, the copy
+    freed), and m1 joins m2's arena when next asked for. The host tier is the CUDA
+    backend's (the core demotes from a GPU only): a CPU backend named cuda:0 stands in for
+    it here, its demotion a copy of nothing."""
+    from weightcache.backends.base import HostCopy
+    from weightcache.backends.cpu import CpuBackend
+    from weightcache.cache import CacheCore, State
+    from weightcache.config import ModelConfig, Settings
+    from weightcache.server.registry import Registry
+    from weightcache.server.residency import Residency
+
+    class HostTierStandIn(CpuBackend):
+        supports_host_tier = True
+
+        def __init__(self) -> None:
+            super().__init__("cuda:0")
+            self.freed: list[HostCopy] = []
+
+        def demote(self, arena):  # type: ignore[no-untyped-def]
+            self.free(arena)
+            return HostCopy(arena.nbytes)
+
+        def free_host(self, host):  # type: ignore[no-untyped-def]
+            self.freed.append(host)
+
+    core = CacheCore({"cuda:0": 1 << 30}, host_budget=1 << 30)
+    backend = HostTierStandIn()
+    registry = Registry(core, {"cuda:0": backend}, access=None)
+    registry.register(ModelConfig(name="m1", path=ckpts["a"], device="cuda:0"))
+    residency = Residency(Settings().daemon, core, registry, {"cuda:0": backend}, lambda: False)
+    try:
+        assert await residency.flights.ensure_resident("m1", 0) == "files"
+        await residency.step_down.carry_out(core.evict("m1"), reason="test")
+        res = registry.models["m1"].resident
+        assert core.entry("m1").state is State.HOST and res.host is not None and res.host_of == "m1"
+        copy = res.host
+        registry.register(ModelConfig(name="m2", path=ckpts["a"], device="cuda:0"))
+        assert registry.models["m2"].resident is res
+        assert await residency.flights.ensure_resident("m2", 0) == "files"  # nothing resident to join
+        core.check_invariants()
+        assert core.entry("m1").state is State.EVICTED and not core.entry("m1").host_copy
+        assert backend.freed == [copy] and res.host is None and res.holders == {"m2"}
+        assert await residency.flights.ensure_resident("m1", 0) == "resident"  # joined m2's arena
+        assert res.holders == {"m1", "m2"}
+    finally:
+        for r in registry.arenas.values():
+            if r.arena is not None:
+                backend.free(r.arena)
+        residency.io.close()

@@ -17,9 +17,10 @@ import torch
 from safetensors.torch import save_file
 
 from weightcache.backends.cpu import CpuBackend
+from weightcache.checkpoint_files import discover_files
 from weightcache.errors import BadRequest, CorruptCheckpoint, LoadFailed, PermissionDenied
 from weightcache.loader import OpenedSource, adopt_fds, open_checkpoint, open_source, parse_checkpoint, read_checkpoint
-from weightcache.loader.checkpoint import MAX_HEADER_BYTES, discover_files
+from weightcache.loader.checkpoint import MAX_HEADER_BYTES
 from weightcache.loader.sources import _under
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -79,12 +79,12 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BadRequest, CorruptCheckpoint, NoSpace
 from ..loader.checkpoint import Checkpoint
+from ..loader.content import TaskHasher
 from ..loader.reader import pread_full, pread_hashing
 from ..loader.sources import OpenedSource
 from ..protocol.arena import MEMFD_SEALS, SEGMENT, FileArenaDesc, MemfdArenaDesc
@@ -129,6 +129,8 @@ class MemfdSource(PublishedSource):
 
 class _MemfdWriter:
     direct_io = False  # it reads straight into the mapping: no aligned bounce buffer
+    serves_files = False  # a copy: the files could change after it
+    device_hash_min: int | None = None  # hashed by the loader threads, from the mapping
 
     def __init__(self, arena: MemfdArena) -> None:
         assert arena.mapping is not None
@@ -138,7 +140,7 @@ class _MemfdWriter:
         self._lock = threading.Lock()
 
     def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False,
-                        seen: Callable[[memoryview], None] | None = None) -> None:
+                        seen: TaskHasher | None = None) -> None:
         assert self._view is not None and not direct
         # `with` releases the slice even when the read fails: a traceback that kept it
         # alive would pin the mapping (mmap.close() -> BufferError) and leak the arena.

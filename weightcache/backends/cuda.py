@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,8 +65,9 @@ class _VmmWriter:
     thread's own stream: 8 threads x 16 MiB reached 28 GB/s from page cache on the H200.
     The buffers are page-aligned (cuMemHostAlloc), so O_DIRECT fds can read into them.
 
-    The content hash: when the reader asks for it (a TaskHasher with ``device_min``:
-    trusted files only) and the backend has a GpuHasher (backends/cuda_hash.py), each
+    The content hash: where the reader planned it (``TaskHasher.on_device``, for trusted
+    files only, and only when ``device_hash_min`` said the backend has a GpuHasher,
+    backends/cuda_hash.py), each
     piece longer than DEVICE_MIN is hashed by a kernel once its bytes are copied, on a
     hash stream that waits for the copy (an event), so the next read into the buffer
     never waits for a hash; the smaller pieces are hashed on the host from the buffer.
@@ -76,6 +76,7 @@ class _VmmWriter:
     to 1.29x with 8 threads, scripts/hash_pipeline.py)."""
 
     direct_io = True
+    serves_files = False  # a copy in device memory
 
     def __init__(self, backend: CudaBackend, arena: VmmArena, chunk: int) -> None:
         self._b = backend
@@ -85,7 +86,7 @@ class _VmmWriter:
         self._all: list[Staging] = []
         self._lock = threading.Lock()
         self._hasher = backend.gpu_hash
-        self.device_hash_min = DEVICE_MIN if self._hasher is not None else None
+        self.device_hash_min: int | None = DEVICE_MIN if self._hasher is not None else None
         self._blocks: list[DigestBlock] = []  # taken from the hasher, in use
         self._slots: list[tuple[DigestBlock, int, dict[tuple[int, int], bytes], tuple[int, int]]] = []
 
@@ -98,14 +99,14 @@ class _VmmWriter:
         return st
 
     def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False,
-                        seen: Callable[[memoryview], None] | None = None) -> None:
+                        seen: TaskHasher | None = None) -> None:
         with drv.current(self._b.ctx):
             st = self._staging()
             if st.busy:
                 drv.check(cu.cuStreamSynchronize(st.stream))
             hashed = False
-            # The big pieces on the GPU when the reader asked for it (trusted files only).
-            on_device = isinstance(seen, TaskHasher) and seen.device_min is not None
+            # The big pieces on the GPU where the reader planned it (trusted files only).
+            on_device = seen is not None and seen.on_device
             if direct:
                 skew = pread_direct(fd, st.view, file_offset, nbytes)
             else:
@@ -128,7 +129,6 @@ class _VmmWriter:
                 with st.view[skew : skew + nbytes] as view:
                     seen(view)
                 if on_device:
-                    assert isinstance(seen, TaskHasher)
                     self._hash_on_device(seen, st)
 
     def _hash_on_device(self, seen: TaskHasher, st: Staging) -> None:

@@ -13,11 +13,11 @@ import errno
 import fcntl
 import mmap
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import CorruptCheckpoint, LoadFailed
 from ..loader.checkpoint import Checkpoint, CheckpointFile
+from ..loader.content import TaskHasher
 from ..loader.reader import contiguous_runs
 from ..loader.sources import OpenedSource
 from ..loader.tensor_table import DTYPE_SIZES
@@ -85,12 +85,13 @@ class PageCacheWriter:
 
     direct_io = False  # the page cache is the arena: O_DIRECT would bypass it
     serves_files = True  # trusted files' own pages: their digests are reused by file identity (loader/content.py)
+    device_hash_min: int | None = None  # hashed by the loader threads, from the populated mapping
 
     def __init__(self, files: list[HeldFile]) -> None:
         self._by_fd = {f.source_fd: f for f in files}
 
     def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False,
-                        seen: Callable[[memoryview], None] | None = None) -> None:
+                        seen: TaskHasher | None = None) -> None:
         f = self._by_fd.get(fd)
         if f is None or direct:  # the reader reads the fds the arena was bound to, buffered
             raise RuntimeError(f"fd {fd} is not a file bound to this arena")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import stat
 
+from ..checkpoint_files import discover_files
 from ..errors import LimitExceeded, LoadFailed, PermissionDenied
 from ..protocol.transport import MAX_FDS_PER_MSG
 
@@ -19,8 +20,6 @@ def open_checkpoint_files(parts: list[str]) -> tuple[list[list[str]], list[int]]
     >>> names
     [['/models/qwen-7b/model-00001-of-00002.safetensors', '/models/qwen-7b/model-00002-of-00002.safetensors']]
     """
-    from ..loader.checkpoint import discover_files  # here: engines that never register need not import the loader
-
     names = [[str(f) for f in discover_files(part)] for part in parts]
     count = sum(len(files) for files in names)
     if count > MAX_FDS_PER_MSG:

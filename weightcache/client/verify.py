@@ -7,6 +7,8 @@ from collections.abc import Mapping
 import torch
 from safetensors import safe_open
 
+from ..checkpoint_files import discover_files
+
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     # Compare bytes, not values: NaN != NaN, and -0.0 == 0.0, would both mislead.
@@ -15,10 +17,6 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def verify_against_files(weights: Mapping[str, torch.Tensor], path: str) -> list[str]:
     """Names of tensors that differ from the files (missing, extra, shape, dtype, bytes)."""
-    # Here, not at the top: importing the client (every module of it) must not import the
-    # loader (tests/test_architecture.py); only `weightcache attach --verify` gets here.
-    from ..loader.checkpoint import discover_files
-
     bad: list[str] = []
     seen: set[str] = set()
     for file in discover_files(path):

@@ -1,4 +1,5 @@
-"""Safetensors checkpoints: header parsing, multi-file discovery, arena layout, layout digest.
+"""Safetensors checkpoints: header parsing, arena layout, layout digest (which files a path
+names: weightcache/checkpoint_files.py).
 
 We parse the header ourselves (8-byte little-endian length, then UTF-8 JSON) instead of
 asking the safetensors package, because the daemon must reject a malformed file with a
@@ -19,12 +20,12 @@ import stat
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from ..checkpoint_files import corrupt
 from ..errors import CorruptCheckpoint, LoadFailed
 from . import parse_worker
-from .layout import corrupt, lay_out
-from .sources import INDEX_SUFFIX, MAX_INDEX_BYTES, OpenedSource, SourceFile, index_names, open_source, read_capped
+from .layout import lay_out
+from .sources import OpenedSource, SourceFile, open_source
 from .tensor_table import TensorInfo, TensorTable, wire_table
 
 # Header cap. The reference implementation allows 100 MiB; a JSON bomb that size (100 MiB
@@ -202,45 +203,6 @@ def read_raw_header(file: SourceFile) -> tuple[os.stat_result, bytes]:
     if not _OBJECT_START.match(raw):
         raise _not_safetensors(path, head)
     return st, raw
-
-
-# -- discovery (by path: for clients and tools; the daemon uses open_source) ---------------
-
-
-def discover_files(source: str | Path) -> list[str]:
-    """The .safetensors files of a checkpoint: a file, an index json, or a directory."""
-    p = Path(source)
-    if not p.exists():
-        raise LoadFailed(f"{p}: checkpoint path does not exist", file=str(p), reason="not found")
-    if p.is_dir():
-        indexes = sorted(p.glob(f"*{INDEX_SUFFIX}"))
-        if len(indexes) > 1:
-            raise LoadFailed(f"{p}: several index files {[i.name for i in indexes]}; name one as the path", file=str(p))
-        if indexes:
-            return _files_from_index(indexes[0])
-        files = sorted(str(f) for f in p.glob("*.safetensors"))
-        if not files:
-            raise LoadFailed(f"{p}: directory holds no .safetensors files", file=str(p), reason="empty")
-        return files
-    if p.name.endswith(".json"):
-        return _files_from_index(p)
-    return [str(p)]
-
-
-def _files_from_index(index: Path) -> list[str]:
-    try:
-        fd = os.open(index, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise corrupt(str(index), "invalid index: not a regular file")
-            raw = read_capped(fd, MAX_INDEX_BYTES)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise corrupt(str(index), f"invalid index: {type(exc).__name__}: {exc.strerror}") from None
-    if raw is None:
-        raise corrupt(str(index), f"invalid index: larger than {MAX_INDEX_BYTES >> 20} MiB")
-    return [str(index.parent / n) for n in index_names(raw, str(index))]
 
 
 # -- whole checkpoints ------------------------------------------------------------------------

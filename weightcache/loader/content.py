@@ -119,11 +119,13 @@ def plan_tasks(ckpt: Checkpoint, chunk: int) -> list[Task]:
 class TaskHasher:
     """Feeds one task's pieces from the bytes as they arrive, chunk by chunk, in order.
 
-    With ``device_min``, a writer that can hash on its device (backends/cuda_hash.py)
-    takes the pieces longer than that: they are counted here, not hashed, and each one,
-    once its last byte has passed, waits in ``device_done`` as (piece, its offset in the
-    task) until the writer takes it (``take_device_done``) and stores its digest in
-    ``out`` itself."""
+    It carries the reader's plan for the task (``on_device``): with ``device_min`` (the
+    writer's ``device_hash_min``, given for trusted files only), the writer, which can hash
+    on its device (backends/cuda_hash.py), takes the pieces longer than that: they are
+    counted here, not hashed, and each one, once its last byte has passed, waits in
+    ``device_done`` as (piece, its offset in the task) until the writer takes it
+    (``take_device_done``) and stores its digest in ``out`` itself. Without, every byte is
+    hashed here, from the views the writer hands in."""
 
     def __init__(self, task: Task, out: dict[tuple[int, int], bytes], device_min: int | None = None) -> None:
         self.task = task
@@ -163,6 +165,11 @@ class TaskHasher:
                     self.out[(self._piece.tensor, self._piece.index)] = self._h.digest()
                 self._piece = None
         self._pos += n
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the reader planned the task's big pieces for the writer's device."""
+        return self.device_min is not None
 
     def take_device_done(self) -> list[tuple[Piece, int]]:
         done, self.device_done = self.device_done, []

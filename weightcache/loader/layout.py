@@ -17,17 +17,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CorruptCheckpoint
+from ..checkpoint_files import corrupt
 from ..protocol.arena import ARENA_ALIGN
 from ..units import round_up
 from .tensor_table import DTYPE_SIZES, TensorInfo, TensorTable
 
 MAX_NAME_CHARS = 1024  # tensor names: real ones are < 200
 LIMIT = 2**62  # bound on every dimension, offset and byte count: far past any real tensor, and msgpack-safe
-
-
-def corrupt(path: str, reason: str) -> CorruptCheckpoint:
-    return CorruptCheckpoint(f"{path}: {reason}", file=path, reason=reason)
 
 
 def show(v: Any, limit: int = 80) -> str:

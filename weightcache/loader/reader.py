@@ -32,19 +32,25 @@ class ArenaWriter(Protocol):
     on a stream that ``finish`` synchronizes). A writer that can read O_DIRECT fds (it
     owns page-aligned buffers) says so with ``direct_io``; it is then told per call.
 
-    ``seen``, when given, is handed the ``nbytes`` read, in order, in one or more
-    read-only views (host memory, each valid only during its call): the content hash (Note
-    [content fingerprint] in content.py). ``serves_files`` is true for a writer whose
+    ``seen``, when given, is the task's content hash (Note [content fingerprint] in
+    content.py), with the reader's plan for it: it is handed the ``nbytes`` read, in
+    order, in one or more read-only views (host memory, each valid only during its
+    call); where ``seen.on_device``, the writer also hashes on its device the pieces it
+    hands over (``take_device_done``), and those digests are in place once ``finish``
+    returns. The writer reads the plan, it never makes one.
+
+    What the reader asks of a writer to plan: ``serves_files`` is true for a writer whose
     arena is the files' own trusted pages (a CPU file arena): their digests may then be
     reused by file identity. ``device_hash_min``, when set, is the size above which the
-    writer can hash a piece on its device itself (backends/cuda_hash.py); it does for the
-    TaskHashers that carry it (``device_min``, given for trusted files only), and those
-    digests are in place once ``finish`` returns."""
+    writer can hash a piece on its device itself (backends/cuda_hash.py); the reader
+    plans the big pieces of trusted files for it then."""
 
     direct_io: bool
+    serves_files: bool
+    device_hash_min: int | None
 
     def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False,
-                        seen: Callable[[memoryview], None] | None = None) -> None: ...
+                        seen: TaskHasher | None = None) -> None: ...
 
     def finish(self) -> None: ...
 
@@ -252,7 +258,7 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
     # the trusted): index -> (file offset, size) -> digest (the size too: an empty tensor
     # shares its offset with the next one). Their bytes are loaded but not hashed again.
     trusted = why_untrusted(opened) is None
-    reuse = content_hash and (getattr(writer, "serves_files", False) or trusted)
+    reuse = content_hash and (writer.serves_files or trusted)
     identities = [_identity(sf.fd) for sf in opened.files] if reuse else []
     known: dict[int, dict[tuple[int, int], bytes]] = {}
     for i, ident in enumerate(identities):
@@ -277,7 +283,7 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
         # every load, and the device's kernels take time from the engines computing on
         # that GPU (0.56 of an engine's matmul rate during such a load on the H200,
         # scripts/hash_contention.py): a tenant's loads must not take it from the others.
-        device_min: int | None = getattr(writer, "device_hash_min", None) if trusted else None
+        device_min = writer.device_hash_min if trusted else None
         failed = threading.Event()  # once one chunk fails, the others stop early
 
         def work(task: Task) -> None:
@@ -338,13 +344,15 @@ class _HashingWriter:
     """Reads into a per-thread buffer only to hash it: the fingerprint without an arena."""
 
     direct_io = False
+    serves_files = False
+    device_hash_min: int | None = None  # every piece hashed on the host, from its buffer
 
     def __init__(self, chunk: int) -> None:
         self._chunk = chunk
         self._local = threading.local()
 
     def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False,
-                        seen: Callable[[memoryview], None] | None = None) -> None:
+                        seen: TaskHasher | None = None) -> None:
         buf = getattr(self._local, "buf", None)
         if buf is None:
             buf = self._local.buf = memoryview(bytearray(self._chunk))

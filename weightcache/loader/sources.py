@@ -21,7 +21,6 @@ import contextlib
 import errno
 import fcntl
 import fnmatch
-import json
 import logging
 import os
 import re
@@ -30,13 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
+from ..checkpoint_files import INDEX_SUFFIX, MAX_INDEX_BYTES, corrupt, index_names, read_capped
 from ..errors import BadRequest, LoadFailed, PermissionDenied, WeightcacheError
-from .layout import corrupt
-
-INDEX_SUFFIX = ".safetensors.index.json"
-MAX_INDEX_BYTES = 16 * 2**20  # the largest real index (tens of thousands of tensors) is a few MiB; as the header cap
 
 log = logging.getLogger("weightcache.loader")
 
@@ -251,45 +246,6 @@ class _Opener:
         return LoadFailed(f"{path}: cannot open: {exc.strerror}", file=path, reason=exc.strerror)
 
 
-def read_capped(fd: int, cap: int) -> bytes | None:
-    """All of ``fd`` (a regular file) from offset 0, or None if it holds more than ``cap`` bytes."""
-    chunks: list[bytes] = []
-    got = 0
-    while got <= cap:
-        b = os.pread(fd, min(cap + 1 - got, 1 << 20), got)
-        if not b:
-            break
-        chunks.append(b)
-        got += len(b)
-    return None if got > cap else b"".join(chunks)
-
-
-def index_names(raw: bytes, index: str) -> list[str]:
-    """The shard file names an index json lists (sorted, each once), relative to its
-    directory; anything absolute or climbing out with '..' is refused."""
-    try:
-        data: Any = json.loads(raw.decode("utf-8"))
-        if not isinstance(data, dict) or "weight_map" not in data:
-            raise KeyError("weight_map")
-        weight_map = data["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise TypeError("weight_map must map tensor names to file names")
-    except (ValueError, KeyError, TypeError) as exc:
-        reason = f"invalid index: {type(exc).__name__}"
-        if isinstance(exc, json.JSONDecodeError):
-            reason += f": {exc.msg.partition(': ')[0]} at char {exc.pos}"
-        elif not isinstance(exc, UnicodeDecodeError):
-            reason += f": {exc}"
-        raise corrupt(index, reason) from None
-    except RecursionError:
-        raise corrupt(index, "invalid index: nested too deeply") from None
-    names = sorted(set(weight_map.values()))
-    for n in names:
-        if not n or os.path.isabs(n) or ".." in Path(n).parts or "\0" in n:
-            raise corrupt(index, f"index names a file outside its directory: {n[:200]!r}")
-    return names
-
-
 _SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<i>[0-9]+)-of-(?P<n>[0-9]+)\.safetensors$")
 
 
@@ -326,7 +282,7 @@ def unindexed_note(directory: str | os.PathLike[str]) -> str | None:
 def open_source(source: str | os.PathLike[str], *, roots: Sequence[str | os.PathLike[str]] | None = None,
                 follow_symlinks: bool = True) -> OpenedSource:
     """Discover the .safetensors files of a file, a directory or a ``*.safetensors.index.json``
-    (the rules of :func:`weightcache.loader.checkpoint.discover_files`) and open each once
+    (the rules of :func:`weightcache.checkpoint_files.discover_files`) and open each once
     with ``O_RDONLY|O_NONBLOCK|O_CLOEXEC`` (``|O_NOFOLLOW`` unless ``follow_symlinks``).
     Each fd must be a regular file (else LoadFailed, reason 'not a regular file'); with
     ``roots``, the file each fd really is, and the directory and index json it was found

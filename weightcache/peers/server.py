@@ -47,8 +47,8 @@ def lendable(name: str, model: Model, core: CacheCore, backends: dict[str, Backe
     cfg = model.config
     return (backends[model.device].supports_dma and model.origin == "config" and model.owner is None
             and cfg.allowed_uids is None and cfg.allowed_gids is None
-            and core.entry(name).state is State.RESIDENT and model.arena is not None and model.checkpoint is not None
-            and bool(model.checkpoint.fingerprint) and model.unchanged())
+            and core.entry(name).state is State.RESIDENT and model.resident.arena is not None and model.resident.checkpoint is not None
+            and bool(model.resident.checkpoint.fingerprint) and model.unchanged())
 
 
 def tier(device: str) -> str:
@@ -99,15 +99,15 @@ class Lender:
         out = []
         for name, m in self.registry.models.items():
             if lendable(name, m, self.core, self.backends):
-                assert m.checkpoint is not None
-                out.append({"fingerprint": m.checkpoint.fingerprint, "layout": m.checkpoint.layout,
-                            "nbytes": m.checkpoint.data_bytes, "tier": tier(m.device), "device": m.device})
+                assert m.resident.checkpoint is not None
+                out.append({"fingerprint": m.resident.checkpoint.fingerprint, "layout": m.resident.checkpoint.layout,
+                            "nbytes": m.resident.checkpoint.data_bytes, "tier": tier(m.device), "device": m.device})
         return out
 
     def _find(self, fingerprint: str, layout: str) -> str | None:
         for name, m in self.registry.models.items():
-            if (lendable(name, m, self.core, self.backends) and m.checkpoint is not None and m.checkpoint.fingerprint == fingerprint
-                    and m.checkpoint.layout == layout):
+            if (lendable(name, m, self.core, self.backends) and m.resident.checkpoint is not None and m.resident.checkpoint.fingerprint == fingerprint
+                    and m.resident.checkpoint.layout == layout):
                 return name
         return None
 
@@ -173,7 +173,7 @@ class Lender:
             return
         model = self.registry.models[name]
         backend = self.backends[model.device]
-        arena = model.arena
+        arena = model.resident.arena
         assert arena is not None
         lease = self.core.attach(name, conn)
         self.lent_now += 1
@@ -193,7 +193,7 @@ class Lender:
             await wire.send(writer, {"ok": True, "metadata": metadata, "memory": view.memory, "device_id": view.device_id,
                                      "regions": [[r.arena_offset, r.addr, r.nbytes] for r in view.regions if r.nbytes]})
             self.lends += 1
-            log.info("lending %s (%d bytes) to peer %s", name, model.checkpoint.data_bytes if model.checkpoint else 0, host,
+            log.info("lending %s (%d bytes) to peer %s", name, model.resident.checkpoint.data_bytes if model.resident.checkpoint else 0, host,
                      extra={"model": name, "peer": host})
             # Until done, EOF, or the timeout (Note [what a lend holds]).
             with contextlib.suppress(TimeoutError):

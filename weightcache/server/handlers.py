@@ -318,16 +318,17 @@ async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
     lease = ctx.core.attach(name, caller.conn)
     apply_keep_alive(ctx, caller, [name], keep_alive)
     m = ctx.registry.models[name]
-    assert m.arena is not None and m.checkpoint is not None
+    res = m.resident
+    assert res.arena is not None and res.checkpoint is not None
     try:
-        fds, arena = backend.export(m.arena)
+        fds, arena = backend.export(res.arena)
     except BaseException:
         ctx.core.detach(lease.id, caller.conn)
         raise
     return {
-        "lease": lease.id, "model": name, "rank": m.rank, "device": entry.device, "fingerprint": m.checkpoint.fingerprint,
+        "lease": lease.id, "model": name, "rank": m.rank, "device": entry.device, "fingerprint": res.checkpoint.fingerprint,
         "arena": {**arena, "writable": writable}, "source": source, "waited_s": round(sum(waits), 6),
-        "placement": ctx.registry.placement_as_seen(caller.peer, m.slot), "tensors": Packed(m.table),
+        "placement": ctx.registry.placement_as_seen(caller.peer, m.slot), "tensors": Packed(res.table),
     }, fds
 
 

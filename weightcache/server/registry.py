@@ -6,6 +6,7 @@ to their ``Model`` records, resolves the names clients use for models and device
 describes models to a viewer (paths and errors only to their owner and admins). It
 decides nothing about memory and does no I/O: unregistering returns the records whose
 arenas, host copies and files the caller must free.
+Each arena's own record is server/resident.py's ``Resident`` (Note [one record per arena]).
 """
 
 from __future__ import annotations
@@ -14,18 +15,20 @@ import itertools
 import os
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from ..backends import Arena, Backend, HostCopy
 from ..cache import CacheCore, Entry, State
+from ..cache.entries import arena_key
 from ..cache.names import files_share, is_staging, rank_entry, replica_entry, staging_entry
 from ..config import AUTO, ModelConfig, auto_devices
 from ..errors import BadRequest, PermissionDenied, UnknownModel
 from ..loader import Checkpoint, OpenedSource, Progress
 from ..units import format_size
 from .access import AccessPolicy, Peer
+from .resident import Resident
 
 # The reason of a model's last_error when the start or reload check of its files failed
 # (a path typo, not a safetensors file); ``models`` then shows its state as "error"
@@ -38,7 +41,7 @@ Origin = Literal["config", "register", "publish"]
 
 @dataclass
 class Model:
-    """One cache entry's record."""
+    """One cache entry's record; its arena's is ``resident``."""
 
     config: ModelConfig  # the whole model's config (all ranks)
     path: Path  # this entry's checkpoint
@@ -53,15 +56,9 @@ class Model:
     # Their parse (or that of ``files``), kept with them: the retry does not parse again
     # (server/residency/flight.py, within PARKED_PARSE_BYTES).
     parked_parse: Checkpoint | None = None
-    checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident (or on the host tier)
-    table: bytes = b""  # the attach reply's tensor table, msgpack-encoded once per load
-    # Bytes its load was charged beyond the arena for the checkpoint and table (Note [held
-    # bytes] in loader/checkpoint.py; a promotion is admitted for the same), and what
-    # ``models`` still shows once they are dropped with the arena: (fingerprint, tensors).
-    held: int = 0
+    # What ``models`` shows of the bytes this name last held, also once they are dropped:
+    # (fingerprint, tensors); None until it first holds an arena.
     seen: tuple[str, int] | None = None
-    arena: Arena | None = None
-    host: HostCopy | None = None  # the backend's host-tier copy while the model is HOST
     last_error: dict[str, Any] | None = None
     # Why the last check of its files (start, reload) failed; None once one passes or a
     # load succeeds. Kept apart from last_error: a load that failed on the same files
@@ -70,17 +67,9 @@ class Model:
     # A device = "auto" rank has one entry per candidate device (a replica); ``slot`` is
     # the rank's name (``model``, or ``model@0``) they share. None: not placed automatically.
     slot: str | None = None
-    # Where the resident bytes came from (LoadJob.source: "files", "host", "peer" for
-    # another GPU, "neighbour" for another daemon; "publish"); shown in ``models``.
-    source: str | None = None
-    # The core's key of the arena it shares with other names of the same files (Note
-    # [shared arenas]); None: it holds its own. Only those names can hold its arena.
-    share: str | None = None
-
-    def hold(self, arena: Arena | None, checkpoint: Checkpoint, table: bytes, held: int) -> None:
-        """Its arena is resident, holding ``checkpoint``'s bytes: filled, or a sibling's."""
-        self.arena, self.checkpoint, self.table, self.last_error = arena, checkpoint, table, None
-        self.held, self.seen = held, (checkpoint.fingerprint, len(checkpoint.tensors))
+    # Its arena's record, shared with the other names of its share key (Note [one record
+    # per arena]); set by the registry when the entry is registered.
+    resident: Resident = field(init=False, repr=False)
 
     def close_files(self) -> None:
         """Close the open files it holds (a peer's, or those parked by a load that waits)."""
@@ -88,25 +77,30 @@ class Model:
             if files is not None:
                 files.close()
 
-    def drop_parsed(self) -> None:
-        """Forget the parsed checkpoint and table once the arena is gone (evicted, not on
-        the host tier): kept, a 100k-tensor header cost ~50 MiB of RSS per model after
-        eviction that no budget counted. The next load parses the files again."""
-        self.checkpoint, self.table, self.held = None, b"", 0
-
     @property
     def published(self) -> bool:  # sent by an engine: no files to reload it from
         return self.origin == "publish"
 
     def unchanged(self) -> bool:
         """The resident bytes still are what the files hold (the staleness check)."""
-        if self.checkpoint is None:
+        checkpoint = self.resident.checkpoint
+        if checkpoint is None:
             return False
         if self.published:
             return True
         if self.files is not None:  # a peer's fds: the same inodes, unchanged since parsed
-            return self.checkpoint.matches(self.files)
-        return self.checkpoint.unchanged_on_disk()
+            return checkpoint.matches(self.files)
+        return checkpoint.unchanged_on_disk()
+
+
+@dataclass
+class Dropped:
+    """An unregistered entry, and what of its memory the caller frees."""
+
+    entry: str
+    model: Model
+    arena: Arena | None  # it was the last name holding it
+    host: HostCopy | None  # its host copy
 
 
 def share_key(path: Path, rank: int, ranks: int, owner: int | None) -> str | None:
@@ -138,6 +132,7 @@ class Registry:
         self.backends = backends
         self.access = access
         self.models: dict[str, Model] = {}  # by entry name
+        self.arenas: dict[str, Resident] = {}  # by the core's arena key (Note [one record per arena])
         self.groups: dict[str, list[str]] = {}  # model name -> its entries, in rank order
         # Auto models (Note [placement] in cache/placement.py): model name -> its ranks'
         # slots in rank order; slot -> device -> the replica entry there; slot -> the last
@@ -182,19 +177,25 @@ class Registry:
                                        tenants=tenants)
             except BaseException:
                 for d in done:
-                    self.core.unregister(d)
-                    del self.models[d]
+                    self.drop_entry(d)
                 raise
             done.append(entry)
-            self.models[entry] = Model(config=mc, path=path, device=device, rank=i if sharded else None, origin=origin,
-                                       owner=owner, files=sources[i] if sources else None, slot=slot, share=e.share)
+            self.models[entry] = self._with_record(
+                Model(config=mc, path=path, device=device, rank=i if sharded else None, origin=origin, owner=owner,
+                      files=sources[i] if sources else None, slot=slot), e)
             if slot is not None:
                 self.replicas.setdefault(slot, {})[device] = entry
         if any(slot is not None for *_, slot in todo):
             self.slots[mc.name] = ranks
         self.groups[mc.name] = done
 
-    def unregister(self, name: str) -> list[Model]:
+    def _with_record(self, model: Model, e: Entry) -> Model:
+        """``model`` pointing at its arena's record, made by the first name of its key."""
+        key = arena_key(e)
+        model.resident = self.arenas.setdefault(key, Resident(key))
+        return model
+
+    def unregister(self, name: str) -> list[Dropped]:
         """Forget a whole model (every rank), only if no rank is attached or loading.
         Returns the records whose arenas, host copies and files the caller frees."""
         if name not in self.groups:
@@ -207,20 +208,24 @@ class Registry:
             self.size_hint.pop(slot, None)
         return [self.drop_entry(entry) for entry in self.groups.pop(name)]
 
-    def drop_entry(self, entry: str) -> Model:
+    def drop_entry(self, entry: str) -> Dropped:
         """Forget one entry (a rank, or a publish's staging entry); the caller frees what
-        the returned record holds."""
+        the returned record says: the arena if no other name holds it, its host copy, its files."""
         if self.core.entry(entry).state is State.LOADING:
             self.core.abort_load(entry)
         self.core.unregister(entry)
-        return self.models.pop(entry)
+        model = self.models.pop(entry)
+        res = model.resident
+        dropped = Dropped(entry, model, arena=res.let_go(entry), host=res.take_host(entry))
+        if not self.core.sharing(res.key):  # its key's last name
+            del self.arenas[res.key]
+        return dropped
 
     def stage(self, name: str, model: Model, tenants: tuple[str, ...] = ()) -> str:
         """An entry for ``name``'s next version that nobody can reach by name yet (a
         publish fills it, then ``swap_in`` makes it the model; cache/names.py)."""
         staging = staging_entry(name, next(self._staging_ids))
-        self.core.register(staging, model.device, tenants=tenants)
-        self.models[staging] = model
+        self.models[staging] = self._with_record(model, self.core.register(staging, model.device, tenants=tenants))
         return staging
 
     def swap_in(self, staging: str, name: str) -> None:
@@ -228,9 +233,31 @@ class Registry:
         # A name the config claims (checked here, where a failed publish is rolled back,
         # and not when staging: the caller's published memory is closed only past that).
         self._check_unclaimed(name)
-        self.core.rename(staging, name)
-        self.models[name] = self.models.pop(staging)
+        e = self.core.rename(staging, name)
+        model = self.models[name] = self.models.pop(staging)
+        res = self.arenas[arena_key(e)] = self.arenas.pop(model.resident.key)  # its own arena: keyed by its name
+        res.rename(staging, name, arena_key(e))
         self.groups[name] = [name]
+
+    # -- holding arenas (Note [one record per arena]) ------------------------------------
+    def filled(self, name: str, arena: Arena, checkpoint: Checkpoint, table: bytes, held: int, source: str) -> None:
+        """``name``'s fill made its arena resident, holding ``checkpoint``'s bytes."""
+        model = self.models[name]
+        model.resident.fill(name, arena, checkpoint, table, held, source)
+        self._holds(model)
+
+    def joined(self, name: str) -> None:
+        """``name`` is resident on the arena a sibling of its share key holds (CacheCore.join)."""
+        model = self.models[name]
+        assert model.resident.holders, f"{name} joined an arena no name holds"
+        model.resident.holders.add(name)
+        self._holds(model)
+
+    @staticmethod
+    def _holds(model: Model) -> None:
+        checkpoint = model.resident.checkpoint
+        assert checkpoint is not None
+        model.last_error, model.seen = None, (checkpoint.fingerprint, len(checkpoint.tensors))
 
     def models_owned_by(self, uid: int) -> int:
         """Models ``uid`` registered or published, publishes in flight included (each
@@ -256,9 +283,9 @@ class Registry:
 
         return release
 
-    def sharing(self, model: Model) -> list[str]:
-        """The registered names that may hold ``model``'s arena: those of its share key."""
-        return self.core.sharing(model.share) if model.share is not None else []
+    def holding(self, name: str) -> Arena | None:
+        """The arena ``name`` holds now, or None (not resident, or only a sibling is)."""
+        return self.models[name].resident.held_by(name)
 
     def files_held_by(self, uid: int) -> int:
         # an auto model's replicas of one rank share its open files: counted once
@@ -413,9 +440,9 @@ class Registry:
             "host_copy": e.host_copy,
             # which arena the resident copy got ("file", "memfd", "cuda_vmm") and, where the
             # faster one was refused, why (it names files: shown where path is)
-            "arena": m.arena.kind if m.arena is not None else None,
-            "source": m.source if m.arena is not None else None,  # where the resident bytes came from
-            "arena_note": (m.arena.fallback or None) if m.arena is not None and not private else None,
+            "arena": arena.kind if (arena := m.resident.held_by(name)) is not None else None,
+            "source": m.resident.source if arena is not None else None,  # where the resident bytes came from
+            "arena_note": (arena.fallback or None) if arena is not None and not private else None,
             "last_error": redacted(m.last_error) if private and m.last_error else self._error_as_seen(viewer, m.last_error),
             "progress": progress.snapshot() if progress is not None else None,
         }

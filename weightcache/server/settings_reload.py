@@ -46,7 +46,7 @@ def evicted(registry: Registry, core: CacheCore, step: StepDown, reason: str) ->
     """What ``step`` moves off its device, for the reload's report (before it is done)."""
     out = []
     for name in step.leaving:
-        arena = registry.models[name].arena
+        arena = registry.holding(name)
         out.append({"name": name, "nbytes": arena.nbytes if arena is not None else core.entry(name).nbytes,
                     "to": "host" if name in step.demote or name in step.release else "evicted", "reason": reason})
     return out

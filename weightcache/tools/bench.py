@@ -38,9 +38,9 @@ from typing import Any
 
 from rich.console import Console
 
+from ..checkpoint_files import discover_files
 from ..config import DaemonConfig
 from ..errors import ConfigError
-from ..loader.checkpoint import discover_files
 from .bench_hash import measure_content_hash
 from .bench_measure import (
     INSTANTTENSOR_BACKENDS,

@@ -73,7 +73,7 @@ def file_sums(path: str) -> dict[str, list[Any]]:
     """:func:`model_sums` of a checkpoint as the files hold it, one tensor in memory at a time."""
     from safetensors import safe_open
 
-    from ..loader.checkpoint import discover_files
+    from ..checkpoint_files import discover_files
 
     out: dict[str, list[Any]] = {}
     for file in discover_files(path):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ...backends import Arena, Backend
-from ...cache import CacheCore, LoadPlan
+from ...cache import CacheCore, LoadPlan, StepDown
 from ...cache.names import published_as
 from ...config import DaemonConfig
 from ...errors import LoadFailed, NoSpace, WeightcacheError
@@ -185,10 +185,18 @@ class Fill:
             raise err from exc
         finally:
             self.stats.progress.pop(name, None)
-        model.hold(arena, ckpt, table, held)
+        source = job.source if job is not None else "publish"  # shown in ``models``; the metrics' label
+        self.registry.filled(name, arena, ckpt, table, held, source)
         model.check_failed = None
         if not self.core.finish_load(name).host_copy:  # a promotion's copy the core did not keep
-            self.step_down.drop_host_copy(model)
+            self.step_down.drop_host_copy(name)
+        for x in self.core.siblings(name):
+            if x.host_copy:
+                # A name demoted before this second name of its files was registered: its
+                # host copy would be a second version of the bytes this record now holds
+                # (Note [one record per arena] in server/resident.py), and a shared arena keeps none.
+                self.core.drop_host(x.name)
+                self.step_down.start(StepDown(drop_host=(x.name,)), f"{published_as(name)} holds the same files' arena now")
         if verb in ("loaded", "promoted"):  # what the cost-aware policy prices a return with
             # The fill's own time: waiting in the queue or for frees is not the model's cost.
             own = ("open", "allocate", "fill", "seal", "table")
@@ -197,9 +205,8 @@ class Fill:
         if plan.promote:  # the host copy stays (Note [kept host copies] in cache/tiers.py)
             self.counters["promotions"] += 1
         dt = time.monotonic() - t0
-        model.source = job.source if job is not None else "publish"  # shown in ``models``; the metrics' label
-        self.stats.filled_bytes[model.source] += ckpt.data_bytes
-        self.stats.filled_seconds[model.source] = self.stats.filled_seconds.get(model.source, 0.0) + dt
+        self.stats.filled_bytes[source] += ckpt.data_bytes
+        self.stats.filled_seconds[source] = self.stats.filled_seconds.get(source, 0.0) + dt
         shown = published_as(name)  # a publish's staging entry is renamed to the model
         # Only for entries still registered: removed models' rates go (the dict grew with every name).
         rates = self.stats.last_load_rate = {k: v for k, v in self.stats.last_load_rate.items() if k in self.registry.models}

@@ -150,7 +150,7 @@ class SingleFlight:
         m = self.registry.models[name]
         attached = any(x.attach_count for x in (self.core.entry(name), *self.core.siblings(name))
                        if x.state is State.RESIDENT)
-        return m.checkpoint is not None and (attached or m.unchanged())
+        return m.resident.checkpoint is not None and (attached or m.unchanged())
 
     async def _drop_stale(self, name: str) -> None:
         """The files changed since ``name`` was loaded and nobody holds the old bytes: drop
@@ -163,11 +163,7 @@ class SingleFlight:
     async def _join(self, name: str, sibling: str) -> None:
         """``name`` becomes RESIDENT on ``sibling``'s arena: the same bytes, no load."""
         step = self.core.join(name)
-        s = self.registry.models[sibling]
-        assert s.checkpoint is not None
-        m = self.registry.models[name]
-        m.hold(s.arena, s.checkpoint, s.table, s.held)
-        m.source = s.source
+        self.registry.joined(name)  # the arena's record is the sibling's (Note [one record per arena])
         log.info("%s shares the arena of %s (the same files): no second copy", name, sibling,
                  extra={"model": name, "bytes": self.core.entry(name).nbytes})
         if step.drop_host:
@@ -215,15 +211,16 @@ class SingleFlight:
         backend = self.backends[entry.device]
         if name in self.step_down.demotions:
             await asyncio.shield(self.step_down.demotions[name])  # its host copy is still being made
-        if entry.state is State.HOST and (model.host is None or not model.unchanged()):
+        res = model.resident
+        if entry.state is State.HOST and (res.host_of != name or not model.unchanged()):
             log.warning("host copy of %s is stale or missing; loading from disk", name)
             self.core.drop_host(name)
             await self.step_down.carry_out(StepDown(drop_host=(name,)), reason="stale")
         if entry.state is State.HOST:
-            assert model.checkpoint is not None and model.host is not None
+            assert res.checkpoint is not None and res.host is not None
             job.source = "host"
-            await self.fill.fill_new_arena(name, model.checkpoint, entry.nbytes - model.held, 0, Promote(backend, model.host),
-                                           verb="promoted", job=job, held=model.held)  # the entry's size, as the core requires
+            await self.fill.fill_new_arena(name, res.checkpoint, entry.nbytes - res.held, 0, Promote(backend, res.host),
+                                           verb="promoted", job=job, held=res.held)  # the entry's size, as the core requires
             return job.source
         if (peer := self._peer_source(name)) is not None:
             job.source = "peer"
@@ -329,11 +326,12 @@ class SingleFlight:
         attached model is never a victim); afterwards it is an ordinary resident model,
         kept or evicted by the budgets like any other."""
         src = self.registry.models[source]
-        assert src.arena is not None and src.checkpoint is not None
+        arena, ckpt = src.resident.arena, src.resident.checkpoint
+        assert arena is not None and ckpt is not None
         lease = self.core.attach(source, INTERNAL_CONN)
         try:
-            fill = PeerCopy(self.backends[model.device], self.backends[src.device], src.arena)
-            await self.fill.fill_new_arena(job.name, src.checkpoint, fill.backend.capacity(src.checkpoint.arena_bytes), 0,
+            fill = PeerCopy(self.backends[model.device], self.backends[src.device], arena)
+            await self.fill.fill_new_arena(job.name, ckpt, fill.backend.capacity(ckpt.arena_bytes), 0,
                                            fill, verb=f"copied from {src.device} (peer) to", job=job)
         finally:
             self.core.detach(lease.id, INTERNAL_CONN)

@@ -15,7 +15,7 @@ from typing import Any
 
 from ...backends import Arena, Backend
 from ...cache import CacheCore, State, StepDown
-from ..registry import Model, Registry
+from ..registry import Dropped, Registry
 from .io import MANY_TENSORS
 from .stats import Stats
 from .tasks import Tasks
@@ -56,7 +56,7 @@ class StepDowns:
         demotions' tasks. A demotion that fails becomes an eviction."""
         for name in step.drop_host:
             log.info("dropped host copy of %s: %s", name, reason, extra={"model": name, "reason": reason})
-            self.drop_host_copy(self.registry.models[name])
+            self.drop_host_copy(name)
         self.counters["evictions"] += len(step.leaving)
         for name in step.evict:
             self._free_arena(name, reason)
@@ -77,7 +77,8 @@ class StepDowns:
 
     async def _demote(self, name: str, reason: str) -> None:
         model = self.registry.models[name]
-        arena, model.arena = model.arena, None
+        res = model.resident
+        arena = res.let_go(name)  # a demoted arena is never shared (Note [shared arenas]): its one name held it
         assert arena is not None
         backend = self.backends[arena.device]
         t = time.monotonic()
@@ -92,12 +93,12 @@ class StepDowns:
                 backend.free_host(copy)
                 log.info("demoted %s, but its host copy was dropped meanwhile; freed it", name, extra={"model": name})
                 return
-            model.host = copy
+            res.host, res.host_of = copy, name
         except Exception as exc:
             log.error("demoting %s to the host tier failed (%s); evicting it instead", name, exc,
                       extra={"model": name, "reason": str(exc)})
             self.core.demotion_failed(name)
-            model.drop_parsed()  # evicted after all: no promotion needs them
+            res.drop_parsed()  # evicted after all: no promotion needs them
             self.counters["failed_demotions"] += 1
         else:
             self.counters["demotions"] += 1
@@ -106,16 +107,19 @@ class StepDowns:
                      arena.nbytes / max(dt, 1e-9) / 1e9, reason,
                      extra={"model": name, "bytes": arena.nbytes, "seconds": round(dt, 6), "reason": reason})
 
-    def forget(self, models: list[Model]) -> None:
+    def forget(self, dropped: list[Dropped]) -> None:
         """Free what unregistered entries held: arenas (a shared one once its last name
-        goes), host copies, a peer's files."""
-        for model in models:
-            self.trim_soon(max(len(c.tensors) for c in (model.checkpoint, model.parked_parse) if c is not None)
-                           if model.checkpoint is not None or model.parked_parse is not None else 0)
-            arena, model.arena = model.arena, None
-            if arena is not None and not self._in_use(arena, model):
-                self.release(arena)
-            self.drop_host_copy(model)
+        goes: Registry.drop_entry says), host copies, a peer's files."""
+        for d in dropped:
+            model, res = d.model, d.model.resident
+            parsed = [c for c in (res.checkpoint, model.parked_parse) if c is not None]
+            self.trim_soon(max(len(c.tensors) for c in parsed) if parsed else 0)
+            if d.arena is not None:
+                self.release(d.arena)
+                if res.host is None:  # its other names, if any, hold nothing now: no promotion needs the parse
+                    res.drop_parsed()
+            if d.host is not None:
+                self.backends[model.device].free_host(d.host)
             model.parked_parse = None
             model.close_files()
 
@@ -130,26 +134,29 @@ class StepDowns:
         self._trim_at = now
         self.tasks.spawn(asyncio.to_thread(_malloc_trim, 0))
 
-    def drop_host_copy(self, model: Model) -> None:
+    def drop_host_copy(self, name: str) -> None:
         # At once, on the loop: the core counts the bytes free as soon as it decides, and a
         # demotion right after must find them in the pool (freed in a thread, they were
         # not yet: 71 demotions failed in a 45 s H200 workload). It is list bookkeeping.
-        if model.host is not None:
-            host, model.host = model.host, None
+        model = self.registry.models[name]
+        if (host := model.resident.take_host(name)) is not None:
             self.backends[model.device].free_host(host)
 
     def _free_arena(self, name: str, reason: str, kept_host_copy: bool = False) -> None:
-        model = self.registry.models[name]
-        arena, model.arena = model.arena, None
-        if not kept_host_copy:
-            self.trim_soon(len(model.checkpoint.tensors) if model.checkpoint is not None else 0)
-            model.drop_parsed()  # its tensors and table go with the arena (Note [held bytes])
-        if arena is None:
-            return
-        if self._in_use(arena, model):  # another name on the same arena (Note [shared arenas]) keeps it
+        res = self.registry.models[name].resident
+        holding = res.held_by(name) is not None
+        arena = res.let_go(name)
+        if res.holders:  # another name on the same arena (Note [shared arenas]) keeps it, and its parse
+            if not holding:
+                return
             log.info("evicted %s: %s; its arena stays, shared with %s", name, reason,
                      ", ".join(x.name for x in self.core.siblings(name) if x.state is State.RESIDENT),
                      extra={"model": name, "reason": reason})
+            return
+        if not kept_host_copy:
+            self.trim_soon(len(res.checkpoint.tensors) if res.checkpoint is not None else 0)
+            res.drop_parsed()  # its tensors and table go with the arena (Note [held bytes])
+        if arena is None:
             return
         if kept_host_copy:
             log.info("demoted %s to the host tier (%d bytes, its host copy kept since its promotion: no copy): %s",
@@ -158,11 +165,6 @@ class StepDowns:
             log.info("evicted %s (%d bytes): %s", name, arena.nbytes, reason,
                      extra={"model": name, "bytes": arena.nbytes, "reason": reason})
         self.release(arena)
-
-    def _in_use(self, arena: Arena, model: Model) -> bool:
-        """Whether a registered name still holds ``arena``, which ``model`` let go of: only
-        the names of its share key can (Note [shared arenas]), so only they are looked at."""
-        return any(self.registry.models[n].arena is arena for n in self.registry.sharing(model))
 
     def release(self, arena: Arena) -> None:
         """Free an arena off the event loop: the kernel takes ~63 ms per GiB to release a
@@ -180,11 +182,13 @@ class StepDowns:
 
     def close(self) -> None:
         """At shutdown, once the background tasks are stopped: free everything, at once."""
-        for model in self.registry.models.values():
-            arena, model.arena = model.arena, None
-            if arena is not None and not self._in_use(arena, model):  # a shared arena once, with its last name
+        for res in self.registry.arenas.values():  # a shared arena once
+            arena, res.arena, res.holders = res.arena, None, set()
+            if arena is not None:
                 self.backends[arena.device].free(arena)
-            if model.host is not None:
-                self.backends[model.device].free_host(model.host)
-                model.host = None
+            if res.host is not None:
+                assert res.host_of is not None
+                self.backends[self.registry.models[res.host_of].device].free_host(res.host)
+                res.host, res.host_of = None, None
+        for model in self.registry.models.values():
             model.close_files()
