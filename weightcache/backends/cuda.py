@@ -62,10 +62,10 @@ class VmmArena(Arena):
 
 class _VmmWriter:
     """preadv into a per-thread pinned buffer, then an async host-to-device copy on that
-    thread's own stream: 16 threads x 16 MiB reached 41 GB/s from page cache on the H200 in
-    one process (8: 39), and 36.7 GB/s through the daemon (8: 31.9; docs/benchmarks.md,
-    issue 28). Copying straight from registered page-cache pages instead was slower
-    (20-24 GB/s: the registration is the cost; scripts/registered_reads.py).
+    thread's own stream: 8 threads x 16 MiB reached 39 GB/s from page cache on the H200 in
+    one process, and 31.9-41.4 GB/s through the daemon on two hosts of the same kind
+    (docs/benchmarks.md, issue 28). Copying straight from registered page-cache pages
+    instead was slower (20-24 GB/s: the registration is the cost; scripts/registered_reads.py).
     The buffers are page-aligned (cuMemHostAlloc), so O_DIRECT fds can read into them.
 
     The content hash: where the reader planned it (``TaskHasher.on_device``, for trusted

@@ -200,10 +200,10 @@ class DaemonConfig(BaseModel):
     log_level: str = "info"
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     # More readers than cores buys nothing for a memory-bound copy and stretches the
-    # control plane's tail latency (docs/benchmarks.md), hence at most one per core. Up
-    # to 16: on the H200 host (16 cores) a warm 9.8 GB load through the daemon went from
-    # 31.9 GB/s with 8 to 36.7 with 16 (docs/benchmarks.md, issue 28).
-    load_threads: int = Field(default_factory=lambda: min(16, os.cpu_count() or 1), ge=1, le=256)
+    # control plane's tail latency (docs/benchmarks.md), hence the default min(8, cores).
+    # 16 on the H200 host (16 cores) was 2-15% faster through the daemon in two runs, but
+    # put status's p99 during a warm load at 7.0 ms against 1.6 (docs/benchmarks.md, issue 28).
+    load_threads: int = Field(default_factory=lambda: min(8, os.cpu_count() or 1), ge=1, le=256)
     load_chunk_bytes: int = Field(default=16 * 2**20, ge=4096)
     load_direct_io: Literal["auto", "on", "off"] = Field(
         default="auto", description="O_DIRECT reads: 'auto' uses them for files mostly not in page cache (GPU loads)")
