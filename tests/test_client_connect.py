@@ -112,7 +112,9 @@ async def test_an_engine_started_before_the_daemon_waits_for_it(tmp_path, sockdi
     # With backoff: 10 ms doubling to 200 ms, so a few attempts a second, not a busy loop.
     assert 3 <= len(attempts) <= 6 + waited / RETRY_MAX_S, (len(attempts), waited)
     gaps = [b - a for a, b in itertools.pairwise(attempts)]
-    assert max(gaps) < RETRY_MAX_S + 0.15 and gaps[0] < 0.1, gaps
+    # The first wait is the backoff's first (10 ms), not its cap: below the cap even when a
+    # busy machine delays the retry (158 ms was seen on 2 shared cores with 0.1 here).
+    assert max(gaps) < RETRY_MAX_S + 0.15 and gaps[0] < RETRY_MAX_S, gaps
 
 
 @pytest.mark.parametrize("left_behind", [False, True], ids=["no-socket", "stale-socket"])
