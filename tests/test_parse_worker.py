@@ -59,6 +59,9 @@ def test_a_table_of_columns_reads_back_the_rows_it_was_made_of() -> None:
     lambda w: [*w[:5], w[5][:-3], *w[6:]],  # a column not of whole integers
     lambda w: [w[0] + b"x", *w[1:]],  # names longer than their ends say
     lambda w: [*w[:4], "dims", *w[5:]],  # not bytes
+    lambda w: [*w[:9], w[9][:8] * 2, *w[10:]],  # the name order holds one row twice
+    lambda w: [*w[:9], (2).to_bytes(8, "little") + w[9][8:], *w[10:]],  # ... or a row that is not there
+    lambda w: [*w[:10], w[10] + b"x", w[11]],  # heads longer than their ends say
 ])
 def test_columns_that_do_not_make_a_table_are_refused(mutate) -> None:
     wire = TensorTable.of([TensorInfo("a", "F32", (2,), 0, 8, 8, 0), TensorInfo("b", "F32", (2,), 0, 16, 8, 256)]).to_wire()

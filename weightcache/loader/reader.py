@@ -21,7 +21,7 @@ from typing import Protocol
 from ..errors import CorruptCheckpoint, LoadFailed
 from ..units import round_up
 from .checkpoint import Checkpoint, parse_checkpoint
-from .content import FILE_DIGESTS, HASH_BLOCK, FileIdentity, Task, TaskHasher, fingerprint, plan_tasks, tensor_digests
+from .content import FILE_DIGESTS, FileIdentity, Task, TaskHasher, file_digests, fingerprint, places, plan_tasks, read_digests
 from .sources import OpenedSource, open_source
 from .trust import why_untrusted
 
@@ -257,7 +257,7 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
     known: dict[int, dict[tuple[int, int], bytes]] = {}
     for i, ident in enumerate(identities):
         got = FILE_DIGESTS.get(ident)
-        if got is not None and all((t.file_offset, t.nbytes) in got for t in ckpt.tensors if t.file == i):
+        if got is not None and all((fo, nb) in got for f, fo, nb, _ao in places(ckpt) if f == i):
             known[i] = got
     pieces: dict[tuple[int, int], bytes] = {}
     fds: list[int] = []
@@ -316,21 +316,12 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
         raise CorruptCheckpoint(f"{ckpt.source}: checkpoint changed on disk while it was loading", file=ckpt.source, reason="changed during load")
     if not content_hash:
         return None
-    digests: dict[int, bytes] = {}
-    hashed = [i for i in range(len(ckpt.tensors)) if ckpt.tensors[i].file not in known]
-    missing = [ckpt.tensors[i].name for i in hashed
-               if any((i, k) not in pieces for k in range(-(-ckpt.tensors[i].nbytes // HASH_BLOCK)))]
-    if missing:  # a writer that never reported the bytes it read: a bug, never a fingerprint
-        raise RuntimeError(f"{type(writer).__name__} did not report the bytes of {len(missing)} tensor(s), e.g. {missing[0]!r}")
-    digests.update(tensor_digests(ckpt, pieces, hashed))
-    for i, t in enumerate(ckpt.tensors):
-        if t.file in known:
-            digests[i] = known[t.file][(t.file_offset, t.nbytes)]
+    digests = read_digests(ckpt, pieces, known, type(writer).__name__)
     if reuse:
         for i, ident in enumerate(identities):
             # Kept only for a file unchanged from before the read to now (ctime included).
             if i not in known and _identity(opened.files[i].fd) == ident:
-                FILE_DIGESTS.put(ident, {(t.file_offset, t.nbytes): digests[j] for j, t in enumerate(ckpt.tensors) if t.file == i})
+                FILE_DIGESTS.put(ident, file_digests(ckpt, digests, i))
     return fingerprint(ckpt, digests)
 
 

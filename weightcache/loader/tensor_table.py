@@ -9,6 +9,13 @@ buffers whatever its tensor count: nothing per tensor for the collector to walk,
 bytes a tensor instead of ~350, and the columns cross a pipe from the parse worker
 (parse_worker.py) as bytes. A TensorInfo is made when a row is read and freed by its
 reference count when dropped.
+
+The table also keeps its rows' *heads* in name order, the header half of the content
+fingerprint (Note [content fingerprint], content.py): made where the rows are (in the
+parse worker for a big header), so the fill hashes them without a row object a tensor.
+Per tensor that is what its name, dtype and shape take as text plus 16 bytes, counted
+with the rest (buffer_bytes); it is what the daemon's threads had built at every load of
+a 100k-tensor file, ~1.8 s of Python holding the interpreter lock (issue 25).
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ class TensorTable(Sequence[TensorInfo]):
     __slots__ = (
         "_dims",
         "_dtypes",
+        "_head_ends",
+        "_heads",
         "_n",
         "_name_ends",
         "_names",
@@ -59,22 +68,27 @@ class TensorTable(Sequence[TensorInfo]):
         "arena_offset",
         "file",
         "file_offset",
+        "name_order",
         "nbytes",
     )
 
     def __init__(self, names: bytes, name_ends: memoryview, dtypes: bytes, shape_ends: memoryview, dims: memoryview,
-                 file: memoryview, file_offset: memoryview, nbytes: memoryview, arena_offset: memoryview) -> None:
+                 file: memoryview, file_offset: memoryview, nbytes: memoryview, arena_offset: memoryview,
+                 name_order: memoryview, heads: bytes, head_ends: memoryview) -> None:
         n = len(dtypes)
-        if not all(len(c) == n for c in (name_ends, shape_ends, file, file_offset, nbytes, arena_offset)):
+        if not all(len(c) == n for c in (name_ends, shape_ends, file, file_offset, nbytes, arena_offset, name_order, head_ends)):
             raise ValueError("tensor table columns differ in length")
-        if n and (name_ends[-1] != len(names) or shape_ends[-1] != len(dims)):
-            raise ValueError("tensor table names or shapes do not end where their columns say")
+        if n and (name_ends[-1] != len(names) or shape_ends[-1] != len(dims) or head_ends[-1] != len(heads)):
+            raise ValueError("tensor table names, shapes or heads do not end where their columns say")
         if dtypes and max(dtypes) >= len(DTYPES):
             raise ValueError("tensor table holds an unknown dtype code")
+        if not _permutation(name_order, n):
+            raise ValueError("tensor table's name order is not one of its rows each")
         self._n = n
         self._names, self._name_ends, self._dtypes = names, name_ends, dtypes
         self._shape_ends, self._dims = shape_ends, dims
         self.file, self.file_offset, self.nbytes, self.arena_offset = file, file_offset, nbytes, arena_offset
+        self.name_order, self._heads, self._head_ends = name_order, heads, head_ends
 
     @classmethod
     def of(cls, rows: Iterable[TensorInfo]) -> TensorTable:
@@ -96,29 +110,42 @@ class TensorTable(Sequence[TensorInfo]):
             cols["file_offset"].append(t.file_offset)
             cols["nbytes"].append(t.nbytes)
             cols["arena_offset"].append(t.arena_offset)
+        # Name order on the UTF-8 bytes: the same as on the names (code point order).
+        order = array("Q", sorted(range(len(names)), key=names.__getitem__))
+        heads: list[bytes] = []
+        head_ends = array("Q")
+        end = 0
+        for i in order:
+            s = shape_ends[i - 1] if i else 0
+            h = b"%s\0%s\0%s\0" % (names[i], DTYPES[dtypes[i]].encode(), ",".join(map(str, dims[s : shape_ends[i]])).encode())
+            heads.append(h)
+            end += len(h)
+            head_ends.append(end)
         return cls(b"".join(names), _exact(name_ends), bytes(dtypes), _exact(shape_ends), _exact(dims),
-                   **{k: _exact(a) for k, a in cols.items()})
+                   **{k: _exact(a) for k, a in cols.items()}, name_order=_exact(order), heads=b"".join(heads),
+                   head_ends=_exact(head_ends))
 
     # -- the parse worker's reply --------------------------------------------------------
 
     def to_wire(self) -> list[bytes]:
         return [self._names, self._name_ends.obj, self._dtypes, self._shape_ends.obj, self._dims.obj,  # type: ignore[list-item]
-                *(getattr(self, c).obj for c in _INT_COLUMNS)]
+                *(getattr(self, c).obj for c in _INT_COLUMNS), self.name_order.obj, self._heads, self._head_ends.obj]
 
     @classmethod
     def from_wire(cls, parts: list[Any]) -> TensorTable:
         """The table from :meth:`to_wire`'s buffers; ValueError if they do not make one."""
-        if not (isinstance(parts, list) and len(parts) == 9 and all(isinstance(p, bytes) for p in parts)):
-            raise ValueError("tensor table reply is not nine byte strings")
+        if not (isinstance(parts, list) and len(parts) == 12 and all(isinstance(p, bytes) for p in parts)):
+            raise ValueError("tensor table reply is not twelve byte strings")
 
         def col(raw: bytes, unsigned: bool = False) -> memoryview:
             if len(raw) % 8:
                 raise ValueError("tensor table column is not whole integers")
             return memoryview(raw).cast("Q") if unsigned else memoryview(raw).cast("q")
 
-        names, name_ends, dtypes, shape_ends, dims, *ints = parts
+        names, name_ends, dtypes, shape_ends, dims, *ints, order, heads, head_ends = parts
         return cls(names, col(name_ends, unsigned=True), dtypes, col(shape_ends, unsigned=True), col(dims),
-                   *(col(raw) for raw in ints))
+                   *(col(raw) for raw in ints), name_order=col(order, unsigned=True), heads=heads,
+                   head_ends=col(head_ends, unsigned=True))
 
     # -- Sequence --------------------------------------------------------------------------
 
@@ -166,6 +193,14 @@ class TensorTable(Sequence[TensorInfo]):
     def __repr__(self) -> str:
         return f"TensorTable({self._n} tensors)"
 
+    def heads(self) -> Iterator[tuple[int, bytes]]:
+        """(row, ``name \\0 dtype \\0 shape \\0``) in name order: the header half of the
+        content fingerprint (content.py), made with the table."""
+        heads, ends, a = self._heads, self._head_ends, 0
+        for i, b in zip(self.name_order, ends, strict=True):
+            yield i, heads[a:b]
+            a = b
+
     # -- sums without a row object each ---------------------------------------------------
 
     @property
@@ -175,14 +210,27 @@ class TensorTable(Sequence[TensorInfo]):
     @property
     def buffer_bytes(self) -> int:
         """What the columns hold."""
-        return len(self._names) + len(self._dtypes) + sum(c.nbytes for c in (
-            self._name_ends, self._shape_ends, self._dims, self.file, self.file_offset, self.nbytes, self.arena_offset))
+        return len(self._names) + len(self._dtypes) + len(self._heads) + sum(c.nbytes for c in (
+            self._name_ends, self._shape_ends, self._dims, self.file, self.file_offset, self.nbytes, self.arena_offset,
+            self.name_order, self._head_ends))
 
     @property
     def wire_bound(self) -> int:
         """At least the bytes of wire_table(self): per row a fixarray, the name and dtype
         strings with their headers, a shape of at most 9 bytes a dimension and two ints."""
         return len(self._names) + 9 * len(self._dims) + 32 * self._n
+
+
+def _permutation(order: memoryview, n: int) -> bool:
+    """``order`` holds each of 0..n-1 once (a 'Q' column: none below 0). In slices, each
+    C call short: the parse worker's reply is checked on a daemon thread."""
+    seen: set[int] = set()
+    for s in range(0, n, TABLE_SLICE):
+        part = order[s : s + TABLE_SLICE]
+        if max(part) >= n:
+            return False
+        seen.update(part)
+    return len(seen) == n
 
 
 def _exact(a: array[int]) -> memoryview:
