@@ -37,6 +37,7 @@ DTYPES = tuple(DTYPE_SIZES)
 DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
 TABLE_SLICE = 4096  # rows packed per C call: ~2 ms each, after which the event loop may take the lock
 _INT_COLUMNS = ("file", "file_offset", "nbytes", "arena_offset")
+Bytes = bytes | memoryview  # a byte column: its own bytes, or a view of the parse worker's reply
 
 
 class TensorInfo(NamedTuple):
@@ -72,9 +73,9 @@ class TensorTable(Sequence[TensorInfo]):
         "nbytes",
     )
 
-    def __init__(self, names: bytes, name_ends: memoryview, dtypes: bytes, shape_ends: memoryview, dims: memoryview,
+    def __init__(self, names: Bytes, name_ends: memoryview, dtypes: Bytes, shape_ends: memoryview, dims: memoryview,
                  file: memoryview, file_offset: memoryview, nbytes: memoryview, arena_offset: memoryview,
-                 name_order: memoryview, heads: bytes, head_ends: memoryview) -> None:
+                 name_order: memoryview, heads: Bytes, head_ends: memoryview) -> None:
         n = len(dtypes)
         if not all(len(c) == n for c in (name_ends, shape_ends, file, file_offset, nbytes, arena_offset, name_order, head_ends)):
             raise ValueError("tensor table columns differ in length")
@@ -127,25 +128,29 @@ class TensorTable(Sequence[TensorInfo]):
 
     # -- the parse worker's reply --------------------------------------------------------
 
-    def to_wire(self) -> list[bytes]:
-        return [self._names, self._name_ends.obj, self._dtypes, self._shape_ends.obj, self._dims.obj,  # type: ignore[list-item]
-                *(getattr(self, c).obj for c in _INT_COLUMNS), self.name_order.obj, self._heads, self._head_ends.obj]
+    def to_wire(self) -> list[memoryview]:
+        """The twelve buffers, as bytes views (of one buffer when the table came from the
+        parse worker's reply)."""
+        return [memoryview(self._names), self._name_ends.cast("B"), memoryview(self._dtypes), self._shape_ends.cast("B"),
+                self._dims.cast("B"), *(getattr(self, c).cast("B") for c in _INT_COLUMNS), self.name_order.cast("B"),
+                memoryview(self._heads), self._head_ends.cast("B")]
 
     @classmethod
     def from_wire(cls, parts: list[Any]) -> TensorTable:
         """The table from :meth:`to_wire`'s buffers; ValueError if they do not make one."""
-        if not (isinstance(parts, list) and len(parts) == 12 and all(isinstance(p, bytes) for p in parts)):
+        if not (isinstance(parts, list) and len(parts) == 12 and all(isinstance(p, (bytes, memoryview)) for p in parts)):
             raise ValueError("tensor table reply is not twelve byte strings")
+        parts = [memoryview(p).cast("B") for p in parts]  # views of what was passed, never copies
 
-        def col(raw: bytes, unsigned: bool = False) -> memoryview:
+        def col(raw: memoryview, unsigned: bool = False) -> memoryview:
             if len(raw) % 8:
                 raise ValueError("tensor table column is not whole integers")
-            return memoryview(raw).cast("Q") if unsigned else memoryview(raw).cast("q")
+            return raw.cast("Q") if unsigned else raw.cast("q")
 
-        names, name_ends, dtypes, shape_ends, dims, *ints, order, heads, head_ends = parts
-        return cls(names, col(name_ends, unsigned=True), dtypes, col(shape_ends, unsigned=True), col(dims),
-                   *(col(raw) for raw in ints), name_order=col(order, unsigned=True), heads=heads,
-                   head_ends=col(head_ends, unsigned=True))
+        names, name_ends, dtypes, shape_ends, dims, file, file_offset, nbytes, arena_offset, order, heads, head_ends = parts
+        return cls(names, col(name_ends, unsigned=True), dtypes, col(shape_ends, unsigned=True), col(dims), col(file),
+                   col(file_offset), col(nbytes), col(arena_offset), col(order, unsigned=True), heads,
+                   col(head_ends, unsigned=True))
 
     # -- Sequence --------------------------------------------------------------------------
 
@@ -155,7 +160,7 @@ class TensorTable(Sequence[TensorInfo]):
     def _row(self, i: int) -> TensorInfo:
         a = self._name_ends[i - 1] if i else 0
         s = self._shape_ends[i - 1] if i else 0
-        return TensorInfo(self._names[a : self._name_ends[i]].decode(), DTYPES[self._dtypes[i]],
+        return TensorInfo(str(self._names[a : self._name_ends[i]], "utf-8"), DTYPES[self._dtypes[i]],
                           tuple(self._dims[s : self._shape_ends[i]]), self.file[i], self.file_offset[i], self.nbytes[i],
                           self.arena_offset[i])
 
@@ -178,7 +183,7 @@ class TensorTable(Sequence[TensorInfo]):
         a = s = 0
         for i, (f, fo, nb, ao) in enumerate(zip(self.file, self.file_offset, self.nbytes, self.arena_offset, strict=True)):
             b, e = name_ends[i], shape_ends[i]
-            yield TensorInfo(names[a:b].decode(), DTYPES[dtypes[i]], tuple(dims[s:e]), f, fo, nb, ao)
+            yield TensorInfo(str(names[a:b], "utf-8"), DTYPES[dtypes[i]], tuple(dims[s:e]), f, fo, nb, ao)
             a, s = b, e
 
     def __eq__(self, other: object) -> bool:
@@ -193,7 +198,7 @@ class TensorTable(Sequence[TensorInfo]):
     def __repr__(self) -> str:
         return f"TensorTable({self._n} tensors)"
 
-    def heads(self) -> Iterator[tuple[int, bytes]]:
+    def heads(self) -> Iterator[tuple[int, Bytes]]:
         """(row, ``name \\0 dtype \\0 shape \\0``) in name order: the header half of the
         content fingerprint (content.py), made with the table."""
         heads, ends, a = self._heads, self._head_ends, 0
