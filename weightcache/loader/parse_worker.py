@@ -6,14 +6,14 @@ the interpreter lock, in slices the event loop must queue for; beside one tenant
 --only headerbomb, 2-core VM), and the parse's transient objects stayed in the daemon's
 heap as RSS. A worker holds no lock of the daemon's, runs at nice 19 (the kernel gives the
 event loop's thread the CPU first), and takes its garbage with it when it exits. Its
-reply is the layout's columns as bytes (tensor_table.py) and the encoded attach table:
-nothing per tensor is built in the daemon.
+reply is the layout's columns as bytes (tensor_table.py, the fingerprint's heads among
+them) and the encoded attach table: nothing per tensor is built in the daemon.
 
 One process per parse, started from ``sys.executable`` (no fork of a daemon that may
 hold CUDA contexts and threads): ~90 ms to start on the 2-core VM, paid only by headers
 of PARSE_APART_BYTES or more, which real checkpoints stay under (~100 bytes a tensor:
-1 MiB is ~10,000 tensors). The reply is msgpack, never pickle: a worker that parsed a
-hostile header must not be able to make the daemon run anything. Its columns are checked
+1 MiB is ~10,000 tensors). The reply is a msgpack map and raw buffers, never pickle: a
+worker that parsed a hostile header must not be able to make the daemon run anything. Its columns are checked
 before use (TensorTable.from_wire, and every row's bytes inside the arena).
 """
 
