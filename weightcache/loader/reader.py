@@ -175,11 +175,30 @@ def pread_hashing(fd: int, view: memoryview, offset: int, seen: Callable[[memory
             seen(part)
 
 
+# Loader threads are niced only for loads whose time is the kernel's copying: a thread at
+# nice 19 that runs Python holds the GIL while the kernel gives its core to others, and
+# the event loop waits until it runs again. An asyncio loop timing sleep(1 ms) beside one
+# such thread running Python, two CPU hogs at nice 0 on the 2-core VM: max lateness 355
+# and 524 ms at nice 19, 22 and 23 ms at nice 0 (two runs each); in the header-bomb stress
+# py-spy --gil caught a 4 KiB cold load's niced thread holding the GIL 112 ms. Small loads
+# and loads of many small tensors (per-piece hashing is Python) run at the loop's nice.
+NICE_MIN_BYTES = 64 * 2**20
+NICE_MIN_BYTES_PER_TENSOR = 2**20
+
+
+def loader_nice(ckpt: Checkpoint, nice: int) -> int:
+    """The niceness ``ckpt``'s loader threads take: ``nice`` for big tensors in bulk, else 0."""
+    data = ckpt.data_bytes
+    return nice if data >= NICE_MIN_BYTES and data >= NICE_MIN_BYTES_PER_TENSOR * len(ckpt.tensors) else 0
+
+
 def _lower_priority(nice: int) -> None:
     """Loader threads yield the CPU to the event loop thread. On a small host a load
     saturates every core with kernel copy work; at nice 0 the loop waited behind it and
     ``status`` p99 reached 16-29 ms, at nice 19 4 ms (docs/benchmarks.md). Linux applies
     nice per thread, and raising it needs no privilege."""
+    if not nice:  # loader_nice chose the loop's
+        return
     # Refused in some sandboxes: loads still work then, only at equal priority.
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
@@ -304,6 +323,7 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
                 if progress is not None:
                     progress.add(n)
 
+        nice = loader_nice(ckpt, nice)
         with ThreadPoolExecutor(max_workers=min(threads, max(1, len(tasks))), thread_name_prefix="wc-load",
                                 initializer=_lower_priority, initargs=(nice,)) as pool:
             # list() re-raises the first worker error; the pool's exit waits for the rest.
