@@ -279,8 +279,8 @@ def test_only_files_that_cannot_change_unseen_are_hashed_on_the_device(tmp_path)
         assert w.asked is on_device, oct(mode)
 
 
-def test_a_tables_heads_hash_as_the_rows_they_were_made_from(tmp_path):
-    """The fingerprint from a TensorTable's heads (made with the table, in name order) is the
+def test_a_tables_fingerprint_rows_hash_as_the_rows_they_were_made_from(tmp_path):
+    """The fingerprint from a TensorTable's own (made with the table, in name order) is the
     definition's, hashed from rows: names out of file order, non-ASCII, empty and
     scalar shapes, a tensor of several pieces."""
     import dataclasses
@@ -293,7 +293,7 @@ def test_a_tables_heads_hash_as_the_rows_they_were_made_from(tmp_path):
     with open_source(path) as opened:
         ckpt = parse_checkpoint(opened)
     names = [r.name for r in ckpt.tensors]
-    assert names != sorted(names)  # file order is not name order: the heads' order is what is tested
+    assert names != sorted(names)  # file order is not name order: the table's name order is what is tested
     pieces = {(i, k): bytes([i, k]) * 8 for i, r in enumerate(ckpt.tensors) for k in range(-(-r.nbytes // HASH_BLOCK))}
     digests = read_digests(ckpt, pieces, {}, "test")
     assert digests[names.index("é")] == EMPTY_DIGEST

@@ -61,7 +61,7 @@ def test_a_table_of_columns_reads_back_the_rows_it_was_made_of() -> None:
     lambda w: [*w[:4], "dims", *w[5:]],  # not bytes
     lambda w: [*w[:9], w[9][:8] * 2, *w[10:]],  # the name order holds one row twice
     lambda w: [*w[:9], (2).to_bytes(8, "little") + w[9][8:], *w[10:]],  # ... or a row that is not there
-    lambda w: [*w[:10], w[10] + b"x", w[11]],  # heads longer than their ends say
+    lambda w: [*w[:10], w[10] + b"x", w[11]],  # tails longer than their ends say
 ])
 def test_columns_that_do_not_make_a_table_are_refused(mutate) -> None:
     wire = [bytes(p) for p in TensorTable.of([TensorInfo("a", "F32", (2,), 0, 8, 8, 0),

@@ -10,12 +10,13 @@ bytes a tensor instead of ~350, and the columns cross a pipe from the parse work
 (parse_worker.py) as bytes. A TensorInfo is made when a row is read and freed by its
 reference count when dropped.
 
-The table also keeps its rows' *heads* in name order, the header half of the content
-fingerprint (Note [content fingerprint], content.py): made where the rows are (in the
-parse worker for a big header), so the fill hashes them without a row object a tensor.
-Per tensor that is what its name, dtype and shape take as text plus 16 bytes, counted
-with the rest (buffer_bytes); it is what the daemon's threads had built at every load of
-a 100k-tensor file, ~1.8 s of Python holding the interpreter lock (issue 25).
+The table also keeps, in name order, what the content fingerprint hashes of each row
+after its name (``\\0 dtype \\0 shape \\0``, Note [content fingerprint], content.py):
+made where the rows are (in the parse worker for a big header), so the fill hashes the
+header half without a row object a tensor. That is what the daemon's threads had built
+at every load of a 100k-tensor file, 1.2-1.7 s of Python holding the interpreter lock
+(issue 25); it costs ~7 bytes a tensor plus two 8-byte columns, counted with the rest
+(buffer_bytes).
 """
 
 from __future__ import annotations
@@ -60,12 +61,12 @@ class TensorTable(Sequence[TensorInfo]):
     __slots__ = (
         "_dims",
         "_dtypes",
-        "_head_ends",
-        "_heads",
         "_n",
         "_name_ends",
         "_names",
         "_shape_ends",
+        "_tail_ends",
+        "_tails",
         "arena_offset",
         "file",
         "file_offset",
@@ -75,12 +76,12 @@ class TensorTable(Sequence[TensorInfo]):
 
     def __init__(self, names: Bytes, name_ends: memoryview, dtypes: Bytes, shape_ends: memoryview, dims: memoryview,
                  file: memoryview, file_offset: memoryview, nbytes: memoryview, arena_offset: memoryview,
-                 name_order: memoryview, heads: Bytes, head_ends: memoryview) -> None:
+                 name_order: memoryview, tails: Bytes, tail_ends: memoryview) -> None:
         n = len(dtypes)
-        if not all(len(c) == n for c in (name_ends, shape_ends, file, file_offset, nbytes, arena_offset, name_order, head_ends)):
+        if not all(len(c) == n for c in (name_ends, shape_ends, file, file_offset, nbytes, arena_offset, name_order, tail_ends)):
             raise ValueError("tensor table columns differ in length")
-        if n and (name_ends[-1] != len(names) or shape_ends[-1] != len(dims) or head_ends[-1] != len(heads)):
-            raise ValueError("tensor table names, shapes or heads do not end where their columns say")
+        if n and (name_ends[-1] != len(names) or shape_ends[-1] != len(dims) or tail_ends[-1] != len(tails)):
+            raise ValueError("tensor table names, shapes or tails do not end where their columns say")
         if dtypes and max(dtypes) >= len(DTYPES):
             raise ValueError("tensor table holds an unknown dtype code")
         if not _permutation(name_order, n):
@@ -89,7 +90,7 @@ class TensorTable(Sequence[TensorInfo]):
         self._names, self._name_ends, self._dtypes = names, name_ends, dtypes
         self._shape_ends, self._dims = shape_ends, dims
         self.file, self.file_offset, self.nbytes, self.arena_offset = file, file_offset, nbytes, arena_offset
-        self.name_order, self._heads, self._head_ends = name_order, heads, head_ends
+        self.name_order, self._tails, self._tail_ends = name_order, tails, tail_ends
 
     @classmethod
     def of(cls, rows: Iterable[TensorInfo]) -> TensorTable:
@@ -113,18 +114,18 @@ class TensorTable(Sequence[TensorInfo]):
             cols["arena_offset"].append(t.arena_offset)
         # Name order on the UTF-8 bytes: the same as on the names (code point order).
         order = array("Q", sorted(range(len(names)), key=names.__getitem__))
-        heads: list[bytes] = []
-        head_ends = array("Q")
+        tails: list[bytes] = []
+        tail_ends = array("Q")
         end = 0
         for i in order:
             s = shape_ends[i - 1] if i else 0
-            h = b"%s\0%s\0%s\0" % (names[i], DTYPES[dtypes[i]].encode(), ",".join(map(str, dims[s : shape_ends[i]])).encode())
-            heads.append(h)
+            h = b"\0%s\0%s\0" % (DTYPES[dtypes[i]].encode(), ",".join(map(str, dims[s : shape_ends[i]])).encode())
+            tails.append(h)
             end += len(h)
-            head_ends.append(end)
+            tail_ends.append(end)
         return cls(b"".join(names), _exact(name_ends), bytes(dtypes), _exact(shape_ends), _exact(dims),
-                   **{k: _exact(a) for k, a in cols.items()}, name_order=_exact(order), heads=b"".join(heads),
-                   head_ends=_exact(head_ends))
+                   **{k: _exact(a) for k, a in cols.items()}, name_order=_exact(order), tails=b"".join(tails),
+                   tail_ends=_exact(tail_ends))
 
     # -- the parse worker's reply --------------------------------------------------------
 
@@ -133,7 +134,7 @@ class TensorTable(Sequence[TensorInfo]):
         parse worker's reply)."""
         return [memoryview(self._names), self._name_ends.cast("B"), memoryview(self._dtypes), self._shape_ends.cast("B"),
                 self._dims.cast("B"), *(getattr(self, c).cast("B") for c in _INT_COLUMNS), self.name_order.cast("B"),
-                memoryview(self._heads), self._head_ends.cast("B")]
+                memoryview(self._tails), self._tail_ends.cast("B")]
 
     @classmethod
     def from_wire(cls, parts: list[Any]) -> TensorTable:
@@ -147,10 +148,10 @@ class TensorTable(Sequence[TensorInfo]):
                 raise ValueError("tensor table column is not whole integers")
             return raw.cast("Q") if unsigned else raw.cast("q")
 
-        names, name_ends, dtypes, shape_ends, dims, file, file_offset, nbytes, arena_offset, order, heads, head_ends = parts
+        names, name_ends, dtypes, shape_ends, dims, file, file_offset, nbytes, arena_offset, order, tails, tail_ends = parts
         return cls(names, col(name_ends, unsigned=True), dtypes, col(shape_ends, unsigned=True), col(dims), col(file),
-                   col(file_offset), col(nbytes), col(arena_offset), col(order, unsigned=True), heads,
-                   col(head_ends, unsigned=True))
+                   col(file_offset), col(nbytes), col(arena_offset), col(order, unsigned=True), tails,
+                   col(tail_ends, unsigned=True))
 
     # -- Sequence --------------------------------------------------------------------------
 
@@ -198,12 +199,12 @@ class TensorTable(Sequence[TensorInfo]):
     def __repr__(self) -> str:
         return f"TensorTable({self._n} tensors)"
 
-    def heads(self) -> Iterator[tuple[int, Bytes]]:
-        """(row, ``name \\0 dtype \\0 shape \\0``) in name order: the header half of the
-        content fingerprint (content.py), made with the table."""
-        heads, ends, a = self._heads, self._head_ends, 0
-        for i, b in zip(self.name_order, ends, strict=True):
-            yield i, heads[a:b]
+    def fingerprint_rows(self) -> Iterator[tuple[int, Bytes, Bytes]]:
+        """(row, its name, ``\\0 dtype \\0 shape \\0``) in name order: the header half of
+        the content fingerprint (content.py), made with the table."""
+        names, name_ends, tails, tail_ends, a = self._names, self._name_ends, self._tails, self._tail_ends, 0
+        for i, b in zip(self.name_order, tail_ends, strict=True):
+            yield i, names[name_ends[i - 1] if i else 0 : name_ends[i]], tails[a:b]
             a = b
 
     # -- sums without a row object each ---------------------------------------------------
@@ -215,9 +216,9 @@ class TensorTable(Sequence[TensorInfo]):
     @property
     def buffer_bytes(self) -> int:
         """What the columns hold."""
-        return len(self._names) + len(self._dtypes) + len(self._heads) + sum(c.nbytes for c in (
+        return len(self._names) + len(self._dtypes) + len(self._tails) + sum(c.nbytes for c in (
             self._name_ends, self._shape_ends, self._dims, self.file, self.file_offset, self.nbytes, self.arena_offset,
-            self.name_order, self._head_ends))
+            self.name_order, self._tail_ends))
 
     @property
     def wire_bound(self) -> int:
