@@ -15,7 +15,7 @@ from weightcache import Client
 from weightcache.backends.cpu import CpuBackend
 from weightcache.backends.page_cache import populate_supported
 from weightcache.loader import fingerprint_files, open_source, parse_checkpoint, read_checkpoint
-from weightcache.loader.content import FILE_DIGESTS, HASH_BLOCK, TaskHasher, plan_tasks
+from weightcache.loader.content import FILE_DIGESTS, HASH_BLOCK, TaskHasher, fingerprint, plan_tasks
 
 
 def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -278,3 +278,27 @@ def test_only_files_that_cannot_change_unseen_are_hashed_on_the_device(tmp_path)
             w = _DeviceHashingWriter(ckpt.arena_bytes)
             assert read_checkpoint(ckpt, opened, w, threads=2, chunk=1 << 20) == want
         assert w.asked is on_device, oct(mode)
+
+
+def test_a_tables_fingerprint_rows_hash_as_the_rows_they_were_made_from(tmp_path):
+    """The fingerprint from a TensorTable's own (made with the table, in name order) is the
+    definition's, hashed from rows: names out of file order, non-ASCII, empty and
+    scalar shapes, a tensor of several pieces."""
+    import dataclasses
+
+    from weightcache.loader.content import EMPTY_DIGEST, read_digests
+
+    t = {"zeta": torch.zeros(3), "alpha": torch.ones(2, 5), "é": torch.zeros(0), "b": torch.tensor(7.0), **tensors(3)}
+    path = tmp_path / "m.safetensors"
+    save_file(t, str(path))
+    with open_source(path) as opened:
+        ckpt = parse_checkpoint(opened)
+    names = [r.name for r in ckpt.tensors]
+    assert names != sorted(names)  # file order is not name order: the table's name order is what is tested
+    pieces = {(i, k): bytes([i, k]) * 8 for i, r in enumerate(ckpt.tensors) for k in range(-(-r.nbytes // HASH_BLOCK))}
+    digests = read_digests(ckpt, pieces, {}, "test")
+    assert digests[names.index("é")] == EMPTY_DIGEST
+    rows = dataclasses.replace(ckpt, tensors=tuple(ckpt.tensors))
+    assert fingerprint(ckpt, digests) == fingerprint(rows, dict(enumerate(digests)))
+    with pytest.raises(RuntimeError, match="did not report the bytes of 1 tensor"):
+        read_digests(ckpt, {k: v for k, v in pieces.items() if k[0] != names.index("zeta")}, {}, "test")

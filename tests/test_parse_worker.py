@@ -59,9 +59,13 @@ def test_a_table_of_columns_reads_back_the_rows_it_was_made_of() -> None:
     lambda w: [*w[:5], w[5][:-3], *w[6:]],  # a column not of whole integers
     lambda w: [w[0] + b"x", *w[1:]],  # names longer than their ends say
     lambda w: [*w[:4], "dims", *w[5:]],  # not bytes
+    lambda w: [*w[:9], w[9][:8] * 2, *w[10:]],  # the name order holds one row twice
+    lambda w: [*w[:9], (2).to_bytes(8, "little") + w[9][8:], *w[10:]],  # ... or a row that is not there
+    lambda w: [*w[:10], w[10] + b"x", w[11]],  # tails longer than their ends say
 ])
 def test_columns_that_do_not_make_a_table_are_refused(mutate) -> None:
-    wire = TensorTable.of([TensorInfo("a", "F32", (2,), 0, 8, 8, 0), TensorInfo("b", "F32", (2,), 0, 16, 8, 256)]).to_wire()
+    wire = [bytes(p) for p in TensorTable.of([TensorInfo("a", "F32", (2,), 0, 8, 8, 0),
+                                              TensorInfo("b", "F32", (2,), 0, 16, 8, 256)]).to_wire()]
     with pytest.raises(ValueError):
         TensorTable.from_wire(mutate(wire))
 
@@ -98,9 +102,20 @@ def test_a_malformed_header_fails_the_same_way_in_the_worker(tmp_path, monkeypat
 PYTHON = sys.executable
 
 
+# parse_worker's reply framing: meta's length, meta, the parts padded to 8 bytes, the table
+REPLY = """def reply(meta, parts=(), table=b""):
+    meta = msgpack.packb({**meta, "parts": [len(p) for p in parts], "table": len(table)})
+    out = sys.stdout.buffer
+    out.write(len(meta).to_bytes(8, "little") + meta)
+    for p in parts:
+        out.write(bytes(p) + bytes(-len(p) % 8))
+    out.write(table)
+"""
+
+
 def fake_worker(tmp_path: Path, body: str) -> str:
     script = tmp_path / "fake-python"
-    script.write_text(f"#!{PYTHON}\nimport sys, msgpack\nsys.stdin.buffer.read()\n{body}\n")
+    script.write_text(f"#!{PYTHON}\nimport sys, msgpack\nsys.stdin.buffer.read()\n{REPLY}\n{body}\n")
     os.chmod(script, 0o755)
     return str(script)
 
@@ -108,12 +123,15 @@ def fake_worker(tmp_path: Path, body: str) -> str:
 def test_a_worker_that_fails_or_lies_fails_the_parse_with_a_reason(tmp_path, monkeypatch) -> None:
     path = raw_file(tmp_path / "m.safetensors", many(20))
     rows = TensorTable.of([TensorInfo("a", "F32", (2,), 0, 8, 8, 1 << 40)])  # far past the arena it claims
-    outside = {"columns": rows.to_wire(), "arena_bytes": 4096, "layout": "x", "table": b""}
+    outside = [bytes(p) for p in rows.to_wire()]
     cases = {
         "sys.exit('boom')": "the header parse worker failed: boom",
         "sys.stdout.buffer.write(b'\\xc1not msgpack')": "reply is malformed",
-        "sys.stdout.buffer.write(msgpack.packb({'columns': [b''] * 3}))": "reply is malformed",
-        f"sys.stdout.buffer.write(msgpack.packb({outside!r}))": "places a tensor outside its file or arena",
+        "reply({'arena_bytes': 1, 'layout': 'x'}, [b''] * 3)": "reply is malformed",
+        "m = msgpack.packb({'parts': [], 'table': 10}); sys.stdout.buffer.write(len(m).to_bytes(8, 'little') + m + b'12345')":
+            "reply is malformed (truncated)",
+        "sys.stdout.buffer.write((10).to_bytes(8, 'little') + msgpack.packb({'parts': [1 << 40], 'table': 0}))": "reply is malformed",
+        f"reply({{'arena_bytes': 4096, 'layout': 'x'}}, {outside!r})": "places a tensor outside its file or arena",
     }
     for body, message in cases.items():
         monkeypatch.setattr(sys, "executable", fake_worker(tmp_path, body))

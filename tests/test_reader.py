@@ -224,3 +224,38 @@ def test_read_checkpoint_needs_the_source_it_was_parsed_from(ckpts):
         cpu_load(ckpt, opened)
     with open_source(ckpts["a"]) as other, pytest.raises(ValueError, match="not the open source"):
         cpu_load(ckpt, other)
+
+
+class NiceRecorder:
+    """Reads nothing: records the niceness of each loader thread that writes."""
+
+    direct_io = False
+
+    def __init__(self) -> None:
+        self.nices: set[int] = set()
+
+    def write_from_file(self, fd, file_offset, arena_offset, nbytes, direct=False, seen=None) -> None:
+        self.nices.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        if seen is not None:
+            seen(memoryview(bytes(nbytes)))
+
+    def finish(self) -> None:
+        pass
+
+
+def test_loader_threads_are_niced_only_for_big_tensors_in_bulk(tmp_path, monkeypatch):
+    """A niced thread running Python holds the GIL while the kernel runs others (reader.py,
+    loader_nice): a small load, or one of many small tensors, keeps the loop's priority."""
+    import weightcache.loader.reader as reader
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    path = tmp_path / "m.safetensors"
+    save_file({f"t{i}": torch.zeros(1024, dtype=torch.uint8) for i in range(8)}, str(path))  # 8 KiB, 1 KiB a tensor
+    with open_source(path) as opened:
+        ckpt = parse_checkpoint(opened)
+        for min_bytes, per_tensor, niced in [(64 * 2**20, 2**20, False), (1, 2048, False), (1, 1024, True)]:
+            monkeypatch.setattr(reader, "NICE_MIN_BYTES", min_bytes)
+            monkeypatch.setattr(reader, "NICE_MIN_BYTES_PER_TENSOR", per_tensor)
+            w = NiceRecorder()
+            read_checkpoint(ckpt, opened, w, threads=2, chunk=4096, nice=19, content_hash=False)
+            assert w.nices == ({19} if niced and base < 19 else {base}), (min_bytes, per_tensor, w.nices)

@@ -48,15 +48,18 @@ MAX_HEADER_BYTES = 16 * 2**20
 # MiB for the table, ~350 bytes a tensor; before issue 25 the raw header (7.1 MiB) was
 # kept too, and all of it after eviction, charged to nobody: a tenant with an 8 KiB quota
 # made the daemon hold +201 MiB RSS with four such models. Rows parsed from files are now
-# columns (tensor_table.py): for the same file 11.2 MB in all, columns and table (the
-# table 3.1 of it). That, counted from the buffers themselves, is added to the bytes a
+# columns (tensor_table.py): for the same file 11.0 MB in all, columns and table (the
+# table 3.1 of it); 13.2 MB since the columns keep the header half of the content
+# fingerprint too (the fill had built it from rows at every load, tensor_table.py). That,
+# counted from the buffers themselves, is added to the bytes a
 # load is admitted for: it counts against the device's budget and the owner's quota like
 # the arena, is returned with it, and the raw header is dropped once hashed. Evicted, a
 # model keeps only its fingerprint and tensor count. A header of PARSE_APART_BYTES or more
 # is parsed in a worker process (parse_worker.py): the parse's transient peak (~2x the
 # parsed size in a thread of the daemon's, ~85 MiB for the 7.4 MB header) is the
 # worker's; the daemon's own peak while it waits, the request and the reply in flight,
-# was 48 MB for that header (tracemalloc), freed when the parse returns.
+# was 47.6 MB for that header, 29.3 MB since the reply is read into the buffer the
+# columns are views of (tracemalloc; parse_worker.py), freed when the parse returns.
 HELD_PER_TENSOR = 320  # a published table's rows (tuples): bytes per tensor besides its name (twice) and 9 per dimension
 HELD_BASE_BYTES = 8192  # the Checkpoint, its file records, its columns' views and the model's record (4.6 KiB measured)
 

@@ -21,7 +21,7 @@ from typing import Protocol
 from ..errors import CorruptCheckpoint, LoadFailed
 from ..units import round_up
 from .checkpoint import Checkpoint, parse_checkpoint
-from .content import FILE_DIGESTS, HASH_BLOCK, FileIdentity, Task, TaskHasher, fingerprint, plan_tasks, tensor_digests
+from .content import FILE_DIGESTS, FileIdentity, Task, TaskHasher, file_digests, fingerprint, places, plan_tasks, read_digests
 from .sources import OpenedSource, open_source
 from .trust import why_untrusted
 
@@ -181,11 +181,30 @@ def pread_hashing(fd: int, view: memoryview, offset: int, seen: Callable[[memory
             seen(part)
 
 
+# Loader threads are niced only for loads whose time is the kernel's copying: a thread at
+# nice 19 that runs Python holds the GIL while the kernel gives its core to others, and
+# the event loop waits until it runs again. An asyncio loop timing sleep(1 ms) beside one
+# such thread running Python, two CPU hogs at nice 0 on the 2-core VM: max lateness 355
+# and 524 ms at nice 19, 22 and 23 ms at nice 0 (two runs each); in the header-bomb stress
+# py-spy --gil caught a 4 KiB cold load's niced thread holding the GIL 112 ms. Small loads
+# and loads of many small tensors (per-piece hashing is Python) run at the loop's nice.
+NICE_MIN_BYTES = 64 * 2**20
+NICE_MIN_BYTES_PER_TENSOR = 2**20
+
+
+def loader_nice(ckpt: Checkpoint, nice: int) -> int:
+    """The niceness ``ckpt``'s loader threads take: ``nice`` for big tensors in bulk, else 0."""
+    data = ckpt.data_bytes
+    return nice if data >= NICE_MIN_BYTES and data >= NICE_MIN_BYTES_PER_TENSOR * len(ckpt.tensors) else 0
+
+
 def _lower_priority(nice: int) -> None:
     """Loader threads yield the CPU to the event loop thread. On a small host a load
     saturates every core with kernel copy work; at nice 0 the loop waited behind it and
     ``status`` p99 reached 16-29 ms, at nice 19 4 ms (docs/benchmarks.md). Linux applies
     nice per thread, and raising it needs no privilege."""
+    if not nice:  # loader_nice chose the loop's
+        return
     # Refused in some sandboxes: loads still work then, only at equal priority.
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
@@ -263,7 +282,7 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
     known: dict[int, dict[tuple[int, int], bytes]] = {}
     for i, ident in enumerate(identities):
         got = FILE_DIGESTS.get(ident)
-        if got is not None and all((t.file_offset, t.nbytes) in got for t in ckpt.tensors if t.file == i):
+        if got is not None and all((fo, nb) in got for f, fo, nb, _ao in places(ckpt) if f == i):
             known[i] = got
     pieces: dict[tuple[int, int], bytes] = {}
     fds: list[int] = []
@@ -310,6 +329,7 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
                 if progress is not None:
                     progress.add(n)
 
+        nice = loader_nice(ckpt, nice)
         with ThreadPoolExecutor(max_workers=min(threads, max(1, len(tasks))), thread_name_prefix="wc-load",
                                 initializer=_lower_priority, initargs=(nice,)) as pool:
             # list() re-raises the first worker error; the pool's exit waits for the rest.
@@ -322,21 +342,12 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
         raise CorruptCheckpoint(f"{ckpt.source}: checkpoint changed on disk while it was loading", file=ckpt.source, reason="changed during load")
     if not content_hash:
         return None
-    digests: dict[int, bytes] = {}
-    hashed = [i for i in range(len(ckpt.tensors)) if ckpt.tensors[i].file not in known]
-    missing = [ckpt.tensors[i].name for i in hashed
-               if any((i, k) not in pieces for k in range(-(-ckpt.tensors[i].nbytes // HASH_BLOCK)))]
-    if missing:  # a writer that never reported the bytes it read: a bug, never a fingerprint
-        raise RuntimeError(f"{type(writer).__name__} did not report the bytes of {len(missing)} tensor(s), e.g. {missing[0]!r}")
-    digests.update(tensor_digests(ckpt, pieces, hashed))
-    for i, t in enumerate(ckpt.tensors):
-        if t.file in known:
-            digests[i] = known[t.file][(t.file_offset, t.nbytes)]
+    digests = read_digests(ckpt, pieces, known, type(writer).__name__)
     if reuse:
         for i, ident in enumerate(identities):
             # Kept only for a file unchanged from before the read to now (ctime included).
             if i not in known and _identity(opened.files[i].fd) == ident:
-                FILE_DIGESTS.put(ident, {(t.file_offset, t.nbytes): digests[j] for j, t in enumerate(ckpt.tensors) if t.file == i})
+                FILE_DIGESTS.put(ident, file_digests(ckpt, digests, i))
     return fingerprint(ckpt, digests)
 
 

@@ -9,6 +9,14 @@ buffers whatever its tensor count: nothing per tensor for the collector to walk,
 bytes a tensor instead of ~350, and the columns cross a pipe from the parse worker
 (parse_worker.py) as bytes. A TensorInfo is made when a row is read and freed by its
 reference count when dropped.
+
+The table also keeps, in name order, what the content fingerprint hashes of each row
+after its name (``\\0 dtype \\0 shape \\0``, Note [content fingerprint], content.py):
+made where the rows are (in the parse worker for a big header), so the fill hashes the
+header half without a row object a tensor. That is what the daemon's threads had built
+at every load of a 100k-tensor file, 1.65-1.82 s of Python holding the interpreter lock
+(issue 25); it costs ~7 bytes a tensor plus two 8-byte columns, counted with the rest
+(buffer_bytes).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ DTYPES = tuple(DTYPE_SIZES)
 DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
 TABLE_SLICE = 4096  # rows packed per C call: ~2 ms each, after which the event loop may take the lock
 _INT_COLUMNS = ("file", "file_offset", "nbytes", "arena_offset")
+Bytes = bytes | memoryview  # a byte column: its own bytes, or a view of the parse worker's reply
 
 
 class TensorInfo(NamedTuple):
@@ -56,25 +65,32 @@ class TensorTable(Sequence[TensorInfo]):
         "_name_ends",
         "_names",
         "_shape_ends",
+        "_tail_ends",
+        "_tails",
         "arena_offset",
         "file",
         "file_offset",
+        "name_order",
         "nbytes",
     )
 
-    def __init__(self, names: bytes, name_ends: memoryview, dtypes: bytes, shape_ends: memoryview, dims: memoryview,
-                 file: memoryview, file_offset: memoryview, nbytes: memoryview, arena_offset: memoryview) -> None:
+    def __init__(self, names: Bytes, name_ends: memoryview, dtypes: Bytes, shape_ends: memoryview, dims: memoryview,
+                 file: memoryview, file_offset: memoryview, nbytes: memoryview, arena_offset: memoryview,
+                 name_order: memoryview, tails: Bytes, tail_ends: memoryview) -> None:
         n = len(dtypes)
-        if not all(len(c) == n for c in (name_ends, shape_ends, file, file_offset, nbytes, arena_offset)):
+        if not all(len(c) == n for c in (name_ends, shape_ends, file, file_offset, nbytes, arena_offset, name_order, tail_ends)):
             raise ValueError("tensor table columns differ in length")
-        if n and (name_ends[-1] != len(names) or shape_ends[-1] != len(dims)):
-            raise ValueError("tensor table names or shapes do not end where their columns say")
+        if n and (name_ends[-1] != len(names) or shape_ends[-1] != len(dims) or tail_ends[-1] != len(tails)):
+            raise ValueError("tensor table names, shapes or tails do not end where their columns say")
         if dtypes and max(dtypes) >= len(DTYPES):
             raise ValueError("tensor table holds an unknown dtype code")
+        if not _permutation(name_order, n):
+            raise ValueError("tensor table's name order is not one of its rows each")
         self._n = n
         self._names, self._name_ends, self._dtypes = names, name_ends, dtypes
         self._shape_ends, self._dims = shape_ends, dims
         self.file, self.file_offset, self.nbytes, self.arena_offset = file, file_offset, nbytes, arena_offset
+        self.name_order, self._tails, self._tail_ends = name_order, tails, tail_ends
 
     @classmethod
     def of(cls, rows: Iterable[TensorInfo]) -> TensorTable:
@@ -96,29 +112,46 @@ class TensorTable(Sequence[TensorInfo]):
             cols["file_offset"].append(t.file_offset)
             cols["nbytes"].append(t.nbytes)
             cols["arena_offset"].append(t.arena_offset)
+        # Name order on the UTF-8 bytes: the same as on the names (code point order).
+        order = array("Q", sorted(range(len(names)), key=names.__getitem__))
+        tails: list[bytes] = []
+        tail_ends = array("Q")
+        end = 0
+        for i in order:
+            s = shape_ends[i - 1] if i else 0
+            h = b"\0%s\0%s\0" % (DTYPES[dtypes[i]].encode(), ",".join(map(str, dims[s : shape_ends[i]])).encode())
+            tails.append(h)
+            end += len(h)
+            tail_ends.append(end)
         return cls(b"".join(names), _exact(name_ends), bytes(dtypes), _exact(shape_ends), _exact(dims),
-                   **{k: _exact(a) for k, a in cols.items()})
+                   **{k: _exact(a) for k, a in cols.items()}, name_order=_exact(order), tails=b"".join(tails),
+                   tail_ends=_exact(tail_ends))
 
     # -- the parse worker's reply --------------------------------------------------------
 
-    def to_wire(self) -> list[bytes]:
-        return [self._names, self._name_ends.obj, self._dtypes, self._shape_ends.obj, self._dims.obj,  # type: ignore[list-item]
-                *(getattr(self, c).obj for c in _INT_COLUMNS)]
+    def to_wire(self) -> list[memoryview]:
+        """The twelve buffers, as bytes views (of one buffer when the table came from the
+        parse worker's reply)."""
+        return [memoryview(self._names), self._name_ends.cast("B"), memoryview(self._dtypes), self._shape_ends.cast("B"),
+                self._dims.cast("B"), *(getattr(self, c).cast("B") for c in _INT_COLUMNS), self.name_order.cast("B"),
+                memoryview(self._tails), self._tail_ends.cast("B")]
 
     @classmethod
     def from_wire(cls, parts: list[Any]) -> TensorTable:
         """The table from :meth:`to_wire`'s buffers; ValueError if they do not make one."""
-        if not (isinstance(parts, list) and len(parts) == 9 and all(isinstance(p, bytes) for p in parts)):
-            raise ValueError("tensor table reply is not nine byte strings")
+        if not (isinstance(parts, list) and len(parts) == 12 and all(isinstance(p, (bytes, memoryview)) for p in parts)):
+            raise ValueError("tensor table reply is not twelve byte strings")
+        parts = [memoryview(p).cast("B") for p in parts]  # views of what was passed, never copies
 
-        def col(raw: bytes, unsigned: bool = False) -> memoryview:
+        def col(raw: memoryview, unsigned: bool = False) -> memoryview:
             if len(raw) % 8:
                 raise ValueError("tensor table column is not whole integers")
-            return memoryview(raw).cast("Q") if unsigned else memoryview(raw).cast("q")
+            return raw.cast("Q") if unsigned else raw.cast("q")
 
-        names, name_ends, dtypes, shape_ends, dims, *ints = parts
-        return cls(names, col(name_ends, unsigned=True), dtypes, col(shape_ends, unsigned=True), col(dims),
-                   *(col(raw) for raw in ints))
+        names, name_ends, dtypes, shape_ends, dims, file, file_offset, nbytes, arena_offset, order, tails, tail_ends = parts
+        return cls(names, col(name_ends, unsigned=True), dtypes, col(shape_ends, unsigned=True), col(dims), col(file),
+                   col(file_offset), col(nbytes), col(arena_offset), col(order, unsigned=True), tails,
+                   col(tail_ends, unsigned=True))
 
     # -- Sequence --------------------------------------------------------------------------
 
@@ -128,7 +161,7 @@ class TensorTable(Sequence[TensorInfo]):
     def _row(self, i: int) -> TensorInfo:
         a = self._name_ends[i - 1] if i else 0
         s = self._shape_ends[i - 1] if i else 0
-        return TensorInfo(self._names[a : self._name_ends[i]].decode(), DTYPES[self._dtypes[i]],
+        return TensorInfo(str(self._names[a : self._name_ends[i]], "utf-8"), DTYPES[self._dtypes[i]],
                           tuple(self._dims[s : self._shape_ends[i]]), self.file[i], self.file_offset[i], self.nbytes[i],
                           self.arena_offset[i])
 
@@ -151,7 +184,7 @@ class TensorTable(Sequence[TensorInfo]):
         a = s = 0
         for i, (f, fo, nb, ao) in enumerate(zip(self.file, self.file_offset, self.nbytes, self.arena_offset, strict=True)):
             b, e = name_ends[i], shape_ends[i]
-            yield TensorInfo(names[a:b].decode(), DTYPES[dtypes[i]], tuple(dims[s:e]), f, fo, nb, ao)
+            yield TensorInfo(str(names[a:b], "utf-8"), DTYPES[dtypes[i]], tuple(dims[s:e]), f, fo, nb, ao)
             a, s = b, e
 
     def __eq__(self, other: object) -> bool:
@@ -166,6 +199,14 @@ class TensorTable(Sequence[TensorInfo]):
     def __repr__(self) -> str:
         return f"TensorTable({self._n} tensors)"
 
+    def fingerprint_rows(self) -> Iterator[tuple[int, Bytes, Bytes]]:
+        """(row, its name, ``\\0 dtype \\0 shape \\0``) in name order: the header half of
+        the content fingerprint (content.py), made with the table."""
+        names, name_ends, tails, tail_ends, a = self._names, self._name_ends, self._tails, self._tail_ends, 0
+        for i, b in zip(self.name_order, tail_ends, strict=True):
+            yield i, names[name_ends[i - 1] if i else 0 : name_ends[i]], tails[a:b]
+            a = b
+
     # -- sums without a row object each ---------------------------------------------------
 
     @property
@@ -175,14 +216,27 @@ class TensorTable(Sequence[TensorInfo]):
     @property
     def buffer_bytes(self) -> int:
         """What the columns hold."""
-        return len(self._names) + len(self._dtypes) + sum(c.nbytes for c in (
-            self._name_ends, self._shape_ends, self._dims, self.file, self.file_offset, self.nbytes, self.arena_offset))
+        return len(self._names) + len(self._dtypes) + len(self._tails) + sum(c.nbytes for c in (
+            self._name_ends, self._shape_ends, self._dims, self.file, self.file_offset, self.nbytes, self.arena_offset,
+            self.name_order, self._tail_ends))
 
     @property
     def wire_bound(self) -> int:
         """At least the bytes of wire_table(self): per row a fixarray, the name and dtype
         strings with their headers, a shape of at most 9 bytes a dimension and two ints."""
         return len(self._names) + 9 * len(self._dims) + 32 * self._n
+
+
+def _permutation(order: memoryview, n: int) -> bool:
+    """``order`` holds each of 0..n-1 once (a 'Q' column: none below 0). In slices, each
+    C call short: the parse worker's reply is checked on a daemon thread."""
+    seen: set[int] = set()
+    for s in range(0, n, TABLE_SLICE):
+        part = order[s : s + TABLE_SLICE]
+        if max(part) >= n:
+            return False
+        seen.update(part)
+    return len(seen) == n
 
 
 def _exact(a: array[int]) -> memoryview:
