@@ -230,6 +230,8 @@ class NiceRecorder:
     """Reads nothing: records the niceness of each loader thread that writes."""
 
     direct_io = False
+    serves_files = False  # the ArenaWriter protocol (loader/reader.py)
+    device_hash_min = None
 
     def __init__(self) -> None:
         self.nices: set[int] = set()
