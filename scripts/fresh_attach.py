@@ -14,7 +14,8 @@ in the machine weighs on both alike):
   connect_ms            ``SyncClient(socket)`` / ``await Client(socket).connect()``:
                         connect, check who serves it, hello
   import_mapping_ms     the client's torch half (mapping.py, cuda_mapping.py, libcuda.py),
-                        imported by the first attach; timed on its own here
+                        which connecting imports while the daemon answers the hello
+                        (connection.py's import_attach_half); timed on its own here
   attach_ms             ``c.attach(model, device=...)`` until it returns: tensors usable
     driver_load_ms        of which: loading libcuda and cuInit (first GPU attach only)
     request_ms            the attach request until its reply and fds are in
@@ -26,6 +27,11 @@ in the machine weighs on both alike):
   first_touch_ms        reading one element of the first and last tensor back (on a GPU
                         a kernel launch and a sync: torch's cost, not the client's)
   second_attach_ms      detach, then attach again in the same process
+  gc_ms, gc_gens        time in the cyclic GC's collections from the import to usable
+                        tensors, and their generations: a fresh engine's first
+                        collections go through what ``import torch`` left (a gen-1 one
+                        cost ~2 ms on the 2-core VM, issue 23), so how many objects the
+                        client keeps alive at once shows here
 
 With ``--anchors`` it then times, side by side and alternating, what issue 23 asks of a
 fresh engine: import -> usable tensors with weightcache (bytecode cached, as a wheel
@@ -71,7 +77,7 @@ from typing import Any
 RESULT = "RESULT "
 PHASES = ["import_ms", "import_cpu_ms", "connect_ms", "connect_cpu_ms", "attach_cpu_ms",
           "import_mapping_ms", "attach_ms", "driver_load_ms", "request_ms", "map_ms", "driver_map_ms",
-          "views_ms", "connect_to_usable_ms", "first_touch_ms", "second_attach_ms"]
+          "views_ms", "connect_to_usable_ms", "first_touch_ms", "second_attach_ms", "gc_ms"]
 TARGET_MS = 5.0
 CLIENTS = ("sync", "async")
 
@@ -89,6 +95,7 @@ def child(sock: str, model: str, device: str, breakdown: bool, client: str) -> d
     floor_ms = (time.perf_counter() - t0) * 1e3
     before = set(sys.modules)
     out: dict[str, Any] = {"client": client, "floor_ms": floor_ms}
+    gc_log = _log_collections()
 
     t, cpu = time.perf_counter(), time.process_time()
     import weightcache
@@ -134,6 +141,8 @@ def child(sock: str, model: str, device: str, breakdown: bool, client: str) -> d
         out.update(loop.run_until_complete(_async_engine(Client, sock, model, where, times)))
         loop.close()
     out["connect_to_usable_ms"] = out["connect_ms"] + out["import_mapping_ms"] + out["attach_ms"]
+    out["gc_gens"] = [gen for gen, _ in gc_log[: out.pop("gc_until")]]
+    out["gc_ms"] = sum(ms for _, ms in gc_log[: len(out["gc_gens"])])
     new = set(sys.modules) - before
     out["cuda_bindings_imported"] = any(m == "cuda.bindings" or m.startswith("cuda.bindings.") for m in new)
     out["new_top_level_modules"] = sorted({m.split(".")[0] for m in new})
@@ -149,6 +158,29 @@ def child(sock: str, model: str, device: str, breakdown: bool, client: str) -> d
     out["torch"] = torch.__version__
     out["python"] = sys.version.split()[0]
     return out
+
+
+_GC_LOG: list[tuple[int, float]] = []
+
+
+def _log_collections() -> list[tuple[int, float]]:
+    """From now on, record each cyclic-GC collection as (generation, ms) in the list returned."""
+    import gc
+
+    started = [0.0]
+
+    def note(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            _GC_LOG.append((info["generation"], (time.perf_counter() - started[0]) * 1e3))
+
+    gc.callbacks.append(note)
+    return _GC_LOG
+
+
+def _collections_so_far() -> int:
+    return len(_GC_LOG)
 
 
 def _free_device_bytes(device: str | None) -> int:
@@ -181,6 +213,7 @@ def _sync_engine(sync_client: Any, sock: str, model: str, device: str | None, ti
         cm = c.attach(model, device=device)
         weights = cm.__enter__()
         out["attach_ms"], out["attach_cpu_ms"] = (time.perf_counter() - t) * 1e3, (time.process_time() - cpu) * 1e3
+        out["gc_until"] = _collections_so_far()
         out.update({k: round(v, 4) for k, v in times.items()})
         times.clear()
         _touch(weights, out, free0, device)
@@ -204,6 +237,7 @@ async def _async_engine(client: Any, sock: str, model: str, device: str | None, 
         cm = c.attach(model, device=device)
         weights = await cm.__aenter__()
         out["attach_ms"], out["attach_cpu_ms"] = (time.perf_counter() - t) * 1e3, (time.process_time() - cpu) * 1e3
+        out["gc_until"] = _collections_so_far()
         out.update({k: round(v, 4) for k, v in times.items()})
         times.clear()
         _touch(weights, out, free0, device)
