@@ -44,10 +44,10 @@ def import_attach_half() -> None:
     0.25-0.34 ms into the connect and then held the GIL the connect wanted, so that on
     the 2-core VM it saved nothing, import to usable tensors 14.1 ms p50 with it and
     14.0 without, CPU 13.1 and 11.8 ms (15 fresh engines each, alternating, 1 GiB and
-    200 tensors; issue 23). Only where torch is
-    imported already: a control client (the CLI, health probes) must not import torch,
-    and an engine that has not imported it would wait ~1.5 s for it here. An import
-    that fails is left to the attach, which imports the same modules and raises."""
+    200 tensors; issue 23). Only where torch is imported already: a control client (the
+    CLI, health probes) must not import torch, and an engine that has not imported it
+    would wait ~1.5 s for it here. An import that fails is left to the attach, which
+    imports the same modules and raises."""
     if "torch" not in sys.modules or "weightcache.client.mapping" in sys.modules:
         return
     try:
