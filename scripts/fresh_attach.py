@@ -14,7 +14,8 @@ in the machine weighs on both alike):
   connect_ms            ``SyncClient(socket)`` / ``await Client(socket).connect()``:
                         connect, check who serves it, hello
   import_mapping_ms     the client's torch half (mapping.py, cuda_mapping.py, libcuda.py),
-                        imported by the first attach; timed on its own here
+                        which connecting imports while the daemon answers the hello
+                        (connection.py's import_attach_half); timed on its own here
   attach_ms             ``c.attach(model, device=...)`` until it returns: tensors usable
     driver_load_ms        of which: loading libcuda and cuInit (first GPU attach only)
     request_ms            the attach request until its reply and fds are in
@@ -26,6 +27,11 @@ in the machine weighs on both alike):
   first_touch_ms        reading one element of the first and last tensor back (on a GPU
                         a kernel launch and a sync: torch's cost, not the client's)
   second_attach_ms      detach, then attach again in the same process
+  gc_ms, gc_gens        time in the cyclic GC's collections from the import to usable
+                        tensors, and their generations: a fresh engine's first
+                        collections go through what ``import torch`` left (a gen-1 one
+                        cost ~2 ms on the 2-core VM, issue 23), so how many objects the
+                        client keeps alive at once shows here
 
 With ``--anchors`` it then times, side by side and alternating, what issue 23 asks of a
 fresh engine: import -> usable tensors with weightcache (bytecode cached, as a wheel
@@ -51,7 +57,20 @@ finds Python's bytecode cache written.
     python scripts/fresh_attach.py --socket /run/weightcache/weightcache.sock --model qwen-7b --device cuda:0
 """
 
+# ruff: noqa: E402  (a measured engine imports torch before the rest of this script's imports)
 from __future__ import annotations
+
+import sys
+import time
+
+_STARTED = time.perf_counter()
+if "--child" in sys.argv:
+    # A measured engine imports torch first, before anything of this script: what a
+    # process imported before torch changes the state torch leaves the cyclic GC in
+    # ((41, 9, 9) with this script's imports first, (494, 8, 9) with torch alone; issue
+    # 23), and with it whether a gen-1 collection of torch's objects falls between the
+    # import of the client and usable tensors.
+    import torch  # noqa: F401
 
 import argparse
 import asyncio
@@ -62,23 +81,21 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 RESULT = "RESULT "
 PHASES = ["import_ms", "import_cpu_ms", "connect_ms", "connect_cpu_ms", "attach_cpu_ms",
           "import_mapping_ms", "attach_ms", "driver_load_ms", "request_ms", "map_ms", "driver_map_ms",
-          "views_ms", "connect_to_usable_ms", "first_touch_ms", "second_attach_ms"]
+          "views_ms", "connect_to_usable_ms", "first_touch_ms", "second_attach_ms", "gc_ms"]
 TARGET_MS = 5.0
 CLIENTS = ("sync", "async")
 
 
 # ------------------------------------------------------------------------------ the engine
 def child(sock: str, model: str, device: str, breakdown: bool, client: str) -> dict[str, Any]:
-    t0 = time.perf_counter()
+    t0 = _STARTED  # the floor counts from the process's first line: torch was imported there
     import torch
 
     cuda = device.startswith("cuda")
@@ -89,6 +106,10 @@ def child(sock: str, model: str, device: str, breakdown: bool, client: str) -> d
     floor_ms = (time.perf_counter() - t0) * 1e3
     before = set(sys.modules)
     out: dict[str, Any] = {"client": client, "floor_ms": floor_ms}
+    import gc
+
+    out["gc_count_at_import"] = gc.get_count()  # the state the span starts from: (494, 8, 9) after torch alone
+    gc_log = _log_collections()
 
     t, cpu = time.perf_counter(), time.process_time()
     import weightcache
@@ -134,6 +155,8 @@ def child(sock: str, model: str, device: str, breakdown: bool, client: str) -> d
         out.update(loop.run_until_complete(_async_engine(Client, sock, model, where, times)))
         loop.close()
     out["connect_to_usable_ms"] = out["connect_ms"] + out["import_mapping_ms"] + out["attach_ms"]
+    out["gc_gens"] = [gen for gen, _ in gc_log[: out.pop("gc_until")]]
+    out["gc_ms"] = sum(ms for _, ms in gc_log[: len(out["gc_gens"])])
     new = set(sys.modules) - before
     out["cuda_bindings_imported"] = any(m == "cuda.bindings" or m.startswith("cuda.bindings.") for m in new)
     out["new_top_level_modules"] = sorted({m.split(".")[0] for m in new})
@@ -149,6 +172,29 @@ def child(sock: str, model: str, device: str, breakdown: bool, client: str) -> d
     out["torch"] = torch.__version__
     out["python"] = sys.version.split()[0]
     return out
+
+
+_GC_LOG: list[tuple[int, float]] = []
+
+
+def _log_collections() -> list[tuple[int, float]]:
+    """From now on, record each cyclic-GC collection as (generation, ms) in the list returned."""
+    import gc
+
+    started = [0.0]
+
+    def note(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            _GC_LOG.append((info["generation"], (time.perf_counter() - started[0]) * 1e3))
+
+    gc.callbacks.append(note)
+    return _GC_LOG
+
+
+def _collections_so_far() -> int:
+    return len(_GC_LOG)
 
 
 def _free_device_bytes(device: str | None) -> int:
@@ -181,6 +227,7 @@ def _sync_engine(sync_client: Any, sock: str, model: str, device: str | None, ti
         cm = c.attach(model, device=device)
         weights = cm.__enter__()
         out["attach_ms"], out["attach_cpu_ms"] = (time.perf_counter() - t) * 1e3, (time.process_time() - cpu) * 1e3
+        out["gc_until"] = _collections_so_far()
         out.update({k: round(v, 4) for k, v in times.items()})
         times.clear()
         _touch(weights, out, free0, device)
@@ -204,6 +251,7 @@ async def _async_engine(client: Any, sock: str, model: str, device: str | None, 
         cm = c.attach(model, device=device)
         weights = await cm.__aenter__()
         out["attach_ms"], out["attach_cpu_ms"] = (time.perf_counter() - t) * 1e3, (time.process_time() - cpu) * 1e3
+        out["gc_until"] = _collections_so_far()
         out.update({k: round(v, 4) for k, v in times.items()})
         times.clear()
         _touch(weights, out, free0, device)
@@ -368,6 +416,9 @@ def time_anchors(args: argparse.Namespace, sock: str, model: str, clients: tuple
                     "runs": [round(x, 3) for x in wall],
                     # the engine process's CPU time for the same span (every thread, no waits)
                     "cpu_p50": round(statistics.median(cpu), 3), "cpu_min": round(min(cpu), 3), "cpu_max": round(max(cpu), 3)}
+        if way in _ANCHOR_GC:  # the weightcache ways: how much of the span was the cyclic GC's (load_file's is not known)
+            out[way]["gc_p50"] = round(statistics.median(_ANCHOR_GC[way]), 3)
+            out[way]["gc_runs"] = [round(x, 3) for x in _ANCHOR_GC[way]]
     for way in ("load_file", "cuda_ipc"):
         if way in out:
             mine, theirs = out[f"weightcache_{clients[0]}"], out[way]
@@ -384,15 +435,32 @@ def _import_to_usable(r: dict[str, Any]) -> tuple[float, float]:
             float(r["import_cpu_ms"] + r["connect_cpu_ms"] + r["attach_cpu_ms"]))
 
 
+_ANCHOR_GC: dict[str, list[float]] = {}  # way -> each process's ms in GC collections within the span
+
+
 def _import_to_usable_of(sock: str, model: str, device: str, client: str, src: str | None) -> tuple[float, float]:
-    return _import_to_usable(run_child(sock, model, device, False, client, src))
+    r = run_child(sock, model, device, False, client, src)
+    _ANCHOR_GC.setdefault(f"weightcache_{client}" + ("" if src is None else "_no_bytecode"), []).append(r["gc_ms"])
+    return _import_to_usable(r)
 
 
 def _weights_ms(r: Any) -> tuple[float, float]:
     return r.weights_s * 1e3, (r.weights_cpu_s or 0.0) * 1e3
 
 
+def _child_main(argv: list[str]) -> None:
+    """A measured engine's arguments, read without argparse: building the parser made
+    hundreds of GC-tracked objects between torch's import and the timed span."""
+    pairs = [a for a in argv if a != "--no-breakdown"]
+    opts = dict(zip(pairs[::2], pairs[1::2], strict=True))
+    result = child(opts["--socket"], opts["--model"], opts["--device"], "--no-breakdown" not in argv, opts["--client"])
+    print(RESULT + json.dumps(result), flush=True)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        _child_main(sys.argv[2:])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda:0", help="cuda:N or cpu (default cuda:0)")
     ap.add_argument("--size-gib", type=float, default=9.15, help="synthetic checkpoint size (default 9.15: 10 x 1 GiB chunks)")

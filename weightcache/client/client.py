@@ -188,14 +188,15 @@ class ClientOps(ConnectionBase):
         # Imported before the request, not after: torch's import (~1.5 s) is then not
         # taken from the request's timeout, and an import that fails leaves no lease.
         from ..protocol.arena import parse_attach
-        from .mapping import attached_model
+        from .mapping import attached_model, prepare_views
 
         if device is not None and device.startswith("cuda:") and device[5:].isdigit():
             from .libcuda import driver  # ctypes, not cuda-bindings: cuda_mapping.py's Note [first attach]
 
             device = f"cuda:{driver().device_uuid(int(device[5:]))}"  # this process's numbering -> UUID
         reply, fds = await self._request("attach", timeout, {"name": name, "device": device, "rank": rank, "wait_s": wait_s,
-                                                       "writable": writable or None, "keep_alive": keep_alive})
+                                                       "writable": writable or None, "keep_alive": keep_alive},
+                                         while_waiting=prepare_views)
         async with self._lease(reply["lease"]):  # ends the lease even if the reply is bad or mapping fails
             yield attached_model(name, parse_attach(reply, fds))
 

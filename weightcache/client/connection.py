@@ -17,7 +17,6 @@ import contextlib
 import os
 import socket
 import sys
-import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -34,23 +33,23 @@ from .core import DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_FRAME_BYTES, DEFAULT_REQU
 T = TypeVar("T")
 
 
-def prefetch_attach() -> None:
-    """Start importing what the first attach needs (mapping.py and, once torch has CUDA,
-    cuda_mapping.py and the driver's UUID table) in a short-lived thread, while this
-    process waits on the daemon's hello and attach replies. Note [first attach] in
-    cuda_mapping.py: done in the attach, this one-time work was 0.83 ms of imports and
-    0.15 ms of driver set-up of a fresh engine's ~9 ms on the H200; the waits it overlaps
-    with (two round trips, the GIL released) were 1.7 ms. Only where torch is imported
-    already: a control client (the CLI, health probes) must not import torch, and an
-    engine that has not imported it would wait ~1.5 s for it in the attach either way.
-    The attach imports the same modules: it waits for this thread's import (the import
-    lock), or does it itself if the thread failed (the error is raised there)."""
+def import_attach_half() -> None:
+    """Import what the first attach needs (mapping.py and, once torch has CUDA,
+    cuda_mapping.py and the driver's UUID table), in an engine that has imported torch.
+    ``_open`` calls it once the hello frame is sent, while the daemon answers: the
+    one-time work of the first attach then fills a wait instead of adding to it (on
+    the H200 that work was 0.83 ms of imports and 0.15 ms of driver set-up, issue 13).
+
+    In the caller's thread, not a thread of its own: the thread this replaced started
+    0.25-0.34 ms into the connect and then held the GIL the connect wanted, so that on
+    the 2-core VM it saved nothing, import to usable tensors 14.1 ms p50 with it and
+    14.0 without, CPU 13.1 and 11.8 ms (15 fresh engines each, alternating, 1 GiB and
+    200 tensors; issue 23). Only where torch is imported already: a control client (the
+    CLI, health probes) must not import torch, and an engine that has not imported it
+    would wait ~1.5 s for it here. An import that fails is left to the attach, which
+    imports the same modules and raises."""
     if "torch" not in sys.modules or "weightcache.client.mapping" in sys.modules:
         return
-    threading.Thread(target=_import_for_attach, name="weightcache-prefetch", daemon=True).start()
-
-
-def _import_for_attach() -> None:
     try:
         from . import mapping  # noqa: F401
 
@@ -135,7 +134,6 @@ class ConnectionBase(ABC):
         """Connect, check who serves the socket and say ``hello`` (its reply becomes
         ``server_info``), within the limits of Note [timeouts] and Note [waiting for the
         daemon]. On any failure nothing is left open."""
-        prefetch_attach()
         sock, started = await self._connect()
         self._sock = sock
         self.core.start()
@@ -144,7 +142,9 @@ class ConnectionBase(ABC):
             deadline = self.core.connect_deadline(started)
             limit = float("inf") if deadline is None else max(1e-3, deadline - time.monotonic())
             try:
-                self.core.accept_hello(await self.request("hello", timeout=limit, **self.core.hello()))
+                reply, fds = await self._request("hello", limit, self.core.hello(), while_waiting=import_attach_half)
+                close_fds(fds)
+                self.core.accept_hello(reply)
             except RequestTimeout:
                 raise self.core.no_answer() from None
         except BaseException:
@@ -236,9 +236,12 @@ class ConnectionBase(ABC):
         daemon ends every lease this connection held."""
 
     @abstractmethod
-    async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None) -> Reply:
+    async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None,
+                       while_waiting: Callable[[], None] | None = None) -> Reply:
         """``request`` that also sends ``send_fds`` (SCM_RIGHTS, on the same frame) and
-        returns the fds of the reply, which the caller must close."""
+        returns the fds of the reply, which the caller must close. ``while_waiting`` is
+        called once the frame is sent, before waiting for the reply (which it must not
+        read); its time counts against the request's."""
 
     @abstractmethod
     def _lease(self, lease: int) -> AbstractAsyncContextManager[None]:
@@ -291,7 +294,8 @@ class Connection(ConnectionBase):
         self._fail_pending(self.core.stop(DaemonUnavailable("client closed")))
 
     # -- requests -------------------------------------------------------------------
-    async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None) -> Reply:
+    async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None,
+                       while_waiting: Callable[[], None] | None = None) -> Reply:
         rid, frame = self.core.request(op, args, len(send_fds or ()))
         limit = self.core.limit(op, timeout)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
@@ -306,6 +310,8 @@ class Connection(ConnectionBase):
                     sending = True
                     await send_with_fds(self._sock, frame, send_fds or [])
                     sending = False
+                if while_waiting is not None:
+                    while_waiting()
                 reply, fds = await fut
         except BaseException as exc:
             timed_out = isinstance(exc, TimeoutError) and deadline.expired()

@@ -9,8 +9,8 @@ It holds: the settings and timeouts, the hello and what the daemon said in it
 what to do with a reply nobody waits for, the errors (by what went wrong, never by
 message text) and the connect-retry schedule. An attach reply is read into typed
 records by protocol/arena.py's ``parse_attach``, which an engine imports with the attach
-half (connection.py's ``prefetch_attach``) rather than with the client: imported with
-the client, those records and the reply's reading made a fresh engine's import find and
+half (connection.py's ``import_attach_half``, while the hello is answered) rather than
+with the client: imported with the client, those records and the reply's reading made a fresh engine's import find and
 load two more modules and make ~180 more GC-tracked objects (1,607 against 1,424,
 counted with the cyclic GC off after ``import torch``; the 2-core VM). No torch here,
 nor in the modules on an engine's import path (tests/test_client_imports.py):

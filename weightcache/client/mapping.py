@@ -21,7 +21,7 @@ import mmap
 import os
 import stat
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -38,21 +38,69 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-class Layouts(dict[tuple[Any, ...], tuple[torch.dtype, int, int, tuple[int, ...]]]):
-    """(dtype name, *shape) -> (dtype, itemsize, nbytes, contiguous strides), worked out
-    once per distinct key of one tensor table: a model's layers repeat a handful of
-    shapes, and per tensor this was a fifth of building its view (measured below)."""
+def _contiguous_strides(shape: list[int]) -> list[int] | tuple[int, ...]:
+    """The strides of a C-contiguous tensor of ``shape``, in elements."""
+    n = len(shape)
+    if n == 2:  # most of a model's tensors
+        return (shape[1], 1)
+    if n == 1:
+        return (1,)
+    strides = [1] * n
+    for i in range(n - 1, 0, -1):
+        strides[i - 1] = strides[i] * shape[i]
+    return strides
 
-    def __missing__(self, key: tuple[Any, ...]) -> tuple[torch.dtype, int, int, tuple[int, ...]]:
-        dtype = TORCH_DTYPES.get(key[0])
+
+class _Dtypes(dict[str, tuple[torch.dtype, int, dict[int, torch.Tensor]]]):
+    """dtype name -> (dtype, itemsize, {file index: that file's slab viewed as dtype}),
+    for one tensor table, looked up per tensor by the name alone. It replaced a cache keyed
+    by a tuple (dtype name, *shape) built per tensor, plus a (file, dtype) tuple per tensor
+    for the base: with those, 200 rows of a file arena took 1.03-1.11 ms p50 warm, now
+    0.68-0.76, of which the 200 ``as_strided`` alone are 0.48-0.65 (2-core VM, issue 23)."""
+
+    def __missing__(self, name: str) -> tuple[torch.dtype, int, dict[int, torch.Tensor]]:
+        dtype = TORCH_DTYPES.get(name)
         if dtype is None:
-            raise BadRequest(f"unknown dtype {key[0]!r} in the tensor table"[:200])
-        shape = key[1:]
-        strides = [1] * len(shape)
-        for i in range(len(shape) - 1, 0, -1):
-            strides[i - 1] = strides[i] * shape[i]
-        value = self[key] = (dtype, dtype.itemsize, math.prod(shape) * dtype.itemsize, tuple(strides))
+            raise BadRequest(f"unknown dtype {name!r} in the tensor table"[:200])
+        value = self[name] = (dtype, dtype.itemsize, {})
         return value
+
+
+def _typed(slab: torch.Tensor, dtype: torch.dtype, itemsize: int) -> torch.Tensor:
+    """``slab`` (uint8) viewed as ``dtype``, past its last whole element cut off."""
+    size = slab.numel()
+    return (slab if size % itemsize == 0 else slab[: size - size % itemsize]).view(dtype)
+
+
+def taken(rows: list[Any]) -> Iterator[Any]:
+    """The rows of ``rows``, each removed from the list as it is handed out (the list is
+    empty at the end). An attach reply's table is read this way so that each row and
+    its shape list are freed once their view is made: all of them alive beside the
+    views were ~400 more GC-tracked objects at once, for 200 tensors, and a fresh
+    engine's span from the import to usable tensors then reached a gen-1 collection of
+    what its own ``import torch`` left (2.0-2.6 ms on the 2-core VM, issue 23)."""
+    rows.reverse()
+    while rows:
+        yield rows.pop()
+
+
+_views_prepared = False
+
+
+def prepare_views() -> None:
+    """Make torch's first calls of what :func:`map_memfd` and the views use (frombuffer,
+    a dtype view, as_strided) on a scrap buffer, once per process. The attach calls it
+    while the daemon answers (``while_waiting``): in a fresh engine on the 2-core VM this
+    took 0.28 ms and made the real mapping and first view 0.30 -> 0.09 ms (p50 of 9),
+    work that then falls in a wait rather than after it (issue 23)."""
+    global _views_prepared
+    if _views_prepared:
+        return
+    _views_prepared = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # as map_memfd does (its read-only mmap makes torch warn)
+        scrap = torch.frombuffer(bytearray(8), dtype=torch.uint8)
+    scrap.view(torch.bfloat16).as_strided((2, 1), (1, 1), 0)
 
 
 def map_memfd(fd: int, nbytes: int) -> torch.Tensor:
@@ -89,7 +137,7 @@ def map_files(arena: FileArenaDesc, fds: list[int]) -> list[torch.Tensor]:
     return slabs
 
 
-def file_tensor_views(slabs: list[torch.Tensor], arena: FileArenaDesc, table: list[list[Any]]) -> dict[str, torch.Tensor]:
+def file_tensor_views(slabs: list[torch.Tensor], arena: FileArenaDesc, table: Iterable[list[Any]]) -> dict[str, torch.Tensor]:
     """[name, dtype, shape, offset, nbytes] rows of a ``file`` arena -> views of the mapped
     files (no copies). ``offset`` is in the arena; the segment that holds it says which
     file, and where in it."""
@@ -103,24 +151,26 @@ def file_tensor_views(slabs: list[torch.Tensor], arena: FileArenaDesc, table: li
             raise BadRequest(f"file arena: segment {(f, fo, ao, n)} is outside its file or out of order")
         end = ao + n
     out = {}
-    typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-    layouts = Layouts()
+    dtypes = _Dtypes()
+    f = fo = ao = 0
+    seg_end = -1  # the segment found last (rows come in offset order): [ao, seg_end) -> file f at fo
     for name, dtype_name, shape, offset, nbytes in table:
-        dtype, itemsize, want, strides = layouts[(dtype_name, *shape)]
-        if nbytes:
-            i = bisect.bisect_right(starts, offset) - 1
-            f, fo, ao, n = segs[i] if i >= 0 else (0, 0, 0, 0)
+        dtype, itemsize, bases = dtypes[dtype_name]
+        if not nbytes:
+            at, fi, end = 0, 0, offset  # an empty tensor: any place will do
         else:
-            f, fo, ao, n = 0, 0, offset, 0  # an empty tensor: any place will do
-        at = fo + offset - ao
-        if want != nbytes or offset + nbytes > ao + n or at < 0 or at % itemsize:
+            if not ao <= offset < seg_end:
+                i = bisect.bisect_right(starts, offset) - 1
+                f, fo, ao, n = segs[i] if i >= 0 else (0, 0, 0, 0)
+                seg_end = ao + n
+            at, fi, end = fo + offset - ao, f, seg_end
+        if math.prod(shape) * itemsize != nbytes or offset + nbytes > end or at < 0 or at % itemsize:
             raise BadRequest(f"tensor {name!r}: {dtype_name}{list(shape)} at offset {offset} ({nbytes} bytes) "
                              "lies in no segment of the file arena")
-        base = typed.get((f, dtype))
+        base = bases.get(fi)
         if base is None:
-            size = slabs[f].numel()
-            base = typed[(f, dtype)] = slabs[f][: size - size % itemsize].view(dtype)
-        out[name] = base.as_strided(shape, strides, at // itemsize)
+            base = bases[fi] = _typed(slabs[fi], dtype, itemsize)
+        out[name] = base.as_strided(shape, _contiguous_strides(shape), at // itemsize)
     return out
 
 
@@ -138,29 +188,27 @@ def map_arena(arena: MemfdArenaDesc | VmmArenaDesc, fds: list[int]) -> torch.Ten
     return map_memfd(fds[0], arena.nbytes)  # closes it
 
 
-def tensor_views(slab: torch.Tensor, table: list[list[Any]]) -> dict[str, torch.Tensor]:
+def tensor_views(slab: torch.Tensor, table: Iterable[list[Any]]) -> dict[str, torch.Tensor]:
     """[name, dtype, shape, offset, nbytes] rows -> views of ``slab`` (no copies).
 
     One ``as_strided`` per tensor on a per-dtype view of the slab: slicing, then viewing
     as the dtype, then reshaping costs three tensor ops per tensor, and for a few hundred
     tensors that was most of an attach (1.1 vs 0.45 ms for 291 tensors on the CPU). The
-    ``as_strided`` (a new tensor) is most of what is left: ~1.2 of 1.7 us per tensor for
-    200 bf16 tensors on the 2-core VM; the rest, the Python around it, went from ~0.5 to
-    ~0.2 us with :class:`Layouts` (scripts in issue 13's report).
+    ``as_strided`` (a new tensor) is most of what is left (issue 13's report); the Python
+    around it is a dtype lookup by name (:class:`_Dtypes`) and the strides.
     """
     out = {}
-    typed: dict[torch.dtype, torch.Tensor] = {}
     size = slab.numel()
-    layouts = Layouts()
+    dtypes = _Dtypes()
     for name, dtype_name, shape, offset, nbytes in table:
-        dtype, itemsize, want, strides = layouts[(dtype_name, *shape)]
-        if offset % itemsize or want != nbytes or offset + nbytes > size:
+        dtype, itemsize, bases = dtypes[dtype_name]
+        if offset % itemsize or math.prod(shape) * itemsize != nbytes or offset + nbytes > size:
             raise BadRequest(f"tensor {name!r}: {dtype_name}{list(shape)} does not fit at offset {offset} "
                              f"({nbytes} bytes) of a {size}-byte arena")
-        base = typed.get(dtype)
+        base = bases.get(0)
         if base is None:
-            base = typed[dtype] = slab[: size - size % itemsize].view(dtype)
-        out[name] = base.as_strided(shape, strides, offset // itemsize)
+            base = bases[0] = _typed(slab, dtype, itemsize)
+        out[name] = base.as_strided(shape, _contiguous_strides(shape), offset // itemsize)
     return out
 
 
@@ -210,8 +258,8 @@ def attached_model(name: str, reply: AttachReply) -> AttachedModel:
     -> the model's tensors. The lease stays the caller's to end."""
     arena = reply.arena
     if isinstance(arena, FileArenaDesc):
-        tensors = file_tensor_views(map_files(arena, reply.fds), arena, reply.tensors)
+        tensors = file_tensor_views(map_files(arena, reply.fds), arena, taken(reply.tensors))
     else:
-        tensors = tensor_views(map_arena(arena, reply.fds), reply.tensors)
+        tensors = tensor_views(map_arena(arena, reply.fds), taken(reply.tensors))
     return AttachedModel(name, reply.lease, reply.fingerprint, reply.device, tensors,
                          source=reply.source, arena_kind=arena.kind, waited_s=reply.waited_s)

@@ -24,9 +24,9 @@ one ever does suspend (a wait that is not the transport's).
   stops), so one thread's long ``load`` does not delay another's ``status``.
 - Leases end when the connection closes, so the socket stays open for as long as the
   client lives (``close``, ``with``, or its collection close it).
-- Nothing runs in the background, except, while connecting, the short-lived thread that
-  imports what the first attach needs (connection.py's ``prefetch_attach``) in an engine
-  that has imported torch. What the daemon sends unasked is read at the next call:
+- Nothing runs in the background. While the daemon answers the hello, the connecting
+  thread imports what the first attach needs (connection.py's ``import_attach_half``)
+  in an engine that has imported torch. What the daemon sends unasked is read at the next call:
   events (``shutting_down``) and the late reply to a request that timed out or was
   interrupted (KeyboardInterrupt). A late attach's lease is given back then, with a
   detach sent without waiting for its answer; if no call comes, closing the client ends
@@ -138,7 +138,8 @@ class BlockingConnection(ConnectionBase):
             sock.close()
 
     # -- requests -------------------------------------------------------------------
-    async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None) -> Reply:
+    async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None,
+                       while_waiting: Callable[[], None] | None = None) -> Reply:
         rid, frame = self.core.request(op, args, len(send_fds or ()))
         limit = self.core.limit(op, timeout)
         deadline = _deadline(limit)
@@ -157,6 +158,8 @@ class BlockingConnection(ConnectionBase):
                 sending = False
             finally:
                 self._send_lock.release()
+            if while_waiting is not None:
+                while_waiting()
             reply, fds = self._wait_for(rid, deadline)
         except BaseException as exc:
             if sending:  # part of the frame may be out (Note [timeouts])
