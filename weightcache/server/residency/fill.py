@@ -27,6 +27,7 @@ from .job import LoadJob
 from .room import RoomQueue
 from .stats import Stats
 from .stepdown import StepDowns
+from .turns import FairTurns
 
 log = logging.getLogger("weightcache.daemon")
 T = TypeVar("T")
@@ -67,7 +68,9 @@ class Fill:
         # One fill at a time per device: on the H200 two 3 GiB loads from page cache run
         # together took 256 ms each, one after the other 109 + 104 ms (same for promotions:
         # 131 ms each vs 73 + 66); queued, the first is ready sooner and neither is later.
-        self._fill_locks: dict[str, asyncio.Lock] = {}
+        # The turns go round-robin by the model's owner (turns.py), so one tenant's queue of
+        # big fills does not hold back another's.
+        self._fill_turns: dict[str, FairTurns] = {}
 
     async def fill_new_arena(self, name: str, ckpt: Checkpoint, nbytes: int, wait_s: float, fill: FillStrategy,
                              verb: str, job: LoadJob | None = None, phases: dict[str, float] | None = None,
@@ -138,7 +141,8 @@ class Fill:
             # A small fill takes no bandwidth worth queueing for: behind one tenant's 100k-tensor
             # fill (~1 s of per-tensor work) another's 4 KiB cold load waited for all of it.
             small = nbytes <= SMALL_FILL_BYTES and not many
-            async with contextlib.nullcontext() if small else self._fill_locks.setdefault(backend.device, asyncio.Lock()):
+            turns = self._fill_turns.setdefault(backend.device, FairTurns())
+            async with contextlib.nullcontext() if small else turns.turn(model.owner):
                 phase("queued")
                 check_wanted()
                 allocate = backend.allocate_as_room_frees if lazy else backend.allocate
