@@ -4,8 +4,8 @@ Why a process: JSON-parsing and laying out 100k tensors is ~0.6 s of Python that
 the interpreter lock, in slices the event loop must queue for; beside one tenant's
 100k-tensor loads another tenant's attach p99 went up 10-16x (issue 25, stress_abuse.py
 --only headerbomb, 2-core VM), and the parse's transient objects stayed in the daemon's
-heap as RSS. A worker holds no lock of the daemon's, runs at nice 19 (the kernel gives the
-event loop's thread the CPU first), and takes its garbage with it when it exits. Its
+heap as RSS. A worker holds no lock of the daemon's, runs at nice 5 (the kernel favours the
+event loop's thread when they share a core), and takes its garbage with it when it exits. Its
 reply is the layout's columns as bytes (tensor_table.py, the fingerprint's heads among
 them) and the encoded attach table: nothing per tensor is built in the daemon.
 
@@ -39,7 +39,11 @@ if TYPE_CHECKING:
 
 PARSE_APART_BYTES = 1 << 20  # raw header bytes (all files) from which the parse runs in a worker
 WORKER_TIMEOUT_S = 120.0  # a 16 MiB header takes ~3 s; past this the worker is killed
-WORKER_NICE = 19
+# Not 19: beside two busy processes on the 2-core VM a nice-19 worker got ~1.5% of a core,
+# and a tenant's register of a 100k-tensor header timed out (tests/security/test_r25_held.py
+# failed; 258 s for it at nice 10, 111 s at 5). At 5 the loop still outweighs a worker
+# 3:1 on a shared core (one headerbomb stress run: attach p99 1.5x alone).
+WORKER_NICE = 5
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # so the worker imports this copy of weightcache
 
 
