@@ -112,3 +112,12 @@ def as_uid(uid: int, fn: Callable[[], Any], timeout: float = 60) -> Any:
                 os.kill(pid, 9)
         os.waitpid(pid, 0)
     return json.loads(data)
+
+
+def is_open(fd: int) -> bool:
+    """Whether ``fd`` is still an open descriptor of this process."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True

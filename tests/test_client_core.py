@@ -8,6 +8,7 @@ import os
 
 import msgpack
 import pytest
+from helpers import is_open
 
 from weightcache.client.core import RETRY_MAX_S, ClientCore, Retry
 from weightcache.errors import BadRequest, DaemonUnavailable, FrameTooLarge, UnknownModel
@@ -17,14 +18,6 @@ from weightcache.protocol.arena import SEGMENT, FileArenaDesc, MemfdArenaDesc, T
 
 def memfds(n: int) -> list[int]:
     return [os.memfd_create("t", os.MFD_CLOEXEC) for _ in range(n)]
-
-
-def is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import is_open
 
 from weightcache import Client
 from weightcache.client import cuda_mapping, libcuda
@@ -412,14 +413,6 @@ def test_a_mapping_is_unmapped_when_collected_and_errors_at_exit_are_quiet(fake,
 
 def memfds(n: int) -> list[int]:
     return [os.memfd_create(f"chunk{i}", os.MFD_CLOEXEC) for i in range(n)]
-
-
-def is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize("failing", ["count", "uuid", "import"])
