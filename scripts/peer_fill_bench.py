@@ -24,8 +24,10 @@ of the read (raw). Writes JSON to ``--out``.
     .venv/bin/python scripts/peer_fill_bench.py --gib 1 --rounds 7 --out docs/peer-fill-cpu.json
 
 ``--vram 0,1`` measures only NIXL's raw GPU-to-GPU rate between two processes (one per
-GPU, or ``0,0`` for one GPU), with the fill's request size and window: the bar a GPU
-fill would be held to once the CUDA backend lends its VMM arenas.
+GPU, or ``0,0`` for one GPU), with the fill's request size and window, into memory
+zeroed before each round, and checks that every byte arrived (a sum of the words at both
+ends): the bar a GPU fill is held to. Both ends are exportable VMM chunks, as the
+daemon's CUDA arenas are (``--vram-alloc torch``: torch's allocator, cudaMalloc).
 """
 
 from __future__ import annotations
@@ -138,12 +140,50 @@ def run_raw(path: Path, one_request: bool, allocate_timed: bool = False) -> dict
 
 
 # -- raw NIXL between GPUs (for the H200; no daemon can lend VRAM yet) ----------------------
-def vram_lender(nbytes: int) -> None:
+def vram_buffer(nbytes: int, alloc: str) -> Any:
+    """A uint8 tensor of ``nbytes`` on this process's GPU: torch's allocator (cudaMalloc)
+    or, with ``alloc`` "vmm", exportable VMM chunks of up to 1 GiB mapped back to back,
+    the memory the daemon's CUDA arenas are (client/libcuda.py's ``create_exported``)."""
+    import torch
+
+    dev = torch.cuda.current_device()
+    if alloc == "torch":
+        return torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dev}")
+    from weightcache.client.libcuda import driver
+
+    torch.cuda.init()
+    drv = driver()
+    g = drv.granularity(dev)
+    left, sizes = -(-nbytes // g) * g, []
+    while left:
+        sizes.append(min(left, (1 << 30) // g * g))
+        left -= sizes[-1]
+    with drv.current(drv.primary_context(dev)):
+        va, fds = drv.create_exported(sizes, dev)
+    for fd in fds:
+        os.close(fd)
+
+    class Range:  # the process keeps the range until it exits
+        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (va, False), "version": 3, "strides": None}
+
+    return torch.as_tensor(Range(), device=f"cuda:{dev}")
+
+
+def vram_sum(buf: Any) -> int:
+    """The bytes' sum as int32 words: equal on both ends when every byte arrived."""
+    import torch
+
+    return int(buf[: buf.numel() // 4 * 4].view(torch.int32).sum(dtype=torch.int64))
+
+
+def vram_lender(nbytes: int, alloc: str) -> None:
     import torch
 
     from weightcache.peers.transport import Transport
 
-    buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    buf = vram_buffer(nbytes, alloc)
+    buf.copy_(torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=buf.device))
+    torch.cuda.synchronize()
     t = Transport()
     reg = t.register([(buf.data_ptr(), nbytes)], "VRAM", torch.cuda.current_device())
     stop = threading.Event()
@@ -153,7 +193,7 @@ def vram_lender(nbytes: int) -> None:
         conn, _ = ls.accept()
         with conn:
             send(conn, {"metadata": t.metadata(), "addr": buf.data_ptr(), "nbytes": nbytes,
-                        "device_id": torch.cuda.current_device()})
+                        "device_id": torch.cuda.current_device(), "sum": vram_sum(buf)})
             pump.start()
             recv(conn)
     stop.set()
@@ -161,7 +201,7 @@ def vram_lender(nbytes: int) -> None:
     t.deregister(reg)
 
 
-def vram_read(port: int, rounds: int) -> list[float]:
+def vram_read(port: int, rounds: int, alloc: str) -> dict[str, Any]:
     import torch
 
     from weightcache.peers.transport import Extent, Transport
@@ -170,33 +210,43 @@ def vram_read(port: int, rounds: int) -> list[float]:
     with socket.create_connection(("127.0.0.1", port)) as conn:
         info = recv(conn)
         size = info["nbytes"]
-        dst = torch.empty(size, dtype=torch.uint8, device="cuda")
+        dst = vram_buffer(size, alloc)
         dev = torch.cuda.current_device()
         out = []
         for _ in range(rounds):
+            dst.zero_()
+            torch.cuda.synchronize()
             extents = [Extent(dst.data_ptr() + o, info["addr"] + o, min(TASK_BYTES, size - o)) for o in range(0, size, TASK_BYTES)]
             t0 = time.monotonic()
             t.read(info["metadata"], extents, "VRAM", dev, "VRAM", info["device_id"], window=WINDOW,
                    on_done=lambda _d, _n: None, stop=lambda: None, deadline=t0 + 600)
             out.append(time.monotonic() - t0)
+        exact = vram_sum(dst) == info["sum"]
         send(conn, {"op": "done"})
-    return out
+    return {"seconds": out, "bytes_arrived": exact}
 
 
-def run_vram(gib: float, rounds: int, lender_gpu: str, reader_gpu: str) -> dict[str, Any]:
+def run_vram(gib: float, rounds: int, lender_gpu: str, reader_gpu: str, alloc: str) -> dict[str, Any]:
     nbytes = int(gib * 2**30)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": lender_gpu}
-    lender = subprocess.Popen([sys.executable, __file__, "vram-lender", str(nbytes)], stdout=subprocess.PIPE, text=True, env=env)
+    lender = subprocess.Popen([sys.executable, __file__, "vram-lender", str(nbytes), alloc], stdout=subprocess.PIPE, text=True,
+                              env=env)
     try:
         assert lender.stdout is not None
         port = next(int(line.split()[1]) for line in lender.stdout if line.startswith("PORT "))
-        out = subprocess.run([sys.executable, __file__, "vram-read", str(port), str(rounds)], check=True, capture_output=True,
-                             text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": reader_gpu})
-        secs = json.loads(next(x[7:] for x in out.stdout.splitlines() if x.startswith("RESULT ")))
+        out = subprocess.run([sys.executable, __file__, "vram-read", str(port), str(rounds), alloc],
+                             capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": reader_gpu})
+        if out.stderr:  # UCX's own lines (UCX_PROTO_INFO=y names the transport it chose)
+            sys.stderr.write(out.stderr[-4000:])
+        if out.returncode:
+            raise RuntimeError(f"the reader failed (exit {out.returncode}): {out.stderr[-3000:]}")
+        got = json.loads(next(x[7:] for x in out.stdout.splitlines() if x.startswith("RESULT ")))
     finally:
         lender.wait(timeout=120)
-    return {"gib": gib, "lender_gpu": lender_gpu, "reader_gpu": reader_gpu, "seconds": secs,
-            "gb_per_s_median": nbytes / statistics.median(secs) / 1e9, "gb_per_s_best": nbytes / min(secs) / 1e9}
+    secs = got["seconds"]
+    return {"gib": gib, "alloc": alloc, "lender_gpu": lender_gpu, "reader_gpu": reader_gpu, "seconds": secs,
+            "bytes_arrived": got["bytes_arrived"], "gb_per_s_median": nbytes / statistics.median(secs) / 1e9,
+            "gb_per_s_best": nbytes / min(secs) / 1e9}
 
 
 # -- the daemons --------------------------------------------------------------------------
@@ -322,10 +372,10 @@ def main() -> None:
         print("RESULT " + json.dumps(raw_read(int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1")))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "vram-lender":
-        vram_lender(int(sys.argv[2]))
+        vram_lender(int(sys.argv[2]), sys.argv[3])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "vram-read":
-        print("RESULT " + json.dumps(vram_read(int(sys.argv[2]), int(sys.argv[3]))))
+        print("RESULT " + json.dumps(vram_read(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=1.0)
@@ -334,10 +384,12 @@ def main() -> None:
     p.add_argument("--logs", type=Path, help="copy the daemons' logs here")
     p.add_argument("--vram", metavar="LENDER_GPU,READER_GPU",
                    help="only raw NIXL between two GPU processes (CUDA_VISIBLE_DEVICES of each, e.g. 0,0 or 0,1)")
+    p.add_argument("--vram-alloc", choices=["torch", "vmm"], default="vmm",
+                   help="with --vram: the GPU memory at both ends, torch's allocator or VMM chunks as the daemon's arenas (default)")
     args = p.parse_args()
     if args.vram:
         lg, rg = args.vram.split(",")
-        res = run_vram(args.gib, args.rounds, lg, rg)
+        res = run_vram(args.gib, args.rounds, lg, rg, args.vram_alloc)
         print(json.dumps(res, indent=1))
         if args.out:
             args.out.write_text(json.dumps(res, indent=1) + "\n")
