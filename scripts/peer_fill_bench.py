@@ -236,8 +236,9 @@ def run_vram(gib: float, rounds: int, lender_gpu: str, reader_gpu: str, alloc: s
         port = next(int(line.split()[1]) for line in lender.stdout if line.startswith("PORT "))
         out = subprocess.run([sys.executable, __file__, "vram-read", str(port), str(rounds), alloc],
                              capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": reader_gpu})
-        if out.stderr:  # UCX's own lines (UCX_PROTO_INFO=y names the transport it chose)
-            sys.stderr.write(out.stderr[-4000:])
+        # UCX's own lines (UCX_PROTO_INFO=y names the protocol and transport it chose)
+        sys.stderr.write("".join(x + "\n" for x in out.stdout.splitlines() if not x.startswith("RESULT "))[-6000:])
+        sys.stderr.write(out.stderr[-4000:])
         if out.returncode:
             raise RuntimeError(f"the reader failed (exit {out.returncode}): {out.stderr[-3000:]}")
         got = json.loads(next(x[7:] for x in out.stdout.splitlines() if x.startswith("RESULT ")))
