@@ -149,6 +149,8 @@ def vram_buffer(nbytes: int, alloc: str) -> Any:
     dev = torch.cuda.current_device()
     if alloc == "torch":
         return torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dev}")
+    if alloc == "vmm-fabric":
+        return _fabric_buffer(nbytes, dev)
     from weightcache.client.libcuda import driver
 
     torch.cuda.init()
@@ -165,6 +167,44 @@ def vram_buffer(nbytes: int, alloc: str) -> Any:
 
     class Range:  # the process keeps the range until it exits
         __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (va, False), "version": 3, "strides": None}
+
+    return torch.as_tensor(Range(), device=f"cuda:{dev}")
+
+
+def _fabric_buffer(nbytes: int, dev: int) -> Any:
+    """VMM chunks exportable as a POSIX fd and as a fabric handle: UCX's cuda_ipc
+    recognises VMM memory for IPC by its fabric handle (a probe: not what the daemon
+    allocates)."""
+    import torch
+    from cuda.bindings import driver as cu
+
+    def check(res: Any) -> Any:
+        err, *rest = res if isinstance(res, tuple) else (res,)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver: {err}")
+        return rest[0] if len(rest) == 1 else rest
+
+    torch.cuda.init()
+    torch.empty(1, device=f"cuda:{dev}")  # the primary context, current
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.requestedHandleTypes = (cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                                 | cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC)
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = dev
+    g = check(cu.cuMemGetAllocationGranularity(prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+    size = -(-nbytes // g) * g
+    h = check(cu.cuMemCreate(size, prop, 0))
+    va = check(cu.cuMemAddressReserve(size, 0, 0, 0))
+    check(cu.cuMemMap(va, size, 0, h, 0))
+    desc = cu.CUmemAccessDesc()
+    desc.location = prop.location
+    desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    check(cu.cuMemSetAccess(va, size, [desc], 1))
+
+    class Range:  # the process keeps the range until it exits
+        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (int(va), False), "version": 3,
+                                    "strides": None}
 
     return torch.as_tensor(Range(), device=f"cuda:{dev}")
 
@@ -385,7 +425,7 @@ def main() -> None:
     p.add_argument("--logs", type=Path, help="copy the daemons' logs here")
     p.add_argument("--vram", metavar="LENDER_GPU,READER_GPU",
                    help="only raw NIXL between two GPU processes (CUDA_VISIBLE_DEVICES of each, e.g. 0,0 or 0,1)")
-    p.add_argument("--vram-alloc", choices=["torch", "vmm"], default="vmm",
+    p.add_argument("--vram-alloc", choices=["torch", "vmm", "vmm-fabric"], default="vmm",
                    help="with --vram: the GPU memory at both ends, torch's allocator or VMM chunks as the daemon's arenas (default)")
     args = p.parse_args()
     if args.vram:
