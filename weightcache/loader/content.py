@@ -137,6 +137,7 @@ def _tasks(rows: Iterable[tuple[int, int, int, int, int]], cap: int) -> list[Tas
 # C (map over the views), nothing per tensor in bytecode but the plan's one pass. Each
 # such tensor is one piece (SMALL_TENSOR < HASH_BLOCK), and the xxh3 of its bytes in one
 # call is the digest TaskHasher makes in steps: the fingerprint is the same.
+# The same loads: 0.10-0.44 s (the plan's pass, read_digests and fingerprint the most of it).
 SMALL_TENSOR = 64 * 2**10
 BATCH_TENSORS = 1024  # IOV_MAX on Linux: one preadv a batch
 
