@@ -174,3 +174,17 @@ def test_a_failed_batch_releases_its_views_of_the_mapping(tmp_path):
             writer.finish()
         finally:
             backend.free(arena)  # a view kept alive would pin the mapping: BufferError here
+
+
+def test_no_batch_is_longer_than_the_chunk(tmp_path):
+    # _HashingWriter reads a batch through its buffer of one chunk: a tensor of 5000 bytes
+    # with chunk = 4096 is a task, not a batch it could not hold.
+    p = tmp_path / "m.safetensors"
+    save_file({f"t{i}": torch.full((n,), i, dtype=torch.uint8) for i, n in enumerate([5000, 1, 4096, 3, 4000, 97])}, str(p))
+    with open_source(p) as opened:
+        ckpt = parse_checkpoint(opened)
+    work = plan_work(ckpt, 4096)
+    assert all(w.nbytes <= 4096 for w in work if isinstance(w, Batch))
+    assert {ckpt.tensors[w.pieces[0].tensor].nbytes for w in work if isinstance(w, Task)} == {5000}
+    assert load(p, True, 2, 4096)[0] == load(p, False, 2, 4096)[0] == spec_fingerprint(p)
+    assert fingerprint_files(p, threads=2, chunk=4096) == spec_fingerprint(p)

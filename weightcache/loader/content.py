@@ -155,22 +155,23 @@ class Batch:
 
 
 def plan_work(ckpt: Checkpoint, chunk: int) -> list[Task | Batch]:
-    """plan_tasks for the tensors over SMALL_TENSOR bytes, and the others in Batches of at
-    most BATCH_TENSORS tensors and ``chunk`` bytes (Note [small tensors in batches])."""
+    """plan_tasks for the tensors over SMALL_TENSOR (or ``chunk``) bytes, and the others in
+    Batches of at most BATCH_TENSORS tensors and ``chunk`` bytes (Note [small tensors in
+    batches]): a writer may read a batch through a buffer of ``chunk`` bytes."""
     big: list[tuple[int, int, int, int, int]] = []
     batches: list[Task | Batch] = []
     tensors: list[int] = []
     arena: list[int] = []
     sizes: list[int] = []
     file = start = end = -1
-    cap = min(chunk, BATCH_TENSORS * SMALL_TENSOR)
+    small = min(SMALL_TENSOR, chunk)
     for i, (f, fo, nb, ao) in enumerate(places(ckpt)):
-        if nb > SMALL_TENSOR:
+        if nb > small:
             big.append((i, f, fo, nb, ao))
             continue
         if not nb:
             continue
-        if f != file or fo != end or len(tensors) == BATCH_TENSORS or end - start + nb > cap:
+        if f != file or fo != end or len(tensors) == BATCH_TENSORS or end - start + nb > chunk:
             if tensors:
                 batches.append(Batch(file, start, end - start, tensors, arena, sizes))
             tensors, arena, sizes = [], [], []
