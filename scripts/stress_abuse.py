@@ -18,6 +18,8 @@ Tenant abusers (issue 25; ``--tenant-abusers``, on by default, as uid 65534 with
 - ``headerbomb``: two connections, each registering its own file of 100,000 zero-byte
   tensors (a 5 MiB header) with its fds, loading it (a parse, a table) and unregistering
   it, over and over;
+- ``tinybomb``: the same with 100,000 one-byte tensors (a 5 MiB header and 100 KB of
+  data, each tensor read and hashed: Note [small tensors in batches], loader/content.py);
 - ``waiterherd``: holds 36 MiB of the 64 MiB budget attached and parks 48 loads
   (wait_s = 50) of its own 36 MiB model with a 2 MiB header, re-parking each that ends;
 - ``biglist``: publishes with ``allowed_gids`` of 700,000 group names (a 3.5 MB frame).
@@ -219,10 +221,13 @@ def abuser(kind: str, path: str, conns: int, seconds: float, uid: int | None, ou
 
 
 # ------------------------------------------------------------------ tenant abusers (issue 25)
-def header_bomb_file(path: Path, n: int) -> Path:
-    header = {f"t{i:06d}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]} for i in range(n)}
+def header_bomb_file(path: Path, n: int, nbytes: int = 0) -> Path:
+    """``n`` tensors of ``nbytes`` bytes each, as safetensors.torch.save_file lays them out."""
+    header = {f"t{i:06d}": {"dtype": "U8", "shape": [nbytes], "data_offsets": [i * nbytes, (i + 1) * nbytes]}
+              for i in range(n)}
     raw = json.dumps(header, separators=(",", ":")).encode()
-    path.write_bytes(len(raw).to_bytes(8, "little") + raw)
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(i % 251 for i in range(n * nbytes)))
     os.chmod(path, 0o644)
     return path
 
@@ -246,17 +251,17 @@ def tenant_abuser(kind: str, path: str, files: dict[str, str], seconds: float, u
         key = getattr(exc, "code", None) or type(exc).__name__
         stats["errors"][key] = stats["errors"].get(key, 0) + 1
 
-    async def bomb_loop(j: int) -> None:
+    async def bomb_loop(j: int, file: str) -> None:
         k = 0
         while time.monotonic() < deadline:
             try:
-                async with Client(path, name=f"headerbomb{j}") as c:
+                async with Client(path, name=f"{kind}{j}") as c:
                     stats["connects"] += 1
                     while time.monotonic() < deadline:
-                        name = f"hb{j}-{k % 4}"
+                        name = f"{kind[:2]}{j}-{k % 4}"
                         k += 1
                         try:
-                            await c.register(name, files["bomb"], send_files=True)
+                            await c.register(name, files[file], send_files=True)
                             stats["requests"] += 1
                             await c.load(name, timeout=120)
                             stats["requests"] += 1
@@ -319,7 +324,9 @@ def tenant_abuser(kind: str, path: str, files: dict[str, str], seconds: float, u
 
     async def main() -> None:
         if kind == "headerbomb":
-            await asyncio.gather(bomb_loop(0), bomb_loop(1))
+            await asyncio.gather(bomb_loop(0, "bomb"), bomb_loop(1, "bomb"))
+        elif kind == "tinybomb":
+            await asyncio.gather(bomb_loop(0, "tinybomb"), bomb_loop(1, "tinybomb"))
         elif kind == "waiterherd":
             await herd()
         else:
@@ -478,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         "docs/reliability.md)"))
     ap.add_argument("--only", default="", help="comma-separated abuser kinds to run (default: all)")
     ap.add_argument("--no-tenant-abusers", dest="tenant_abusers", action="store_false",
-                    help="leave out headerbomb, waiterherd and biglist (and the other tenant)")
+                    help="leave out headerbomb, tinybomb, waiterherd and biglist (and the other tenant)")
     ap.add_argument("--plain-config", action="store_true",
                     help="leave out the limit keys (hello_timeout_s, max_partial_frame_bytes[_per_uid]): for daemons that predate them")
     args = ap.parse_args(argv)
@@ -502,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         daemon_cfg.update(tenant_register=True)
         os.chmod(work, 0o755)
         tenant_files = {"bomb": str(header_bomb_file(work / "bomb.safetensors", 100_000)),
+                        "tinybomb": str(header_bomb_file(work / "tinybomb.safetensors", 100_000, 1)),
                         "hold": str(write_checkpoint(work / "hold.safetensors", 36 * MIB, 8, seed=3)),
                         "herd": str(write_checkpoint(work / "herd.safetensors", 36 * MIB, 40_000, seed=4)),
                         "other": str(write_checkpoint(work / "other.safetensors", 4096, 2, seed=5))}
@@ -511,7 +519,13 @@ def main(argv: list[str] | None = None) -> int:
     # 24 more entries make each `models` reply ~10 KB: unread replies fill a socket quickly
     models = [{"name": "tiny", "path": str(tiny)}, {"name": "small", "path": str(small)}]
     models += [{"name": f"extra{i:02d}", "path": str(tiny)} for i in range(24)]
-    cfg.write_text(config_text(sock, {"cpu": "64MiB"}, models, daemon_cfg))
+    # A tinybomb model holds ~40 MB (a 25.6 MB arena: 256 bytes a tensor, and its rows): with
+    # --only tinybomb the budget has room for its two loads beside the rest, so that they
+    # evict one another, not the well-behaved client's models. Beside waiterherd, which
+    # needs its 64 MiB to park loads, they compete for that room (NO_SPACE among their errors).
+    only = set(filter(None, args.only.split(",")))
+    tiny_room = args.tenant_abusers and "tinybomb" in only and "waiterherd" not in only
+    cfg.write_text(config_text(sock, {"cpu": "160MiB" if tiny_room else "64MiB"}, models, daemon_cfg))
     if uid is not None:
         os.chmod(sockdir, 0o755)
     log = work / "daemon.log"
@@ -555,11 +569,10 @@ def main(argv: list[str] | None = None) -> int:
     rss_before_abusers = rss(pid)
     # partial: 5 frames of almost max_frame_bytes against a budget of 4 of them
     plan = {"pipeline": 4 * k, "fdpark": 4 * k, "slowloris": 8 * k, "nohello": 16 * k, "partial": 5 * k}
-    only = set(filter(None, args.only.split(",")))
     plan = {kind: n for kind, n in plan.items() if not only or kind in only}
     started = [ctx.Process(target=abuser, args=(kind, sock, n, args.seconds, uid, q)) for kind, n in plan.items()]
     if args.tenant_abusers:
-        for kind in ("headerbomb", "waiterherd", "biglist"):
+        for kind in ("headerbomb", "tinybomb", "waiterherd", "biglist"):
             if only and kind not in only:
                 continue
             plan[kind] = 1

@@ -77,15 +77,17 @@ import errno
 import fcntl
 import logging
 import mmap
+import operator
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BadRequest, CorruptCheckpoint, NoSpace
 from ..loader.checkpoint import Checkpoint
 from ..loader.content import TaskHasher
-from ..loader.reader import pread_full, pread_hashing
+from ..loader.reader import pread_full, pread_hashing, pread_scattered
 from ..loader.sources import OpenedSource
 from ..protocol.arena import MEMFD_SEALS, SEGMENT, FileArenaDesc, MemfdArenaDesc
 from ..units import capacity
@@ -152,6 +154,25 @@ class _MemfdWriter:
         with self._lock:
             span = self._read.setdefault(fd, [file_offset, file_offset + nbytes])
             span[0], span[1] = min(span[0], file_offset), max(span[1], file_offset + nbytes)
+
+    def write_batch(self, fd: int, file_offset: int, arena_offsets: list[int], sizes: list[int],
+                    seen: Callable[[list[memoryview]], None] | None = None) -> None:
+        """Small tensors back to back in the file, each to its place in the mapping: one
+        preadv (Note [small tensors in batches], loader/content.py)."""
+        assert self._view is not None
+        # Slices made and released by map, in C: no bytecode per tensor.
+        views = list(map(self._view.__getitem__, map(slice, arena_offsets, map(operator.add, arena_offsets, sizes))))
+        try:
+            pread_scattered(fd, views, file_offset)
+            if seen is not None:
+                seen(views)
+        finally:
+            # Released even when the read fails: a view kept alive pins the mapping.
+            list(map(memoryview.release, views))
+        end = file_offset + sum(sizes)
+        with self._lock:
+            span = self._read.setdefault(fd, [file_offset, end])
+            span[0], span[1] = min(span[0], file_offset), max(span[1], end)
 
     def finish(self) -> None:
         # The view pins the mapping; drop it so seal() can close the mapping.

@@ -16,12 +16,27 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Protocol
 
 from ..errors import CorruptCheckpoint, LoadFailed
 from ..units import round_up
 from .checkpoint import Checkpoint, parse_checkpoint
-from .content import FILE_DIGESTS, FileIdentity, Task, TaskHasher, file_digests, fingerprint, places, plan_tasks, read_digests
+from .content import (
+    BATCH_TENSORS,
+    FILE_DIGESTS,
+    Batch,
+    FileIdentity,
+    Task,
+    TaskHasher,
+    batch_hasher,
+    file_digests,
+    fingerprint,
+    places,
+    plan_tasks,
+    plan_work,
+    read_digests,
+)
 from .sources import OpenedSource, open_source
 from .trust import why_untrusted
 
@@ -38,6 +53,12 @@ class ArenaWriter(Protocol):
     call); where ``seen.on_device``, the writer also hashes on its device the pieces it
     hands over (``take_device_done``), and those digests are in place once ``finish``
     returns. The writer reads the plan, it never makes one.
+
+    A writer may also have ``write_batch(fd, file_offset, arena_offsets, sizes, seen)``:
+    the file's bytes from ``file_offset`` on go, ``sizes[k]`` at a time, to
+    ``arena_offsets[k]``, and ``seen``, when given, gets every tensor's bytes at once as a
+    list of read-only views (content.batch_hasher). With it the reader reads small
+    tensors in batches (Note [small tensors in batches], content.py); without, one task each.
 
     What the reader asks of a writer to plan: ``serves_files`` is true for a writer whose
     arena is the files' own trusted pages (a CPU file arena): their digests may then be
@@ -163,6 +184,26 @@ def pread_full(fd: int, view: memoryview, offset: int, path: str = "") -> None:
         if n == 0:
             raise CorruptCheckpoint(f"{path}: file ended at {offset + got} while reading (truncated?)", file=path, reason="truncated")
         got += n
+
+
+def pread_scattered(fd: int, views: list[memoryview], offset: int) -> None:
+    """Fill ``views`` in order from ``fd``'s bytes at ``offset`` on, BATCH_TENSORS views a
+    preadv; a short file is a corrupt checkpoint."""
+    for k in range(0, len(views), BATCH_TENSORS):
+        group = views[k : k + BATCH_TENSORS]
+        want = sum(map(len, group))
+        got = os.preadv(fd, group, offset)
+        if got < want:  # a signal or the file's end: the rest one view at a time (rare: no need to be quick)
+            at = offset
+            for v in group:
+                if got >= len(v):
+                    got -= len(v)
+                else:
+                    with v[got:] as rest:
+                        pread_full(fd, rest, at + got)
+                    got = 0
+                at += len(v)
+        offset += want
 
 
 # A load that hashes reads this much at a time and hashes it at once, so the hash reads
@@ -296,7 +337,7 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
             fds.append(fd)
             direct.append(is_direct)
             log(f"{f.path}: {why}")
-        tasks = plan_tasks(ckpt, chunk)
+        tasks: list[Task | Batch] = [*plan_work(ckpt, chunk)] if hasattr(writer, "write_batch") else [*plan_tasks(ckpt, chunk)]
         # Hashed on the device only for files that cannot change unseen: they are hashed
         # once per version (their digests are kept), where a peer's files are hashed at
         # every load, and the device's kernels take time from the engines computing on
@@ -305,7 +346,33 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
         device_min = writer.device_hash_min if trusted else None
         failed = threading.Event()  # once one chunk fails, the others stop early
 
-        def work(task: Task) -> None:
+        def fail(file: int, exc: Exception) -> BaseException:
+            failed.set()
+            path = ckpt.files[file].path
+            if isinstance(exc, CorruptCheckpoint):
+                return CorruptCheckpoint(f"{path}: {exc.details.get('reason', exc.message)}", file=path,
+                                         reason=exc.details.get("reason"))
+            assert isinstance(exc, OSError)
+            return LoadFailed(f"{path}: read failed: {exc.strerror}", file=path, reason=exc.strerror)
+
+        def work_batch(batch: Batch) -> None:
+            if failed.is_set():
+                return
+            if cancelled():
+                failed.set()
+                raise LoadFailed("load cancelled", reason="cancelled")
+            seen = batch_hasher(batch, pieces) if content_hash and batch.file not in known else None
+            try:
+                writer.write_batch(fds[batch.file], batch.file_offset, batch.arena_offsets,  # type: ignore[attr-defined]
+                                   batch.sizes, seen)
+            except (CorruptCheckpoint, OSError) as exc:
+                raise fail(batch.file, exc) from None
+            if progress is not None:
+                progress.add(batch.nbytes)
+
+        def work(task: Task | Batch) -> None:
+            if isinstance(task, Batch):
+                return work_batch(task)
             seen = TaskHasher(task, pieces, device_min) if content_hash and task.file not in known else None
             for off in range(0, task.nbytes, chunk):
                 n = min(chunk, task.nbytes - off)
@@ -371,6 +438,20 @@ class _HashingWriter:
             pread_full(fd, dst, file_offset)
             if seen is not None:
                 seen(dst)
+
+    def write_batch(self, fd: int, file_offset: int, arena_offsets: list[int], sizes: list[int],
+                    seen: Callable[[list[memoryview]], None] | None = None) -> None:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = memoryview(bytearray(self._chunk))
+        ends = list(accumulate(sizes))  # a batch is at most the chunk (plan_work)
+        views = list(map(buf.__getitem__, map(slice, [0, *ends[:-1]], ends)))
+        try:
+            pread_scattered(fd, views, file_offset)
+            if seen is not None:
+                seen(views)
+        finally:
+            list(map(memoryview.release, views))
 
     def finish(self) -> None:
         pass
