@@ -56,7 +56,7 @@ from .bench_measure import (
     pct,
     status_under_load,
     time_fastsafetensors,
-    time_instanttensor,
+    time_instanttensor_in_child,
     time_load_file,
     time_load_file_and_touch,
     time_runai_streamer,
@@ -270,7 +270,7 @@ def _measure_instanttensor(cfg: BenchConfig, ckpt: Path, backend: str) -> PeerLo
     name = f"instanttensor_{backend}"
     if not cfg.cuda:
         return PeerLoaderFigures(error="no CPU target: InstantTensor loads into GPU memory only", name=name)
-    return _measure_peer(cfg, ckpt, name, "instanttensor", functools.partial(time_instanttensor, backend=backend))
+    return _measure_peer(cfg, ckpt, name, "instanttensor", functools.partial(time_instanttensor_in_child, backend=backend))
 
 
 def _measure_content_hash(cfg: BenchConfig, ckpt: Path) -> ContentHashFigures:

@@ -12,6 +12,8 @@ import ctypes
 import gc
 import mmap
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -59,13 +61,28 @@ def page_cache_bytes(path: str | os.PathLike[str]) -> int:
         libc.munmap(addr, size)
 
 
-def drop_page_cache(path: str | os.PathLike[str]) -> None:
+# A cold run whose file stays this much cached is refused: its figure would be a warm one.
+COLD_CACHED_MAX = 0.05
+
+
+def drop_page_cache(path: str | os.PathLike[str], *, check: bool = True) -> None:
+    """Drop the file's pages from the page cache. DONTNEED leaves pages that a process
+    maps, so with ``check`` it then counts what stayed (mincore) and raises where more
+    than COLD_CACHED_MAX of the file did: on the H200 (session 12) a mapping that
+    InstantTensor's MMAP backend left in the bench process kept a 9.8 GB file cached, and
+    the loader's "cold" load ran at warm speed (0.28 s) with nothing saying so."""
     os.sync()  # DONTNEED skips dirty pages
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+    if check:
+        size = os.stat(path).st_size
+        cached = page_cache_bytes(path)
+        if size and cached > COLD_CACHED_MAX * size:
+            raise RuntimeError(f"{path}: {cached} of {size} bytes stay in the page cache after POSIX_FADV_DONTNEED "
+                               "(a process maps them): a cold run would read warm pages")
 
 
 def warm_page_cache(path: str | os.PathLike[str]) -> None:
@@ -141,9 +158,12 @@ async def _drop_when_unmapped(path: str | os.PathLike[str], timeout: float = 10.
     fd = os.open(path, os.O_RDONLY)
     try:
         while True:
-            drop_page_cache(path)
-            if resident_fraction(fd, os.fstat(fd).st_size) < 0.05 or time.monotonic() > deadline:
+            drop_page_cache(path, check=False)
+            if resident_fraction(fd, os.fstat(fd).st_size) < COLD_CACHED_MAX:
                 return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{path} stayed in the page cache for {timeout:g} s after the model's eviction "
+                                   "(a process maps it): a cold load would read warm pages")
             await asyncio.sleep(0.05)
     finally:
         os.close(fd)
@@ -255,6 +275,7 @@ def time_instanttensor(path: Path, device: str, backend: str = "default") -> flo
     from instanttensor import Backend, BackendPolicy, safe_open
 
     chosen = {"default": None, "buffered": BackendPolicy.BUFFERED, "mmap": Backend.MMAP}[backend]
+    torch.empty(1, device=device)  # the CUDA context, before the clock
     t = time.perf_counter()
     tensors = {}
     with safe_open(str(path), framework="pt", device=torch.device(device).index or 0, backend=chosen) as f:
@@ -264,6 +285,18 @@ def time_instanttensor(path: Path, device: str, backend: str = "default") -> flo
     dt = time.perf_counter() - t
     del tensors
     return dt
+
+
+def time_instanttensor_in_child(path: Path, device: str, backend: str = "default") -> float:
+    """:func:`time_instanttensor` in a fresh process: its MMAP backend keeps a mapping of
+    the file after ``safe_open`` closes, which kept the bench's later cold runs warm when
+    it ran in the bench's own process (``drop_page_cache``)."""
+    code = ("import sys; from pathlib import Path; from weightcache.tools.bench_measure import time_instanttensor; "
+            "print(time_instanttensor(Path(sys.argv[1]), sys.argv[2], sys.argv[3]))")
+    out = subprocess.run([sys.executable, "-c", code, str(path), device, backend], capture_output=True, text=True, timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"instanttensor ({backend}) failed: {out.stderr.strip()[-300:]}")
+    return float(out.stdout.split()[-1])
 
 
 async def attach_latencies(sock: str, name: str, n: int) -> list[float]:
