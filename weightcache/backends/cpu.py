@@ -87,7 +87,7 @@ from typing import Any
 from ..errors import BadRequest, CorruptCheckpoint, NoSpace
 from ..loader.checkpoint import Checkpoint
 from ..loader.content import TaskHasher
-from ..loader.reader import pread_full, pread_hashing, pread_scattered
+from ..loader.reader import pread_full, pread_hashing, read_batch
 from ..loader.sources import OpenedSource
 from ..protocol.arena import MEMFD_SEALS, SEGMENT, FileArenaDesc, MemfdArenaDesc
 from ..units import capacity
@@ -162,13 +162,7 @@ class _MemfdWriter:
         assert self._view is not None
         # Slices made and released by map, in C: no bytecode per tensor.
         views = list(map(self._view.__getitem__, map(slice, arena_offsets, map(operator.add, arena_offsets, sizes))))
-        try:
-            pread_scattered(fd, views, file_offset)
-            if seen is not None:
-                seen(views)
-        finally:
-            # Released even when the read fails: a view kept alive pins the mapping.
-            list(map(memoryview.release, views))
+        read_batch(fd, views, file_offset, seen)
         end = file_offset + sum(sizes)
         with self._lock:
             span = self._read.setdefault(fd, [file_offset, end])

@@ -206,6 +206,18 @@ def pread_scattered(fd: int, views: list[memoryview], offset: int) -> None:
         offset += want
 
 
+def read_batch(fd: int, views: list[memoryview], offset: int, seen: Callable[[list[memoryview]], None] | None) -> None:
+    """A batch of small tensors (Note [small tensors in batches], loader/content.py):
+    ``views`` filled by :func:`pread_scattered`, handed to ``seen`` (the hash), and
+    released whatever happens: a view kept alive pins the mapping it is a slice of."""
+    try:
+        pread_scattered(fd, views, offset)
+        if seen is not None:
+            seen(views)
+    finally:
+        list(map(memoryview.release, views))
+
+
 # A load that hashes reads this much at a time and hashes it at once, so the hash reads
 # bytes still in the core's cache (2 MiB of L2 here) rather than a whole chunk back from
 # memory. One thread, 1 GiB from a warm page cache in 16 MiB chunks (2-core VM): reads
@@ -445,13 +457,7 @@ class _HashingWriter:
         if buf is None:
             buf = self._local.buf = memoryview(bytearray(self._chunk))
         ends = list(accumulate(sizes))  # a batch is at most the chunk (plan_work)
-        views = list(map(buf.__getitem__, map(slice, [0, *ends[:-1]], ends)))
-        try:
-            pread_scattered(fd, views, file_offset)
-            if seen is not None:
-                seen(views)
-        finally:
-            list(map(memoryview.release, views))
+        read_batch(fd, list(map(buf.__getitem__, map(slice, [0, *ends[:-1]], ends))), file_offset, seen)
 
     def finish(self) -> None:
         pass
