@@ -10,6 +10,7 @@ import xxhash
 from safetensors.torch import save_file
 
 from weightcache.backends.cpu import CpuBackend
+from weightcache.backends.page_cache import PageCacheWriter, populate_supported
 from weightcache.errors import CorruptCheckpoint
 from weightcache.loader import fingerprint_files, open_source, parse_checkpoint, read_checkpoint
 from weightcache.loader.content import (
@@ -55,18 +56,24 @@ class OneTaskEach:
         self.inner.finish()
 
 
-def load(path: Path, batched: bool, threads: int = 3, chunk: int = 65536) -> tuple[str, bytes, dict]:
-    """(fingerprint, arena bytes, the digests kept for the file) of one load into a memfd."""
+def load(path: Path, batched: bool, threads: int = 3, chunk: int = 65536,
+         page_cache: bool = False) -> tuple[str, bytes, dict]:
+    """(fingerprint, arena bytes, the digests kept for the file) of one load into a memfd,
+    or with ``page_cache`` into a file arena (its bytes: the file's)."""
     FILE_DIGESTS.clear()
-    backend = CpuBackend("cpu", page_cache=False)
+    backend = CpuBackend("cpu", page_cache=page_cache)
     with open_source(path) as opened:
         ckpt = parse_checkpoint(opened)
         arena = backend.allocate(ckpt.arena_bytes, "t")
         try:
+            if page_cache:
+                backend.bind_files(arena, ckpt, opened)
+                assert arena.files is not None, arena.fallback
             writer = backend.writer(arena, chunk)
+            assert isinstance(writer, PageCacheWriter) == page_cache
             fp = read_checkpoint(ckpt, opened, writer if batched else OneTaskEach(writer), threads=threads, chunk=chunk, nice=0)
             backend.seal(arena)
-            data = os.pread(arena.fd, ckpt.arena_bytes, 0)
+            data = path.read_bytes() if page_cache else os.pread(arena.fd, ckpt.arena_bytes, 0)
         finally:
             backend.free(arena)
         st = os.fstat(opened.files[0].fd)
@@ -101,6 +108,41 @@ def test_batches_give_the_old_paths_bytes_digests_and_fingerprint(tmp_path):
     raw = path.read_bytes()
     for t in ckpt.tensors:
         assert new[1][t.arena_offset : t.arena_offset + t.nbytes] == raw[t.file_offset : t.file_offset + t.nbytes]
+
+
+@pytest.mark.skipif(not populate_supported(), reason="file arenas need MADV_POPULATE_READ (Linux >= 5.14)")
+def test_a_file_arena_populates_and_hashes_batches_as_one_task_a_tensor_does(tmp_path, monkeypatch):
+    # The CPU path of trusted (operator) files: a batch is one populate of its file range,
+    # hashed from the mapping; the digests it keeps by file identity are the old path's.
+    path = many_small(tmp_path / "m.safetensors")
+    calls = []
+    write_batch = PageCacheWriter.write_batch
+    monkeypatch.setattr(PageCacheWriter, "write_batch", lambda self, *a: calls.append(a[3]) or write_batch(self, *a))
+    new, old = load(path, batched=True, page_cache=True), load(path, batched=False, page_cache=True)
+    assert sum(map(len, calls)) > 2000  # the small tensors went in batches
+    assert new[0] == old[0] == spec_fingerprint(path)
+    assert new[2] == old[2] and new[2]  # trusted file: digests kept, the same ones
+
+
+@pytest.mark.skipif(not populate_supported(), reason="file arenas need MADV_POPULATE_READ (Linux >= 5.14)")
+def test_a_file_arena_batch_past_a_truncated_end_is_a_corrupt_checkpoint(tmp_path):
+    path = many_small(tmp_path / "m.safetensors", 20000)
+    backend = CpuBackend("cpu")
+    with open_source(path) as opened:
+        ckpt = parse_checkpoint(opened)
+        last = [w for w in plan_work(ckpt, 65536) if isinstance(w, Batch)][-1]
+        arena = backend.allocate(ckpt.arena_bytes, "t")
+        try:
+            backend.bind_files(arena, ckpt, opened)
+            assert arena.files is not None, arena.fallback
+            writer = backend.writer(arena, 65536)
+            os.truncate(path, (last.file_offset // 4096 - 1) * 4096)  # the batch's pages now past the end
+            with pytest.raises(CorruptCheckpoint, match="truncated"):
+                writer.write_batch(opened.files[0].fd, last.file_offset, last.arena_offsets, last.sizes,
+                                   lambda views: None)
+            writer.finish()
+        finally:
+            backend.free(arena)
 
 
 @pytest.mark.parametrize("threads,chunk", [(1, 4096), (4, 65536), (2, 16 * 2**20)])

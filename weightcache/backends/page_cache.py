@@ -13,7 +13,9 @@ import errno
 import fcntl
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 from ..errors import CorruptCheckpoint, LoadFailed
 from ..loader.checkpoint import Checkpoint, CheckpointFile
@@ -110,6 +112,24 @@ class PageCacheWriter:
             # the pages are resident, so it reads memory, not the disk).
             with memoryview((ctypes.c_char * nbytes).from_address(f.addr + file_offset)).cast("B") as view:
                 seen(view)
+
+    def write_batch(self, fd: int, file_offset: int, arena_offsets: list[int], sizes: list[int],
+                    seen: Callable[[list[memoryview]], None] | None = None) -> None:
+        """Small tensors back to back in the file (Note [small tensors in batches],
+        loader/content.py): their range populated at once, and hashed from the mapping.
+        The arena is the file, so ``arena_offsets`` (the arena's own layout) are unused."""
+        nbytes = sum(sizes)
+        self.write_from_file(fd, file_offset, arena_offsets[0], nbytes)
+        if seen is not None:
+            f = self._by_fd[fd]
+            ends = list(accumulate(sizes))
+            with memoryview((ctypes.c_char * nbytes).from_address(f.addr + file_offset)).cast("B") as whole:
+                # Slices made by map, in C: no bytecode per tensor; released by read_batch's rule.
+                views = list(map(whole.__getitem__, map(slice, [0, *ends[:-1]], ends)))
+                try:
+                    seen(views)
+                finally:
+                    list(map(memoryview.release, views))
 
     def finish(self) -> None:
         pass

@@ -55,8 +55,8 @@ class ArenaWriter(Protocol):
     returns. The writer reads the plan, it never makes one.
 
     A writer may also have ``write_batch(fd, file_offset, arena_offsets, sizes, seen)``:
-    the file's bytes from ``file_offset`` on go, ``sizes[k]`` at a time, to
-    ``arena_offsets[k]``, and ``seen``, when given, gets every tensor's bytes at once as a
+    the file's bytes from ``file_offset`` on (``fd`` is the source's buffered fd) go,
+    ``sizes[k]`` at a time, to ``arena_offsets[k]``, and ``seen``, when given, gets every tensor's bytes at once as a
     list of read-only views (content.batch_hasher). With it the reader reads small
     tensors in batches (Note [small tensors in batches], content.py); without, one task each.
 
@@ -375,8 +375,10 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
                 raise LoadFailed("load cancelled", reason="cancelled")
             seen = batch_hasher(batch, pieces) if content_hash and batch.file not in known else None
             try:
-                writer.write_batch(fds[batch.file], batch.file_offset, batch.arena_offsets,  # type: ignore[attr-defined]
-                                   batch.sizes, seen)
+                # The buffered fd, never an O_DIRECT one: the tensors' views are unaligned,
+                # and they are a small share of the bytes, so the page cache is no loss.
+                writer.write_batch(opened.files[batch.file].fd, batch.file_offset,  # type: ignore[attr-defined]
+                                   batch.arena_offsets, batch.sizes, seen)
             except (CorruptCheckpoint, OSError) as exc:
                 raise fail(batch.file, exc) from None
             if progress is not None:
