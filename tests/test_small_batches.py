@@ -167,7 +167,13 @@ def test_the_plan_batches_small_tensors_and_keeps_tasks_for_big_ones(tmp_path):
         offs = [ckpt.tensors[i].file_offset for i in b.tensors]
         assert offs[0] == b.file_offset and all(o + s == n for o, s, n in zip(offs, b.sizes, offs[1:], strict=False))
         assert b.arena_offsets == [ckpt.tensors[i].arena_offset for i in b.tensors]
-    assert len(batches) <= -(-len(small) // BATCH_TENSORS) + 2  # ~5000 one-tensor tasks before
+        # in the arena in order, spanning at most a chunk: a staging buffer holds the span
+        assert all(a + s <= n for a, s, n in zip(b.arena_offsets, b.sizes, b.arena_offsets[1:], strict=False))
+        assert b.arena_offsets[-1] + b.sizes[-1] - b.arena_offsets[0] <= 65536
+    # ~5000 one-tensor tasks before; batches cut where BATCH_TENSORS, or a chunk of the
+    # arena (each tensor 256-byte aligned there), is full
+    padded = sum(-(-ckpt.tensors[i].nbytes // 256) * 256 for i in small)
+    assert len(batches) <= -(-len(small) // BATCH_TENSORS) + -(-padded // 65536) + 2
     # the big tensors as plan_tasks made them
     big = [t for t in plan_tasks(ckpt, 65536) if any(ckpt.tensors[p.tensor].nbytes > SMALL_TENSOR for p in t.pieces)]
     assert tasks == big
@@ -226,7 +232,72 @@ def test_no_batch_is_longer_than_the_chunk(tmp_path):
     with open_source(p) as opened:
         ckpt = parse_checkpoint(opened)
     work = plan_work(ckpt, 4096)
-    assert all(w.nbytes <= 4096 for w in work if isinstance(w, Batch))
+    assert all(w.nbytes <= 4096 and w.arena_offsets[-1] + w.sizes[-1] - w.arena_offsets[0] <= 4096
+               for w in work if isinstance(w, Batch))
     assert {ckpt.tensors[w.pieces[0].tensor].nbytes for w in work if isinstance(w, Task)} == {5000}
     assert load(p, True, 2, 4096)[0] == load(p, False, 2, 4096)[0] == spec_fingerprint(p)
     assert fingerprint_files(p, threads=2, chunk=4096) == spec_fingerprint(p)
+
+
+@pytest.mark.gpu
+def test_a_vmm_arena_gets_batches_bit_exact_and_zero_padded(tmp_path, monkeypatch):
+    """The CUDA writer stages a batch's arena span and copies it at once: every tensor in
+    its place, the fingerprint and kept digests the old path's, and the padding between
+    a batch's tensors zero though the staging buffers last held other bytes (another
+    load's, maybe another tenant's)."""
+    from helpers import skip_without_cuda
+
+    skip_without_cuda()
+    from cuda.bindings import driver as cu
+
+    from weightcache import cuda_driver as drv
+    from weightcache.backends.cuda import CudaBackend, _VmmWriter
+    from weightcache.loader.reader import DIRECT_ALIGN
+
+    path = many_small(tmp_path / "m.safetensors")
+    raw = path.read_bytes()
+    chunk, threads = 65536, 3
+    calls = []
+    write_batch = _VmmWriter.write_batch
+    monkeypatch.setattr(_VmmWriter, "write_batch", lambda self, *a: calls.append(a[3]) or write_batch(self, *a))
+    backend = CudaBackend("cuda:0")
+    try:
+        got = {}
+        for batched in (True, False):
+            dirty = [backend.staging.take(chunk + 2 * DIRECT_ALIGN) for _ in range(threads)]
+            for st in dirty:
+                st.view[:] = b"\xab" * st.size
+                backend.staging.give_back(st)
+            FILE_DIGESTS.clear()
+            with open_source(path) as opened:
+                ckpt = parse_checkpoint(opened)
+                arena = backend.allocate(backend.capacity(ckpt.arena_bytes), "t")
+                try:
+                    writer = backend.writer(arena, chunk)
+                    fp = read_checkpoint(ckpt, opened, writer if batched else OneTaskEach(writer), threads=threads,
+                                         chunk=chunk, nice=0)
+                    backend.seal(arena)
+                    host = torch.empty(ckpt.arena_bytes, dtype=torch.uint8)
+                    with drv.current(backend.ctx):
+                        drv.check(cu.cuMemcpyDtoH(host.data_ptr(), arena.va, ckpt.arena_bytes))
+                finally:
+                    backend.free(arena)
+                st = os.fstat(opened.files[0].fd)
+            kept = dict(FILE_DIGESTS.get((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)) or {})
+            got[batched] = fp, host.numpy().tobytes(), kept
+    finally:
+        FILE_DIGESTS.clear()
+        backend.close()
+    assert sum(map(len, calls)) > 2000  # the small tensors went in batches
+    (fp, data, kept), (old_fp, old_data, old_kept) = got[True], got[False]
+    assert fp == old_fp == spec_fingerprint(path)
+    assert kept == old_kept
+    for t in ckpt.tensors:
+        want = raw[t.file_offset : t.file_offset + t.nbytes]
+        assert data[t.arena_offset : t.arena_offset + t.nbytes] == want == old_data[t.arena_offset : t.arena_offset + t.nbytes]
+    for b in (w for w in plan_work(ckpt, chunk) if isinstance(w, Batch)):
+        base = b.arena_offsets[0]
+        span = bytearray(b.arena_offsets[-1] + b.sizes[-1] - base)
+        for ao, nb, fo in zip(b.arena_offsets, b.sizes, (ckpt.tensors[i].file_offset for i in b.tensors), strict=True):
+            span[ao - base : ao - base + nb] = raw[fo : fo + nb]
+        assert data[base : base + len(span)] == span, f"batch at {base}: padding not zero or a tensor misplaced"

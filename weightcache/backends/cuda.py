@@ -15,10 +15,14 @@ docs/benchmarks.md has this backend's attach figures since.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import operator
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from cuda.bindings import driver as cu
@@ -26,7 +30,7 @@ from cuda.bindings import driver as cu
 from .. import cuda_driver as drv
 from ..errors import BadRequest, NoSpace
 from ..loader.content import TaskHasher
-from ..loader.reader import DIRECT_ALIGN, pread_direct, pread_full, pread_hashing
+from ..loader.reader import DIRECT_ALIGN, pread_direct, pread_full, pread_hashing, read_batch
 from ..protocol.arena import VmmArenaDesc, chunk_sizes
 from ..units import capacity
 from .base import Arena, Backend, HostCopy, HostPool, PublishedSource, Room
@@ -133,6 +137,30 @@ class _VmmWriter:
                     seen(view)
                 if on_device:
                     self._hash_on_device(seen, st)
+
+    def write_batch(self, fd: int, file_offset: int, arena_offsets: list[int], sizes: list[int],
+                    seen: Callable[[list[memoryview]], None] | None = None) -> None:
+        """Small tensors (Note [small tensors in batches], loader/content.py): one preadv
+        into the staging buffer laid out as the arena's span of the batch, hashed on the
+        host from there, and one copy of the span to the device."""
+        base = arena_offsets[0]
+        span = arena_offsets[-1] + sizes[-1] - base  # at most the chunk: the plan's rule
+        starts = list(map(operator.sub, arena_offsets, repeat(base)))
+        with drv.current(self._b.ctx):
+            st = self._staging()
+            if st.busy:
+                drv.check(cu.cuStreamSynchronize(st.stream))
+            if span != sum(sizes):
+                # The padding between the tensors goes to the arena with them, and this
+                # buffer last held another load's bytes, maybe another tenant's: zeroed.
+                ctypes.memset(st.host_ptr, 0, span)
+            with st.view[:span] as whole:
+                read_batch(fd, list(map(whole.__getitem__, map(slice, starts, map(operator.add, starts, sizes)))),
+                           file_offset, seen)
+            if self._arena.mapped < base + span:
+                self._b.grow(self._arena, base + span)
+            drv.check(cu.cuMemcpyHtoDAsync(self._arena.va + base, st.host_ptr, span, st.stream))
+            st.busy = True
 
     def _hash_on_device(self, seen: TaskHasher, st: Staging) -> None:
         """Launch the kernels of the pieces whose last bytes this call copied."""
