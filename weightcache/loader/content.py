@@ -139,6 +139,11 @@ def _tasks(rows: Iterable[tuple[int, int, int, int, int]], cap: int) -> list[Tas
 # such tensor is one piece (SMALL_TENSOR < HASH_BLOCK), and the xxh3 of its bytes in one
 # call is the digest TaskHasher makes in steps: the fingerprint is the same.
 # The same loads: 0.10-0.44 s (the plan's pass, read_digests and fingerprint the most of it).
+# Every writer has write_batch: the memfd one reads into the mapping, the file arena
+# populates the batch's range once and hashes from the mapping (backends/page_cache.py),
+# the CUDA one stages the batch's span of the arena in its pinned buffer and copies it at
+# once (backends/cuda.py). scripts/small_tensor_loads.py on the H200 host, one task a
+# tensor -> batched: memfd 3.84 -> 0.46 s, page cache 4.03 -> 0.27 s, VMM 8.47 -> 0.30 s.
 SMALL_TENSOR = 64 * 2**10
 BATCH_TENSORS = 1024  # IOV_MAX on Linux: one preadv a batch
 
