@@ -37,7 +37,8 @@ import xxhash
 from cuda.bindings import driver as cu
 
 from weightcache import cuda_driver as drv
-from weightcache.backends.cuda import CudaBackend, _VmmWriter
+from weightcache.backends.cuda import CudaBackend
+from weightcache.backends.cuda_writer import VmmWriter
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
 from weightcache.loader.content import FILE_DIGESTS
 from weightcache.loader.reader import pread_full
@@ -48,8 +49,8 @@ SLICE = 1 << 20
 FINGERPRINTS: set[str | None] = set()  # every hashing variant's, to check they agree
 
 
-class VariantWriter(_VmmWriter):
-    """``_VmmWriter`` with a choice of read/hash arrangement and staging buffers per thread."""
+class VariantWriter(VmmWriter):
+    """``VmmWriter`` with a choice of read/hash arrangement and staging buffers per thread."""
 
     def __init__(self, backend: CudaBackend, arena, chunk: int, mode: str, buffers: int, hash_thread: bool) -> None:
         super().__init__(backend, arena, chunk)

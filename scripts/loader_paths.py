@@ -36,7 +36,8 @@ from cuda.bindings import driver as cu
 from registered_reads import RegisteredReads  # beside this script (scripts/)
 
 from weightcache import cuda_driver as drv
-from weightcache.backends.cuda import CudaBackend, _VmmWriter
+from weightcache.backends.cuda import CudaBackend
+from weightcache.backends.cuda_writer import VmmWriter
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
 from weightcache.loader.content import FILE_DIGESTS, TaskHasher
 from weightcache.tools.bench_measure import warm_page_cache
@@ -66,7 +67,7 @@ class Timers:
             self.s[k] = self.s.get(k, 0.0) + dt
 
 
-class TimedStaging(_VmmWriter):
+class TimedStaging(VmmWriter):
     """The daemon's writer, its phases timed (summed over threads)."""
 
     def __init__(self, *a: Any, timers: Timers) -> None:
@@ -101,7 +102,7 @@ def host_bytes_ahead(seen: TaskHasher, n: int) -> bool:
     return False
 
 
-class Registered(_VmmWriter):
+class Registered(VmmWriter):
     """Copies straight from registered page-cache pages (scripts/registered_reads.py)."""
 
     def __init__(self, backend, arena, chunk, *, maps: dict[int, tuple[int, int]], window: int, timers: Timers) -> None:

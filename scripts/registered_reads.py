@@ -13,7 +13,7 @@ whose registration scales with threads would change the answer).
 
 Note [registered page-cache reads]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The staging path (``_VmmWriter`` in cuda.py) ``preadv``s each chunk into a pinned buffer
+The staging path (``VmmWriter`` in cuda_writer.py) ``preadv``s each chunk into a pinned buffer
 and copies it from there: every byte crosses host memory twice before the DMA engine
 reads it a third time, and 8 threads of that reached 29 GB/s on the H200 against a
 55 GB/s pinned host-to-device ceiling (scripts/loader_paths.py). Here the file is mapped

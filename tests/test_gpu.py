@@ -282,12 +282,12 @@ def test_a_load_hashed_on_the_gpu_has_the_files_fingerprint(tmp_path, monkeypatc
     with the hash on the host gives it too."""
     from safetensors.torch import save_file
 
-    import weightcache.backends.cuda as cuda_backend
+    import weightcache.backends.cuda_writer as cuda_writer
     from weightcache.backends.cuda import CudaBackend
     from weightcache.loader import fingerprint_files, open_source, parse_checkpoint, read_checkpoint
     from weightcache.loader.content import FILE_DIGESTS, HASH_BLOCK
 
-    monkeypatch.setattr(cuda_backend, "DIGEST_SLOTS", 3)  # a new block every 3 pieces
+    monkeypatch.setattr(cuda_writer, "DIGEST_SLOTS", 3)  # a new block every 3 pieces
     g = torch.Generator().manual_seed(1)
     path = tmp_path / "m.safetensors"
     save_file({"big": torch.randn(HASH_BLOCK // 4 * 2 + 12345, generator=g), "mid": torch.randn(300_001, generator=g),

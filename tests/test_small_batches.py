@@ -251,15 +251,16 @@ def test_a_vmm_arena_gets_batches_bit_exact_and_zero_padded(tmp_path, monkeypatc
     from cuda.bindings import driver as cu
 
     from weightcache import cuda_driver as drv
-    from weightcache.backends.cuda import CudaBackend, _VmmWriter
+    from weightcache.backends.cuda import CudaBackend
+    from weightcache.backends.cuda_writer import VmmWriter
     from weightcache.loader.reader import DIRECT_ALIGN
 
     path = many_small(tmp_path / "m.safetensors")
     raw = path.read_bytes()
     chunk, threads = 65536, 3
     calls = []
-    write_batch = _VmmWriter.write_batch
-    monkeypatch.setattr(_VmmWriter, "write_batch", lambda self, *a: calls.append(a[3]) or write_batch(self, *a))
+    write_batch = VmmWriter.write_batch
+    monkeypatch.setattr(VmmWriter, "write_batch", lambda self, *a: calls.append(a[3]) or write_batch(self, *a))
     backend = CudaBackend("cuda:0")
     try:
         got = {}

@@ -142,7 +142,7 @@ def _tasks(rows: Iterable[tuple[int, int, int, int, int]], cap: int) -> list[Tas
 # Every writer has write_batch: the memfd one reads into the mapping, the file arena
 # populates the batch's range once and hashes from the mapping (backends/page_cache.py),
 # the CUDA one stages the batch's span of the arena in its pinned buffer and copies it at
-# once (backends/cuda.py). scripts/small_tensor_loads.py on the H200 host, one task a
+# once (backends/cuda_writer.py). scripts/small_tensor_loads.py on the H200 host, one task a
 # tensor -> batched: memfd 3.84 -> 0.46 s, page cache 4.03 -> 0.27 s, VMM 8.47 -> 0.30 s.
 SMALL_TENSOR = 64 * 2**10
 BATCH_TENSORS = 1024  # IOV_MAX on Linux: one preadv a batch

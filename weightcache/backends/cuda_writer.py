@@ -1,0 +1,184 @@
+"""The CUDA backend's arena writer: a load's bytes from the files into a VMM arena,
+through per-thread pinned staging buffers (backends/pinned.py), hashed where the reader's
+plan says (loader/content.py, backends/cuda_hash.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import operator
+import threading
+from collections.abc import Callable
+from itertools import repeat
+from typing import Any, Protocol
+
+from cuda.bindings import driver as cu
+
+from .. import cuda_driver as drv
+from ..loader.content import TaskHasher
+from ..loader.reader import DIRECT_ALIGN, pread_direct, pread_full, pread_hashing, read_batch
+from .cuda_hash import DEVICE_MIN, DIGEST_SLOTS, DigestBlock, GpuHasher
+from .pinned import Staging, StagingPool
+
+
+class VmmArenaLike(Protocol):
+    """What the writer reads of a VmmArena (cuda.py imports this module, not back)."""
+
+    va: int
+    mapped: int
+
+
+class VmmDevice(Protocol):
+    """What the writer uses of its CudaBackend."""
+
+    ctx: Any
+    staging: StagingPool
+    gpu_hash: GpuHasher | None
+
+    def grow(self, arena: Any, upto: int) -> None: ...
+
+
+class VmmWriter:
+    """preadv into a per-thread pinned buffer, then an async host-to-device copy on that
+    thread's own stream: 8 threads x 16 MiB reached 39 GB/s from page cache on the H200 in
+    one process, and 31.9-41.4 GB/s through the daemon on two hosts of the same kind
+    (docs/benchmarks.md, issue 28). Copying straight from registered page-cache pages
+    instead was slower (20-24 GB/s: the registration is the cost; scripts/registered_reads.py).
+    The buffers are page-aligned (cuMemHostAlloc), so O_DIRECT fds can read into them.
+
+    The content hash: where the reader planned it (``TaskHasher.on_device``, for trusted
+    files only, and only when ``device_hash_min`` said the backend has a GpuHasher,
+    backends/cuda_hash.py), each
+    piece longer than DEVICE_MIN is hashed by a kernel once its bytes are copied, on a
+    hash stream that waits for the copy (an event), so the next read into the buffer
+    never waits for a hash; the smaller pieces are hashed on the host from the buffer.
+    Otherwise every piece is hashed on the host. One buffer per thread: a second, so a
+    thread reads while its last copy runs, made every arrangement slower on the H200 (up
+    to 1.29x with 8 threads, scripts/hash_pipeline.py)."""
+
+    direct_io = True
+    serves_files = False  # a copy in device memory
+
+    def __init__(self, backend: VmmDevice, arena: VmmArenaLike, chunk: int) -> None:
+        self._b = backend
+        self._arena = arena
+        self._size = chunk + 2 * DIRECT_ALIGN  # room to widen a read to O_DIRECT alignment
+        self._local = threading.local()
+        self._all: list[Staging] = []
+        self._lock = threading.Lock()
+        self._hasher = backend.gpu_hash
+        self.device_hash_min: int | None = DEVICE_MIN if self._hasher is not None else None
+        self._blocks: list[DigestBlock] = []  # taken from the hasher, in use
+        self._slots: list[tuple[DigestBlock, int, dict[tuple[int, int], bytes], tuple[int, int]]] = []
+
+    def _staging(self) -> Staging:
+        st = getattr(self._local, "st", None)
+        if st is None:
+            st = self._local.st = self._b.staging.take(self._size)
+            with self._lock:
+                self._all.append(st)
+        return st
+
+    def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False,
+                        seen: TaskHasher | None = None) -> None:
+        with drv.current(self._b.ctx):
+            st = self._staging()
+            if st.busy:
+                drv.check(cu.cuStreamSynchronize(st.stream))
+            hashed = False
+            # The big pieces on the GPU where the reader planned it (trusted files only).
+            on_device = seen is not None and seen.on_device
+            if direct:
+                skew = pread_direct(fd, st.view, file_offset, nbytes)
+            else:
+                skew = 0
+                with st.view[:nbytes] as dst:
+                    if seen is None or on_device:
+                        pread_full(fd, dst, file_offset)
+                    else:  # hashed on the host: slice by slice as it is read
+                        pread_hashing(fd, dst, file_offset, seen)
+                        hashed = True
+            if self._arena.mapped < arena_offset + nbytes:  # its chunk waits for a victim's room
+                self._b.grow(self._arena, arena_offset + nbytes)
+            drv.check(cu.cuMemcpyHtoDAsync(self._arena.va + arena_offset, st.host_ptr + skew, nbytes, st.stream))
+            st.busy = True
+            if seen is not None and not hashed:
+                # Hashed from the pinned buffer while the copy out of it runs (both only
+                # read it): every piece from disk (O_DIRECT) when the GPU does not hash
+                # this file, only the small ones when it does. The buffer is reused after
+                # the next call's sync.
+                with st.view[skew : skew + nbytes] as view:
+                    seen(view)
+                if on_device:
+                    self._hash_on_device(seen, st)
+
+    def write_batch(self, fd: int, file_offset: int, arena_offsets: list[int], sizes: list[int],
+                    seen: Callable[[list[memoryview]], None] | None = None) -> None:
+        """Small tensors (Note [small tensors in batches], loader/content.py): one preadv
+        into the staging buffer laid out as the arena's span of the batch, hashed on the
+        host from there, and one copy of the span to the device."""
+        base = arena_offsets[0]
+        span = arena_offsets[-1] + sizes[-1] - base  # at most the chunk: the plan's rule
+        starts = list(map(operator.sub, arena_offsets, repeat(base)))
+        with drv.current(self._b.ctx):
+            st = self._staging()
+            if st.busy:
+                drv.check(cu.cuStreamSynchronize(st.stream))
+            if span != sum(sizes):
+                # The padding between the tensors goes to the arena with them, and this
+                # buffer last held another load's bytes, maybe another tenant's: zeroed.
+                ctypes.memset(st.host_ptr, 0, span)
+            with st.view[:span] as whole:
+                read_batch(fd, list(map(whole.__getitem__, map(slice, starts, map(operator.add, starts, sizes)))),
+                           file_offset, seen)
+            if self._arena.mapped < base + span:
+                self._b.grow(self._arena, base + span)
+            drv.check(cu.cuMemcpyHtoDAsync(self._arena.va + base, st.host_ptr, span, st.stream))
+            st.busy = True
+
+    def _hash_on_device(self, seen: TaskHasher, st: Staging) -> None:
+        """Launch the kernels of the pieces whose last bytes this call copied."""
+        assert self._hasher is not None
+        done = seen.take_device_done()
+        if not done:
+            return
+        drv.check(cu.cuEventRecord(st.copied, st.stream))
+        stream = st.hash_streams[st.next_hash]
+        st.next_hash = (st.next_hash + 1) % len(st.hash_streams)
+        drv.check(cu.cuStreamWaitEvent(stream, st.copied, 0))
+        for piece, start in done:
+            block, slot = self._slot()
+            self._hasher.launch(stream, self._arena.va + seen.task.arena_offset + start, piece.nbytes, block.dev + 16 * slot)
+            with self._lock:
+                self._slots.append((block, slot, seen.out, (piece.tensor, piece.index)))
+
+    def _slot(self) -> tuple[DigestBlock, int]:
+        assert self._hasher is not None
+        with self._lock:
+            if not self._blocks or self._blocks[-1].used == DIGEST_SLOTS:
+                self._blocks.append(self._hasher.take_block())
+            block = self._blocks[-1]
+            block.used += 1
+            return block, block.used - 1
+
+    def finish(self) -> None:
+        with drv.current(self._b.ctx):
+            synced = False
+            try:
+                for st in self._all:
+                    drv.check(cu.cuStreamSynchronize(st.stream))
+                    for hs in st.hash_streams:
+                        drv.check(cu.cuStreamSynchronize(hs))
+                synced = True
+                for block, slot, out, key in self._slots:
+                    out[key] = block.digest(slot)
+            finally:
+                for st in self._all:
+                    self._b.staging.give_back(st)
+                self._all.clear()
+                self._slots.clear()
+                if synced:
+                    for block in self._blocks:
+                        assert self._hasher is not None
+                        self._hasher.give_back(block)
+                # else a kernel may still write them: kept from other loads (64 KiB each)
+                self._blocks.clear()
