@@ -1,22 +1,20 @@
-"""Framing with no I/O: feed bytes in, get frames out.
-
-A frame is a 4-byte big-endian payload length followed by one msgpack map. The decoder
-never blocks and never reads a socket, so it is tested byte by byte and with garbage
-(tests/test_framing.py); the server and the client drive it from their own sockets.
+"""The daemon's side of framing: msgpack maps in and out of frames (frames.py cuts the
+stream into frames), with the msgpack package, whose C decoder checks each container's
+length before building it. The client encodes and decodes its frames with pymsgpack.py
+instead, so that a fresh engine does not import msgpack.
 """
 
 from __future__ import annotations
 
 import gc
-import struct
 from typing import Any
 
 import msgpack
 
-from ..errors import BadRequest, FrameTooLarge
+from ..errors import BadRequest
+from .frames import DEFAULT_MAX_FRAME, HEADER, FrameDecoder
 
-HEADER = struct.Struct(">I")
-DEFAULT_MAX_FRAME = 16 * 2**20
+__all__ = ["DEFAULT_MAX_FRAME", "HEADER", "MAX_ARRAY_LEN", "MAX_MAP_LEN", "FrameDecoder", "decode_payload", "encode_frame"]
 
 
 def encode_frame(message: dict[str, Any]) -> bytes:
@@ -70,37 +68,3 @@ def decode_payload(payload: bytes, *, max_map_len: int = MAX_MAP_LEN, max_array_
     if not isinstance(obj, dict):
         raise BadRequest(f"frame payload must be a msgpack map, got {type(obj).__name__}")
     return obj
-
-
-class FrameDecoder:
-    """Accumulates bytes and yields complete frame payloads.
-
-    ``feed`` raises :class:`FrameTooLarge` as soon as a header announces a payload above
-    ``max_frame``; the stream is then out of step and the caller must close it.
-    """
-
-    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
-        self.max_frame = max_frame
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> list[bytes]:
-        self._buf += data
-        frames: list[bytes] = []
-        while len(self._buf) >= HEADER.size:
-            (n,) = HEADER.unpack_from(self._buf)
-            if n > self.max_frame:
-                raise FrameTooLarge(f"frame of {n} bytes exceeds the limit of {self.max_frame}", limit=self.max_frame)
-            if len(self._buf) < HEADER.size + n:
-                break
-            frames.append(bytes(self._buf[HEADER.size : HEADER.size + n]))
-            del self._buf[: HEADER.size + n]
-        return frames
-
-    @property
-    def pending(self) -> int:
-        """Bytes held that do not yet make a whole frame (a half-sent frame)."""
-        return len(self._buf)
-
-    def discard(self) -> None:
-        """Drop the half frame held: the stream is being abandoned."""
-        self._buf = bytearray()

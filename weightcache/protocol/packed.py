@@ -15,11 +15,8 @@ from typing import Any
 
 import msgpack
 
-from .framing import HEADER
-
-
-class Packed(bytes):
-    """Bytes that already are one complete msgpack object."""
+from .frames import HEADER
+from .pymsgpack import Packed
 
 
 def _map_header(n: int) -> bytes:

@@ -1,0 +1,51 @@
+"""Frames with no I/O: feed bytes in, get frames out.
+
+A frame is a 4-byte big-endian payload length followed by one msgpack map. The decoder
+never blocks and never reads a socket, so it is tested byte by byte and with garbage
+(tests/test_framing.py); the server and the client drive it from their own sockets.
+What a payload holds is framing.py's (the daemon's, msgpack) and pymsgpack.py's (the
+client's) to encode and decode.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from ..errors import FrameTooLarge
+
+HEADER = struct.Struct(">I")
+DEFAULT_MAX_FRAME = 16 * 2**20
+
+
+class FrameDecoder:
+    """Accumulates bytes and yields complete frame payloads.
+
+    ``feed`` raises :class:`FrameTooLarge` as soon as a header announces a payload above
+    ``max_frame``; the stream is then out of step and the caller must close it.
+    """
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        frames: list[bytes] = []
+        while len(self._buf) >= HEADER.size:
+            (n,) = HEADER.unpack_from(self._buf)
+            if n > self.max_frame:
+                raise FrameTooLarge(f"frame of {n} bytes exceeds the limit of {self.max_frame}", limit=self.max_frame)
+            if len(self._buf) < HEADER.size + n:
+                break
+            frames.append(bytes(self._buf[HEADER.size : HEADER.size + n]))
+            del self._buf[: HEADER.size + n]
+        return frames
+
+    @property
+    def pending(self) -> int:
+        """Bytes held that do not yet make a whole frame (a half-sent frame)."""
+        return len(self._buf)
+
+    def discard(self) -> None:
+        """Drop the half frame held: the stream is being abandoned."""
+        self._buf = bytearray()
