@@ -186,7 +186,7 @@ def test_published_table_fast_path_agrees_with_the_row_by_row_check():
         assert [t.arena_offset for t in fast] == sorted(t.arena_offset for t in fast)
         ckpt = publish(table, arena)
         assert ckpt.tensors == fast
-        assert msgpack.unpackb(ckpt.encoded_table()) == [[t.name, t.dtype, list(t.shape), t.arena_offset, t.nbytes] for t in fast]
+        assert msgpack.unpackb(ckpt.encoded_tables()[0]) == [[t.name, t.dtype, list(t.shape), t.arena_offset, t.nbytes] for t in fast]
 
 
 GOOD_ROW = ["w", "F32", [4], 0, 16]

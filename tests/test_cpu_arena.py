@@ -93,7 +93,7 @@ def load_in_process(path: Path, backend: CpuBackend):
         read_checkpoint(ckpt, opened, backend.writer(arena, 1 << 20), threads=2, chunk=1 << 20)
         backend.seal(arena)
     fds, desc = backend.export(arena)
-    reply = {"lease": 1, "fingerprint": ckpt.fingerprint, "device": "cpu", "arena": desc, "tensors": msgpack.unpackb(ckpt.encoded_table())}
+    reply = {"lease": 1, "fingerprint": ckpt.fingerprint, "device": "cpu", "arena": desc, "tensors": msgpack.unpackb(ckpt.encoded_tables()[0])}
     return arena, attached_model("t", parse_attach(reply, fds))
 
 

@@ -77,7 +77,7 @@ def test_a_header_parsed_in_the_worker_is_the_checkpoint_parsed_here(tmp_path, m
         assert here.table is None and apart.table is not None  # the worker encoded the table too
         assert list(apart.tensors) == list(here.tensors) and apart.tensors == here.tensors
         assert (apart.arena_bytes, apart.layout, apart.files) == (here.arena_bytes, here.layout, here.files)
-        assert apart.encoded_table() == here.encoded_table()
+        assert apart.encoded_tables() == here.encoded_tables()
         assert apart.data_bytes == here.data_bytes > 0
         assert apart.held_bytes >= apart.tensors.buffer_bytes + len(apart.table)
 

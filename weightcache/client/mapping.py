@@ -72,18 +72,6 @@ def _typed(slab: torch.Tensor, dtype: torch.dtype, itemsize: int) -> torch.Tenso
     return (slab if size % itemsize == 0 else slab[: size - size % itemsize]).view(dtype)
 
 
-def taken(rows: list[Any]) -> Iterator[Any]:
-    """The rows of ``rows``, each removed from the list as it is handed out (the list is
-    empty at the end). An attach reply's table is read this way so that each row and
-    its shape list are freed once their view is made: all of them alive beside the
-    views were ~400 more GC-tracked objects at once, for 200 tensors, and a fresh
-    engine's span from the import to usable tensors then reached a gen-1 collection of
-    what its own ``import torch`` left (2.0-2.6 ms on the 2-core VM, issue 23)."""
-    rows.reverse()
-    while rows:
-        yield rows.pop()
-
-
 _views_prepared = False
 
 
@@ -258,8 +246,8 @@ def attached_model(name: str, reply: AttachReply) -> AttachedModel:
     -> the model's tensors. The lease stays the caller's to end."""
     arena = reply.arena
     if isinstance(arena, FileArenaDesc):
-        tensors = file_tensor_views(map_files(arena, reply.fds), arena, taken(reply.tensors))
+        tensors = file_tensor_views(map_files(arena, reply.fds), arena, reply.tensors)
     else:
-        tensors = tensor_views(map_arena(arena, reply.fds), taken(reply.tensors))
+        tensors = tensor_views(map_arena(arena, reply.fds), reply.tensors)
     return AttachedModel(name, reply.lease, reply.fingerprint, reply.device, tensors,
                          source=reply.source, arena_kind=arena.kind, waited_s=reply.waited_s)

@@ -26,7 +26,7 @@ from ..errors import CorruptCheckpoint, LoadFailed
 from . import parse_worker
 from .layout import lay_out
 from .sources import OpenedSource, SourceFile, open_source
-from .tensor_table import TensorInfo, TensorTable, wire_table
+from .tensor_table import TensorInfo, TensorTable, columns_bound, wire_columns, wire_table
 
 # Header cap. The reference implementation allows 100 MiB; a JSON bomb that size (100 MiB
 # of "[{},{},...]") peaked at 2.6 GB RSS in the old parser, and would at 3.0 GB in this one
@@ -52,7 +52,9 @@ MAX_HEADER_BYTES = 16 * 2**20
 # table 3.1 of it); 13.2 MB since the columns keep the header half of the content
 # fingerprint too (the fill had built it from rows at every load, tensor_table.py). That,
 # counted from the buffers themselves, is added to the bytes a
-# load is admitted for: it counts against the device's budget and the owner's quota like
+# load is admitted for, with a bound of the table as columns (the attach reply's other
+# form, tensor_table.wire_columns: ~33 bytes a tensor and its name, 8 a dimension): it
+# counts against the device's budget and the owner's quota like
 # the arena, is returned with it, and the raw header is dropped once hashed. Evicted, a
 # model keeps only its fingerprint and tensor count. A header of PARSE_APART_BYTES or more
 # is parsed in a worker process (parse_worker.py): the parse's transient peak (~2x the
@@ -92,7 +94,7 @@ class Checkpoint:
     # sha256 of every file's name, size and header: what the files look like, not what
     # their tensors hold (two files of the same shapes share it). Known at parse time.
     layout: str = ""
-    # The attach reply's table, when the parse worker encoded it already (else encoded_table
+    # The attach reply's table, when the parse worker encoded it already (else encoded_tables
     # encodes it).
     table: bytes | None = field(default=None, compare=False, repr=False)
 
@@ -109,8 +111,10 @@ class Checkpoint:
         Computed once (parse_checkpoint does, in the io pool)."""
         if isinstance(self.tensors, TensorTable):
             table = len(self.table) if self.table is not None else self.tensors.wire_bound
-            return HELD_BASE_BYTES + self.tensors.buffer_bytes + table
-        return HELD_BASE_BYTES + sum(HELD_PER_TENSOR + 2 * len(t.name) + 9 * len(t.shape) for t in self.tensors)
+            return HELD_BASE_BYTES + self.tensors.buffer_bytes + table + self.tensors.columns_bound
+        rows = sum(HELD_PER_TENSOR + 2 * len(t.name) + 9 * len(t.shape) for t in self.tensors)
+        return HELD_BASE_BYTES + rows + columns_bound(sum(len(t.name) for t in self.tensors), len(self.tensors),
+                                                      sum(len(t.shape) for t in self.tensors))
 
     def unchanged_on_disk(self) -> bool:
         """Cheap staleness check by path: every file is still the same file (dev, inode) with
@@ -129,9 +133,10 @@ class Checkpoint:
         except OSError:
             return False
 
-    def encoded_table(self) -> bytes:
-        """The tensor table sent with an attach (tensor_table.wire_table)."""
-        return self.table if self.table is not None else wire_table(self.tensors)
+    def encoded_tables(self) -> tuple[bytes, bytes]:
+        """The tensor table sent with an attach, as rows and as columns (tensor_table's
+        wire_table and wire_columns; a client asks for one)."""
+        return self.table if self.table is not None else wire_table(self.tensors), wire_columns(self.tensors)
 
 
 # -- what a file is when it is not safetensors ----------------------------------------------

@@ -297,6 +297,9 @@ async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
     wait = ctx.wait_arg(req)
     keep_alive = keep_alive_arg(req)
     writable = req.arg("writable", bool, False)
+    table = req.arg("table", str, "rows")
+    if table not in ("rows", "columns"):
+        raise BadRequest(f"argument 'table' must be \"rows\" or \"columns\", got {table[:40]!r}", argument="table")
     if writable and not ctx.settings.daemon.allow_writable_attach:
         raise PermissionDenied("read-write attachments are disabled (daemon.allow_writable_attach = false)", argument="writable")
     entry = ctx.core.entry(name)
@@ -328,7 +331,7 @@ async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
     return {
         "lease": lease.id, "model": name, "rank": m.rank, "device": entry.device, "fingerprint": res.checkpoint.fingerprint,
         "arena": {**arena, "writable": writable}, "source": source, "waited_s": round(sum(waits), 6),
-        "placement": ctx.registry.placement_as_seen(caller.peer, m.slot), "tensors": Packed(res.table),
+        "placement": ctx.registry.placement_as_seen(caller.peer, m.slot), "tensors": Packed(res.columns if table == "columns" else res.table),
     }, fds
 
 

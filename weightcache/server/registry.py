@@ -240,10 +240,12 @@ class Registry:
         self.groups[name] = [name]
 
     # -- holding arenas (Note [one record per arena]) ------------------------------------
-    def filled(self, name: str, arena: Arena, checkpoint: Checkpoint, table: bytes, held: int, source: str) -> None:
-        """``name``'s fill made its arena resident, holding ``checkpoint``'s bytes."""
+    def filled(self, name: str, arena: Arena, checkpoint: Checkpoint, tables: tuple[bytes, bytes], held: int,
+               source: str) -> None:
+        """``name``'s fill made its arena resident, holding ``checkpoint``'s bytes (``tables``:
+        its attach table as rows and as columns, Checkpoint.encoded_tables)."""
         model = self.models[name]
-        model.resident.fill(name, arena, checkpoint, table, held, source)
+        model.resident.fill(name, arena, checkpoint, tables, held, source)
         self._holds(model)
 
     def joined(self, name: str) -> None:

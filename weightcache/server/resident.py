@@ -33,7 +33,8 @@ class Resident:
     key: str  # the core's key of the arena (cache/entries.arena_key)
     arena: Arena | None = None  # while some name holds it on its device
     checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident (or on the host tier)
-    table: bytes = b""  # the attach reply's tensor table, msgpack-encoded once per load
+    table: bytes = b""  # the attach reply's tensor table, msgpack-encoded once per load: rows
+    columns: bytes = b""  # the same table as columns (tensor_table.wire_columns), for clients that ask
     # Bytes its load was charged beyond the arena for the checkpoint and table (Note [held
     # bytes] in loader/checkpoint.py; a promotion is admitted for the same).
     held: int = 0
@@ -44,10 +45,12 @@ class Resident:
     host_of: str | None = None  # the entry whose host copy it is
     holders: set[str] = field(default_factory=set)  # the names that hold ``arena`` now
 
-    def fill(self, name: str, arena: Arena, checkpoint: Checkpoint, table: bytes, held: int, source: str) -> None:
+    def fill(self, name: str, arena: Arena, checkpoint: Checkpoint, tables: tuple[bytes, bytes], held: int,
+             source: str) -> None:
         """``name`` filled the arena with ``checkpoint``'s bytes (no other name holds one:
         the core admits no load while a sibling loads or is resident)."""
-        self.arena, self.checkpoint, self.table, self.held, self.source = arena, checkpoint, table, held, source
+        self.arena, self.checkpoint, self.held, self.source = arena, checkpoint, held, source
+        self.table, self.columns = tables
         self.holders = {name}
 
     def held_by(self, name: str) -> Arena | None:
@@ -76,7 +79,7 @@ class Resident:
         """Forget the parsed checkpoint and table once the arena is gone (evicted, not on
         the host tier): kept, a 100k-tensor header cost ~50 MiB of RSS per model after
         eviction that no budget counted. The next load parses the files again."""
-        self.checkpoint, self.table, self.held = None, b"", 0
+        self.checkpoint, self.table, self.columns, self.held = None, b"", b"", 0
 
     def rename(self, name: str, new: str, key: str) -> None:
         """A publish's staging entry became the model ``new``: its own arena's key is ``key`` now."""

@@ -163,8 +163,8 @@ class Fill:
                 phase("seal")
             # Encoded once, spliced into every attach reply: a 600,000-row table encoded
             # per attach cost ~2 s of loop time each.
-            encode = Checkpoint.encoded_table
-            table = await asyncio.to_thread(collector_paused(encode) if len(ckpt.tensors) > MANY_TENSORS else encode, ckpt)
+            encode = Checkpoint.encoded_tables
+            tables = await asyncio.to_thread(collector_paused(encode) if len(ckpt.tensors) > MANY_TENSORS else encode, ckpt)
             phase("table")
         except BaseException as exc:
             await asyncio.gather(*(asyncio.shield(t) for t in demotions), return_exceptions=True)
@@ -190,7 +190,7 @@ class Fill:
         finally:
             self.stats.progress.pop(name, None)
         source = job.source if job is not None else "publish"  # shown in ``models``; the metrics' label
-        self.registry.filled(name, arena, ckpt, table, held, source)
+        self.registry.filled(name, arena, ckpt, tables, held, source)
         model.check_failed = None
         if not self.core.finish_load(name).host_copy:  # a promotion's copy the core did not keep
             self.step_down.drop_host_copy(name)
