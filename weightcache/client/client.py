@@ -157,13 +157,13 @@ class ClientOps(ConnectionBase):
 
         >>> await c.publish("qwen-7b-int8", model.state_dict(), fingerprint=f"{src_fp}+int8-v1")  # doctest: +SKIP
         """
-        from .publish import pack
+        from .publish import pack, wire_rows
 
         packed = await self._offload(pack, tensors)
         try:
             reply, _ = await self._request("publish", timeout, {
                 "name": name, "device": packed.device, "fingerprint": fingerprint, "arena": packed.arena.to_wire(),
-                "tensors": packed.table, "replace": replace or None, "wait_s": wait_s,
+                "tensors": wire_rows(packed.table), "replace": replace or None, "wait_s": wait_s,
                 "allowed_uids": allowed_uids, "allowed_gids": allowed_gids}, send_fds=packed.fds)
             return reply["model"]
         finally:
@@ -195,7 +195,8 @@ class ClientOps(ConnectionBase):
 
             device = f"cuda:{driver().device_uuid(int(device[5:]))}"  # this process's numbering -> UUID
         reply, fds = await self._request("attach", timeout, {"name": name, "device": device, "rank": rank, "wait_s": wait_s,
-                                                       "writable": writable or None, "keep_alive": keep_alive},
+                                                       "writable": writable or None, "keep_alive": keep_alive,
+                                                       "table": "columns"},
                                          while_waiting=prepare_views)
         async with self._lease(reply["lease"]):  # ends the lease even if the reply is bad or mapping fails
             yield attached_model(name, parse_attach(reply, fds))

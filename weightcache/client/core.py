@@ -14,8 +14,9 @@ with the client: imported with the client, those records and the reply's reading
 load two more modules and make ~180 more GC-tracked objects (1,607 against 1,424,
 counted with the cyclic GC off after ``import torch``; the 2-core VM). No torch here,
 nor in the modules on an engine's import path (tests/test_client_imports.py):
-``weightcache health``, the CLI and control calls import only the client, msgpack and
-the standard library.
+``weightcache health``, the CLI and control calls import only the client and the
+standard library: the frames' msgpack is the client's own (protocol/pymsgpack.py), not
+the msgpack package, whose import was 1.3-1.8 ms of a fresh engine's span.
 
 Note [timeouts]
 ---------------
@@ -64,7 +65,9 @@ from typing import Any
 
 from ..defaults import SOCKET_ENV, client_socket_path
 from ..errors import DaemonUnavailable, PermissionDenied, RequestTimeout, WeightcacheError, error_from_wire
-from ..protocol import PROTOCOL_VERSION, FrameDecoder, decode_payload, encode_frame
+from ..protocol.frames import HEADER, FrameDecoder
+from ..protocol.messages import PROTOCOL_VERSION
+from ..protocol.pymsgpack import decode_reply, packb
 
 DEFAULT_MAX_FRAME_BYTES = 256 * 2**20  # replies: an attach's tensor table can be long
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -216,7 +219,8 @@ class ClientCore:
         msg = {"id": rid, "op": op, **{k: v for k, v in args.items() if v is not None}}
         if nfds:
             msg["fds"] = nfds
-        return rid, encode_frame(msg)
+        payload = packb(msg)
+        return rid, HEADER.pack(len(payload)) + payload
 
     def receive(self, data: bytes, fds: list[int]) -> list[Reply]:
         """One read's bytes and fds -> the replies it completed, each with its fds (which
@@ -231,7 +235,7 @@ class ClientCore:
         for payload in self._decoder.feed(data):
             # Replies may hold long arrays (an attach's tensor table) and maps keyed
             # by model: as long as this client's frame limit, not a request's limits.
-            reply = decode_payload(payload, max_map_len=limit, max_array_len=limit, max_str_len=limit, max_bin_len=limit)
+            reply = decode_reply(payload, limit)
             if "event" in reply:  # unsolicited, e.g. {"event": "shutting_down", "grace_s": 10}
                 self.events.append(reply)
                 continue

@@ -13,8 +13,10 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import msgpack
 import torch
 
+from ..protocol import pymsgpack
 from ..protocol.arena import ARENA_ALIGN, MEMFD_SEALS, MemfdArenaDesc, TensorRow, VmmArenaDesc, chunk_sizes
 from ..units import capacity, round_up
 from .mapping import TORCH_DTYPES
@@ -44,6 +46,13 @@ def layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorRow], int]:
         table.append(TensorRow(name, SAFETENSORS_NAMES[t.dtype], list(t.shape), cursor, nbytes))
         cursor += nbytes
     return table, cursor
+
+
+def wire_rows(table: list[TensorRow]) -> pymsgpack.Packed:
+    """The request's tensor table, packed by the msgpack package: this module is imported
+    only to publish, where msgpack's import pays for itself (a 600,000-row table packed in
+    0.32 s against 5.8 s in the client's own codec, protocol/pymsgpack.py)."""
+    return pymsgpack.Packed(msgpack.packb(table, use_bin_type=True))
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
