@@ -89,7 +89,8 @@ def test_attach_imports_torch_when_first_used_and_the_tensors_work(start_daemon,
 
 def test_an_engine_that_attaches_never_imports_msgpack(start_daemon, ckpts):
     # The client's frames go through its own codec (protocol/pymsgpack.py): msgpack's
-    # import was 1.3-1.8 ms of a fresh engine's span on the 2-core VM (issue 23).
+    # import was 1.3-1.8 ms of a fresh engine's span on the 2-core VM (issue 23). Nor
+    # does a SyncClient engine import the asyncio client (client/aio.py).
     d = start_daemon(models={"tiny": ckpts["tiny"]})
     out = run_python("""
         import sys
@@ -102,6 +103,7 @@ def test_an_engine_that_attaches_never_imports_msgpack(start_daemon, ckpts):
             assert set(w) == set(ref) and all(torch.equal(w[k], v) for k, v in ref.items())
             assert c.status()["leases"] == 1
         assert "msgpack" not in sys.modules, "the engine imported msgpack"
+        assert "weightcache.client.aio" not in sys.modules, "a SyncClient engine imported the asyncio client"
         print("OK", len(ref))
     """, d.socket, str(ckpts["tiny"]))
     assert out.split() == ["OK", "5"]

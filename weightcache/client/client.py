@@ -1,4 +1,6 @@
-"""The async client: the daemon's ops on one :class:`~.connection.Connection`.
+"""The daemon's ops, written once for both clients (:class:`ClientOps`): aio.py's
+:class:`~weightcache.Client` runs them on an asyncio loop, sync.py's SyncClient in the
+caller's thread.
 
 Importing this module does not import torch (tests/test_client_imports.py): the control
 calls need none, and they are what the CLI and health probes make. ``attach`` imports
@@ -14,7 +16,7 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, Self
 
-from .connection import Connection, ConnectionBase
+from .connection import ConnectionBase
 
 if TYPE_CHECKING:  # annotations only: importing them would import torch
     import torch
@@ -200,21 +202,3 @@ class ClientOps(ConnectionBase):
                                          while_waiting=prepare_views)
         async with self._lease(reply["lease"]):  # ends the lease even if the reply is bad or mapping fails
             yield attached_model(name, parse_attach(reply, fds))
-
-
-class Client(ClientOps, Connection):
-    """Async client for the weightcache daemon.
-
-    >>> async with Client() as c:                          # doctest: +SKIP
-    ...     print(await c.status())
-    ...     async with c.attach("qwen-7b") as weights:
-    ...         ...
-
-    ``socket_path`` defaults to ``$WEIGHTCACHE_SOCKET``, then /run/weightcache/weightcache.sock.
-    Timeouts are in seconds (Note [timeouts]): ``connect_timeout`` bounds the connect and
-    hello, ``request_timeout`` control requests, ``load_timeout`` load/attach/publish
-    (None: the daemon's ``request_timeout_s`` plus 30 s). ``math.inf`` means no bound.
-    Every method takes ``timeout=``: None is the op's default, ``math.inf`` no bound.
-    ``wait_for_daemon``: how long connecting waits for a daemon that is not running yet
-    (None: ``$WEIGHTCACHE_WAIT_FOR_DAEMON``, else 5 s; 0 tries once).
-    """

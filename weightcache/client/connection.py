@@ -1,10 +1,10 @@
 """One connection to the daemon over the no-I/O core (core.py): connecting, once for both
-transports, and the asyncio transport.
+transports (the asyncio one is aio.py's, the blocking one sync.py's).
 
 :class:`ConnectionBase` is what both transports share and that does I/O only through
 them: the one connect-and-retry loop (Note [waiting for the daemon] in core.py), the
 check of who serves the socket, the hello, requests, and the lease give-back of Note
-[cancellation]. :class:`Connection` waits on an asyncio loop (a reader task per
+[cancellation]. aio.py's ``Connection`` waits on an asyncio loop (a reader task per
 connection); sync.py's ``BlockingConnection`` waits in the caller's thread (Note
 [blocking transport] there). The ops themselves are written once, in client.py's
 ``ClientOps``.
@@ -12,7 +12,6 @@ connection); sync.py's ``BlockingConnection`` waits in the caller's thread (Note
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import socket
@@ -20,14 +19,13 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
 from ..defaults import DAEMON_UID_ENV
-from ..errors import DaemonUnavailable, PermissionDenied, RequestTimeout, WeightcacheError
+from ..errors import PermissionDenied, RequestTimeout, WeightcacheError
 from ..peercred import peer_credentials
-from ..protocol.transport import recv_with_fds, send_with_fds
 from .core import DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_FRAME_BYTES, DEFAULT_REQUEST_TIMEOUT, ClientCore, Reply, Retry, close_fds
 
 T = TypeVar("T")
@@ -259,125 +257,3 @@ class ConnectionBase(ABC):
     @abstractmethod
     def _fail_pending(self, exc: WeightcacheError) -> None:
         """Fail every request waiting for a reply with ``exc``."""
-
-
-class Connection(ConnectionBase):
-    """The asyncio transport under :class:`~weightcache.Client`; not used on its own.
-    A reader task reads every frame as it comes and hands each reply to the request
-    waiting for its id."""
-
-    def _init_transport(self) -> None:
-        self._reader: asyncio.Task[None] | None = None
-        self._pending: dict[int, asyncio.Future[Reply]] = {}
-        self._write_lock = asyncio.Lock()
-        self._background: set[asyncio.Task[None]] = set()
-
-    # -- connecting -----------------------------------------------------------------
-    async def _connect_once(self, sock: socket.socket, deadline: float | None) -> None:
-        async with asyncio.timeout(None if deadline is None else max(0.0, deadline - time.monotonic())):
-            await asyncio.get_running_loop().sock_connect(sock, self.core.socket_path)
-
-    async def _sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
-
-    def _started(self) -> None:
-        self._reader = asyncio.ensure_future(self._read_loop())
-
-    async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-            self._reader = None
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-        self._fail_pending(self.core.stop(DaemonUnavailable("client closed")))
-
-    # -- requests -------------------------------------------------------------------
-    async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None,
-                       while_waiting: Callable[[], None] | None = None) -> Reply:
-        rid, frame = self.core.request(op, args, len(send_fds or ()))
-        limit = self.core.limit(op, timeout)
-        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
-        deadline = asyncio.timeout(limit)
-        sending = False
-        try:
-            async with deadline:
-                async with self._write_lock:
-                    if self._sock is None:
-                        raise self.core.error or DaemonUnavailable("client closed")
-                    sending = True
-                    await send_with_fds(self._sock, frame, send_fds or [])
-                    sending = False
-                if while_waiting is not None:
-                    while_waiting()
-                reply, fds = await fut
-        except BaseException as exc:
-            timed_out = isinstance(exc, TimeoutError) and deadline.expired()
-            if sending and (timed_out or not isinstance(exc, OSError)):  # part of the frame may be out (Note [timeouts])
-                self._break_connection(self.core.abandoned(op))
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                if not timed_out:  # cancelled after the reply arrived, before we resumed: give it back
-                    self._unclaimed(*fut.result())
-                    raise
-                reply, fds = fut.result()  # it did answer in time; we had not resumed yet
-            elif timed_out:
-                raise self.core.timed_out(op, limit) from None
-            elif isinstance(exc, OSError):
-                raise self.core.broken(exc) from exc
-            else:
-                raise
-        finally:
-            self._pending.pop(rid, None)  # a late reply for rid is now dropped (Note [cancellation])
-        return self.core.checked(reply, fds)
-
-    async def _read_loop(self) -> None:
-        assert self._sock is not None
-        try:
-            while True:
-                data, fds = await recv_with_fds(self._sock)
-                for reply, mine in self.core.receive(data, fds):
-                    fut = self._pending.get(reply.get("id"))  # type: ignore[arg-type]
-                    if fut is not None and not fut.done():
-                        fut.set_result((reply, mine))
-                    else:
-                        self._unclaimed(reply, mine)
-        except asyncio.CancelledError:
-            raise
-        except (WeightcacheError, OSError) as exc:
-            self._fail_pending(self.core.stop(exc if isinstance(exc, WeightcacheError) else self.core.broken(exc)))
-        finally:
-            self.core.discard()
-
-    def _give_back(self, lease: int) -> None:
-        task = asyncio.ensure_future(self._detach_quietly(lease))
-        self._background.add(task)  # keep a reference until it is done
-        task.add_done_callback(self._background.discard)
-
-    @contextlib.asynccontextmanager
-    async def _lease(self, lease: int) -> AsyncIterator[None]:
-        """Detach ``lease`` when the block exits, however it exits. Shielded: a cancelled
-        engine task must still give its lease back."""
-        try:
-            yield
-        finally:
-            if self._sock is not None:  # else the connection is closed and the lease ended with it
-                await asyncio.shield(self._detach_quietly(lease))
-
-    async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.to_thread(fn, *args)  # the loop keeps serving other requests meanwhile
-
-    def _break_connection(self, err: WeightcacheError) -> None:
-        """The stream is out of step: fail every request and stop using the connection.
-        Shut down, not closed: the reader wakes, sees the end, and exits; close() closes."""
-        self._fail_pending(self.core.stop(err))
-        if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
-
-    def _fail_pending(self, exc: WeightcacheError) -> None:
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(exc)
-        self._pending.clear()

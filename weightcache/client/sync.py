@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from ..errors import DaemonUnavailable, WeightcacheError
 from ..protocol.transport import recv_with_fds_blocking, send_with_fds_blocking
-from .client import Client, ClientOps
+from .client import ClientOps
 from .connection import ConnectionBase
 from .core import DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_FRAME_BYTES, DEFAULT_REQUEST_TIMEOUT, Reply
 
@@ -354,21 +354,22 @@ class SyncClient:
     def load_timeout(self) -> float:
         return self._client.load_timeout
 
-    # The plain calls, made from Client's own methods (_blocking): the same parameters,
+    # The plain calls, made from Client's own methods (_blocking; Client inherits them from
+    # ClientOps and ConnectionBase, imported without it): the same parameters,
     # defaults and docstrings, so they cannot drift. A Client method missing here fails
     # tests/test_client_timeouts.py, which compares the two classes' methods.
-    request = _blocking(Client.request)
-    status = _blocking(Client.status)
-    health = _blocking(Client.health)
-    models = _blocking(Client.models)
-    load = _blocking(Client.load)
-    evict = _blocking(Client.evict)
-    pin = _blocking(Client.pin)
-    unpin = _blocking(Client.unpin)
-    register = _blocking(Client.register)
-    unregister = _blocking(Client.unregister)
-    publish = _blocking(Client.publish)
-    reload = _blocking(Client.reload)
+    request = _blocking(ConnectionBase.request)
+    status = _blocking(ClientOps.status)
+    health = _blocking(ClientOps.health)
+    models = _blocking(ClientOps.models)
+    load = _blocking(ClientOps.load)
+    evict = _blocking(ClientOps.evict)
+    pin = _blocking(ClientOps.pin)
+    unpin = _blocking(ClientOps.unpin)
+    register = _blocking(ClientOps.register)
+    unregister = _blocking(ClientOps.unregister)
+    publish = _blocking(ClientOps.publish)
+    reload = _blocking(ClientOps.reload)
 
     @contextlib.contextmanager
     def attach(self, name: str, device: str | None = None, rank: int | None = None, *, wait_s: float | None = None,
