@@ -2,6 +2,8 @@
 the same rows as the row table, from files and from published tables, read back by the
 client (protocol/arena.py's ``column_rows``), and refused when it does not hold together."""
 
+import struct
+
 import msgpack
 import pytest
 import torch
@@ -56,6 +58,9 @@ def good_columns():
     (lambda c: c.update(dtypes=b"\x63\x00"), "do not end where"),
     (lambda c: c.update(names=c["names"] + b"x"), "do not end where"),
     (lambda c: c.update(dtype_names=[1]), "'dtype_names'"),
+    (lambda c: c.update(dims=struct.pack("<3Q", 2, 2**63, 3)), "above 2\\*\\*62"),
+    (lambda c: c.update(count=0, dtypes=b"", **{k: b"" for k in ("name_ends", "shape_ends", "offsets", "nbytes")}),
+     "do not end where"),  # no tensors, yet names and dims
 ])
 def test_columns_that_do_not_hold_together_are_refused_before_any_row(change, reason):
     assert [r[0] for r in column_rows(good_columns())] == ["w", "v"]
@@ -75,3 +80,20 @@ def test_the_daemon_serves_either_table_and_refuses_any_other(start_daemon, ckpt
     bad = conn.call({"id": 3, "op": "attach", "name": "a", "table": "csv"})
     assert bad["error"]["code"] == "BAD_REQUEST" and "'table'" in bad["error"]["message"]
     assert conn.call({"id": 4, "op": "status"})["leases"] == 2  # the refused attach took none; still serving
+
+
+def test_a_name_that_is_not_utf8_is_refused_when_its_row_is_taken():
+    cols = good_columns()
+    cols["names"] = b"\xff" + cols["names"][1:]
+    rows = column_rows(cols)
+    with pytest.raises(BadRequest, match="not UTF-8"):
+        next(rows)
+
+
+def test_published_names_are_charged_by_their_utf8_bytes():
+    # A bound under what both tables hold would charge the owner's quota less than the
+    # daemon keeps: names of 4-byte characters take 4 bytes a character in either table.
+    table = [[f"{i}" + "\U0001F600" * 1000, "U8", [1], 256 * i, 1] for i in range(50)]
+    ckpt = published_checkpoint("m", table, 256 * 50, "fp")
+    rows, columns = ckpt.encoded_tables()
+    assert ckpt.held_bytes >= len(rows) + len(columns)

@@ -106,3 +106,29 @@ def test_a_reply_must_be_a_map_and_garbage_is_a_bad_request():
         decode_reply(b"\x81\xa1a", 1 << 20)
     with pytest.raises(BadRequest, match="exceeds the limit"):
         decode_reply(msgpack.packb({"t": [0] * 10}), 5)
+
+
+def test_a_caller_deep_in_its_stack_gets_a_value_error_not_a_recursion_error():
+    import sys
+
+    data = b"\x91" * (MAX_DEPTH - 1) + b"\x90"
+    limit = sys.getrecursionlimit()
+
+    def at_depth(n):
+        return at_depth(n - 1) if n else unpackb(data, **LIMITS)
+
+    sys.setrecursionlimit(200)
+    try:
+        with pytest.raises(ValueError, match="too deep for this caller's stack"):
+            at_depth(150)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def test_str_subclass_keys_pack_as_strings():
+    import enum
+
+    class Key(enum.StrEnum):
+        A = "a"
+
+    assert packb({Key.A: 1}) == msgpack.packb({"a": 1})

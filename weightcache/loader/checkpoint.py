@@ -112,9 +112,11 @@ class Checkpoint:
         if isinstance(self.tensors, TensorTable):
             table = len(self.table) if self.table is not None else self.tensors.wire_bound
             return HELD_BASE_BYTES + self.tensors.buffer_bytes + table + self.tensors.columns_bound
-        rows = sum(HELD_PER_TENSOR + 2 * len(t.name) + 9 * len(t.shape) for t in self.tensors)
-        return HELD_BASE_BYTES + rows + columns_bound(sum(len(t.name) for t in self.tensors), len(self.tensors),
-                                                      sum(len(t.shape) for t in self.tensors))
+        # Names counted in UTF-8 bytes, as both tables encode them: by characters, 1,000-emoji
+        # names were under-counted ~3 bytes a character (a review of session 16).
+        name_bytes = sum(len(t.name.encode()) for t in self.tensors)
+        rows = sum(HELD_PER_TENSOR + 9 * len(t.shape) for t in self.tensors) + 2 * name_bytes
+        return HELD_BASE_BYTES + rows + columns_bound(name_bytes, len(self.tensors), sum(len(t.shape) for t in self.tensors))
 
     def unchanged_on_disk(self) -> bool:
         """Cheap staleness check by path: every file is still the same file (dev, inode) with

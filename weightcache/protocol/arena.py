@@ -212,6 +212,7 @@ def taken(rows: list[Any]) -> Iterator[Any]:
         yield rows.pop()
 
 
+MAX_WIRE_INT = 2**62  # the largest dimension, offset or size the daemon accepts in a table (loader/published.py)
 _COLUMNS = ("names", "name_ends", "dtypes", "shape_ends", "dims", "offsets", "nbytes")
 
 
@@ -232,8 +233,10 @@ def _u64(cols: dict[str, Any], key: str, count: int | None) -> memoryview:
 def column_rows(cols: Any) -> Iterator[tuple[str, str, list[int], int, int]]:
     """An attach reply's table as columns (``"table": "columns"``, docs/protocol.md) ->
     its rows, (name, dtype, shape, offset, nbytes) in arena order, each made as it is
-    taken, so that at most one row is alive beside the views. Raises BadRequest here,
-    before any row, for columns that do not hold together."""
+    taken, so that at most one row is alive beside the views. Raises BadRequest for
+    columns that do not hold together: here, before any row, for their lengths, ends,
+    dtype codes and values; while the rows are taken, for a name or shape that ends
+    before it starts or a name that is not UTF-8 (the attach's lease ends either way)."""
     if not isinstance(cols, dict) or not all(isinstance(cols.get(k), bytes) for k in _COLUMNS):
         raise BadRequest(f"attach reply's column table needs byte strings {', '.join(_COLUMNS)}")
     count, dtype_names = cols.get("count"), cols.get("dtype_names")
@@ -243,9 +246,11 @@ def column_rows(cols: Any) -> Iterator[tuple[str, str, list[int], int, int]]:
     names, dtypes = cols["names"], cols["dtypes"]
     name_ends, shape_ends, offsets, nbytes = (_u64(cols, k, count) for k in ("name_ends", "shape_ends", "offsets", "nbytes"))
     dims = _u64(cols, "dims", None).tolist()
-    if len(dtypes) != count or (count and (max(dtypes) >= len(dtype_names) or name_ends[-1] != len(names)
-                                           or shape_ends[-1] != len(dims))):
+    if len(dtypes) != count or (max(dtypes) if count else 0) >= max(len(dtype_names), 1) \
+            or (name_ends[-1] if count else 0) != len(names) or (shape_ends[-1] if count else 0) != len(dims):
         raise BadRequest("attach reply's column table: its dtypes, names or shapes do not end where its columns say")
+    if max(dims, default=0) > MAX_WIRE_INT or max(offsets, default=0) > MAX_WIRE_INT or max(nbytes, default=0) > MAX_WIRE_INT:
+        raise BadRequest("attach reply's column table: a dimension, offset or size is above 2**62")
     return _rows(names, name_ends, [dtype_names[c] for c in dtypes], shape_ends, dims, offsets, nbytes)
 
 
@@ -255,7 +260,11 @@ def _rows(names: bytes, name_ends: Iterable[int], dtypes: list[str], shape_ends:
     for b, dtype, e, offset, n in zip(name_ends, dtypes, shape_ends, offsets, nbytes, strict=True):
         if b < a or e < s:
             raise BadRequest("attach reply's column table: a name or shape ends before it starts")
-        yield names[a:b].decode(), dtype, dims[s:e], offset, n
+        try:
+            name = names[a:b].decode()
+        except UnicodeDecodeError:
+            raise BadRequest("attach reply's column table: a name is not UTF-8") from None
+        yield name, dtype, dims[s:e], offset, n
         a, s = b, e
 
 

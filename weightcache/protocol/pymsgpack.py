@@ -13,7 +13,8 @@ none), non-string map keys, values the wire cannot carry.
 ``packb(obj)`` gives the bytes ``msgpack.packb(obj, use_bin_type=True)`` gives for the
 types the protocol uses (tests/test_pymsgpack.py checks both ways on random values),
 and ``unpackb(data)`` what ``msgpack.unpackb(data, raw=False, strict_map_key=True)``
-does, with the same structural limits as framing.decode_payload.
+does, with the same length limits as framing.decode_payload, checked before building, and
+nesting bounded by MAX_DEPTH (msgpack's C decoder allows 1024).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ _i = struct.Struct(">i")
 _q = struct.Struct(">q")
 _f = struct.Struct(">f")
 _d = struct.Struct(">d")
-MAX_DEPTH = 256  # containers nested deeper are refused (no reply nests more than ~5 deep)
+# Containers nested deeper are refused (replies nest ~5 deep). Each level is two Python
+# frames: at 256 a caller 500 frames deep met a RecursionError (a review of session 16).
+MAX_DEPTH = 32
 
 
 class Packed(bytes):
@@ -116,7 +119,7 @@ def _pack(obj: Any, put: Any, depth: int) -> None:
     elif isinstance(obj, dict):
         _pack_len(len(obj), 0x80, 15, None, 0xDE, 0xDF, put)
         for key, value in obj.items():
-            if type(key) is not str:  # the protocol's maps are keyed by strings (docs/protocol.md)
+            if not isinstance(key, str):  # the protocol's maps are keyed by strings (docs/protocol.md)
                 raise TypeError(f"a map key must be a str, not {type(key).__name__}")
             _pack(key, put, depth + 1)
             _pack(value, put, depth + 1)
@@ -142,6 +145,8 @@ def unpackb(data: bytes, *, max_map_len: int, max_array_len: int, max_str_len: i
         obj, end = _unpack(data, 0, limits, 0)
     except (IndexError, struct.error):
         raise ValueError("truncated msgpack data") from None
+    except RecursionError:  # only a caller already near Python's recursion limit meets it
+        raise ValueError("msgpack data nested too deep for this caller's stack") from None
     except UnicodeDecodeError:
         raise ValueError("a msgpack string is not valid UTF-8") from None
     if end != len(data):

@@ -288,6 +288,9 @@ async def load(ctx: Context, caller: Caller, req: Request) -> Reply:
 
 async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
     ctx.registry.check_use(caller.peer, req.arg("name", str))
+    table = req.arg("table", str, "rows")
+    if table not in ("rows", "columns"):
+        raise BadRequest(f"argument 'table' must be \"rows\" or \"columns\", got {table[:40]!r}", argument="table")
     device = req.arg("device", str, None)
     rank = req.arg("rank", int, None)
     ctx.registry.entry_for(req.arg("name", str), rank)  # BAD_REQUEST for a rank that does not exist, or none given
@@ -297,9 +300,6 @@ async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
     wait = ctx.wait_arg(req)
     keep_alive = keep_alive_arg(req)
     writable = req.arg("writable", bool, False)
-    table = req.arg("table", str, "rows")
-    if table not in ("rows", "columns"):
-        raise BadRequest(f"argument 'table' must be \"rows\" or \"columns\", got {table[:40]!r}", argument="table")
     if writable and not ctx.settings.daemon.allow_writable_attach:
         raise PermissionDenied("read-write attachments are disabled (daemon.allow_writable_attach = false)", argument="writable")
     entry = ctx.core.entry(name)
