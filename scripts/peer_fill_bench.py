@@ -9,7 +9,7 @@ Then, ``--rounds`` times, interleaved:
 - ``fill``: the borrower evicts the model and loads it: filled from the lender over NIXL
   (source "neighbour"; every piece hashed, the fingerprint checked);
 - ``files (cold)``: the lender evicts its copy (no peer offers it), the borrower's file
-  is dropped from the page cache (POSIX_FADV_DONTNEED, checked with RWF_NOWAIT probes),
+  is dropped from the page cache (POSIX_FADV_DONTNEED, checked with mincore probes),
   and the borrower loads it from its files; then the lender loads it again;
 - ``raw``: two fresh processes with the daemon's own NIXL agent code
   (weightcache/peers/transport.py): one maps ``a/model.safetensors`` read-only and

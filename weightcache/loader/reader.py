@@ -10,6 +10,9 @@ so threads overlap real I/O.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import mmap
 import os
 import threading
 import time
@@ -129,19 +132,42 @@ def pread_direct(fd: int, buf: memoryview, offset: int, nbytes: int) -> int:
 
 
 def resident_fraction(fd: int, size: int, samples: int = 32) -> float:
-    """Share of the file's pages in the page cache, from ``samples`` probes with
-    RWF_NOWAIT (which fails with EAGAIN instead of reading from disk)."""
-    buf = bytearray(DIRECT_ALIGN)
-    hits = 0
-    for i in range(samples):
-        try:
-            os.preadv(fd, [buf], (size * i // samples) // DIRECT_ALIGN * DIRECT_ALIGN, os.RWF_NOWAIT)
-            hits += 1
-        except BlockingIOError:
-            pass
-        except OSError:
-            return 1.0  # RWF_NOWAIT unsupported here: assume warm and read buffered
-    return hits / samples
+    """Share of the file's pages in the page cache, from ``samples`` pages spread over it,
+    asked with mincore(2) on a mapping that is never touched. Probing must not read:
+    ``preadv(RWF_NOWAIT)``, the probe used before, answers EAGAIN for a missing page but
+    starts readahead of it (Linux 6.18, 3 MiB file: 0% after POSIX_FADV_DONTNEED, 100%
+    when probed again 50 ms later), so a second look saw a file the first had warmed."""
+    if size <= 0:
+        return 1.0
+    libc = _libc()
+    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        return 1.0  # a file system that cannot map it: assume warm and read buffered
+    try:
+        page = mmap.PAGESIZE
+        pages = -(-size // page)
+        vec = ctypes.c_ubyte()
+        hits = 0
+        for i in range(samples):
+            if libc.mincore(ctypes.c_void_p(addr + pages * i // samples * page), page, ctypes.byref(vec)) != 0:
+                return 1.0
+            hits += vec.value & 1
+        return hits / samples
+    finally:
+        libc.munmap(ctypes.c_void_p(addr), size)
+
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
 
 
 def open_for_reading(fd: int, size: int, writer: ArenaWriter, mode: str) -> tuple[int, bool, str]:
