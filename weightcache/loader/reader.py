@@ -132,11 +132,9 @@ def pread_direct(fd: int, buf: memoryview, offset: int, nbytes: int) -> int:
 
 
 def resident_fraction(fd: int, size: int, samples: int = 32) -> float:
-    """Share of the file's pages in the page cache, from ``samples`` pages spread over it,
-    asked with mincore(2) on a mapping that is never touched. Probing must not read:
-    ``preadv(RWF_NOWAIT)``, the probe used before, answers EAGAIN for a missing page but
-    starts readahead of it (Linux 6.18, 3 MiB file: 0% after POSIX_FADV_DONTNEED, 100%
-    when probed again 50 ms later), so a second look saw a file the first had warmed."""
+    """Share of the file's pages in the page cache: ``samples`` pages asked with mincore(2)
+    on an untouched mapping. ``preadv(RWF_NOWAIT)``, the probe used before, starts readahead
+    of each page it misses (3 MiB file: 0% after DONTNEED, 100% probed again 50 ms later)."""
     if size <= 0:
         return 1.0
     libc = _libc()
