@@ -239,7 +239,8 @@ def _drop_to(uid: int | None) -> None:
         os.setuid(uid)
 
 
-def tenant_abuser(kind: str, path: str, files: dict[str, str], seconds: float, uid: int | None, out: Any) -> None:
+def tenant_abuser(kind: str, path: str, files: dict[str, str], device: str, seconds: float, uid: int | None,
+                  out: Any) -> None:
     from weightcache import Client
 
     _drop_to(uid)
@@ -261,7 +262,7 @@ def tenant_abuser(kind: str, path: str, files: dict[str, str], seconds: float, u
                         name = f"{kind[:2]}{j}-{k % 4}"
                         k += 1
                         try:
-                            await c.register(name, files[file], send_files=True)
+                            await c.register(name, files[file], device=device, send_files=True)
                             stats["requests"] += 1
                             await c.load(name, timeout=120)
                             stats["requests"] += 1
@@ -278,8 +279,8 @@ def tenant_abuser(kind: str, path: str, files: dict[str, str], seconds: float, u
     async def herd() -> None:
         async with Client(path, name="waiterherd") as c:
             stats["connects"] += 1
-            await c.register("herd-hold", files["hold"], send_files=True)
-            await c.register("herd", files["herd"], send_files=True)
+            await c.register("herd-hold", files["hold"], device=device, send_files=True)
+            await c.register("herd", files["herd"], device=device, send_files=True)
             async with c.attach("herd-hold", wait_s=60):
                 conn = await asyncio.open_unix_connection(path)
                 reader, writer = conn
@@ -339,7 +340,8 @@ def tenant_abuser(kind: str, path: str, files: dict[str, str], seconds: float, u
     out.put({"kind": kind, **stats})
 
 
-def other_tenant(path: str, small_file: str, quiet: float, seconds: float, timeout: float, uid: int | None, out: Any) -> None:
+def other_tenant(path: str, small_file: str, device: str, quiet: float, seconds: float, timeout: float, uid: int | None,
+                 out: Any) -> None:
     """Another tenant's engine: attach and read ``tiny``, and cold-load a model of its own,
     alone for ``quiet`` seconds, then beside the abusers."""
     from weightcache import Client
@@ -363,7 +365,7 @@ def other_tenant(path: str, small_file: str, quiet: float, seconds: float, timeo
                             sum(int(v.reshape(-1)[:16].sum().item() != 0) for v in w.values())
                     if i % 5 == 0:
                         name = f"other-{i}"
-                        await c.register(name, small_file, send_files=True)
+                        await c.register(name, small_file, device=device, send_files=True)
                         t = time.monotonic()
                         await asyncio.wait_for(c.load(name), timeout)
                         lat[phase]["cold_load"].append(time.monotonic() - t)
@@ -486,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated abuser kinds to run (default: all)")
     ap.add_argument("--no-tenant-abusers", dest="tenant_abusers", action="store_false",
                     help="leave out headerbomb, tinybomb, waiterherd and biglist (and the other tenant)")
+    ap.add_argument("--device", default="cpu", help=(
+        "where the configured models and the tenants' models live, e.g. cuda:0 (its budget is the one the CPU run "
+        "gives; the well-behaved client's publishes stay on the CPU)"))
     ap.add_argument("--plain-config", action="store_true",
                     help="leave out the limit keys (hello_timeout_s, max_partial_frame_bytes[_per_uid]): for daemons that predate them")
     args = ap.parse_args(argv)
@@ -517,15 +522,17 @@ def main(argv: list[str] | None = None) -> int:
             os.chmod(f, 0o644)
     cfg = work / "daemon.toml"
     # 24 more entries make each `models` reply ~10 KB: unread replies fill a socket quickly
-    models = [{"name": "tiny", "path": str(tiny)}, {"name": "small", "path": str(small)}]
-    models += [{"name": f"extra{i:02d}", "path": str(tiny)} for i in range(24)]
+    models = [{"name": "tiny", "path": str(tiny), "device": args.device}, {"name": "small", "path": str(small), "device": args.device}]
+    models += [{"name": f"extra{i:02d}", "path": str(tiny), "device": args.device} for i in range(24)]
     # A tinybomb model holds ~40 MB (a 25.6 MB arena: 256 bytes a tensor, and its rows): with
     # --only tinybomb the budget has room for its two loads beside the rest, so that they
     # evict one another, not the well-behaved client's models. Beside waiterherd, which
     # needs its 64 MiB to park loads, they compete for that room (NO_SPACE among their errors).
     only = set(filter(None, args.only.split(",")))
     tiny_room = args.tenant_abusers and "tinybomb" in only and "waiterherd" not in only
-    cfg.write_text(config_text(sock, {"cpu": "160MiB" if tiny_room else "64MiB"}, models, daemon_cfg))
+    budgets = {args.device: "160MiB" if tiny_room else "64MiB"}
+    budgets.setdefault("cpu", "64MiB")  # the well-behaved client publishes CPU tensors
+    cfg.write_text(config_text(sock, budgets, models, daemon_cfg))
     if uid is not None:
         os.chmod(sockdir, 0o755)
     log = work / "daemon.log"
@@ -562,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     if quiet and not good_ready.wait(60):
         print("the well-behaved client did not finish its first round within 60 s", file=sys.stderr)
     if args.tenant_abusers:  # alone first: its figures without abusers
-        procs.append(ctx.Process(target=other_tenant, args=(sock, tenant_files["other"], args.quiet, args.seconds,
+        procs.append(ctx.Process(target=other_tenant, args=(sock, tenant_files["other"], args.device, args.quiet, args.seconds,
                                                             max(args.request_timeout, 60), other, q)))
         procs[-1].start()
         time.sleep(args.quiet)
@@ -576,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
             if only and kind not in only:
                 continue
             plan[kind] = 1
-            started.append(ctx.Process(target=tenant_abuser, args=(kind, sock, tenant_files, args.seconds, uid, q)))
+            started.append(ctx.Process(target=tenant_abuser, args=(kind, sock, tenant_files, args.device, args.seconds, uid, q)))
     for p in started:
         p.start()
     procs += started
@@ -638,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     tracebacks = log_text.count("Traceback")
 
     report = {
-        "seconds": args.seconds, "abuser_uid": uid, "plan": plan, "daemon_config": daemon_cfg,
+        "seconds": args.seconds, "device": args.device, "abuser_uid": uid, "plan": plan, "daemon_config": daemon_cfg,
         "bounds": {"rss_growth_mib": args.rss_bound_mib, "fds": args.fd_bound, "request_timeout_s": args.request_timeout},
         "baseline": {"rss_mib": base_rss / MIB, "fds": base_fds},
         "peak": {"rss_mib": peak_rss / MIB, "rss_growth_mib": (peak_rss - base_rss) / MIB, "fds": peak_fds},
@@ -654,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
 
-    print(f"abuse for {args.seconds:.0f}s as uid {uid if uid is not None else os.geteuid()}: "
+    print(f"abuse on {args.device} for {args.seconds:.0f}s as uid {uid if uid is not None else os.geteuid()}: "
           + ", ".join(f"{k} x{n}" for k, n in plan.items()))
     for kind, r in report["abusers"].items():
         print(f"  {kind:10s} connects {r['connects']:6d}  dropped by daemon {r['dropped_by_daemon']:6d}  "
