@@ -1,5 +1,7 @@
 """The frame decoder, fed byte by byte, in random chunks, and with garbage."""
 
+import tracemalloc
+
 import msgpack
 import pytest
 from hypothesis import given
@@ -7,7 +9,7 @@ from hypothesis import strategies as st
 
 from weightcache.errors import BadRequest, FrameTooLarge
 from weightcache.protocol import FrameDecoder, decode_payload, encode_frame
-from weightcache.protocol.framing import DEFAULT_MAX_FRAME, HEADER, MAX_ARRAY_LEN, MAX_MAP_LEN
+from weightcache.protocol.framing import DEFAULT_MAX_FRAME, DEFERRED_KEYS, HEADER, MAX_ARRAY_LEN, MAX_MAP_LEN, Deferred, PayloadRefused
 
 messages = st.dictionaries(
     st.text(max_size=8),
@@ -104,10 +106,71 @@ def test_limits_apply_at_every_depth():
     assert decode_payload(msgpack.packb({"id": 1, "nested": [ok_map]}))["nested"] == [ok_map]
     with pytest.raises(BadRequest, match="max_map_len"):
         decode_payload(msgpack.packb({"id": 1, "nested": [{**ok_map, "one": "more"}]}))
-    rows = [[0]] * MAX_ARRAY_LEN  # a publish table may be this long
-    assert len(decode_payload(msgpack.packb({"tensors": rows}))["tensors"]) == MAX_ARRAY_LEN
+    rows = [[0]] * MAX_ARRAY_LEN
+    assert len(decode_payload(msgpack.packb({"shards": rows}))["shards"]) == MAX_ARRAY_LEN
     with pytest.raises(BadRequest, match="max_array_len"):
-        decode_payload(msgpack.packb({"tensors": [*rows, [0]]}))
+        decode_payload(msgpack.packb({"shards": [*rows, [0]]}))
+
+
+# -- Note [deferred values]: a publish's table is not built where the frame is read ------
+
+
+def publish_request(rows: int, **more):
+    table = [[f"layer.{i}.weight", "BF16", [64, 64], i * 8192, 8192] for i in range(rows)]
+    return {"id": 7, "op": "publish", "name": "m", "tensors": table, "arena": {"kind": "memfd", "nbytes": 8192 * rows}, **more}
+
+
+def test_a_deferred_table_is_kept_as_bytes_and_decodes_to_the_same_rows():
+    req = publish_request(MAX_ARRAY_LEN * 3 + 5)  # longer than any other list may be
+    got = decode_payload(msgpack.packb(req), deferred=DEFERRED_KEYS)
+    assert isinstance(got["tensors"], Deferred) and got["arena"] == req["arena"] and got["id"] == 7
+    assert got["tensors"].decode_list() == req["tensors"]
+    assert decode_payload(msgpack.packb({"tensors": [1]}))["tensors"] == [1]  # deferred only where asked (the daemon's dispatch)
+
+
+def test_reading_a_frame_does_not_build_its_deferred_table():
+    """What the loop does with a big publish is skip its table: memory of about the
+    table's bytes (their copy), not its rows as objects (~100 bytes each and more)."""
+    payload = msgpack.packb(publish_request(100_000))
+    tracemalloc.start()
+    try:
+        got = decode_payload(payload, deferred=DEFERRED_KEYS)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2.5 * len(payload), (peak, len(payload))
+    tracemalloc.start()
+    try:
+        rows = got["tensors"].decode_list()
+        _, built = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(rows) == 100_000 and built > 10 * len(payload), built  # what the skip saved the loop
+
+
+@pytest.mark.parametrize("value, why", [
+    (msgpack.packb({"a": 1}), "Unexpected type header"),
+    (msgpack.packb([[0]] * 3)[:-1], "OutOfData"),
+    (msgpack.packb([1, 2]) + msgpack.packb(3), "ExtraData"),
+    (b"\xdd" + (2**32 - 1).to_bytes(4, "big"), "max_array_len"),
+    (msgpack.packb([[[0] * 11]]), "max_array_len"),
+], ids=["not-a-list", "truncated", "trailing", "announced-4G", "nested-too-long"])
+def test_a_deferred_value_that_is_not_a_list_within_the_limits_is_a_bad_request(value, why):
+    with pytest.raises(BadRequest, match=f"argument 'tensors' .*{why}") as info:
+        Deferred("tensors", value).decode_list(max_len=10)
+    assert info.value.details["argument"] == "tensors"
+
+
+def test_a_refusal_names_the_argument_and_keeps_the_request_id():
+    """Refused at a list's header, before its entries: the reply must still reach the
+    request that caused it (the id is read first), and say which argument."""
+    payload = msgpack.packb({"id": 12, "op": "publish", "allowed_gids": ["root"] * (MAX_ARRAY_LEN + 1)})
+    with pytest.raises(PayloadRefused, match=r"argument 'allowed_gids' .*exceeds max_array_len\(4096\)") as info:
+        decode_payload(payload, deferred=DEFERRED_KEYS)
+    assert info.value.request_id == 12 and info.value.details["argument"] == "allowed_gids"
+    with pytest.raises(PayloadRefused) as info:
+        decode_payload(msgpack.packb({"op": "x", "id": 3})[:-1])  # cut inside the id
+    assert info.value.request_id is None
 
 
 def test_an_array_announced_beyond_the_limit_is_refused_before_it_is_read():

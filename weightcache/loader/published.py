@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import BadRequest
 from ..protocol.arena import ARENA_ALIGN
+from ..protocol.framing import Deferred
 from .checkpoint import Checkpoint
 from .layout import LIMIT, MAX_NAME_CHARS, nbytes_of, show
 from .tensor_table import DTYPE_SIZES, TensorInfo
@@ -26,7 +27,8 @@ from .tensor_table import DTYPE_SIZES, TensorInfo
 
 def published_checkpoint(name: str, table: Any, arena_nbytes: int, fingerprint: str) -> Checkpoint:
     """Validate the tensor table an engine publishes ([name, dtype, shape, offset, nbytes]
-    rows describing its own memory) as strictly as a file header: string names of at most
+    rows describing its own memory; a request's table arrives as its msgpack bytes, a
+    Deferred, and is decoded here, off the event loop) as strictly as a file header: string names of at most
     1024 characters, each once; known dtypes (strings); dimensions, offsets and byte counts
     integers in [0, 2**62]; bytes that match shapes; aligned offsets; everything inside the
     arena (of > 0 bytes); no overlaps. Every failure is a BadRequest.
@@ -43,6 +45,9 @@ def published_checkpoint(name: str, table: Any, arena_nbytes: int, fingerprint: 
 
     if type(arena_nbytes) is not int or not 0 < arena_nbytes <= LIMIT:
         raise bad(f"arena nbytes {show(arena_nbytes)} must be a positive integer of at most 2**62")
+    if isinstance(table, Deferred):
+        with _gc_paused():
+            table = table.decode_list()
     if type(table) is not list or not table:
         raise bad("'tensors' must be a non-empty list of [name, dtype, shape, offset, nbytes]")
     with _gc_paused() if len(table) > 10_000 else contextlib.nullcontext():

@@ -7,6 +7,7 @@ instead, so that a fresh engine does not import msgpack.
 from __future__ import annotations
 
 import gc
+import itertools
 from typing import Any
 
 import msgpack
@@ -14,7 +15,8 @@ import msgpack
 from ..errors import BadRequest
 from .frames import DEFAULT_MAX_FRAME, HEADER, FrameDecoder
 
-__all__ = ["DEFAULT_MAX_FRAME", "HEADER", "MAX_ARRAY_LEN", "MAX_MAP_LEN", "FrameDecoder", "decode_payload", "encode_frame"]
+__all__ = ["DEFAULT_MAX_FRAME", "DEFERRED_KEYS", "HEADER", "MAX_ARRAY_LEN", "MAX_MAP_LEN", "MAX_TABLE_LEN", "Deferred", "FrameDecoder",
+           "PayloadRefused", "decode_payload", "encode_frame"]
 
 
 def encode_frame(message: dict[str, Any]) -> bytes:
@@ -26,7 +28,9 @@ def encode_frame(message: dict[str, Any]) -> bytes:
 # announced length against them before building it, so a frame that announces a huge
 # map is refused at once (0.1 ms) instead of being built: a 16 MiB frame holding one
 # map of 1.4M keys took ~1.1 s to decode, stalling the daemon's event loop. No request
-# map needs more than a handful of keys; long arrays are a publish tensor table's rows.
+# map needs more than a handful of keys, nor any list but a publish's tensor table more
+# than a few hundred entries (access lists are bounded at 256, shards at 256, a VMM
+# arena's chunks by the fds a frame may carry).
 #
 # What the limits do not bound (measured with msgpack 1.2.4, CPython 3.11, on a 2-core
 # VM, 3 runs each): they cap each container, not the number of objects, so a 16 MiB
@@ -35,36 +39,116 @@ def encode_frame(message: dict[str, Any]) -> bytes:
 # off) plus 0.3 s to free; 1M-long arrays of [nil] 1.8-2.7 s; of {"": nil} 1.5-1.9 s;
 # of empty maps 0.8-1.4 s; 64-key maps 0.3-0.4 s; scalars and short strings 0.08-0.17 s.
 # A legitimate frame at the limit (a publish table of ~340k rows) takes 0.3-0.4 s.
-# Most of the worst cases is the cyclic GC, triggered again and again by millions of new
-# containers, so decode_payload pauses it while it builds one frame: then the worst
-# shapes measured were 0.82 s (empty arrays), 0.57 s ([nil]), 0.82 s ({"": nil}) and
-# 0.29 s (5-int arrays) for 16 MiB, plus up to 0.3 s to free. Past that,
-# max_frame_bytes bounds the stall: operators who do not trust their peers can lower it
-# (a real publish table is ~100 bytes per tensor).
+# Hence Note [deferred values]: the one list allowed to be long is not built on the
+# loop at all, and every other list is held to MAX_ARRAY_LEN.
 MAX_MAP_LEN = 64
-MAX_ARRAY_LEN = 1 << 20
+MAX_ARRAY_LEN = 4096
+MAX_TABLE_LEN = 1 << 20  # rows of a deferred table (a publish's tensors)
+DEFERRED_KEYS = frozenset({"tensors"})  # the request values decode_payload leaves as bytes
+DECODE_BATCH = 4096  # rows Deferred.decode_list builds per C call (~1-2 ms of held GIL)
+
+
+class Deferred:
+    """Note [deferred values]
+    ----------------------
+    A request value left as its msgpack bytes, to be decoded where it is used: in the
+    io pool, never on the event loop. A publish's tensor table is the one list a request
+    may make long (a row per tensor, up to MAX_TABLE_LEN), and building it is the cost:
+    ~0.3 s of held GIL for a 17.6 MiB table of 340k rows, in one C call that lets no
+    other connection in (issue 25's ``biglist``, every abuser at once: another tenant's
+    attach p99 4.7x on the 2-core VM). Skipping it to find where it ends costs 18.5 ms
+    for the same frame; ``decode_list`` then builds it DECODE_BATCH rows per C call, so
+    the io pool's thread gives the loop its turns in between (0.35 s in all)."""
+
+    __slots__ = ("data", "key")
+
+    def __init__(self, key: str, data: bytes) -> None:
+        self.key, self.data = key, data
+
+    def __repr__(self) -> str:
+        return f"Deferred({self.key!r}, {len(self.data)} bytes)"
+
+    def decode_list(self, *, max_len: int = MAX_TABLE_LEN, max_str_len: int = DEFAULT_MAX_FRAME) -> list[Any]:
+        """The value as a list, or BadRequest naming the key if it is not one (or not
+        valid msgpack, or over the limits: ``max_len`` for it and every list inside)."""
+        up = _unpacker(self.data, max_map_len=MAX_MAP_LEN, max_array_len=max_len, max_str_len=max_str_len, max_bin_len=max_str_len)
+        try:
+            n = up.read_array_header()
+            if n > max_len:
+                raise ValueError(f"{n} exceeds max_array_len({max_len})")
+            rows: list[Any] = []
+            while len(rows) < n:
+                rows.extend(itertools.islice(up, min(DECODE_BATCH, n - len(rows))))
+                if up.tell() == len(self.data) and len(rows) < n:
+                    raise msgpack.OutOfData("the list ends early")
+            if up.tell() != len(self.data):
+                raise msgpack.ExtraData(rows, b"")
+        except (msgpack.UnpackException, ValueError, TypeError) as exc:
+            raise BadRequest(f"argument {self.key!r} is not a msgpack list within the limits: {type(exc).__name__}: {exc}",
+                             argument=self.key) from None
+        return rows
+
+
+class PayloadRefused(BadRequest):
+    """decode_payload's refusal; ``request_id`` is the request's id where the map gave it
+    before the fault, so that the reply reaches the request that caused it."""
+
+    def __init__(self, message: str, request_id: int | None = None, **details: Any) -> None:
+        super().__init__(message, **details)
+        self.request_id = request_id
+
+
+def _unpacker(data: bytes | memoryview, **limits: int) -> msgpack.Unpacker:
+    up = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(len(data), 1), **limits)
+    up.feed(data)
+    return up
 
 
 def decode_payload(payload: bytes, *, max_map_len: int = MAX_MAP_LEN, max_array_len: int = MAX_ARRAY_LEN,
-                   max_str_len: int = DEFAULT_MAX_FRAME, max_bin_len: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
+                   max_str_len: int = DEFAULT_MAX_FRAME, max_bin_len: int = DEFAULT_MAX_FRAME,
+                   deferred: frozenset[str] = frozenset()) -> dict[str, Any]:
     """One frame's payload -> a map. Raises BadRequest for anything that is not a msgpack
     map with string keys, or that has a map, array, str or bin longer than its limit.
+    The values of the keys in ``deferred`` are not decoded: each becomes a
+    :class:`Deferred` of its bytes (Note [deferred values]; the daemon passes
+    DEFERRED_KEYS).
 
     The defaults suit requests (what the daemon decodes). Replies can be larger (status's
     ``loading`` and health's ``failed_preloads`` have one key per model, an attach's
     tensor table one row per tensor): a client passes limits as large as its frame limit.
     """
+    if not payload or not (0x80 <= payload[0] <= 0x8F or payload[0] in (0xDE, 0xDF)):  # fixmap, map 16, map 32
+        raise PayloadRefused("frame payload must be a msgpack map")
+    obj: dict[str, Any] = {}
+    key: Any = None
     gc_was_on = gc.isenabled()
     gc.disable()  # a frame's objects are all new and acyclic: collecting them mid-build only costs time
     try:
-        # strict_map_key rejects non-str/bytes keys: v1 maps are keyed by strings only.
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_map_len=max_map_len,
-                              max_array_len=max_array_len, max_str_len=max_str_len, max_bin_len=max_bin_len)
+        up = _unpacker(payload, max_map_len=max_map_len, max_array_len=max_array_len, max_str_len=max_str_len, max_bin_len=max_bin_len)
+        n = up.read_map_header()
+        if n > max_map_len:
+            raise ValueError(f"{n} exceeds max_map_len({max_map_len})")
+        for _ in range(n):
+            key = None
+            key = up.unpack()
+            if not isinstance(key, str):
+                raise ValueError(f"a {type(key).__name__} key (keys are strings)")
+            if key in deferred:
+                start = up.tell()
+                up.skip()
+                obj[key] = Deferred(key, payload[start : up.tell()])
+            else:
+                obj[key] = up.unpack()
+        key = None
+        if up.tell() != len(payload):
+            raise ValueError("bytes after the map")
     except (msgpack.UnpackException, ValueError, TypeError) as exc:  # TypeError: unhashable keys
-        raise BadRequest(f"frame payload is not valid msgpack or exceeds a limit: {type(exc).__name__}: {exc}") from None
+        rid = obj.get("id")
+        where = f"argument {key!r}" if isinstance(key, str) else "frame payload"
+        raise PayloadRefused(f"{where} is not valid msgpack or exceeds a limit: {type(exc).__name__}: {exc}",
+                             request_id=rid if type(rid) is int else None,
+                             **({"argument": key} if isinstance(key, str) else {})) from None
     finally:
         if gc_was_on:
             gc.enable()
-    if not isinstance(obj, dict):
-        raise BadRequest(f"frame payload must be a msgpack map, got {type(obj).__name__}")
     return obj

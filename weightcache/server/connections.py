@@ -34,6 +34,7 @@ from ..errors import (
     WeightcacheError,
 )
 from ..protocol import FrameDecoder, decode_payload
+from ..protocol.framing import DEFERRED_KEYS, PayloadRefused
 from ..protocol.messages import ADMIN_OPS
 from ..protocol.packed import encode_reply
 from ..protocol.transport import recv_with_fds, send_with_fds
@@ -271,9 +272,9 @@ class Connections:
 
     def _dispatch(self, conn: Connection, payload: bytes) -> None:
         try:
-            args = decode_payload(payload)
-        except WeightcacheError as exc:
-            self._reply_later(conn, self._error(conn, None, exc, "other"))
+            args = decode_payload(payload, deferred=DEFERRED_KEYS)  # a publish's table is decoded in the io pool
+        except PayloadRefused as exc:
+            self._reply_later(conn, self._error(conn, exc.request_id, exc, "other"))
             return
         rid = args.pop("id", None)
         if not isinstance(rid, int) or isinstance(rid, bool):

@@ -24,6 +24,7 @@ from ..config import ModelConfig, check_model_name, config_group_names, problems
 from ..errors import Attached, BadRequest, LimitExceeded, PermissionDenied, Pinned
 from ..loader import OpenedSource, adopt_fds
 from ..loader.published import published_checkpoint
+from ..protocol.framing import Deferred
 from ..protocol.messages import tenant_fingerprint
 from .access import Peer
 from .fills import CopyPublished
@@ -251,7 +252,7 @@ async def _publish(ctx: Context, caller: Caller, req: Request, name: str, replac
     fingerprint = tenant_fingerprint(fingerprint, caller.peer.uid)
     residency = ctx.residency
     tenant = None if ctx.access.is_admin(caller.peer) else caller.peer.uid  # its share of the io pool (IoPool.run)
-    ckpt = await residency.io.run(published_checkpoint, name, req.arg("tensors", list), nbytes, fingerprint, tenant=tenant)
+    ckpt = await residency.io.run(published_checkpoint, name, req.arg("tensors", Deferred), nbytes, fingerprint, tenant=tenant)
     source = await residency.io.run(backend.open_published, desc, req.fds, cleanup=backend.close_published, tenant=tenant)
     config = access.model_copy(update={"path": Path(ckpt.source)})
     staging = ctx.registry.stage(name, Model(config=config, path=config.parts[0][0], device=device, rank=None,
