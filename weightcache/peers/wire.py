@@ -67,7 +67,7 @@ async def recv(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME) -> dict
     except asyncio.IncompleteReadError:
         raise PeerError("connection closed inside a frame") from None
     try:
-        return decode_payload(payload, max_array_len=MAX_REGIONS, max_str_len=4096, max_bin_len=max_frame)
+        return decode_payload(payload, max_array_len=MAX_REGIONS, max_str_len=4096, max_bin_len=max_frame, max_decoded_bytes=max_frame)
     except BadRequest as exc:
         raise PeerError(f"malformed frame: {exc.message}") from None
 

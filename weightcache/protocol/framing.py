@@ -7,7 +7,6 @@ instead, so that a fresh engine does not import msgpack.
 from __future__ import annotations
 
 import gc
-import itertools
 from typing import Any
 
 import msgpack
@@ -15,8 +14,8 @@ import msgpack
 from ..errors import BadRequest
 from .frames import DEFAULT_MAX_FRAME, HEADER, FrameDecoder
 
-__all__ = ["DEFAULT_MAX_FRAME", "DEFERRED_KEYS", "HEADER", "MAX_ARRAY_LEN", "MAX_MAP_LEN", "MAX_TABLE_LEN", "Deferred", "FrameDecoder",
-           "PayloadRefused", "decode_payload", "encode_frame"]
+__all__ = ["DEFAULT_MAX_FRAME", "DEFERRED_KEYS", "HEADER", "MAX_ARRAY_LEN", "MAX_DECODED_BYTES", "MAX_MAP_LEN", "MAX_TABLE_LEN",
+           "Deferred", "FrameDecoder", "PayloadRefused", "decode_payload", "encode_frame"]
 
 
 def encode_frame(message: dict[str, Any]) -> bytes:
@@ -44,8 +43,14 @@ def encode_frame(message: dict[str, Any]) -> bytes:
 MAX_MAP_LEN = 64
 MAX_ARRAY_LEN = 4096
 MAX_TABLE_LEN = 1 << 20  # rows of a deferred table (a publish's tensors)
+# Bytes of a request decoded on the loop, all values but the deferred ones: ~1M objects
+# at most, ~90 ms in the worst shape (1.4 s for 16 MiB of it: 16 arrays of 1M empty
+# arrays, GC paused, 2-core VM). A register of 256 shards with long paths is ~100 KB.
+MAX_DECODED_BYTES = 1 << 20
 DEFERRED_KEYS = frozenset({"tensors"})  # the request values decode_payload leaves as bytes
-DECODE_BATCH = 4096  # rows Deferred.decode_list builds per C call (~1-2 ms of held GIL)
+SMALL_FRAME = 4096  # payloads this short are decoded in one call: < 4096 objects, however shaped
+DECODE_BATCH_BYTES = 256 << 10  # of a deferred list, built per C call: <= 256K objects, ~20 ms at worst
+_STR_TYPES = frozenset([*range(0xA0, 0xC0), 0xD9, 0xDA, 0xDB])  # fixstr, str 8/16/32: the first byte of a key
 
 
 class Deferred:
@@ -57,12 +62,15 @@ class Deferred:
     ~0.3 s of held GIL for a 17.6 MiB table of 340k rows, in one C call that lets no
     other connection in (issue 25's ``biglist``, every abuser at once: another tenant's
     attach p99 4.7x on the 2-core VM). Skipping it to find where it ends costs 18.5 ms
-    for the same frame; ``decode_list`` then builds it DECODE_BATCH rows per C call, so
-    the io pool's thread gives the loop its turns in between (0.35 s in all)."""
+    for that frame, and 41 ms for the worst shape of 16 MiB (16M empty arrays), whose
+    building took 1.4 s. Every other value is decoded on the loop only within
+    MAX_DECODED_BYTES. ``decode_list`` builds the list DECODE_BATCH_BYTES of rows per C
+    call (skipping row by row to find the batch's end: 56 ms for 340k rows), so the io
+    pool's thread gives the loop its turns in between, whatever the rows hold."""
 
     __slots__ = ("data", "key")
 
-    def __init__(self, key: str, data: bytes) -> None:
+    def __init__(self, key: str, data: bytes | memoryview) -> None:
         self.key, self.data = key, data
 
     def __repr__(self) -> str:
@@ -71,18 +79,27 @@ class Deferred:
     def decode_list(self, *, max_len: int = MAX_TABLE_LEN, max_str_len: int = DEFAULT_MAX_FRAME) -> list[Any]:
         """The value as a list, or BadRequest naming the key if it is not one (or not
         valid msgpack, or over the limits: ``max_len`` for it and every list inside)."""
-        up = _unpacker(self.data, max_map_len=MAX_MAP_LEN, max_array_len=max_len, max_str_len=max_str_len, max_bin_len=max_str_len)
+        data = self.data
+        limits = {"max_map_len": MAX_MAP_LEN, "max_array_len": max_len, "max_str_len": max_str_len, "max_bin_len": max_str_len}
+        up = _unpacker(data, **limits)
         try:
             n = up.read_array_header()
             if n > max_len:
                 raise ValueError(f"{n} exceeds max_array_len({max_len})")
             rows: list[Any] = []
             while len(rows) < n:
-                rows.extend(itertools.islice(up, min(DECODE_BATCH, n - len(rows))))
-                if up.tell() == len(self.data) and len(rows) < n:
-                    raise msgpack.OutOfData("the list ends early")
-            if up.tell() != len(self.data):
-                raise msgpack.ExtraData(rows, b"")
+                start = end = up.tell()
+                k = 0
+                while len(rows) + k < n and end - start < DECODE_BATCH_BYTES:
+                    up.skip()
+                    k += 1
+                    at, end = end, up.tell()
+                    if end - at > DECODE_BATCH_BYTES:  # no real row comes near (a name is <= 1024 characters)
+                        raise ValueError(f"row {len(rows) + k - 1} takes {end - at} bytes (at most {DECODE_BATCH_BYTES})")
+                # the batch's rows as one array: an array 32 header, then their bytes
+                rows.extend(msgpack.unpackb(b"\xdd" + k.to_bytes(4, "big") + data[start:end], raw=False, strict_map_key=True, **limits))
+            if up.tell() != len(data):
+                raise ValueError("bytes after the list")
         except (msgpack.UnpackException, ValueError, TypeError) as exc:
             raise BadRequest(f"argument {self.key!r} is not a msgpack list within the limits: {type(exc).__name__}: {exc}",
                              argument=self.key) from None
@@ -106,12 +123,14 @@ def _unpacker(data: bytes | memoryview, **limits: int) -> msgpack.Unpacker:
 
 def decode_payload(payload: bytes, *, max_map_len: int = MAX_MAP_LEN, max_array_len: int = MAX_ARRAY_LEN,
                    max_str_len: int = DEFAULT_MAX_FRAME, max_bin_len: int = DEFAULT_MAX_FRAME,
-                   deferred: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """One frame's payload -> a map. Raises BadRequest for anything that is not a msgpack
-    map with string keys, or that has a map, array, str or bin longer than its limit.
-    The values of the keys in ``deferred`` are not decoded: each becomes a
-    :class:`Deferred` of its bytes (Note [deferred values]; the daemon passes
-    DEFERRED_KEYS).
+                   max_decoded_bytes: int = MAX_DECODED_BYTES, deferred: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """One frame's payload -> a map. Raises PayloadRefused (a BadRequest) for anything
+    that is not a msgpack map with string keys, that has a map, array, str or bin longer
+    than its limit, or whose values but the deferred ones take more than
+    ``max_decoded_bytes``. Each value is skipped before it is built, so an over-long
+    value costs a scan, not its objects. The values of the keys in ``deferred`` are not
+    decoded: each becomes a :class:`Deferred` of its bytes (Note [deferred values]; the
+    daemon passes DEFERRED_KEYS).
 
     The defaults suit requests (what the daemon decodes). Replies can be larger (status's
     ``loading`` and health's ``failed_preloads`` have one key per model, an attach's
@@ -119,35 +138,50 @@ def decode_payload(payload: bytes, *, max_map_len: int = MAX_MAP_LEN, max_array_
     """
     if not payload or not (0x80 <= payload[0] <= 0x8F or payload[0] in (0xDE, 0xDF)):  # fixmap, map 16, map 32
         raise PayloadRefused("frame payload must be a msgpack map")
+    limits = {"max_map_len": max_map_len, "max_array_len": max_array_len, "max_str_len": max_str_len, "max_bin_len": max_bin_len}
     obj: dict[str, Any] = {}
-    key: Any = None
+    key: str | None = None
+    decoded = 0
     gc_was_on = gc.isenabled()
     gc.disable()  # a frame's objects are all new and acyclic: collecting them mid-build only costs time
     try:
-        up = _unpacker(payload, max_map_len=max_map_len, max_array_len=max_array_len, max_str_len=max_str_len, max_bin_len=max_bin_len)
+        if len(payload) <= SMALL_FRAME:  # most requests: one C call (1.7 us for an attach; key by key took 15)
+            obj = msgpack.unpackb(payload, raw=False, strict_map_key=True, **limits)
+            if not all(type(k) is str for k in obj):
+                raise ValueError("a key that is not a string")
+            for k in deferred & obj.keys():
+                obj[k] = Deferred(k, msgpack.packb(obj[k], use_bin_type=True))
+            return obj
+        up = _unpacker(payload, **limits)
         n = up.read_map_header()
         if n > max_map_len:
             raise ValueError(f"{n} exceeds max_map_len({max_map_len})")
         for _ in range(n):
             key = None
+            at = up.tell()
+            if at < len(payload) and payload[at] not in _STR_TYPES:  # never build a key that is not a string
+                raise ValueError("a key that is not a string")
             key = up.unpack()
-            if not isinstance(key, str):
-                raise ValueError(f"a {type(key).__name__} key (keys are strings)")
+            start = up.tell()
+            up.skip()
+            end = up.tell()
             if key in deferred:
-                start = up.tell()
-                up.skip()
-                obj[key] = Deferred(key, payload[start : up.tell()])
-            else:
-                obj[key] = up.unpack()
+                obj[key] = Deferred(key, memoryview(payload)[start:end])  # a view: 17.6 MB not copied
+                continue
+            decoded += end - start
+            if decoded > max_decoded_bytes:
+                raise ValueError(f"the request's values take more than {max_decoded_bytes} bytes "
+                                 f"(only {', '.join(sorted(deferred)) or 'no argument'} may be longer)")
+            obj[key] = msgpack.unpackb(payload[start:end], raw=False, strict_map_key=True, **limits)
         key = None
         if up.tell() != len(payload):
             raise ValueError("bytes after the map")
     except (msgpack.UnpackException, ValueError, TypeError) as exc:  # TypeError: unhashable keys
         rid = obj.get("id")
-        where = f"argument {key!r}" if isinstance(key, str) else "frame payload"
+        where = f"argument {key!r}" if key is not None else "frame payload"
         raise PayloadRefused(f"{where} is not valid msgpack or exceeds a limit: {type(exc).__name__}: {exc}",
                              request_id=rid if type(rid) is int else None,
-                             **({"argument": key} if isinstance(key, str) else {})) from None
+                             **({"argument": key} if key is not None else {})) from None
     finally:
         if gc_was_on:
             gc.enable()

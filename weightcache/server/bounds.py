@@ -14,8 +14,9 @@ unbounded memory, fds, threads or loop time, or delay another connection:
   max_fds_per_uid waiting for frames not yet complete; and, the other way, at most
   max_fds_per_uid sent to a uid's peers that they have not read (Bounds.fds_out):
   the kernel counts fds in flight against the daemon's RLIMIT_NOFILE;
-- decoding: msgpack's structural limits (framing.decode_payload) bound loop time; big
-  tables are validated in the io pool and attach tables are encoded once.
+- decoding: every value is skipped before it is built, and at most 1 MiB of a request
+  is built on the loop (framing.decode_payload); a publish's table is built and
+  validated in the io pool (Note [deferred values]); attach tables are encoded once.
 
 The counts summed over connections live here (``Bounds``); the reader and sender in
 connections.py ask them before they take more.
