@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,17 +155,19 @@ def write_config(path: Path, sock: str, budget: str, models: dict[str, Path | No
 
 @contextlib.asynccontextmanager
 async def daemon_in_process(tmp_path: Path, models: dict[str, Path | None], prepare: Callable[[Any], None] | None = None,
+                            *, budget: str = "20MiB", extra_daemon: dict[str, Any] | None = None,
                             **model_opts: Any) -> AsyncIterator[Any]:
     """A daemon in the test's own event loop, for a test that holds one of its steps on
     an event it sets itself (a daemon process offers no such hook): ``prepare(daemon)``
     runs between building it and ``start()``. Yields the started ``Daemon``; stops it
-    after. ``start()`` returns in well under a second: 30 s means it waited on a held step."""
+    after. ``start()`` returns in well under a second: 30 s means it waited on a held step.
+    ``budget`` and ``extra_daemon`` as for ``start_daemon``."""
     from weightcache.config import load_settings
     from weightcache.server.main import build
 
     sockdir = tempfile.mkdtemp(prefix="wc-", dir="/tmp")
     cfg = tmp_path / "inproc.toml"
-    write_config(cfg, os.path.join(sockdir, "d.sock"), "20MiB", models, **model_opts)
+    write_config(cfg, os.path.join(sockdir, "d.sock"), budget, models, extra_daemon, **model_opts)
     daemon = build(load_settings(cfg), str(cfg))
     if prepare is not None:
         prepare(daemon)
@@ -182,6 +185,41 @@ async def daemon_in_process(tmp_path: Path, models: dict[str, Path | None], prep
         if serving is not None:
             await serving
         shutil.rmtree(sockdir, ignore_errors=True)
+
+
+class FillGate:
+    """Holds a ``daemon_in_process``'s fills mid-read, for a test that acts while a load
+    provably runs (truncates its file, drops its requester): from the first chunk a fill
+    thread reports (its bytes written, ``reached`` set), every report blocks until
+    ``release()``, so at most ``load_threads`` chunks are done while held (a fast machine
+    reading holes at GB/s used to finish before the test acted). Swaps the fill's
+    Progress through ``monkeypatch``; release before the daemon stops (its shutdown
+    waits for loads)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from weightcache.server.residency import fill
+
+        self.reached = threading.Event()
+        self.released = threading.Event()
+        gate = self
+
+        class HeldProgress(fill.Progress):  # type: ignore[misc]
+            def add(self, n: int) -> None:
+                super().add(n)
+                gate.reached.set()
+                if not gate.released.wait(60):
+                    raise TimeoutError("FillGate never released")
+
+        monkeypatch.setattr(fill, "Progress", HeldProgress)
+
+    async def wait_reached(self, timeout: float = 30.0) -> None:
+        async def reached() -> bool:
+            return self.reached.is_set()
+
+        await eventually(reached, timeout=timeout)
+
+    def release(self) -> None:
+        self.released.set()
 
 
 @pytest.fixture

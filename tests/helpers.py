@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import select
@@ -121,3 +122,49 @@ def is_open(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def connect_until_admitted(path: str, timeout: float = 10.0) -> int:
+    """Connect to the daemon at ``path``, say hello and ask for status, again while it
+    refuses the connection (LIMIT_EXCEEDED, or closed before the hello was read), until
+    ``timeout``; returns the attempts it took. For "the slot was given back": the daemon
+    frees it once it has seen the close, which a fixed sleep could outrun on a loaded
+    machine. Blocking and plain (usable in a child of ``as_uid``)."""
+    import socket
+
+    import msgpack
+
+    from weightcache.protocol import encode_frame
+
+    def reply(s: socket.socket) -> dict[str, Any] | None:
+        buf = b""
+        while len(buf) < 4 or len(buf) < 4 + int.from_bytes(buf[:4], "big"):
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                return None
+            buf += chunk
+        return msgpack.unpackb(buf[4 : 4 + int.from_bytes(buf[:4], "big")], raw=False)
+
+    deadline = time.monotonic() + timeout
+    for attempt in itertools.count(1):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(30)
+        try:
+            s.connect(path)
+            s.sendall(encode_frame({"id": 7, "op": "hello", "protocol": 1, "client": "test"}))
+            got = reply(s)
+            if got is not None and got.get("ok"):
+                s.sendall(encode_frame({"id": 8, "op": "status"}))
+                got = reply(s)
+                assert got is not None and got.get("ok"), f"admitted, but status failed: {got}"
+                return attempt
+            if got is not None and (got.get("error") or {}).get("code") != "LIMIT_EXCEEDED":
+                raise AssertionError(f"refused for another reason than the connection limit: {got}")
+        except (BrokenPipeError, ConnectionResetError) as exc:  # refused and closed before the hello went out
+            got = {"exception": repr(exc)}
+        finally:
+            s.close()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no connection admitted within {timeout}s ({attempt} attempts); last: {got}")
+        time.sleep(0.05)
+    raise AssertionError("unreachable")

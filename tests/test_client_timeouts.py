@@ -9,6 +9,7 @@ what the client sent, fds included.
 
 import array
 import asyncio
+import contextlib
 import inspect
 import json
 import math
@@ -42,16 +43,18 @@ class FakeDaemon:
     """A Unix socket server in a thread. Answers ``hello`` (adding ``hello_extra``) unless
     ``answer_hello`` is false; records every later request with the (st_dev, st_ino) of
     each fd that came with it (closing the fds at once); answers the ops named in
-    ``answers`` with those reply fields, and never answers any other. ``accept=False``
-    never accepts: connections wait in the listen backlog."""
+    ``answers`` with those reply fields, and never answers any other. An op in ``held``
+    is answered only once its event is set (the connection goes on serving meanwhile).
+    ``accept=False`` never accepts: connections wait in the listen backlog."""
 
     def __init__(self, *, accept: bool = True, answer_hello: bool = True, hello_extra: dict[str, Any] | None = None,
-                 answers: dict[str, dict[str, Any]] | None = None) -> None:
+                 answers: dict[str, dict[str, Any]] | None = None, held: dict[str, threading.Event] | None = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="wc-", dir="/tmp")  # Unix socket paths are short
         self.path = os.path.join(self.dir, "fake.sock")
         self.answer_hello = answer_hello
         self.hello_extra = hello_extra or {}
         self.answers = answers or {}
+        self.held = held or {}
         self.received: list[tuple[dict[str, Any], list[tuple[int, int]]]] = []
         self.conns: list[socket.socket] = []
         self._stop = threading.Event()
@@ -80,6 +83,18 @@ class FakeDaemon:
     def _handle(self, conn: socket.socket) -> None:
         decoder = FrameDecoder(1 << 30)
         fd_queue: deque[int] = deque()
+        sending = threading.Lock()  # a held answer is sent from its own thread
+
+        def send(data: bytes) -> None:
+            with sending:
+                conn.sendall(data)
+
+        def answer_when_released(event: threading.Event, data: bytes) -> None:
+            while not event.wait(0.05):
+                if self._stop.is_set():
+                    return
+            with contextlib.suppress(OSError):
+                send(data)
         try:
             while True:
                 data, anc, _flags, _ = conn.recvmsg(1 << 16, socket.CMSG_SPACE(256 * 4), socket.MSG_CMSG_CLOEXEC)
@@ -100,13 +115,19 @@ class FakeDaemon:
                         os.close(fd)
                     if req["op"] == "hello":
                         if self.answer_hello:
-                            conn.sendall(encode_frame({"id": req["id"], "ok": True, "protocol": 1, "server": "fake",
+                            send(encode_frame({"id": req["id"], "ok": True, "protocol": 1, "server": "fake",
                                                        "pid": os.getpid(), "max_frame_bytes": 16 * 2**20,
                                                        **self.hello_extra}))
                         continue
                     self.received.append((req, ids))
                     if req["op"] in self.answers:
-                        conn.sendall(encode_frame({"id": req["id"], "ok": True, **self.answers[req["op"]]}))
+                        reply = encode_frame({"id": req["id"], "ok": True, **self.answers[req["op"]]})
+                        if req["op"] in self.held:
+                            t = threading.Thread(target=answer_when_released, args=(self.held[req["op"]], reply), daemon=True)
+                            self.threads.append(t)
+                            t.start()
+                        else:
+                            send(reply)
         except OSError:
             return
         finally:
@@ -300,37 +321,64 @@ def test_sync_client_request_to_a_stopped_daemon_times_out(start_daemon, ckpts):
 
 def test_sync_client_does_its_io_in_the_callers_thread(start_daemon, ckpts):
     d = start_daemon(models={"tiny": ckpts["tiny"]})
-    before = threading.active_count()
+    # The threads themselves, not the process-wide count: a thread left by an earlier test
+    # that ends meanwhile changed active_count() without this client starting anything.
+    before = set(threading.enumerate())
+
+    def new_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t not in before]
+
     with SyncClient(d.socket) as c:
-        assert threading.active_count() == before  # no loop thread, no reader thread
+        assert new_threads() == []  # no loop thread, no reader thread
         with c.attach("tiny") as w:
             assert len(w) == 5 and c.status()["leases"] == 1
-            assert threading.active_count() == before
+            assert new_threads() == []
         assert c.status()["leases"] == 0
     with pytest.raises(DaemonUnavailable, match="client closed"):
         c.status()
 
 
 def test_threads_sharing_a_sync_client_do_not_wait_for_each_other(fake):
-    f = fake(answers={"status": {"devices": {}}})  # never answers load
+    release = threading.Event()
+    f = fake(answers={"status": {"devices": {}}, "load": MODEL}, held={"load": release})  # load: once released
     with SyncClient(f.path) as c:
-        slow: list[BaseException] = []
+        loaded: list[Any] = []
 
         def load() -> None:
             try:
-                c.load("x", timeout=2.0)
+                loaded.append(c.load("x", timeout=60))
             except BaseException as exc:
-                slow.append(exc)
+                loaded.append(exc)
 
         t = threading.Thread(target=load)
         t.start()
-        time.sleep(0.1)  # the load is sent and its thread is reading
-        started = time.monotonic()
-        for _ in range(20):
-            assert c.status(timeout=1.0)["devices"] == {}  # answered while the load waits
-        assert time.monotonic() - started < 1.0
+        try:
+            deadline = time.monotonic() + HANG_GUARD_S
+            while "load" not in f.ops():  # the load is sent: its thread waits for the reply
+                assert time.monotonic() < deadline and t.is_alive(), f"the load was never sent: {loaded}"
+                time.sleep(0.01)
+            for _ in range(20):
+                assert c.status(timeout=HANG_GUARD_S)["devices"] == {}  # answered while the load waits
+            # No wall-clock bound: the statuses were answered while the load's reply was held,
+            # so none of them waited for it (with a bound, a loaded machine failed it).
+            assert t.is_alive() and not loaded, f"the load was over before the statuses: {loaded}"
+        finally:
+            release.set()
         t.join(timeout=HANG_GUARD_S)
-        assert len(slow) == 1 and isinstance(slow[0], RequestTimeout) and slow[0].details["op"] == "load"
+        assert loaded == [MODEL["model"]], loaded
+        # A thread's timeout is its own: a request never answered fails in its thread alone.
+        slow: list[BaseException] = []
+
+        def evict() -> None:
+            try:
+                c.evict("x", timeout=0.5)
+            except BaseException as exc:
+                slow.append(exc)
+
+        t = threading.Thread(target=evict)
+        t.start()
+        t.join(timeout=HANG_GUARD_S)
+        assert len(slow) == 1 and isinstance(slow[0], RequestTimeout) and slow[0].details["op"] == "evict", slow
         # Four threads at once: each gets its own reply, whichever thread reads it.
         results: list[Any] = []
         threads = [threading.Thread(target=lambda: results.extend(c.status()["devices"] for _ in range(25)))

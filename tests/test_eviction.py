@@ -56,6 +56,12 @@ async def test_an_attach_that_waited_for_a_detach_says_how_long(start_daemon, ck
             assert m.source == "files" and m.waited_s == 0.0
         async with holder.attach("a"):  # evicts b; a now holds the room b needs
             waiting = asyncio.ensure_future(c.attach("b", wait_s=30).__aenter__())
+            # The 0.5 s counts from the daemon's refusal (the attach parked, its wait begun),
+            # not from the send: a loaded machine may take that long to handle it at all.
+            deadline = time.monotonic() + 30
+            while "load b refused" not in d.log_text():
+                assert time.monotonic() < deadline and not waiting.done(), "the attach never waited for room"
+                await asyncio.sleep(0.02)
             await asyncio.sleep(0.5)
             assert not waiting.done()
         m = await asyncio.wait_for(waiting, 30)

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from conftest import FillGate, daemon_in_process, eventually
 from safetensors.torch import save_file
 
 from weightcache import Client
@@ -24,27 +25,37 @@ def memfds(pid: int) -> int:
     return n
 
 
-async def test_file_truncated_during_load_rolls_back(start_daemon, tmp_path):
+async def test_file_truncated_during_load_rolls_back(tmp_path, monkeypatch):
+    """The daemon runs in this process and its fill is held after its first chunk
+    (FillGate): the truncate provably comes mid-load. Timed against a daemon process, a
+    warm or fast read could finish first, and the test waited for "loading" silently."""
     big = tmp_path / "big.safetensors"
-    save_file({f"w{i}": torch.full((8 * 2**20,), i, dtype=torch.uint8) for i in range(24)}, str(big))  # 192 MiB
-    # One reader, small chunks, and cold pages: the load takes long enough to cut it short.
-    d = start_daemon(budget="1GiB", models={"big": big}, extra_daemon={"load_threads": 1, "load_chunk_bytes": 65536})
-    os.posix_fadvise(os.open(big, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
-    async with Client(d.socket) as c:
-        before = (await c.status())["devices"]
-        load = asyncio.ensure_future(c.load("big"))
-        for _ in range(500):
-            if (await c.status())["loading"]:
-                break
-            await asyncio.sleep(0.002)
-        os.truncate(big, big.stat().st_size // 3)  # the disk "loses" two thirds mid-load
-        with pytest.raises(CorruptCheckpoint) as info:
-            await load
-        assert info.value.details["reason"] in ("truncated", "changed during load")
-        await asyncio.sleep(0.3)  # the arena is freed in a thread
-        assert (await c.status())["devices"] == before
-        assert memfds(d.proc.pid) == 0
-        assert (await c.models())[0]["state"] == "registered"
+    save_file({f"w{i}": torch.full((2**20,), i, dtype=torch.uint8) for i in range(24)}, str(big))  # 24 MiB
+    gate = FillGate(monkeypatch)
+    # One reader, small chunks: held at its first, the rest of the file is still to read.
+    async with daemon_in_process(tmp_path, {"big": big}, budget="1GiB",
+                                 extra_daemon={"load_threads": 1, "load_chunk_bytes": 65536}) as daemon:
+        try:
+            async with Client(daemon.socket_path) as c:
+                before = (await c.status())["devices"]
+                memfds_before = memfds(os.getpid())  # the daemon's are this process's
+                load = asyncio.ensure_future(c.load("big"))
+                await gate.wait_reached()
+                p = (await c.status())["loading"].get("big")
+                assert p and 0 < p["bytes_done"] < p["bytes_total"], f"not mid-load: {p}"
+                os.truncate(big, big.stat().st_size // 3)  # the disk "loses" two thirds mid-load
+                gate.release()
+                with pytest.raises(CorruptCheckpoint) as info:
+                    await load
+                assert info.value.details["reason"] in ("truncated", "changed during load")
+
+                async def rolled_back() -> bool:  # the arena is freed in a thread
+                    return (await c.status())["devices"] == before and memfds(os.getpid()) == memfds_before
+
+                await eventually(rolled_back, timeout=30)
+                assert (await c.models())[0]["state"] == "registered"
+        finally:
+            gate.release()  # before the daemon stops: its shutdown waits for loads
 
 
 async def test_clients_dying_mid_attach_leak_nothing(start_daemon, ckpts):

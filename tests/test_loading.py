@@ -3,16 +3,18 @@ load, a load outlives the client that asked for it, status answers while a load 
 and a checkpoint changed on disk is reloaded rather than served stale."""
 
 import asyncio
+import logging
 import os
 import time
 
 import torch
-from conftest import RawConn, daemon_in_process, eventually
+from conftest import FillGate, RawConn, daemon_in_process, eventually
 from helpers import first
 from safetensors.torch import save_file
 
 from weightcache import Client
 from weightcache.protocol import encode_frame
+from weightcache.server.residency.flight import FINISH_ORPHAN_AFTER
 
 
 async def test_concurrent_attaches_share_one_load(start_daemon, ckpts):
@@ -112,38 +114,52 @@ def _sparse_checkpoint(path, nbytes: int) -> None:
         f.truncate(8 + len(header) + nbytes)
 
 
-async def test_a_load_nobody_waits_for_is_cancelled_and_returns_its_reservation(start_daemon, tmp_path):
+async def test_a_load_nobody_waits_for_is_cancelled_and_returns_its_reservation(tmp_path, monkeypatch, caplog):
+    """The daemon runs in this process and its fill is held after its first chunk
+    (FillGate) until the daemon has seen the engine go: the engine provably dies early in
+    the load (a daemon process read the sparse file's holes at GB/s, past the point where
+    an orphaned load is finished rather than cancelled, before the test acted)."""
+    caplog.set_level(logging.INFO, logger="weightcache")
     big = tmp_path / "big.safetensors"
-    _sparse_checkpoint(big, 2**29)
-    d = start_daemon(budget="1GiB", models={"big": big}, extra_daemon={"load_threads": 1, "load_chunk_bytes": 2**20})
-    engine = d.raw()
-    engine.send(encode_frame({"id": 1, "op": "attach", "name": "big"}))
-    async with Client(d.socket) as c:
-        while True:  # the engine dies early in the load, while it waits for it
-            st = await c.status()
-            p = st["loading"].get("big")
-            if p and p["bytes_done"]:
-                break
-            await asyncio.sleep(0.002)
-        assert p["bytes_done"] < 0.3 * p["bytes_total"], f"the load ran too fast to test cancellation: {p}"
-        engine.close()
+    size = 64 * 2**20  # held, the load need not be long: 64 chunks, held after the first
+    _sparse_checkpoint(big, size)
+    gate = FillGate(monkeypatch)
+    async with daemon_in_process(tmp_path, {"big": big}, budget="1GiB",
+                                 extra_daemon={"load_threads": 1, "load_chunk_bytes": 2**20}) as daemon:
+        try:
+            engine = await asyncio.to_thread(RawConn, daemon.socket_path)
+            await asyncio.to_thread(engine.send, encode_frame({"id": 1, "op": "attach", "name": "big"}))
+            async with Client(daemon.socket_path) as c:
+                await gate.wait_reached()
+                p = (await c.status())["loading"].get("big")
+                assert p and 0 < p["bytes_done"] < FINISH_ORPHAN_AFTER * p["bytes_total"], f"not early in the load: {p}"
+                job = daemon.residency.flights.jobs["big"]
+                engine.close()  # the engine dies early in the load, while it waits for it
 
-        async def cancelled() -> bool:
-            st = await c.status()
-            return st["counters"]["cancelled_loads"] == 1 and not st["loading"]
+                async def abandoned() -> bool:
+                    return job.abandoned.is_set()
 
-        await eventually(cancelled)
-        st = await c.status()
-        assert st["devices"]["cpu"]["reserved"] == 0 and st["devices"]["cpu"]["used"] == 0, st["devices"]
-        assert st["counters"]["loads"] == 0 and st["counters"]["wasted_loads"] == 0
-        assert (await c.models())[0]["state"] == "registered"
-        assert "cancelling it" in d.log_text() and "cancelled after" in d.log_text()
-        # Asked for again, it loads from scratch (not the abandoned load's error).
-        async with c.attach("big", wait_s=30) as m:
-            assert m.source == "files" and m.nbytes == 2**29
-        async with c.attach("big") as m:
-            assert m.source == "resident"
-        assert (await c.status())["counters"]["loads"] == 1
+                await eventually(abandoned, timeout=30)
+                gate.release()
+
+                async def cancelled() -> bool:
+                    st = await c.status()
+                    return st["counters"]["cancelled_loads"] == 1 and not st["loading"]
+
+                await eventually(cancelled, timeout=30)  # the fill's threads run at nice 19: slow on a busy machine
+                st = await c.status()
+                assert st["devices"]["cpu"]["reserved"] == 0 and st["devices"]["cpu"]["used"] == 0, st["devices"]
+                assert st["counters"]["loads"] == 0 and st["counters"]["wasted_loads"] == 0
+                assert (await c.models())[0]["state"] == "registered"
+                assert "cancelling it" in caplog.text and "cancelled after" in caplog.text
+                # Asked for again, it loads from scratch (not the abandoned load's error).
+                async with c.attach("big", wait_s=30) as m:
+                    assert m.source == "files" and m.nbytes == size
+                async with c.attach("big") as m:
+                    assert m.source == "resident"
+                assert (await c.status())["counters"]["loads"] == 1
+        finally:
+            gate.release()  # before the daemon stops: its shutdown waits for loads
 
 
 async def test_waiters_for_room_are_woken_oldest_first():

@@ -369,7 +369,7 @@ def test_refuses_when_a_native_thread_runs(tmp_path):
 
 
 NATIVE_THREAD = """
-    import _thread, ctypes, time
+    import _thread, ctypes, glob, time
     def run(name):
         # PR_SET_NAME (15) names the thread in /proc/self/task/TID/comm, as a C library does;
         # a _thread thread is not in threading.enumerate(): native, as far as the check sees.
@@ -377,7 +377,21 @@ NATIVE_THREAD = """
         time.sleep(60)
     for name in NAMES:
         _thread.start_new_thread(run, (name,))
-    time.sleep(0.2)
+    def comms():
+        out = set()
+        for p in glob.glob("/proc/self/task/*/comm"):
+            try:
+                with open(p, "rb") as f:
+                    out.add(f.read().strip())
+            except OSError:  # a thread that ended meanwhile
+                pass
+        return out
+    # Every thread named before the check runs (a fixed sleep could end first on a loaded machine).
+    deadline = time.monotonic() + 30
+    while not set(NAMES) <= comms():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"threads {NAMES} not named within 30 s: {comms()}")
+        time.sleep(0.01)
 """
 
 
