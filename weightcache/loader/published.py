@@ -28,8 +28,8 @@ from .tensor_table import DTYPE_SIZES, TensorInfo
 def published_checkpoint(name: str, table: Any, arena_nbytes: int, fingerprint: str) -> Checkpoint:
     """Validate the tensor table an engine publishes ([name, dtype, shape, offset, nbytes]
     rows describing its own memory; a request's table arrives as its msgpack bytes, a
-    Deferred, and is decoded here, off the event loop) as strictly as a file header: string names of at most
-    1024 characters, each once; known dtypes (strings); dimensions, offsets and byte counts
+    Deferred, and is decoded here, off the event loop) as strictly as a file header:
+    string names of at most 1024 characters, each once; known dtypes (strings); dimensions, offsets and byte counts
     integers in [0, 2**62]; bytes that match shapes; aligned offsets; everything inside the
     arena (of > 0 bytes); no overlaps. Every failure is a BadRequest.
 
