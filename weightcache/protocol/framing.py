@@ -60,8 +60,9 @@ class Deferred:
     io pool, never on the event loop. A publish's tensor table is the one list a request
     may make long (a row per tensor, up to MAX_TABLE_LEN), and building it is the cost:
     ~0.3 s of held GIL for a 17.6 MiB table of 340k rows, in one C call that lets no
-    other connection in (issue 25's ``biglist``, every abuser at once: another tenant's
-    attach p99 4.7x on the 2-core VM). Skipping it to find where it ends costs 18.5 ms
+    other connection in (the same stall as issue 25's ``biglist``, a publish listing
+    700,000 groups, which set another tenant's attach p99 with every abuser at once:
+    4.7x on the 2-core VM; such lists are now refused from their size). Skipping it to find where it ends costs 18.5 ms
     for that frame, and 41 ms for the worst shape of 16 MiB (16M empty arrays), whose
     building took 1.4 s. Every other value is decoded on the loop only within
     MAX_DECODED_BYTES. ``decode_list`` builds the list DECODE_BATCH_BYTES of rows per C
@@ -97,7 +98,7 @@ class Deferred:
                     if end - at > DECODE_BATCH_BYTES:  # no real row comes near (a name is <= 1024 characters)
                         raise ValueError(f"row {len(rows) + k - 1} takes {end - at} bytes (at most {DECODE_BATCH_BYTES})")
                 # the batch's rows as one array: an array 32 header, then their bytes
-                rows.extend(msgpack.unpackb(b"\xdd" + k.to_bytes(4, "big") + data[start:end], raw=False, strict_map_key=True, **limits))
+                rows.extend(_build(b"\xdd" + k.to_bytes(4, "big") + data[start:end], limits))
             if up.tell() != len(data):
                 raise ValueError("bytes after the list")
         except (msgpack.UnpackException, ValueError, TypeError) as exc:
@@ -115,10 +116,20 @@ class PayloadRefused(BadRequest):
         self.request_id = request_id
 
 
+# str as str, keys strings (or bytes, which decode_payload refuses): the protocol's maps
+_OPTIONS: dict[str, Any] = {"raw": False, "strict_map_key": True}
+
+
 def _unpacker(data: bytes | memoryview, **limits: int) -> msgpack.Unpacker:
-    up = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(len(data), 1), **limits)
+    """A streaming decoder over ``data``, to skip values and find where they end."""
+    up = msgpack.Unpacker(max_buffer_size=max(len(data), 1), **_OPTIONS, **limits)
     up.feed(data)
     return up
+
+
+def _build(data: bytes, limits: dict[str, int]) -> Any:
+    """``data``, one msgpack object, built in one C call."""
+    return msgpack.unpackb(data, **_OPTIONS, **limits)
 
 
 def decode_payload(payload: bytes, *, max_map_len: int = MAX_MAP_LEN, max_array_len: int = MAX_ARRAY_LEN,
@@ -146,7 +157,7 @@ def decode_payload(payload: bytes, *, max_map_len: int = MAX_MAP_LEN, max_array_
     gc.disable()  # a frame's objects are all new and acyclic: collecting them mid-build only costs time
     try:
         if len(payload) <= SMALL_FRAME:  # most requests: one C call (1.7 us for an attach; key by key took 15)
-            obj = msgpack.unpackb(payload, raw=False, strict_map_key=True, **limits)
+            obj = _build(payload, limits)
             if not all(type(k) is str for k in obj):
                 raise ValueError("a key that is not a string")
             for k in deferred & obj.keys():
@@ -172,7 +183,7 @@ def decode_payload(payload: bytes, *, max_map_len: int = MAX_MAP_LEN, max_array_
             if decoded > max_decoded_bytes:
                 raise ValueError(f"the request's values take more than {max_decoded_bytes} bytes "
                                  f"(only {', '.join(sorted(deferred)) or 'no argument'} may be longer)")
-            obj[key] = msgpack.unpackb(payload[start:end], raw=False, strict_map_key=True, **limits)
+            obj[key] = _build(payload[start:end], limits)
         key = None
         if up.tell() != len(payload):
             raise ValueError("bytes after the map")
