@@ -37,8 +37,10 @@ class FrameDecoder:
                 raise FrameTooLarge(f"frame of {n} bytes exceeds the limit of {self.max_frame}", limit=self.max_frame)
             if len(self._buf) < HEADER.size + n:
                 break
-            frames.append(bytes(self._buf[HEADER.size : HEADER.size + n]))
-            del self._buf[: HEADER.size + n]
+            end = HEADER.size + n
+            # One copy into the payload (a slice of the bytearray, then bytes of it, was two).
+            frames.append(bytes(memoryview(self._buf)[HEADER.size : end]))
+            del self._buf[:end]
         return frames
 
     @property
