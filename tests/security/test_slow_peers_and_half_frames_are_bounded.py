@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import select
+import threading
 import time
 
 from helpers import NOBODY, as_uid, connect_until_admitted, root_only
@@ -233,3 +234,43 @@ async def test_a_refused_connections_half_frame_goes_before_its_goodbye(tmp_path
         finally:
             s.close()
     assert events[:2] == [("discard", 4 + 4096), ("goodbye", "FRAME_TOO_LARGE")], events
+
+
+@root_only
+def test_a_uid_that_floods_the_socket_is_read_at_its_rate_and_no_other_uid_waits(start_daemon):
+    """A tenant writing big frames as fast as it could (~200 MB/s of refused 3.5 MB frames
+    on the 2-core VM) kept a core of its own busy and much of the daemon's: now each uid's
+    connections are read at most at max_read_bytes_per_s_per_uid once they have sent
+    max_frame_bytes (bounds.py, Note [untrusted peers]), so its writes wait in the kernel.
+    Another uid's requests are read meanwhile: its answers come before the flood's last."""
+    rate, frame, n = 256 * 1024, 60_000, 16
+    d = multi_tenant(start_daemon, extra={"max_frame_bytes": 65536, "max_read_bytes_per_s_per_uid": rate})
+    flood = Conn(d.socket, timeout=60)
+    done: dict[str, float] = {}
+
+    def send_and_read() -> None:
+        for i in range(n):  # each answered (an unknown argument is refused): the daemon read it whole
+            flood.send({"id": 100 + i, "op": "status", "pad": "x" * frame})
+        for i in range(n):
+            assert flood.reply(100 + i) is not None
+        done["flood"] = time.monotonic()
+
+    def statuses() -> list[bool]:
+        c = Conn(d.socket)
+        return [c.call({"id": i, "op": "status"})["ok"] for i in range(1, 11)]
+
+    t0 = time.monotonic()
+    sender = threading.Thread(target=send_and_read)
+    sender.start()
+    try:
+        time.sleep(0.3)  # the flood is past its burst and waiting
+        r = as_uid(NOBODY, statuses)
+        done["other"] = time.monotonic()
+    finally:
+        sender.join(60)
+        flood.close()
+    assert r == [True] * 10, r
+    # At the rate, the bytes past the burst take (n * frame - 65536) / rate = 3.4 s.
+    assert done["flood"] - t0 >= 0.8 * (n * frame - 65536) / rate, done["flood"] - t0
+    assert done["other"] < done["flood"], (done["other"] - t0, done["flood"] - t0)
+    assert Conn(d.socket).call({"id": 1, "op": "status"})["ok"]

@@ -253,6 +253,9 @@ class DaemonConfig(BaseModel):
         "bytes of half-received frames, summed over every connection"))
     max_partial_frame_bytes_per_uid: int = Field(default=64 * 2**20, ge=1024, description=(
         "bytes of half-received frames, summed over one uid's connections"))
+    max_read_bytes_per_s_per_uid: int = Field(default=64 * 2**20, ge=0, description=(
+        "bytes per second read from one uid's connections together once they have sent max_frame_bytes at once "
+        "(0: no limit): requests are small, so only a peer that floods the socket waits"))
     request_timeout_s: float = Field(default=900.0, gt=0, description="a request running longer gets TIMEOUT")
     frame_read_timeout_s: float = Field(default=30.0, gt=0, description="a frame not complete this long after its first byte closes the connection")
     hello_timeout_s: float = Field(default=10.0, gt=0, description="a connection that has not said hello by then is closed")
@@ -323,7 +326,7 @@ class DaemonConfig(BaseModel):
         return parse_duration(v)
 
     @field_validator("max_frame_bytes", "load_chunk_bytes", "host_budget", "max_queued_reply_bytes", "max_partial_frame_bytes",
-                     "max_partial_frame_bytes_per_uid", mode="before")
+                     "max_partial_frame_bytes_per_uid", "max_read_bytes_per_s_per_uid", mode="before")
     @classmethod
     def _sizes(cls, v: Any) -> int:
         return parse_size(v)

@@ -10,6 +10,12 @@ unbounded memory, fds, threads or loop time, or delay another connection:
 - frames: one deadline per frame from its first byte (frame_read_timeout_s), a deadline
   for hello, and half-received frames summed over every connection
   (max_partial_frame_bytes);
+- bytes read: each uid's connections together are read at most at
+  max_read_bytes_per_s_per_uid once they have sent a burst of max_frame_bytes
+  (``Bounds.read_pause``); beyond that its readers wait, so the kernel's buffer stops
+  the peer's writes and the loop and the host's cores go to others. A tenant that wrote
+  refused 3.5 MB frames as fast as it could (~200 MB/s on the 2-core VM) kept a core of
+  its own and much of the daemon's busy;
 - fds: only with a frame's first bytes, at most max_fds_per_frame, and at most
   max_fds_per_uid waiting for frames not yet complete; and, the other way, at most
   max_fds_per_uid sent to a uid's peers that they have not read (Bounds.fds_out):
@@ -30,6 +36,7 @@ import os
 import socket
 import struct
 import termios
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -69,6 +76,32 @@ class Bounds:
         self.conns = conns  # Connections' own, by id: the open connections
         self.partial_bytes = 0  # half-received frames over every connection (max_partial_frame_bytes)
         self.partial_by_uid: dict[int, int] = {}  # the same per peer uid (max_partial_frame_bytes_per_uid)
+        self._read_tokens: dict[int, tuple[float, float]] = {}  # uid -> (bytes it may still read now, when counted)
+
+    def read_pause(self, uid: int) -> float:
+        """Seconds a reader of ``uid``'s connections waits before its next read: its reads
+        beyond a burst of max_frame_bytes, at max_read_bytes_per_s_per_uid (0: no limit).
+        A token bucket per uid, dropped once it is full again (so that it holds only uids
+        that read lately)."""
+        rate = self.settings.max_read_bytes_per_s_per_uid
+        got = self._read_tokens.get(uid)
+        if not rate or got is None:
+            return 0.0
+        tokens, then = got
+        now = time.monotonic()
+        tokens = min(float(self.settings.max_frame_bytes), tokens + (now - then) * rate)
+        if tokens >= self.settings.max_frame_bytes:
+            del self._read_tokens[uid]
+            return 0.0
+        self._read_tokens[uid] = (tokens, now)
+        return -tokens / rate if tokens < 0 else 0.0
+
+    def count_read(self, uid: int, nbytes: int) -> None:
+        """``nbytes`` read from one of ``uid``'s connections (read_pause says when it may read again)."""
+        if not self.settings.max_read_bytes_per_s_per_uid:
+            return
+        tokens, then = self._read_tokens.get(uid, (float(self.settings.max_frame_bytes), time.monotonic()))
+        self._read_tokens[uid] = (tokens - nbytes, then)
 
     def count_partial(self, conn: Connection, pending: int) -> None:
         self.partial_bytes += pending - conn.partial

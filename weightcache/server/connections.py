@@ -171,6 +171,8 @@ class Connections:
         try:
             while True:
                 await conn.readable.wait()
+                if (pause := self.bounds.read_pause(conn.peer.uid)) > 0:
+                    await asyncio.sleep(pause)  # this uid sent more than its share of bytes (Note [untrusted peers])
                 deadlines = [t for t in (None if conn.greeted else hello_deadline, frame_deadline) if t is not None]
                 timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
                 try:
@@ -188,6 +190,7 @@ class Connections:
                     break
                 except (ConnectionError, OSError):
                     break
+                self.bounds.count_read(conn.peer.uid, len(data))
                 pending_before = decoder.pending
                 if fds:
                     conn.fds.extend(fds)  # closed with the connection if refused below
