@@ -100,7 +100,8 @@ class Bounds:
         """``nbytes`` read from one of ``uid``'s connections (read_pause says when it may read again)."""
         if not self.settings.max_read_bytes_per_s_per_uid:
             return
-        tokens, then = self._read_tokens.get(uid, (float(self.settings.max_frame_bytes), time.monotonic()))
+        got = self._read_tokens.get(uid)
+        tokens, then = got if got is not None else (float(self.settings.max_frame_bytes), time.monotonic())
         self._read_tokens[uid] = (tokens - nbytes, then)
 
     def count_partial(self, conn: Connection, pending: int) -> None:
