@@ -88,6 +88,9 @@ def test_file_then_env_precedence(tmp_path, monkeypatch):
         ('[[models]]\nname = "m"\npath = "/x"\nkeep_alive = "-1"', "or leave keep_alive out"),
         ('[[models]]\nname = "m"\npath = "/x"\nkeep_alive = 0', "give a time > 0"),
         ('[daemon]\nshutdown_grace_s = "ten"', "daemon.shutdown_grace_s: not a duration: 'ten'"),
+        # a rate written as one: the key's name already says "per second"
+        ('[daemon]\nmax_read_bytes_per_s_per_uid = "64MiB/s"', "daemon.max_read_bytes_per_s_per_uid: not a size: '64MiB/s'"),
+        ('[daemon]\nmax_read_bytes_per_s_per_uid = -1', "daemon.max_read_bytes_per_s_per_uid: size must be >= 0"),
     ],
 )
 def test_invalid_configs_name_the_key(tmp_path, body, expect):
