@@ -73,6 +73,42 @@ MAX_FRAME = 4 * MIB
 
 
 # ------------------------------------------------------------------ measurements
+def collect_stalls(sock: str, stop: threading.Event, stalls: dict[int, dict[str, Any]], t0: float) -> None:
+    """Poll the daemon's status (as root: an administrator) every 0.5 s for the loop's
+    recent stalls, each kept once, with when it ended on this script's clock."""
+    from weightcache import SyncClient
+
+    try:
+        with SyncClient(sock, name="stall-watch") as c:
+            while not stop.wait(0.5):
+                loop = c.status().get("loop") or {}
+                now = time.monotonic() - t0
+                for st in loop.get("recent", []):
+                    stalls.setdefault(st["n"], {**st, "t": round(now - st["ago_s"], 2)})
+                stalls[-1] = {"n": loop.get("stalls", 0)}  # the daemon's count, for what polls missed
+    except Exception as exc:  # the daemon stopping ends it; anything else is reported
+        stalls[-2] = {"error": repr(exc)}
+
+
+def stall_summary(stalls: dict[int, dict[str, Any]], abusers_from: float) -> dict[str, Any]:
+    """Stalls before and beside the abusers, and where the loop was beside them: its
+    innermost weightcache frame, and each busy thread's."""
+    seen = [s for n, s in stalls.items() if n > 0]
+    total = stalls.get(-1, {}).get("n", 0)
+    phases = {"alone": [s for s in seen if s["t"] < abusers_from], "abused": [s for s in seen if s["t"] >= abusers_from]}
+    where: dict[str, list[float]] = {}
+    for s in phases["abused"]:
+        ours = [f for f in s["loop"] if f.startswith("weightcache/")]
+        key = (ours[-1] if ours else (s["loop"][-1] if s["loop"] else "not sampled"))
+        busy = sorted(f"{name.split('_')[0]}: {frames[-1]}" for name, frames in s["busy"].items())
+        where.setdefault(key + ("  | busy " + "; ".join(busy) if busy else ""), []).append(s["ms"])
+    return {"seen": len(seen), "missed": max(0, total - len(seen)), "error": stalls.get(-2, {}).get("error"),
+            **{k: {"n": len(v), "max_ms": max((s["ms"] for s in v), default=0.0)} for k, v in phases.items()},
+            "where": sorted(({"where": k, "n": len(v), "ms": sum(v), "max_ms": max(v)} for k, v in where.items()),
+                            key=lambda w: -w["ms"]),
+            "all": sorted(seen, key=lambda s: s["n"])}
+
+
 def rss(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -485,6 +521,9 @@ def main(argv: list[str] | None = None) -> int:
         "fail if the other tenant's attach p99 beside the abusers is more than this many times its p99 alone "
         "(issue 25's target is 2; 0, the default, reports the ratio without failing: the target is not met yet, "
         "docs/reliability.md)"))
+    ap.add_argument("--loop-stall-ms", type=float, default=10.0, help=(
+        "the daemon's loop_stall_s, in ms: stalls this long are collected from status with their stacks and "
+        "summarised by where the loop was (0: the daemon's default)"))
     ap.add_argument("--only", default="", help="comma-separated abuser kinds to run (default: all)")
     ap.add_argument("--no-tenant-abusers", dest="tenant_abusers", action="store_false",
                     help="leave out headerbomb, tinybomb, waiterherd and biglist (and the other tenant)")
@@ -504,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     tiny = write_checkpoint(work / "tiny.safetensors", 64 * 1024, 5, seed=1)
     small = write_checkpoint(work / "small.safetensors", 8 * MIB, 40, seed=2)
     daemon_cfg: dict[str, Any] = {"log_level": "info", "shutdown_grace_s": 2, "max_frame_bytes": MAX_FRAME, "frame_read_timeout_s": 2}
+    if args.loop_stall_ms:
+        daemon_cfg.update(loop_stall_s=args.loop_stall_ms / 1e3)
     if not args.plain_config:
         daemon_cfg.update(max_partial_frame_bytes=4 * MAX_FRAME, max_partial_frame_bytes_per_uid=2 * MAX_FRAME, hello_timeout_s=2)
     other = OTHER if uid is not None else None
@@ -552,6 +593,9 @@ def main(argv: list[str] | None = None) -> int:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    stalls: dict[int, dict[str, Any]] = {}  # the daemon's loop stalls (server/loop_watch.py) by number
+    watcher = threading.Thread(target=collect_stalls, args=(sock, stop, stalls, t0), daemon=True)
+    watcher.start()
 
     ctx = mp.get_context("fork")
     q = ctx.Queue()
@@ -573,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
                                                             max(args.request_timeout, 60), other, q)))
         procs[-1].start()
         time.sleep(args.quiet)
-    rss_before_abusers = rss(pid)
+    rss_before_abusers, rss_before_abusers_t = rss(pid), time.monotonic() - t0
     # partial: 5 frames of almost max_frame_bytes against a budget of 4 of them
     plan = {"pipeline": 4 * k, "fdpark": 4 * k, "slowloris": 8 * k, "nohello": 16 * k, "partial": 5 * k}
     plan = {kind: n for kind, n in plan.items() if not only or kind in only}
@@ -605,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     after_rss, after_fds = rss(pid), nfds(pid)
     stop.set()
     sampler.join()
+    watcher.join()
 
     daemon.proc.send_signal(signal.SIGTERM)
     t = time.monotonic()
@@ -655,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
         "daemon_exit": {"code": rc, "seconds": stop_s}, "daemon_tracebacks": tracebacks,
         "samples": [{"t": round(s[0], 2), "rss_mib": round(s[1] / MIB, 1), "fds": s[2]} for s in samples],
         "rss_stdev_mib": statistics.pstdev([s[1] / MIB for s in samples]) if len(samples) > 1 else 0.0,
+        "loop_stalls": stall_summary(stalls, abusers_from=rss_before_abusers_t),
         "problems": problems, "passed": not problems,
     }
     if args.out:
@@ -681,6 +727,13 @@ def main(argv: list[str] | None = None) -> int:
               f"abusers / alone: {tenant.get('attach_p99_ratio', float('nan')):.1f}x (issue 25's target: 2x)")
     print(f"daemon RSS before the abusers {rss_before_abusers / MIB:.0f} MiB, after {after_rss / MIB:.0f} MiB")
     print(f"daemon exit on SIGTERM: {rc} in {stop_s:.1f}s; tracebacks in its log: {tracebacks}")
+    ls = report["loop_stalls"]
+    if ls["seen"]:
+        print(f"loop stalls >= {args.loop_stall_ms:g} ms seen: {ls['seen']} (missed between polls: {ls['missed']}), "
+              f"alone {ls['alone']['n']} (max {ls['alone']['max_ms']:.0f} ms), beside the abusers {ls['abused']['n']} "
+              f"(max {ls['abused']['max_ms']:.0f} ms); where, beside the abusers:")
+        for w in ls["where"][:8]:
+            print(f"  {w['n']:4d} x, {w['ms']:7.0f} ms in all, max {w['max_ms']:4.0f}: {w['where']}")
     if problems:
         print("FAIL:\n  " + "\n  ".join(problems))
         print(f"daemon log: {log}")

@@ -91,6 +91,8 @@ def test_file_then_env_precedence(tmp_path, monkeypatch):
         # a rate written as one: the key's name already says "per second"
         ('[daemon]\nmax_read_bytes_per_s_per_uid = "64MiB/s"', "daemon.max_read_bytes_per_s_per_uid: not a size: '64MiB/s'"),
         ('[daemon]\nmax_read_bytes_per_s_per_uid = -1', "daemon.max_read_bytes_per_s_per_uid: size must be >= 0"),
+        ('[daemon]\nloop_stall_s = "100ms"', "daemon.loop_stall_s: not a duration: '100ms'"),
+        ('[daemon]\nloop_stall_s = -0.1', "daemon.loop_stall_s: Input should be greater than or equal to 0"),
     ],
 )
 def test_invalid_configs_name_the_key(tmp_path, body, expect):

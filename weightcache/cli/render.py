@@ -87,6 +87,13 @@ def show_status(st: dict[str, Any]) -> None:
         lines.append(f"loading {name}: {size(p['bytes_done'])} / {size(p['bytes_total'])} at {size(p['bytes_per_s'])}/s")
     if st.get("tenants"):
         lines.append(tenants_table(st["tenants"]))
+    loop = st.get("loop")  # administrators only (server/loop_watch.py)
+    if loop and loop["stalls"]:
+        last = loop["recent"][0]
+        where = last["loop"][-1] if last["loop"] else "not sampled"
+        lines.append(f"event loop: {loop['stalls']} stall(s) >= {loop['stall_ms']:.0f} ms since start, longest "
+                     f"{loop['longest_ms']:.0f} ms; the last {last['ms']:.0f} ms, {duration(last['ago_s'])} ago, at {where} "
+                     "(--json has the stacks)")
     show(*lines)
     for o in st.get("other_daemons", []):
         print(f"warning: another weightcache daemon runs on this host (pid {o['pid']}): each takes its own budget of the "

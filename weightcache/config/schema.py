@@ -259,6 +259,9 @@ class DaemonConfig(BaseModel):
     request_timeout_s: float = Field(default=900.0, gt=0, description="a request running longer gets TIMEOUT")
     frame_read_timeout_s: float = Field(default=30.0, gt=0, description="a frame not complete this long after its first byte closes the connection")
     hello_timeout_s: float = Field(default=10.0, gt=0, description="a connection that has not said hello by then is closed")
+    loop_stall_s: float = Field(default=0.1, ge=0, description=(
+        "an event-loop timer firing this late is a stall: kept with the loop's stack (status, for administrators) and "
+        "logged at most every 10 s (0: no watch; server/loop_watch.py)"))
     io_threads: int = Field(default=4, ge=1, le=64, description="threads that open and parse checkpoints and validate publishes")
     io_timeout_s: float = Field(default=60.0, gt=0, description="opening and parsing one checkpoint longer than this fails")
 
@@ -319,7 +322,7 @@ class DaemonConfig(BaseModel):
         return v
 
     @field_validator("shutdown_grace_s", "no_space_wait_s", "request_timeout_s", "frame_read_timeout_s",
-                     "hello_timeout_s", "io_timeout_s", mode="before")
+                     "hello_timeout_s", "io_timeout_s", "loop_stall_s", mode="before")
     @classmethod
     def _durations(cls, v: Any) -> float:
         # Seconds, or "30s" / "15m" as keep_alive takes them.

@@ -28,6 +28,7 @@ from ..units import format_size
 from .access import AccessPolicy, check_socket_dir, resolve_gid
 from .config_models import ConfigModels
 from .connections import Connections
+from .loop_watch import LoopWatch
 from .metrics import MODEL_COUNTERS, Metrics, ModelFigures, Snapshot
 from .outlived import Survey, other_daemons, still_mapping, survey
 from .registry import Registry
@@ -71,6 +72,8 @@ class Daemon:
         self.residency = Residency(settings.daemon, core, self.registry, backends, shutting_down=self._stopping.is_set)
         self.config_models = ConfigModels(core, self.registry, self.residency, backends, self._stopping.is_set)
         self.metrics = Metrics(self.snapshot)
+        stall_s = settings.daemon.loop_stall_s
+        self.loop_watch = LoopWatch(stall_s, self.metrics.loop_lag.observe) if stall_s else None
         self.peers = _peers(settings, core, self.registry, backends, self.residency, self._stopping.is_set)
         self.context = Context(
             settings=settings, core=core, registry=self.registry, residency=self.residency, access=self.access, backends=backends,
@@ -79,6 +82,7 @@ class Daemon:
             shutting_down=self._stopping.is_set, health=self.health, reload=self.reload_config,
             outlived=self.outlived, other_daemons=self.other_daemons,
             peers=lambda: self.peers.status() if self.peers is not None else None,
+            loop=lambda: self.loop_watch.status() if self.loop_watch is not None else None,
         )
         self.connections = Connections(settings.daemon, self.access, core, self.residency, self.metrics,
                                        context=lambda: self.context, stopping=self._stopping)
@@ -91,6 +95,8 @@ class Daemon:
     async def start(self) -> None:
         """Register the configured models, bind the socket, start serving. Preloads start
         in the background: the socket answers before they finish."""
+        if self.loop_watch is not None:
+            self.loop_watch.start()
         for mc in self.settings.models:
             self.registry.register(mc)
         # Before the socket listens: a mapping seen now cannot be one of this daemon's.
@@ -233,6 +239,8 @@ class Daemon:
         await self.residency.close()
         for backend in self.backends.values():
             backend.close()
+        if self.loop_watch is not None:
+            await self.loop_watch.close()
         try:
             os.unlink(self.socket_path)
         except FileNotFoundError:

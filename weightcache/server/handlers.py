@@ -191,6 +191,8 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
         "outlived": [m for m in ctx.outlived() if ctx.access.is_admin(caller.peer) or m["uid"] == caller.peer.uid],
         # Administrators only: with /proc mounted hidepid, others could not see them.
         "other_daemons": ctx.other_daemons() if ctx.access.is_admin(caller.peer) else [],
+        # Administrators only: its stacks name the daemon's code, its stalls other tenants' work.
+        "loop": ctx.loop() if ctx.access.is_admin(caller.peer) else None,
         # device = "auto" models: the last placement of each (rank), as models shows it
         "peers": ctx.peers(),  # neighbour daemons and what they hold ([peers]; None when off)
         "placement": {slot: ctx.registry.placement_as_seen(caller.peer, slot) for slot in ctx.registry.placed

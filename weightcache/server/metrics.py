@@ -64,6 +64,10 @@ class Metrics:
         # the connection itself (refused, dropped).
         self.errors = Counter("weightcache_errors", "Error replies sent, by error code and op", ["code", "op"],
                               registry=self.registry)
+        # server/loop_watch.py: how late a 10 ms timer on the loop fires, what every request waits first
+        self.loop_lag = Histogram("weightcache_loop_lag_seconds", "How late the event loop ran a timer",
+                                  registry=self.registry,
+                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5))
         self.registry.register(_SnapshotCollector(snapshot))
         self._server: WSGIServer | None = None
 

@@ -65,6 +65,7 @@ class Context:
     outlived: Callable[[], list[dict[str, Any]]] = lambda: []  # mappings of an earlier daemon (server/outlived.py)
     other_daemons: Callable[[], list[dict[str, Any]]] = lambda: []  # other `weightcache serve` processes on the host
     peers: Callable[[], dict[str, Any] | None] = lambda: None  # [peers]: the status op's "peers" (weightcache/peers/)
+    loop: Callable[[], dict[str, Any] | None] = lambda: None  # the event loop's stalls (server/loop_watch.py)
 
     def wait_arg(self, req: Request) -> float:
         wait = float(req.arg("wait_s", (int, float), self.settings.daemon.no_space_wait_s))

@@ -1,0 +1,106 @@
+"""The event loop's stalls, measured and named (server/loop_watch.py): a callback that
+holds the loop is found with its stack, logged at most once per window, shown to
+administrators only, and counted in the loop-lag histogram."""
+
+import asyncio
+import logging
+import time
+
+from conftest import daemon_in_process, eventually
+from helpers import NOBODY, as_uid, root_only
+from test_metrics import scrape, series
+from test_operations import free_port
+from test_security import open_to_all
+
+from weightcache import Client, SyncClient
+from weightcache.server import loop_watch
+from weightcache.server.loop_watch import LoopWatch
+
+
+def hold_the_loop(seconds: float) -> None:
+    time.sleep(seconds)  # what a computation on the loop does to every other request
+
+
+async def test_a_stall_is_kept_with_the_stack_that_held_the_loop(caplog):
+    lags: list[float] = []
+    watch = LoopWatch(0.05, lags.append)
+    watch.start()
+    try:
+        await asyncio.sleep(0.05)
+        assert watch.stalls == 0, watch.status()  # a quiet loop has none
+        with caplog.at_level(logging.WARNING, logger="weightcache.daemon"):
+            for _ in range(2):
+                hold_the_loop(0.2)
+                await asyncio.sleep(0.05)  # the beat that comes late records it
+    finally:
+        await watch.close()
+    st = watch.status()
+    assert st["stalls"] == 2 and st["longest_ms"] >= 150, st
+    for stall in st["recent"]:
+        assert stall["loop"] and stall["loop"][-1].endswith("hold_the_loop"), stall
+        assert any("test_a_stall_is_kept" in f for f in stall["loop"]), stall
+    assert max(lags) >= 0.15 and len(lags) >= 4
+    # One line per LOG_EVERY_S: the second stall is counted towards the next line.
+    lines = [r for r in caplog.records if "event loop stalled" in r.getMessage()]
+    assert len(lines) == 1 and "hold_the_loop" in lines[0].getMessage(), [r.getMessage() for r in lines]
+
+
+async def test_the_next_line_counts_the_stalls_since_the_last(caplog, monkeypatch):
+    monkeypatch.setattr(loop_watch, "LOG_EVERY_S", 1.0)
+    watch = LoopWatch(0.05, lambda lag: None)
+    watch.start()
+    await asyncio.sleep(0.02)  # the beat's first timer is set
+    try:
+        with caplog.at_level(logging.WARNING, logger="weightcache.daemon"):
+            for _ in range(3):
+                hold_the_loop(0.12)
+                await asyncio.sleep(0.03)
+            await asyncio.sleep(1.0)  # the window is over: the next stall's line counts these three
+            hold_the_loop(0.12)
+            await asyncio.sleep(0.03)
+    finally:
+        await watch.close()
+    lines = [r for r in caplog.records if "event loop stalled" in r.getMessage()]
+    assert watch.stalls == 4 and [r.stalls for r in lines] == [1, 3], [r.getMessage() for r in lines]
+
+
+async def test_the_daemon_shows_its_stalls_in_status_and_metrics(tmp_path, ckpts):
+    port = free_port()
+    async with daemon_in_process(tmp_path, {"tiny": ckpts["tiny"]},
+                                 extra_daemon={"loop_stall_s": 0.05, "metrics_listen": f"127.0.0.1:{port}"}) as d:
+        async with Client(d.socket_path) as c:
+            assert (await c.status())["loop"]["stalls"] == 0
+            hold_the_loop(0.2)
+
+            async def seen() -> bool:
+                return (await c.status())["loop"]["stalls"] >= 1
+
+            await eventually(seen)
+            st = (await c.status())["loop"]
+        lag = series(await asyncio.to_thread(scrape, port))
+    assert st["stall_ms"] == 50 and st["longest_ms"] >= 150 and st["recent"][0]["loop"][-1].endswith("hold_the_loop"), st
+    assert lag["weightcache_loop_lag_seconds_count"] >= 1 and lag['weightcache_loop_lag_seconds_bucket{le="0.1"}'] < \
+        lag["weightcache_loop_lag_seconds_count"], lag
+
+
+async def test_no_watch_when_turned_off(tmp_path, ckpts):
+    async with daemon_in_process(tmp_path, {"tiny": ckpts["tiny"]}, extra_daemon={"loop_stall_s": 0}) as d:
+        assert d.loop_watch is None
+        async with Client(d.socket_path) as c:
+            assert (await c.status())["loop"] is None
+
+
+@root_only
+def test_only_administrators_see_the_loop(start_daemon, ckpts):
+    """Its stacks name the daemon's code and its stalls other tenants' work."""
+    d = start_daemon(models={"tiny": ckpts["tiny"]},
+                     extra_daemon={"socket_mode": 0o666, "allowed_uids": [0, NOBODY], "admin_uids": [0]})
+    open_to_all(d)
+
+    def tenant() -> dict:
+        with SyncClient(d.socket) as c:
+            return {"loop": c.status()["loop"]}
+
+    assert as_uid(NOBODY, tenant) == {"loop": None}
+    with SyncClient(d.socket) as c:
+        assert c.status()["loop"]["stall_ms"] == 100  # the default, 0.1 s

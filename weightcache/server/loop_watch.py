@@ -1,0 +1,176 @@
+"""How late the event loop runs, and where it was when it stalled.
+
+Every request waits for the loop: whatever holds it for 30 ms (a computation on the
+loop, a big frame copied, a worker thread holding the GIL) is 30 ms on every peer's
+attach at that moment. Session 18 measured another tenant's attach p99 at 23-37 ms beside
+every abuser, 4-9 ms alone, and a whole-run profile (py-spy) was too diffuse to name the
+spikes; an operator sees only the slow replies. So the daemon watches itself:
+
+- a beat on the loop, a timer every BEAT_S, measures how late each one fires
+  (``weightcache_loop_lag_seconds``): what a request arriving then waited before the
+  loop could read it;
+- a watcher thread looks at the pending beat every POLL_S; once it is ``stall_s`` late,
+  it takes the stack of the loop's thread and of the other threads not parked in a
+  wait (``sys._current_frames``), once per stall;
+- a beat ``stall_s`` or more late is a stall: the last KEEP are kept (``status``, for
+  administrators: stacks name the daemon's code) and one warning line at most every
+  LOG_EVERY_S gives the longest since the last line, with its stacks.
+
+The watcher needs the GIL to take a stack. A stall in C code that holds the GIL is
+sampled when the code lets go (at the switch interval between bytecodes, at the C call's
+return otherwise): the stack names the call that held it, or the line after. A stall
+that is another thread holding the GIL shows the loop in its poll and that thread busy.
+Cost: 100 timers a second on the loop and 100 polls in the thread, measured with the
+abuse stress (docs/benchmarks.md, "Session 19").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("weightcache.daemon")
+
+BEAT_S = 0.01
+POLL_S = 0.005
+KEEP = 16
+LOG_EVERY_S = 10.0
+FRAMES = 8  # the innermost frames of the loop's stack kept per stall
+BUSY_FRAMES = 3  # and of each busy thread's
+MAX_BUSY = 6
+
+# Where a thread that waits for work sits: its innermost Python frame is in one of these
+# files (a pool worker blocked in SimpleQueue.get shows as concurrent/futures/thread.py).
+_IDLE_FILES = ("threading.py", "queue.py", "selectors.py", "socketserver.py", "concurrent/futures/thread.py")
+
+
+@dataclass(frozen=True)
+class Sample:
+    due: float  # the beat it was taken for
+    loop: tuple[str, ...]  # the loop thread's frames, outermost first
+    busy: dict[str, tuple[str, ...]] = field(default_factory=dict)  # thread name -> frames
+
+
+@dataclass(frozen=True)
+class Stall:
+    n: int  # its number since the start
+    ended: float  # time.time()
+    seconds: float  # how late the beat fired
+    sample: Sample | None  # None: the stall ended before the watcher could take a stack
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        return {"n": self.n, "ms": round(self.seconds * 1e3, 1), "ago_s": round(now - self.ended, 1),
+                "loop": list(self.sample.loop) if self.sample else [],
+                "busy": {k: list(v) for k, v in self.sample.busy.items()} if self.sample else {}}
+
+
+class LoopWatch:
+    def __init__(self, stall_s: float, observe: Callable[[float], None], clock: Callable[[], float] = time.monotonic) -> None:
+        self.stall_s = stall_s
+        self._observe = observe
+        self._clock = clock
+        self.stalls = 0
+        self.longest = 0.0
+        self.recent: collections.deque[Stall] = collections.deque(maxlen=KEEP)
+        self._due = float("inf")  # the pending beat's due time; read by the watcher
+        self._sample: Sample | None = None  # written by the watcher, taken by the beat
+        self._loop_thread = threading.get_ident()
+        self._stop = threading.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
+        self._unlogged = 0  # stalls since the last warning line
+        self._worst: Stall | None = None  # the longest of them
+        self._logged_at = -LOG_EVERY_S
+
+    def start(self) -> None:
+        """On the loop's thread, with the loop running."""
+        self._loop_thread = threading.get_ident()
+        self._task = asyncio.ensure_future(self._beat())
+        self._thread = threading.Thread(target=self._watch, name="wc-loop-watch", daemon=True)
+        self._thread.start()
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 1.0)
+
+    async def _beat(self) -> None:
+        while True:
+            due = self._due = self._clock() + BEAT_S
+            await asyncio.sleep(BEAT_S)
+            lag = max(0.0, self._clock() - due)
+            self._observe(lag)
+            if lag >= self.stall_s:
+                sample, self._sample = self._sample, None
+                self._record(Stall(self.stalls + 1, time.time(), lag, sample if sample is not None and sample.due == due else None))
+
+    def _watch(self) -> None:
+        sampled = None
+        while not self._stop.wait(POLL_S):
+            due = self._due
+            if due != sampled and self._clock() - due >= self.stall_s:
+                self._sample = self._take(due)
+                sampled = due
+
+    def _take(self, due: float) -> Sample:
+        frames = sys._current_frames()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        loop = frames.get(self._loop_thread)
+        busy: dict[str, tuple[str, ...]] = {}
+        for ident, frame in frames.items():
+            if ident in (self._loop_thread, threading.get_ident()) or frame.f_code.co_filename.endswith(_IDLE_FILES):
+                continue
+            if len(busy) < MAX_BUSY:
+                busy[names.get(ident, str(ident))] = _where(frame, BUSY_FRAMES)
+        return Sample(due, _where(loop, FRAMES) if loop is not None else (), busy)
+
+    def _record(self, stall: Stall) -> None:
+        self.stalls += 1
+        self.longest = max(self.longest, stall.seconds)
+        self.recent.append(stall)
+        self._unlogged += 1
+        if self._worst is None or stall.seconds > self._worst.seconds:
+            self._worst = stall
+        now = self._clock()
+        if now - self._logged_at < LOG_EVERY_S:
+            return
+        worst, n = self._worst, self._unlogged
+        self._worst, self._unlogged, self._logged_at = None, 0, now
+        where = " <- ".join(reversed(worst.sample.loop[-3:])) if worst.sample else "not sampled"
+        busy = "; ".join(f"{k}: {v[-1]}" for k, v in worst.sample.busy.items()) if worst.sample else ""
+        log.warning("event loop stalled %.0f ms (the longest of %d stall(s) >= %.0f ms since the last such line); "
+                    "loop at %s%s (weightcache status --json, \"loop\", keeps the last %d)",
+                    worst.seconds * 1e3, n, self.stall_s * 1e3, where, f"; busy threads: {busy}" if busy else "", KEEP,
+                    extra={"seconds": worst.seconds, "stalls": n,
+                           "stack": list(worst.sample.loop) if worst.sample else []})
+
+    def status(self) -> dict[str, Any]:
+        now = time.time()
+        return {"stall_ms": self.stall_s * 1e3, "stalls": self.stalls, "longest_ms": round(self.longest * 1e3, 1),
+                "recent": [s.as_dict(now) for s in reversed(self.recent)]}
+
+
+def _where(frame: Any, limit: int) -> tuple[str, ...]:
+    """The innermost ``limit`` frames as 'path:line function', outermost first. Walked
+    by hand: traceback.extract_stack would read source files, holding the GIL."""
+    out: list[str] = []
+    while frame is not None and len(out) < limit:
+        out.append(f"{_short(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}")
+        frame = frame.f_back
+    return tuple(reversed(out))
+
+
+def _short(path: str) -> str:
+    """weightcache/server/x.py for the package's files, the last two parts for others."""
+    i = path.rfind("/weightcache/")
+    return path[i + 1:] if i >= 0 else "/".join(path.rsplit("/", 2)[-2:])
