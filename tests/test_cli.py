@@ -216,7 +216,7 @@ def test_a_tenant_sees_only_its_own_uids_holders(start_daemon, ckpts):
         for view in (got["models"], got["resident"]):
             assert view["a"]["attach_count"] == 1 and view["a"]["leases"] == []  # root's lease: counted, not described
             assert view["tiny"]["leases"] == [{"pid": got["pid"], "uid": NOBODY, "client": "tenant-engine",
-                                               "since_s": view["tiny"]["leases"][0]["since_s"]}]
+                                               "since_s": view["tiny"]["leases"][0]["since_s"], "count": 1}]
         message = got["error"]["message"]
         assert "root-engine" not in message and f"pid {os.getpid()}" not in message, message
         assert "a (8.0 MiB, resident, 1 attached (by other users))" in message and "tenant-engine" in message, message
@@ -241,7 +241,7 @@ def test_holders_are_described_to_admins_and_their_own_uid_only():
     assert [h["client"] for h in lease_holders(ctx, ["m"], admin)] == ["alice-engine", "bob-engine"]
     # One call: a lease's age moves between two calls (a fresh clone failed on 0.002 vs 0.003).
     mine = lease_holders(ctx, ["m"], alice)
-    assert mine == [{"pid": 11, "uid": 1001, "client": "alice-engine", "since_s": mine[0]["since_s"]}]
+    assert mine == [{"pid": 11, "uid": 1001, "client": "alice-engine", "since_s": mine[0]["since_s"], "count": 1}]
     req = Request(1, "unregister", {"name": "m"})
     err = redact(ctx, Caller(3, bob, "cli"), req, Attached("model 'm' has 2 live attachment(s)", model="m", attach_count=2))
     assert "pid 12 (bob-engine, uid 1002)" in err.message and "and 1 other(s)" in err.message and "alice" not in err.message
@@ -251,6 +251,15 @@ def test_holders_are_described_to_admins_and_their_own_uid_only():
     carol = Peer(13, 1003, 1003, frozenset({1003}))
     err = redact(ctx, Caller(3, carol, "cli"), req, Attached("model 'm' has 2 live attachment(s)", model="m", attach_count=2))
     assert err.message.endswith(": 2 attached (by other users)") and err.details["holders"] == []
+    # A row per holding connection, however many leases it holds: the reply and the work
+    # are bounded by the connections, not by what a peer pipelining attaches piles up.
+    for _ in range(3):
+        core.attach("m", 1)
+    assert [(h["client"], h["count"]) for h in lease_holders(ctx, ["m"], admin)] == [("alice-engine", 4), ("bob-engine", 1)]
+    err = redact(ctx, Caller(3, bob, "cli"), req, Attached("model 'm' has 5 live attachment(s)", model="m", attach_count=5))
+    assert "pid 12 (bob-engine, uid 1002) for" in err.message and "and 4 other(s)" in err.message, err.message
+    err = redact(ctx, Caller(3, admin, "cli"), req, Attached("model 'm' has 5 live attachment(s)", model="m", attach_count=5))
+    assert "pid 11 (alice-engine, uid 1001) x4 for" in err.message and "other(s)" not in err.message, err.message
 
 
 # -- register / unregister -----------------------------------------------------------------

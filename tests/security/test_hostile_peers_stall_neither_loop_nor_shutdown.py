@@ -3,6 +3,7 @@ holds the shutdown or the event loop."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import threading
@@ -135,3 +136,27 @@ def test_costly_frame_is_refused_without_stalling_the_loop(start_daemon, shape):
     finally:
         big.close()
         probe.close()
+
+
+def test_a_peer_piling_up_leases_makes_no_reply_longer(start_daemon, ckpts):
+    """A peer that pipelines attaches holds a lease per reply (up to
+    max_leases_per_connection on each of its connections). `models` and `status` listed
+    a holder per lease: with 4096 leases on one model every such request sorted them and
+    described each, 15-46 ms on the loop (scripts/stress_abuse.py, session 19). A row per
+    holding connection, with its count, keeps the work and the reply to the connections."""
+    d = start_daemon(models={"tiny": ckpts["tiny"]}, extra_daemon={"max_leases_per_connection": 1024})
+    c = Conn(d.socket)
+    try:
+        for batch in range(0, 1000, 20):  # within max_requests_per_connection in flight
+            for i in range(batch, batch + 20):
+                c.send({"id": 10 + i, "op": "attach", "name": "tiny"})
+            for i in range(batch, batch + 20):
+                assert c.reply(10 + i)["ok"]
+            for fd in c.take_fds():
+                os.close(fd)
+        (tiny,) = c.call({"id": 2, "op": "models"})["models"]
+        assert tiny["attach_count"] == 1000 and [h["count"] for h in tiny["leases"]] == [1000], tiny["leases"][:3]
+        (resident,) = c.call({"id": 3, "op": "status"})["resident"]
+        assert [h["count"] for h in resident["leases"]] == [1000]
+    finally:
+        c.close()

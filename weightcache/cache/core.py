@@ -438,11 +438,12 @@ class CacheCore:
         """Every live lease, by id."""
         return self.book.leases
 
-    def leases_on(self, name: str) -> list[tuple[Lease, float]]:
-        """The leases on ``name``, oldest first, each with its age in seconds. The core
-        knows only connection ids; the server says who is behind them."""
+    def holders_on(self, name: str) -> list[tuple[int, int, float]]:
+        """Each connection holding leases on ``name``: (connection, how many, the age in
+        seconds of its oldest), oldest first. The core knows only connection ids; the
+        server says who is behind them."""
         now = self._clock()
-        return [(lease, now - lease.since) for lease in self.book.on(self.entry(name))]
+        return [(conn, n, now - oldest.since) for conn, n, oldest in self.book.holders(self.entry(name))]
 
     def leases_held(self, conn: int) -> int:
         return self.book.count(conn)

@@ -153,9 +153,15 @@ def until(m: dict[str, Any]) -> str:
     return f"in {duration(m['expires_in_s'])}" if m.get("expires_in_s") is not None else "-"
 
 
+def times(count: int) -> str:
+    return f" x{count}" if count > 1 else ""
+
+
 def lease_lines(m: dict[str, Any]) -> str:
-    lines = [f"pid {h['pid']} {h['client']} (uid {h['uid']}), {duration(h['since_s'])}" for h in m["leases"]]
-    hidden = m["attach_count"] - len(m["leases"])
+    # A row per holding connection; its count of leases from daemons that send one.
+    lines = [f"pid {h['pid']} {h['client']} (uid {h['uid']}){times(h.get('count', 1))}, {duration(h['since_s'])}"
+             for h in m["leases"]]
+    hidden = m["attach_count"] - sum(h.get("count", 1) for h in m["leases"])
     if hidden > 0:  # the daemon shows other users' holders to admins only
         lines.append(f"{hidden} of other users")
     return "\n".join(lines) or "-"

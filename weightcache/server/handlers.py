@@ -87,30 +87,37 @@ def _own_quota_only(ctx: Context, viewer: Peer, exc: WeightcacheError) -> Weight
 
 
 def lease_holders(ctx: Context, entries: list[str], viewer: Peer) -> list[dict[str, Any]]:
-    """Who holds leases on ``entries``, oldest first, as ``viewer`` may see them. Peers
-    are tenants who need not trust each other: a holder's pid, uid and client name are
-    shown to admins and to peers of the holder's own uid only. The count of leases is
-    not secret (``attach_count``), so others' leases are left out, not disguised."""
+    """Who holds leases on ``entries``: a row per connection (``count`` leases, the
+    oldest ``since_s`` ago), oldest first, as ``viewer`` may see them. Peers are tenants
+    who need not trust each other: a holder's pid, uid and client name are shown to
+    admins and to peers of the holder's own uid only. The count of leases is not secret
+    (``attach_count``), so others' leases are left out, not disguised. A row per
+    connection, not per lease: the work and the reply are bounded by max_connections."""
     admin = ctx.access.is_admin(viewer)
     out = []
     for entry in entries:
-        for lease, age in ctx.core.leases_on(entry):
-            who = ctx.caller_of(lease.conn)
+        for conn, count, age in ctx.core.holders_on(entry):
+            who = ctx.caller_of(conn)
             if who is None:  # its connection is closing: the lease ends in a moment
                 continue
             if admin or who.peer.uid == viewer.uid:
-                out.append({"pid": who.peer.pid, "uid": who.peer.uid, "client": who.client, "since_s": round(age, 3)})
+                out.append({"pid": who.peer.pid, "uid": who.peer.uid, "client": who.client, "since_s": round(age, 3),
+                            "count": count})
     return out
 
 
 def _holders_text(holders: list[dict[str, Any]], attach_count: int) -> str:
     """``attached by pid 4242 (vllm, uid 1000) for 12s``: what an operator needs to find
     the engine that keeps a model in memory. Leases the viewer may not see are counted."""
-    shown = [f"pid {h['pid']} ({h['client']}, uid {h['uid']}) for {h['since_s']:.0f}s" for h in holders]
-    others = attach_count - len(holders)
+    shown = [f"pid {h['pid']} ({h['client']}, uid {h['uid']}){_times(h['count'])} for {h['since_s']:.0f}s" for h in holders]
+    others = attach_count - sum(h["count"] for h in holders)
     if not shown:
         return f"{attach_count} attached (by other users)"
     return "attached by " + ", ".join(shown) + (f" and {others} other(s)" if others > 0 else "")
+
+
+def _times(count: int) -> str:
+    return f" x{count}" if count > 1 else ""
 
 
 def _entries_named(ctx: Context, name: Any) -> list[str]:
