@@ -73,21 +73,27 @@ MAX_FRAME = 4 * MIB
 
 
 # ------------------------------------------------------------------ measurements
-def collect_stalls(sock: str, stop: threading.Event, stalls: dict[int, dict[str, Any]], t0: float) -> None:
-    """Poll the daemon's status (as root: an administrator) every 0.5 s for the loop's
-    recent stalls, each kept once, with when it ended on this script's clock."""
+def collect_stalls(sock: str, seconds: float, t0: float, out: Any) -> None:
+    """Poll the daemon's status (as root: an administrator) every 0.5 s for ``seconds``
+    for the loop's recent stalls, each kept once, with when it ended on the script's
+    clock (monotonic: the same in every process). A process of its own: a thread of the
+    script's would be running (importing, holding locks) when the others are forked."""
     from weightcache import SyncClient
 
+    stalls: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + seconds
     try:
         with SyncClient(sock, name="stall-watch") as c:
-            while not stop.wait(0.5):
+            while time.monotonic() < deadline:
+                time.sleep(0.5)
                 loop = c.status().get("loop") or {}
                 now = time.monotonic() - t0
                 for st in loop.get("recent", []):
                     stalls.setdefault(st["n"], {**st, "t": round(now - st["ago_s"], 2)})
                 stalls[-1] = {"n": loop.get("stalls", 0)}  # the daemon's count, for what polls missed
-    except Exception as exc:  # the daemon stopping ends it; anything else is reported
+    except Exception as exc:
         stalls[-2] = {"error": repr(exc)}
+    out.put({"kind": "loop_stalls", "stalls": stalls})
 
 
 def stall_summary(stalls: dict[int, dict[str, Any]], abusers_from: float) -> dict[str, Any]:
@@ -593,9 +599,6 @@ def main(argv: list[str] | None = None) -> int:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    stalls: dict[int, dict[str, Any]] = {}  # the daemon's loop stalls (server/loop_watch.py) by number
-    watcher = threading.Thread(target=collect_stalls, args=(sock, stop, stalls, t0), daemon=True)
-    watcher.start()
 
     ctx = mp.get_context("fork")
     q = ctx.Queue()
@@ -609,6 +612,9 @@ def main(argv: list[str] | None = None) -> int:
     good_ready = ctx.Event()
     procs.append(ctx.Process(target=good_client, args=(sock, quiet + args.seconds, args.request_timeout,
                                                        args.publish_every, q, good_ready)))
+    procs[-1].start()
+    # the daemon's loop stalls (server/loop_watch.py), both phases
+    procs.append(ctx.Process(target=collect_stalls, args=(sock, quiet + args.seconds + 1, t0, q)))
     procs[-1].start()
     if quiet and not good_ready.wait(60):
         print("the well-behaved client did not finish its first round within 60 s", file=sys.stderr)
@@ -649,7 +655,6 @@ def main(argv: list[str] | None = None) -> int:
     after_rss, after_fds = rss(pid), nfds(pid)
     stop.set()
     sampler.join()
-    watcher.join()
 
     daemon.proc.send_signal(signal.SIGTERM)
     t = time.monotonic()
@@ -665,6 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     peak_fds = max((s[2] for s in samples), default=base_fds)
     good = results.get("good", {"failures": ["the well-behaved client reported nothing"], "latency": {}})
     tenant = results.pop("other_tenant", None)
+    stalls = results.pop("loop_stalls", {}).get("stalls", {})
     problems = []
     if (peak_rss - base_rss) / MIB >= args.rss_bound_mib:
         problems.append(f"RSS grew {(peak_rss - base_rss) / MIB:.0f} MiB (bound {args.rss_bound_mib:.0f} MiB)")
