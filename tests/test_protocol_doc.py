@@ -25,7 +25,7 @@ async def test_models_pin_and_reload_replies_carry_the_documented_fields(start_d
         entry = (await c.models())[0]
         pinned = await c.request("pin", name="tiny")
         report = await c.reload()
-    lease_fields = {"pid", "uid", "client", "since_s"}
+    lease_fields = {"pid", "uid", "client", "since_s", "count"}
     assert set(entry) == documented('<- {"models": [{', "```") - {"models"} - lease_fields
     assert set(pinned) - {"id", "ok"} == {"model", "shards"}
     assert '`<- {"model": entry, "shards": [entry, ...]}`' in PROTOCOL  # pin / unpin
