@@ -102,16 +102,20 @@ def stall_summary(stalls: dict[int, dict[str, Any]], abusers_from: float) -> dic
     seen = [s for n, s in stalls.items() if n > 0]
     total = stalls.get(-1, {}).get("n", 0)
     phases = {"alone": [s for s in seen if s["t"] < abusers_from], "abused": [s for s in seen if s["t"] >= abusers_from]}
-    where: dict[str, list[float]] = {}
+    where: dict[str, list[dict[str, Any]]] = {}
     for s in phases["abused"]:
         ours = [f for f in s["loop"] if f.startswith("weightcache/")]
         key = (ours[-1] if ours else (s["loop"][-1] if s["loop"] else "not sampled"))
         busy = sorted(f"{name.split('_')[0]}: {frames[-1]}" for name, frames in s["busy"].items())
-        where.setdefault(key + ("  | busy " + "; ".join(busy) if busy else ""), []).append(s["ms"])
+        where.setdefault(key + ("  | busy " + "; ".join(busy) if busy else ""), []).append(s)
+    def spent(of: list[dict[str, Any]]) -> dict[str, float]:  # where the loop thread's time went (schedstat)
+        known = [s["spent"] for s in of if s.get("spent")]
+        return {k: round(sum(x[k] for x in known), 1) for k in ("window_ms", "on_cpu_ms", "runnable_ms", "blocked_ms")}
+
     return {"seen": len(seen), "missed": max(0, total - len(seen)), "error": stalls.get(-2, {}).get("error"),
-            **{k: {"n": len(v), "max_ms": max((s["ms"] for s in v), default=0.0)} for k, v in phases.items()},
-            "where": sorted(({"where": k, "n": len(v), "ms": sum(v), "max_ms": max(v)} for k, v in where.items()),
-                            key=lambda w: -w["ms"]),
+            **{k: {"n": len(v), "max_ms": max((s["ms"] for s in v), default=0.0), "spent": spent(v)} for k, v in phases.items()},
+            "where": sorted(({"where": k, "n": len(v), "ms": sum(s["ms"] for s in v), "max_ms": max(s["ms"] for s in v),
+                              "spent": spent(v)} for k, v in where.items()), key=lambda w: -w["ms"]),
             "all": sorted(seen, key=lambda s: s["n"])}
 
 
@@ -738,8 +742,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loop stalls >= {args.loop_stall_ms:g} ms seen: {ls['seen']} (missed between polls: {ls['missed']}), "
               f"alone {ls['alone']['n']} (max {ls['alone']['max_ms']:.0f} ms), beside the abusers {ls['abused']['n']} "
               f"(max {ls['abused']['max_ms']:.0f} ms); where, beside the abusers:")
+        sp = ls["abused"]["spent"]
+        print(f"  the loop thread in those stalls: on a CPU {sp['on_cpu_ms']:.0f} ms, runnable without a CPU "
+              f"{sp['runnable_ms']:.0f} ms, blocked (GIL or a blocking call) {sp['blocked_ms']:.0f} ms, "
+              f"of {sp['window_ms']:.0f} ms")
         for w in ls["where"][:8]:
-            print(f"  {w['n']:4d} x, {w['ms']:7.0f} ms in all, max {w['max_ms']:4.0f}: {w['where']}")
+            sp = w["spent"]
+            print(f"  {w['n']:4d} x, {w['ms']:7.0f} ms in all, max {w['max_ms']:4.0f} (cpu/runnable/blocked "
+                  f"{sp['on_cpu_ms']:.0f}/{sp['runnable_ms']:.0f}/{sp['blocked_ms']:.0f}): {w['where']}")
     if problems:
         print("FAIL:\n  " + "\n  ".join(problems))
         print(f"daemon log: {log}")

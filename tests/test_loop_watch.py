@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 
+import pytest
 from conftest import daemon_in_process, eventually
 from helpers import NOBODY, as_uid, root_only
 from test_metrics import scrape, series
@@ -13,12 +14,57 @@ from test_operations import free_port
 from test_security import open_to_all
 
 from weightcache import Client, SyncClient
+from weightcache.cli.render import show_status
 from weightcache.server import loop_watch
 from weightcache.server.loop_watch import LoopWatch
 
 
 def hold_the_loop(seconds: float) -> None:
     time.sleep(seconds)  # what a computation on the loop does to every other request
+
+
+def compute_on_the_loop(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+HAS_SCHEDSTAT = loop_watch.sched_times("/proc/thread-self/schedstat") is not None
+
+
+@pytest.mark.skipif(not HAS_SCHEDSTAT, reason="this kernel keeps no schedstat")
+async def test_a_stall_says_whether_the_loop_computed_or_was_blocked():
+    """A loop that computes is on a CPU or waiting for one (on a busy host) for the whole
+    stall; one in a blocking call is neither. What the operator fixes differs: the
+    daemon's work, the host's load, or a thread holding the GIL."""
+    watch = LoopWatch(0.05, lambda lag: None)
+    watch.start()
+    try:
+        await asyncio.sleep(0.05)
+        compute_on_the_loop(0.2)
+        await asyncio.sleep(0.05)
+        hold_the_loop(0.2)
+        await asyncio.sleep(0.05)
+    finally:
+        await watch.close()
+    computed, blocked = [s["spent"] for s in reversed(watch.status()["recent"])]
+    for spent in (computed, blocked):
+        assert 195 <= spent["window_ms"] < 1000, spent  # from the last look before the beat was due
+    assert computed["on_cpu_ms"] + computed["runnable_ms"] >= 150 and computed["blocked_ms"] < 40, computed
+    assert blocked["blocked_ms"] >= 150 and blocked["on_cpu_ms"] < 40, blocked
+    total = watch.status()["spent"]
+    assert total["window_ms"] == pytest.approx(computed["window_ms"] + blocked["window_ms"], abs=0.2), total
+
+
+def test_status_text_names_where_the_stalls_time_went(capsys):
+    spent = {"window_ms": 210.0, "on_cpu_ms": 12.0, "runnable_ms": 150.0, "blocked_ms": 48.0}
+    show_status({"version": "x", "pid": 1, "uptime_s": 5.0, "socket": "s", "connections": 1, "leases": 0,
+                 "devices": {}, "loading": {},
+                 "loop": {"stall_ms": 100.0, "stalls": 1, "longest_ms": 200.0, "spent": spent,
+                          "recent": [{"n": 1, "ms": 200.0, "ago_s": 2.0, "spent": spent, "loop": ["a.py:1 f"], "busy": {}}]}})
+    out = " ".join(capsys.readouterr().out.split())
+    assert "event loop: 1 stall(s) >= 100 ms" in out and "at a.py:1 f" in out, out
+    assert "on a CPU 12 ms, runnable without a CPU 150 ms, blocked 48 ms" in out, out
 
 
 async def test_a_stall_is_kept_with_the_stack_that_held_the_loop(caplog):

@@ -94,6 +94,9 @@ def show_status(st: dict[str, Any]) -> None:
         lines.append(f"event loop: {loop['stalls']} stall(s) >= {loop['stall_ms']:.0f} ms since start, longest "
                      f"{loop['longest_ms']:.0f} ms; the last {last['ms']:.0f} ms, {duration(last['ago_s'])} ago, at {where} "
                      "(--json has the stacks)")
+        if (spent := loop["spent"])["window_ms"]:  # where the loop thread's time went in them (schedstat)
+            lines.append(f"  in those stalls the loop's thread was on a CPU {spent['on_cpu_ms']:.0f} ms, runnable without a "
+                         f"CPU {spent['runnable_ms']:.0f} ms, blocked {spent['blocked_ms']:.0f} ms (GIL or a blocking call)")
     show(*lines)
     for o in st.get("other_daemons", []):
         print(f"warning: another weightcache daemon runs on this host (pid {o['pid']}): each takes its own budget of the "
