@@ -253,3 +253,28 @@ def test_str_and_bin_limits_and_larger_limits_for_replies():
     with pytest.raises(BadRequest):
         decode_payload(msgpack.packb(many))
     assert decode_payload(msgpack.packb(many), max_map_len=1 << 20) == many
+
+
+def test_close_fds_closes_the_fds_given_and_no_other():
+    """It closes runs with os.closerange: a number between two of the given ones that
+    was not given must stay open."""
+    import os
+    import random
+
+    from weightcache.protocol.fds import close_fds
+
+    fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(10)]
+    given = [fds[i] for i in (0, 1, 2, 4, 5, 8)]
+    random.Random(1).shuffle(given)
+    try:
+        close_fds(given)
+        for fd in fds:
+            try:
+                os.fstat(fd)
+                is_open = True
+            except OSError:
+                is_open = False
+            assert is_open == (fd not in given), (fd, given)
+    finally:
+        close_fds([fd for fd in fds if fd not in given])
+    close_fds([])

@@ -65,6 +65,7 @@ from typing import Any
 
 from ..defaults import SOCKET_ENV, client_socket_path
 from ..errors import DaemonUnavailable, PermissionDenied, RequestTimeout, WeightcacheError, error_from_wire
+from ..protocol.fds import close_fds
 from ..protocol.frames import HEADER, FrameDecoder
 from ..protocol.messages import PROTOCOL_VERSION
 from ..protocol.pymsgpack import decode_reply, packb
@@ -97,11 +98,6 @@ def wait_for_daemon_from_env() -> float:
     if not value >= 0:
         raise ValueError(f"${WAIT_FOR_DAEMON_ENV} must be a number of seconds >= 0 (e.g. 5 or 0.5), not {raw!r}")
     return value
-
-
-def close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
 
 
 class Retry:
@@ -176,8 +172,8 @@ class ClientCore:
 
     def discard(self) -> None:
         """Close the fds that arrived for frames not yet whole."""
-        while self._fd_queue:
-            os.close(self._fd_queue.popleft())
+        fds, self._fd_queue = self._fd_queue, deque()
+        close_fds(fds)
 
     # -- hello and timeouts ---------------------------------------------------------------
     def hello(self) -> dict[str, Any]:

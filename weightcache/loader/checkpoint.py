@@ -98,8 +98,10 @@ class Checkpoint:
     # encodes it).
     table: bytes | None = field(default=None, compare=False, repr=False)
 
-    @property
+    @functools.cached_property
     def data_bytes(self) -> int:
+        # Kept: a sum over 100k rows is one C call holding the GIL 1-2 ms, and the loop asked
+        # for it per load, per models reply (session 19's loop watch found it in a stall).
         if isinstance(self.tensors, TensorTable):
             return self.tensors.data_bytes
         return sum(t.nbytes for t in self.tensors)

@@ -64,6 +64,7 @@ from .tensor_table import TensorTable
 HASH_BLOCK = 16 * 2**20
 DIGEST_BYTES = 16  # xxh3_128
 EMPTY_DIGEST = xxhash.xxh3_128_digest(b"")  # the digest of a tensor of no bytes: no pieces
+DIGEST_SLICE = 4096  # rows a read_digests step maps in C, holding the GIL: under 1.5 ms on the 2-core VM
 
 
 @dataclass(frozen=True)
@@ -308,16 +309,35 @@ def read_digests(ckpt: Checkpoint, pieces: Mapping[tuple[int, int], bytes],
     The rows are picked and looked up by map and compress, in C: for a file of 100k
     one-byte tensors 76-108 ms against 111-185 ms as one loop (medians of 7, runs alternated,
     2-core VM; tried for fingerprint and file_digests, slicing memoryviews by map was
-    slower than their loops). A tensor of one piece has the xxh3 of that piece's digest."""
+    slower than their loops). A tensor of one piece has the xxh3 of that piece's digest.
+
+    By DIGEST_SLICE rows: a map over a whole column is one bytecode, and the interpreter
+    switches threads only between bytecodes, so over 100k rows each held the GIL ~20 ms
+    while the event loop, at its next syscall, waited for it (a stall the loop watch
+    named in close_fds' os.close: 59 of 60 ms blocked, docs/benchmarks.md "Session 19")."""
     files, offsets, sizes = columns(ckpt)
-    rows = range(len(sizes))
     digests = [EMPTY_DIGEST] * len(sizes)
+    missing: list[int] = []
+    for lo in range(0, len(sizes), DIGEST_SLICE):
+        hi = min(lo + DIGEST_SLICE, len(sizes))
+        missing += _read_digests_of(range(lo, hi), files[lo:hi], sizes[lo:hi], offsets, sizes, digests, pieces, known)
+    if missing:
+        raise RuntimeError(f"{reader} did not report the bytes of {len(missing)} tensor(s), "
+                           f"e.g. {ckpt.tensors[min(missing)].name!r}")
+    return digests
+
+
+def _read_digests_of(rows: range, files: Sequence[int], row_sizes: Sequence[int], offsets: Sequence[int],
+                     sizes: Sequence[int], digests: list[bytes], pieces: Mapping[tuple[int, int], bytes],
+                     known: Mapping[int, Mapping[tuple[int, int], bytes]]) -> list[int]:
+    """read_digests for ``rows`` (``files``, ``row_sizes``: their slices of the columns);
+    the rows missing a piece."""
     for f, got in known.items():
         mine = list(compress(rows, map(f.__eq__, files)))
         keys = zip(map(offsets.__getitem__, mine), map(sizes.__getitem__, mine), strict=True)
         list(map(digests.__setitem__, mine, map(got.__getitem__, keys)))
     unknown = map(operator.not_, map(known.__contains__, files))
-    read = list(compress(rows, map(operator.and_, map(bool, sizes), unknown)))  # read here, of some bytes
+    read = list(compress(rows, map(operator.and_, map(bool, row_sizes), unknown)))  # read here, of some bytes
     one = list(compress(read, map(HASH_BLOCK.__ge__, map(sizes.__getitem__, read))))
     missing: list[int] = []
     try:
@@ -329,10 +349,7 @@ def read_digests(ckpt: Checkpoint, pieces: Mapping[tuple[int, int], bytes],
             digests[i] = tensor_digest([pieces[(i, k)] for k in range(-(-sizes[i] // HASH_BLOCK))])
         except KeyError:
             missing.append(i)
-    if missing:
-        raise RuntimeError(f"{reader} did not report the bytes of {len(missing)} tensor(s), "
-                           f"e.g. {ckpt.tensors[min(missing)].name!r}")
-    return digests
+    return missing
 
 
 def file_digests(ckpt: Checkpoint, digests: Sequence[bytes], file: int) -> dict[tuple[int, int], bytes]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import os
 import socket
 import struct
 import termios
@@ -42,6 +41,7 @@ from dataclasses import dataclass, field
 
 from ..config import DaemonConfig
 from ..errors import LimitExceeded, WeightcacheError
+from ..protocol.fds import close_fds
 from .access import Peer
 
 
@@ -66,8 +66,8 @@ class Connection:
     gone: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def close_fds(self) -> None:
-        while self.fds:
-            os.close(self.fds.popleft())
+        fds, self.fds = self.fds, deque()
+        close_fds(fds)
 
 
 class Bounds:

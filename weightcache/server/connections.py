@@ -14,7 +14,6 @@ import contextlib
 import errno
 import itertools
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from ..errors import (
     WeightcacheError,
 )
 from ..protocol import FrameDecoder, decode_payload
+from ..protocol.fds import close_fds
 from ..protocol.framing import DEFERRED_KEYS, PayloadRefused
 from ..protocol.messages import ADMIN_OPS
 from ..protocol.packed import encode_reply
@@ -291,8 +291,7 @@ class Connections:
         op = args.pop("op", None)
         req = Request(rid, op if isinstance(op, str) else repr(op), args, [conn.fds.popleft() for _ in range(nfds)])
         if op == "hello":
-            for fd in req.fds:
-                os.close(fd)
+            close_fds(req.fds)
             # Handled inline so that requests pipelined behind it see greeted=True.
             try:
                 reply = {"id": rid, "ok": True, **hello(self._context(), args)}
@@ -359,14 +358,12 @@ class Connections:
             log.exception("conn %d: op %r failed unexpectedly", conn.id, req.op, extra=_peer_fields(conn, op=req.op, code=InternalError.code))
             msg = self._error(conn, req.id, InternalError(f"{type(exc).__name__}: {exc}"), _op_label(req.op))
         finally:
-            for fd in req.fds:  # the fds the request brought and did not hand on
-                os.close(fd)
+            close_fds(req.fds)  # the fds the request brought and did not hand on
             req.fds.clear()
         try:
             await self._send(conn, msg, fds)
         finally:
-            for fd in fds:
-                os.close(fd)
+            close_fds(fds)
 
     # -- sending --------------------------------------------------------------------
     async def _send(self, conn: Connection, msg: dict[str, Any], fds: list[int] | None = None) -> None:

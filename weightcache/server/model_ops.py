@@ -10,7 +10,6 @@ operator's. A peer's model gets a fingerprint bound to its uid.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from ..config import ModelConfig, check_model_name, config_group_names, problems
 from ..errors import Attached, BadRequest, LimitExceeded, PermissionDenied, Pinned
 from ..loader import OpenedSource, adopt_fds
 from ..loader.published import published_checkpoint
+from ..protocol.fds import close_fds
 from ..protocol.framing import Deferred
 from ..protocol.messages import tenant_fingerprint
 from .access import Peer
@@ -187,8 +187,7 @@ def _adopt_files(mc: ModelConfig, files: Any, req: Request) -> list[OpenedSource
     except BaseException:
         for src in sources:
             src.close()
-        for fd in fds[start:]:
-            os.close(fd)
+        close_fds(fds[start:])
         raise
     return sources
 
