@@ -112,7 +112,17 @@ def stall_summary(stalls: dict[int, dict[str, Any]], abusers_from: float) -> dic
         known = [s["spent"] for s in of if s.get("spent")]
         return {k: round(sum(x[k] for x in known), 1) for k in ("window_ms", "on_cpu_ms", "runnable_ms", "blocked_ms")}
 
+    # Every stack taken in those stalls (the first and one per 5 ms poll after it), by
+    # the loop's innermost weightcache frame: where the loop's time went, ~5 ms a sample.
+    sampled: dict[str, int] = {}
+    for s in phases["abused"]:
+        for frames in ([s["loop"]] if s["loop"] else []) + s.get("later", []):
+            ours = [f for f in frames if f.startswith("weightcache/")]
+            key = ours[-1] if ours else (frames[-1] if frames else "?")
+            sampled[key] = sampled.get(key, 0) + 1
+
     return {"seen": len(seen), "missed": max(0, total - len(seen)), "error": stalls.get(-2, {}).get("error"),
+            "sampled": sorted(({"where": k, "samples": n} for k, n in sampled.items()), key=lambda w: -w["samples"]),
             **{k: {"n": len(v), "max_ms": max((s["ms"] for s in v), default=0.0), "spent": spent(v)} for k, v in phases.items()},
             "where": sorted(({"where": k, "n": len(v), "ms": sum(s["ms"] for s in v), "max_ms": max(s["ms"] for s in v),
                               "spent": spent(v)} for k, v in where.items()), key=lambda w: -w["ms"]),
@@ -746,6 +756,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  the loop thread in those stalls: on a CPU {sp['on_cpu_ms']:.0f} ms, runnable without a CPU "
               f"{sp['runnable_ms']:.0f} ms, blocked (GIL or a blocking call) {sp['blocked_ms']:.0f} ms, "
               f"of {sp['window_ms']:.0f} ms")
+        print("  the loop's stacks in those stalls, one each 5 ms poll, by innermost weightcache frame: " + "; ".join(
+            f"{w['samples']} x {w['where']}" for w in ls["sampled"][:10]))
         for w in ls["where"][:8]:
             sp = w["spent"]
             print(f"  {w['n']:4d} x, {w['ms']:7.0f} ms in all, max {w['max_ms']:4.0f} (cpu/runnable/blocked "

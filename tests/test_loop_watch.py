@@ -85,6 +85,8 @@ async def test_a_stall_is_kept_with_the_stack_that_held_the_loop(caplog):
     for stall in st["recent"]:
         assert stall["loop"] and stall["loop"][-1].endswith("hold_the_loop"), stall
         assert any("test_a_stall_is_kept" in f for f in stall["loop"]), stall
+        # and again at each poll while it lasted (every 5 ms from 25 ms late to 200 ms)
+        assert len(stall["later"]) >= 5 and all(f[-1].endswith("hold_the_loop") for f in stall["later"]), stall
     assert max(lags) >= 0.15 and len(lags) >= 4
     # One line per LOG_EVERY_S: the second stall is counted towards the next line.
     lines = [r for r in caplog.records if "event loop stalled" in r.getMessage()]

@@ -9,9 +9,12 @@ spikes; an operator sees only the slow replies. So the daemon watches itself:
 - a beat on the loop, a timer every BEAT_S, measures how late each one fires
   (``weightcache_loop_lag_seconds``): what a request arriving then waited before the
   loop could read it;
-- a watcher thread looks at the pending beat every POLL_S; once it is ``stall_s`` late,
-  it takes the stack of the loop's thread and of the other threads not parked in a
-  wait (``sys._current_frames``), once per stall;
+- a watcher thread looks at the pending beat every POLL_S; once it is half ``stall_s``
+  late (so that a stall just over ``stall_s`` is still seen before it ends), it takes
+  the stack of the loop's thread and of the other threads not parked in a wait
+  (``sys._current_frames``), once per stall, and then the loop's alone at every poll
+  while the stall lasts (up to MAX_LATER): a stall is often many callbacks, and one
+  stack names only one of them;
 - a beat ``stall_s`` or more late is a stall: the last KEEP are kept (``status``, for
   administrators: stacks name the daemon's code) and one warning line at most every
   LOG_EVERY_S gives the longest since the last line, with its stacks.
@@ -52,6 +55,7 @@ LOG_EVERY_S = 10.0
 FRAMES = 8  # the innermost frames of the loop's stack kept per stall
 BUSY_FRAMES = 3  # and of each busy thread's
 MAX_BUSY = 6
+MAX_LATER = 15  # samples of the loop's stack after the first, one a poll, per stall (75 ms of it)
 
 # Where a thread that waits for work sits: its innermost Python frame is in one of these
 # files (a pool worker blocked in SimpleQueue.get shows as concurrent/futures/thread.py).
@@ -89,12 +93,14 @@ class Stall:
     seconds: float  # how late the beat fired
     sample: Sample | None  # None: the stall ended before the watcher could take a stack
     spent: Spent | None = None  # None: the kernel keeps no schedstat, or the watcher had no look before it
+    later: tuple[tuple[str, ...], ...] = ()  # the loop's frames at the polls after the first sample
 
     def as_dict(self, now: float) -> dict[str, Any]:
         return {"n": self.n, "ms": round(self.seconds * 1e3, 1), "ago_s": round(now - self.ended, 1),
                 "spent": self.spent.as_dict() if self.spent else None,
                 "loop": list(self.sample.loop) if self.sample else [],
-                "busy": {k: list(v) for k, v in self.sample.busy.items()} if self.sample else {}}
+                "busy": {k: list(v) for k, v in self.sample.busy.items()} if self.sample else {},
+                "later": [list(f) for f in self.later]}
 
 
 def sched_times(path: str) -> tuple[float, float] | None:
@@ -118,6 +124,7 @@ class LoopWatch:
         self.recent: collections.deque[Stall] = collections.deque(maxlen=KEEP)
         self._due = float("inf")  # the pending beat's due time; read by the watcher
         self._sample: Sample | None = None  # written by the watcher, taken by the beat
+        self._later: tuple[float, list[tuple[str, ...]]] = (0.0, [])  # (due, loop frames), the same
         self._loop_thread = threading.get_ident()
         self._loop_sched = ""  # the loop thread's schedstat, read by the watcher
         # (due, clock, sched_times) at the watcher's last look before the pending beat was due
@@ -154,8 +161,9 @@ class LoopWatch:
             self._observe(lag)
             if lag >= self.stall_s:
                 sample, self._sample = self._sample, None
+                later_due, later = self._later
                 self._record(Stall(self.stalls + 1, time.time(), lag, sample if sample is not None and sample.due == due else None,
-                                   self._spent_since(due)))
+                                   self._spent_since(due), tuple(later) if later_due == due else ()))
 
     def _spent_since(self, due: float) -> Spent | None:
         """On the loop's thread, as a stalled beat fires: its time since the watcher's mark."""
@@ -170,9 +178,14 @@ class LoopWatch:
             due, now = self._due, self._clock()
             if now < due:  # not late yet: where the loop's time stands, should this beat stall
                 self._mark = (due, now, sched_times(self._loop_sched))
-            elif due != sampled and now - due >= self.stall_s:
-                self._sample = self._take(due)
-                sampled = due
+            elif now - due >= self.stall_s / 2:
+                if due != sampled:
+                    self._sample = self._take(due)
+                    self._later = (due, [])
+                    sampled = due
+                elif len(later := self._later[1]) < MAX_LATER:  # where the loop went on: one stack a poll
+                    loop = sys._current_frames().get(self._loop_thread)
+                    later.append(_where(loop, FRAMES) if loop is not None else ())
 
     def _take(self, due: float) -> Sample:
         frames = sys._current_frames()
