@@ -41,7 +41,7 @@ from weightcache.backends.cuda import CudaBackend
 from weightcache.backends.cuda_writer import VmmWriter
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
 from weightcache.loader.content import FILE_DIGESTS
-from weightcache.loader.reader import pread_full
+from weightcache.loader.preads import pread_full
 from weightcache.tools.bench_measure import warm_page_cache
 from weightcache.tools.synth import kept_checkpoint
 

@@ -50,7 +50,7 @@ from typing import Any
 
 from weightcache import Client
 from weightcache.loader import fingerprint_files
-from weightcache.loader.reader import resident_fraction
+from weightcache.loader.preads import resident_fraction
 from weightcache.peers.fill import TASK_BYTES, WINDOW
 from weightcache.protocol.framing import HEADER, decode_payload, encode_frame
 from weightcache.tools.spawn import DaemonProcess, config_text

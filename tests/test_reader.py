@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 from weightcache.backends.cpu import CpuBackend
 from weightcache.errors import CorruptCheckpoint
 from weightcache.loader import Progress, fingerprint_files, open_source, parse_checkpoint, read_checkpoint
-from weightcache.loader.reader import DIRECT_ALIGN, open_for_reading, pread_direct, pread_full, resident_fraction
+from weightcache.loader.preads import DIRECT_ALIGN, pread_direct, pread_full, resident_fraction
+from weightcache.loader.reader import open_for_reading
 
 
 class DirectWriter:

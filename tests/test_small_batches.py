@@ -23,7 +23,7 @@ from weightcache.loader.content import (
     plan_tasks,
     plan_work,
 )
-from weightcache.loader.reader import pread_scattered
+from weightcache.loader.preads import pread_scattered
 
 
 def many_small(path: Path, n: int = 3000) -> Path:
@@ -253,7 +253,7 @@ def test_a_vmm_arena_gets_batches_bit_exact_and_zero_padded(tmp_path, monkeypatc
     from weightcache import cuda_driver as drv
     from weightcache.backends.cuda import CudaBackend
     from weightcache.backends.cuda_writer import VmmWriter
-    from weightcache.loader.reader import DIRECT_ALIGN
+    from weightcache.loader.preads import DIRECT_ALIGN
 
     path = many_small(tmp_path / "m.safetensors")
     raw = path.read_bytes()

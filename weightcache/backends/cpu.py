@@ -87,7 +87,7 @@ from typing import Any
 from ..errors import BadRequest, CorruptCheckpoint, NoSpace
 from ..loader.checkpoint import Checkpoint
 from ..loader.content import TaskHasher
-from ..loader.reader import pread_full, pread_hashing, read_batch
+from ..loader.preads import pread_full, pread_hashing, read_batch
 from ..loader.sources import OpenedSource
 from ..protocol.arena import MEMFD_SEALS, SEGMENT, FileArenaDesc, MemfdArenaDesc
 from ..units import capacity

@@ -15,7 +15,7 @@ from cuda.bindings import driver as cu
 
 from .. import cuda_driver as drv
 from ..loader.content import TaskHasher
-from ..loader.reader import DIRECT_ALIGN, pread_direct, pread_full, pread_hashing, read_batch
+from ..loader.preads import DIRECT_ALIGN, pread_direct, pread_full, pread_hashing, read_batch
 from .cuda_hash import DEVICE_MIN, DIGEST_SLOTS, DigestBlock, GpuHasher
 from .pinned import Staging, StagingPool
 

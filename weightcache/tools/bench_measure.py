@@ -152,7 +152,7 @@ async def evict_fully(c: Any, name: str) -> None:
 async def _drop_when_unmapped(path: str | os.PathLike[str], timeout: float = 10.0) -> None:
     """Drop the file's pages; the daemon unmaps an evicted arena in a thread, so retry
     until they are gone (a mapped page is not dropped)."""
-    from ..loader.reader import resident_fraction
+    from ..loader.preads import resident_fraction
 
     deadline = time.monotonic() + timeout
     fd = os.open(path, os.O_RDONLY)
@@ -205,7 +205,7 @@ def disk_ceiling(path: Path, threads: int = 8, chunk: int = 16 << 20) -> float:
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from ..loader.reader import pread_direct
+    from ..loader.preads import pread_direct
 
     drop_page_cache(path)
     size = path.stat().st_size
