@@ -160,3 +160,20 @@ def test_an_engine_with_torch_imports_the_attach_half_while_it_connects(start_da
     """, d.socket)
     assert out.strip() == "OK"
 
+
+
+def test_a_sync_engine_without_torch_imports_no_asyncio(start_daemon, ckpts):
+    # asyncio's import was ~20-29 ms of a fresh process on the 2-core VM, and a blocking
+    # engine never runs a loop; torch imports asyncio itself, so only an engine without
+    # torch (a numpy one, a tool that checks a model) saw the cost, but it saw all of it.
+    d = start_daemon(models={"tiny": ckpts["tiny"]})
+    out = run_python("""
+        import sys
+        from weightcache import SyncClient
+
+        with SyncClient(sys.argv[1]) as c:
+            names = [m["name"] for m in c.models()]
+        leaked = sorted(m for m in sys.modules if m == "asyncio" or m.startswith("asyncio."))
+        print("OK", "tiny" in names, " ".join(leaked) or "-")
+    """, d.socket)
+    assert out.split() == ["OK", "True", "-"], out

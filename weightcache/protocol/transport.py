@@ -14,13 +14,16 @@ to a deadline.
 from __future__ import annotations
 
 import array
-import asyncio
 import math
 import os
 import select
 import socket
 import time
 from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import asyncio
 
 MAX_FDS_PER_MSG = 253  # SCM_MAX_FD in Linux
 _ANC_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
@@ -82,6 +85,8 @@ def _send_steps(sock: socket.socket, data: bytes | Sequence[bytes], fds: list[in
 
 async def recv_with_fds(sock: socket.socket, bufsize: int = 1 << 16) -> tuple[bytes, list[int]]:
     """Receive bytes and any fds that arrived with them. ``b""`` means the peer closed."""
+    import asyncio  # here, not at the top: a SyncClient engine that never runs a loop skips its ~20 ms import
+
     loop = asyncio.get_running_loop()
     while (got := _recv_now(sock, bufsize)) is None:
         await _wait(loop, sock, writable=False)
@@ -92,6 +97,8 @@ async def send_with_fds(sock: socket.socket, data: bytes | Sequence[bytes], fds:
     """Send ``data`` (bytes, or parts sent back to back without joining them: an attach
     reply's shared tensor table is never copied per reply); the fds ride on the first
     byte. The caller keeps ownership of the fds."""
+    import asyncio
+
     loop = asyncio.get_running_loop()
     for _ in _send_steps(sock, data, fds):
         await _wait(loop, sock, writable=True)
