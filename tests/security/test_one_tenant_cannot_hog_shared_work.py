@@ -20,10 +20,10 @@ from weightcache.server.registry import Registry
 from weightcache.server.residency import Residency
 from weightcache.server.residency.io import TENANT_IO_SHARE
 
-from .test_r25_held import header_bomb
+from .test_what_a_model_holds_is_charged_and_released import header_bomb
 
 
-async def test_one_tenant_holds_at_most_half_the_io_pool() -> None:
+async def test_one_tenant_holds_at_most_a_quarter_of_the_io_pool() -> None:
     """With four io threads, a tenant's four parses ran at once and another tenant's cold
     load waited for a free thread (each of those parses took seconds). Now a tenant holds
     at most TENANT_IO_SHARE of the pool (one thread of four); the others' calls run beside

@@ -1,4 +1,4 @@
-"""Low: malformed publishes and headers get the right error code (never INTERNAL, never no reply)."""
+"""Malformed publishes, headers and arguments get the right error code (never INTERNAL, never no reply)."""
 
 from __future__ import annotations
 
