@@ -97,7 +97,9 @@ def write_record(path: str | os.PathLike[str], names: list[str]) -> None:
     # their own file into place as the record, which names the modules the supervisor
     # imports. (Not tempfile: this module must stay cheap to import.)
     tmp = p.with_name(f".{p.name}.{os.urandom(8).hex()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    # 0o644 whatever the umask allows: read_record ignores a record the group may write,
+    # so under umask 002 a 0o666 record was written and then never read.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

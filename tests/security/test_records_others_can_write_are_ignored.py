@@ -36,3 +36,18 @@ def test_a_record_someone_else_can_write_is_ignored(capsys):
     assert read_record(mine / "planted.txt") == []
     os.symlink(theirs / "rec.txt", mine / "link.txt")  # or a link to one
     assert read_record(mine / "link.txt") == []
+
+
+def test_a_record_the_engine_writes_is_read_back_under_a_loose_umask():
+    """Under umask 002 the engine wrote its record group-writable (0o666 & ~umask), and
+    the next start ignored it as a record others could change."""
+    from weightcache.engine import write_record
+
+    mine = public_dir("wcrec-")
+    old = os.umask(0o002)
+    try:
+        write_record(mine / "rec.txt", ["json", "email"])
+    finally:
+        os.umask(old)
+    assert os.stat(mine / "rec.txt").st_mode & 0o777 == 0o644
+    assert read_record(mine / "rec.txt") == ["json", "email"]

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 PARSE_APART_BYTES = 1 << 20  # raw header bytes (all files) from which the parse runs in a worker
 WORKER_TIMEOUT_S = 120.0  # a 16 MiB header takes ~3 s; past this the worker is killed
 # Not 19: beside two busy processes on the 2-core VM a nice-19 worker got ~1.5% of a core,
-# and a tenant's register of a 100k-tensor header timed out (tests/security/test_r25_held.py
+# and a tenant's register of a 100k-tensor header timed out (tests/security/test_what_a_model_holds_is_charged_and_released.py
 # failed; 258 s for it at nice 10, 111 s at 5). At 5 the loop still outweighs a worker
 # 3:1 on a shared core (one headerbomb stress run: attach p99 1.5x alone).
 WORKER_NICE = 5
