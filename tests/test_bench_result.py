@@ -46,7 +46,8 @@ def typed(r: dict[str, Any]) -> BenchResult:
     """The records a bench run with the figures of ``r`` builds."""
     return BenchResult(
         env=Environment(device=r["device"], checkpoint_bytes=r["checkpoint_bytes"], tensors=r["tensors"], python=r["python"],
-                        torch=r["torch"], cpus=r["cpus"], host=r["host"], gpu=r.get("gpu"), load_avg_1m=r.get("load_avg_1m")),
+                        torch=r["torch"], cpus=r["cpus"], host=r["host"], gpu=r.get("gpu"), load_avg_1m=r.get("load_avg_1m"),
+                        checkpoint=r.get("checkpoint"), files=r.get("files")),
         load_file=LoadFileFigures(warm_s=r["load_file_warm_s"], touch_warm_s=r["load_file_touch_warm_s"], cold_s=r["load_file_cold_s"]),
         disk_ceiling=DiskCeiling(gbps=r.get("disk_ceiling_GBps"), error=r.get("disk_ceiling_error")),
         fastsafetensors=peer(r, "fastsafetensors") or PeerLoaderFigures(),
@@ -65,6 +66,7 @@ def typed(r: dict[str, Any]) -> BenchResult:
             checksums_equal=r["restart_checksums_equal"],
             attached_client_extra_device_bytes=r["attached_client_extra_device_bytes"]),
         control_plane=ControlPlaneFigures(status_during_load=StatusLatency(**r["status_during_load"]), big_bytes=r["big_bytes"]),
+        notes=tuple(r.get("notes", ())),
     )
 
 
@@ -160,6 +162,22 @@ def test_fresh_attach_connect_to_tensors_is_per_process():
     assert d["lazy_imports"] == ["cuda", "weightcache.client.mapping"]
     with pytest.raises(ValueError):  # a phase missing for one process is a bug, not a shorter median
         _ = FreshAttachFigures(Spread((1.0,)), Spread((1.0, 2.0)), Spread((1.0,)), Spread((1.0,))).connect_to_tensors_ms
+
+
+def test_an_operators_checkpoint_and_skipped_rows_are_in_the_json_only_when_there():
+    """--checkpoint (issue 23): the path and its file count beside the environment, why the
+    page cache was refused beside the arena, and the rows that did not run; a generated
+    checkpoint's JSON keeps exactly its old keys."""
+    base = typed(json.loads((DOCS / "bench-cpu.json").read_text()))
+    assert not {"checkpoint", "files", "notes"} & base.as_dict().keys()
+    ready = ReadyToComputeFigures(attach_s=Spread((0.1,)), load_file_s=Spread((0.2,)), read="max", resident_ratio=1.0, arena="memfd",
+                                  arena_note="/m/a.safetensors is on nfs4, where the bytes can change behind the page cache")
+    mine = replace(base, env=replace(base.env, checkpoint="/m", files=3), ready=ready, notes=("cold rows skipped: tmpfs",))
+    d = mine.as_dict()
+    assert (d["checkpoint"], d["files"], d["notes"]) == ("/m", 3, ["cold rows skipped: tmpfs"])
+    assert d["ready_to_compute"]["arena_note"].startswith("/m/a.safetensors is on nfs4")
+    assert "arena_note" not in replace(ready, arena_note=None).as_dict()["ready_to_compute"]
+    assert typed(json.loads(mine.to_json())) == mine
 
 
 def test_a_peer_loader_that_is_absent_or_fails_says_so():

@@ -142,8 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cold-reps", type=int, default=2, help="repetitions of each cold load (0: skip)")
     s.add_argument("--restarts", type=int, default=3, help="engine restarts per way")
     s.add_argument("--fresh", type=int, default=7, help="fresh engine processes per way for the fresh-process rows")
-    s.add_argument("--checkpoint", default=None, metavar="FILE",
-                   help="measure the operator's own .safetensors file instead of a generated one (--size-gib/--tensors ignored)")
+    s.add_argument("--checkpoint", default=None, metavar="PATH",
+                   help="measure the operator's own checkpoint instead of a generated one: a .safetensors file, or a "
+                        "save_pretrained directory (model.safetensors, or shards and their index json) or its index "
+                        "(--size-gib/--tensors ignored)")
     s.add_argument("--big-gib", type=float, default=3.0, help="size of the model loaded while status latency is measured")
     s.add_argument("--workdir", default=None)
     s.add_argument("--out", default=None, help="write results as JSON here (and a PNG chart beside it)")
@@ -220,7 +222,8 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "attach": ("weightcache attach qwen-7b --verify", "weightcache attach qwen-7b --hold 5m   # keep it resident meanwhile"),
     "demo": ("weightcache demo", "weightcache demo --restarts 5 --model-mib 256"),
     "bench": ("weightcache bench --device cpu --size-gib 1",
-              "weightcache bench --device cuda:0 --size-gib 9.15 --tensors 183 --out run.json"),
+              "weightcache bench --device cuda:0 --size-gib 9.15 --tensors 183 --out run.json",
+              "weightcache bench --checkpoint /models/qwen-7b --big-gib 0.5 --out qwen.json   # a save_pretrained directory"),
     "workload": ("weightcache workload --engines 4 --models 1,2,4,8 --device cuda:0 --budget 12GiB",
                  "weightcache workload --chart run.json"),
     "supervise": ("weightcache supervise --preload torch,transformers -- python engine.py --model qwen-7b",

@@ -19,6 +19,15 @@ For one generated checkpoint (default 1 GiB, 200 bf16 tensors) on one device:
 
 Cold runs drop the file's pages with ``posix_fadvise(DONTNEED)`` (no root needed);
 each figure says which it is. Results print as a table and go to ``--out`` as JSON.
+
+``--checkpoint PATH`` puts the operator's own checkpoint in the generated one's place:
+one .safetensors file, or a directory as transformers' ``save_pretrained`` writes it
+(``model.safetensors``, or ``model-0000N-of-0000M.safetensors`` shards and their
+``model.safetensors.index.json``), or such an index. Every row then times all of its
+files (a loader's row loads them one after the other, bench_measure.py); the control
+plane's bigger model is still generated (it is loaded only while ``status`` is timed). A
+checkpoint whose pages cannot be dropped (on a tmpfs, or mapped by a running process)
+gets no cold rows, and the output says why.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +49,13 @@ from rich.console import Console
 
 from ..checkpoint_files import discover_files
 from ..config import DaemonConfig
-from ..errors import ConfigError
 from .bench_hash import measure_content_hash
 from .bench_measure import (
     INSTANTTENSOR_BACKENDS,
     READ_EVERY_BYTE,
     attach_and_touch,
     attach_latencies,
+    checkpoint_bytes,
     daemon_load,
     disk_ceiling,
     drop_page_cache,
@@ -106,7 +115,7 @@ class BenchConfig:
     out: str | None = None  # JSON results here, and a PNG chart beside it
     ready_reps: int = 7  # ready-to-compute repetitions of each way (alternating)
     fresh: int = 7  # fresh engine processes timed for the fresh-process attach row
-    checkpoint: str | None = None  # the operator's own .safetensors file instead of a generated one
+    checkpoint: str | None = None  # the operator's own checkpoint (a file, a directory, an index) instead of a generated one
 
     @property
     def cuda(self) -> bool:
@@ -129,8 +138,14 @@ def run_bench(cfg: BenchConfig) -> int:
         # The whole bench runs for minutes (over 5.5 on the H200): say where it is.
         console.print(f"[dim]{time.monotonic() - started:7.1f} s  {what}...[/dim]")
 
+    notes: list[str] = []  # rows that did not run, and why
+    if cfg.checkpoint:
+        _, tensors = user_checkpoint(cfg.checkpoint)
+        cfg = replace(cfg, tensors=tensors)
     files = _generate(console, cfg)
     env = _environment(cfg, files)
+    if cfg.cold_reps:
+        cfg = _cold_possible(console, cfg, files.model, notes)
     step("load_file, warm and cold")
     load_file_warm_s, load_file_cold_s = _measure_load_file(cfg, files.model)
     step("the disk's ceiling")
@@ -172,7 +187,7 @@ def run_bench(cfg: BenchConfig) -> int:
                            touch_s=ready.attach_s.p50)
     result = BenchResult(env=env, load_file=load_file, disk_ceiling=ceiling, fastsafetensors=peer, loader=loader, attach=attach,
                          host_tier=host_tier, restart=restart, control_plane=control_plane, runai_streamer=runai, ready=ready,
-                         fresh_attach=fresh, content_hash=content_hash, instanttensor=instant)
+                         fresh_attach=fresh, content_hash=content_hash, instanttensor=instant, notes=tuple(notes))
     print_table(console, result)
     if cfg.out:
         _write_outputs(console, result, Path(cfg.out))
@@ -180,25 +195,35 @@ def run_bench(cfg: BenchConfig) -> int:
 
 
 def user_checkpoint(path: str) -> tuple[Path, int]:
-    """``--checkpoint``: the file, checked as the daemon would, and its tensor count. One
-    file: the bench's rows read, drop and time a single file (a directory or an index:
-    give one of its files)."""
+    """``--checkpoint``: the checkpoint (a .safetensors file, a directory as
+    ``save_pretrained`` writes it, or an index json), opened and parsed as the daemon
+    would (a LoadFailed or CorruptCheckpoint says why not), and its tensor count."""
     from ..loader import open_source, parse_checkpoint
 
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--checkpoint {path}: not a file (the bench times one .safetensors file; for a directory or an "
-                          "index, give one of its files)")
     with open_source(p) as opened:
         return p, len(parse_checkpoint(opened).tensors)
 
 
+def _cold_possible(console: Console, cfg: BenchConfig, model: Path, notes: list[str]) -> BenchConfig:
+    """``cfg``, without cold runs where the model's pages cannot be dropped (a tmpfs keeps
+    them, a process that maps them keeps them): each cold figure would be a warm one."""
+    try:
+        drop_page_cache(model)
+        return cfg
+    except RuntimeError as exc:
+        note = f"cold rows (load_file, peers, loader, disk ceiling) skipped: {exc}"
+        console.print(f"[yellow]{note}[/yellow]")
+        notes.append(note)
+        return replace(cfg, cold_reps=0)
+
+
 def _generate(console: Console, cfg: BenchConfig) -> Checkpoints:
-    """The bench model (the operator's file with ``--checkpoint``, else made once per size
-    and kept in the workdir) and the control plane's bigger model."""
+    """The bench model (the operator's checkpoint with ``--checkpoint``, else made once per
+    size and kept in the workdir) and the control plane's bigger model."""
     work = Path(cfg.workdir or "/tmp/wc-bench")
     work.mkdir(parents=True, exist_ok=True)
-    model = Path(cfg.checkpoint) if cfg.checkpoint else work / f"bench-{cfg.size_gib:g}g-{cfg.tensors}t.safetensors"
+    model = Path(os.path.abspath(cfg.checkpoint)) if cfg.checkpoint else work / f"bench-{cfg.size_gib:g}g-{cfg.tensors}t.safetensors"
     files = Checkpoints(work=work, model=model, big=work / f"big-{cfg.big_gib:g}g.safetensors")
     with console.status("generating checkpoints"):
         if not files.model.exists():
@@ -211,9 +236,11 @@ def _generate(console: Console, cfg: BenchConfig) -> Checkpoints:
 def _environment(cfg: BenchConfig, files: Checkpoints) -> Environment:
     import torch
 
-    return Environment(device=cfg.device, checkpoint_bytes=files.model.stat().st_size, tensors=cfg.tensors,
+    return Environment(device=cfg.device, checkpoint_bytes=checkpoint_bytes(files.model), tensors=cfg.tensors,
                        python=platform.python_version(), torch=torch.__version__, cpus=os.cpu_count(), host=platform.node(),
-                       gpu=torch.cuda.get_device_name(torch.device(cfg.device)) if cfg.cuda else None, load_avg_1m=os.getloadavg()[0])
+                       gpu=torch.cuda.get_device_name(torch.device(cfg.device)) if cfg.cuda else None, load_avg_1m=os.getloadavg()[0],
+                       checkpoint=str(files.model) if cfg.checkpoint else None,
+                       files=len(discover_files(files.model)) if cfg.checkpoint else None)
 
 
 def _cold_runs(cfg: BenchConfig, path: Path, measure: Callable[[], float]) -> list[float]:
@@ -276,13 +303,14 @@ def _measure_instanttensor(cfg: BenchConfig, ckpt: Path, backend: str) -> PeerLo
 def _measure_content_hash(cfg: BenchConfig, ckpt: Path) -> ContentHashFigures:
     """The daemon's loader in this process, with the content hash and without (the
     product always hashes; the switch is the bench's), alternating, page cache warm."""
-    return measure_content_hash(ckpt, cfg.device, reps=max(cfg.reps, 3), threads=DaemonConfig().load_threads,
+    figs = measure_content_hash(ckpt, cfg.device, reps=max(cfg.reps, 3), threads=DaemonConfig().load_threads,
                                 chunk=DaemonConfig().load_chunk_bytes)
+    return replace(figs, nbytes=checkpoint_bytes(ckpt))  # its own figure is the path's st_size: a directory's, not its files'
 
 
 def _write_daemon_config(cfg: BenchConfig, files: Checkpoints, sock: str) -> Path:
     """A daemon with room for both models (and, on CUDA, a host tier for the bench model)."""
-    nbytes = files.model.stat().st_size
+    nbytes = checkpoint_bytes(files.model)
     budget = {cfg.device: f"{int((nbytes + files.big.stat().st_size) * 1.1)}"}
     daemon_opts: dict[str, Any] = {"log_level": "info"}
     if cfg.cuda:
@@ -322,23 +350,25 @@ def _measure_ready(cfg: BenchConfig, ckpt: Path, sock: str, daemon: DaemonProces
         import torch
 
         torch.cuda.empty_cache()  # give load_file's cached blocks back before the engines start
-    resident, arena = (None, None) if cfg.cuda else _resident(ckpt, sock, daemon)
+    resident, arena, note = (None, None, None) if cfg.cuda else _resident(ckpt, sock, daemon)
     return ReadyToComputeFigures(attach_s=Spread(tuple(attach)), load_file_s=Spread(tuple(load_file)), read=READ_EVERY_BYTE,
-                                 resident_ratio=resident, arena=arena)
+                                 resident_ratio=resident, arena=arena, arena_note=note)
 
 
-def _resident(ckpt: Path, sock: str, daemon: DaemonProcess) -> tuple[float, str | None]:
-    """The daemon's copies of the model (its memfds) plus the file's page cache, over the
-    file's size, with the model resident and nobody attached; and the arena it got. A
+def _resident(ckpt: Path, sock: str, daemon: DaemonProcess) -> tuple[float, str | None, str | None]:
+    """The daemon's copies of the model (its memfds) plus the files' page cache, over the
+    files' size, with the model resident and nobody attached; the arena it got, and why
+    not the page cache where that was refused. A
     file served from its page cache is 1.0x; a copy into a memfd is one too once the
     file's pages are dropped (backends/cpu.py), but only after the load."""
     from ..client import SyncClient
 
     with SyncClient(sock) as c:
         c.load(MODEL)
-        arena = next(m["arena"] for m in c.models() if m["name"] == MODEL)
+        entry = next(m for m in c.models() if m["name"] == MODEL)
     assert daemon.proc is not None
-    return (memfd_bytes(daemon.proc.pid) + page_cache_bytes(ckpt)) / ckpt.stat().st_size, arena
+    return ((memfd_bytes(daemon.proc.pid) + page_cache_bytes(ckpt)) / checkpoint_bytes(ckpt), entry["arena"],
+            entry.get("arena_note"))
 
 
 def _measure_fresh(cfg: BenchConfig, ckpt: Path, sock: str) -> FreshAttachFigures:

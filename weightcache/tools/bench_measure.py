@@ -1,6 +1,13 @@
 """The timings ``weightcache bench`` is made of, each one measurement of one contender.
 
-Cold runs drop the file's pages with ``posix_fadvise(DONTNEED)`` (no root needed).
+A checkpoint is a path as the daemon takes it: one .safetensors file, a directory as
+transformers' ``save_pretrained`` writes it (``model.safetensors``, or shards and their
+``model.safetensors.index.json``) or an index json (:func:`checkpoint_paths`). Every
+helper that takes a ``path`` here takes any of them; a loader's timing covers all of the
+checkpoint's files, one after the other into one dict of tensors, as an engine loads a
+sharded model.
+
+Cold runs drop the files' pages with ``posix_fadvise(DONTNEED)`` (no root needed).
 Functions that talk to the daemon are coroutines, each with its own connection(s);
 torch and safetensors are imported inside the functions that use them.
 """
@@ -18,7 +25,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint_files import discover_files
 from .bench_result import StatusLatency
+
+
+def checkpoint_paths(path: str | os.PathLike[str]) -> list[Path]:
+    """The .safetensors files of a checkpoint path: the path itself for a file; for a
+    directory or an index json, its files by the daemon's rules (checkpoint_files)."""
+    p = Path(path)
+    if p.is_dir() or p.name.endswith(".json"):
+        return [Path(f) for f in discover_files(p)]
+    return [p]
+
+
+def checkpoint_bytes(path: str | os.PathLike[str]) -> int:
+    """The size of a checkpoint's files, together (the bench's GB/s and ratios are of it)."""
+    return sum(f.stat().st_size for f in checkpoint_paths(path))
 
 
 def memfd_bytes(pid: int | str) -> int:
@@ -35,8 +57,12 @@ def memfd_bytes(pid: int | str) -> int:
 
 
 def page_cache_bytes(path: str | os.PathLike[str]) -> int:
-    """Bytes of the file in the page cache: mincore over a fresh mapping (which faults
-    nothing in)."""
+    """Bytes of the checkpoint's files in the page cache: mincore over a fresh mapping of
+    each (which faults nothing in)."""
+    return sum(_file_page_cache_bytes(f) for f in checkpoint_paths(path))
+
+
+def _file_page_cache_bytes(path: Path) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -66,29 +92,33 @@ COLD_CACHED_MAX = 0.05
 
 
 def drop_page_cache(path: str | os.PathLike[str], *, check: bool = True) -> None:
-    """Drop the file's pages from the page cache. DONTNEED leaves pages that a process
-    maps, so with ``check`` it then counts what stayed (mincore) and raises where more
-    than COLD_CACHED_MAX of the file did: on the H200 (session 12) a mapping that
-    InstantTensor's MMAP backend left in the bench process kept a 9.8 GB file cached, and
-    the loader's "cold" load ran at warm speed (0.28 s) with nothing saying so."""
+    """Drop the checkpoint's pages from the page cache. DONTNEED leaves pages that a
+    process maps (and a tmpfs keeps them all), so with ``check`` it then counts what
+    stayed (mincore) and raises where more than COLD_CACHED_MAX of the files did: on the
+    H200 (session 12) a mapping that InstantTensor's MMAP backend left in the bench
+    process kept a 9.8 GB file cached, and the loader's "cold" load ran at warm speed
+    (0.28 s) with nothing saying so."""
+    files = checkpoint_paths(path)
     os.sync()  # DONTNEED skips dirty pages
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
     if check:
-        size = os.stat(path).st_size
-        cached = page_cache_bytes(path)
+        size = sum(f.stat().st_size for f in files)
+        cached = sum(_file_page_cache_bytes(f) for f in files)
         if size and cached > COLD_CACHED_MAX * size:
             raise RuntimeError(f"{path}: {cached} of {size} bytes stay in the page cache after POSIX_FADV_DONTNEED "
-                               "(a process maps them): a cold run would read warm pages")
+                               "(a process maps them, or a tmpfs holds them): a cold run would read warm pages")
 
 
 def warm_page_cache(path: str | os.PathLike[str]) -> None:
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
-            pass
+    for p in checkpoint_paths(path):
+        with open(p, "rb") as f:
+            while f.read(64 << 20):
+                pass
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -110,11 +140,25 @@ def touch_all(tensors: Any) -> None:
         torch.cuda.synchronize()
 
 
-def time_load_file_and_touch(path: Path, device: str) -> float:
+def load_files(files: list[Path], device: str) -> dict[str, Any]:
+    """``load_file`` of each file, one after the other, into one dict (an engine's loop
+    over a sharded checkpoint)."""
     from safetensors.torch import load_file
 
+    if len(files) == 1:
+        return load_file(str(files[0]), device=device)
+    tensors: dict[str, Any] = {}
+    for f in files:
+        tensors.update(load_file(str(f), device=device))
+    return tensors
+
+
+def time_load_file_and_touch(path: Path, device: str) -> float:
+    files = checkpoint_paths(path)
+    import safetensors.torch  # noqa: F401  (imported before the clock, as on the first call)
+
     t = time.perf_counter()
-    touch_all(load_file(str(path), device=device))
+    touch_all(load_files(files, device))
     return time.perf_counter() - t
 
 
@@ -129,11 +173,12 @@ async def attach_and_touch(sock: str, name: str) -> float:
 
 
 def time_load_file(path: Path, device: str) -> float:
+    import safetensors.torch  # noqa: F401
     import torch
-    from safetensors.torch import load_file
 
+    files = checkpoint_paths(path)
     t = time.perf_counter()
-    tensors = load_file(str(path), device=device)
+    tensors = load_files(files, device)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     dt = time.perf_counter() - t
@@ -150,23 +195,24 @@ async def evict_fully(c: Any, name: str) -> None:
 
 
 async def _drop_when_unmapped(path: str | os.PathLike[str], timeout: float = 10.0) -> None:
-    """Drop the file's pages; the daemon unmaps an evicted arena in a thread, so retry
-    until they are gone (a mapped page is not dropped)."""
+    """Drop the checkpoint's pages; the daemon unmaps an evicted arena in a thread, so
+    retry until they are gone (a mapped page is not dropped)."""
     from ..loader.preads import resident_fraction
 
     deadline = time.monotonic() + timeout
-    fd = os.open(path, os.O_RDONLY)
+    fds = [os.open(f, os.O_RDONLY) for f in checkpoint_paths(path)]
     try:
         while True:
             drop_page_cache(path, check=False)
-            if resident_fraction(fd, os.fstat(fd).st_size) < COLD_CACHED_MAX:
+            if all(resident_fraction(fd, os.fstat(fd).st_size) < COLD_CACHED_MAX for fd in fds):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{path} stayed in the page cache for {timeout:g} s after the model's eviction "
                                    "(a process maps it): a cold load would read warm pages")
             await asyncio.sleep(0.05)
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
 
 
 async def daemon_load(sock: str, name: str, cold: str | os.PathLike[str] | None = None) -> float:
@@ -199,15 +245,21 @@ async def host_tier_round_trip(sock: str, name: str) -> tuple[float, float]:
 
 
 def disk_ceiling(path: Path, threads: int = 8, chunk: int = 16 << 20) -> float:
-    """Cold read rate of the file with parallel O_DIRECT preads and nothing else (no
-    copies): what any loader can at best reach from this disk. Bytes per second."""
+    """Cold read rate of the checkpoint's files (one after the other) with parallel
+    O_DIRECT preads and nothing else (no copies): what any loader can at best reach from
+    this disk. Bytes per second."""
+    drop_page_cache(path)
+    files = checkpoint_paths(path)
+    return sum(f.stat().st_size for f in files) / sum(_direct_read_s(f, threads, chunk) for f in files)
+
+
+def _direct_read_s(path: Path, threads: int, chunk: int) -> float:
     import mmap
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from ..loader.preads import pread_direct
 
-    drop_page_cache(path)
     size = path.stat().st_size
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     local = threading.local()
@@ -222,16 +274,19 @@ def disk_ceiling(path: Path, threads: int = 8, chunk: int = 16 << 20) -> float:
         list(pool.map(read, range(0, size, chunk)))
     dt = time.perf_counter() - t
     os.close(fd)
-    return size / dt
+    return dt
 
 
 def time_fastsafetensors(path: Path, device: str) -> float:
     import torch
     from fastsafetensors import fastsafe_open
 
+    files = checkpoint_paths(path)
     t = time.perf_counter()
-    with fastsafe_open(str(path), device=device, nogds=True) as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118  (not a dict)
+    tensors: dict[str, Any] = {}
+    for p in files:  # one file after the other, as load_file's figure
+        with fastsafe_open(str(p), device=device, nogds=True) as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118  (not a dict)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     dt = time.perf_counter() - t
@@ -248,10 +303,11 @@ def time_runai_streamer(path: Path, device: str) -> float:
     from runai_model_streamer import SafetensorsStreamer
 
     cuda = device.startswith("cuda")
+    files = [str(f) for f in checkpoint_paths(path)]
     t = time.perf_counter()
     tensors = {}
     with SafetensorsStreamer() as streamer:
-        streamer.stream_files([str(path)], device="cpu")
+        streamer.stream_files(files, device="cpu")  # every file in one stream, as vLLM passes them
         for name, tensor in streamer.get_tensors():
             tensors[name] = tensor.to(device) if cuda else tensor
     if cuda:
@@ -275,12 +331,14 @@ def time_instanttensor(path: Path, device: str, backend: str = "default") -> flo
     from instanttensor import Backend, BackendPolicy, safe_open
 
     chosen = {"default": None, "buffered": BackendPolicy.BUFFERED, "mmap": Backend.MMAP}[backend]
+    files = checkpoint_paths(path)
     torch.empty(1, device=device)  # the CUDA context, before the clock
     t = time.perf_counter()
-    tensors = {}
-    with safe_open(str(path), framework="pt", device=torch.device(device).index or 0, backend=chosen) as f:
-        for name, tensor in f.tensors():
-            tensors[name] = tensor
+    tensors: dict[str, Any] = {}
+    for p in files:  # one file after the other, as load_file's figure
+        with safe_open(str(p), framework="pt", device=torch.device(device).index or 0, backend=chosen) as f:
+            for name, tensor in f.tensors():
+                tensors[name] = tensor
     torch.cuda.synchronize()
     dt = time.perf_counter() - t
     del tensors

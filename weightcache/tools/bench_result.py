@@ -31,10 +31,13 @@ class Environment:
     host: str
     gpu: str | None = None  # the device's name, on CUDA only
     load_avg_1m: float | None = None  # the host's 1-minute load average when the bench started (absent in older runs)
+    # --checkpoint: the operator's checkpoint path and its .safetensors files' count (absent for a generated one)
+    checkpoint: str | None = None
+    files: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        for key in ("gpu", "load_avg_1m"):
+        for key in ("gpu", "load_avg_1m", "checkpoint", "files"):
             if out[key] is None:
                 del out[key]
         return out
@@ -151,6 +154,7 @@ class ReadyToComputeFigures:
     # file's page cache), over the file's size; absent in runs before issue 23
     resident_ratio: float | None = None
     arena: str | None = None  # which arena it got ("file", "memfd"; models' "arena")
+    arena_note: str | None = None  # why not the page cache, where it was refused (models' "arena_note"; key absent if none)
 
     @property
     def ratio(self) -> float:
@@ -161,12 +165,14 @@ class ReadyToComputeFigures:
                "load_file_s": self.load_file_s.as_dict(), "ratio_load_file_over_attach": self.ratio}
         if self.resident_ratio is not None:
             out |= {"resident_over_file": self.resident_ratio, "arena": self.arena}
+            if self.arena_note:
+                out["arena_note"] = self.arena_note
         return {"ready_to_compute": out}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ReadyToComputeFigures:
         return cls(attach_s=Spread.from_dict(d["attach_s"]), load_file_s=Spread.from_dict(d["load_file_s"]), read=d["read"],
-                   resident_ratio=d.get("resident_over_file"), arena=d.get("arena"))
+                   resident_ratio=d.get("resident_over_file"), arena=d.get("arena"), arena_note=d.get("arena_note"))
 
 
 @dataclass(frozen=True)
@@ -333,6 +339,7 @@ class BenchResult:
     content_hash: ContentHashFigures | None = None  # issue 14: the loader with and without the content hash
     # issue 28: InstantTensor, one per backend ("instanttensor_default", _buffered, _mmap)
     instanttensor: tuple[PeerLoaderFigures, ...] = ()
+    notes: tuple[str, ...] = ()  # issue 23: rows that did not run on this checkpoint, and why (key absent when none)
 
     def as_dict(self) -> dict[str, Any]:
         """The flat object of docs/bench-*.json, keys in the order they always had (the
@@ -343,6 +350,8 @@ class BenchResult:
                      self.ready, self.host_tier, self.fresh_attach, self.restart, self.control_plane):
             if part is not None:
                 out.update(part.as_dict())
+        if self.notes:
+            out["notes"] = list(self.notes)
         return out
 
     def to_json(self) -> str:
