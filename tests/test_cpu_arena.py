@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import fcntl
 import json
 import mmap
@@ -21,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from weightcache import Client
+from weightcache.backends import page_cache
 from weightcache.backends.cpu import CpuBackend
 from weightcache.backends.page_cache import populate_supported
 from weightcache.client.mapping import file_tensor_views, map_files
@@ -112,8 +114,6 @@ def test_a_trusted_checkpoint_is_served_from_its_page_cache(ckpts):
 
 
 def test_without_mlock_the_pages_are_served_populated(ckpts, monkeypatch, caplog):
-    from weightcache.backends import page_cache
-
     def refused(addr: int, length: int) -> int:  # what RLIMIT_MEMLOCK without CAP_IPC_LOCK gives
         ctypes.set_errno(12)
         return -1
@@ -146,6 +146,7 @@ def test_files_others_can_change_are_copied(tmp_path):
     p.chmod(0o664)
     arena, m = load_in_process(p, backend)
     assert m.arena_kind == "memfd" and "writable by its group or others (mode 664)" in arena.fallback
+    assert arena.fallback.endswith(f"; chmod go-w {p}")  # what the operator can do, in the same line
     assert same(m, load_file(str(p)))
     del m
     backend.free(arena)
@@ -153,7 +154,7 @@ def test_files_others_can_change_are_copied(tmp_path):
     if os.geteuid() == 0:  # only root can give a file away
         os.chown(p, 65534, 65534)
         arena, m = load_in_process(p, backend)
-        assert m.arena_kind == "memfd" and "owned by uid 65534" in arena.fallback
+        assert m.arena_kind == "memfd" and "owned by uid 65534" in arena.fallback and "; chown it to root" in arena.fallback
         assert same(m, load_file(str(p)))
         del m
         backend.free(arena)
@@ -188,7 +189,7 @@ def test_a_tensor_not_aligned_in_its_file_is_copied(tmp_path):
     expected = misaligned_checkpoint(p)
     backend = CpuBackend("cpu")
     arena, m = load_in_process(p, backend)
-    assert m.arena_kind == "memfd" and "not aligned" in arena.fallback
+    assert m.arena_kind == "memfd" and "not aligned" in arena.fallback and arena.fallback.endswith("which aligns every tensor")
     assert same(m, expected)
     del m
     backend.free(arena)
@@ -371,7 +372,7 @@ async def test_a_file_someone_holds_open_for_writing_is_copied(start_daemon, tmp
         d = start_daemon(models={"m": p})
         async with Client(d.socket) as c, c.attach("m") as m:
             assert m.arena_kind == "memfd"
-        assert "some process has it open for writing" in d.log_text()
+        assert f"some process has it open for writing; close it (fuser -v {p} names it)" in d.log_text()
     finally:
         os.close(writer)
 
@@ -429,6 +430,8 @@ async def test_a_file_not_everyone_may_read_with_bytes_beyond_its_tensors_is_cop
         assert entry["arena"] == "memfd"
         assert "is not readable by every user and holds 600 byte(s) outside" in entry["arena_note"] if extra == "tail" else \
             "holds 4096 byte(s) outside its header and tensors" in entry["arena_note"]
+        assert f"; chmod a+r {p} if every user may read them, else rewrite it without them" in entry["arena_note"]
+        assert "\n" not in entry["arena_note"]
     p.chmod(0o644)  # readable by all: nothing more to hide
     d2 = start_daemon(models={"m": p})
     async with Client(d2.socket) as c, c.attach("m") as m:
@@ -442,4 +445,37 @@ async def test_files_a_peer_sends_are_copied(start_daemon, tmp_path):
         await c.register("sent", p)  # by open files: the peer chose them
         async with c.attach("sent") as m:
             assert m.arena_kind == "memfd" and same(m, snapshot(p))
-    assert "sent by a peer as open files" in d.log_text()
+    assert "sent by a peer as open files; to have the daemon open them itself, name the model in the config or register it " \
+        "with --by-path" in d.log_text()
+
+
+@pytest.mark.parametrize(("err", "action"), [(errno.EACCES, "give the daemon CAP_LEASE"), (errno.EINVAL, "takes no leases")])
+def test_a_lease_that_cannot_be_taken_says_what_to_do(monkeypatch, tmp_path, err, action):
+    # Unknown is not safe: copied, and the line says how to make the answer known.
+    p = write_checkpoint(tmp_path / "m.safetensors", MIB, 8, seed=7)
+    real_fcntl = fcntl.fcntl
+
+    def no_lease(fd, cmd, *args):
+        if cmd == fcntl.F_SETLEASE:
+            raise OSError(err, os.strerror(err))
+        return real_fcntl(fd, cmd, *args)
+
+    monkeypatch.setattr(page_cache.fcntl, "fcntl", no_lease)
+    backend = CpuBackend("cpu")
+    arena, m = load_in_process(p, backend)
+    try:
+        assert m.arena_kind == "memfd" and "cannot tell whether some process has it open for writing" in arena.fallback
+        assert action in arena.fallback and "\n" not in arena.fallback
+    finally:
+        del m
+        backend.free(arena)
+
+
+def test_a_file_on_a_network_file_system_says_to_copy_it(monkeypatch, tmp_path):
+    from weightcache.loader import trust
+
+    p = write_checkpoint(tmp_path / "m.safetensors", MIB, 8, seed=8)
+    monkeypatch.setattr(trust, "file_system", lambda fd: "nfs4")
+    with open_source(p) as opened:
+        assert trust.why_untrusted(opened) == (f"{p} is on nfs4, where the bytes can change behind the page cache; "
+                                               "copy it to a local file system")

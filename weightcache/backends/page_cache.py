@@ -147,7 +147,7 @@ def hold_files(ckpt: Checkpoint, files: OpenedSource) -> tuple[list[HeldFile], s
                 held.append(_hold(rec.path, sf.fd))
                 f = held[-1]
                 if f.identity != (rec.dev, rec.ino, rec.size, rec.mtime_ns):
-                    why = f"{rec.path} changed since it was parsed"
+                    why = f"{rec.path} changed since it was parsed; evict and load the model again once it is written"
                     break
     except OSError as exc:
         why = f"{exc.filename or 'a file'}: {exc.strerror}"
@@ -165,12 +165,12 @@ def hold_files(ckpt: Checkpoint, files: OpenedSource) -> tuple[list[HeldFile], s
 
 def _refusal(ckpt: Checkpoint, files: OpenedSource) -> str | None:
     """Why ``files`` must be copied into a memfd rather than served from the page cache,
-    or None."""
+    and what the operator can do about it (one line), or None."""
     why = why_untrusted(files)  # peers' fds, tenants' files, writable by others, network file systems
     if why is not None:
         return why
     for rec, sf in zip(ckpt.files, files.files, strict=True):
-        writer = _open_for_writing(sf.fd)
+        writer = _open_for_writing(sf.fd, rec.path)
         if writer is not None:
             return f"{rec.path}: {writer}"
         if not os.fstat(sf.fd).st_mode & 0o004:
@@ -178,10 +178,12 @@ def _refusal(ckpt: Checkpoint, files: OpenedSource) -> str | None:
             if hidden:
                 # An engine's fd would let it read these too, and nobody may otherwise.
                 return (f"{rec.path} is not readable by every user and holds {hidden} byte(s) outside its header and "
-                        "tensors, which an engine's fd of it would expose")
+                        f"tensors, which an engine's fd of it would expose; chmod a+r {rec.path} if every user may read "
+                        "them, else rewrite it without them (safetensors' save_file writes none)")
     for t in ckpt.tensors:
         if t.nbytes and t.file_offset % DTYPE_SIZES[t.dtype]:
-            return f"tensor {t.name!r} is not aligned to its {t.dtype} elements in {ckpt.files[t.file].path}"
+            return (f"tensor {t.name!r} is not aligned to its {t.dtype} elements in {ckpt.files[t.file].path}; rewrite the "
+                    "file with safetensors' save_file, which aligns every tensor")
     return None
 
 
@@ -265,12 +267,12 @@ def segments(ckpt: Checkpoint) -> bytes:
     return b"".join(SEGMENT.pack(r.file, r.file_offset, r.arena_offset, r.nbytes) for r in contiguous_runs(ckpt))
 
 
-def _open_for_writing(fd: int) -> str | None:
+def _open_for_writing(fd: int, path: str) -> str | None:
     """Whether some process holds the file open for writing (an fd or a shared writable
     mapping, perhaps from before a chmod): a read lease is refused exactly then. Taken
     and dropped at once (held, a writer's open would signal the daemon with SIGIO). If
     the lease cannot be taken at all (not the owner, no CAP_LEASE), say so: unknown is
-    not safe."""
+    not safe. Each answer ends with what the operator can do."""
     probe = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
     try:
         fcntl.fcntl(probe, fcntl.F_SETLEASE, fcntl.F_RDLCK)
@@ -278,7 +280,11 @@ def _open_for_writing(fd: int) -> str | None:
         return None
     except OSError as exc:
         if exc.errno == errno.EAGAIN:
-            return "some process has it open for writing"
-        return f"cannot tell whether some process has it open for writing (read lease: {exc.strerror})"
+            return f"some process has it open for writing; close it (fuser -v {path} names it), then evict and load the model again"
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return (f"cannot tell whether some process has it open for writing (read lease: {exc.strerror}); chown it to "
+                    "the daemon's user, or give the daemon CAP_LEASE (systemd: AmbientCapabilities=CAP_LEASE)")
+        return (f"cannot tell whether some process has it open for writing (read lease: {exc.strerror}); its file system "
+                "takes no leases: copy it to a local ext4 or xfs one")
     finally:
         os.close(probe)

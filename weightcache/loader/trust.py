@@ -70,19 +70,23 @@ def file_system(fd: int) -> str:
 
 
 def why_untrusted(opened: OpenedSource) -> str | None:
-    """Why someone other than the operator could change these files' bytes (one line,
-    naming the file), or None when only root or the daemon's uid can."""
+    """Why someone other than the operator could change these files' bytes, and what the
+    operator can do about it (one line, naming the file), or None when only root or the
+    daemon's uid can."""
     if opened.adopted:
-        return "its files were sent by a peer as open files"
+        return ("its files were sent by a peer as open files; to have the daemon open them itself, name the model in the "
+                "config or register it with --by-path (admins)")
     me = os.geteuid()
+    owners = "root" if me == 0 else f"root or uid {me} (the daemon's)"
     for sf in opened.files:
         st = os.fstat(sf.fd)
         immutable = inode_flags(sf.fd) & (FS_IMMUTABLE_FL | FS_VERITY_FL)
         if not immutable and st.st_uid not in (0, me):
-            return f"{sf.path} is owned by uid {st.st_uid}, who could rewrite it"
+            return f"{sf.path} is owned by uid {st.st_uid}, who could rewrite it; chown it to {owners}, or chattr +i it"
         if not immutable and st.st_mode & 0o022:
-            return f"{sf.path} is writable by its group or others (mode {stat.S_IMODE(st.st_mode):o}), who could rewrite it"
+            return (f"{sf.path} is writable by its group or others (mode {stat.S_IMODE(st.st_mode):o}), who could rewrite it; "
+                    f"chmod go-w {sf.path}")
         fs = file_system(sf.fd)
         if fs not in LOCAL_FILE_SYSTEMS:
-            return f"{sf.path} is on {fs}, where the bytes can change behind the page cache"
+            return f"{sf.path} is on {fs}, where the bytes can change behind the page cache; copy it to a local file system"
     return None
