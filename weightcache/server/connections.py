@@ -95,8 +95,10 @@ class Connections:
         self._ids = itertools.count(1)
         self.background: set[asyncio.Task[Any]] = set()
         # Lines for what peers cause, rate-limited per uid with counts of what was left out
-        # (logs.PeerEventLog): refused connections, refused admin ops, limits broken.
-        self.peer_log = PeerEventLog(log)
+        # (logs.PeerEventLog): refused connections, refused admin ops, limits broken, replies
+        # not sent. The daemon's one such log, the loads' too (Fill.model_event): flushed
+        # once at close, it says what all of them left out.
+        self.peer_log: PeerEventLog = residency.fill.peer_log
 
     def __len__(self) -> int:
         return len(self.conns)
@@ -387,8 +389,10 @@ class Connections:
                     # Not sent, the peer still there (ETOOMANYREFS: fds in flight past the
                     # daemon's RLIMIT_NOFILE): it would wait for this reply forever, holding
                     # what the reply granted. Closed, its leases end and the peer knows.
-                    log.warning("conn %d: reply not sent (%s); closing the connection", conn.id, exc,
-                                extra=_peer_fields(conn))
+                    # The peer's doing (it left fds unread), so its share of the log.
+                    self.peer_log.log(logging.WARNING, "reply not sent", conn.peer.uid,
+                                      "conn %d: reply not sent (%s); closing the connection", conn.id, exc,
+                                      extra=_peer_fields(conn))
                     with contextlib.suppress(OSError):
                         conn.sock.shutdown(socket.SHUT_RDWR)
             finally:

@@ -50,19 +50,25 @@ class PeerEventLog:
     counted, and one line per event says how many were left out, once the window ends
     (at the next such event, a timer, or ``flush`` at shutdown). One warning per event
     let a peer write 1.76 MiB of log in 5 s with 14,653 refused connects, 4.2 MiB with
-    pipelined ``evict``s: 30-70 GB a day unless journald limits it."""
+    pipelined ``evict``s: 30-70 GB a day unless journald limits it.
+
+    The daemon keeps one (``Fill.peer_log``), shared by connections, loads and
+    registers, so that ``flush`` at shutdown says what every one of them left out. The
+    share is keyed by who caused the line: a uid, or a name the operator chose (a
+    configured model's, so that one broken model of the config cannot hide another's)."""
 
     def __init__(self, logger: logging.Logger, burst: int = 10, total: int = 50, window: float = 60.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.logger, self.burst, self.total, self.window, self.clock = logger, burst, total, window, clock
         self._start: dict[str, float] = {}  # event -> when its window began
-        self._lines: Counter[tuple[str, int]] = Counter()  # (event, uid) -> lines logged this window
+        self._lines: Counter[tuple[str, int | str]] = Counter()  # (event, uid) -> lines logged this window
         self._logged: Counter[str] = Counter()  # event -> lines logged this window, all uids
-        self._left_out: dict[str, Counter[int]] = {}  # event -> uid -> lines left out this window
+        self._left_out: dict[str, Counter[int | str]] = {}  # event -> uid -> lines left out this window
         self._timer: asyncio.TimerHandle | None = None
 
-    def log(self, level: int, event: str, uid: int, msg: str, *args: Any, **kwargs: Any) -> bool:
-        """Log ``msg % args`` unless this window's share is spent; True if it was logged."""
+    def log(self, level: int, event: str, uid: int | str, msg: str, *args: Any, **kwargs: Any) -> bool:
+        """Log ``msg % args`` unless this window's share is spent; True if it was logged.
+        ``uid``: whose share it spends (a str: a name of the operator's, see above)."""
         now = self.clock()
         start = self._start.get(event)
         if start is None or now - start >= self.window:
@@ -92,7 +98,7 @@ class PeerEventLog:
         self._logged.pop(event, None)
         self._start.pop(event, None)
         if left:
-            top = ", ".join(f"uid {u}: {n}" for u, n in left.most_common(5))
+            top = ", ".join(f"uid {u}: {n}" if isinstance(u, int) else f"{u}: {n}" for u, n in left.most_common(5))
             self.logger.warning("%d more %r line(s) left out in the last %.0f s (%s%s)", sum(left.values()), event,
                                 self.window, top, ", ..." if len(left) > 5 else "",
                                 extra={"event": event, "suppressed": sum(left.values())})

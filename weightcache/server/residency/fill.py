@@ -21,7 +21,8 @@ from ...errors import LoadFailed, NoSpace, WeightcacheError
 from ...loader import Checkpoint, Progress
 from ...protocol.messages import tenant_fingerprint
 from ..fills import FillStrategy
-from ..registry import Registry
+from ..logs import PeerEventLog
+from ..registry import Model, Registry
 from .io import MANY_TENSORS, collector_paused
 from .job import LoadJob
 from .room import RoomQueue
@@ -71,6 +72,31 @@ class Fill:
         # The turns go round-robin by the model's owner (turns.py), so one tenant's queue of
         # big fills does not hold back another's.
         self._fill_turns: dict[str, FairTurns] = {}
+        # The daemon's one log of what peers cause (logs.PeerEventLog): these loads' refusals
+        # and failures (model_event), flight.py's and register's, and connections.py's.
+        self.peer_log = PeerEventLog(log)
+
+    def model_event(self, model: Model, level: int, event: str, msg: str, *args: Any, **kwargs: Any) -> bool:
+        """A line about ``model`` that anyone may cause again and again by asking for it
+        (a load refused or failed, its files changed), rate-limited by whose model it is;
+        True if it was written (logs.PeerEventLog has the rest counted and summed up).
+
+        A tenant's model (registered or published by a uid that is not an administrator
+        by uid; one by group only is taken for a tenant here, its lines still written):
+        its quota, its files, its header, so its owner's doing and its owner's share of
+        ``event``, and at most WARNING: nothing the operator must fix. A tenant that asked
+        for 300 loads of a model over its quota wrote 300 ERROR lines.
+
+        The operator's (configured, or an administrator's): a corrupt configured checkpoint
+        or a model bigger than the budget is the daemon's own failure and stays at its
+        level, under an event of its own, with a share per model name: no tenant's flood
+        of its own models' lines spends it, and one broken model cannot hide another's
+        first line. Still a share, not every line: any peer allowed to use such a model may
+        ask for its load as often as it likes."""
+        owner = model.owner
+        if owner is None or model.origin == "config" or owner == 0 or owner in self.registry.access.admin_uids:
+            return self.peer_log.log(level, f"{event} (operator's model)", model.config.name, msg, *args, **kwargs)
+        return self.peer_log.log(min(level, logging.WARNING), event, owner, msg, *args, **kwargs)
 
     async def fill_new_arena(self, name: str, ckpt: Checkpoint, nbytes: int, wait_s: float, fill: FillStrategy,
                              verb: str, job: LoadJob | None = None, phases: dict[str, float] | None = None,
@@ -117,7 +143,8 @@ class Fill:
             model.last_error = exc.to_wire()
             # NO_SPACE that detaches could cure is routine: callers wait and try again.
             level = logging.INFO if isinstance(exc, NoSpace) and exc.fits_ever else logging.ERROR
-            log.log(level, "load %s refused: %s", name, exc, extra={"model": name, "code": exc.code})
+            self.model_event(model, level, "load refused", "load %s refused: %s", name, exc,
+                             extra={"model": name, "code": exc.code, "owner": model.owner})
             raise
         # Admitted: the others waiting for room for it join this load now, as when every
         # waiter was woken, rather than at its end (their waited_s would count the load).
@@ -174,15 +201,19 @@ class Fill:
             err = exc if isinstance(exc, WeightcacheError) else LoadFailed(f"{name}: {type(exc).__name__}: {exc}", model=name)
             if job is not None and job.abandoned.is_set() and not self._shutting_down():
                 self.counters["cancelled_loads"] += 1
-                log.info("load %s cancelled after %.2fs: no one waits for it; its reservation is returned",
-                         name, time.monotonic() - t0,
-                         extra={"model": name, "code": "LOAD_FAILED", "reason": "cancelled", "seconds": round(time.monotonic() - t0, 6)})
+                # a peer that asks for a load and hangs up, again and again: one line each before
+                self.model_event(model, logging.INFO, "load cancelled",
+                                 "load %s cancelled after %.2fs: no one waits for it; its reservation is returned",
+                                 name, time.monotonic() - t0,
+                                 extra={"model": name, "code": "LOAD_FAILED", "reason": "cancelled", "owner": model.owner,
+                                        "seconds": round(time.monotonic() - t0, 6)})
                 err = LoadFailed(f"load of {name!r} cancelled: no one waits for it", model=name, reason="cancelled")
             else:
                 model.last_error = err.to_wire()
                 self.counters["failed_loads"] += 1
-                log.error("load %s failed: %s", name, err,
-                          extra={"model": name, "code": err.code, "seconds": round(time.monotonic() - t0, 6)})
+                self.model_event(model, logging.ERROR, "load failed", "load %s failed: %s", name, err,
+                                 extra={"model": name, "code": err.code, "owner": model.owner,
+                                        "seconds": round(time.monotonic() - t0, 6)})
             self.room.notify()
             if err is exc or isinstance(exc, asyncio.CancelledError):
                 raise
