@@ -10,6 +10,8 @@ operator's. A peer's model gets a fingerprint bound to its uid.
 from __future__ import annotations
 
 import logging
+import weakref
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ from ..protocol.framing import Deferred
 from ..protocol.messages import tenant_fingerprint
 from .access import Peer
 from .fills import CopyPublished
-from .registry import Model
+from .registry import Model, Registry
 from .requests import Caller, Context, Reply, Request, arg
 
 log = logging.getLogger("weightcache.daemon")
@@ -53,43 +55,40 @@ async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
     mc = _private_unless_listed(_model_config(fields), caller.peer, admin)
     if mc.pin and not admin:
         raise PermissionDenied("pinning is for administrators", op="register", argument="pin")
-    if not admin:
-        _check_model_count(ctx, caller.peer)
-    sources: list[OpenedSource] | None = None
     if files is None:
         if req.fds:
             raise BadRequest("file descriptors came without 'files' naming them", argument="files")
         for path, _device in mc.parts:
             if d.model_roots and not under_roots(path, d.model_roots):
                 raise PermissionDenied(f"{path} is not under daemon.model_roots", path=str(path))
-    else:
-        held = ctx.registry.files_held_by(caller.peer.uid)
-        if held + len(req.fds) > d.max_files_per_uid:
-            raise LimitExceeded(f"uid {caller.peer.uid}'s registered models hold {held} open files; "
-                                f"{len(req.fds)} more would pass max_files_per_uid={d.max_files_per_uid}",
-                                limit=d.max_files_per_uid)
-        sources = _adopt_files(mc, files, req)
-    # The header checked now, as the config's models are at start: a file that is not a
-    # checkpoint is refused with the error its load would give, not registered to fail later.
-    problem = await ctx.residency.checks.check_files(mc, sources, tenant=None if admin else caller.peer.uid)
-    if problem is not None:
-        for src in sources or ():
-            src.close()
-        raise problem
-    if not admin:  # again: other registers of this uid may have finished during the check
-        try:
-            _check_model_count(ctx, caller.peer)
-        except BaseException:
-            for src in sources or ():
-                src.close()
-            raise
+    # Both per-uid limits reserved here, before the first await (the header's check), and
+    # returned on every way out: checked there and not held, 16 concurrent registers of a
+    # file each under max_files_per_uid = 4 all registered, and all 16 over
+    # max_models_per_uid = 3 parsed their header (20,000 tensors each) before any refusal.
+    # Once registered, the model and its files count in the registry's own sums instead.
+    releases: list[Callable[[], None]] = []
+    sources: list[OpenedSource] | None = None
     try:
+        if not admin:
+            _check_model_count(ctx, caller.peer)
+            releases.append(ctx.registry.reserve_model(caller.peer.uid))
+        if files is not None:
+            releases.append(_reserve_files(ctx, caller.peer.uid, len(req.fds)))
+            sources = _adopt_files(mc, files, req)
+        # The header checked now, as the config's models are at start: a file that is not a
+        # checkpoint is refused with the error its load would give, not registered to fail later.
+        problem = await ctx.residency.checks.check_files(mc, sources, tenant=None if admin else caller.peer.uid)
+        if problem is not None:
+            raise problem
         ctx.registry.register(mc, origin="register", owner=caller.peer.uid, sources=sources,
                               tenants=tenant_keys(caller.peer.uid, caller.peer.groups))
     except BaseException:
         for src in sources or ():
             src.close()
         raise
+    finally:
+        for release in releases:
+            release()
     if mc.preload:
         ctx.residency.preloads.start(mc.name, gates=admin)
     return {"model": ctx.registry.describe(ctx.registry.groups[mc.name][0], caller.peer, None)}, []
@@ -274,6 +273,37 @@ async def _publish(ctx: Context, caller: Caller, req: Request, name: str, replac
     finally:
         await residency.io.run(backend.close_published, source)
     return {"model": ctx.registry.describe(name, caller.peer, None)}, []
+
+
+# uid -> open files reserved by registers in flight, per registry (the daemon's one; a
+# test's daemons in one process each have their own). Registry.reserve_model's twin for
+# max_files_per_uid, kept here as the only op that adds a peer's open files.
+_files_reserved: weakref.WeakKeyDictionary[Registry, Counter[int]] = weakref.WeakKeyDictionary()
+
+
+def _reserve_files(ctx: Context, uid: int, n: int) -> Callable[[], None]:
+    """Hold ``n`` of ``uid``'s max_files_per_uid open files for a register that checks its
+    header before it holds them (LimitExceeded if they do not fit beside those held and
+    those reserved). Returns the release (idempotent), called once the register ends,
+    whether the registry holds the files by then or the register failed."""
+    limit = ctx.settings.daemon.max_files_per_uid
+    reserved = _files_reserved.setdefault(ctx.registry, Counter())
+    held = ctx.registry.files_held_by(uid) + reserved[uid]
+    if held + n > limit:
+        raise LimitExceeded(f"uid {uid}'s registered models hold {held} open files (registers in flight included); {n} more would pass "
+                            f"max_files_per_uid={limit}", limit=limit)
+    reserved[uid] += n
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            reserved[uid] -= n
+            if reserved[uid] <= 0:
+                del reserved[uid]
+
+    return release
 
 
 def _check_model_count(ctx: Context, peer: Peer) -> None:
