@@ -155,7 +155,10 @@ class SingleFlight:
     async def _drop_stale(self, name: str) -> None:
         """The files changed since ``name`` was loaded and nobody holds the old bytes: drop
         them (under every name on the arena) so the new checkpoint is what gets served."""
-        log.warning("model %s changed on disk; reloading it", name, extra={"model": name})
+        # A tenant may rewrite its own model's file between loads, again and again: its
+        # share of the log (Fill.model_event); the operator's models keep a share each.
+        self.fill.model_event(self.registry.models[name], logging.WARNING, "changed on disk",
+                              "model %s changed on disk; reloading it", name, extra={"model": name})
         for x in [name, *(s.name for s in self.core.siblings(name) if s.state is State.RESIDENT)]:
             # a pin keeps a model, not stale bytes; and stale bytes do not go to the host tier
             await self.step_down.carry_out(self.core.evict(x, ignore_pin=True, demote=False), reason="changed on disk")
@@ -268,7 +271,10 @@ class SingleFlight:
             err = exc if isinstance(exc, WeightcacheError) else LoadFailed(f"{name}: {type(exc).__name__}: {exc}", model=name)
             model.last_error = err.to_wire()
             self.stats.counters["failed_loads"] += 1  # opening or parsing failed: a load that failed before it filled
-            log.error("load %s refused: %s", name, err, extra={"model": name, "code": err.code})
+            # Rate-limited by whose model it is (Fill.model_event): a tenant's unreadable
+            # or rewritten file is its own doing, a configured one's stays an ERROR.
+            self.fill.model_event(model, logging.ERROR, "load refused", "load %s refused: %s", name, err,
+                                  extra={"model": name, "code": err.code, "owner": model.owner})
             raise err from None
         opening = time.monotonic() - t_open
         try:
