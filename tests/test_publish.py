@@ -102,7 +102,18 @@ def test_publish_refuses_bad_tables_and_unsealed_memory(start_daemon):
                           ([["a", "F32", [4], 0, 16], ["b", "F32", [4], 0, 16]], "overlap"), ([], "non-empty")]:
         reply = publish(table)
         assert reply["error"]["code"] == "BAD_REQUEST" and reason in reply["error"]["message"], (table, reply)
-    assert publish(good, **{"arena": {"kind": "cuda_vmm", "nbytes": 4096}})["error"]["code"] == "BAD_REQUEST"
+    # The arena map is read by the one parser the client's attach uses (protocol/arena.py),
+    # each bad field named, before any fd is mapped.
+    for arena, reason in [({"kind": "cuda_vmm", "nbytes": 4096, "chunks": [4096], "device_uuid": "GPU-0"},
+                           "published as 'memfd' arenas, not 'cuda_vmm'"),
+                          ({"kind": "cuda_vmm", "nbytes": 4096}, "'device_uuid' must be a string"),
+                          ({"kind": "file", "nbytes": 4096, "files": [4096], "segments": b""}, "not 'file'"),
+                          ({"kind": "memfd", "nbytes": 0}, "'nbytes' must be a positive integer"),
+                          ({"kind": "memfd", "nbytes": True}, "'nbytes' must be a positive integer"),
+                          ({"kind": "memfd", "nbytes": 4096, "writable": "yes"}, "'writable' must be a boolean"),
+                          ({"nbytes": 4096}, "unknown arena kind None")]:
+        reply = publish(good, arena=arena)
+        assert reply["error"]["code"] == "BAD_REQUEST" and reason in reply["error"]["message"], (arena, reply)
     assert publish(good)["ok"]  # and a good one on the same connection works
     os.close(fd)
     # a frame claiming fds that did not come is refused

@@ -20,6 +20,7 @@ from ..loader.reader import ArenaWriter
 if TYPE_CHECKING:
     from ..loader.checkpoint import Checkpoint
     from ..loader.sources import OpenedSource
+    from ..protocol.arena import ArenaDesc
 
 
 @dataclass
@@ -264,9 +265,11 @@ class Backend(ABC):
 
     # -- publish: an engine hands the daemon weights it processed itself ---------------
     @abstractmethod
-    def open_published(self, arena: dict[str, Any], fds: list[int]) -> PublishedSource:
-        """Map the engine's memory (described as in an attach reply) read-only; the fds
-        stay the caller's. Refuse memory the engine could still change (BadRequest)."""
+    def open_published(self, arena: ArenaDesc, fds: list[int]) -> PublishedSource:
+        """Map the engine's memory read-only, as ``arena`` (the request's map parsed by
+        protocol/arena.parse_arena, the record an attach reply is built from) describes
+        it; the fds stay the caller's. Refuse memory the engine could still change, or
+        another kind than ``kind`` (BadRequest)."""
 
     @abstractmethod
     def copy_published(self, source: PublishedSource, arena: Arena, nbytes: int) -> None:

@@ -89,7 +89,7 @@ from ..loader.checkpoint import Checkpoint
 from ..loader.content import TaskHasher
 from ..loader.preads import pread_full, pread_hashing, read_batch
 from ..loader.sources import OpenedSource
-from ..protocol.arena import MEMFD_SEALS, SEGMENT, FileArenaDesc, MemfdArenaDesc
+from ..protocol.arena import MEMFD, MEMFD_SEALS, SEGMENT, ArenaDesc, FileArenaDesc, MemfdArenaDesc
 from ..units import capacity
 from .base import Arena, Backend, DmaRegion, DmaView, PublishedSource
 from .page_cache import (
@@ -182,7 +182,7 @@ class _MemfdWriter:
 
 
 class CpuBackend(Backend):
-    kind = "memfd"  # what engines publish on this device; attach replies say "file" or "memfd" per arena
+    kind = MEMFD  # what engines publish on this device; attach replies say "file" or "memfd" per arena
     supports_dma = True  # host memory: NIXL's DRAM
 
     def __init__(self, device: str, page_cache: bool = True) -> None:
@@ -305,12 +305,12 @@ class CpuBackend(Backend):
             raise
 
     # -- publish ----------------------------------------------------------------------
-    def open_published(self, arena: dict[str, Any], fds: list[int]) -> MemfdSource:
+    def open_published(self, arena: ArenaDesc, fds: list[int]) -> MemfdSource:
+        if not isinstance(arena, MemfdArenaDesc):
+            raise BadRequest(f"{self.device} models are published as {MEMFD!r} arenas, not {arena.kind!r}")
         if len(fds) != 1:
             raise BadRequest(f"a memfd arena is published with 1 fd, not {len(fds)}")
-        nbytes = arena.get("nbytes")
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
-            raise BadRequest(f"arena nbytes must be a positive integer, got {nbytes!r}")
+        nbytes = arena.nbytes  # a positive integer (parse_arena)
         try:
             # Only memfds (and other shmem files) know seals: a regular file, a FIFO, a
             # socket or /dev/zero is refused here, before anything maps it.

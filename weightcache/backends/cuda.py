@@ -25,7 +25,7 @@ from cuda.bindings import driver as cu
 
 from .. import cuda_driver as drv
 from ..errors import BadRequest, NoSpace
-from ..protocol.arena import VmmArenaDesc, chunk_sizes
+from ..protocol.arena import CUDA_VMM, ArenaDesc, VmmArenaDesc, chunk_sizes
 from ..units import capacity
 from .base import Arena, Backend, HostCopy, HostPool, PublishedSource, Room
 from .cuda_hash import HASH_STREAMS, GpuHasher, HashUnavailable
@@ -67,7 +67,7 @@ class VmmSource(PublishedSource):
 
 
 class CudaBackend(Backend):
-    kind = "cuda_vmm"
+    kind = CUDA_VMM
     supports_host_tier = True
     supports_writable_attach = True
 
@@ -226,14 +226,14 @@ class CudaBackend(Backend):
             finally:
                 drv.check(cu.cuStreamDestroy(stream))
 
-    def open_published(self, arena: dict[str, Any], fds: list[int]) -> VmmSource:
-        sizes = [int(s) for s in arena.get("chunks", [])]
-        if len(sizes) != len(fds) or not sizes:
+    def open_published(self, arena: ArenaDesc, fds: list[int]) -> VmmSource:
+        if not isinstance(arena, VmmArenaDesc):
+            raise BadRequest(f"{self.device} models are published as {CUDA_VMM!r} arenas, not {arena.kind!r}")
+        sizes = arena.chunks  # positive integers (parse_arena)
+        if len(sizes) != len(fds):
             raise BadRequest(f"a cuda_vmm arena is published with one fd per chunk: {len(sizes)} chunks, {len(fds)} fds")
-        if str(arena.get("device_uuid", "")).lower() != self.gpu_uuid.lower():
-            raise BadRequest(f"published memory is on {arena.get('device_uuid')}, not on {self.device} ({self.gpu_uuid})")
-        if any(s <= 0 for s in sizes):
-            raise BadRequest(f"chunk sizes must be positive, got {sizes}")
+        if arena.device_uuid.lower() != self.gpu_uuid.lower():
+            raise BadRequest(f"published memory is on {arena.device_uuid}, not on {self.device} ({self.gpu_uuid})")
         handles: list[Any] = []
         with drv.current(self.ctx):
             try:

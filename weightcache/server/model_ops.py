@@ -25,13 +25,14 @@ from ..config import ModelConfig, check_model_name, config_group_names, problems
 from ..errors import Attached, BadRequest, LimitExceeded, PermissionDenied, Pinned
 from ..loader import OpenedSource, adopt_fds
 from ..loader.published import published_checkpoint
+from ..protocol.arena import parse_arena
 from ..protocol.fds import close_fds
 from ..protocol.framing import Deferred
 from ..protocol.messages import tenant_fingerprint
 from .access import Peer
 from .fills import CopyPublished
 from .registry import Model, Registry
-from .requests import Caller, Context, Reply, Request, arg
+from .requests import Caller, Context, Reply, Request
 
 log = logging.getLogger("weightcache.daemon")
 
@@ -236,12 +237,12 @@ async def _publish(ctx: Context, caller: Caller, req: Request, name: str, replac
                    fingerprint: str, release_slot: Callable[[], None] | None) -> Reply:
     device = ctx.registry.resolve_device(req.arg("device", str))
     backend = ctx.backends[device]
-    desc = req.arg("arena", dict)
-    if desc.get("kind") != backend.kind:
-        raise BadRequest(f"{device} models are published as {backend.kind!r} arenas, not {desc.get('kind')!r}")
-    nbytes = arg(desc, "nbytes", int)
-    if nbytes <= 0:  # more than the budget is NO_SPACE at admission, like any load
-        raise BadRequest(f"arena nbytes must be positive, got {nbytes}", argument="nbytes")
+    # Read by the parser the client's attach uses, every field checked; more than the
+    # budget is NO_SPACE at admission, like any load.
+    desc = parse_arena(req.arg("arena", dict))
+    if desc.kind != backend.kind:
+        raise BadRequest(f"{device} models are published as {backend.kind!r} arenas, not {desc.kind!r}")
+    nbytes = desc.nbytes
     wait = ctx.wait_arg(req)
     # Checked before anything is opened; the path is the published memory's, set below.
     access = _private_unless_listed(
