@@ -7,7 +7,8 @@ it), the borrower's config names ``b/model.safetensors`` with the fingerprint pi
 Then, ``--rounds`` times, interleaved:
 
 - ``fill``: the borrower evicts the model and loads it: filled from the lender over NIXL
-  (source "neighbour"; every piece hashed, the fingerprint checked);
+  (source "neighbour"; every piece hashed, the fingerprint checked; ``prefer = "peers"``,
+  or the borrower would read its files once it had measured them faster);
 - ``files (cold)``: the lender evicts its copy (no peer offers it), the borrower's file
   is dropped from the page cache (POSIX_FADV_DONTNEED, checked with mincore probes),
   and the borrower loads it from its files; then the lender loads it again;
@@ -296,7 +297,8 @@ def start(tmp: Path, i: int, model: Path, ports: list[int], fp: str | None) -> D
     budget = f"{max(6, 2 * model.stat().st_size // 2**30 + 2)}GiB"  # the model, and room for a second copy in flight
     text = config_text(sock, {"cpu": budget}, [{"name": "m", "path": str(model)}], {"log_level": "info"})
     text += (f'\n[peers]\nlisten = "127.0.0.1:{ports[i]}"\naddresses = ["127.0.0.1:{ports[1 - i]}"]\nrefresh_s = 0.2\n'
-             + (f'fingerprints = {{ m = "{fp}" }}\n' if fp else ""))
+             + (f'fingerprints = {{ m = "{fp}" }}\n' if fp else "")
+             + 'prefer = "peers"\n')  # every round's fill from the peer: what is measured here, whatever is faster
     cfg = tmp / f"d{i}.toml"
     cfg.write_text(text)
     return DaemonProcess(cfg, sock, tmp / f"d{i}.log").start()

@@ -227,3 +227,34 @@ async def test_a_peer_whose_bytes_do_not_match_the_fingerprint_is_not_served(pai
         assert (await b.status())["peers"]["fills"] == {"failed": 1}
         async with b.attach("m") as mb:
             assert mb.fingerprint == fp
+
+
+async def test_the_files_are_read_when_they_are_faster_than_the_peer_measured(pair: Pair, tmp_path: Path) -> None:
+    """A fill is chosen by measured cost (peers/choice.py): the first load tries the peer
+    and learns its rate; once it is known to be slower than the files in their current
+    state (here warm: the lender serves the same file from its page cache), the next load
+    reads the files, and says why."""
+    path = ckpt(tmp_path, 16 * MIB)
+    fp = fingerprint_files(path)
+    lender = pair.start(0, {"m": path})
+    # Paced far below what warm files give (the CPU default, 2.15 GB/s): whatever the machine, the peer is slower.
+    borrower = pair.start(1, {"m": path}, {"fingerprints": f'{{ m = "{fp}" }}', "max_fill_bytes_per_s": '"32MiB"'})
+    async with Client(lender.socket) as a, Client(borrower.socket) as b:
+        await a.load("m")
+        await wait_for(lambda: offered(b, fp))
+        await b.load("m")
+        assert model_row(await b.models(), "m")["source"] == "neighbour", pair.log(1)[-3000:]
+        peer = (await b.status())["peers"]["peers"][0]
+        # The pace as the borrower measured it: the cap holds back each read's posting, so a
+        # 16 MiB fill of a few reads comes in above 32 MiB/s, yet far below warm files.
+        assert 0 < peer["fill_bytes_per_s"] <= 128 * MIB, peer
+        assert "peer not measured yet (files warm): trying it" in pair.log(1)
+
+        await b.evict("m")
+        await b.load("m")
+        row = model_row(await b.models(), "m")
+        assert row["source"] == "files" and row["fingerprint"] == fp
+        st = (await b.status())["peers"]
+        assert st["fills"] == {"ok": 1, "files faster": 1}, st
+        assert "load m: from the files, not a peer (warm files 2.15 GB/s >= peer" in pair.log(1), pair.log(1)[-3000:]
+        assert st["files_bytes_per_s"]["cpu warm"] > 0  # the files' load taught their rate

@@ -1,9 +1,10 @@
-"""The peers' pure parts (weightcache/peers/), without NIXL: the config section, how a
-lender's regions map onto this daemon's arena, what a peer's answers may hold, who may
+"""The peers' pure parts (weightcache/peers/), without NIXL: the config section, peer or
+files by measured rates, how a lender's regions map onto this daemon's arena, what a peer's answers may hold, who may
 connect, and the Kubernetes example's peer discovery."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from pydantic import ValidationError
 from weightcache.config import PeersConfig, Settings, load_settings
 from weightcache.loader import fingerprint_files, open_source, parse_checkpoint
 from weightcache.peers import known_fingerprint
+from weightcache.peers.choice import choose, files_warm, smoothed
 from weightcache.peers.directory import Directory, _parse_offers
 from weightcache.peers.fill import Lent, extents_for
 from weightcache.peers.server import same_host
@@ -29,7 +31,9 @@ def test_peers_config_parses_and_refuses_what_is_not_host_port() -> None:
     p = PeersConfig(listen="0.0.0.0:7470", addresses=["10.0.0.2:7470"], dns="peers.svc:7470", timeout_s="2m",
                     max_fill_bytes_per_s="1GiB", fingerprints={"m": "ab"})
     assert p.timeout_s == 120 and p.max_fill_bytes_per_s == 2**30 and p.addresses == ("10.0.0.2:7470",)
-    for bad in ({"listen": "7470"}, {"addresses": ["host"]}, {"dns": "svc:http"}, {"refresh_s": 0}, {"nope": 1}):
+    assert p.prefer == "faster" and PeersConfig(prefer="peers").prefer == "peers"
+    for bad in ({"listen": "7470"}, {"addresses": ["host"]}, {"dns": "svc:http"}, {"refresh_s": 0}, {"nope": 1},
+                {"prefer": "fastest"}):
         with pytest.raises(ValidationError):
             PeersConfig(**bad)
     assert Settings().peers.listen is None  # off unless configured
@@ -197,3 +201,34 @@ def test_a_slow_but_moving_peer_is_not_a_stall() -> None:
     t.read(b"md", extents, "DRAM", 0, "DRAM", 0, window=1, on_done=lambda dst, n: done.append(dst), stop=lambda: None,
            deadline=time.monotonic() + 60, stall_s=0.03, pace=pace)
     assert len(done) == 8 and slow[-1] - slow[0] > 0.3  # took 10x stall_s in all, never stalled
+
+
+def test_peer_or_files_by_the_rates_measured_here() -> None:
+    # A peer never measured is tried once, whatever the files' state: one fill teaches its rate.
+    assert choose(None, 2e9, warm=True).peer and choose(None, None, warm=False).peer
+    # Measured: the faster wins. The VM's loopback peer (0.83 GB/s) loses to warm files (~2 GB/s).
+    slower = choose(0.83e9, 2.15e9, warm=True)
+    assert not slower.peer and slower.why == "warm files 2.15 GB/s >= peer 0.83 GB/s"
+    assert choose(3e9, 2.15e9, warm=True).peer
+    # Cold files never measured lose to a measured peer; measured faster, they win.
+    assert choose(0.83e9, None, warm=False).peer
+    assert not choose(0.83e9, 0.9e9, warm=False).peer
+    # Smoothed: the last few fills weigh most, one outlier does not flip a measured rate.
+    assert smoothed(None, 1e9) == 1e9
+    assert smoothed(1e9, 5e9) == pytest.approx(2e9)
+
+
+def test_files_warm_reads_the_page_cache_state(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path / "m.safetensors", 8 * 2**20, 4, seed=1)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # written pages must be clean before the kernel drops them
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        with open_source(path) as opened:
+            if files_warm(opened):
+                pytest.skip("this file system keeps the file cached after DONTNEED (tmpfs?)")
+            while os.read(fd, 1 << 20):
+                pass  # read it all: every page cached
+            assert files_warm(opened)
+    finally:
+        os.close(fd)

@@ -4,7 +4,7 @@ to keep that module under 500 lines."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -35,6 +35,11 @@ class PeersConfig(BaseModel):
     # under a second, even at 1 GB/s over TCP.
     stall_s: float = Field(default=5.0, gt=0, description="a fill from a peer that moves no bytes for this long falls back to the files")
     max_fill_bytes_per_s: int | None = Field(default=None, gt=0, description="cap on one fill's rate (None: none)")
+    # "faster": each load a peer offers is read from the source expected faster, by the
+    # rates this daemon measured (peers/choice.py); "peers": a peer first whatever the
+    # rates, the files only if every peer fails (to measure the peer path itself, or where
+    # the operator knows the network beats the files' every state).
+    prefer: Literal["faster", "peers"] = Field(default="faster", description="how a load a peer offers picks its source")
 
     @field_validator("refresh_s", "timeout_s", "stall_s", mode="before")
     @classmethod

@@ -5,6 +5,7 @@ daemon's resident copy over NIXL instead of from the files.
 - server.py: the lending side, on the peer port: inventory, and ``lend`` under a lease.
 - fill.py: the borrowing side's fill strategy: the NIXL read, every piece hashed, the
   fingerprint checked before the arena is sealed.
+- choice.py: peer or files for a load, by the rates this daemon measured for each.
 - transport.py: the NIXL agent; wire.py: the control channel's frames.
 
 ``Peers`` ties them to a daemon: ``start``/``close`` with it, ``fill`` from the load path
@@ -28,12 +29,14 @@ from typing import Any, Protocol
 
 from ..backends import Backend
 from ..cache import CacheCore
+from ..cache.policy import defaults_for
 from ..config import PeersConfig
 from ..errors import NoSpace, WeightcacheError
 from ..loader import Checkpoint, OpenedSource
 from ..loader.content import FILE_DIGESTS, fingerprint
 from ..server.registry import Model, Registry
 from . import wire
+from .choice import Choice, choose, files_warm, smoothed
 from .directory import Directory, PeerState, connect
 from .fill import Lent, PeerFill
 from .server import Lender
@@ -51,6 +54,10 @@ class Job(Protocol):
 log = logging.getLogger("weightcache.peers")
 
 SOURCE = "neighbour"  # a model's ``source`` and the metrics' label for bytes from a peer daemon
+# The phases of a fill that are the source's cost, not waiting for room or a turn; the
+# loader's rate (server/residency/fill.py) counts the same, plus opening the files, which a
+# load a peer offered has done before the choice either way.
+OWN_PHASES = ("allocate", "fill", "seal", "table")
 
 
 def known_fingerprint(settings: PeersConfig, name: str, ckpt: Checkpoint, opened: OpenedSource) -> str | None:
@@ -92,7 +99,13 @@ class Peers:
                              transport=lambda: self.transport, allowed=self.directory.allowed, notify_space=notify_space,
                              timeout_s=settings.timeout_s, serve=settings.serve)
         self._refresh: asyncio.Task[None] | None = None
-        self.filled: Counter[str] = Counter()  # outcomes of fills tried: "ok", "failed", "no fingerprint"
+        # Outcomes of loads a peer offered: "ok", "failed", and "files faster" (not tried).
+        self.filled: Counter[str] = Counter()
+        self.core = core
+        # Bytes/s of this daemon's own loads from files, by device and whether the files
+        # were warm (choice.py); the loads a peer offered teach it (observe_files).
+        self.files_rates: dict[tuple[str, bool], float] = {}
+        self._probed: dict[str, tuple[str, bool]] = {}  # load -> (device, warm) it was chosen with
 
     async def start(self) -> None:
         """Start NIXL (in a thread: ~0.5 s), the peer port, and the inventory refresh. NIXL
@@ -123,7 +136,10 @@ class Peers:
                 "nixl": "ok" if self.transport is not None else self.nixl_error,
                 "peers": [p.describe() for p in self.directory.peers.values()],
                 "lending_now": self.lender.lent_now, "lends": self.lender.lends, "refused": self.lender.refused,
-                "fills": dict(self.filled)}
+                "fills": dict(self.filled),
+                # what the choice (choice.py) compares a peer's fill_bytes_per_s with
+                "files_bytes_per_s": {f"{dev} {'warm' if warm else 'cold'}": round(rate)
+                                      for (dev, warm), rate in sorted(self.files_rates.items())}}
 
     # -- the load path's hook -----------------------------------------------------------
     async def fill(self, job: Job, model: Model, backend: Backend, ckpt: Checkpoint, opened: OpenedSource,
@@ -131,8 +147,8 @@ class Peers:
         """Try to fill ``job``'s new arena (``model``'s, on ``backend``) from a peer that
         holds its content, through the daemon's ``fill_new_arena`` (admit, allocate, fill,
         seal, or roll back). True: it is resident (``job.source`` is SOURCE). False: no
-        peer could (nothing to try, or every try failed and was logged); the caller loads
-        from the files. NoSpace, and the load's cancellation, pass through as from any fill."""
+        peer could (nothing to try, the files are expected faster (choice.py), or every
+        try failed and was logged); the caller loads from the files. NoSpace, and the load's cancellation, pass through as from any fill."""
         name = job.name
         if self.transport is None or not backend.supports_dma or model.origin != "config" or model.owner is not None:
             return False
@@ -140,10 +156,25 @@ class Peers:
         if expected is None:
             return False
         offers = self.directory.offers(expected, ckpt.layout)
-        for peer, _offer in offers:
+        if not offers:
+            return False
+        device = backend.device
+        warm = await asyncio.to_thread(files_warm, opened)
+        self._probed[name] = (device, warm)
+        files_rate = self.files_rates.get((device, warm), defaults_for(device).files if warm else None)
+        choices = [(peer, choose(peer.fill_rate, files_rate, warm) if self.settings.prefer == "faster"
+                        else Choice(True, "prefer = peers")) for peer, _offer in offers]
+        if not any(c.peer for _, c in choices):
+            self.filled["files faster"] += 1
+            log.info("load %s: from the files, not a peer (%s)", name, choices[0][1].why,
+                     extra={"model": name, "peer": choices[0][0].address})
+            return False
+        for peer, choice in sorted(choices, key=lambda pc: -(pc[0].fill_rate or float("inf"))):
+            if not choice.peer:
+                continue
             t0 = time.monotonic()
             try:
-                await self._fill_from(fill_new_arena, job, ckpt, backend, peer, expected)
+                own_s = await self._fill_from(fill_new_arena, job, ckpt, backend, peer, expected, choice)
             except NoSpace:
                 raise
             except (WeightcacheError, wire.PeerError, OSError, TimeoutError, ValueError) as exc:
@@ -155,13 +186,25 @@ class Peers:
                 log.warning("fill of %s from peer %s failed after %.2fs (%s); loading from the files", name, peer.address,
                             time.monotonic() - t0, exc, extra={"model": name, "peer": peer.address})
                 continue
+            self._probed.pop(name, None)
+            if own_s > 0:
+                peer.fill_rate = smoothed(peer.fill_rate, ckpt.arena_bytes / own_s)
             peer.fills += 1
             self.filled["ok"] += 1
             return True
         return False
 
+    def observe_files(self, name: str, rate: float) -> None:
+        """A load this daemon chose peer or files for (``fill``) was made from its files at
+        ``rate`` bytes/s (the fill's own phases, as the cache policy measures it): it
+        teaches the rate of files in the state they were probed in."""
+        probed = self._probed.pop(name, None)
+        if probed is not None and rate > 0:
+            self.files_rates[probed] = smoothed(self.files_rates.get(probed), rate)
+
     async def _fill_from(self, fill_new_arena: Callable[..., Awaitable[None]], job: Job, ckpt: Checkpoint, backend: Backend,
-                         peer: PeerState, expected: str) -> None:
+                         peer: PeerState, expected: str, choice: Choice) -> float:
+        """Fill from ``peer``; returns the seconds of the fill's own phases (its rate's measure)."""
         assert self.transport is not None
         reader, writer, _ = await connect(peer.address, self.daemon_id)
         closed: list[str] = []
@@ -188,11 +231,13 @@ class Peers:
             fill = PeerFill(self.transport, backend, lent, expected, stop, self.settings.timeout_s,
                             self.settings.max_fill_bytes_per_s, stall_s=self.settings.stall_s)
             job.source = SOURCE
+            phases: dict[str, float] = {}
             await fill_new_arena(job.name, ckpt, backend.capacity(ckpt.arena_bytes), 0, fill,
-                                 verb=f"filled from peer {peer.address}", job=job)
+                                 verb=f"filled from peer {peer.address} ({choice.why})", job=job, phases=phases)
             watcher.cancel()
             with contextlib.suppress(OSError, ConnectionError):
                 await wire.send(writer, {"op": "done"})
+            return sum(phases.get(k, 0.0) for k in OWN_PHASES)
         finally:
             if watcher is not None:
                 watcher.cancel()

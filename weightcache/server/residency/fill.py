@@ -106,7 +106,9 @@ class Fill:
         budget is exactly as before. Loads, promotions and publishes all come here.
 
         Every phase is timed and logged with the load: the fixed costs a small model pays
-        (making room, allocating, sealing) are hidden in a big one's GB/s (issue 12).
+        (making room, allocating, sealing) are hidden in a big one's GB/s (issue 12). A
+        caller that passes ``phases`` (seconds by phase, e.g. the files' "open") finds
+        them all there afterwards (a peer's fill rate is measured from them).
 
         ``nbytes`` is the arena's size; the load is admitted for that plus what the
         daemon holds for the checkpoint besides (``held``, by default its ``held_bytes``:
@@ -115,7 +117,7 @@ class Fill:
         waits in SingleFlight.ensure_resident instead, with the others asking for it."""
         model = self.registry.models[name]
         backend = self.backends[self.core.entry(name).device]
-        phases = dict(phases or {})
+        phases = {} if phases is None else phases  # the caller's dict, if given, holds every phase once done
         t0 = mark = time.monotonic()
 
         def phase(label: str) -> None:

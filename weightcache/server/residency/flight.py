@@ -48,8 +48,12 @@ class NeighbourFills(Protocol):
     async def fill(self, job: LoadJob, model: Model, backend: Backend, ckpt: Checkpoint, opened: OpenedSource,
                    fill_new_arena: Callable[..., Awaitable[None]]) -> bool:
         """True once ``job.name`` is resident from a peer's bytes (checked against its
-        fingerprint), filled through ``fill_new_arena``; False where no peer could, and
-        the files are read instead."""
+        fingerprint), filled through ``fill_new_arena``; False where no peer could, or
+        the files are expected faster, and the files are read instead."""
+
+    def observe_files(self, name: str, rate: float) -> None:
+        """``name``, which ``fill`` chose for, was then loaded from its files at ``rate``
+        bytes/s (what the choice compares a peer with)."""
 
 
 class SingleFlight:
@@ -285,6 +289,8 @@ class SingleFlight:
                                            ReadFiles(backend, d, opened, label=name,
                                                      cancelled=lambda: self._shutting_down() or job.abandoned.is_set()),
                                            verb="loaded", job=job, phases={"open": opening})
+            if self.neighbours is not None and (rate := self.core.rates.last_rate(name, "files")) is not None:
+                self.neighbours.observe_files(name, rate)  # the load's own rate (fill.py, observe_load)
             return job.source
         except NoSpace:
             if opened is not model.files:

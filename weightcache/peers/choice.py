@@ -1,0 +1,72 @@
+"""Which source fills a load that a peer could serve: the one expected to be faster, from
+rates this daemon measured (issue 27: a fill "chosen by measured cost").
+
+A peer is not faster by nature. On the 2-core VM a fill from a neighbour over loopback ran
+at 0.83 GB/s (median), the same daemon's cold load from its files at 0.90 and a load from
+a warm page cache at ~2 GB/s (docs/benchmarks.md, "Peers"): always asking the peer first
+made most loads slower. Across nodes it is the other way round when the files are cold
+(storage at 1-2 GB/s, RDMA at tens). So the choice compares:
+
+- the peer's rate: what this daemon measured for its own fills from that peer (the
+  fill's own phases, as the loader's rate: allocate, fill, seal, table), smoothed;
+- the files' rate for files in the state they are in now: warm (at least half of their
+  pages in the page cache, the rule the loader picks O_DIRECT by) or cold, each smoothed
+  from this daemon's own loads from files in that state.
+
+A peer never measured is tried (one fill teaches its rate); warm files never measured
+are taken at the cache policy's default for the device (policy.DeviceRates); cold files
+never measured lose to any measured peer, since a cold read is what a peer exists to
+spare. The rates drift as the page cache and the network load change: the smoothing
+weighs the last few fills most (as cache/policy.LoadRates does).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..loader import OpenedSource
+from ..loader.preads import resident_fraction
+
+WARM_FRACTION = 0.5  # loader/reader.open_for_reading: buffered reads above it, O_DIRECT below
+SMOOTHING = 0.25  # a new measurement's weight (cache/policy.LoadRates.SMOOTHING)
+
+
+def smoothed(old: float | None, rate: float) -> float:
+    """``old`` (bytes/s; None: nothing yet) moved towards a new measurement ``rate``."""
+    return rate if old is None else old + SMOOTHING * (rate - old)
+
+
+@dataclass(frozen=True)
+class Choice:
+    peer: bool  # fill from the peer (else from the files)
+    why: str  # one line for the log
+
+
+def gbps(rate: float) -> str:
+    return f"{rate / 1e9:.2f} GB/s"
+
+
+def choose(peer_rate: float | None, files_rate: float | None, warm: bool) -> Choice:
+    """Peer or files for one load: ``peer_rate`` measured from this peer (None: never),
+    ``files_rate`` the files' expected rate in their current state (None: cold and never
+    measured)."""
+    state = "warm" if warm else "cold"
+    if peer_rate is None:
+        return Choice(True, f"peer not measured yet (files {state}): trying it")
+    if files_rate is None:
+        return Choice(True, f"peer {gbps(peer_rate)}, {state} files not measured here")
+    if peer_rate > files_rate:
+        return Choice(True, f"peer {gbps(peer_rate)} > {state} files {gbps(files_rate)}")
+    return Choice(False, f"{state} files {gbps(files_rate)} >= peer {gbps(peer_rate)}")
+
+
+def files_warm(opened: OpenedSource) -> bool:
+    """Whether at least half of the checkpoint's bytes are in the page cache (mincore on a
+    sample of each file's pages: a few syscalls, no reads)."""
+    total = warm = 0
+    for f in opened.files:
+        size = os.fstat(f.fd).st_size
+        total += size
+        warm += int(resident_fraction(f.fd, size) * size)
+    return total == 0 or warm >= WARM_FRACTION * total
