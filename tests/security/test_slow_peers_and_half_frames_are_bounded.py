@@ -6,6 +6,7 @@ import select
 import threading
 import time
 
+import pytest
 from helpers import NOBODY, as_uid, connect_until_admitted, root_only
 
 from weightcache.protocol import encode_frame
@@ -198,9 +199,11 @@ def test_partial_frame_budget_is_not_charged_to_innocent_connections(start_daemo
             h.close()
 
 
-async def test_a_refused_connections_half_frame_goes_before_its_goodbye(tmp_path, ckpts, monkeypatch):
+@pytest.mark.parametrize("case", ["frame too large", "half frames over the uid's share"])
+async def test_a_refused_connections_half_frame_goes_before_its_goodbye(tmp_path, ckpts, monkeypatch, case):
     """The goodbye to a peer that does not read may take a second: the half frame it sent
-    is dropped before it, not kept in memory that no count sees meanwhile."""
+    is dropped, and leaves the count of half frames, before it, not kept in memory that
+    no count sees (nor in a count that refuses bystanders) meanwhile."""
     import asyncio
     import socket
 
@@ -209,7 +212,7 @@ async def test_a_refused_connections_half_frame_goes_before_its_goodbye(tmp_path
     from weightcache.protocol import FrameDecoder
     from weightcache.server.connections import Connections
 
-    events: list[tuple[str, object]] = []
+    events: list[tuple[object, ...]] = []
     discard, send_final = FrameDecoder.discard, Connections._send_final
 
     def recorded_discard(self: FrameDecoder) -> None:
@@ -217,23 +220,27 @@ async def test_a_refused_connections_half_frame_goes_before_its_goodbye(tmp_path
         discard(self)
 
     async def recorded_send_final(self: Connections, conn, exc) -> None:
-        events.append(("goodbye", exc.code))
+        events.append(("goodbye", exc.code, self.bounds.partial_bytes))  # what is still counted as it goes
         await send_final(self, conn, exc)
 
     monkeypatch.setattr(FrameDecoder, "discard", recorded_discard)
     monkeypatch.setattr(Connections, "_send_final", recorded_send_final)
-    async with daemon_in_process(tmp_path, {"tiny": ckpts["tiny"]}) as daemon:
+    if case == "frame too large":  # a header past max_frame_bytes, and bytes after it in the same write
+        extra, sent, expected = None, HEADER.pack(2**31) + b"\0" * 4096, [("discard", 4 + 4096), ("goodbye", "FRAME_TOO_LARGE", 0)]
+    else:  # a frame within max_frame_bytes, half of it sent: over this uid's share of half frames
+        extra, sent = {"max_partial_frame_bytes_per_uid": 4096}, HEADER.pack(2**20) + b"\0" * 8192
+        expected = [("discard", 4 + 8192), ("goodbye", "LIMIT_EXCEEDED", 0)]
+    async with daemon_in_process(tmp_path, {"tiny": ckpts["tiny"]}, extra_daemon=extra) as daemon:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             await asyncio.to_thread(s.connect, daemon.socket_path)
-            # a header past max_frame_bytes, and bytes after it in the same write
-            await asyncio.to_thread(s.sendall, HEADER.pack(2**31) + b"\0" * 4096)
+            await asyncio.to_thread(s.sendall, sent)
             deadline = time.monotonic() + 30
             while not any(e[0] == "goodbye" for e in events) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
         finally:
             s.close()
-    assert events[:2] == [("discard", 4 + 4096), ("goodbye", "FRAME_TOO_LARGE")], events
+    assert events[:2] == expected, events
 
 
 @root_only
