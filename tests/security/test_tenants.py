@@ -1,7 +1,8 @@
 """Issue 15, per-model access and per-tenant quotas, played by two real tenants: forked
 children that drop to uid 65534 (NOBODY) and 65533 (OTHER). A model another tenant may
 not use is refused PERMISSION_DENIED on every model op and is not named to it in
-`models`, `status`, `health` or a NO_SPACE message; a tenant over its quota evicts its own
+`models`, `status`, `health` or a NO_SPACE message; daemon-wide figures are the
+administrators'; a tenant over its quota evicts its own
 models first, else gets NO_SPACE naming the quota; reload changes both in place."""
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def _ops_on(path: str, name: str) -> dict[str, Any]:
         out["resident"] = [m["name"] for m in status["resident"]]
         out["loading"] = list(status["loading"])
         out["tenants"] = status["tenants"]
+        out["daemon_wide"] = [status["connections"], status["leases"], status["counters"]]
         out["health"] = health
         return out
     finally:
@@ -77,7 +79,7 @@ def test_a_model_others_may_not_use_is_refused_and_not_shown_to_them(start_daemo
     assert allowed["attach"][0] is None and allowed["load"][0] is None, allowed
     assert "theirs" in allowed["models"] and "theirs" in allowed["resident"]
     denied = as_uid(OTHER, lambda: _ops_on(d.socket, "theirs"))
-    ops = [k for k in denied if k not in ("models", "resident", "loading", "tenants", "health")]
+    ops = [k for k in denied if k not in ("models", "resident", "loading", "tenants", "health", "daemon_wide")]
     assert len(ops) == 7, ops
     for op in ops:
         got, message = denied[op]
@@ -89,6 +91,11 @@ def test_a_model_others_may_not_use_is_refused_and_not_shown_to_them(start_daemo
     # An unknown name is UNKNOWN_MODEL: names are one namespace, which register would tell anyway.
     (r,) = as_uid(OTHER, lambda: calls(d.socket, [{"id": 1, "op": "attach", "name": "no-such-model"}]))
     assert code(r) == "UNKNOWN_MODEL"
+    # How many engines, leases, loads and evictions the daemon has is what the others do:
+    # a tenant is not told (issue 25); administrators are.
+    assert denied["daemon_wide"] == [None, None, None] and allowed["daemon_wide"] == [None, None, None]
+    (st,) = calls(d.socket, [{"id": 1, "op": "status"}])
+    assert isinstance(st["connections"], int) and isinstance(st["leases"], int) and st["counters"]["loads"] >= 1
     # Administrators see and use everything.
     (r,) = calls(d.socket, [{"id": 1, "op": "models"}])
     assert {m["name"] for m in r["models"]} == {"theirs", "open"}

@@ -36,6 +36,11 @@ def size(n: int | None) -> str:
     return "-" if n is None else format_size(n)
 
 
+def _or_dash(v: Any) -> str:
+    """A figure the daemon shows administrators only (None for anyone else)."""
+    return "-" if v is None else str(v)
+
+
 def duration(s: float | None) -> str:
     """``42s``, ``5m 03s``, ``2h 04m``, ``3d 02h``: seconds as people read them."""
     if s is None:
@@ -81,8 +86,8 @@ def show_status(st: dict[str, Any]) -> None:
         t.add_row(dev, d["backend"], size(d["budget"]), size(d["used"]), size(d["reserved"]), size(d["free"]),
                   d.get("content_hash", ""))
     lines: list[Any] = [f"weightcache {st['version']} (pid {st['pid']}, up {duration(st['uptime_s'])}) on {st['socket']}", t,
-                        f"connections: {st['connections']}  leases: {st['leases']}  resident: {len(st.get('resident', []))} "
-                        "(weightcache ps)"]
+                        f"connections: {_or_dash(st['connections'])}  leases: {_or_dash(st['leases'])}  "
+                        f"resident: {len(st.get('resident', []))} (weightcache ps)"]
     for name, p in st["loading"].items():
         lines.append(f"loading {name}: {size(p['bytes_done'])} / {size(p['bytes_total'])} at {size(p['bytes_per_s'])}/s")
     if st.get("tenants"):

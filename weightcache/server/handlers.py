@@ -182,10 +182,14 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
         d["backend"] = ctx.backends[dev].kind if dev in ctx.backends else "pinned-host"
         if dev in ctx.backends:
             d["content_hash"] = ctx.backends[dev].content_hash()
+    admin = ctx.access.is_admin(caller.peer)
     return {
         "version": __version__, "pid": os.getpid(), "uptime_s": time.monotonic() - ctx.started,
-        "socket": ctx.socket_path, "devices": devices, "connections": ctx.connections(),
-        "leases": len(ctx.core.leases), "counters": dict(ctx.residency.stats.counters),
+        "socket": ctx.socket_path, "devices": devices,
+        # Administrators only: daemon-wide, they tell a tenant what the others do (how many
+        # engines, attaches, loads and evictions) and nothing it needs for its own models.
+        "connections": ctx.connections() if admin else None, "leases": len(ctx.core.leases) if admin else None,
+        "counters": dict(ctx.residency.stats.counters) if admin else None,
         "loading": {published_as(name): p.snapshot() for name, p in ctx.residency.stats.progress.items()
                     if ctx.registry.visible(caller.peer, name)},
         "shutting_down": ctx.shutting_down(),
