@@ -227,6 +227,13 @@ async def test_a_peer_whose_bytes_do_not_match_the_fingerprint_is_not_served(pai
         assert (await b.status())["peers"]["fills"] == {"failed": 1}
         async with b.attach("m") as mb:
             assert mb.fingerprint == fp
+        # A peer whose fill failed is left out for a while (peers/choice.py, backoff_s): the
+        # next load does not pay for it again.
+        await b.evict("m")
+        await b.load("m")
+        st = (await b.status())["peers"]
+        assert st["fills"] == {"failed": 1} and 0 < st["peers"][0]["retry_in_s"] <= 10, st
+        assert pair.log(1).count("fill of m from peer") == 1, pair.log(1)[-3000:]
 
 
 async def test_the_files_are_read_when_they_are_faster_than_the_peer_measured(pair: Pair, tmp_path: Path) -> None:

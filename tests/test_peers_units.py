@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from weightcache.config import PeersConfig, Settings, load_settings
 from weightcache.loader import fingerprint_files, open_source, parse_checkpoint
 from weightcache.peers import known_fingerprint
-from weightcache.peers.choice import choose, files_warm, smoothed
+from weightcache.peers.choice import backoff_s, choose, files_warm, smoothed
 from weightcache.peers.directory import Directory, _parse_offers
 from weightcache.peers.fill import Lent, extents_for
 from weightcache.peers.server import same_host
@@ -216,6 +216,8 @@ def test_peer_or_files_by_the_rates_measured_here() -> None:
     # Smoothed: the last few fills weigh most, one outlier does not flip a measured rate.
     assert smoothed(None, 1e9) == 1e9
     assert smoothed(1e9, 5e9) == pytest.approx(2e9)
+    # A peer whose fills fail is left out for 10 s, doubling per failure in a row, at most 10 min.
+    assert [backoff_s(n) for n in (0, 1, 2, 3, 8, 50)] == [0, 10, 20, 40, 600, 600]
 
 
 def test_files_warm_reads_the_page_cache_state(tmp_path: Path) -> None:

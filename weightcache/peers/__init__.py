@@ -36,7 +36,7 @@ from ..loader import Checkpoint, OpenedSource
 from ..loader.content import FILE_DIGESTS, fingerprint
 from ..server.registry import Model, Registry
 from . import wire
-from .choice import Choice, choose, files_warm, smoothed
+from .choice import Choice, backoff_s, choose, files_warm, smoothed
 from .directory import Directory, PeerState, connect
 from .fill import Lent, PeerFill
 from .server import Lender
@@ -155,21 +155,25 @@ class Peers:
         expected = known_fingerprint(self.settings, name, ckpt, opened)
         if expected is None:
             return False
-        offers = self.directory.offers(expected, ckpt.layout)
-        if not offers:
+        now = time.monotonic()
+        offers = [(peer, offer) for peer, offer in self.directory.offers(expected, ckpt.layout) if peer.retry_at <= now]
+        if not offers:  # none holds it, or those that do failed lately (choice.backoff_s)
             return False
         device = backend.device
         warm = await asyncio.to_thread(files_warm, opened)
         self._probed[name] = (device, warm)
         files_rate = self.files_rates.get((device, warm), defaults_for(device).files if warm else None)
-        choices = [(peer, choose(peer.fill_rate, files_rate, warm) if self.settings.prefer == "faster"
-                        else Choice(True, "prefer = peers")) for peer, _offer in offers]
-        if not any(c.peer for _, c in choices):
+        choices = [(peer, offer, choose(peer.fill_rate, files_rate, warm) if self.settings.prefer == "faster"
+                     else Choice(True, "prefer = peers")) for peer, offer in offers]
+        if not any(c.peer for _, _, c in choices):
             self.filled["files faster"] += 1
-            log.info("load %s: from the files, not a peer (%s)", name, choices[0][1].why,
+            log.info("load %s: from the files, not a peer (%s)", name, choices[0][2].why,
                      extra={"model": name, "peer": choices[0][0].address})
             return False
-        for peer, choice in sorted(choices, key=lambda pc: -(pc[0].fill_rate or float("inf"))):
+        # The directory's order (GPU copies first, then the fewest failed fills), and among
+        # equals the fastest measured, a peer not measured yet first (to learn its rate).
+        for peer, _offer, choice in sorted(choices, key=lambda c: (c[1].tier != "gpu", c[0].failed_fills,
+                                                                    -(c[0].fill_rate or float("inf")))):
             if not choice.peer:
                 continue
             t0 = time.monotonic()
@@ -182,14 +186,19 @@ class Peers:
                 if job.abandoned.is_set() or self._shutting_down():
                     raise
                 peer.failed_fills += 1
+                peer.failed_in_a_row += 1
+                wait = backoff_s(peer.failed_in_a_row)
+                peer.retry_at = time.monotonic() + wait
                 self.filled["failed"] += 1
-                log.warning("fill of %s from peer %s failed after %.2fs (%s); loading from the files", name, peer.address,
-                            time.monotonic() - t0, exc, extra={"model": name, "peer": peer.address})
+                log.warning("fill of %s from peer %s failed after %.2fs (%s); loading from the files, and not asking "
+                            "that peer again for %.0fs", name, peer.address, time.monotonic() - t0, exc, wait,
+                            extra={"model": name, "peer": peer.address})
                 continue
             self._probed.pop(name, None)
             if own_s > 0:
                 peer.fill_rate = smoothed(peer.fill_rate, ckpt.arena_bytes / own_s)
             peer.fills += 1
+            peer.failed_in_a_row = 0
             self.filled["ok"] += 1
             return True
         return False

@@ -13,7 +13,10 @@ made most loads slower. Across nodes it is the other way round when the files ar
   pages in the page cache, the rule the loader picks O_DIRECT by) or cold, each smoothed
   from this daemon's own loads from files in that state.
 
-A peer never measured is tried (one fill teaches its rate); warm files never measured
+A peer never measured is tried (one fill teaches its rate); a peer whose fills fail is
+not asked again for a while, doubling with each failure in a row (``backoff_s``): a
+failed fill costs its load up to ``stall_s`` (5 s) before the files are read, and a peer
+that keeps failing would otherwise charge that to every load; warm files never measured
 are taken at the cache policy's default for the device (policy.DeviceRates); cold files
 never measured lose to any measured peer, since a cold read is what a peer exists to
 spare. The rates drift as the page cache and the network load change: the smoothing
@@ -41,6 +44,15 @@ def smoothed(old: float | None, rate: float) -> float:
 class Choice:
     peer: bool  # fill from the peer (else from the files)
     why: str  # one line for the log
+
+
+BACKOFF_S = 10.0  # after one failed fill; doubled for each further failure in a row
+BACKOFF_MAX_S = 600.0
+
+
+def backoff_s(failed_in_a_row: int) -> float:
+    """How long a peer whose last ``failed_in_a_row`` fills failed is left out."""
+    return 0.0 if failed_in_a_row <= 0 else min(BACKOFF_MAX_S, BACKOFF_S * 2.0 ** (failed_in_a_row - 1))
 
 
 def gbps(rate: float) -> str:

@@ -45,12 +45,15 @@ class PeerState:
     failed_fills: int = 0
     fills: int = 0
     fill_rate: float | None = None  # bytes/s of this daemon's fills from it, smoothed (choice.py)
+    failed_in_a_row: int = 0  # fills from it that failed since its last good one
+    retry_at: float = 0.0  # monotonic time before which it is not asked to fill (choice.backoff_s)
 
     def describe(self) -> dict[str, Any]:
         return {"address": self.address, "daemon": self.daemon, "reachable": self.error is None and self.last_seen is not None,
                 "seen_s_ago": None if self.last_seen is None else round(time.monotonic() - self.last_seen, 3),
                 "error": self.error, "fills": self.fills, "failed_fills": self.failed_fills,
                 "fill_bytes_per_s": None if self.fill_rate is None else round(self.fill_rate),
+                "retry_in_s": round(max(0.0, self.retry_at - time.monotonic()), 3),
                 "models": [{"fingerprint": o.fingerprint, "layout": o.layout, "nbytes": o.nbytes, "tier": o.tier,
                             "device": o.device} for o in self.offers]}
 
