@@ -483,3 +483,23 @@ def test_a_real_header_that_starts_like_a_pickle_still_loads(tmp_path):
     p = raw_header(tmp_path / "m.safetensors", text, b"\1\2\3\4")
     assert p.read_bytes()[:2] == b"\x80\x02"
     assert load_bytes(p)[:4] == b"\1\2\3\4"
+
+
+def test_a_close_during_reads_waits_for_them(tmp_path):
+    """A register whose client went, or an io timeout, closes an OpenedSource while its
+    parse may still be reading the fds in a thread: closing them then would hand their
+    numbers to the next file opened (or sent by a peer), and the parse would read on in
+    that file. The fds close when the last reader is done."""
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.zeros(16)}, str(path))
+    opened = open_source(path)
+    fd = opened.files[0].fd
+    with opened.reading():
+        opened.close()
+        assert opened.closed  # for its users it is closed at once
+        os.fstat(fd)  # but the reader's fd is still this file's
+        with pytest.raises(ValueError, match="closed"), opened.reading():
+            pass  # no new reader once closed
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed by the last reader
+    opened.close()  # idempotent

@@ -68,6 +68,42 @@ async def test_one_tenant_holds_at_most_a_quarter_of_the_io_pool() -> None:
         residency.io.close()
 
 
+async def test_a_call_given_up_keeps_its_share_until_its_thread_returns() -> None:
+    """A caller that goes (a register sent, then the connection closed) abandons its call,
+    but not the thread running it: had the share been returned with the caller, a tenant
+    registering and hanging up in a loop ran every io thread at once."""
+    core = CacheCore({"cpu": 2**20})
+    backends = {"cpu": CpuBackend("cpu")}
+    residency = Residency(DaemonConfig(io_threads=4), core, Registry(core, backends, access=None), backends, lambda: False)
+    assert max(1, int(4 * TENANT_IO_SHARE)) == 1
+    started = [threading.Event(), threading.Event()]
+    release = threading.Event()
+
+    def work(i: int) -> int:
+        started[i].set()
+        release.wait(30)
+        return i
+
+    try:
+        first = asyncio.ensure_future(residency.io.run(work, 0, tenant=1))
+        assert await asyncio.to_thread(started[0].wait, 10)  # the precondition: its thread runs
+        first.cancel()  # the caller goes; the thread cannot
+        await asyncio.gather(first, return_exceptions=True)
+        second = asyncio.ensure_future(residency.io.run(work, 1, tenant=1))
+        await asyncio.sleep(0.3)
+        assert not started[1].is_set(), "a second call took the share of a thread still running"
+        release.set()
+        assert await asyncio.wait_for(second, 10) == 1
+        for _ in range(100):  # the share is given back by the thread's done callback, on the loop
+            if not residency.io._shares:
+                break
+            await asyncio.sleep(0.01)
+        assert residency.io._shares == {}
+    finally:
+        release.set()
+        residency.io.close()
+
+
 @pytest.mark.parametrize("n", [10, TABLE_SLICE + 1, 3 * TABLE_SLICE + 7])
 def test_the_table_packed_in_slices_is_the_same_bytes(tmp_path, n) -> None:
     """msgpack packed a 100k-row table in one C call, 62-180 ms without giving the GIL

@@ -224,9 +224,8 @@ def parse_checkpoint(opened: OpenedSource) -> Checkpoint:
     """Parse every header of an opened checkpoint (from its fds) and lay its tensors out in
     one arena (lay_out). Headers of PARSE_APART_BYTES or more in all are validated and laid
     out in a worker process (parse_worker.py says why)."""
-    if opened.closed:
-        raise ValueError(f"{opened!r} is closed")
-    heads = [read_raw_header(f) for f in opened.files]
+    with opened.reading():  # a close meanwhile (its register or load given up) waits for these reads
+        heads = [read_raw_header(f) for f in opened.files]
     headers = [(f.path, st.st_size, raw) for f, (st, raw) in zip(opened.files, heads, strict=True)]
     apart = sum(len(raw) for _st, raw in heads) >= parse_worker.PARSE_APART_BYTES
     laid = parse_worker.lay_out_apart(headers) if apart else lay_out(headers)

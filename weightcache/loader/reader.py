@@ -210,8 +210,9 @@ def read_checkpoint(
     Blocking: run it in a thread. Raises CorruptCheckpoint if a file is short or changed
     while being read. ``opened`` stays open: its owner closes it."""
     try:
-        return _read(ckpt, opened, writer, threads=threads, chunk=chunk, progress=progress, cancelled=cancelled, nice=nice,
-                     direct_io=direct_io, log=log, content_hash=content_hash)
+        with opened.reading():  # its fds stay open until these reads end, whoever closes it meanwhile
+            return _read(ckpt, opened, writer, threads=threads, chunk=chunk, progress=progress, cancelled=cancelled,
+                         nice=nice, direct_io=direct_io, log=log, content_hash=content_hash)
     finally:
         # On every failure too, the earliest included: the writer synchronizes and drops its
         # buffers (a view of a memfd arena kept alive pins its mapping: the arena leaks).
@@ -227,7 +228,7 @@ def _identity(fd: int) -> FileIdentity:
 def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, threads: int, chunk: int,
           progress: Progress | None, cancelled: Callable[[], bool], nice: int, direct_io: str,
           log: Callable[[str], None], content_hash: bool) -> str | None:
-    if opened.closed or len(opened.files) != len(ckpt.files):
+    if len(opened.files) != len(ckpt.files):
         raise ValueError(f"{opened!r} is not the open source of {ckpt.source} ({len(ckpt.files)} files)")
     if not ckpt.matches(opened):  # changed since parsing: say so before reading gigabytes
         raise CorruptCheckpoint(f"{ckpt.source}: checkpoint changed on disk before it was loaded", file=ckpt.source,

@@ -25,7 +25,8 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -53,14 +54,42 @@ class OpenedSource:
         self.files = files
         self.closed = False
         self.adopted = False  # fds a peer sent (adopt_fds): the peer chose the files
+        self._lock = threading.Lock()
+        self._readers = 0  # threads inside reading() now
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
+        """Closed at once for its users; the fds themselves once no thread reads them
+        (``reading``): an fd closed under a running pread is a number the next file the
+        daemon opens (or a peer sends) may take, and the read goes on in that file."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            if self._readers:
+                return  # the last reader closes them
+        self._close_fds()
+
+    def _close_fds(self) -> None:
         for f in self.files:
             with contextlib.suppress(OSError):
                 os.close(f.fd)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[OpenedSource]:
+        """Hold the fds open while a thread reads them, even past a ``close`` meanwhile (a
+        register whose client went, or an io timeout, gives up on a parse still running)."""
+        with self._lock:
+            if self.closed:
+                raise ValueError(f"{self!r} is closed")
+            self._readers += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._readers -= 1
+                last = self.closed and not self._readers
+            if last:
+                self._close_fds()
 
     def __enter__(self) -> OpenedSource:
         return self

@@ -70,8 +70,9 @@ class IoPool:
 
         ``tenant``: the uid the work is for (a peer's model or publish; None for the
         operator's): at most TENANT_IO_SHARE of the pool's threads work for one tenant at
-        once, the rest of its calls wait their turn here (not counted in io_timeout_s), so
-        another tenant's cold load never queues behind one tenant's parses."""
+        once, counted until each thread returns (an abandoned call's too), the rest of its
+        calls wait their turn here (not counted in io_timeout_s), so another tenant's cold
+        load never queues behind one tenant's parses."""
         if tenant is None:
             return await self._run(fn, args, kwargs, cleanup)
         share = self._shares.get(tenant)
@@ -79,16 +80,35 @@ class IoPool:
             share = self._shares[tenant] = [asyncio.Semaphore(max(1, int(self.settings.io_threads * TENANT_IO_SHARE))), 0]
         share[1] += 1
         try:
-            async with share[0]:
-                return await self._run(fn, args, kwargs, cleanup)
-        finally:
-            share[1] -= 1
-            if not share[1]:
-                del self._shares[tenant]
+            await share[0].acquire()
+        except BaseException:  # cancelled while waiting its turn
+            self._leave(tenant, share)
+            raise
+
+        def thread_done() -> None:
+            # The slot is the thread's, not the caller's: a call abandoned (its caller gone,
+            # or past io_timeout_s) keeps its thread busy until it returns, and a register
+            # sent and hung up in a loop had its parses run past the tenant's share.
+            share[0].release()
+            self._leave(tenant, share)
+
+        return await self._run(fn, args, kwargs, cleanup, thread_done)
+
+    def _leave(self, tenant: int, share: list[Any]) -> None:
+        share[1] -= 1
+        if not share[1]:
+            del self._shares[tenant]
 
     async def _run(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
-                   cleanup: Callable[[T], object] | None) -> T:
-        fut = asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+                   cleanup: Callable[[T], object] | None, thread_done: Callable[[], None] | None = None) -> T:
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+        except BaseException:  # the pool is shut down: no thread took it
+            if thread_done is not None:
+                thread_done()
+            raise
+        if thread_done is not None:
+            fut.add_done_callback(lambda _f: thread_done())
         timeout = self.settings.io_timeout_s
 
         def abandoned(f: asyncio.Future[T]) -> None:
