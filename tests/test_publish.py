@@ -107,6 +107,9 @@ def test_publish_refuses_bad_tables_and_unsealed_memory(start_daemon):
     for arena, reason in [({"kind": "cuda_vmm", "nbytes": 4096, "chunks": [4096], "device_uuid": "GPU-0"},
                            "published as 'memfd' arenas, not 'cuda_vmm'"),
                           ({"kind": "cuda_vmm", "nbytes": 4096}, "'device_uuid' must be a string"),
+                          # chunks of 2 MiB and a claim of 1 GiB: a copy would read past them
+                          ({"kind": "cuda_vmm", "nbytes": 2**30, "chunks": [2**21], "device_uuid": "GPU-0"},
+                           "its chunks hold 2097152 bytes, fewer than its nbytes 1073741824"),
                           ({"kind": "file", "nbytes": 4096, "files": [4096], "segments": b""}, "not 'file'"),
                           ({"kind": "memfd", "nbytes": 0}, "'nbytes' must be a positive integer"),
                           ({"kind": "memfd", "nbytes": True}, "'nbytes' must be a positive integer"),

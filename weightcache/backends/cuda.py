@@ -250,6 +250,8 @@ class CudaBackend(Backend):
 
     def copy_published(self, source: PublishedSource, arena: Arena, nbytes: int) -> None:
         assert isinstance(arena, VmmArena) and isinstance(source, VmmSource)
+        if nbytes > source.nbytes:  # parse_arena refuses this: never copy past what was mapped
+            raise BadRequest(f"the published memory holds {source.nbytes} bytes, not {nbytes}")
         with drv.current(self.ctx):
             drv.check(cu.cuMemcpyDtoD(arena.va, source.va, nbytes))  # device to device, HBM speed
             drv.check(cu.cuCtxSynchronize())

@@ -196,7 +196,10 @@ def parse_arena(wire: Any) -> ArenaDesc:
         uuid = wire.get("device_uuid")
         if not isinstance(uuid, str):
             raise BadRequest(f"cuda_vmm arena: 'device_uuid' must be a string, got {uuid!r}"[:300])
-        return VmmArenaDesc(nbytes, _sizes(wire.get("chunks"), "cuda_vmm arena: 'chunks'"), uuid, writable=writable)
+        chunks = _sizes(wire.get("chunks"), "cuda_vmm arena: 'chunks'")
+        if sum(chunks) < nbytes:  # a copy of nbytes would run past the mapped chunks
+            raise BadRequest(f"cuda_vmm arena: its chunks hold {sum(chunks)} bytes, fewer than its nbytes {nbytes}")
+        return VmmArenaDesc(nbytes, chunks, uuid, writable=writable)
     raise BadRequest(f"unknown arena kind {kind!r}"[:200])
 
 
