@@ -69,3 +69,51 @@ def test_a_tenant_pipelining_refused_loads_writes_a_bounded_number_of_lines(star
     assert any(" ERROR " in line and "load huge refused" in line for line in text.splitlines()), \
         [line for line in text.splitlines() if "huge" in line]
     os.remove(big)
+
+
+
+def test_routine_lines_of_configured_models_cannot_hide_an_error():
+    """Loads of an operator's model refused for room that detaches could free are INFO
+    lines, and any peer allowed to use the model may cause them again and again: they
+    spent the model's share, and 50 over five models spent the event's total, so a
+    configured model's ERROR (its file gone bad) was left out, its count said in a
+    WARNING. Now each operator's model and level has its own share, and what is left out
+    is summed up at the highest level it had."""
+    import logging
+    from types import SimpleNamespace
+
+    from weightcache.server.logs import PeerEventLog
+    from weightcache.server.residency.fill import Fill
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("test.refused-loads")
+    logger.propagate = False
+    logger.addHandler(Keep())
+    logger.setLevel(logging.DEBUG)
+    fill = SimpleNamespace(registry=SimpleNamespace(access=SimpleNamespace(admin_uids=frozenset())),
+                           peer_log=PeerEventLog(logger, clock=lambda: 0.0))
+
+    def model(name: str) -> SimpleNamespace:
+        return SimpleNamespace(owner=None, origin="config", config=SimpleNamespace(name=name))
+
+    def event(m: SimpleNamespace, level: int) -> bool:
+        return Fill.model_event(fill, m, level, "load refused", "load %s refused", m.config.name)  # type: ignore[arg-type]
+
+    for name in ("m", "a", "b", "c", "d", "e"):  # 20 waits for room on each of six configured models
+        for _ in range(20):
+            event(model(name), logging.INFO)
+    assert event(model("m"), logging.ERROR)  # its first ERROR is written
+    assert event(model("z"), logging.ERROR)  # and another model's
+    for _ in range(12):
+        event(model("m"), logging.ERROR)
+    fill.peer_log.flush()
+    summaries = {r.getMessage().split("'")[1]: r.levelno for r in records if "left out" in r.getMessage()}
+    assert summaries["load refused (ERROR, operator model m)"] == logging.ERROR, summaries
+    assert summaries["load refused (INFO, operator model a)"] == logging.WARNING, summaries
+    written = [r for r in records if "left out" not in r.getMessage()]
+    assert sum(r.levelno == logging.ERROR for r in written) == 10 + 1  # m's share of ERRORs, and z's

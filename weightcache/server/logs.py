@@ -64,6 +64,7 @@ class PeerEventLog:
         self._lines: Counter[tuple[str, int | str]] = Counter()  # (event, uid) -> lines logged this window
         self._logged: Counter[str] = Counter()  # event -> lines logged this window, all uids
         self._left_out: dict[str, Counter[int | str]] = {}  # event -> uid -> lines left out this window
+        self._left_level: dict[str, int] = {}  # event -> the highest level of the lines left out
         self._timer: asyncio.TimerHandle | None = None
 
     def log(self, level: int, event: str, uid: int | str, msg: str, *args: Any, **kwargs: Any) -> bool:
@@ -76,6 +77,7 @@ class PeerEventLog:
             self._start[event] = now
         if self._lines[(event, uid)] >= self.burst or self._logged[event] >= self.total:
             self._left_out.setdefault(event, Counter())[uid] += 1
+            self._left_level[event] = max(level, self._left_level.get(event, level))
             self._arm()
             return False
         self._lines[(event, uid)] += 1
@@ -93,13 +95,14 @@ class PeerEventLog:
 
     def _end_window(self, event: str) -> None:
         left = self._left_out.pop(event, None)
+        level = max(logging.WARNING, self._left_level.pop(event, logging.WARNING))  # errors left out: an error line
         for key in [k for k in self._lines if k[0] == event]:
             del self._lines[key]
         self._logged.pop(event, None)
         self._start.pop(event, None)
         if left:
             top = ", ".join(f"uid {u}: {n}" if isinstance(u, int) else f"{u}: {n}" for u, n in left.most_common(5))
-            self.logger.warning("%d more %r line(s) left out in the last %.0f s (%s%s)", sum(left.values()), event,
+            self.logger.log(level, "%d more %r line(s) left out in the last %.0f s (%s%s)", sum(left.values()), event,
                                 self.window, top, ", ..." if len(left) > 5 else "",
                                 extra={"event": event, "suppressed": sum(left.values())})
 

@@ -89,13 +89,17 @@ class Fill:
 
         The operator's (configured, or an administrator's): a corrupt configured checkpoint
         or a model bigger than the budget is the daemon's own failure and stays at its
-        level, under an event of its own, with a share per model name: no tenant's flood
-        of its own models' lines spends it, and one broken model cannot hide another's
-        first line. Still a share, not every line: any peer allowed to use such a model may
-        ask for its load as often as it likes."""
+        level, under an event of its own per model and level: no tenant's flood of its own
+        models' lines spends it, one broken model cannot hide another's first line, and
+        routine INFO lines (a load that waits for room) cannot spend an ERROR's share.
+        Still a share, not every line: any peer allowed to use such a model may ask for its
+        load as often as it likes; what is left out is summed up at the highest level it
+        had (logs.PeerEventLog)."""
         owner = model.owner
         if owner is None or model.origin == "config" or owner == 0 or owner in self.registry.access.admin_uids:
-            return self.peer_log.log(level, f"{event} (operator's model)", model.config.name, msg, *args, **kwargs)
+            name = model.config.name
+            return self.peer_log.log(level, f"{event} ({logging.getLevelName(level)}, operator model {name})", name,
+                                     msg, *args, **kwargs)
         return self.peer_log.log(min(level, logging.WARNING), event, owner, msg, *args, **kwargs)
 
     async def fill_new_arena(self, name: str, ckpt: Checkpoint, nbytes: int, wait_s: float, fill: FillStrategy,
