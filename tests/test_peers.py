@@ -255,7 +255,7 @@ async def test_the_files_are_read_when_they_are_faster_than_the_peer_measured(pa
         # The pace as the borrower measured it: the cap holds back each read's posting, so a
         # 16 MiB fill of a few reads comes in above 32 MiB/s, yet far below warm files.
         assert 0 < peer["fill_bytes_per_s"] <= 128 * MIB, peer
-        assert "peer not measured yet (files warm): trying it" in pair.log(1)
+        assert "peer not measured lately (files warm): trying it" in pair.log(1)
 
         await b.evict("m")
         await b.load("m")

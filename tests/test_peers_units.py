@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from weightcache.config import PeersConfig, Settings, load_settings
 from weightcache.loader import fingerprint_files, open_source, parse_checkpoint
 from weightcache.peers import known_fingerprint
-from weightcache.peers.choice import backoff_s, choose, files_warm, smoothed
+from weightcache.peers.choice import backoff_s, choose, files_default, files_warm, smoothed
 from weightcache.peers.directory import Directory, _parse_offers
 from weightcache.peers.fill import Lent, extents_for
 from weightcache.peers.server import same_host
@@ -204,15 +204,18 @@ def test_a_slow_but_moving_peer_is_not_a_stall() -> None:
 
 
 def test_peer_or_files_by_the_rates_measured_here() -> None:
-    # A peer never measured is tried once, whatever the files' state: one fill teaches its rate.
-    assert choose(None, 2e9, warm=True).peer and choose(None, None, warm=False).peer
+    # A peer not measured (or not lately) is tried, whatever the files' state: one fill teaches its rate.
+    assert choose(None, 2e9, warm=True).peer and choose(None, 0.9e9, warm=False).peer
     # Measured: the faster wins. The VM's loopback peer (0.83 GB/s) loses to warm files (~2 GB/s).
     slower = choose(0.83e9, 2.15e9, warm=True)
     assert not slower.peer and slower.why == "warm files 2.15 GB/s >= peer 0.83 GB/s"
     assert choose(3e9, 2.15e9, warm=True).peer
-    # Cold files never measured lose to a measured peer; measured faster, they win.
-    assert choose(0.83e9, None, warm=False).peer
-    assert not choose(0.83e9, 0.9e9, warm=False).peer
+    # Files not measured in their state count at the device's default: on the VM's CPU a
+    # peer at 0.83 GB/s loses to cold files too (0.90); a GPU host's disk is taken at 1.9.
+    assert files_default("cpu", warm=True) == 2.15e9 and files_default("cpu", warm=False) == 0.9e9
+    assert files_default("cuda:0", warm=True) == 30e9 and files_default("cuda:0", warm=False) == 1.9e9
+    assert not choose(0.83e9, files_default("cpu", warm=False), warm=False).peer
+    assert choose(25e9, files_default("cuda:0", warm=False), warm=False).peer  # RDMA beside a cold disk
     # Smoothed: the last few fills weigh most, one outlier does not flip a measured rate.
     assert smoothed(None, 1e9) == 1e9
     assert smoothed(1e9, 5e9) == pytest.approx(2e9)

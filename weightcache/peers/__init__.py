@@ -29,14 +29,13 @@ from typing import Any, Protocol
 
 from ..backends import Backend
 from ..cache import CacheCore
-from ..cache.policy import defaults_for
 from ..config import PeersConfig
 from ..errors import NoSpace, WeightcacheError
 from ..loader import Checkpoint, OpenedSource
 from ..loader.content import FILE_DIGESTS, fingerprint
 from ..server.registry import Model, Registry
 from . import wire
-from .choice import Choice, backoff_s, choose, files_warm, smoothed
+from .choice import REMEASURE_S, Choice, backoff_s, choose, files_default, files_warm, smoothed
 from .directory import Directory, PeerState, connect
 from .fill import Lent, PeerFill
 from .server import Lender
@@ -150,6 +149,7 @@ class Peers:
         peer could (nothing to try, the files are expected faster (choice.py), or every
         try failed and was logged); the caller loads from the files. NoSpace, and the load's cancellation, pass through as from any fill."""
         name = job.name
+        self._probed.pop(name, None)  # an earlier load's, refused for room: not this one's state
         if self.transport is None or not backend.supports_dma or model.origin != "config" or model.owner is not None:
             return False
         expected = known_fingerprint(self.settings, name, ckpt, opened)
@@ -162,8 +162,12 @@ class Peers:
         device = backend.device
         warm = await asyncio.to_thread(files_warm, opened)
         self._probed[name] = (device, warm)
-        files_rate = self.files_rates.get((device, warm), defaults_for(device).files if warm else None)
-        choices = [(peer, offer, choose(peer.fill_rate, files_rate, warm) if self.settings.prefer == "faster"
+        files_rate = self.files_rates.get((device, warm)) or files_default(device, warm)
+
+        def lately(peer: PeerState) -> float | None:
+            return peer.fill_rate if now - peer.measured_at < REMEASURE_S else None
+
+        choices = [(peer, offer, choose(lately(peer), files_rate, warm) if self.settings.prefer == "faster"
                      else Choice(True, "prefer = peers")) for peer, offer in offers]
         if not any(c.peer for _, _, c in choices):
             self.filled["files faster"] += 1
@@ -197,6 +201,7 @@ class Peers:
             self._probed.pop(name, None)
             if own_s > 0:
                 peer.fill_rate = smoothed(peer.fill_rate, ckpt.arena_bytes / own_s)
+                peer.measured_at = time.monotonic()
             peer.fills += 1
             peer.failed_in_a_row = 0
             self.filled["ok"] += 1

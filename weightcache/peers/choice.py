@@ -16,11 +16,13 @@ made most loads slower. Across nodes it is the other way round when the files ar
 A peer never measured is tried (one fill teaches its rate); a peer whose fills fail is
 not asked again for a while, doubling with each failure in a row (``backoff_s``): a
 failed fill costs its load up to ``stall_s`` (5 s) before the files are read, and a peer
-that keeps failing would otherwise charge that to every load; warm files never measured
-are taken at the cache policy's default for the device (policy.DeviceRates); cold files
-never measured lose to any measured peer, since a cold read is what a peer exists to
-spare. The rates drift as the page cache and the network load change: the smoothing
-weighs the last few fills most (as cache/policy.LoadRates does).
+that keeps failing would otherwise charge that to every load. Files never measured in
+their state are taken at a default for the device: warm, the cache policy's
+(policy.DeviceRates); cold, ``COLD_FILES`` below. The rates drift as the page cache and
+the network load change: the smoothing weighs the last few fills most (as
+cache/policy.LoadRates does), and a peer's rate older than ``REMEASURE_S`` counts as
+unmeasured, so a peer that lost once is tried again now and then rather than never (a
+source that always loses is never measured otherwise).
 """
 
 from __future__ import annotations
@@ -28,11 +30,25 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ..cache.policy import defaults_for
 from ..loader import OpenedSource
 from ..loader.preads import resident_fraction
 
 WARM_FRACTION = 0.5  # loader/reader.open_for_reading: buffered reads above it, O_DIRECT below
 SMOOTHING = 0.25  # a new measurement's weight (cache/policy.LoadRates.SMOOTHING)
+REMEASURE_S = 600.0  # a peer's rate this old is measured again (one fill from it)
+# Files not in the page cache, before this daemon has read any cold: the disk's rate. GPU
+# hosts: the H200's, 1.9 GB/s (cache/policy.py's note; O_DIRECT reads there reached 2.26
+# in the loader's probe). CPU: the 2-core VM's cold load of 1 GiB, 0.90 GB/s median
+# (docs/benchmarks.md, "Peers").
+COLD_FILES = {"gpu": 1.9e9, "cpu": 0.9e9}
+
+
+def files_default(device: str, warm: bool) -> float:
+    """Bytes/s assumed for files in that state on ``device`` until measured there."""
+    if warm:
+        return defaults_for(device).files
+    return COLD_FILES["cpu" if device == "cpu" else "gpu"]
 
 
 def smoothed(old: float | None, rate: float) -> float:
@@ -59,15 +75,12 @@ def gbps(rate: float) -> str:
     return f"{rate / 1e9:.2f} GB/s"
 
 
-def choose(peer_rate: float | None, files_rate: float | None, warm: bool) -> Choice:
-    """Peer or files for one load: ``peer_rate`` measured from this peer (None: never),
-    ``files_rate`` the files' expected rate in their current state (None: cold and never
-    measured)."""
+def choose(peer_rate: float | None, files_rate: float, warm: bool) -> Choice:
+    """Peer or files for one load: ``peer_rate`` measured from this peer (None: never, or
+    too long ago), ``files_rate`` the files' expected rate in their current state."""
     state = "warm" if warm else "cold"
     if peer_rate is None:
-        return Choice(True, f"peer not measured yet (files {state}): trying it")
-    if files_rate is None:
-        return Choice(True, f"peer {gbps(peer_rate)}, {state} files not measured here")
+        return Choice(True, f"peer not measured lately (files {state}): trying it")
     if peer_rate > files_rate:
         return Choice(True, f"peer {gbps(peer_rate)} > {state} files {gbps(files_rate)}")
     return Choice(False, f"{state} files {gbps(files_rate)} >= peer {gbps(peer_rate)}")

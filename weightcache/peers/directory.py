@@ -45,6 +45,7 @@ class PeerState:
     failed_fills: int = 0
     fills: int = 0
     fill_rate: float | None = None  # bytes/s of this daemon's fills from it, smoothed (choice.py)
+    measured_at: float = 0.0  # monotonic time of the last fill that measured it
     failed_in_a_row: int = 0  # fills from it that failed since its last good one
     retry_at: float = 0.0  # monotonic time before which it is not asked to fill (choice.backoff_s)
 
