@@ -205,7 +205,9 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
         # Administrators only: its stacks name the daemon's code, its stalls other tenants' work.
         "loop": ctx.loop() if ctx.access.is_admin(caller.peer) else None,
         # device = "auto" models: the last placement of each (rank), as models shows it
-        "peers": ctx.peers(),  # neighbour daemons and what they hold ([peers]; None when off)
+        # Neighbour daemons, what they hold, this daemon's fills and lends ([peers]; None
+        # when off): the operator's, and for others daemon-wide figures like the totals above.
+        "peers": ctx.peers() if admin else None,
         "placement": {slot: ctx.registry.placement_as_seen(caller.peer, slot) for slot in ctx.registry.placed
                       if ctx.registry.visible(caller.peer, next(iter(ctx.registry.replicas[slot].values())))},
     }, []
