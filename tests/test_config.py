@@ -136,11 +136,14 @@ def test_config_text_writes_what_load_settings_reads(tmp_path):
 
 
 def test_the_example_config_shows_every_daemon_key():
-    """configs/example.toml says it shows every key: each [daemon] setting appears, set or
-    commented out, so an operator finds every knob (new limits included) in one place."""
+    """configs/example.toml says it shows every key: each [daemon] and [peers] setting
+    appears, set or commented out, so an operator finds every knob (new limits included)
+    in one place."""
+    from weightcache.config import PeersConfig
+
     text = (Path(__file__).parents[1] / "configs" / "example.toml").read_text()
     shown = set(re.findall(r"^#? ?([a-z_]+) = ", text, re.M))
-    missing = sorted(set(DaemonConfig.model_fields) - shown)
+    missing = sorted((set(DaemonConfig.model_fields) | set(PeersConfig.model_fields)) - shown)
     assert not missing, f"configs/example.toml does not show: {missing}"
 
 
