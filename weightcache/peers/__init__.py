@@ -34,6 +34,7 @@ from ..errors import NoSpace, WeightcacheError
 from ..loader import Checkpoint, OpenedSource
 from ..loader.content import FILE_DIGESTS, fingerprint
 from ..server.registry import Model, Registry
+from ..server.residency.fill import OWN_PHASES
 from . import wire
 from .choice import REMEASURE_S, Choice, backoff_s, choose, files_default, files_warm, smoothed
 from .directory import Directory, PeerState, connect
@@ -53,10 +54,6 @@ class Job(Protocol):
 log = logging.getLogger("weightcache.peers")
 
 SOURCE = "neighbour"  # a model's ``source`` and the metrics' label for bytes from a peer daemon
-# The phases of a fill that are the source's cost, not waiting for room or a turn; the
-# loader's rate (server/residency/fill.py) counts the same, plus opening the files, which a
-# load a peer offered has done before the choice either way.
-OWN_PHASES = ("allocate", "fill", "seal", "table")
 
 
 def known_fingerprint(settings: PeersConfig, name: str, ckpt: Checkpoint, opened: OpenedSource) -> str | None:
@@ -100,7 +97,6 @@ class Peers:
         self._refresh: asyncio.Task[None] | None = None
         # Outcomes of loads a peer offered: "ok", "failed", and "files faster" (not tried).
         self.filled: Counter[str] = Counter()
-        self.core = core
         # Bytes/s of this daemon's own loads from files, by device and whether the files
         # were warm (choice.py); the loads a peer offered teach it (observe_files).
         self.files_rates: dict[tuple[str, bool], float] = {}
@@ -147,7 +143,8 @@ class Peers:
         holds its content, through the daemon's ``fill_new_arena`` (admit, allocate, fill,
         seal, or roll back). True: it is resident (``job.source`` is SOURCE). False: no
         peer could (nothing to try, the files are expected faster (choice.py), or every
-        try failed and was logged); the caller loads from the files. NoSpace, and the load's cancellation, pass through as from any fill."""
+        try failed and was logged); the caller loads from the files. NoSpace, and the
+        load's cancellation, pass through as from any fill."""
         name = job.name
         self._probed.pop(name, None)  # an earlier load's, refused for room: not this one's state
         if self.transport is None or not backend.supports_dma or model.origin != "config" or model.owner is not None:

@@ -35,6 +35,11 @@ T = TypeVar("T")
 
 SMALL_FILL_BYTES = 64 * 2**20  # fills of at most this (and few tensors) do not wait for the device's fill lock
 
+# The phases of a fill that are its source's cost, not waiting for room or a turn: a
+# load's rate (observe_load) counts these and opening the files; a peer's fill rate
+# (weightcache/peers/) these alone, its load having opened the files before either way.
+OWN_PHASES = ("allocate", "fill", "seal", "table")
+
 
 async def _to_thread_finished(fn: Callable[..., T], *args: Any, cleanup: Callable[[T], object] | None = None) -> T:
     """``fn(*args)`` in a thread, as ``asyncio.to_thread``, except that a caller cancelled
@@ -240,7 +245,7 @@ class Fill:
                 self.step_down.start(StepDown(drop_host=(x.name,)), f"{published_as(name)} holds the same files' arena now")
         if verb in ("loaded", "promoted"):  # what the cost-aware policy prices a return with
             # The fill's own time: waiting in the queue or for frees is not the model's cost.
-            own = ("open", "allocate", "fill", "seal", "table")
+            own = ("open", *OWN_PHASES)
             self.core.observe_load(name, "host" if plan.promote else "files", nbytes, sum(phases.get(k, 0.0) for k in own))
         self.counters["loads"] += 1  # from files or the host tier, as the core counts them per model
         if plan.promote:  # the host copy stays (Note [kept host copies] in cache/tiers.py)
