@@ -268,8 +268,8 @@ class Backend(ABC):
     def open_published(self, arena: ArenaDesc, fds: list[int]) -> PublishedSource:
         """Map the engine's memory read-only, as ``arena`` (the request's map parsed by
         protocol/arena.parse_arena, the record an attach reply is built from) describes
-        it; the fds stay the caller's. Refuse memory the engine could still change, or
-        another kind than ``kind`` (BadRequest)."""
+        it (of this backend's ``kind``: the caller checked); the fds stay the caller's.
+        Refuse memory the engine could still change (BadRequest)."""
 
     @abstractmethod
     def copy_published(self, source: PublishedSource, arena: Arena, nbytes: int) -> None:

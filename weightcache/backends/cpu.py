@@ -306,8 +306,7 @@ class CpuBackend(Backend):
 
     # -- publish ----------------------------------------------------------------------
     def open_published(self, arena: ArenaDesc, fds: list[int]) -> MemfdSource:
-        if not isinstance(arena, MemfdArenaDesc):
-            raise BadRequest(f"{self.device} models are published as {MEMFD!r} arenas, not {arena.kind!r}")
+        assert isinstance(arena, MemfdArenaDesc), arena.kind  # model_ops refused every other kind
         if len(fds) != 1:
             raise BadRequest(f"a memfd arena is published with 1 fd, not {len(fds)}")
         nbytes = arena.nbytes  # a positive integer (parse_arena)

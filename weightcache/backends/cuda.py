@@ -227,8 +227,7 @@ class CudaBackend(Backend):
                 drv.check(cu.cuStreamDestroy(stream))
 
     def open_published(self, arena: ArenaDesc, fds: list[int]) -> VmmSource:
-        if not isinstance(arena, VmmArenaDesc):
-            raise BadRequest(f"{self.device} models are published as {CUDA_VMM!r} arenas, not {arena.kind!r}")
+        assert isinstance(arena, VmmArenaDesc), arena.kind  # model_ops refused every other kind
         sizes = arena.chunks  # positive integers (parse_arena)
         if len(sizes) != len(fds):
             raise BadRequest(f"a cuda_vmm arena is published with one fd per chunk: {len(sizes)} chunks, {len(fds)} fds")

@@ -10,8 +10,6 @@ operator's. A peer's model gets a fingerprint bound to its uid.
 from __future__ import annotations
 
 import logging
-import weakref
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,7 @@ from ..protocol.framing import Deferred
 from ..protocol.messages import tenant_fingerprint
 from .access import Peer
 from .fills import CopyPublished
-from .registry import Model, Registry
+from .registry import Model
 from .requests import Caller, Context, Reply, Request
 
 log = logging.getLogger("weightcache.daemon")
@@ -74,7 +72,7 @@ async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
             _check_model_count(ctx, caller.peer)
             releases.append(ctx.registry.reserve_model(caller.peer.uid))
         if files is not None:
-            releases.append(_reserve_files(ctx, caller.peer.uid, len(req.fds)))
+            releases.append(ctx.registry.reserve_files(caller.peer.uid, len(req.fds), d.max_files_per_uid))
             sources = _adopt_files(mc, files, req)
         # The header checked now, as the config's models are at start: a file that is not a
         # checkpoint is refused with the error its load would give, not registered to fail later.
@@ -274,37 +272,6 @@ async def _publish(ctx: Context, caller: Caller, req: Request, name: str, replac
     finally:
         await residency.io.run(backend.close_published, source)
     return {"model": ctx.registry.describe(name, caller.peer, None)}, []
-
-
-# uid -> open files reserved by registers in flight, per registry (the daemon's one; a
-# test's daemons in one process each have their own). Registry.reserve_model's twin for
-# max_files_per_uid, kept here as the only op that adds a peer's open files.
-_files_reserved: weakref.WeakKeyDictionary[Registry, Counter[int]] = weakref.WeakKeyDictionary()
-
-
-def _reserve_files(ctx: Context, uid: int, n: int) -> Callable[[], None]:
-    """Hold ``n`` of ``uid``'s max_files_per_uid open files for a register that checks its
-    header before it holds them (LimitExceeded if they do not fit beside those held and
-    those reserved). Returns the release (idempotent), called once the register ends,
-    whether the registry holds the files by then or the register failed."""
-    limit = ctx.settings.daemon.max_files_per_uid
-    reserved = _files_reserved.setdefault(ctx.registry, Counter())
-    held = ctx.registry.files_held_by(uid) + reserved[uid]
-    if held + n > limit:
-        raise LimitExceeded(f"uid {uid}'s registered models hold {held} open files (registers in flight included); {n} more would pass "
-                            f"max_files_per_uid={limit}", limit=limit)
-    reserved[uid] += n
-    released = False
-
-    def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            reserved[uid] -= n
-            if reserved[uid] <= 0:
-                del reserved[uid]
-
-    return release
 
 
 def _check_model_count(ctx: Context, peer: Peer) -> None:

@@ -24,7 +24,7 @@ from ..cache import CacheCore, Entry, State
 from ..cache.entries import arena_key
 from ..cache.names import files_share, is_staging, rank_entry, replica_entry, staging_entry
 from ..config import AUTO, ModelConfig, auto_devices
-from ..errors import BadRequest, PermissionDenied, UnknownModel
+from ..errors import BadRequest, LimitExceeded, PermissionDenied, UnknownModel
 from ..loader import Checkpoint, OpenedSource, Progress
 from ..units import format_size
 from .access import AccessPolicy, Peer
@@ -142,7 +142,8 @@ class Registry:
         self.placed: dict[str, dict[str, Any]] = {}
         self.size_hint: dict[str, int] = {}  # slot -> its files' bytes, until a load tells the arena's (placing.py)
         self._staging_ids = itertools.count(1)
-        self._reserved: Counter[int] = Counter()  # uid -> model slots held by publishes not yet staged
+        self._reserved: Counter[int] = Counter()  # uid -> model slots held by publishes and registers in flight
+        self._files_reserved: Counter[int] = Counter()  # uid -> open files held by registers in flight
         # Names the config claims while a peer's model of that name is still attached
         # (config_models.py, Note [config names win]): that copy takes no new use, and no peer
         # may take the name again.
@@ -272,18 +273,18 @@ class Registry:
         entry exists: checked there and not held, 120 concurrent publishes under a limit of
         4 all passed the check and all succeeded. Returns the release (idempotent): called
         once the staging entry counts in its place, or when the publish fails first."""
-        self._reserved[uid] += 1
-        released = False
+        return _hold(self._reserved, uid, 1)
 
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self._reserved[uid] -= 1
-                if not self._reserved[uid]:
-                    del self._reserved[uid]
-
-        return release
+    def reserve_files(self, uid: int, n: int, limit: int) -> Callable[[], None]:
+        """Hold ``n`` of ``uid``'s ``limit`` (max_files_per_uid) open files for a register
+        that checks its header before the registry holds them (LimitExceeded if they do not
+        fit beside those held and those reserved): checked and not held, 16 concurrent
+        registers under a limit of 4 all registered. Returns the release, as reserve_model."""
+        held = self.files_held_by(uid) + self._files_reserved[uid]
+        if held + n > limit:
+            raise LimitExceeded(f"uid {uid}'s registered models hold {held} open files (registers in flight included); "
+                                f"{n} more would pass max_files_per_uid={limit}", limit=limit)
+        return _hold(self._files_reserved, uid, n)
 
     def holding(self, name: str) -> Arena | None:
         """The arena ``name`` holds now, or None (not resident, or only a sibling is)."""
@@ -448,3 +449,19 @@ class Registry:
             "last_error": redacted(m.last_error) if private and m.last_error else self._error_as_seen(viewer, m.last_error),
             "progress": progress.snapshot() if progress is not None else None,
         }
+
+
+def _hold(counts: Counter[int], uid: int, n: int) -> Callable[[], None]:
+    """Count ``n`` more for ``uid`` until the returned release (idempotent) is called."""
+    counts[uid] += n
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            counts[uid] -= n
+            if counts[uid] <= 0:
+                del counts[uid]
+
+    return release
