@@ -11,9 +11,10 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..loader.reader import ArenaWriter
 
@@ -133,6 +134,44 @@ class DmaView:
     # lands there (the CPU backend reserves their pages), called in arena order, ahead of
     # the reads, so that it overlaps them.
     prepare: Callable[[int, int], None] = lambda _offset, _nbytes: None
+    # Memory a transfer engine cannot read where it is (a CUDA arena's VMM chunks) is
+    # lent through a ring it can (backends/cuda_staging.py): no ``regions`` then, and the
+    # peer asks for each piece of the arena to be staged into a slot before reading it.
+    staged: StagedRing | None = None
+    # What a thread needs current to register or read this memory (a GPU's context).
+    context: Callable[[], AbstractContextManager[None]] = nullcontext
+
+
+@dataclass(frozen=True)
+class StagedRing:
+    """A lender's ring: ``slots`` x ``slot_bytes`` at ``addr``; ``stage(slot, offset,
+    nbytes)`` copies arena bytes into a slot and returns once they are there. The peer's
+    request is checked against ``arena_bytes`` and the ring before (peers/server.py)."""
+
+    addr: int
+    slots: int
+    slot_bytes: int
+    arena_bytes: int
+    stage: Callable[[int, int, int], None]
+
+
+class Landing(Protocol):
+    """Where a neighbour's bytes land when the arena itself cannot take a transfer
+    engine's writes (``Backend.dma_landing``; backends/cuda_staging.py's is the one):
+    reads land in a ring's slots, each slot is copied on into the arena, and the pieces
+    are hashed where the bytes are."""
+
+    memory: str
+    device_id: int
+    ring: Any  # .slots, .slot_bytes, .addr(slot), .base, .nbytes
+
+    def context(self) -> AbstractContextManager[None]: ...
+    def wait(self, slot: int) -> None: ...
+    def land(self, slot: int, offset: int, nbytes: int) -> None: ...
+    def hash_landed(self, pieces: Sequence[tuple[Any, int, int]]) -> None: ...
+    def zero(self, gaps: Sequence[tuple[int, int]]) -> None: ...
+    def digests(self) -> dict[Any, bytes]: ...
+    def close(self) -> None: ...
 
 
 class Backend(ABC):
@@ -146,6 +185,9 @@ class Backend(ABC):
     # can a neighbour daemon's transfer engine read its arenas and fill new ones
     # (dma_source, dma_target; weightcache/peers/)?
     supports_dma = False
+    # do its arenas take a transfer engine's bytes through a ring (dma_landing) rather
+    # than directly (dma_target)? Its lends are then staged too (DmaView.staged).
+    dma_through_ring = False
 
     def __init__(self, device: str) -> None:
         self.device = device
@@ -261,6 +303,12 @@ class Backend(ABC):
     def dma_target(self, arena: Arena) -> DmaView | None:
         """The fresh, unsealed ``arena``'s memory, writable by a transfer engine until
         ``seal``, or None where this backend cannot offer it (the fill then reads the files)."""
+        return None
+
+    def dma_landing(self, arena: Arena, slots: int, slot_bytes: int) -> Landing | None:
+        """For a backend whose ``dma_target`` is None: a ring of ``slots`` x ``slot_bytes``
+        a transfer engine can write, landed into the fresh ``arena`` and hashed there, or
+        None where this backend has none (the fill then reads the files)."""
         return None
 
     # -- publish: an engine hands the daemon weights it processed itself ---------------

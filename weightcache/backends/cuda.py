@@ -15,6 +15,7 @@ docs/benchmarks.md has this backend's attach figures since.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -27,8 +28,9 @@ from .. import cuda_driver as drv
 from ..errors import BadRequest, NoSpace
 from ..protocol.arena import CUDA_VMM, ArenaDesc, VmmArenaDesc, chunk_sizes
 from ..units import capacity
-from .base import Arena, Backend, HostCopy, HostPool, PublishedSource, Room
+from .base import Arena, Backend, DmaView, HostCopy, HostPool, PublishedSource, Room, StagedRing
 from .cuda_hash import HASH_STREAMS, GpuHasher, HashUnavailable
+from .cuda_staging import Landing, StagedSource
 from .cuda_writer import VmmWriter
 from .extents import split_by_chunks
 from .pinned import PinnedCopy, PinnedPool, StagingPool
@@ -70,6 +72,8 @@ class CudaBackend(Backend):
     kind = CUDA_VMM
     supports_host_tier = True
     supports_writable_attach = True
+    supports_dma = True
+    dma_through_ring = True  # UCX's cuda_ipc does not take VMM memory: backends/cuda_staging.py
 
     def __init__(self, device: str, hash_on_gpu: bool = True) -> None:
         super().__init__(device)
@@ -225,6 +229,21 @@ class CudaBackend(Backend):
                 drv.check(cu.cuStreamSynchronize(stream))
             finally:
                 drv.check(cu.cuStreamDestroy(stream))
+
+    # -- a neighbour daemon's transfer engine (weightcache/peers/) ----------------------
+    def dma_source(self, arena: Arena) -> DmaView | None:
+        # Through a ring: UCX's cuda_ipc does not take VMM memory (cuda_staging.py says why).
+        assert isinstance(arena, VmmArena)
+        src = StagedSource(self.ctx, arena.va)
+        ring = src.ring
+        staged = StagedRing(ring.base, ring.slots, ring.slot_bytes, arena.nbytes, src.stage)
+        return DmaView([], "VRAM", self.ordinal, release=src.close, staged=staged, context=lambda: drv.current(self.ctx))
+
+    def dma_landing(self, arena: Arena, slots: int, slot_bytes: int) -> Landing | None:
+        assert isinstance(arena, VmmArena)
+        if self.gpu_hash is None:  # a peer's bytes are checked where they land; the host would read them back
+            return None
+        return Landing(self.ctx, self.ordinal, self.gpu_hash, arena.va, functools.partial(self.grow, arena), slots, slot_bytes)
 
     def open_published(self, arena: ArenaDesc, fds: list[int]) -> VmmSource:
         assert isinstance(arena, VmmArenaDesc), arena.kind  # model_ops refused every other kind
