@@ -6,6 +6,7 @@ do not match the fingerprint are never served. Skipped where NIXL cannot start."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -45,10 +46,10 @@ class Pair:
         self.procs: list[DaemonProcess] = []
 
     def start(self, i: int, models: dict[str, Path], peers: dict[str, Any] | None = None,
-              budget: str = "1GiB") -> DaemonProcess:
+              budget: str = "1GiB", device: str = "cpu") -> DaemonProcess:
         sock = os.path.join(self.sockdir, f"p{i}.sock")
         cfg = self.tmp / f"peer{i}.toml"
-        text = config_text(sock, {"cpu": budget}, [{"name": n, "path": str(p)} for n, p in models.items()],
+        text = config_text(sock, {device: budget}, [{"name": n, "path": str(p), "device": device} for n, p in models.items()],
                            {"log_level": "debug", "shutdown_grace_s": 2})
         other = self.ports[1 - i]
         lines = ["", "[peers]", f'listen = "127.0.0.1:{self.ports[i]}"', f'addresses = ["127.0.0.1:{other}"]', "refresh_s = 0.3"]
@@ -63,8 +64,9 @@ class Pair:
         return (self.tmp / f"peer{i}.log").read_text(errors="replace")
 
 
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[Pair]:
+@contextlib.contextmanager
+def daemon_pair(tmp_path: Path) -> Iterator[Pair]:
+    """Two daemons' places; each started daemon still running at the end must stop cleanly."""
     sockdir = tempfile.mkdtemp(prefix="wc-", dir="/tmp")
     p = Pair(tmp_path, sockdir)
     yield p
@@ -72,6 +74,12 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
         assert d.proc is not None
         if d.proc.poll() is None:
             assert d.stop() == 0, f"daemon exited uncleanly:\n{d.log.read_text()[-3000:]}"
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[Pair]:
+    with daemon_pair(tmp_path) as p:
+        yield p
 
 
 def ckpt(tmp_path: Path, nbytes: int, seed: int = 0, mode: int = 0o644) -> Path:

@@ -40,7 +40,8 @@ from .choice import REMEASURE_S, Choice, backoff_s, choose, files_default, files
 from .directory import Directory, PeerState, connect
 from .fill import Lent, PeerFill
 from .server import Lender
-from .transport import Transport, unavailable
+from .staged import StagedFill
+from .transport import TransferFailed, Transport, unavailable
 
 
 class Job(Protocol):
@@ -153,7 +154,9 @@ class Peers:
         if expected is None:
             return False
         now = time.monotonic()
-        offers = [(peer, offer) for peer, offer in self.directory.offers(expected, ckpt.layout) if peer.retry_at <= now]
+        # A GPU lend is a ring of device memory (wire.py): a host arena cannot take it.
+        offers = [(peer, offer) for peer, offer in self.directory.offers(expected, ckpt.layout)
+                  if peer.retry_at <= now and (backend.dma_through_ring or offer.tier == "host")]
         if not offers:  # none holds it, or those that do failed lately (choice.backoff_s)
             return False
         device = backend.device
@@ -218,29 +221,29 @@ class Peers:
         """Fill from ``peer``; returns the seconds of the fill's own phases (its rate's measure)."""
         assert self.transport is not None
         reader, writer, _ = await connect(peer.address, self.daemon_id)
-        closed: list[str] = []
+        channel: LendChannel | None = None
         watcher: asyncio.Task[None] | None = None
         try:
             await wire.send(writer, {"op": "lend", "fingerprint": expected, "layout": ckpt.layout})
             lent = Lent.parse(wire.check_reply(await asyncio.wait_for(wire.recv(reader), 30), "lend"))
-
-            async def watch() -> None:  # the lender sends nothing until done: EOF means it went
-                try:
-                    await reader.read(1)
-                finally:
-                    closed.append("the peer closed its control connection")
-
-            watcher = asyncio.ensure_future(watch())
+            channel = LendChannel(asyncio.get_running_loop(), reader, writer)
+            watcher = asyncio.ensure_future(channel.run())
 
             def stop() -> str | None:
-                if closed:
-                    return closed[0]
+                assert channel is not None
+                if channel.closed:
+                    return channel.closed[0]
                 if job.abandoned.is_set() or self._shutting_down():
                     return "the load was cancelled"
                 return None
 
-            fill = PeerFill(self.transport, backend, lent, expected, stop, self.settings.timeout_s,
-                            self.settings.max_fill_bytes_per_s, stall_s=self.settings.stall_s)
+            fill: PeerFill | StagedFill
+            if backend.dma_through_ring:
+                fill = StagedFill(self.transport, backend, lent, expected, stop, channel, self.settings.timeout_s,
+                                  self.settings.max_fill_bytes_per_s, stall_s=self.settings.stall_s)
+            else:
+                fill = PeerFill(self.transport, backend, lent, expected, stop, self.settings.timeout_s,
+                                self.settings.max_fill_bytes_per_s, stall_s=self.settings.stall_s)
             job.source = SOURCE
             phases: dict[str, float] = {}
             await fill_new_arena(job.name, ckpt, backend.capacity(ckpt.arena_bytes), 0, fill,
@@ -253,3 +256,69 @@ class Peers:
             if watcher is not None:
                 watcher.cancel()
             writer.close()
+
+
+class LendChannel:
+    """A lend's control connection while the fill runs (wire.py): the lender's replies to
+    ``stage`` wake the fill's thread (staged.py's StageRequests); its refusal, or the
+    connection's end, stops the fill (``closed``). A lend from host memory gets nothing
+    until ``done``: there, only the end is watched."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._loop, self._reader, self._writer = loop, reader, writer
+        self.closed: list[str] = []
+        self._lock = threading.Lock()
+        self._events: dict[int, threading.Event] = {}
+        self._staged: set[int] = set()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                msg = await wire.recv(self._reader)
+                if msg is None:
+                    self.closed.append("the peer closed its control connection")
+                    return
+                seq = wire.check_reply(msg, "stage").get("seq")
+                with self._lock:
+                    ev = self._events.get(seq) if isinstance(seq, int) else None
+                    if ev is None:
+                        raise wire.PeerError(f"the peer answered a stage not asked for ({str(seq)[:32]})")
+                    self._staged.add(seq)  # type: ignore[arg-type]
+                ev.set()
+        except (wire.PeerError, OSError, ConnectionError) as exc:
+            self.closed.append(f"the peer's control connection: {exc}")
+        except asyncio.CancelledError:
+            self.closed.append("the fill ended")
+            raise
+        finally:
+            with self._lock:
+                for ev in self._events.values():
+                    ev.set()  # the waiters see ``closed``
+
+    def _event(self, seq: int) -> threading.Event:
+        with self._lock:
+            ev = self._events.get(seq)
+            if ev is None:
+                ev = self._events[seq] = threading.Event()
+                if self.closed:
+                    ev.set()
+            return ev
+
+    def request(self, seq: int, slot: int, offset: int, nbytes: int) -> None:
+        self._event(seq)
+        frame = wire.encode_frame({"op": "stage", "seq": seq, "slot": slot, "offset": offset, "nbytes": nbytes})
+        self._loop.call_soon_threadsafe(self._writer.write, frame)
+
+    def wait(self, seq: int, stop: Callable[[], str | None], deadline: float, stall_s: float) -> None:
+        ev = self._event(seq)
+        until = min(deadline, time.monotonic() + stall_s)
+        while not ev.wait(0.05):
+            why = stop()
+            if why is not None:
+                raise TransferFailed(why)
+            if time.monotonic() > until:
+                raise TransferFailed(f"the peer did not stage bytes within {stall_s:g} s" if until < deadline else "timed out")
+        with self._lock:
+            if seq in self._staged:
+                return
+        raise TransferFailed(self.closed[0] if self.closed else "the peer's control connection ended")

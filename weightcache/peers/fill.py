@@ -47,6 +47,7 @@ class Lent:
     memory: str
     device_id: int
     regions: tuple[tuple[int, int, int], ...]  # (arena_offset, addr, nbytes), arena order
+    staged: Staged | None = None  # a GPU lend's ring (wire.py): no regions then
 
     @classmethod
     def parse(cls, reply: dict[str, Any]) -> Lent:
@@ -59,7 +60,33 @@ class Lent:
                 raise ValueError("lend: a region is malformed")
             out.append((r[0], r[1], r[2]))
         out.sort()
-        return cls(md, str(memory), dev, tuple(out))
+        staged = Staged.parse(reply["staged"]) if "staged" in reply else None
+        if staged is not None and out:
+            raise ValueError("lend: a staged lend has no regions")
+        return cls(md, str(memory), dev, tuple(out), staged)
+
+
+MAX_STAGE_SLOTS = 64
+MAX_STAGE_BYTES = 2**30  # per slot (a borrower's own ring is its own size: peers/staged.py)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A staged lend's ring: ``slots`` x ``slot_bytes`` at the lender's ``addr``."""
+
+    addr: int
+    slots: int
+    slot_bytes: int
+
+    @classmethod
+    def parse(cls, value: Any) -> Staged:
+        if not isinstance(value, dict):
+            raise ValueError("lend: staged is malformed")
+        addr, slots, size = (value.get(k) for k in ("addr", "slots", "slot_bytes"))
+        if not (isinstance(addr, int) and addr >= 0 and isinstance(slots, int) and 0 < slots <= MAX_STAGE_SLOTS
+                and isinstance(size, int) and 0 < size <= MAX_STAGE_BYTES):
+            raise ValueError(f"lend: staged needs an address, 1..{MAX_STAGE_SLOTS} slots of 1..{MAX_STAGE_BYTES} bytes")
+        return cls(addr, slots, size)
 
 
 def extents_for(task_offset: int, nbytes: int, local_base: int, regions: tuple[tuple[int, int, int], ...]) -> list[Extent]:
@@ -96,6 +123,8 @@ class PeerFill:
     stall_s: float = 5.0  # no read completing for this long while some are in flight: give up
 
     def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> str | None:
+        if self.lent.staged is not None:  # a GPU lend: peers/staged.py's fill, which __init__ chooses for GPU targets
+            raise LoadFailed("a GPU lend's ring fills GPU arenas only")
         view = self.backend.dma_target(arena)
         if view is None or len(view.regions) != 1:
             raise LoadFailed(f"the {arena.device} backend offers no memory a peer's transfer can write")

@@ -25,15 +25,19 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
 
 from ..backends import Backend
+from ..backends.base import StagedRing
 from ..cache import CacheCore, State
+from ..errors import WeightcacheError
 from ..server.registry import Model, Registry
 from . import wire
 from .transport import Transport
 
 log = logging.getLogger("weightcache.peers")
+T = TypeVar("T")
 
 HELLO_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 60.0  # a peer connection with no request for this long is closed
@@ -182,25 +186,31 @@ class Lender:
         pumping = threading.Event()
         t0 = time.monotonic()
         try:
-            view = await asyncio.to_thread(backend.dma_source, arena)
+            try:
+                view = await asyncio.to_thread(backend.dma_source, arena)
+            except WeightcacheError as exc:  # the ring's device memory refused (cuda_staging.py)
+                await wire.send(writer, wire.reply_error("BUSY", f"cannot lend now: {exc.message}"))
+                return
             if view is None:
                 await wire.send(writer, wire.reply_error("UNSUPPORTED", f"the {model.device} backend cannot lend its arenas"))
                 return
-            regions = [(r.addr, r.nbytes) for r in view.regions if r.nbytes]
-            reg = await asyncio.to_thread(transport.register, regions, view.memory, view.device_id)
+            staged = view.staged
+            regions = ([(staged.addr, staged.slots * staged.slot_bytes)] if staged is not None
+                       else [(r.addr, r.nbytes) for r in view.regions if r.nbytes])
+            reg = await asyncio.to_thread(within, view.context, transport.register, regions, view.memory, view.device_id)
             metadata = await asyncio.to_thread(transport.metadata)
             pump = asyncio.ensure_future(asyncio.to_thread(transport.progress, pumping))
-            await wire.send(writer, {"ok": True, "metadata": metadata, "memory": view.memory, "device_id": view.device_id,
-                                     "regions": [[r.arena_offset, r.addr, r.nbytes] for r in view.regions if r.nbytes]})
+            reply: dict[str, Any] = {"ok": True, "metadata": metadata, "memory": view.memory, "device_id": view.device_id,
+                                     "regions": [[r.arena_offset, r.addr, r.nbytes] for r in view.regions if r.nbytes]}
+            if staged is not None:
+                reply["staged"] = {"addr": staged.addr, "slots": staged.slots, "slot_bytes": staged.slot_bytes}
+            await wire.send(writer, reply)
             self.lends += 1
             log.info("lending %s (%d bytes) to peer %s", name, model.resident.checkpoint.data_bytes if model.resident.checkpoint else 0, host,
                      extra={"model": name, "peer": host})
             # Until done, EOF, or the timeout (Note [what a lend holds]).
             with contextlib.suppress(TimeoutError):
-                msg = await asyncio.wait_for(wire.recv(reader), self.timeout_s)
-                if msg is not None and msg.get("op") == "done":
-                    with contextlib.suppress(OSError):
-                        await wire.send(writer, {"ok": True})
+                await serve_lend(reader, writer, staged, t0 + self.timeout_s)
         finally:
             # Deregistered before the view goes, the view before the lease: see the Note.
             try:
@@ -208,9 +218,10 @@ class Lender:
                 if pump is not None:
                     await asyncio.shield(pump)
                 if reg is not None:
-                    await asyncio.shield(asyncio.to_thread(transport.deregister, reg))
-                if view is not None:
-                    view.release()
+                    assert view is not None
+                    await asyncio.shield(asyncio.to_thread(within, view.context, transport.deregister, reg))
+                if view is not None:  # a GPU's ring is freed (cuMemFree may wait for the device): off the loop
+                    await asyncio.shield(asyncio.to_thread(view.release))
             finally:
                 self.core.detach(lease.id, conn)
                 self.lent_now -= 1
@@ -220,6 +231,59 @@ class Lender:
                 log.info("lend of %s to peer %s ended after %.2fs", name, host, time.monotonic() - t0,
                          extra={"model": name, "peer": host})
                 self._notify_space()
+
+
+async def serve_lend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, staged: StagedRing | None,
+                     deadline: float) -> None:
+    """A lend's requests until ``done``, the connection's end, or ``deadline``
+    (TimeoutError): a staged lend's ``stage`` requests (wire.py), one at a time, in order.
+    A malformed request, or one outside the arena or the ring, is answered BAD_REQUEST and
+    ends the lend."""
+    while True:
+        msg = await asyncio.wait_for(wire.recv(reader), max(0.0, deadline - time.monotonic()))
+        if msg is None:
+            return
+        op = msg.get("op")
+        if op == "done":
+            with contextlib.suppress(OSError):
+                await wire.send(writer, {"ok": True})
+            return
+        if op != "stage" or staged is None:
+            await wire.send(writer, wire.reply_error("BAD_REQUEST", f"a lend takes {'stage or ' if staged else ''}done, "
+                                                                    f"not {str(op)[:64]!r}"))
+            return
+        seq, slot, offset, nbytes = (msg.get(k) for k in ("seq", "slot", "offset", "nbytes"))
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (seq, slot, offset, nbytes)):
+            await wire.send(writer, wire.reply_error("BAD_REQUEST", "stage needs integers seq, slot, offset and nbytes"))
+            return
+        assert isinstance(slot, int) and isinstance(offset, int) and isinstance(nbytes, int)
+        why = check_stage(staged, slot, offset, nbytes)
+        if why is None:
+            try:
+                await asyncio.to_thread(staged.stage, slot, offset, nbytes)
+            except ValueError as exc:  # the lend ended under it
+                why = str(exc)
+        if why is not None:
+            await wire.send(writer, wire.reply_error("BAD_REQUEST", f"stage: {why}"))
+            return
+        await wire.send(writer, {"ok": True, "seq": seq})
+
+
+def check_stage(ring: StagedRing, slot: int, offset: int, nbytes: int) -> str | None:
+    """Why a peer's ``stage`` request is refused (outside the ring or the arena), or None."""
+    if not 0 <= slot < ring.slots:
+        return f"slot {slot} is not one of this lend's {ring.slots}"
+    if not 0 < nbytes <= ring.slot_bytes:
+        return f"{nbytes} bytes do not fit one slot ({ring.slot_bytes})"
+    if not 0 <= offset <= ring.arena_bytes - nbytes:
+        return f"bytes {offset}..{offset + nbytes} are not within the arena ({ring.arena_bytes})"
+    return None
+
+
+def within(context: Callable[[], AbstractContextManager[None]], fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` with ``context`` entered (a GPU's context current, for NIXL's calls on its memory)."""
+    with context():
+        return fn(*args)
 
 
 def same_host(a: str, b: str) -> bool:

@@ -79,6 +79,12 @@ class Transport:
     from threads. NIXL's strict thread-sync mode guards the agent across them."""
 
     def __init__(self, name: str | None = None) -> None:
+        # A NIXL READ between GPU buffers of one host is UCX's cuda_ipc get, which UCX
+        # turns off on GPUs without active NVLink (openucx/ucx #7566, for all-to-all
+        # collectives), leaving loopback TCP: 0.5 GB/s against 416 with it on, on one
+        # H200 (docs/benchmarks.md). NIXL's own UCX plugin turns it on since
+        # ai-dynamo/nixl #2208; here for the builds before that. An operator's setting wins.
+        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
         api = _import_api()
         self._api = api
         self.name = name or f"weightcache-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
@@ -118,7 +124,8 @@ class Transport:
     def read(self, remote_md: bytes, extents: Sequence[Extent], memory: str, device_id: int, remote_memory: str,
              remote_device_id: int, *, window: int, on_done: Callable[[int, int], None],
              stop: Callable[[], str | None], deadline: float, stall_s: float = 5.0,
-             pace: Callable[[int, int], None] = lambda _n, _dst: None) -> None:
+             pace: Callable[[int, int], None] = lambda _n, _dst: None,
+             ready: Callable[[int], bool] = lambda _k: True) -> None:
         """Read every extent (one request each) from
         the peer whose metadata is ``remote_md``, keeping up to ``window`` requests in
         flight. ``on_done(dst, nbytes)`` is called, in this thread, as each extent's
@@ -127,11 +134,13 @@ class Transport:
         request completing for ``stall_s`` while some are in flight, ends it with
         TransferFailed. Returns only with no request in flight (Note [reads and the
         arena's lifetime]). ``pace(nbytes, dst)`` is called before each read is posted (it
-        may wait: the target's pages reserved, a fill's rate cap)."""
+        may wait: the target's pages reserved, a fill's rate cap). ``ready(k)`` says
+        whether extent ``k`` may be posted yet (its target is free again: a ring's slot
+        copied out); while it may not, the reads in flight are polled."""
         with self._reading:
             try:
                 self._read(remote_md, extents, memory, device_id, remote_memory, remote_device_id, window=window,
-                           on_done=on_done, stop=stop, deadline=deadline, stall_s=stall_s, pace=pace)
+                           on_done=on_done, stop=stop, deadline=deadline, stall_s=stall_s, pace=pace, ready=ready)
             except TransferFailed:
                 raise
             except Exception as exc:  # NIXL's own (nixlRemoteDisconnectError: the lender died)
@@ -139,7 +148,8 @@ class Transport:
 
     def _read(self, remote_md: bytes, extents: Sequence[Extent], memory: str, device_id: int, remote_memory: str,
               remote_device_id: int, *, window: int, on_done: Callable[[int, int], None],
-              stop: Callable[[], str | None], deadline: float, stall_s: float, pace: Callable[[int, int], None]) -> None:
+              stop: Callable[[], str | None], deadline: float, stall_s: float, pace: Callable[[int, int], None],
+              ready: Callable[[int], bool]) -> None:
         remote = self._add_remote(remote_md)
         lo, hi = min(e.dst for e in extents), max(e.dst + e.nbytes for e in extents)
         local_reg = self.register([(lo, hi - lo)], memory, device_id)
@@ -150,7 +160,7 @@ class Transport:
             # stall is counted from (time spent in ``pace`` is this side's, not a stall).
             moved = time.monotonic()
             while todo or inflight:
-                while todo and len(inflight) < window:
+                while todo and len(inflight) < window and ready(len(extents) - len(todo)):
                     e = todo.pop()
                     pace(e.nbytes, e.dst)
                     if not inflight:

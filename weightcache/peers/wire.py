@@ -19,7 +19,13 @@ Ops, each a request map with "op" and a reply map with "ok" (and "error": {"code
 - ``lend`` {"fingerprint", "layout"} -> {"metadata": bin, "memory": "DRAM"|"VRAM",
   "device_id": int, "regions": [[arena_offset, addr, nbytes], ...]}: the lender holds a
   lease on the model and keeps the regions registered with NIXL until ``done`` or the
-  connection closes.
+  connection closes. A GPU model's reply has no regions but ``"staged": {"addr",
+  "slots", "slot_bytes"}``: a ring of device memory NIXL can read, which the arena is
+  copied into piece by piece (backends/cuda_staging.py says why).
+- ``stage`` {"seq", "slot", "offset", "nbytes"} -> {"seq"}, on a staged lend: arena bytes
+  [offset, offset + nbytes) are in the ring's slot ``slot`` when the reply comes. Served
+  one at a time, in order; a borrower may send the next ones before the replies. A
+  request outside the arena or the slot is refused BAD_REQUEST, and ends the lend.
 - ``done`` -> {}: the borrower has what it needs; the lease ends.
 """
 

@@ -1,0 +1,362 @@
+"""A GPU model's lend and fill through rings (issue 27: peers/staged.py, the lender's
+``stage`` op in peers/server.py, the fill's control channel in peers/__init__.py), on
+the CPU: the rings are host memory, the NIXL agent a stand-in that copies, so what is
+checked here is the protocol and the fill's bookkeeping (chunks, slots reused only once
+copied out, pieces hashed only once every byte of them landed, the padding zeroed, the
+fingerprint). tests/test_gpu_peers.py runs the same on the GPU, with NIXL."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+from safetensors.torch import save_file
+
+from weightcache.backends.base import StagedRing
+from weightcache.errors import LoadFailed
+from weightcache.loader import Checkpoint, Progress, fingerprint_files, open_checkpoint
+from weightcache.peers import LendChannel, staged
+from weightcache.peers.fill import Lent, Staged
+from weightcache.peers.server import serve_lend
+from weightcache.peers.transport import TransferFailed, Transport
+from weightcache.peers.wire import PeerError, check_reply, encode_frame, recv, send
+
+SLOT = 64 * 1024
+
+
+def write(tmp: Path) -> Path:
+    """Tensors a fill meets: ones smaller than the kernel takes (<= 240 bytes, hashed on
+    the host), one spanning many slots, and padding between them."""
+    g = torch.Generator().manual_seed(7)
+    tensors = {"tiny": torch.randn(10, generator=g).to(torch.bfloat16),
+               "a": torch.randn(1000, generator=g).to(torch.bfloat16),
+               "big": torch.randn(300_000, generator=g).to(torch.bfloat16),
+               "odd": torch.randn(333, generator=g).to(torch.bfloat16),
+               "empty": torch.zeros(0, dtype=torch.bfloat16),
+               "b": torch.randn(40_000, generator=g).to(torch.bfloat16)}
+    path = tmp / "m.safetensors"
+    save_file(tensors, str(path))
+    return path
+
+
+def arena_of(ckpt: Checkpoint, padding: int) -> bytearray:
+    """The lender's arena: every tensor's file bytes at its arena offset, ``padding`` between."""
+    end = max(t.arena_offset + t.nbytes for t in ckpt.tensors)
+    out = bytearray([padding]) * end
+    with open(ckpt.files[0].path, "rb") as f:
+        data = f.read()
+    for t in ckpt.tensors:
+        out[t.arena_offset : t.arena_offset + t.nbytes] = data[t.file_offset : t.file_offset + t.nbytes]
+    return out
+
+
+def addr(buf: Any) -> int:
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+
+
+class HostRing:
+    def __init__(self, slots: int, slot_bytes: int) -> None:
+        self.slots, self.slot_bytes = slots, slot_bytes
+        self.buf = bytearray(slots * slot_bytes)
+        self.base = addr(self.buf)
+        self.nbytes = len(self.buf)
+
+    def addr(self, slot: int) -> int:
+        return self.base + slot * self.slot_bytes
+
+
+class HostLanding:
+    """backends/cuda_staging.py's Landing in host memory, checking the fill's order as it goes."""
+
+    memory = "DRAM"
+    device_id = 0
+
+    def __init__(self, arena: bytearray, slots: int, slot_bytes: int) -> None:
+        self.arena = arena
+        self.ring = HostRing(slots, slot_bytes)
+        self.landed = bytearray(len(arena))  # 1 where a byte has landed
+        self.slot_busy = [False] * slots  # read into, not yet copied out
+        self.hashed: dict[Any, bytes] = {}
+        self.closed = False
+
+    def context(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def wait(self, slot: int) -> None:
+        assert not self.slot_busy[slot], f"slot {slot} read into again before its bytes were copied out"
+        self.slot_busy[slot] = True
+
+    def land(self, slot: int, offset: int, nbytes: int) -> None:
+        assert self.slot_busy[slot]
+        self.arena[offset : offset + nbytes] = self.ring.buf[slot * self.ring.slot_bytes : slot * self.ring.slot_bytes + nbytes]
+        self.landed[offset : offset + nbytes] = b"\x01" * nbytes
+        self.slot_busy[slot] = False
+
+    def hash_landed(self, pieces: Sequence[tuple[Any, int, int]]) -> None:
+        for key, offset, nbytes in pieces:
+            assert all(self.landed[offset : offset + nbytes]), f"piece {key} hashed before all of it landed"
+            assert key not in self.hashed
+            self.hashed[key] = xxhash.xxh3_128_digest(bytes(self.arena[offset : offset + nbytes]))
+
+    def zero(self, gaps: Sequence[tuple[int, int]]) -> None:
+        for offset, nbytes in gaps:
+            self.arena[offset : offset + nbytes] = bytes(nbytes)
+
+    def digests(self) -> dict[Any, bytes]:
+        return dict(self.hashed)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class RingBackend:
+    """What StagedFill uses of a backend."""
+
+    device = "cuda:0"
+
+    def __init__(self, arena: bytearray) -> None:
+        self.arena = arena
+        self.landing: HostLanding | None = None
+
+    def dma_landing(self, arena: Any, slots: int, slot_bytes: int) -> HostLanding:
+        self.landing = HostLanding(self.arena, slots, slot_bytes)
+        return self.landing
+
+
+class CopyingAgent:
+    """A NIXL agent whose reads copy (memmove) from the far address to the near one when
+    they complete, newest first: a read is done once it is the newest posted or the one
+    posted after it is done (so a chunk's slot may be asked for again while the chunk
+    before it in that slot is still in flight)."""
+
+    def __init__(self) -> None:
+        self.posted: list[tuple[int, int, int]] = []
+        self.done: set[int] = set()
+
+    def add_remote_agent(self, md: bytes) -> str:
+        return "peer"
+
+    def remove_remote_agent(self, name: str) -> None:
+        pass
+
+    def register_memory(self, regions: list[Any], memory: str) -> str:
+        return "reg"
+
+    def deregister_memory(self, handle: str) -> None:
+        pass
+
+    def get_xfer_descs(self, descs: list[Any], memory: str) -> list[Any]:
+        return descs
+
+    def initialize_xfer(self, op: str, local: list[Any], far: list[Any], remote: str) -> int:
+        (dst, n, _), (src, m, _) = local[0], far[0]
+        assert n == m
+        self.posted.append((dst, src, n))
+        return len(self.posted)
+
+    def transfer(self, h: int) -> str:
+        return "PROC"
+
+    def check_xfer_state(self, h: int) -> str:
+        if h not in self.done and (h == len(self.posted) or h + 1 in self.done):
+            dst, src, n = self.posted[h - 1]
+            ctypes.memmove(dst, src, n)
+            self.done.add(h)
+        return "DONE" if h in self.done else "PROC"
+
+    def release_xfer_handle(self, h: int) -> None:
+        pass
+
+
+def transport() -> Transport:
+    t = Transport.__new__(Transport)  # no NIXL: the read loop over a copying stand-in
+    t.agent = CopyingAgent()  # type: ignore[assignment]
+    t._reading = threading.Lock()
+    return t
+
+
+class HostStages:
+    """The lender's side in the fill's thread: ``request`` stages at once, into the
+    lender's host ring, from its arena; refuses to overwrite a slot the fill has not read."""
+
+    def __init__(self, arena: bytearray, ring: HostRing) -> None:
+        self.arena, self.ring = arena, ring
+        self.requests: list[tuple[int, int, int, int]] = []
+
+    def request(self, seq: int, slot: int, offset: int, nbytes: int) -> None:
+        self.requests.append((seq, slot, offset, nbytes))
+        start = slot * self.ring.slot_bytes
+        self.ring.buf[start : start + nbytes] = self.arena[offset : offset + nbytes]
+
+    def wait(self, seq: int, stop: Callable[[], str | None], deadline: float, stall_s: float) -> None:
+        assert any(r[0] == seq for r in self.requests), f"chunk {seq} waited for before it was asked for"
+
+
+@pytest.fixture
+def small_rings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(staged, "SLOTS", 3)
+    monkeypatch.setattr(staged, "SLOT_BYTES", SLOT)
+    yield
+
+
+def fill(path: Path, lender_arena: bytearray, expected: str) -> tuple[str | None, RingBackend, HostStages]:
+    ckpt = open_checkpoint(path)
+    lender_ring = HostRing(4, SLOT)  # a lender's ring bigger than the borrower's: the smaller is used
+    lent = Lent(b"md", "VRAM", 0, (), Staged(lender_ring.base, lender_ring.slots, lender_ring.slot_bytes))
+    backend = RingBackend(bytearray(b"\xee") * len(lender_arena))  # the borrower's arena: garbage until filled
+    stages = HostStages(lender_arena, lender_ring)
+    f = staged.StagedFill(transport(), backend, lent, expected, lambda: None, stages, timeout_s=60)  # type: ignore[arg-type]
+    return f(ckpt, None, Progress(ckpt.arena_bytes)), backend, stages  # type: ignore[arg-type]
+
+
+def test_a_staged_fill_lands_every_tensor_byte_and_checks_the_fingerprint(tmp_path: Path, small_rings: None) -> None:
+    path = write(tmp_path)
+    ckpt = open_checkpoint(path)
+    fp = fingerprint_files(path)
+    lender = arena_of(ckpt, padding=0xAB)  # the lender's padding: not covered by the fingerprint
+    got, backend, stages = fill(path, lender, fp)
+    assert got == fp
+    assert backend.landing is not None and backend.landing.closed
+    assert bytes(backend.arena) == bytes(arena_of(ckpt, padding=0))  # every tensor byte, the padding zeroed
+    chunks = -(-len(lender) // SLOT)
+    assert chunks > 6  # several rounds of the 3 slots
+    assert sorted(r[0] for r in stages.requests) == list(range(chunks))  # asked as slots free: in any order
+    assert all(seq % 3 == slot for seq, slot, _, _ in stages.requests)
+
+
+def test_a_wrong_byte_from_the_peer_fails_the_fill(tmp_path: Path, small_rings: None) -> None:
+    path = write(tmp_path)
+    ckpt = open_checkpoint(path)
+    lender = arena_of(ckpt, padding=0)
+    big = next(t for t in ckpt.tensors if t.name == "big")
+    lender[big.arena_offset + big.nbytes - 1] ^= 1  # the last byte of a tensor spanning many slots
+    with pytest.raises(LoadFailed, match="do not match this checkpoint's fingerprint"):
+        fill(path, lender, fingerprint_files(path))
+
+
+def test_a_peer_that_stops_answering_stage_fails_within_stall_s() -> None:
+    async def main() -> None:
+        server_got: list[dict[str, Any]] = []
+
+        async def lender(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while (msg := await recv(reader)) is not None:
+                server_got.append(msg)  # never answers
+
+        srv = await asyncio.start_server(lender, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        ch = LendChannel(asyncio.get_running_loop(), reader, writer)
+        task = asyncio.ensure_future(ch.run())
+        ch.request(0, 0, 0, 4096)
+        t0 = time.monotonic()
+        with pytest.raises(TransferFailed, match=r"did not stage bytes within 0\.3 s"):
+            await asyncio.to_thread(ch.wait, 0, lambda: None, time.monotonic() + 60, 0.3)
+        assert 0.3 <= time.monotonic() - t0 < 5
+        assert server_got == [{"op": "stage", "seq": 0, "slot": 0, "offset": 0, "nbytes": 4096}]
+        task.cancel()
+        writer.close()
+        srv.close()
+
+    asyncio.run(main())
+
+
+async def _lend_pair(ring: StagedRing) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, asyncio.Task[None], asyncio.Server]:
+    done = asyncio.get_running_loop().create_future()
+
+    async def lender(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await serve_lend(reader, writer, ring, time.monotonic() + 30)
+        finally:
+            writer.close()
+            done.set_result(None)
+
+    srv = await asyncio.start_server(lender, "127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.sockets[0].getsockname()[1])
+    return reader, writer, asyncio.ensure_future(asyncio.wait_for(done, 30)), srv
+
+
+@pytest.mark.parametrize(("request_", "why"), [
+    ({"slot": 4, "offset": 0, "nbytes": 10}, "slot 4 is not one of this lend's 4"),
+    ({"slot": -1, "offset": 0, "nbytes": 10}, "slot -1 is not one of"),
+    ({"slot": 0, "offset": 0, "nbytes": SLOT + 1}, f"do not fit one slot ({SLOT})"),
+    ({"slot": 0, "offset": 0, "nbytes": 0}, "0 bytes do not fit one slot"),
+    ({"slot": 0, "offset": 1_000_000 - 10, "nbytes": 11}, "not within the arena (1000000)"),
+    ({"slot": 0, "offset": -5, "nbytes": 10}, "not within the arena"),
+    ({"slot": 0, "offset": "0", "nbytes": 10}, "stage needs integers"),
+    ({"slot": True, "offset": 0, "nbytes": 10}, "stage needs integers"),
+])
+async def test_a_lender_refuses_a_stage_outside_its_ring_or_arena_and_ends_the_lend(request_: dict[str, Any], why: str) -> None:
+    staged_calls: list[tuple[int, int, int]] = []
+    ring = StagedRing(0x1000, 4, SLOT, 1_000_000, lambda *a: staged_calls.append(a))
+    reader, writer, ended, srv = await _lend_pair(ring)
+    await send(writer, {"op": "stage", "seq": 0, "slot": 1, "offset": 4096, "nbytes": 100})  # a good one first
+    assert check_reply(await recv(reader), "stage") == {"ok": True, "seq": 0}
+    await send(writer, {"op": "stage", "seq": 1, **request_})
+    with pytest.raises(PeerError, match=re.escape(why)) as exc:
+        check_reply(await recv(reader), "stage")
+    assert exc.value.code == "BAD_REQUEST"
+    await ended  # the lend is over: its lease goes
+    assert await recv(reader) is None
+    assert staged_calls == [(1, 4096, 100)]  # the refused one never reached the ring
+    writer.close()
+    srv.close()
+
+
+async def test_a_lend_from_host_memory_takes_no_stage_and_done_ends_it() -> None:
+    reader, writer, ended, srv = await _lend_pair_direct()
+    await send(writer, {"op": "stage", "seq": 0, "slot": 0, "offset": 0, "nbytes": 1})
+    with pytest.raises(PeerError, match="a lend takes done, not 'stage'"):
+        check_reply(await recv(reader), "stage")
+    await ended
+    writer.close()
+    srv.close()
+
+
+async def _lend_pair_direct() -> tuple[asyncio.StreamReader, asyncio.StreamWriter, asyncio.Future[None], asyncio.Server]:
+    done = asyncio.get_running_loop().create_future()
+
+    async def lender(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await serve_lend(reader, writer, None, time.monotonic() + 30)
+        finally:
+            writer.close()
+            done.set_result(None)
+
+    srv = await asyncio.start_server(lender, "127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.sockets[0].getsockname()[1])
+    return reader, writer, done, srv
+
+
+async def test_the_fill_channel_wakes_on_its_stage_and_stops_on_a_refusal() -> None:
+    async def lender(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        msg = await recv(reader)
+        assert msg is not None
+        writer.write(encode_frame({"ok": True, "seq": msg["seq"]}))
+        await recv(reader)
+        writer.write(encode_frame({"ok": False, "error": {"code": "BAD_REQUEST", "message": "stage: slot 9 is not one of this lend's 8"}}))
+        await writer.drain()
+        writer.close()
+
+    srv = await asyncio.start_server(lender, "127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.sockets[0].getsockname()[1])
+    ch = LendChannel(asyncio.get_running_loop(), reader, writer)
+    task = asyncio.ensure_future(ch.run())
+    ch.request(0, 0, 0, 10)
+    await asyncio.to_thread(ch.wait, 0, lambda: None, time.monotonic() + 30, 10)  # staged: returns
+    ch.request(1, 9, 0, 10)
+    with pytest.raises(TransferFailed, match="slot 9 is not one of this lend's 8"):
+        await asyncio.to_thread(ch.wait, 1, lambda: None, time.monotonic() + 30, 10)
+    await task
+    assert ch.closed
+    writer.close()
+    srv.close()

@@ -1,0 +1,207 @@
+"""Filling a GPU arena from a peer through device rings (backends/cuda_staging.py says why
+rings): the fill strategy for backends whose arenas a transfer engine cannot write.
+
+Note [a staged fill]
+--------------------
+The arena's bytes, from its first tensor's to its last tensor's end, move in chunks of
+one slot. For chunk i, in order, up to ``slots`` at once:
+
+1. on a staged lend (the lender's GPU), ``stage`` asks the lender to copy the chunk into
+   its slot i % slots, and the reply says it is there (wire.py); from a lender's host
+   memory (DRAM regions) the chunk is read where it is;
+2. one NIXL read per lender region brings it into this daemon's slot i % slots, once
+   that slot's last chunk has landed and been copied out (reads complete in any order:
+   chunk i - slots may still be in flight when chunk i - 1's read is done);
+3. once read, the slot is copied on into the arena (one stream, in the order landed),
+   and every piece whose bytes have all landed is hashed by the GPU; the lender's slot
+   is asked for chunk i + slots.
+
+When every chunk has landed, the bytes between tensors are zeroed (the lender's are not
+covered by the fingerprint), and the fingerprint is computed from the pieces' digests and
+this daemon's own parse of its files, as fill.py's Note [a peer's bytes are checked]
+says: a wrong byte anywhere fails the fill before the arena is sealed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..backends import Arena, Backend
+from ..backends.base import Landing
+from ..errors import LoadFailed
+from ..loader import Checkpoint, Progress
+from ..loader.content import HASH_BLOCK, fingerprint, plan_tasks, tensor_digests
+from .fill import Lent, extents_for
+from .transport import Extent, TransferFailed, Transport
+
+log = logging.getLogger("weightcache.peers")
+
+# This daemon's ring (a staged lend's chunks are one slot of the smaller of the two rings).
+SLOTS = 8
+SLOT_BYTES = 64 * 2**20
+
+
+class StageRequests(Protocol):
+    """The lend's control connection, as the fill's thread uses it (peers/__init__.py)."""
+
+    def request(self, seq: int, slot: int, offset: int, nbytes: int) -> None:
+        """Ask for chunk ``seq``'s bytes in ``slot`` (returns at once)."""
+
+    def wait(self, seq: int, stop: Callable[[], str | None], deadline: float, stall_s: float) -> None:
+        """Until the lender said chunk ``seq`` is staged; TransferFailed on ``stop()``, the
+        deadline, ``stall_s`` with no answer, or the lender's refusal."""
+
+
+def gaps(ckpt: Checkpoint, end: int) -> list[tuple[int, int]]:
+    """Arena bytes [0, end) that no tensor holds, as (offset, nbytes)."""
+    out, pos = [], 0
+    for start, n in sorted((t.arena_offset, t.nbytes) for t in ckpt.tensors if t.nbytes):
+        if start > pos:
+            out.append((pos, start - pos))
+        pos = max(pos, start + n)
+    if end > pos:
+        out.append((pos, end - pos))
+    return out
+
+
+@dataclass(frozen=True)
+class StagedFill:
+    """A fill strategy (server/fills.py) for arenas that land through a ring (Note [a staged fill])."""
+
+    transport: Transport
+    backend: Backend
+    lent: Lent
+    expected: str  # the fingerprint this daemon's files have
+    stop: Callable[[], str | None]
+    stages: StageRequests
+    timeout_s: float
+    max_bytes_per_s: int | None = None
+    stall_s: float = 5.0
+
+    def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> str | None:
+        staged = self.lent.staged
+        # This daemon's ring never bigger than its own: a lender's claim sizes none of its memory.
+        slots, slot_bytes = (min(staged.slots, SLOTS), min(staged.slot_bytes, SLOT_BYTES)) if staged else (SLOTS, SLOT_BYTES)
+        try:
+            landing = self.backend.dma_landing(arena, slots, slot_bytes)
+        except Exception as exc:  # the ring's device memory refused
+            raise LoadFailed(f"no device memory for a fill's ring ({slots} x {slot_bytes} bytes): {exc}") from None
+        if landing is None:
+            raise LoadFailed(f"the {arena.device} backend cannot check a peer's bytes on the device (its hash kernel "
+                             "is not available)")
+        try:
+            with landing.context():
+                return self._fill(ckpt, landing, progress)
+        finally:
+            landing.close()
+
+    def _fill(self, ckpt: Checkpoint, landing: Landing, progress: Progress) -> str:
+        ring = landing.ring
+        slots, size = ring.slots, ring.slot_bytes
+        end = max((t.arena_offset + t.nbytes for t in ckpt.tensors if t.nbytes), default=0)
+        chunks = [(o, min(size, end - o)) for o in range(0, end, size)]
+        staged = self.lent.staged
+        # Every chunk's reads, in order; a staged lend's chunk is one read from its slot.
+        extents: list[Extent] = []
+        first_of: dict[int, int] = {}  # index into extents -> the chunk it starts
+        try:
+            for i, (o, n) in enumerate(chunks):
+                first_of[len(extents)] = i
+                dst = ring.addr(i % slots)
+                if staged is not None:
+                    extents.append(Extent(dst, staged.addr + (i % slots) * staged.slot_bytes, n))
+                else:
+                    extents += extents_for(o, n, dst - o, self.lent.regions)
+        except ValueError as exc:
+            raise LoadFailed(f"the peer's copy does not fit this checkpoint's layout: {exc}") from None
+        # Pieces in arena order, each with the chunk its last byte is in.
+        pieces: list[tuple[tuple[int, int], int, int]] = []
+        for task in plan_tasks(ckpt, HASH_BLOCK):
+            at = task.arena_offset
+            for p in task.pieces:
+                pieces.append(((p.tensor, p.index), at, p.nbytes))
+                at += p.nbytes
+        pieces.sort(key=lambda p: p[1])
+        in_slot: list[int] = [-1] * slots  # the chunk each slot holds or is reading
+        left = [n for _, n in chunks]  # bytes still to read, per chunk
+        landed = [False] * len(chunks)
+        state = {"next_extent": 0, "upto": 0, "hashed": 0, "posted": 0}  # upto: chunks landed, in a row from the first
+        lock = threading.Lock()
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        if staged is not None:
+            for i in range(min(slots, len(chunks))):
+                self.stages.request(i, i, *chunks[i])
+
+        def ready(k: int) -> bool:
+            """A chunk's first read waits for its slot's last chunk to have landed: reads may
+            complete out of order, and that one's may still be in flight."""
+            i = first_of.get(k)
+            return i is None or i < slots or landed[i - slots]
+
+        def pace(nbytes: int, dst: int) -> None:
+            """Before each read: its chunk's slot copied out here, and staged there."""
+            k = state["next_extent"]
+            state["next_extent"] = k + 1
+            i = first_of.get(k)
+            if i is not None:
+                landing.wait(i % slots)
+                in_slot[i % slots] = i
+                if staged is not None:
+                    self.stages.wait(i, self.stop, deadline, self.stall_s)
+            if self.max_bytes_per_s:
+                ahead = state["posted"] / self.max_bytes_per_s - (time.monotonic() - t0)
+                while ahead > 0 and self.stop() is None:
+                    time.sleep(min(ahead, 0.05))
+                    ahead = state["posted"] / self.max_bytes_per_s - (time.monotonic() - t0)
+            state["posted"] += nbytes
+
+        def on_done(dst: int, nbytes: int) -> None:
+            slot = (dst - ring.base) // size
+            i = in_slot[slot]
+            with lock:
+                left[i] -= nbytes
+                if left[i]:
+                    return
+            o, n = chunks[i]
+            landing.land(slot, o, n)
+            progress.add(n)
+            landed[i] = True
+            while state["upto"] < len(chunks) and landed[state["upto"]]:
+                state["upto"] += 1
+            done_to = chunks[state["upto"] - 1][0] + chunks[state["upto"] - 1][1] if state["upto"] else 0
+            h = state["hashed"]
+            j = h
+            while j < len(pieces) and pieces[j][1] + pieces[j][2] <= done_to:
+                j += 1
+            if j > h:
+                landing.hash_landed(pieces[h:j])
+                state["hashed"] = j
+            if staged is not None and i + slots < len(chunks):
+                self.stages.request(i + slots, slot, *chunks[i + slots])
+
+        try:
+            self.transport.read(self.lent.metadata, extents, landing.memory, landing.device_id, self.lent.memory,
+                                self.lent.device_id, window=slots, on_done=on_done, stop=self.stop, deadline=deadline,
+                                stall_s=self.stall_s, pace=pace, ready=ready)
+        except TransferFailed as exc:
+            got = sum(n for (_, n), ok in zip(chunks, landed, strict=True) if ok)
+            raise LoadFailed(f"reading from the peer failed after {got} of {end} bytes: {exc}",
+                             reason="peer transfer failed") from None
+        if state["hashed"] != len(pieces):  # every chunk landed: every piece is in
+            landing.hash_landed(pieces[state["hashed"]:])
+        landing.zero(gaps(ckpt, end))
+        digests: dict[Any, bytes] = landing.digests()
+        nonzero = [i for i, t in enumerate(ckpt.tensors) if t.nbytes]
+        got = fingerprint(ckpt, {**tensor_digests(ckpt, digests, nonzero),
+                                 **tensor_digests(ckpt, {}, [i for i, t in enumerate(ckpt.tensors) if not t.nbytes])})
+        if got != self.expected:
+            raise LoadFailed(f"the peer's bytes do not match this checkpoint's fingerprint (got {got[:16]}…, expected "
+                             f"{self.expected[:16]}…): a peer that holds other bytes under this layout",
+                             reason="peer bytes do not match the fingerprint")
+        return got
