@@ -242,7 +242,7 @@ def vram_lender(nbytes: int, alloc: str) -> None:
     t.deregister(reg)
 
 
-def vram_read(port: int, rounds: int, alloc: str) -> dict[str, Any]:
+def vram_read(port: int, rounds: int, alloc: str, step: int = TASK_BYTES, window: int = WINDOW) -> dict[str, Any]:
     import torch
 
     from weightcache.peers.transport import Extent, Transport
@@ -257,9 +257,9 @@ def vram_read(port: int, rounds: int, alloc: str) -> dict[str, Any]:
         for _ in range(rounds):
             dst.zero_()
             torch.cuda.synchronize()
-            extents = [Extent(dst.data_ptr() + o, info["addr"] + o, min(TASK_BYTES, size - o)) for o in range(0, size, TASK_BYTES)]
+            extents = [Extent(dst.data_ptr() + o, info["addr"] + o, min(step, size - o)) for o in range(0, size, step)]
             t0 = time.monotonic()
-            t.read(info["metadata"], extents, "VRAM", dev, "VRAM", info["device_id"], window=WINDOW,
+            t.read(info["metadata"], extents, "VRAM", dev, "VRAM", info["device_id"], window=window,
                    on_done=lambda _d, _n: None, stop=lambda: None, deadline=t0 + 600)
             out.append(time.monotonic() - t0)
         exact = vram_sum(dst) == info["sum"]
@@ -267,7 +267,8 @@ def vram_read(port: int, rounds: int, alloc: str) -> dict[str, Any]:
     return {"seconds": out, "bytes_arrived": exact}
 
 
-def run_vram(gib: float, rounds: int, lender_gpu: str, reader_gpu: str, alloc: str) -> dict[str, Any]:
+def run_vram(gib: float, rounds: int, lender_gpu: str, reader_gpu: str, alloc: str, step: int = TASK_BYTES,
+             window: int = WINDOW) -> dict[str, Any]:
     nbytes = int(gib * 2**30)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": lender_gpu}
     lender = subprocess.Popen([sys.executable, __file__, "vram-lender", str(nbytes), alloc], stdout=subprocess.PIPE, text=True,
@@ -275,7 +276,7 @@ def run_vram(gib: float, rounds: int, lender_gpu: str, reader_gpu: str, alloc: s
     try:
         assert lender.stdout is not None
         port = next(int(line.split()[1]) for line in lender.stdout if line.startswith("PORT "))
-        out = subprocess.run([sys.executable, __file__, "vram-read", str(port), str(rounds), alloc],
+        out = subprocess.run([sys.executable, __file__, "vram-read", str(port), str(rounds), alloc, str(step), str(window)],
                              capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": reader_gpu})
         # UCX's own lines (UCX_PROTO_INFO=y names the protocol and transport it chose)
         sys.stderr.write("".join(x + "\n" for x in out.stdout.splitlines() if not x.startswith("RESULT "))[-6000:])
@@ -292,10 +293,10 @@ def run_vram(gib: float, rounds: int, lender_gpu: str, reader_gpu: str, alloc: s
 
 
 # -- the daemons --------------------------------------------------------------------------
-def start(tmp: Path, i: int, model: Path, ports: list[int], fp: str | None) -> DaemonProcess:
+def start(tmp: Path, i: int, model: Path, ports: list[int], fp: str | None, device: str) -> DaemonProcess:
     sock = str(tmp / f"d{i}.sock")
     budget = f"{max(6, 2 * model.stat().st_size // 2**30 + 2)}GiB"  # the model, and room for a second copy in flight
-    text = config_text(sock, {"cpu": budget}, [{"name": "m", "path": str(model)}], {"log_level": "info"})
+    text = config_text(sock, {device: budget}, [{"name": "m", "path": str(model), "device": device}], {"log_level": "info"})
     text += (f'\n[peers]\nlisten = "127.0.0.1:{ports[i]}"\naddresses = ["127.0.0.1:{ports[1 - i]}"]\nrefresh_s = 0.2\n'
              + (f'fingerprints = {{ m = "{fp}" }}\n' if fp else "")
              + 'prefer = "peers"\n')  # every round's fill from the peer: what is measured here, whatever is faster
@@ -320,7 +321,7 @@ async def until(pred: Any, timeout: float = 30) -> None:
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="wc-peerbench-"))
     try:
-        a_path = write_checkpoint(tmp / "a" / "model.safetensors", int(args.gib * 2**30), 64, mode=0o644)
+        a_path = write_checkpoint(tmp / "a" / "model.safetensors", int(args.gib * 2**30), args.tensors, mode=0o644)
         (tmp / "b").mkdir()
         b_path = tmp / "b" / "model.safetensors"
         shutil.copyfile(a_path, b_path)
@@ -332,9 +333,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         fp = fingerprint_files(b_path)
         nbytes = 0
         ports = [free_port(), free_port()]
-        lender, borrower = start(tmp, 0, a_path, ports, None), start(tmp, 1, b_path, ports, fp)
-        rows: dict[str, list[float]] = {"fill": [], "files (cold)": [], "raw": [], "raw (one request)": [],
-                                        "raw + allocating the memfd": []}
+        gpu = args.device != "cpu"
+        lender, borrower = start(tmp, 0, a_path, ports, None, args.device), start(tmp, 1, b_path, ports, fp, args.device)
+        files_row = "files (warm)" if gpu else "files (cold)"
+        rows: dict[str, list[float]] = {"fill": [], files_row: []}
+        if not gpu:
+            rows.update({"raw": [], "raw (one request)": [], "raw + allocating the memfd": []})
         try:
             async with Client(lender.socket) as a, Client(borrower.socket) as b:
                 await a.load("m")
@@ -355,7 +359,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     await until(lambda: _none(offers(b)))
                     fd = os.open(b_path, os.O_RDONLY)
                     try:
-                        for _ in range(50):  # the evicted arena's mapping goes in a thread: until then pages stay
+                        # The evicted arena's mapping goes in a thread: until then pages stay. On
+                        # the GPU the files' row is the loader from the page cache (issue 27).
+                        for _ in range(0 if gpu else 50):
                             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                             warm = resident_fraction(fd, os.fstat(fd).st_size, samples=256)
                             if warm < 0.02:
@@ -363,23 +369,33 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                             await asyncio.sleep(0.1)
                     finally:
                         os.close(fd)
-                    assert warm < 0.1, f"{warm:.0%} of the file still in page cache"
+                    if not gpu:
+                        assert warm < 0.1, f"{warm:.0%} of the file still in page cache"
+                    else:
+                        await b.load("m")  # the page cache warmed by a load of its own, then evicted
+                        await b.evict("m")
                     t0 = time.monotonic()
                     await b.load("m")
                     dt = time.monotonic() - t0
                     row = next(m for m in await b.models() if m["name"] == "m")
                     assert row["source"] == "files", row
-                    rows["files (cold)"].append(dt)
+                    rows[files_row].append(dt)
                     await b.evict("m")
                     await a.load("m")
                     # raw NIXL between two processes
-                    for key, one, alloc in (("raw", False, False), ("raw (one request)", True, False),
-                                            ("raw + allocating the memfd", False, True)):
+                    for key, one, alloc in (() if gpu else (("raw", False, False), ("raw (one request)", True, False),
+                                                            ("raw + allocating the memfd", False, True))):
                         r = run_raw(a_path, one, alloc)
                         rows[key].append(r["seconds"])
         finally:
             lender.stop()
             borrower.stop()
+        if gpu:  # NIXL's own rate between two cudaMalloc buffers, the staged fill's request size and window
+            from weightcache.peers.staged import SLOT_BYTES, SLOTS
+
+            v = run_vram(a_path.stat().st_size / 2**30, args.rounds, "0", "0", "torch", SLOT_BYTES, SLOTS)
+            rows["raw (cudaMalloc to cudaMalloc)"] = v["seconds"]
+            assert v["bytes_arrived"], v
         data = a_path.stat().st_size
         out: dict[str, Any] = {"gib": args.gib, "file_bytes": data, "arena_bytes": nbytes, "rounds": args.rounds,
                                "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rows": {}}
@@ -387,8 +403,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             out["rows"][k] = {"seconds": secs, "median_s": statistics.median(secs), "best_s": min(secs),
                               "gb_per_s_median": data / statistics.median(secs) / 1e9, "gb_per_s_best": data / min(secs) / 1e9}
         rows_out = out["rows"]
-        out["fill_vs_raw"] = rows_out["fill"]["gb_per_s_median"] / rows_out["raw"]["gb_per_s_median"]
-        out["fill_vs_raw_best"] = rows_out["fill"]["gb_per_s_best"] / rows_out["raw"]["gb_per_s_best"]
+        raw = "raw (cudaMalloc to cudaMalloc)" if gpu else "raw"
+        out["device"] = args.device
+        out["fill_vs_raw"] = rows_out["fill"]["gb_per_s_median"] / rows_out[raw]["gb_per_s_median"]
+        out["fill_vs_raw_best"] = rows_out["fill"]["gb_per_s_best"] / rows_out[raw]["gb_per_s_best"]
         out["load_avg_after"] = os.getloadavg()
         return out
     finally:
@@ -418,12 +436,15 @@ def main() -> None:
         vram_lender(int(sys.argv[2]), sys.argv[3])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "vram-read":
-        print("RESULT " + json.dumps(vram_read(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
+        print("RESULT " + json.dumps(vram_read(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", type=Path)
+    p.add_argument("--device", default="cpu", help="the daemons' device (cuda:0: two daemons on one GPU, the files' row "
+                   "from the page cache, the raw row between two cudaMalloc buffers)")
+    p.add_argument("--tensors", type=int, default=64)
     p.add_argument("--logs", type=Path, help="copy the daemons' logs here")
     p.add_argument("--vram", metavar="LENDER_GPU,READER_GPU",
                    help="only raw NIXL between two GPU processes (CUDA_VISIBLE_DEVICES of each, e.g. 0,0 or 0,1)")
