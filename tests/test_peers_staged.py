@@ -270,7 +270,9 @@ def test_a_peer_that_stops_answering_stage_fails_within_stall_s() -> None:
     asyncio.run(main())
 
 
-async def _lend_pair(ring: StagedRing) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, asyncio.Task[None], asyncio.Server]:
+async def _lend_pair(ring: StagedRing | None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, asyncio.Task[None],
+                                                      asyncio.Server]:
+    """serve_lend on one end of a loopback connection; the task ends when the lend does."""
     done = asyncio.get_running_loop().create_future()
 
     async def lender(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -313,28 +315,13 @@ async def test_a_lender_refuses_a_stage_outside_its_ring_or_arena_and_ends_the_l
 
 
 async def test_a_lend_from_host_memory_takes_no_stage_and_done_ends_it() -> None:
-    reader, writer, ended, srv = await _lend_pair_direct()
+    reader, writer, ended, srv = await _lend_pair(None)
     await send(writer, {"op": "stage", "seq": 0, "slot": 0, "offset": 0, "nbytes": 1})
     with pytest.raises(PeerError, match="a lend takes done, not 'stage'"):
         check_reply(await recv(reader), "stage")
     await ended
     writer.close()
     srv.close()
-
-
-async def _lend_pair_direct() -> tuple[asyncio.StreamReader, asyncio.StreamWriter, asyncio.Future[None], asyncio.Server]:
-    done = asyncio.get_running_loop().create_future()
-
-    async def lender(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await serve_lend(reader, writer, None, time.monotonic() + 30)
-        finally:
-            writer.close()
-            done.set_result(None)
-
-    srv = await asyncio.start_server(lender, "127.0.0.1", 0)
-    reader, writer = await asyncio.open_connection("127.0.0.1", srv.sockets[0].getsockname()[1])
-    return reader, writer, done, srv
 
 
 async def test_the_fill_channel_wakes_on_its_stage_and_stops_on_a_refusal() -> None:
