@@ -12,7 +12,7 @@ import ctypes
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -198,8 +198,9 @@ class HostStages:
         start = slot * self.ring.slot_bytes
         self.ring.buf[start : start + nbytes] = self.arena[offset : offset + nbytes]
 
-    def wait(self, seq: int, stop: Callable[[], str | None], deadline: float, stall_s: float) -> None:
+    def staged(self, seq: int, stall_s: float) -> bool:
         assert any(r[0] == seq for r in self.requests), f"chunk {seq} waited for before it was asked for"
+        return True
 
 
 @pytest.fixture
@@ -209,14 +210,16 @@ def small_rings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-def fill(path: Path, lender_arena: bytearray, expected: str) -> tuple[str | None, RingBackend, HostStages]:
+def fill(path: Path, lender_arena: bytearray, expected: str, max_bytes_per_s: int | None = None,
+         progress: Progress | None = None) -> tuple[str | None, RingBackend, HostStages]:
     ckpt = open_checkpoint(path)
     lender_ring = HostRing(4, SLOT)  # a lender's ring bigger than the borrower's: the smaller is used
     lent = Lent(b"md", "VRAM", 0, (), Staged(lender_ring.base, lender_ring.slots, lender_ring.slot_bytes))
     backend = RingBackend(bytearray(b"\xee") * len(lender_arena))  # the borrower's arena: garbage until filled
     stages = HostStages(lender_arena, lender_ring)
-    f = staged.StagedFill(transport(), backend, lent, expected, lambda: None, stages, timeout_s=60)  # type: ignore[arg-type]
-    return f(ckpt, None, Progress(ckpt.arena_bytes)), backend, stages  # type: ignore[arg-type]
+    f = staged.StagedFill(transport(), backend, lent, expected, lambda: None, stages, timeout_s=60,  # type: ignore[arg-type]
+                          max_bytes_per_s=max_bytes_per_s)
+    return f(ckpt, None, progress or Progress(ckpt.arena_bytes)), backend, stages  # type: ignore[arg-type]
 
 
 def test_a_staged_fill_lands_every_tensor_byte_and_checks_the_fingerprint(tmp_path: Path, small_rings: None) -> None:
@@ -232,6 +235,35 @@ def test_a_staged_fill_lands_every_tensor_byte_and_checks_the_fingerprint(tmp_pa
     assert chunks > 6  # several rounds of the 3 slots
     assert sorted(r[0] for r in stages.requests) == list(range(chunks))  # asked as slots free: in any order
     assert all(seq % 3 == slot for seq, slot, _, _ in stages.requests)
+
+
+def test_a_capped_fill_lands_and_reports_its_progress_as_it_goes(tmp_path: Path, small_rings: None) -> None:
+    """The rate cap holds posting back without holding up the reads in flight: each chunk
+    lands (and shows in ``status``'s progress) as its read completes, not at the end."""
+    path = write(tmp_path)
+    ckpt = open_checkpoint(path)
+    lender = arena_of(ckpt, padding=0)
+    progress = Progress(len(lender))
+    seen: list[int] = []
+    running = threading.Event()
+    running.set()
+
+    def watch() -> None:
+        while running.is_set():
+            seen.append(progress.done)
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    t0 = time.monotonic()
+    try:
+        got, _, _ = fill(path, lender, fingerprint_files(path), max_bytes_per_s=len(lender) * 2, progress=progress)
+    finally:
+        running.clear()
+        watcher.join()
+    assert got == fingerprint_files(path)
+    assert time.monotonic() - t0 >= 0.4  # ~0.5 s at the cap
+    assert len({x for x in seen if 0 < x < len(lender)}) >= 3, sorted(set(seen))
 
 
 def test_a_wrong_byte_from_the_peer_fails_the_fill(tmp_path: Path, small_rings: None) -> None:
@@ -260,7 +292,7 @@ def test_a_peer_that_stops_answering_stage_fails_within_stall_s() -> None:
         ch.request(0, 0, 0, 4096)
         t0 = time.monotonic()
         with pytest.raises(TransferFailed, match=r"did not stage bytes within 0\.3 s"):
-            await asyncio.to_thread(ch.wait, 0, lambda: None, time.monotonic() + 60, 0.3)
+            await until_staged(ch, 0, 0.3)
         assert 0.3 <= time.monotonic() - t0 < 5
         assert server_got == [{"op": "stage", "seq": 0, "slot": 0, "offset": 0, "nbytes": 4096}]
         task.cancel()
@@ -268,6 +300,12 @@ def test_a_peer_that_stops_answering_stage_fails_within_stall_s() -> None:
         srv.close()
 
     asyncio.run(main())
+
+
+async def until_staged(ch: LendChannel, seq: int, stall_s: float) -> None:
+    """Poll as the fill's read loop does, until staged (or TransferFailed)."""
+    while not ch.staged(seq, stall_s):
+        await asyncio.sleep(0.001)
 
 
 async def _lend_pair(ring: StagedRing | None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, asyncio.Task[None],
@@ -339,10 +377,11 @@ async def test_the_fill_channel_wakes_on_its_stage_and_stops_on_a_refusal() -> N
     ch = LendChannel(asyncio.get_running_loop(), reader, writer)
     task = asyncio.ensure_future(ch.run())
     ch.request(0, 0, 0, 10)
-    await asyncio.to_thread(ch.wait, 0, lambda: None, time.monotonic() + 30, 10)  # staged: returns
+    assert not ch.staged(0, 10)  # asked, not answered yet
+    await until_staged(ch, 0, 10)
     ch.request(1, 9, 0, 10)
     with pytest.raises(TransferFailed, match="slot 9 is not one of this lend's 8"):
-        await asyncio.to_thread(ch.wait, 1, lambda: None, time.monotonic() + 30, 10)
+        await until_staged(ch, 1, 10)
     await task
     assert ch.closed
     writer.close()

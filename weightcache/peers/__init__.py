@@ -260,15 +260,15 @@ class Peers:
 
 class LendChannel:
     """A lend's control connection while the fill runs (wire.py): the lender's replies to
-    ``stage`` wake the fill's thread (staged.py's StageRequests); its refusal, or the
-    connection's end, stops the fill (``closed``). A lend from host memory gets nothing
-    until ``done``: there, only the end is watched."""
+    ``stage`` are noted for the fill's thread (staged.py's StageRequests); its refusal, or
+    the connection's end, stops the fill (``closed``). A lend from host memory gets
+    nothing until ``done``: there, only the end is watched."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._loop, self._reader, self._writer = loop, reader, writer
         self.closed: list[str] = []
         self._lock = threading.Lock()
-        self._events: dict[int, threading.Event] = {}
+        self._asked: dict[int, float] = {}  # seq -> when, for the stage requests not answered yet
         self._staged: set[int] = set()
 
     async def run(self) -> None:
@@ -280,45 +280,28 @@ class LendChannel:
                     return
                 seq = wire.check_reply(msg, "stage").get("seq")
                 with self._lock:
-                    ev = self._events.get(seq) if isinstance(seq, int) else None
-                    if ev is None:
+                    if not isinstance(seq, int) or self._asked.pop(seq, None) is None:
                         raise wire.PeerError(f"the peer answered a stage not asked for ({str(seq)[:32]})")
-                    self._staged.add(seq)  # type: ignore[arg-type]
-                ev.set()
+                    self._staged.add(seq)
         except (wire.PeerError, OSError, ConnectionError) as exc:
             self.closed.append(f"the peer's control connection: {exc}")
         except asyncio.CancelledError:
             self.closed.append("the fill ended")
             raise
-        finally:
-            with self._lock:
-                for ev in self._events.values():
-                    ev.set()  # the waiters see ``closed``
-
-    def _event(self, seq: int) -> threading.Event:
-        with self._lock:
-            ev = self._events.get(seq)
-            if ev is None:
-                ev = self._events[seq] = threading.Event()
-                if self.closed:
-                    ev.set()
-            return ev
 
     def request(self, seq: int, slot: int, offset: int, nbytes: int) -> None:
-        self._event(seq)
+        with self._lock:
+            self._asked[seq] = time.monotonic()
         frame = wire.encode_frame({"op": "stage", "seq": seq, "slot": slot, "offset": offset, "nbytes": nbytes})
         self._loop.call_soon_threadsafe(self._writer.write, frame)
 
-    def wait(self, seq: int, stop: Callable[[], str | None], deadline: float, stall_s: float) -> None:
-        ev = self._event(seq)
-        until = min(deadline, time.monotonic() + stall_s)
-        while not ev.wait(0.05):
-            why = stop()
-            if why is not None:
-                raise TransferFailed(why)
-            if time.monotonic() > until:
-                raise TransferFailed(f"the peer did not stage bytes within {stall_s:g} s" if until < deadline else "timed out")
+    def staged(self, seq: int, stall_s: float) -> bool:
         with self._lock:
             if seq in self._staged:
-                return
-        raise TransferFailed(self.closed[0] if self.closed else "the peer's control connection ended")
+                return True
+            asked = self._asked.get(seq)
+        if self.closed:
+            raise TransferFailed(self.closed[0])
+        if asked is not None and time.monotonic() - asked > stall_s:
+            raise TransferFailed(f"the peer did not stage bytes within {stall_s:g} s")
+        return False

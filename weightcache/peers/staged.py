@@ -52,9 +52,9 @@ class StageRequests(Protocol):
     def request(self, seq: int, slot: int, offset: int, nbytes: int) -> None:
         """Ask for chunk ``seq``'s bytes in ``slot`` (returns at once)."""
 
-    def wait(self, seq: int, stop: Callable[[], str | None], deadline: float, stall_s: float) -> None:
-        """Until the lender said chunk ``seq`` is staged; TransferFailed on ``stop()``, the
-        deadline, ``stall_s`` with no answer, or the lender's refusal."""
+    def staged(self, seq: int, stall_s: float) -> bool:
+        """Whether the lender said chunk ``seq`` is staged (without waiting); TransferFailed
+        once it refused, the connection ended, or ``stall_s`` passed since the request."""
 
 
 def gaps(ckpt: Checkpoint, end: int) -> list[tuple[int, int]]:
@@ -139,26 +139,28 @@ class StagedFill:
                 self.stages.request(i, i, *chunks[i])
 
         def ready(k: int) -> bool:
-            """A chunk's first read waits for its slot's last chunk to have landed: reads may
-            complete out of order, and that one's may still be in flight."""
+            """Whether read ``k`` may be posted now. A chunk's first read waits for its
+            slot's last chunk to have landed (reads complete in any order: that one's may
+            still be in flight) and for the lender's word that the chunk is staged; any
+            read waits while the rate cap is ahead. Never blocks: meanwhile the transport
+            polls the reads in flight, and their landing asks for the next chunks."""
             i = first_of.get(k)
-            return i is None or i < slots or landed[i - slots]
+            if i is not None:
+                if i >= slots and not landed[i - slots]:
+                    return False
+                if staged is not None and not self.stages.staged(i, self.stall_s):
+                    return False
+            return not self.max_bytes_per_s or state["posted"] / self.max_bytes_per_s <= time.monotonic() - t0
 
         def pace(nbytes: int, dst: int) -> None:
-            """Before each read: its chunk's slot copied out here, and staged there."""
+            """Before each read: its chunk's slot copied out here (the copy was issued when
+            the chunk before landed; waits only for the device)."""
             k = state["next_extent"]
             state["next_extent"] = k + 1
             i = first_of.get(k)
             if i is not None:
                 landing.wait(i % slots)
                 in_slot[i % slots] = i
-                if staged is not None:
-                    self.stages.wait(i, self.stop, deadline, self.stall_s)
-            if self.max_bytes_per_s:
-                ahead = state["posted"] / self.max_bytes_per_s - (time.monotonic() - t0)
-                while ahead > 0 and self.stop() is None:
-                    time.sleep(min(ahead, 0.05))
-                    ahead = state["posted"] / self.max_bytes_per_s - (time.monotonic() - t0)
             state["posted"] += nbytes
 
         def on_done(dst: int, nbytes: int) -> None:
