@@ -31,7 +31,7 @@ from .cuda_hash import DIGEST_SLOTS, DigestBlock, GpuHasher
 
 STAGE_BYTES = 64 * 2**20  # per slot: the request size of the CPU fill (peers/fill.py TASK_BYTES)
 STAGE_SLOTS = 8  # reads in flight: enough that a stage's round trip hides behind the reads before it
-HASH_STREAMS = 32  # one warp per piece per launch: 32 streams let 32 pieces hash at once
+HASH_STREAMS = 64  # one warp per piece per launch: 64 streams let 64 pieces hash at once
 # The kernel's smallest piece (xxh3's "long" path) and its alignment; the rest is hashed here.
 KERNEL_MIN = 241
 KERNEL_ALIGN = 16
@@ -107,9 +107,12 @@ class StagedSource:
 
 class Landing:
     """The borrower's side: a peer's bytes land in a slot, are copied on into the arena
-    (``land``, on one stream, in the order called), and each piece is hashed by the GPU
-    once every byte of it is in (``hash_landed``). The digests are the loader's exactly
-    (backends/cuda_hash.py): the same kernel, or xxhash here for the pieces it does not take."""
+    (``land``, on one stream, in the order called), and the pieces are hashed by the GPU
+    once every byte of them is in (``hash_landed``). The digests are the loader's exactly
+    (backends/cuda_hash.py): the same kernel, or xxhash here for the pieces it does not take.
+
+    The fill hashes once the last chunk landed, not as chunks land (peers/staged.py;
+    docs/benchmarks.md has the rates of both on one GPU)."""
 
     memory = "VRAM"  # NIXL's name for the slots' memory
 

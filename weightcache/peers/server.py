@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..backends import Backend
@@ -183,6 +184,7 @@ class Lender:
         self.lent_now += 1
         self._by_peer[host] = self._by_peer.get(host, 0) + 1
         view = reg = pump = None
+        stages = StageCount()
         pumping = threading.Event()
         t0 = time.monotonic()
         try:
@@ -210,7 +212,7 @@ class Lender:
                      extra={"model": name, "peer": host})
             # Until done, EOF, or the timeout (Note [what a lend holds]).
             with contextlib.suppress(TimeoutError):
-                await serve_lend(reader, writer, staged, t0 + self.timeout_s)
+                await serve_lend(reader, writer, staged, t0 + self.timeout_s, stages)
         finally:
             # Deregistered before the view goes, the view before the lease: see the Note.
             try:
@@ -228,13 +230,22 @@ class Lender:
                 self._by_peer[host] -= 1
                 if not self._by_peer[host]:
                     del self._by_peer[host]
-                log.info("lend of %s to peer %s ended after %.2fs", name, host, time.monotonic() - t0,
+                log.info("lend of %s to peer %s ended after %.2fs%s", name, host, time.monotonic() - t0,
+                         f" ({stages.n} stages, {stages.seconds * 1e3:.1f} ms from request to reply)" if stages.n else "",
                          extra={"model": name, "peer": host})
                 self._notify_space()
 
 
+@dataclass
+class StageCount:
+    """A staged lend's stages: how many, and their seconds from request to reply."""
+
+    n: int = 0
+    seconds: float = 0.0
+
+
 async def serve_lend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, staged: StagedRing | None,
-                     deadline: float) -> None:
+                     deadline: float, count: StageCount | None = None) -> None:
     """A lend's requests until ``done``, the connection's end, or ``deadline``
     (TimeoutError): a staged lend's ``stage`` requests (wire.py), one at a time, in order.
     A malformed request, or one outside the arena or the ring, is answered BAD_REQUEST and
@@ -257,6 +268,7 @@ async def serve_lend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             await wire.send(writer, wire.reply_error("BAD_REQUEST", "stage needs integers seq, slot, offset and nbytes"))
             return
         assert isinstance(slot, int) and isinstance(offset, int) and isinstance(nbytes, int)
+        t = time.monotonic()
         why = check_stage(staged, slot, offset, nbytes)
         if why is None:
             try:
@@ -267,6 +279,9 @@ async def serve_lend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             await wire.send(writer, wire.reply_error("BAD_REQUEST", f"stage: {why}"))
             return
         await wire.send(writer, {"ok": True, "seq": seq})
+        if count is not None:
+            count.n += 1
+            count.seconds += time.monotonic() - t
 
 
 def check_stage(ring: StagedRing, slot: int, offset: int, nbytes: int) -> str | None:

@@ -13,11 +13,10 @@ one slot. For chunk i, in order, up to ``slots`` at once:
    that slot's last chunk has landed and been copied out (reads complete in any order:
    chunk i - slots may still be in flight when chunk i - 1's read is done);
 3. once read, the slot is copied on into the arena (one stream, in the order landed),
-   and every piece whose bytes have all landed is hashed by the GPU; the lender's slot
-   is asked for chunk i + slots.
+   and the lender's slot is asked for chunk i + slots.
 
-When every chunk has landed, the bytes between tensors are zeroed (the lender's are not
-covered by the fingerprint), and the fingerprint is computed from the pieces' digests and
+When every chunk has landed, every piece is hashed by the GPU, the bytes between tensors
+are zeroed (the lender's are not covered by the fingerprint), and the fingerprint is computed from the pieces' digests and
 this daemon's own parse of its files, as fill.py's Note [a peer's bytes are checked]
 says: a wrong byte anywhere fails the fill before the arena is sealed.
 """
@@ -130,7 +129,8 @@ class StagedFill:
         in_slot: list[int] = [-1] * slots  # the chunk each slot holds or is reading
         left = [n for _, n in chunks]  # bytes still to read, per chunk
         landed = [False] * len(chunks)
-        state = {"next_extent": 0, "upto": 0, "hashed": 0, "posted": 0}  # upto: chunks landed, in a row from the first
+        state = {"next_extent": 0, "posted": 0}
+        stage_wait = {"since": 0.0, "total": 0.0}  # reads held back for the lender's stage replies
         lock = threading.Lock()
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
@@ -149,7 +149,11 @@ class StagedFill:
                 if i >= slots and not landed[i - slots]:
                     return False
                 if staged is not None and not self.stages.staged(i, self.stall_s):
+                    stage_wait["since"] = stage_wait["since"] or time.monotonic()
                     return False
+                if stage_wait["since"]:
+                    stage_wait["total"] += time.monotonic() - stage_wait["since"]
+                    stage_wait["since"] = 0.0
             return not self.max_bytes_per_s or state["posted"] / self.max_bytes_per_s <= time.monotonic() - t0
 
         def pace(nbytes: int, dst: int) -> None:
@@ -174,16 +178,6 @@ class StagedFill:
             landing.land(slot, o, n)
             progress.add(n)
             landed[i] = True
-            while state["upto"] < len(chunks) and landed[state["upto"]]:
-                state["upto"] += 1
-            done_to = chunks[state["upto"] - 1][0] + chunks[state["upto"] - 1][1] if state["upto"] else 0
-            h = state["hashed"]
-            j = h
-            while j < len(pieces) and pieces[j][1] + pieces[j][2] <= done_to:
-                j += 1
-            if j > h:
-                landing.hash_landed(pieces[h:j])
-                state["hashed"] = j
             if staged is not None and i + slots < len(chunks):
                 self.stages.request(i + slots, slot, *chunks[i + slots])
 
@@ -195,10 +189,13 @@ class StagedFill:
             got = sum(n for (_, n), ok in zip(chunks, landed, strict=True) if ok)
             raise LoadFailed(f"reading from the peer failed after {got} of {end} bytes: {exc}",
                              reason="peer transfer failed") from None
-        if state["hashed"] != len(pieces):  # every chunk landed: every piece is in
-            landing.hash_landed(pieces[state["hashed"]:])
+        moved = time.monotonic()
+        landing.hash_landed(pieces)  # every chunk landed: every piece is in (Note [a staged fill])
         landing.zero(gaps(ckpt, end))
         digests: dict[Any, bytes] = landing.digests()
+        log.info("fill from a peer: %d chunks of %d bytes moved in %.1f ms (%.1f ms of it waiting for the lender's "
+                 "stages), hashed in %.1f ms", len(chunks), size, (moved - t0) * 1e3, stage_wait["total"] * 1e3,
+                 (time.monotonic() - moved) * 1e3)
         nonzero = [i for i, t in enumerate(ckpt.tensors) if t.nbytes]
         got = fingerprint(ckpt, {**tensor_digests(ckpt, digests, nonzero),
                                  **tensor_digests(ckpt, {}, [i for i, t in enumerate(ckpt.tensors) if not t.nbytes])})
