@@ -237,6 +237,24 @@ def test_a_staged_fill_lands_every_tensor_byte_and_checks_the_fingerprint(tmp_pa
     assert all(seq % 3 == slot for seq, slot, _, _ in stages.requests)
 
 
+def test_a_gpu_arena_fills_from_a_lenders_host_memory_that_holds_only_the_tensors(tmp_path: Path, small_rings: None) -> None:
+    """A host lender's file arena lends its tensors' bytes (regions), not the padding
+    between them: the fill reads what the regions hold, chunk by chunk, and zeroes the rest."""
+    path = write(tmp_path)
+    ckpt = open_checkpoint(path)
+    lender = arena_of(ckpt, padding=0xAB)
+    base = addr(lender)
+    regions = tuple(sorted((t.arena_offset, base + t.arena_offset, t.nbytes) for t in ckpt.tensors if t.nbytes))
+    backend = RingBackend(bytearray(b"\xee") * len(lender))
+    t = transport()
+    f = staged.StagedFill(t, backend, Lent(b"md", "DRAM", 0, regions), fingerprint_files(path), lambda: None,  # type: ignore[arg-type]
+                          HostStages(lender, HostRing(1, SLOT)), timeout_s=60)
+    assert f(ckpt, None, Progress(ckpt.arena_bytes)) == fingerprint_files(path)  # type: ignore[arg-type]
+    assert bytes(backend.arena) == bytes(arena_of(ckpt, padding=0))
+    reads = t.agent.posted  # type: ignore[attr-defined]
+    assert sum(n for _, _, n in reads) == sum(t.nbytes for t in ckpt.tensors)  # the tensors' bytes, once each
+
+
 def test_a_capped_fill_lands_and_reports_its_progress_as_it_goes(tmp_path: Path, small_rings: None) -> None:
     """The rate cap holds posting back without holding up the reads in flight: each chunk
     lands (and shows in ``status``'s progress) as its read completes, not at the end."""

@@ -23,10 +23,11 @@ says: a wrong byte anywhere fails the fill before the arena is sealed.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,7 +36,7 @@ from ..backends.base import Landing
 from ..errors import LoadFailed
 from ..loader import Checkpoint, Progress
 from ..loader.content import HASH_BLOCK, fingerprint, plan_tasks, tensor_digests
-from .fill import Lent, extents_for
+from .fill import Lent
 from .transport import Extent, TransferFailed, Transport
 
 log = logging.getLogger("weightcache.peers")
@@ -54,6 +55,23 @@ class StageRequests(Protocol):
     def staged(self, seq: int, stall_s: float) -> bool:
         """Whether the lender said chunk ``seq`` is staged (without waiting); TransferFailed
         once it refused, the connection ended, or ``stall_s`` passed since the request."""
+
+
+def held(offset: int, nbytes: int, dst: int, regions: Sequence[tuple[int, int, int]], starts: list[int]) -> list[Extent]:
+    """The reads of the parts of arena bytes [offset, offset + nbytes) that a lender's
+    host regions ((arena_offset, addr, nbytes), in arena order; ``starts`` their
+    arena_offsets) hold, each to ``dst`` plus its distance from ``offset``. A file
+    arena's regions hold the tensors' bytes, not the padding between them; a tensor byte
+    no region holds lands as whatever the slot held, and fails the fingerprint."""
+    out = []
+    k = max(bisect.bisect_right(starts, offset) - 1, 0)
+    for ao, addr, n in regions[k:]:
+        if ao >= offset + nbytes:
+            break
+        lo, hi = max(offset, ao), min(offset + nbytes, ao + n)
+        if lo < hi:
+            out.append(Extent(dst + lo - offset, addr + lo - ao, hi - lo))
+    return out
 
 
 def gaps(ckpt: Checkpoint, end: int) -> list[tuple[int, int]]:
@@ -108,16 +126,14 @@ class StagedFill:
         # Every chunk's reads, in order; a staged lend's chunk is one read from its slot.
         extents: list[Extent] = []
         first_of: dict[int, int] = {}  # index into extents -> the chunk it starts
-        try:
-            for i, (o, n) in enumerate(chunks):
-                first_of[len(extents)] = i
-                dst = ring.addr(i % slots)
-                if staged is not None:
-                    extents.append(Extent(dst, staged.addr + (i % slots) * staged.slot_bytes, n))
-                else:
-                    extents += extents_for(o, n, dst - o, self.lent.regions)
-        except ValueError as exc:
-            raise LoadFailed(f"the peer's copy does not fit this checkpoint's layout: {exc}") from None
+        starts = [r[0] for r in self.lent.regions]
+        for i, (o, n) in enumerate(chunks):
+            first_of[len(extents)] = i
+            dst = ring.addr(i % slots)
+            if staged is not None:
+                extents.append(Extent(dst, staged.addr + (i % slots) * staged.slot_bytes, n))
+            else:
+                extents += held(o, n, dst, self.lent.regions, starts)
         # Pieces in arena order, each with the chunk its last byte is in.
         pieces: list[tuple[tuple[int, int], int, int]] = []
         for task in plan_tasks(ckpt, HASH_BLOCK):
@@ -127,8 +143,12 @@ class StagedFill:
                 at += p.nbytes
         pieces.sort(key=lambda p: p[1])
         in_slot: list[int] = [-1] * slots  # the chunk each slot holds or is reading
-        left = [n for _, n in chunks]  # bytes still to read, per chunk
-        landed = [False] * len(chunks)
+        left = [0] * len(chunks)  # bytes still to read, per chunk
+        i = -1
+        for k, e in enumerate(extents):
+            i = first_of.get(k, i)
+            left[i] += e.nbytes
+        landed = [not n for n in left]  # a chunk the lender holds nothing of (padding): nothing to land
         state = {"next_extent": 0, "posted": 0}
         stage_wait = {"since": 0.0, "total": 0.0}  # reads held back for the lender's stage replies
         lock = threading.Lock()
