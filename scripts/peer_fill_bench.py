@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from weightcache import Client
+from weightcache.config import PeersConfig
 from weightcache.loader import fingerprint_files
 from weightcache.loader.preads import resident_fraction
 from weightcache.peers.fill import TASK_BYTES, WINDOW
@@ -293,16 +294,18 @@ def run_vram(gib: float, rounds: int, lender_gpu: str, reader_gpu: str, alloc: s
 
 
 # -- the daemons --------------------------------------------------------------------------
-def start(tmp: Path, i: int, model: Path, ports: list[int], fp: str | None, device: str) -> DaemonProcess:
+def start(tmp: Path, i: int, model: Path, ports: list[int], fp: str | None, device: str, ring: str = "") -> DaemonProcess:
     sock = str(tmp / f"d{i}.sock")
     budget = f"{max(6, 2 * model.stat().st_size // 2**30 + 2)}GiB"  # the model, and room for a second copy in flight
     text = config_text(sock, {device: budget}, [{"name": "m", "path": str(model), "device": device}], {"log_level": "info"})
     text += (f'\n[peers]\nlisten = "127.0.0.1:{ports[i]}"\naddresses = ["127.0.0.1:{ports[1 - i]}"]\nrefresh_s = 0.2\n'
              + (f'fingerprints = {{ m = "{fp}" }}\n' if fp else "")
+             + (f'gpu_ring_bytes = "{ring}"\n' if ring else "")
              + 'prefer = "peers"\n')  # every round's fill from the peer: what is measured here, whatever is faster
-    cfg = tmp / f"d{i}.toml"
+    tag = f"d{i}-{ring}" if ring else f"d{i}"
+    cfg = tmp / f"{tag}.toml"
     cfg.write_text(text)
-    return DaemonProcess(cfg, sock, tmp / f"d{i}.log").start()
+    return DaemonProcess(cfg, sock, tmp / f"{tag}.log").start()
 
 
 async def offers(c: Client) -> int:
@@ -318,6 +321,62 @@ async def until(pred: Any, timeout: float = 30) -> None:
         await asyncio.sleep(0.05)
 
 
+async def pair_rounds(args: argparse.Namespace, lender: DaemonProcess, borrower: DaemonProcess, rows: dict[str, list[float]],
+                      fill_row: str, files_row: str, a_path: Path, b_path: Path, fp: str, gpu: bool) -> None:
+    """``args.rounds`` rounds on one pair of daemons, interleaved: a fill from the lender,
+    the borrower's load from its files, and (on the CPU) the raw rows; then both stop."""
+    try:
+        async with Client(lender.socket) as a, Client(borrower.socket) as b:
+            await a.load("m")
+            for _ in range(args.rounds):
+                # fill from the lender
+                await until(lambda: offers(b))
+                t0 = time.monotonic()
+                await b.load("m")
+                dt = time.monotonic() - t0
+                row = next(m for m in await b.models() if m["name"] == "m")
+                assert row["source"] == "neighbour" and row["fingerprint"] == fp, row
+                rows[fill_row].append(dt)
+                await b.evict("m")
+                # cold from the files: nobody offers it, its pages dropped
+                await until(lambda: _no_leases(a))  # the lend's lease ends as the lender reads "done"
+                await a.evict("m")
+                await until(lambda: _none(offers(b)))
+                fd = os.open(b_path, os.O_RDONLY)
+                try:
+                    # The evicted arena's mapping goes in a thread: until then pages stay. On
+                    # the GPU the files' row is the loader from the page cache (issue 27).
+                    for _ in range(0 if gpu else 50):
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                        warm = resident_fraction(fd, os.fstat(fd).st_size, samples=256)
+                        if warm < 0.02:
+                            break
+                        await asyncio.sleep(0.1)
+                finally:
+                    os.close(fd)
+                if not gpu:
+                    assert warm < 0.1, f"{warm:.0%} of the file still in page cache"
+                else:
+                    await b.load("m")  # the page cache warmed by a load of its own, then evicted
+                    await b.evict("m")
+                t0 = time.monotonic()
+                await b.load("m")
+                dt = time.monotonic() - t0
+                row = next(m for m in await b.models() if m["name"] == "m")
+                assert row["source"] == "files", row
+                rows[files_row].append(dt)
+                await b.evict("m")
+                await a.load("m")
+                # raw NIXL between two processes
+                for key, one, alloc in (() if gpu else (("raw", False, False), ("raw (one request)", True, False),
+                                                        ("raw + allocating the memfd", False, True))):
+                    r = run_raw(a_path, one, alloc)
+                    rows[key].append(r["seconds"])
+    finally:
+        lender.stop()
+        borrower.stop()
+
+
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="wc-peerbench-"))
     try:
@@ -331,73 +390,27 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             os.fsync(fd)
             os.close(fd)
         fp = fingerprint_files(b_path)
-        nbytes = 0
         ports = [free_port(), free_port()]
         gpu = args.device != "cpu"
-        lender, borrower = start(tmp, 0, a_path, ports, None, args.device), start(tmp, 1, b_path, ports, fp, args.device)
         files_row = "files (warm)" if gpu else "files (cold)"
         rows: dict[str, list[float]] = {"fill": [], files_row: []}
         if not gpu:
             rows.update({"raw": [], "raw (one request)": [], "raw + allocating the memfd": []})
-        try:
-            async with Client(lender.socket) as a, Client(borrower.socket) as b:
-                await a.load("m")
-                for _ in range(args.rounds):
-                    # fill from the lender
-                    await until(lambda: offers(b))
-                    t0 = time.monotonic()
-                    await b.load("m")
-                    dt = time.monotonic() - t0
-                    row = next(m for m in await b.models() if m["name"] == "m")
-                    assert row["source"] == "neighbour" and row["fingerprint"] == fp, row
-                    nbytes = row["nbytes"]
-                    rows["fill"].append(dt)
-                    await b.evict("m")
-                    # cold from the files: nobody offers it, its pages dropped
-                    await until(lambda: _no_leases(a))  # the lend's lease ends as the lender reads "done"
-                    await a.evict("m")
-                    await until(lambda: _none(offers(b)))
-                    fd = os.open(b_path, os.O_RDONLY)
-                    try:
-                        # The evicted arena's mapping goes in a thread: until then pages stay. On
-                        # the GPU the files' row is the loader from the page cache (issue 27).
-                        for _ in range(0 if gpu else 50):
-                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                            warm = resident_fraction(fd, os.fstat(fd).st_size, samples=256)
-                            if warm < 0.02:
-                                break
-                            await asyncio.sleep(0.1)
-                    finally:
-                        os.close(fd)
-                    if not gpu:
-                        assert warm < 0.1, f"{warm:.0%} of the file still in page cache"
-                    else:
-                        await b.load("m")  # the page cache warmed by a load of its own, then evicted
-                        await b.evict("m")
-                    t0 = time.monotonic()
-                    await b.load("m")
-                    dt = time.monotonic() - t0
-                    row = next(m for m in await b.models() if m["name"] == "m")
-                    assert row["source"] == "files", row
-                    rows[files_row].append(dt)
-                    await b.evict("m")
-                    await a.load("m")
-                    # raw NIXL between two processes
-                    for key, one, alloc in (() if gpu else (("raw", False, False), ("raw (one request)", True, False),
-                                                            ("raw + allocating the memfd", False, True))):
-                        r = run_raw(a_path, one, alloc)
-                        rows[key].append(r["seconds"])
-        finally:
-            lender.stop()
-            borrower.stop()
+        rings = args.gpu_rings.split(",") if gpu else [""]
+        for ring in rings:
+            fill_row = "fill" if ring == rings[0] else f"fill (gpu_ring_bytes {ring})"
+            rows.setdefault(fill_row, [])
+            lender = start(tmp, 0, a_path, ports, None, args.device, ring)
+            borrower = start(tmp, 1, b_path, ports, fp, args.device, ring)
+            await pair_rounds(args, lender, borrower, rows, fill_row, files_row, a_path, b_path, fp, gpu)
         if gpu:  # NIXL's own rate between two cudaMalloc buffers, the staged fill's request size and window
-            from weightcache.peers.staged import SLOT_BYTES, SLOTS
+            from weightcache.config.peers import RING_SLOTS
 
-            v = run_vram(a_path.stat().st_size / 2**30, args.rounds, "0", "0", "torch", SLOT_BYTES, SLOTS)
+            v = run_vram(a_path.stat().st_size / 2**30, args.rounds, "0", "0", "torch", PeersConfig().slot_bytes, RING_SLOTS)
             rows["raw (cudaMalloc to cudaMalloc)"] = v["seconds"]
             assert v["bytes_arrived"], v
         data = a_path.stat().st_size
-        out: dict[str, Any] = {"gib": args.gib, "file_bytes": data, "arena_bytes": nbytes, "rounds": args.rounds,
+        out: dict[str, Any] = {"gib": args.gib, "file_bytes": data, "rounds": args.rounds,
                                "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rows": {}}
         for k, secs in rows.items():
             out["rows"][k] = {"seconds": secs, "median_s": statistics.median(secs), "best_s": min(secs),
@@ -445,6 +458,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="the daemons' device (cuda:0: two daemons on one GPU, the files' row "
                    "from the page cache, the raw row between two cudaMalloc buffers)")
     p.add_argument("--tensors", type=int, default=64)
+    p.add_argument("--gpu-rings", default="512MiB", help="with a GPU --device: [peers] gpu_ring_bytes of each pair of daemons "
+                   "in turn, e.g. 512MiB,2GiB (the first is the fill row, the others are rows of their own)")
     p.add_argument("--logs", type=Path, help="copy the daemons' logs here")
     p.add_argument("--vram", metavar="LENDER_GPU,READER_GPU",
                    help="only raw NIXL between two GPU processes (CUDA_VISIBLE_DEVICES of each, e.g. 0,0 or 0,1)")

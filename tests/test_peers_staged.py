@@ -204,9 +204,7 @@ class HostStages:
 
 
 @pytest.fixture
-def small_rings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(staged, "SLOTS", 3)
-    monkeypatch.setattr(staged, "SLOT_BYTES", SLOT)
+def small_rings() -> Iterator[None]:  # the fills below use 3 slots of SLOT bytes
     yield
 
 
@@ -218,7 +216,7 @@ def fill(path: Path, lender_arena: bytearray, expected: str, max_bytes_per_s: in
     backend = RingBackend(bytearray(b"\xee") * len(lender_arena))  # the borrower's arena: garbage until filled
     stages = HostStages(lender_arena, lender_ring)
     f = staged.StagedFill(transport(), backend, lent, expected, lambda: None, stages, timeout_s=60,  # type: ignore[arg-type]
-                          max_bytes_per_s=max_bytes_per_s)
+                          max_bytes_per_s=max_bytes_per_s, slots=3, slot_bytes=SLOT)
     return f(ckpt, None, progress or Progress(ckpt.arena_bytes)), backend, stages  # type: ignore[arg-type]
 
 
@@ -248,7 +246,7 @@ def test_a_gpu_arena_fills_from_a_lenders_host_memory_that_holds_only_the_tensor
     backend = RingBackend(bytearray(b"\xee") * len(lender))
     t = transport()
     f = staged.StagedFill(t, backend, Lent(b"md", "DRAM", 0, regions), fingerprint_files(path), lambda: None,  # type: ignore[arg-type]
-                          HostStages(lender, HostRing(1, SLOT)), timeout_s=60)
+                          HostStages(lender, HostRing(1, SLOT)), timeout_s=60, slots=3, slot_bytes=SLOT)
     assert f(ckpt, None, Progress(ckpt.arena_bytes)) == fingerprint_files(path)  # type: ignore[arg-type]
     assert bytes(backend.arena) == bytes(arena_of(ckpt, padding=0))
     reads = t.agent.posted  # type: ignore[attr-defined]

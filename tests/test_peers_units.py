@@ -32,8 +32,10 @@ def test_peers_config_parses_and_refuses_what_is_not_host_port() -> None:
                     max_fill_bytes_per_s="1GiB", fingerprints={"m": "ab"})
     assert p.timeout_s == 120 and p.max_fill_bytes_per_s == 2**30 and p.addresses == ("10.0.0.2:7470",)
     assert p.prefer == "faster" and PeersConfig(prefer="peers").prefer == "peers"
+    assert PeersConfig().slot_bytes == 64 * 2**20 and PeersConfig(gpu_ring_bytes="2GiB").slot_bytes == 256 * 2**20
+    assert PeersConfig(gpu_ring_bytes="100MiB").slot_bytes == 12 * 2**20  # whole 2 MiB
     for bad in ({"listen": "7470"}, {"addresses": ["host"]}, {"dns": "svc:http"}, {"refresh_s": 0}, {"nope": 1},
-                {"prefer": "fastest"}):
+                {"prefer": "fastest"}, {"gpu_ring_bytes": "8MiB"}, {"gpu_ring_bytes": "16GiB"}):
         with pytest.raises(ValidationError):
             PeersConfig(**bad)
     assert Settings().peers.listen is None  # off unless configured

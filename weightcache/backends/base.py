@@ -294,10 +294,11 @@ class Backend(ABC):
         raise RuntimeError(f"{type(self).__name__} cannot copy from another device")  # callers check can_copy_from
 
     # -- a neighbour daemon's transfer engine (weightcache/peers/) ----------------------
-    def dma_source(self, arena: Arena) -> DmaView | None:
+    def dma_source(self, arena: Arena, slots: int, slot_bytes: int) -> DmaView | None:
         """The sealed ``arena``'s bytes, readable by a transfer engine for as long as the
         view is not released (a peer copies them out), or None where this backend cannot
-        offer them."""
+        offer them. Where they are lent through a ring (``dma_through_ring``), it has
+        ``slots`` x ``slot_bytes``."""
         return None
 
     def dma_target(self, arena: Arena) -> DmaView | None:

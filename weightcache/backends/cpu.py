@@ -275,7 +275,7 @@ class CpuBackend(Backend):
         fcntl.fcntl(arena.fd, fcntl.F_ADD_SEALS, MEMFD_SEALS)
 
     # -- a neighbour daemon's transfer engine (weightcache/peers/) ----------------------
-    def dma_source(self, arena: Arena) -> DmaView | None:
+    def dma_source(self, arena: Arena, slots: int, slot_bytes: int) -> DmaView | None:
         assert isinstance(arena, MemfdArena)
         if arena.files is not None:  # a file arena: its bytes are the held files' mappings
             regions = [DmaRegion(ao, arena.files[f].addr + fo, n) for f, fo, ao, n in SEGMENT.iter_unpack(arena.segments)]

@@ -231,10 +231,10 @@ class CudaBackend(Backend):
                 drv.check(cu.cuStreamDestroy(stream))
 
     # -- a neighbour daemon's transfer engine (weightcache/peers/) ----------------------
-    def dma_source(self, arena: Arena) -> DmaView | None:
+    def dma_source(self, arena: Arena, slots: int, slot_bytes: int) -> DmaView | None:
         # Through a ring: UCX's cuda_ipc does not take VMM memory (cuda_staging.py says why).
         assert isinstance(arena, VmmArena)
-        src = StagedSource(self.ctx, arena.va)
+        src = StagedSource(self.ctx, arena.va, slots, slot_bytes)
         ring = src.ring
         staged = StagedRing(ring.base, ring.slots, ring.slot_bytes, arena.nbytes, src.stage)
         return DmaView([], "VRAM", self.ordinal, release=src.close, staged=staged, context=lambda: drv.current(self.ctx))

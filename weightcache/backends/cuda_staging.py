@@ -11,8 +11,8 @@ speed on either end, so the staged transfer keeps nearly the buffers' rate while
 arenas stay exportable VMM memory. Each ring is one ``cuMemAlloc`` (one registration
 with NIXL), cut into slots.
 
-The rings are device memory outside the budget: ``STAGE_SLOTS`` x ``STAGE_BYTES`` on the
-lender for the length of a lend, and as much on the borrower for the length of a fill.
+The rings are device memory outside the budget (``[peers] gpu_ring_bytes``): one on the
+lender for the length of a lend, one on the borrower for the length of a fill.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ from cuda.bindings import driver as cu
 from .. import cuda_driver as drv
 from .cuda_hash import DIGEST_SLOTS, DigestBlock, GpuHasher
 
-STAGE_BYTES = 64 * 2**20  # per slot: the request size of the CPU fill (peers/fill.py TASK_BYTES)
-STAGE_SLOTS = 8  # reads in flight: enough that a stage's round trip hides behind the reads before it
 HASH_STREAMS = 64  # one warp per piece per launch: 64 streams let 64 pieces hash at once
 # The kernel's smallest piece (xxh3's "long" path) and its alignment; the rest is hashed here.
 KERNEL_MIN = 241
@@ -84,9 +82,9 @@ class StagedSource:
     """The lender's side: arena bytes copied into a slot on a peer's request (``stage``),
     for the peer to read from there."""
 
-    def __init__(self, ctx: Any, va: int) -> None:
+    def __init__(self, ctx: Any, va: int, slots: int, slot_bytes: int) -> None:
         self._va = va
-        self.ring = DeviceRing(ctx, STAGE_SLOTS, STAGE_BYTES)
+        self.ring = DeviceRing(ctx, slots, slot_bytes)
         # A stage's thread may outlive its lend's task (cancelled at shutdown): close waits for it.
         self._lock = threading.Lock()
 

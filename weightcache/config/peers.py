@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..units import parse_duration, parse_size
 
+RING_SLOTS = 8  # reads in flight through a ring: enough that a stage's round trip hides behind the reads before it
+
 
 class PeersConfig(BaseModel):
     """``[peers]``: neighbour daemons a load that misses may be filled from, over NIXL
@@ -40,13 +42,24 @@ class PeersConfig(BaseModel):
     # rates, the files only if every peer fails (to measure the peer path itself, or where
     # the operator knows the network beats the files' every state).
     prefer: Literal["faster", "peers"] = Field(default="faster", description="how a load a peer offers picks its source")
+    # A GPU model is lent and filled through a ring of device memory, outside the budget
+    # (backends/cuda_staging.py): one per lend, one per fill, each cut into RING_SLOTS
+    # slots; one slot is what a lender stages per request, so a bigger ring asks fewer
+    # round trips of a fill (docs/benchmarks.md, "Peers").
+    gpu_ring_bytes: int = Field(default=512 * 2**20, ge=RING_SLOTS * 2**21, le=RING_SLOTS * 2**30,
+                                description="device memory of each GPU lend's and fill's ring, outside the budget")
+
+    @property
+    def slot_bytes(self) -> int:
+        """A ring's slot: gpu_ring_bytes / RING_SLOTS, in whole 2 MiB."""
+        return self.gpu_ring_bytes // RING_SLOTS // 2**21 * 2**21
 
     @field_validator("refresh_s", "timeout_s", "stall_s", mode="before")
     @classmethod
     def _peer_durations(cls, v: Any) -> float:
         return parse_duration(v)
 
-    @field_validator("max_fill_bytes_per_s", mode="before")
+    @field_validator("max_fill_bytes_per_s", "gpu_ring_bytes", mode="before")
     @classmethod
     def _peer_rate(cls, v: Any) -> int | None:
         return None if v is None else parse_size(v)

@@ -94,7 +94,7 @@ class Peers:
         self._shutting_down = shutting_down
         self.lender = Lender(daemon_id=self.daemon_id, core=core, registry=registry, backends=backends,
                              transport=lambda: self.transport, allowed=self.directory.allowed, notify_space=notify_space,
-                             timeout_s=settings.timeout_s, serve=settings.serve)
+                             timeout_s=settings.timeout_s, serve=settings.serve, slot_bytes=settings.slot_bytes)
         self._refresh: asyncio.Task[None] | None = None
         # Outcomes of loads a peer offered: "ok", "failed", and "files faster" (not tried).
         self.filled: Counter[str] = Counter()
@@ -240,7 +240,8 @@ class Peers:
             fill: PeerFill | StagedFill
             if backend.dma_through_ring:
                 fill = StagedFill(self.transport, backend, lent, expected, stop, channel, self.settings.timeout_s,
-                                  self.settings.max_fill_bytes_per_s, stall_s=self.settings.stall_s)
+                                  self.settings.max_fill_bytes_per_s, stall_s=self.settings.stall_s,
+                                  slot_bytes=self.settings.slot_bytes)
             else:
                 fill = PeerFill(self.transport, backend, lent, expected, stop, self.settings.timeout_s,
                                 self.settings.max_fill_bytes_per_s, stall_s=self.settings.stall_s)

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from ..backends import Backend
 from ..backends.base import StagedRing
 from ..cache import CacheCore, State
+from ..config.peers import RING_SLOTS
 from ..errors import WeightcacheError
 from ..server.registry import Model, Registry
 from . import wire
@@ -63,7 +64,7 @@ def tier(device: str) -> str:
 class Lender:
     def __init__(self, *, daemon_id: str, core: CacheCore, registry: Registry, backends: dict[str, Backend],
                  transport: Callable[[], Transport | None], allowed: Callable[[str], Awaitable[bool]],
-                 notify_space: Callable[[], None], timeout_s: float, serve: bool) -> None:
+                 notify_space: Callable[[], None], timeout_s: float, serve: bool, slot_bytes: int) -> None:
         self.daemon_id = daemon_id
         self.core = core
         self.registry = registry
@@ -73,6 +74,7 @@ class Lender:
         self._notify_space = notify_space
         self.timeout_s = timeout_s
         self.serve = serve
+        self.slot_bytes = slot_bytes  # of a GPU lend's ring ([peers] gpu_ring_bytes)
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self._conn_ids = itertools.count(1)
@@ -189,7 +191,7 @@ class Lender:
         t0 = time.monotonic()
         try:
             try:
-                view = await asyncio.to_thread(backend.dma_source, arena)
+                view = await asyncio.to_thread(backend.dma_source, arena, RING_SLOTS, self.slot_bytes)
             except WeightcacheError as exc:  # the ring's device memory refused (cuda_staging.py)
                 await wire.send(writer, wire.reply_error("BUSY", f"cannot lend now: {exc.message}"))
                 return

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 from ..backends import Arena, Backend
 from ..backends.base import Landing
+from ..config.peers import RING_SLOTS
 from ..errors import LoadFailed
 from ..loader import Checkpoint, Progress
 from ..loader.content import HASH_BLOCK, fingerprint, plan_tasks, tensor_digests
@@ -41,9 +42,6 @@ from .transport import Extent, TransferFailed, Transport
 
 log = logging.getLogger("weightcache.peers")
 
-# This daemon's ring (a staged lend's chunks are one slot of the smaller of the two rings).
-SLOTS = 8
-SLOT_BYTES = 64 * 2**20
 
 
 class StageRequests(Protocol):
@@ -99,11 +97,14 @@ class StagedFill:
     timeout_s: float
     max_bytes_per_s: int | None = None
     stall_s: float = 5.0
+    slots: int = RING_SLOTS
+    slot_bytes: int = 64 * 2**20  # of this daemon's ring ([peers] gpu_ring_bytes / RING_SLOTS)
 
     def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> str | None:
         staged = self.lent.staged
         # This daemon's ring never bigger than its own: a lender's claim sizes none of its memory.
-        slots, slot_bytes = (min(staged.slots, SLOTS), min(staged.slot_bytes, SLOT_BYTES)) if staged else (SLOTS, SLOT_BYTES)
+        slots, slot_bytes = ((min(staged.slots, self.slots), min(staged.slot_bytes, self.slot_bytes)) if staged
+                             else (self.slots, self.slot_bytes))
         try:
             landing = self.backend.dma_landing(arena, slots, slot_bytes)
         except Exception as exc:  # the ring's device memory refused
