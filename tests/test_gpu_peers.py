@@ -1,6 +1,6 @@
 """Two daemons on one GPU (issue 27): a model resident in one's VMM memory is filled into
 the other's through the device rings (backends/cuda_staging.py, peers/staged.py) over
-NIXL, bit-exact, its pieces hashed on the GPU as they land; a lender killed mid-transfer
+NIXL, bit-exact, its pieces hashed on the GPU once landed; a lender killed mid-transfer
 leaves the load to the files and nothing held. Run with the device tool; CI has no GPU.
 tests/test_peers_staged.py checks the same protocol on the CPU with host rings."""
 

@@ -8,8 +8,10 @@ fingerprint). tests/test_gpu_peers.py runs the same on the GPU, with NIXL."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -23,7 +25,7 @@ import xxhash
 from safetensors.torch import save_file
 
 from weightcache.backends.base import StagedRing
-from weightcache.errors import LoadFailed
+from weightcache.errors import LoadFailed, NoSpace
 from weightcache.loader import Checkpoint, Progress, fingerprint_files, open_checkpoint
 from weightcache.peers import LendChannel, staged
 from weightcache.peers.fill import Lent, Staged
@@ -253,6 +255,61 @@ def test_a_gpu_arena_fills_from_a_lenders_host_memory_that_holds_only_the_tensor
     assert sum(n for _, _, n in reads) == sum(t.nbytes for t in ckpt.tensors)  # the tensors' bytes, once each
 
 
+def test_a_host_lenders_regions_that_miss_a_tensor_fail_before_any_read(tmp_path: Path, small_rings: None) -> None:
+    """A lender whose regions leave a tensor's bytes out would leave arena bytes unwritten
+    (a GPU arena's, unmapped, for the hash kernels to read): refused before the first read."""
+    path = write(tmp_path)
+    ckpt = open_checkpoint(path)
+    lender = arena_of(ckpt, padding=0)
+    base = addr(lender)
+    regions = tuple(sorted((t.arena_offset, base + t.arena_offset, t.nbytes) for t in ckpt.tensors if t.nbytes and t.name != "b"))
+    t = transport()
+    f = staged.StagedFill(t, RingBackend(bytearray(len(lender))), Lent(b"md", "DRAM", 0, regions), fingerprint_files(path),  # type: ignore[arg-type]
+                          lambda: None, HostStages(lender, HostRing(1, SLOT)), timeout_s=60, slots=3, slot_bytes=SLOT)
+    with pytest.raises(LoadFailed, match="its regions do not hold tensor 'b'"):
+        f(ckpt, None, Progress(ckpt.arena_bytes))  # type: ignore[arg-type]
+    assert t.agent.posted == []  # type: ignore[attr-defined]
+
+
+def test_this_daemons_own_failure_to_land_is_raised_as_itself_not_as_the_peers(tmp_path: Path, small_rings: None) -> None:
+    """Growing the arena for a chunk found no room (NoSpace): the read stops, and the fill
+    raises NoSpace, which the load path treats as any fill's, not as the peer's failure."""
+    path = write(tmp_path)
+    ckpt = open_checkpoint(path)
+    lender = arena_of(ckpt, padding=0)
+
+    class NoRoom(HostLanding):
+        def land(self, slot: int, offset: int, nbytes: int) -> None:
+            if offset >= 2 * SLOT:
+                raise NoSpace("no room on cuda:0 for the arena")
+            super().land(slot, offset, nbytes)
+
+    backend = RingBackend(bytearray(len(lender)))
+    backend.dma_landing = lambda arena, slots, slot_bytes: NoRoom(backend.arena, slots, slot_bytes)  # type: ignore[method-assign]
+    lender_ring = HostRing(3, SLOT)
+    f = staged.StagedFill(transport(), backend, Lent(b"md", "VRAM", 0, (), Staged(lender_ring.base, 3, SLOT)),  # type: ignore[arg-type]
+                          fingerprint_files(path), lambda: None, HostStages(lender, lender_ring), timeout_s=60, slots=3,
+                          slot_bytes=SLOT)
+    with pytest.raises(NoSpace, match="no room on cuda:0"):
+        f(ckpt, None, Progress(ckpt.arena_bytes))  # type: ignore[arg-type]
+
+
+def test_a_lenders_tiny_slots_are_refused() -> None:
+    """The chunk is the smaller of the two sides' slots: a lender's 1-byte slot would cut a
+    10 GB fill into 10^10 chunks."""
+    with pytest.raises(ValueError, match="slots of 2097152"):
+        Lent.parse({"metadata": b"", "memory": "VRAM", "device_id": 0, "regions": [],
+                    "staged": {"addr": 4096, "slots": 8, "slot_bytes": 1}})
+    assert Lent.parse({"metadata": b"", "memory": "VRAM", "device_id": 0, "regions": [],
+                       "staged": {"addr": 4096, "slots": 8, "slot_bytes": 2**21}}).staged == Staged(4096, 8, 2**21)
+
+
+def test_no_reads_to_make_touches_no_transport() -> None:
+    t = transport()
+    t.read(b"md", [], "VRAM", 0, "DRAM", 0, window=8, on_done=lambda d, n: None, stop=lambda: None, deadline=time.monotonic() + 1)
+    assert t.agent.posted == []  # type: ignore[attr-defined]
+
+
 def test_a_capped_fill_lands_and_reports_its_progress_as_it_goes(tmp_path: Path, small_rings: None) -> None:
     """The rate cap holds posting back without holding up the reads in flight: each chunk
     lands (and shows in ``status``'s progress) as its read completes, not at the end."""
@@ -278,6 +335,7 @@ def test_a_capped_fill_lands_and_reports_its_progress_as_it_goes(tmp_path: Path,
         running.clear()
         watcher.join()
     assert got == fingerprint_files(path)
+    assert progress.done == sum(t.nbytes for t in ckpt.tensors)  # the tensors' bytes, not the padding landed with them
     assert time.monotonic() - t0 >= 0.4  # ~0.5 s at the cap
     assert len({x for x in seen if 0 < x < len(lender)}) >= 3, sorted(set(seen))
 
@@ -374,6 +432,61 @@ async def test_a_lend_from_host_memory_takes_no_stage_and_done_ends_it() -> None
     with pytest.raises(PeerError, match="a lend takes done, not 'stage'"):
         check_reply(await recv(reader), "stage")
     await ended
+    writer.close()
+    srv.close()
+
+
+async def test_a_borrower_that_never_reads_the_replies_cannot_hold_a_lend_past_its_deadline() -> None:
+    """The deadline holds for the lender's replies too, not only for its reads of requests:
+    a borrower that asks and never reads would otherwise block the reply's drain for good,
+    holding the lend's lease and ring."""
+    ended: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+    ring = StagedRing(0x1000, 4, SLOT, 1_000_000, lambda *a: None)
+
+    async def lender(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        t0 = time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            await serve_lend(reader, writer, ring, t0 + 1.0)
+        ended.set_result(time.monotonic() - t0)
+        writer.close()
+
+    srv = await asyncio.start_server(lender, "127.0.0.1", 0)
+    _reader, writer = await asyncio.open_connection("127.0.0.1", srv.sockets[0].getsockname()[1])
+    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    frame = encode_frame({"op": "stage", "seq": 0, "slot": 0, "offset": 0, "nbytes": 1})
+    sender = asyncio.ensure_future(_send_forever(writer, frame))
+    took = await asyncio.wait_for(ended, 20)
+    sender.cancel()
+    assert 0.9 <= took < 5, took
+    writer.close()
+    srv.close()
+
+
+async def _send_forever(writer: asyncio.StreamWriter, frame: bytes) -> None:
+    with contextlib.suppress(OSError, ConnectionError):
+        while True:
+            writer.write(frame * 64)
+            await writer.drain()
+
+
+async def test_a_lender_frame_over_the_limit_stops_the_fill_at_once() -> None:
+    async def lender(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await recv(reader)
+        writer.write((64 * 2**20).to_bytes(4, "big"))  # a frame header past the 16 MiB limit
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    srv = await asyncio.start_server(lender, "127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.sockets[0].getsockname()[1])
+    ch = LendChannel(asyncio.get_running_loop(), reader, writer)
+    task = asyncio.ensure_future(ch.run())
+    ch.request(0, 0, 0, 10)
+    t0 = time.monotonic()
+    with pytest.raises(TransferFailed, match="FrameTooLarge"):
+        await until_staged(ch, 0, 30)
+    assert time.monotonic() - t0 < 5
+    await task
     writer.close()
     srv.close()
 

@@ -189,6 +189,12 @@ class Backend(ABC):
     # than directly (dma_target)? Its lends are then staged too (DmaView.staged).
     dma_through_ring = False
 
+    @property
+    def can_land_dma(self) -> bool:
+        """Whether ``dma_landing`` can give a ring now (a GPU's hash kernel runs: a peer's
+        bytes are checked where they land)."""
+        return False
+
     def __init__(self, device: str) -> None:
         self.device = device
         # The device's stable name clients send ("GPU-…" for a GPU; None for the CPU):

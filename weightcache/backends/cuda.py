@@ -239,6 +239,10 @@ class CudaBackend(Backend):
         staged = StagedRing(ring.base, ring.slots, ring.slot_bytes, arena.nbytes, src.stage)
         return DmaView([], "VRAM", self.ordinal, release=src.close, staged=staged, context=lambda: drv.current(self.ctx))
 
+    @property
+    def can_land_dma(self) -> bool:
+        return self.gpu_hash is not None
+
     def dma_landing(self, arena: Arena, slots: int, slot_bytes: int) -> Landing | None:
         assert isinstance(arena, VmmArena)
         if self.gpu_hash is None:  # a peer's bytes are checked where they land; the host would read them back

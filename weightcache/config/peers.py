@@ -44,8 +44,8 @@ class PeersConfig(BaseModel):
     prefer: Literal["faster", "peers"] = Field(default="faster", description="how a load a peer offers picks its source")
     # A GPU model is lent and filled through a ring of device memory, outside the budget
     # (backends/cuda_staging.py): one per lend, one per fill, each cut into RING_SLOTS
-    # slots; one slot is what a lender stages per request, so a bigger ring asks fewer
-    # round trips of a fill (docs/benchmarks.md, "Peers").
+    # slots. A chunk is the smaller of the lender's and the borrower's slot, so a bigger
+    # ring on every daemon asks fewer round trips of a fill (docs/benchmarks.md, "Peers").
     gpu_ring_bytes: int = Field(default=512 * 2**20, ge=RING_SLOTS * 2**21, le=RING_SLOTS * 2**30,
                                 description="device memory of each GPU lend's and fill's ring, outside the budget")
 

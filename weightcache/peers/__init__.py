@@ -5,6 +5,7 @@ daemon's resident copy over NIXL instead of from the files.
 - server.py: the lending side, on the peer port: inventory, and ``lend`` under a lease.
 - fill.py: the borrowing side's fill strategy: the NIXL read, every piece hashed, the
   fingerprint checked before the arena is sealed.
+- staged.py: the same for GPU arenas, through device rings and the lender's ``stage``.
 - choice.py: peer or files for a load, by the rates this daemon measured for each.
 - transport.py: the NIXL agent; wire.py: the control channel's frames.
 
@@ -40,7 +41,7 @@ from .choice import REMEASURE_S, Choice, backoff_s, choose, files_default, files
 from .directory import Directory, PeerState, connect
 from .fill import Lent, PeerFill
 from .server import Lender
-from .staged import StagedFill
+from .staged import CannotLand, StagedFill
 from .transport import TransferFailed, Transport, unavailable
 
 
@@ -148,7 +149,8 @@ class Peers:
         load's cancellation, pass through as from any fill."""
         name = job.name
         self._probed.pop(name, None)  # an earlier load's, refused for room: not this one's state
-        if self.transport is None or not backend.supports_dma or model.origin != "config" or model.owner is not None:
+        if (self.transport is None or not backend.supports_dma or (backend.dma_through_ring and not backend.can_land_dma)
+                or model.origin != "config" or model.owner is not None):
             return False
         expected = known_fingerprint(self.settings, name, ckpt, opened)
         if expected is None:
@@ -185,6 +187,13 @@ class Peers:
                 own_s = await self._fill_from(fill_new_arena, job, ckpt, backend, peer, expected, choice)
             except NoSpace:
                 raise
+            except CannotLand as exc:  # this daemon's lack, not the peer's: no backoff, no failed fill
+                job.source = "files"
+                if job.abandoned.is_set() or self._shutting_down():
+                    raise
+                log.warning("load %s: from the files, not peer %s: %s", name, peer.address, exc.message,
+                            extra={"model": name, "peer": peer.address})
+                return False
             except (WeightcacheError, wire.PeerError, OSError, TimeoutError, ValueError) as exc:
                 job.source = "files"
                 if job.abandoned.is_set() or self._shutting_down():
@@ -284,11 +293,11 @@ class LendChannel:
                     if not isinstance(seq, int) or self._asked.pop(seq, None) is None:
                         raise wire.PeerError(f"the peer answered a stage not asked for ({str(seq)[:32]})")
                     self._staged.add(seq)
-        except (wire.PeerError, OSError, ConnectionError) as exc:
-            self.closed.append(f"the peer's control connection: {exc}")
         except asyncio.CancelledError:
             self.closed.append("the fill ended")
             raise
+        except Exception as exc:  # PeerError, OSError, FrameTooLarge: whatever it was, the fill stops on it
+            self.closed.append(f"the peer's control connection: {type(exc).__name__}: {exc}")
 
     def request(self, seq: int, slot: int, offset: int, nbytes: int) -> None:
         with self._lock:

@@ -67,7 +67,10 @@ class Lent:
 
 
 MAX_STAGE_SLOTS = 64
-MAX_STAGE_BYTES = 2**30  # per slot (a borrower's own ring is its own size: peers/staged.py)
+# Per slot. The floor keeps a lender's reply from cutting a fill into millions of chunks
+# (the chunk is the smaller of the two sides' slots); the ceiling is [peers] gpu_ring_bytes's.
+MIN_STAGE_BYTES = 2**21
+MAX_STAGE_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -84,8 +87,8 @@ class Staged:
             raise ValueError("lend: staged is malformed")
         addr, slots, size = (value.get(k) for k in ("addr", "slots", "slot_bytes"))
         if not (isinstance(addr, int) and addr >= 0 and isinstance(slots, int) and 0 < slots <= MAX_STAGE_SLOTS
-                and isinstance(size, int) and 0 < size <= MAX_STAGE_BYTES):
-            raise ValueError(f"lend: staged needs an address, 1..{MAX_STAGE_SLOTS} slots of 1..{MAX_STAGE_BYTES} bytes")
+                and isinstance(size, int) and MIN_STAGE_BYTES <= size <= MAX_STAGE_BYTES):
+            raise ValueError(f"lend: staged needs an address, 1..{MAX_STAGE_SLOTS} slots of {MIN_STAGE_BYTES}..{MAX_STAGE_BYTES} bytes")
         return cls(addr, slots, size)
 
 

@@ -44,6 +44,7 @@ T = TypeVar("T")
 HELLO_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 60.0  # a peer connection with no request for this long is closed
 LENDS_PER_PEER = 4  # lends one peer address holds at once; more are refused BUSY (each pins a model)
+GPU_LENDS = 4  # GPU lends at once, all peers together: each holds a ring outside the budget ([peers] gpu_ring_bytes)
 
 
 def lendable(name: str, model: Model, core: CacheCore, backends: dict[str, Backend]) -> bool:
@@ -79,6 +80,7 @@ class Lender:
         self._conns: set[asyncio.Task[None]] = set()
         self._conn_ids = itertools.count(1)
         self.lent_now = 0  # lends holding a lease now
+        self.rings_now = 0  # of them, GPU lends (each holds a ring)
         self.lends = 0  # lends made since start
         self.refused = 0  # connections from addresses that are not configured peers
         self._by_peer: dict[str, int] = {}  # peer host -> lends it holds now
@@ -180,10 +182,15 @@ class Lender:
             return
         model = self.registry.models[name]
         backend = self.backends[model.device]
+        if backend.dma_through_ring and self.rings_now >= GPU_LENDS:
+            await wire.send(writer, wire.reply_error("BUSY", f"this daemon lends from its GPUs to {GPU_LENDS} fills already"))
+            return
         arena = model.resident.arena
         assert arena is not None
         lease = self.core.attach(name, conn)
         self.lent_now += 1
+        ring = backend.dma_through_ring
+        self.rings_now += ring
         self._by_peer[host] = self._by_peer.get(host, 0) + 1
         view = reg = pump = None
         stages = StageCount()
@@ -229,6 +236,7 @@ class Lender:
             finally:
                 self.core.detach(lease.id, conn)
                 self.lent_now -= 1
+                self.rings_now -= ring
                 self._by_peer[host] -= 1
                 if not self._by_peer[host]:
                     del self._by_peer[host]
@@ -251,9 +259,16 @@ async def serve_lend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     """A lend's requests until ``done``, the connection's end, or ``deadline``
     (TimeoutError): a staged lend's ``stage`` requests (wire.py), one at a time, in order.
     A malformed request, or one outside the arena or the ring, is answered BAD_REQUEST and
-    ends the lend."""
+    ends the lend. The deadline holds for the replies too: a borrower that asks and never
+    reads cannot hold the lend past it."""
+    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+        await _serve_lend(reader, writer, staged, count)
+
+
+async def _serve_lend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, staged: StagedRing | None,
+                      count: StageCount | None) -> None:
     while True:
-        msg = await asyncio.wait_for(wire.recv(reader), max(0.0, deadline - time.monotonic()))
+        msg = await wire.recv(reader)
         if msg is None:
             return
         op = msg.get("op")

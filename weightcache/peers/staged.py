@@ -44,6 +44,11 @@ log = logging.getLogger("weightcache.peers")
 
 
 
+class CannotLand(LoadFailed):
+    """This daemon cannot take a GPU fill now (no device memory for its ring): not the
+    peer's failure, so the peer is not backed off for it."""
+
+
 class StageRequests(Protocol):
     """The lend's control connection, as the fill's thread uses it (peers/__init__.py)."""
 
@@ -70,6 +75,22 @@ def held(offset: int, nbytes: int, dst: int, regions: Sequence[tuple[int, int, i
         if lo < hi:
             out.append(Extent(dst + lo - offset, addr + lo - ao, hi - lo))
     return out
+
+
+def uncovered(ckpt: Checkpoint, regions: Sequence[tuple[int, int, int]], starts: list[int]) -> str | None:
+    """The name of a tensor whose bytes a lender's host regions (in arena order) do not
+    all hold, or None: a hostile lender's short regions must fail before any read, not
+    leave arena bytes unwritten (a GPU arena's unmapped)."""
+    for t in ckpt.tensors:
+        pos, end = t.arena_offset, t.arena_offset + t.nbytes
+        k = max(bisect.bisect_right(starts, pos) - 1, 0)
+        for ao, _addr, n in regions[k:]:
+            if pos >= end or ao > pos:
+                break
+            pos = max(pos, ao + n)
+        if pos < end:
+            return t.name
+    return None
 
 
 def gaps(ckpt: Checkpoint, end: int) -> list[tuple[int, int]]:
@@ -108,10 +129,9 @@ class StagedFill:
         try:
             landing = self.backend.dma_landing(arena, slots, slot_bytes)
         except Exception as exc:  # the ring's device memory refused
-            raise LoadFailed(f"no device memory for a fill's ring ({slots} x {slot_bytes} bytes): {exc}") from None
-        if landing is None:
-            raise LoadFailed(f"the {arena.device} backend cannot check a peer's bytes on the device (its hash kernel "
-                             "is not available)")
+            raise CannotLand(f"no device memory for a fill's ring ({slots} x {slot_bytes} bytes): {exc}") from None
+        if landing is None:  # Peers.fill asks can_land_dma first
+            raise CannotLand(f"the {arena.device} backend cannot check a peer's bytes on the device")
         try:
             with landing.context():
                 return self._fill(ckpt, landing, progress)
@@ -128,6 +148,11 @@ class StagedFill:
         extents: list[Extent] = []
         first_of: dict[int, int] = {}  # index into extents -> the chunk it starts
         starts = [r[0] for r in self.lent.regions]
+        if staged is None:
+            missing = uncovered(ckpt, self.lent.regions, starts)
+            if missing is not None:
+                raise LoadFailed(f"the peer's copy does not fit this checkpoint's layout: its regions do not hold "
+                                 f"tensor {missing!r}'s bytes")
         for i, (o, n) in enumerate(chunks):
             first_of[len(extents)] = i
             dst = ring.addr(i % slots)
@@ -150,6 +175,14 @@ class StagedFill:
             i = first_of.get(k, i)
             left[i] += e.nbytes
         landed = [not n for n in left]  # a chunk the lender holds nothing of (padding): nothing to land
+        tensor_bytes = [0] * len(chunks)  # what each chunk brings of the tensors: the progress shown
+        for _, at, nb in pieces:
+            while nb:
+                c = at // size
+                take = min(nb, (c + 1) * size - at)
+                tensor_bytes[c] += take
+                at, nb = at + take, nb - take
+        local: list[BaseException] = []
         state = {"next_extent": 0, "posted": 0}
         stage_wait = {"since": 0.0, "total": 0.0}  # reads held back for the lender's stage replies
         lock = threading.Lock()
@@ -196,23 +229,32 @@ class StagedFill:
                 if left[i]:
                     return
             o, n = chunks[i]
-            landing.land(slot, o, n)
-            progress.add(n)
+            try:
+                landing.land(slot, o, n)  # may grow the arena: wait for room, or NoSpace
+            except Exception as exc:  # this daemon's, not the peer's: ends the read (stop), raised as itself
+                local.append(exc)
+                return
+            progress.add(tensor_bytes[i])
             landed[i] = True
             if staged is not None and i + slots < len(chunks):
                 self.stages.request(i + slots, slot, *chunks[i + slots])
 
+        def stop() -> str | None:
+            return "this daemon could not land a chunk" if local else self.stop()
+
         try:
             self.transport.read(self.lent.metadata, extents, landing.memory, landing.device_id, self.lent.memory,
-                                self.lent.device_id, window=slots, on_done=on_done, stop=self.stop, deadline=deadline,
+                                self.lent.device_id, window=slots, on_done=on_done, stop=stop, deadline=deadline,
                                 stall_s=self.stall_s, pace=pace, ready=ready)
         except TransferFailed as exc:
+            if local:
+                raise local[0] from None
             got = sum(n for (_, n), ok in zip(chunks, landed, strict=True) if ok)
             raise LoadFailed(f"reading from the peer failed after {got} of {end} bytes: {exc}",
                              reason="peer transfer failed") from None
         moved = time.monotonic()
+        landing.zero(gaps(ckpt, end))  # first: it maps what no chunk reached (padding only)
         landing.hash_landed(pieces)  # every chunk landed: every piece is in (Note [a staged fill])
-        landing.zero(gaps(ckpt, end))
         digests: dict[Any, bytes] = landing.digests()
         log.info("fill from a peer: %d chunks of %d bytes moved in %.1f ms (%.1f ms of it waiting for the lender's "
                  "stages), hashed in %.1f ms", len(chunks), size, (moved - t0) * 1e3, stage_wait["total"] * 1e3,

@@ -137,6 +137,8 @@ class Transport:
         may wait: the target's pages reserved, a fill's rate cap). ``ready(k)`` says
         whether extent ``k`` may be posted yet (its target is free again: a ring's slot
         copied out); while it may not, the reads in flight are polled."""
+        if not extents:
+            return
         with self._reading:
             try:
                 self._read(remote_md, extents, memory, device_id, remote_memory, remote_device_id, window=window,

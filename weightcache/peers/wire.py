@@ -12,7 +12,8 @@ and a lender that dies is seen by the borrower as EOF within the transfer.
 Ops, each a request map with "op" and a reply map with "ok" (and "error": {"code",
 "message"} when not ok):
 
-- ``hello`` {"protocol": 1, "daemon": id} -> {"protocol": 1, "daemon": id}
+- ``hello`` {"protocol": 2, "daemon": id} -> {"protocol": 2, "daemon": id} (2: GPU lends are
+  staged; a daemon of protocol 1 would take their empty regions for a layout that does not fit)
 - ``inventory`` -> {"models": [{"fingerprint", "layout", "nbytes", "tier", "device"}]}:
   what the lender would lend now (its operator's models open to every user, resident,
   files unchanged). ``tier``: "gpu" (VMM memory) or "host" (host memory).
@@ -37,7 +38,7 @@ from typing import Any
 from ..errors import BadRequest, FrameTooLarge
 from ..protocol.framing import HEADER, decode_payload, encode_frame
 
-PROTOCOL = 1
+PROTOCOL = 2
 # A lend's reply is the biggest frame: NIXL metadata (a few KiB) and one region per
 # contiguous run of a file arena (~40 bytes each: 100k runs fit).
 MAX_FRAME = 16 * 2**20
