@@ -226,10 +226,12 @@ def mlock_files(files: list[HeldFile]) -> tuple[int, int]:
     return locked, 0
 
 
-def map_readonly(fd: int, size: int) -> int:
+def map_readonly(fd: int, size: int, populate: bool = False) -> int:
     """A read-only shared mapping of ``size`` bytes of ``fd`` (a sealed memfd a neighbour
-    daemon's transfer engine reads, weightcache/peers/): its address; ``unmap`` undoes it."""
-    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    daemon's transfer engine reads, weightcache/peers/): its address; ``unmap`` undoes it.
+    ``populate``: its page tables filled now (MAP_POPULATE), not by faults as it is read."""
+    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+    addr = _libc.mmap(None, size, mmap.PROT_READ, flags, fd, 0)
     if addr in (None, _MAP_FAILED):
         e = ctypes.get_errno()
         raise OSError(e, f"mmap: {os.strerror(e)}")
