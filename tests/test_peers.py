@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,37 @@ async def test_no_fill_without_a_known_fingerprint(pair: Pair, tmp_path: Path) -
         await wait_for(lambda: offered(b, fp))
         await b.load("m")
         assert model_row(await b.models(), "m")["source"] == "files"
+        # The operator is told why, once: the peer holds this layout, the fingerprint is unknown here.
+        await b.evict("m")
+        await b.load("m")
+        told = [line for line in pair.log(1).splitlines() if "does not know the fingerprint of its files" in line]
+        assert len(told) == 1 and "load m: peer 127.0.0.1:" in told[0], pair.log(1)[-3000:]
+
+
+async def test_a_daemon_without_nixl_lists_nothing_to_its_peers(pair: Pair, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """It would refuse every lend (no transport), and its peers would count each refusal
+    as a failed fill and back it off: it offers nothing instead."""
+    path = ckpt(tmp_path, 4 * MIB)
+    shadow = tmp_path / "no-nixl"  # empty packages in front of the real ones: no module nixl*._api
+    for pkg in ("nixl", "nixl_cu12", "nixl_cu13"):
+        (shadow / pkg).mkdir(parents=True)
+        (shadow / pkg / "__init__.py").write_text("")
+    with monkeypatch.context() as m:
+        m.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(shadow), os.environ.get("PYTHONPATH")])))
+        lender = pair.start(0, {"m": path})
+    borrower = pair.start(1, {"m": path})
+    async with Client(lender.socket) as a, Client(borrower.socket) as b:
+        await a.load("m")
+        loaded = time.monotonic()
+        assert (await a.status())["peers"]["nixl"] != "ok"
+
+        async def answered() -> bool:  # an inventory the lender sent after the load
+            peers = (await b.status())["peers"]["peers"]
+            return bool(peers) and peers[0]["seen_s_ago"] is not None and peers[0]["seen_s_ago"] < time.monotonic() - loaded
+
+        await wait_for(answered)
+        assert (await b.status())["peers"]["peers"][0]["models"] == []
 
 
 async def test_other_bytes_under_the_same_layout_are_not_served(pair: Pair, tmp_path: Path) -> None:

@@ -103,6 +103,7 @@ class Peers:
         # were warm (choice.py); the loads a peer offered teach it (observe_files).
         self.files_rates: dict[tuple[str, bool], float] = {}
         self._probed: dict[str, tuple[str, bool]] = {}  # load -> (device, warm) it was chosen with
+        self._told_unknown: set[str] = set()  # models whose unknown fingerprint was logged (_unknown_fingerprint)
 
     async def start(self) -> None:
         """Start NIXL (in a thread: ~0.5 s), the peer port, and the inventory refresh. NIXL
@@ -154,6 +155,7 @@ class Peers:
             return False
         expected = known_fingerprint(self.settings, name, ckpt, opened)
         if expected is None:
+            self._unknown_fingerprint(name, ckpt.layout)
             return False
         now = time.monotonic()
         # A GPU lend is a ring of device memory (wire.py): a host arena cannot take it.
@@ -216,6 +218,18 @@ class Peers:
             self.filled["ok"] += 1
             return True
         return False
+
+    def _unknown_fingerprint(self, name: str, layout: str) -> None:
+        """Said once per model: a peer holds files of this layout, but this daemon cannot
+        fill from it, not knowing what its own files hold (known_fingerprint)."""
+        if name in self._told_unknown:
+            return
+        holders = [p.address for p in self.directory.peers.values() for o in p.offers if o.layout == layout]
+        if holders:
+            self._told_unknown.add(name)
+            log.info("load %s: peer %s holds a copy of this layout, but this daemon does not know the fingerprint of "
+                     "its files (not pinned in [peers] fingerprints, not loaded since start): from the files",
+                     name, holders[0], extra={"model": name, "peer": holders[0]})
 
     def observe_files(self, name: str, rate: float) -> None:
         """A load this daemon chose peer or files for (``fill``) was made from its files at

@@ -105,7 +105,11 @@ class Lender:
                 await asyncio.wait_for(self._server.wait_closed(), 5)
 
     def inventory(self) -> list[dict[str, Any]]:
-        out = []
+        """What this daemon would lend now; nothing without NIXL (it would refuse every
+        lend, and its peers would count the refusals as failed fills)."""
+        out: list[dict[str, Any]] = []
+        if self._transport() is None:
+            return out
         for name, m in self.registry.models.items():
             if lendable(name, m, self.core, self.backends):
                 assert m.resident.checkpoint is not None
