@@ -5,12 +5,14 @@ Why a TCP side port and not NIXL's own channel: NIXL's metadata listener exchang
 metadata only, and its notifications flow only once both agents hold each other's
 metadata, arrive by polling, and have no request/reply pairing nor size limits. A lend
 needs a request and its reply, and a lease that ends when the borrower goes: here the
-lease lives exactly as long as the borrower's TCP connection (as an engine's lease lives
-as long as its Unix socket connection), so a borrower that dies releases what it held,
-and a lender that dies is seen by the borrower as EOF within the transfer.
+lease lives at most as long as the borrower's TCP connection (as an engine's lease lives
+as long as its Unix socket connection; ``done`` and ``timeout_s`` end it sooner), so a
+borrower that dies releases what it held, and a lender that dies is seen by the borrower
+as EOF within the transfer.
 
 Ops, each a request map with "op" and a reply map with "ok" (and "error": {"code",
-"message"} when not ok):
+"message"} when not ok; codes: PROTOCOL_VERSION, UNKNOWN_OP, BAD_REQUEST, UNKNOWN_MODEL,
+BUSY, UNSUPPORTED):
 
 - ``hello`` {"protocol": 2, "daemon": id} -> {"protocol": 2, "daemon": id} (2: GPU lends are
   staged; a daemon of protocol 1 would take their empty regions for a layout that does not fit)
