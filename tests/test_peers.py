@@ -151,6 +151,35 @@ async def test_no_fill_without_a_known_fingerprint(pair: Pair, tmp_path: Path) -
         assert len(told) == 1 and "load m: peer 127.0.0.1:" in told[0], pair.log(1)[-3000:]
 
 
+async def test_concurrent_misses_ask_for_one_lend_at_a_time(pair: Pair, tmp_path: Path) -> None:
+    """The transport reads one fill at a time. A second miss that asked for its lend at
+    once would hold it (the lender's lease, a GPU lend's ring) and run its timeout_s while
+    it waited for the first's read, and a timeout there would count against a healthy
+    peer: it waits before asking instead. Both are filled; the lends do not overlap."""
+    m1, m2 = ckpt(tmp_path, 24 * MIB, seed=1), ckpt(tmp_path, 24 * MIB, seed=2)
+    fp1, fp2 = fingerprint_files(m1), fingerprint_files(m2)
+    lender = pair.start(0, {"m1": m1, "m2": m2})
+    borrower = pair.start(1, {"m1": m1, "m2": m2}, {"fingerprints": f'{{ m1 = "{fp1}", m2 = "{fp2}" }}',
+                                                    "max_fill_bytes_per_s": '"48MiB"', "prefer": '"peers"'})
+    async with Client(lender.socket) as a, Client(borrower.socket) as b:
+        await a.load("m1")
+        await a.load("m2")
+        await wait_for(lambda: offered(b, fp1))
+        await wait_for(lambda: offered(b, fp2))
+        await asyncio.gather(b.load("m1"), b.load("m2"))
+        rows = await b.models()
+        assert [model_row(rows, n)["source"] for n in ("m1", "m2")] == ["neighbour", "neighbour"], pair.log(1)[-3000:]
+        assert (await b.status())["peers"]["fills"] == {"ok": 2}
+
+        async def both_ended() -> bool:
+            return pair.log(0).count("to peer 127.0.0.1 ended") == 2
+
+        await wait_for(both_ended)
+    events = [line.split("weightcache.peers: ")[1].split(" (")[0].split(" to peer")[0]
+              for line in pair.log(0).splitlines() if "weightcache.peers: lend" in line]
+    assert [e.split()[0] for e in events] == ["lending", "lend", "lending", "lend"], events  # start, end, start, end
+
+
 async def test_a_daemon_without_nixl_lists_nothing_to_its_peers(pair: Pair, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """It would refuse every lend (no transport), and its peers would count each refusal

@@ -104,6 +104,7 @@ class Peers:
         self.files_rates: dict[tuple[str, bool], float] = {}
         self._probed: dict[str, tuple[str, bool]] = {}  # load -> (device, warm) it was chosen with
         self._told_unknown: set[str] = set()  # models whose unknown fingerprint was logged (_unknown_fingerprint)
+        self._one_fill = asyncio.Lock()
 
     async def start(self) -> None:
         """Start NIXL (in a thread: ~0.5 s), the peer port, and the inventory refresh. NIXL
@@ -241,7 +242,15 @@ class Peers:
 
     async def _fill_from(self, fill_new_arena: Callable[..., Awaitable[None]], job: Job, ckpt: Checkpoint, backend: Backend,
                          peer: PeerState, expected: str, choice: Choice) -> float:
-        """Fill from ``peer``; returns the seconds of the fill's own phases (its rate's measure)."""
+        """Fill from ``peer``; returns the seconds of the fill's own phases (its rate's measure).
+        One fill at a time (the transport reads one at a time): a fill waits here, before
+        it asks for a lend, so that neither its lend nor its ``timeout_s`` runs while it
+        waits for another's read."""
+        async with self._one_fill:
+            return await self._lend_and_fill(fill_new_arena, job, ckpt, backend, peer, expected, choice)
+
+    async def _lend_and_fill(self, fill_new_arena: Callable[..., Awaitable[None]], job: Job, ckpt: Checkpoint,
+                             backend: Backend, peer: PeerState, expected: str, choice: Choice) -> float:
         assert self.transport is not None
         reader, writer, _ = await connect(peer.address, self.daemon_id)
         channel: LendChannel | None = None
