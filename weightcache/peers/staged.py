@@ -15,17 +15,18 @@ one slot. For chunk i, in order, up to ``slots`` at once:
 3. once read, the slot is copied on into the arena (one stream, in the order landed),
    and the lender's slot is asked for chunk i + slots.
 
-When every chunk has landed, every piece is hashed by the GPU, the bytes between tensors
-are zeroed (the lender's are not covered by the fingerprint), and the fingerprint is computed from the pieces' digests and
-this daemon's own parse of its files, as fill.py's Note [a peer's bytes are checked]
-says: a wrong byte anywhere fails the fill before the arena is sealed.
+When every chunk has landed, the bytes between tensors are zeroed (the lender's are not
+covered by the fingerprint), every piece is hashed by the GPU, and the fingerprint is
+computed from the pieces' digests and this daemon's own parse of its files, as fill.py's
+Note [a peer's bytes are checked] says: a wrong byte anywhere fails the fill before the
+arena is sealed. A host lender's regions must hold every tensor byte (checked before the
+first read); its chunks are read where the regions hold them.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,7 +42,6 @@ from .fill import Lent
 from .transport import Extent, TransferFailed, Transport
 
 log = logging.getLogger("weightcache.peers")
-
 
 
 class CannotLand(LoadFailed):
@@ -185,7 +185,6 @@ class StagedFill:
         local: list[BaseException] = []
         state = {"next_extent": 0, "posted": 0}
         stage_wait = {"since": 0.0, "total": 0.0}  # reads held back for the lender's stage replies
-        lock = threading.Lock()
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         if staged is not None:
@@ -224,10 +223,9 @@ class StagedFill:
         def on_done(dst: int, nbytes: int) -> None:
             slot = (dst - ring.base) // size
             i = in_slot[slot]
-            with lock:
-                left[i] -= nbytes
-                if left[i]:
-                    return
+            left[i] -= nbytes  # pace, ready and on_done all run in the transport's read thread
+            if left[i]:
+                return
             o, n = chunks[i]
             try:
                 landing.land(slot, o, n)  # may grow the arena: wait for room, or NoSpace
