@@ -93,6 +93,10 @@ def test_the_retry_schedule_backs_off_and_stops_at_the_deadline():
     waits = [retry.after(refused, now=t) for t in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)]
     assert waits == [0.01, 0.02, 0.04, 0.08, 0.16, RETRY_MAX_S]
     assert retry.after(refused, now=0.95) == pytest.approx(0.05)  # cut to the deadline
+    # The attempt after the cut wait is the last, even when that wait ended early: a timer
+    # that rounds to whole ms ended each sub-ms wait at once, and the client spun, trying
+    # 25 times in 1 s (seen beside two busy loops).
+    assert retry.after(refused, now=0.9995) is None
     assert retry.after(refused, now=1.0) is None
     assert Retry(10.0, now=0.0).after(OSError(errno.EACCES, "denied"), now=0.0) is None  # never retried
 

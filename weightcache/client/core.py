@@ -107,14 +107,19 @@ class Retry:
     def __init__(self, wait_for_daemon: float, now: float) -> None:
         self.give_up = now + wait_for_daemon
         self.delay = RETRY_FIRST_S
+        self.last = False  # the wait given was cut to the deadline: the attempt after it is the last
 
     def after(self, exc: OSError, now: float) -> float | None:
         """Seconds to wait before the next attempt after ``exc``; None if ``exc`` is not
-        worth retrying or the wait is over (then the caller raises the connect error)."""
+        worth retrying or the wait is over (then the caller raises the connect error).
+        One wait only is cut short, to end at the deadline: a timer that rounds to whole
+        milliseconds (uvloop's) ended those cut waits at once, and the client retried
+        in a spin for the deadline's last millisecond (25 attempts in 1 s on a busy VM)."""
         left = self.give_up - now
-        if exc.errno not in RETRY_ERRNOS or left <= 0:
+        if exc.errno not in RETRY_ERRNOS or left <= 0 or self.last:
             return None
         wait, self.delay = min(self.delay, left), min(2 * self.delay, RETRY_MAX_S)
+        self.last = wait == left
         return wait
 
 
