@@ -71,7 +71,6 @@ class HostRing:
         self.slots, self.slot_bytes = slots, slot_bytes
         self.buf = bytearray(slots * slot_bytes)
         self.base = addr(self.buf)
-        self.nbytes = len(self.buf)
 
     def addr(self, slot: int) -> int:
         return self.base + slot * self.slot_bytes

@@ -163,7 +163,7 @@ class Landing(Protocol):
 
     memory: str
     device_id: int
-    ring: Any  # .slots, .slot_bytes, .addr(slot), .base, .nbytes
+    ring: Any  # .slots, .slot_bytes, .addr(slot), .base
 
     def context(self) -> AbstractContextManager[None]: ...
     def wait(self, slot: int) -> None: ...

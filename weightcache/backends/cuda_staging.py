@@ -59,10 +59,6 @@ class DeviceRing:
     def addr(self, slot: int) -> int:
         return self.base + slot * self.slot_bytes
 
-    @property
-    def nbytes(self) -> int:
-        return self.slots * self.slot_bytes
-
     def close(self) -> None:
         with drv.current(self.ctx):
             if self.stream is not None:
