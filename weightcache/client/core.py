@@ -118,8 +118,10 @@ class Retry:
         left = self.give_up - now
         if exc.errno not in RETRY_ERRNOS or left <= 0 or self.last:
             return None
-        wait, self.delay = min(self.delay, left), min(2 * self.delay, RETRY_MAX_S)
-        self.last = wait == left
+        # The cut wait rounded up to a whole ms: a timer of whole ms must not end it before the deadline.
+        cut = math.ceil(round(left * 1000, 6)) / 1000
+        wait, self.delay = min(self.delay, cut), min(2 * self.delay, RETRY_MAX_S)
+        self.last = wait == cut
         return wait
 
 
