@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 from weightcache.backends.base import StagedRing
 from weightcache.peers import LendChannel
@@ -34,9 +35,10 @@ def lender(copy_mib: int) -> None:
     src = ctypes.create_string_buffer(max(copy_mib, 1) * 2**20)
     dst = ctypes.create_string_buffer(max(copy_mib, 1) * 2**20)
 
-    def stage(slot: int, offset: int, nbytes: int) -> None:
+    def stage(slot: int, offset: int, nbytes: int, done: Callable[[str | None], None]) -> None:
         if copy_mib:
             ctypes.memmove(dst, src, copy_mib * 2**20)
+        done(None)
 
     ring = StagedRing(0, 64, 2**30, 1 << 50, stage)
 

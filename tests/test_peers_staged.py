@@ -14,7 +14,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -410,7 +410,11 @@ async def _lend_pair(ring: StagedRing | None) -> tuple[asyncio.StreamReader, asy
 ])
 async def test_a_lender_refuses_a_stage_outside_its_ring_or_arena_and_ends_the_lend(request_: dict[str, Any], why: str) -> None:
     staged_calls: list[tuple[int, int, int]] = []
-    ring = StagedRing(0x1000, 4, SLOT, 1_000_000, lambda *a: staged_calls.append(a))
+    def stage(slot: int, offset: int, nbytes: int, done: Callable[[str | None], None]) -> None:
+        staged_calls.append((slot, offset, nbytes))
+        done(None)
+
+    ring = StagedRing(0x1000, 4, SLOT, 1_000_000, stage)
     reader, writer, ended, srv = await _lend_pair(ring)
     await send(writer, {"op": "stage", "seq": 0, "slot": 1, "offset": 4096, "nbytes": 100})  # a good one first
     assert check_reply(await recv(reader), "stage") == {"ok": True, "seq": 0}
@@ -421,6 +425,57 @@ async def test_a_lender_refuses_a_stage_outside_its_ring_or_arena_and_ends_the_l
     await ended  # the lend is over: its lease goes
     assert await recv(reader) is None
     assert staged_calls == [(1, 4096, 100)]  # the refused one never reached the ring
+    writer.close()
+    srv.close()
+
+
+async def test_a_lender_takes_every_stage_asked_before_the_first_copy_is_done_and_answers_in_order() -> None:
+    """Stages are pipelined (cuda_staging.py's Note [stages pipelined]): each request goes
+    to the ring as it arrives, not after the one before is answered; the answers come in
+    the order asked, whatever order the copies finish in."""
+    handed: list[tuple[int, Callable[[str | None], None]]] = []
+
+    def stage(slot: int, offset: int, nbytes: int, done: Callable[[str | None], None]) -> None:
+        handed.append((slot, done))
+
+    ring = StagedRing(0x1000, 4, SLOT, 1_000_000, stage)
+    reader, writer, ended, srv = await _lend_pair(ring)
+    for seq in range(4):
+        await send(writer, {"op": "stage", "seq": seq, "slot": seq, "offset": 4096 * seq, "nbytes": 100})
+    for _ in range(200):  # all four reach the ring with none of them copied yet
+        if len(handed) == 4:
+            break
+        await asyncio.sleep(0.005)
+    assert [slot for slot, _ in handed] == [0, 1, 2, 3]
+    for slot in (2, 1, 3):  # copies finishing out of order: nothing may be answered before stage 0
+        handed[slot][1](None)
+    first = asyncio.ensure_future(recv(reader))
+    await asyncio.wait((first,), timeout=0.2)
+    assert not first.done()
+    handed[0][1](None)
+    got = [check_reply(await first, "stage")["seq"]] + [check_reply(await recv(reader), "stage")["seq"] for _ in range(3)]
+    assert got == [0, 1, 2, 3]
+    await send(writer, {"op": "done"})
+    assert await recv(reader) == {"ok": True}
+    await ended
+    writer.close()
+    srv.close()
+
+
+async def test_a_failed_copy_is_answered_in_its_turn_and_ends_the_lend() -> None:
+    def stage(slot: int, offset: int, nbytes: int, done: Callable[[str | None], None]) -> None:
+        threading.Thread(target=done, args=("the lender's copy failed: CUDA_ERROR_ILLEGAL_ADDRESS" if slot == 1 else None,)).start()
+
+    ring = StagedRing(0x1000, 4, SLOT, 1_000_000, stage)
+    reader, writer, ended, srv = await _lend_pair(ring)
+    for seq in range(3):
+        await send(writer, {"op": "stage", "seq": seq, "slot": seq, "offset": 0, "nbytes": 100})
+    assert check_reply(await recv(reader), "stage") == {"ok": True, "seq": 0}
+    with pytest.raises(PeerError, match="stage: the lender's copy failed: CUDA_ERROR_ILLEGAL_ADDRESS") as exc:
+        check_reply(await recv(reader), "stage")
+    assert exc.value.code == "BAD_REQUEST"
+    await asyncio.wait_for(ended, 5)  # the lend is over (its lease goes), stage 2 never answered
+    assert await recv(reader) is None
     writer.close()
     srv.close()
 
@@ -440,7 +495,7 @@ async def test_a_borrower_that_never_reads_the_replies_cannot_hold_a_lend_past_i
     a borrower that asks and never reads would otherwise block the reply's drain for good,
     holding the lend's lease and ring."""
     ended: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-    ring = StagedRing(0x1000, 4, SLOT, 1_000_000, lambda *a: None)
+    ring = StagedRing(0x1000, 4, SLOT, 1_000_000, lambda _slot, _offset, _nbytes, done: done(None))
 
     async def lender(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)

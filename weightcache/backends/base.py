@@ -145,14 +145,16 @@ class DmaView:
 @dataclass(frozen=True)
 class StagedRing:
     """A lender's ring: ``slots`` x ``slot_bytes`` at ``addr``; ``stage(slot, offset,
-    nbytes)`` copies arena bytes into a slot and returns once they are there. The peer's
+    nbytes, done)`` queues a copy of arena bytes into a slot and returns at once;
+    ``done(None)`` is called once they are there, ``done(why)`` if they cannot be, from
+    any thread, in request order (cuda_staging.py's Note [stages pipelined]). The peer's
     request is checked against ``arena_bytes`` and the ring before (peers/server.py)."""
 
     addr: int
     slots: int
     slot_bytes: int
     arena_bytes: int
-    stage: Callable[[int, int, int], None]
+    stage: Callable[[int, int, int, Callable[[str | None], None]], None]
 
 
 class Landing(Protocol):

@@ -17,8 +17,10 @@ lender for the length of a lend, one on the borrower for the length of a fill.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
+import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -27,9 +29,8 @@ import xxhash
 from cuda.bindings import driver as cu
 
 from .. import cuda_driver as drv
-from .cuda_hash import DIGEST_SLOTS, DigestBlock, GpuHasher
+from .cuda_hash import DIGEST_SLOTS, DigestBlock, GpuHasher, PieceTable
 
-HASH_STREAMS = 64  # one warp per piece per launch: 64 streams let 64 pieces hash at once
 # The kernel's smallest piece (xxh3's "long" path) and its alignment; the rest is hashed here.
 KERNEL_MIN = 241
 KERNEL_ALIGN = 16
@@ -76,27 +77,84 @@ class DeviceRing:
 
 class StagedSource:
     """The lender's side: arena bytes copied into a slot on a peer's request (``stage``),
-    for the peer to read from there."""
+    for the peer to read from there.
+
+    Note [stages pipelined]
+    -----------------------
+    A borrower keeps up to a ring's worth of ``stage`` requests outstanding. Copied and
+    answered one at a time (a thread hop, the copy, a stream sync, the reply, and only
+    then the next request read), 147 stages of 64 MiB took 0.31 ms each on one H100
+    and the fill spent 40 of its 51-68 ms waiting for them (docs/benchmarks.md, session
+    22). So ``stage`` only queues the request: one thread per lend issues each copy on
+    the ring's stream as soon as it is asked for, and waits for the oldest copy only
+    when nothing new is waiting to be issued, so the stream always holds every copy asked
+    for; ``done`` is called in request order as each copy completes. A slot is copied
+    into again only once the peer read it (it asks for the next chunk of a slot after
+    that chunk's read), and copies on one stream run in order."""
 
     def __init__(self, ctx: Any, va: int, slots: int, slot_bytes: int) -> None:
         self._va = va
         self.ring = DeviceRing(ctx, slots, slot_bytes)
-        # A stage's thread may outlive its lend's task (cancelled at shutdown): close waits for it.
-        self._lock = threading.Lock()
+        self._asked: queue.SimpleQueue[tuple[int, int, int, Callable[[str | None], None]] | None] = queue.SimpleQueue()
+        self._closing = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._copy_in_order, name="weightcache-stage", daemon=True)
+        self._thread.start()
 
-    def stage(self, slot: int, offset: int, nbytes: int) -> None:
-        """Copy arena bytes [offset, offset + nbytes) into ``slot``; returns once they are
-        there. The request was checked against the arena and the ring (peers/server.py's
-        ``check_stage``); ValueError once the lend has ended."""
-        with self._lock, drv.current(self.ring.ctx):
-            if not self.ring.base:
-                raise ValueError("the lend has ended")
-            drv.check(cu.cuMemcpyDtoDAsync(self.ring.addr(slot), self._va + offset, nbytes, self.ring.stream))
-            drv.check(cu.cuStreamSynchronize(self.ring.stream))
+    def stage(self, slot: int, offset: int, nbytes: int, done: Callable[[str | None], None]) -> None:
+        """Queue a copy of arena bytes [offset, offset + nbytes) into ``slot``; returns at
+        once. ``done(None)`` is called (from the lend's copying thread, in request order)
+        once the bytes are there, ``done(why)`` if they cannot be (the lend ended, or the
+        copy failed). The request was checked against the arena and the ring
+        (peers/server.py's ``check_stage``)."""
+        with self._closing:
+            if self._closed:
+                done("the lend has ended")
+                return
+            self._asked.put((slot, offset, nbytes, done))
+
+    def _copy_in_order(self) -> None:
+        ring = self.ring
+        issued: collections.deque[tuple[int, Callable[[str | None], None]]] = collections.deque()  # (slot, done)
+        why: str | None = None  # once a copy failed: every later stage is answered with it, and the lend ends
+        while True:
+            try:
+                item = self._asked.get(block=not issued)
+            except queue.Empty:  # nothing new to issue: wait for the oldest copy
+                slot, done = issued.popleft()
+                if why is None:
+                    why = self._driver(cu.cuEventSynchronize, ring.events[slot])
+                done(why)
+                continue
+            if item is None:
+                break
+            slot, offset, nbytes, done = item
+            if why is None:
+                why = (self._driver(cu.cuMemcpyDtoDAsync, ring.addr(slot), self._va + offset, nbytes, ring.stream)
+                       or self._driver(cu.cuEventRecord, ring.events[slot], ring.stream))
+            issued.append((slot, done))
+        for _slot, done in issued:  # closed with copies in flight: the ring's close waits for them
+            done("the lend has ended")
+
+    def _driver(self, call: Callable[..., Any], *args: Any) -> str | None:
+        """None once ``call(*args)`` succeeded in the ring's context; else what went wrong."""
+        try:
+            with drv.current(self.ring.ctx):
+                drv.check(call(*args))
+        except drv.CudaError as exc:
+            return f"the lender's copy failed: {exc}"
+        return None
 
     def close(self) -> None:
-        with self._lock:
-            self.ring.close()
+        """Stop the copying thread (every stage not answered yet is answered "the lend has
+        ended"), then free the ring (its close waits for the copies on its stream)."""
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            self._asked.put(None)  # after every stage queued before: those are answered first
+        self._thread.join()
+        self.ring.close()
 
 
 class Landing:
@@ -106,7 +164,16 @@ class Landing:
     (backends/cuda_hash.py): the same kernel, or xxhash here for the pieces it does not take.
 
     The fill hashes once the last chunk landed, not as chunks land (peers/staged.py;
-    docs/benchmarks.md has the rates of both on one GPU)."""
+    docs/benchmarks.md has the rates of both on one GPU).
+
+    Note [one launch for many pieces]
+    ---------------------------------
+    The pieces are hashed by one launch of the kernel with a block (one warp) per piece
+    (cuda_hash.py's ``launch_many``). A launch per piece, on 64 streams taken in turn, let
+    64 warps run at once, and hashed 9.8 GB in 43 ms on one H100 (session 22's fill
+    log), ~3.5 GB/s a warp: the launch holds every piece at once, up to what the SMs' shared memory takes
+    (32 KiB a warp). Without MPS a context has the GPU to itself while its kernels run, so
+    the shorter launch also takes less of the GPU from the engines beside it."""
 
     memory = "VRAM"  # NIXL's name for the slots' memory
 
@@ -115,20 +182,10 @@ class Landing:
         self._ctx, self._hasher, self._va, self._grow = ctx, hasher, va, grow
         self.device_id = ordinal
         self.ring = DeviceRing(ctx, slots, slot_bytes)
-        self._hash_streams: list[Any] = []
         self._blocks: list[DigestBlock] = []
         self._launched: list[tuple[Any, DigestBlock, int]] = []  # (key, block, slot)
         self._host: list[tuple[Any, int, int]] = []  # (key, arena offset, nbytes): hashed in ``digests``
-        self._landed_event: Any = None
-        self._next_hash = 0
-        try:
-            with drv.current(ctx):
-                self._landed_event = drv.check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
-                for _ in range(HASH_STREAMS):
-                    self._hash_streams.append(drv.check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)))
-        except BaseException:
-            self.close()
-            raise
+        self._tables: list[PieceTable] = []  # read by the hash launches: freed once they are done
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
@@ -151,23 +208,20 @@ class Landing:
 
     def hash_landed(self, pieces: Sequence[tuple[Any, int, int]]) -> None:
         """Hash ``pieces`` ((key, arena offset, nbytes)), whose bytes have all been
-        ``land``-ed: the kernels wait for every copy landed so far."""
-        if not pieces:
-            return
-        drv.check(cu.cuEventRecord(self._landed_event, self.ring.stream))
+        ``land``-ed: the launch follows every copy landed so far on the ring's stream."""
+        on_gpu: list[tuple[int, int, int]] = []  # (data, nbytes, out): one launch (Note [one launch for many pieces])
         for key, offset, nbytes in pieces:
             if nbytes < KERNEL_MIN or (self._va + offset) % KERNEL_ALIGN:
                 self._host.append((key, offset, nbytes))
                 continue
-            stream = self._hash_streams[self._next_hash]
-            self._next_hash = (self._next_hash + 1) % len(self._hash_streams)
-            drv.check(cu.cuStreamWaitEvent(stream, self._landed_event, 0))
             if not self._blocks or self._blocks[-1].used == DIGEST_SLOTS:
                 self._blocks.append(self._hasher.take_block())
             block = self._blocks[-1]
-            self._hasher.launch(stream, self._va + offset, nbytes, block.dev + 16 * block.used)
+            on_gpu.append((self._va + offset, nbytes, block.dev + 16 * block.used))
             self._launched.append((key, block, block.used))
             block.used += 1
+        if on_gpu:  # on the ring's stream: after every copy landed so far
+            self._tables.append(self._hasher.launch_many(self.ring.stream, on_gpu))
 
     def zero(self, gaps: Sequence[tuple[int, int]]) -> None:
         """Zero arena bytes no tensor holds ((offset, nbytes)), as a load leaves them: the
@@ -180,8 +234,6 @@ class Landing:
         """Every launched piece's digest and the small pieces' (copied to the host), once
         the copies and kernels are done."""
         drv.check(cu.cuStreamSynchronize(self.ring.stream))
-        for s in self._hash_streams:
-            drv.check(cu.cuStreamSynchronize(s))
         out = {key: block.digest(slot) for key, block, slot in self._launched}
         for key, offset, nbytes in self._host:
             buf = (ctypes.c_char * nbytes)()
@@ -197,20 +249,15 @@ class Landing:
             try:
                 if self.ring.stream is not None:
                     drv.check(cu.cuStreamSynchronize(self.ring.stream))
-                for s in self._hash_streams:
-                    drv.check(cu.cuStreamSynchronize(s))
             except drv.CudaError:
                 synced = False
                 raise
             finally:
-                for s in self._hash_streams:
-                    drv.check(cu.cuStreamDestroy(s))
-                self._hash_streams.clear()
-                if self._landed_event is not None:
-                    drv.check(cu.cuEventDestroy(self._landed_event))
-                    self._landed_event = None
-                if synced:  # else a kernel may still write them: kept from other loads
+                if synced:  # else a kernel may still read or write them: kept from other loads
+                    for t in self._tables:
+                        t.free()
                     for b in self._blocks:
                         self._hasher.give_back(b)
+                self._tables.clear()
                 self._blocks.clear()
                 self.ring.close()

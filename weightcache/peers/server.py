@@ -261,48 +261,100 @@ class StageCount:
 async def serve_lend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, staged: StagedRing | None,
                      deadline: float, count: StageCount | None = None) -> None:
     """A lend's requests until ``done``, the connection's end, or ``deadline``
-    (TimeoutError): a staged lend's ``stage`` requests (wire.py), one at a time, in order.
-    A malformed request, or one outside the arena or the ring, is answered BAD_REQUEST and
-    ends the lend. The deadline holds for the replies too: a borrower that asks and never
+    (TimeoutError): a staged lend's ``stage`` requests (wire.py), each handed to the ring
+    as it arrives and answered in order as its copy completes (cuda_staging.py's Note
+    [stages pipelined]). A malformed request, or one outside the arena or the ring, is
+    answered BAD_REQUEST after the answers before it, and ends the lend; so does a copy
+    that failed. The deadline holds for the replies too: a borrower that asks and never
     reads cannot hold the lend past it."""
     async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
         await _serve_lend(reader, writer, staged, count)
 
 
+@dataclass
+class _Stage:
+    """A stage request handed to the ring: answered once ``copied`` says how it went."""
+
+    seq: int
+    asked: float  # time.monotonic() when it arrived
+    copied: asyncio.Future[str | None]  # None: the bytes are in the slot; else why not
+
+
 async def _serve_lend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, staged: StagedRing | None,
                       count: StageCount | None) -> None:
-    while True:
-        msg = await wire.recv(reader)
-        if msg is None:
+    loop = asyncio.get_running_loop()
+    answers: asyncio.Queue[_Stage | dict[str, Any] | None] = asyncio.Queue()
+    sender = asyncio.ensure_future(_answer_in_order(writer, answers, count))
+    try:
+        while True:
+            request = asyncio.ensure_future(wire.recv(reader))
+            await asyncio.wait((request, sender), return_when=asyncio.FIRST_COMPLETED)
+            if not request.done():  # the sender ended the lend: a copy failed (answered so), or a reply's write did
+                request.cancel()
+                sender.result()  # raises what ended it, if anything did
+                return
+            msg = request.result()
+            if msg is None:  # the borrower went away: nothing more to answer
+                return
+            answer = _take(msg, staged, loop)
+            answers.put_nowait(answer)
+            if not isinstance(answer, _Stage):  # done's ok, or a refusal: the lend's last answer
+                answers.put_nowait(None)
+                await sender
+                return
+    finally:
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+
+
+def _take(msg: dict[str, Any], staged: StagedRing | None, loop: asyncio.AbstractEventLoop) -> _Stage | dict[str, Any]:
+    """One request of a lend -> a stage handed to the ring, or the lend's last answer."""
+    op = msg.get("op")
+    if op == "done":
+        return {"ok": True}
+    if op != "stage" or staged is None:
+        return wire.reply_error("BAD_REQUEST", f"a lend takes {'stage or ' if staged else ''}done, not {str(op)[:64]!r}")
+    seq, slot, offset, nbytes = (msg.get(k) for k in ("seq", "slot", "offset", "nbytes"))
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (seq, slot, offset, nbytes)):
+        return wire.reply_error("BAD_REQUEST", "stage needs integers seq, slot, offset and nbytes")
+    assert isinstance(seq, int) and isinstance(slot, int) and isinstance(offset, int) and isinstance(nbytes, int)
+    why = check_stage(staged, slot, offset, nbytes)
+    if why is not None:
+        return wire.reply_error("BAD_REQUEST", f"stage: {why}")
+    stage = _Stage(seq, time.monotonic(), loop.create_future())
+
+    def copied(why: str | None) -> None:  # the ring's thread
+        with contextlib.suppress(RuntimeError):  # the loop closed under a lend ended at shutdown
+            loop.call_soon_threadsafe(_settle, stage.copied, why)
+
+    staged.stage(slot, offset, nbytes, copied)
+    return stage
+
+
+def _settle(copied: asyncio.Future[str | None], why: str | None) -> None:
+    if not copied.done():
+        copied.set_result(why)
+
+
+async def _answer_in_order(writer: asyncio.StreamWriter, answers: asyncio.Queue[_Stage | dict[str, Any] | None],
+                           count: StageCount | None) -> None:
+    """Each stage's reply once its copy is done, in the order asked; then the lend's last
+    answer (None in the queue ends it with none). A failed copy is answered BAD_REQUEST
+    and ends the lend."""
+    while (answer := await answers.get()) is not None:
+        if not isinstance(answer, _Stage):
+            with contextlib.suppress(OSError):  # the lend ends either way
+                await wire.send(writer, answer)
             return
-        op = msg.get("op")
-        if op == "done":
-            with contextlib.suppress(OSError):
-                await wire.send(writer, {"ok": True})
-            return
-        if op != "stage" or staged is None:
-            await wire.send(writer, wire.reply_error("BAD_REQUEST", f"a lend takes {'stage or ' if staged else ''}done, "
-                                                                    f"not {str(op)[:64]!r}"))
-            return
-        seq, slot, offset, nbytes = (msg.get(k) for k in ("seq", "slot", "offset", "nbytes"))
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (seq, slot, offset, nbytes)):
-            await wire.send(writer, wire.reply_error("BAD_REQUEST", "stage needs integers seq, slot, offset and nbytes"))
-            return
-        assert isinstance(slot, int) and isinstance(offset, int) and isinstance(nbytes, int)
-        t = time.monotonic()
-        why = check_stage(staged, slot, offset, nbytes)
-        if why is None:
-            try:
-                await asyncio.to_thread(staged.stage, slot, offset, nbytes)
-            except ValueError as exc:  # the lend ended under it
-                why = str(exc)
+        why = await answer.copied
         if why is not None:
-            await wire.send(writer, wire.reply_error("BAD_REQUEST", f"stage: {why}"))
+            with contextlib.suppress(OSError):
+                await wire.send(writer, wire.reply_error("BAD_REQUEST", f"stage: {why}"))
             return
-        await wire.send(writer, {"ok": True, "seq": seq})
+        await wire.send(writer, {"ok": True, "seq": answer.seq})
         if count is not None:
             count.n += 1
-            count.seconds += time.monotonic() - t
+            count.seconds += time.monotonic() - answer.asked
 
 
 def check_stage(ring: StagedRing, slot: int, offset: int, nbytes: int) -> str | None:
