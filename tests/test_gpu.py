@@ -241,7 +241,10 @@ async def test_fingerprint_of_a_gpu_load_and_names_sharing_one_arena(start_daemo
 def test_content_hash_kernel_gives_xxh3_128_at_every_boundary():
     """The GPU's digest of a piece (backends/cuda_hash.py) is the xxhash package's, for
     lengths on each side of a stripe (64), a block (1024), a prefetch stage (4096), a
-    whole ring of stages (32 KiB) and a hash piece (16 MiB), at aligned offsets."""
+    whole ring of stages (32 KiB) and a hash piece (16 MiB), at aligned offsets; a launch
+    per piece, and all of them in one launch."""
+    import ctypes
+
     import xxhash
 
     from weightcache import cuda_driver as drv
@@ -268,6 +271,17 @@ def test_content_hash_kernel_gives_xxh3_128_at_every_boundary():
             drv.check(cu.cuStreamDestroy(stream))
         wrong = [(off, n) for slot, (off, n) in enumerate(cases) if block.digest(slot) != xxhash.xxh3_128_digest(host[off : off + n])]
         assert not wrong, f"digests differ from xxh3-128 for (offset, length) {wrong}"
+        # The same pieces in one launch (a block each), as a peer's fill hashes them; slots cleared first.
+        ctypes.memset(block.ptr, 0, 16 * len(cases))
+        with drv.current(backend.ctx):
+            stream = drv.check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+            table = hasher.launch_many(stream, [(data.data_ptr() + off, n, block.dev + 16 * slot)
+                                                for slot, (off, n) in enumerate(cases)])
+            drv.check(cu.cuStreamSynchronize(stream))
+            table.free()
+            drv.check(cu.cuStreamDestroy(stream))
+        wrong = [(off, n) for slot, (off, n) in enumerate(cases) if block.digest(slot) != xxhash.xxh3_128_digest(host[off : off + n])]
+        assert not wrong, f"one launch's digests differ from xxh3-128 for (offset, length) {wrong}"
     finally:
         hasher.give_back(block)
         backend.close()

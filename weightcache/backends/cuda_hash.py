@@ -105,8 +105,8 @@ __device__ __forceinline__ void issue(const unsigned char* data, u64 body, u64 s
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
-extern "C" __global__ void __launch_bounds__(32) xxh3_128_long(const unsigned char* data, u64 len, u64* out) {
-  __shared__ __align__(16) unsigned char ring[NSTAGE * STAGE];
+// One piece, by one warp (lane = threadIdx.x), through ``ring``: NSTAGE * STAGE bytes of shared memory.
+__device__ __forceinline__ void hash_long(const unsigned char* data, u64 len, u64* out, unsigned char* ring) {
   const int lane = threadIdx.x;
   const int i = lane & 7;
   u64 key[16];
@@ -159,6 +159,19 @@ extern "C" __global__ void __launch_bounds__(32) xxh3_128_long(const unsigned ch
     out[0] = avalanche(hi);
     out[1] = avalanche(lo);
   }
+}
+
+extern "C" __global__ void __launch_bounds__(32) xxh3_128_long(const unsigned char* data, u64 len, u64* out) {
+  __shared__ __align__(16) unsigned char ring[NSTAGE * STAGE];
+  hash_long(data, len, out, ring);
+}
+
+// Many pieces in one launch, one block (one warp) each: pieces[3 * blockIdx.x ...] is a
+// piece's device address, length and digest's address.
+extern "C" __global__ void __launch_bounds__(32) xxh3_128_many(const u64* pieces) {
+  __shared__ __align__(16) unsigned char ring[NSTAGE * STAGE];
+  const u64* p = pieces + 3 * (u64)blockIdx.x;
+  hash_long((const unsigned char*)p[0], p[1], (u64*)p[2], ring);
 }
 """
 
@@ -218,6 +231,25 @@ class DigestBlock:
         return struct.pack(">QQ", hi, lo)
 
 
+class PieceTable:
+    """Pinned host memory the GPU reads a launch's pieces from: three u64 a piece (device
+    address, length, digest's device address). Made in the context; freed by ``free``."""
+
+    def __init__(self, pieces: list[tuple[int, int, int]]) -> None:
+        self.ptr = int(drv.check(cu.cuMemHostAlloc(max(1, len(pieces)) * 24, cu.CU_MEMHOSTALLOC_DEVICEMAP)))
+        try:
+            (ctypes.c_uint64 * (3 * len(pieces))).from_address(self.ptr)[:] = [x for piece in pieces for x in piece]
+            self.arg = ctypes.c_uint64(int(drv.check(cu.cuMemHostGetDevicePointer(self.ptr, 0))))
+        except BaseException:
+            self.free()
+            raise
+
+    def free(self) -> None:
+        if self.ptr:
+            ptr, self.ptr = self.ptr, 0
+            drv.check(cu.cuMemFreeHost(ptr))
+
+
 class GpuHasher:
     """One device's hash kernel and the pinned blocks its digests go to. The streams the
     kernels run on are the loader threads' (backends/pinned.py, Staging.hash_streams).
@@ -245,6 +277,7 @@ class GpuHasher:
             except drv.CudaError as exc:  # e.g. NVRTC of a newer CUDA major version than the driver
                 raise HashUnavailable(f"the driver refused the hash kernel: {exc.message}") from None
             self._kernel = drv.check(cu.cuModuleGetFunction(self._module, b"xxh3_128_long"))
+            self._many = drv.check(cu.cuModuleGetFunction(self._module, b"xxh3_128_many"))
         self._lock = threading.Lock()
         self._blocks: list[DigestBlock] = []
         self.compile_s = time.perf_counter() - t0
@@ -267,6 +300,21 @@ class GpuHasher:
         args = (ctypes.c_uint64(data), ctypes.c_uint64(nbytes), ctypes.c_uint64(out))
         params = (ctypes.c_void_p * 3)(*(ctypes.addressof(a) for a in args))
         drv.check(cu.cuLaunchKernel(self._kernel, 1, 1, 1, 32, 1, 1, 0, stream, ctypes.addressof(params), 0))
+
+    def launch_many(self, stream: Any, pieces: list[tuple[int, int, int]]) -> PieceTable:
+        """Hash every ``(data, nbytes, out)`` piece (as :meth:`launch` takes one) in one
+        launch on ``stream``, a block each, so that they run across the whole GPU at once
+        rather than a warp a stream (Note [one launch for many pieces]). The table it
+        returns is read by the kernel: free it once ``stream`` is synchronized. Called in
+        the context."""
+        table = PieceTable(pieces)
+        try:
+            params = (ctypes.c_void_p * 1)(ctypes.addressof(table.arg))
+            drv.check(cu.cuLaunchKernel(self._many, len(pieces), 1, 1, 32, 1, 1, 0, stream, ctypes.addressof(params), 0))
+        except BaseException:
+            table.free()
+            raise
+        return table
 
     def close(self) -> None:
         """Called once every load of the device has finished (their streams synchronized)."""
