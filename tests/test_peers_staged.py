@@ -462,6 +462,28 @@ async def test_a_lender_takes_every_stage_asked_before_the_first_copy_is_done_an
     srv.close()
 
 
+async def test_a_borrower_cannot_ask_more_stages_than_the_ring_has_slots_before_their_replies() -> None:
+    handed: list[Callable[[str | None], None]] = []
+    ring = StagedRing(0x1000, 4, SLOT, 1_000_000, lambda _slot, _offset, _nbytes, done: handed.append(done))
+    reader, writer, ended, srv = await _lend_pair(ring)
+    for seq in range(5):
+        await send(writer, {"op": "stage", "seq": seq, "slot": seq % 4, "offset": 0, "nbytes": 100})
+    for _ in range(200):
+        if len(handed) == 4:
+            break
+        await asyncio.sleep(0.005)
+    for done in handed:
+        done(None)
+    assert [check_reply(await recv(reader), "stage")["seq"] for _ in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(PeerError, match=r"more than 4 stages asked before their replies") as exc:
+        check_reply(await recv(reader), "stage")
+    assert exc.value.code == "BAD_REQUEST"
+    await asyncio.wait_for(ended, 5)
+    assert len(handed) == 4  # the fifth never reached the ring
+    writer.close()
+    srv.close()
+
+
 async def test_a_failed_copy_is_answered_in_its_turn_and_ends_the_lend() -> None:
     def stage(slot: int, offset: int, nbytes: int, done: Callable[[str | None], None]) -> None:
         threading.Thread(target=done, args=("the lender's copy failed: CUDA_ERROR_ILLEGAL_ADDRESS" if slot == 1 else None,)).start()

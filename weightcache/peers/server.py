@@ -284,7 +284,11 @@ async def _serve_lend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                       count: StageCount | None) -> None:
     loop = asyncio.get_running_loop()
     answers: asyncio.Queue[_Stage | dict[str, Any] | None] = asyncio.Queue()
-    sender = asyncio.ensure_future(_answer_in_order(writer, answers, count))
+    # Stages asked and not answered yet: at most a ring's slots (a fill asks for a slot's
+    # next chunk only once it read the last), so that a borrower that asks without end
+    # cannot queue copies without end.
+    unanswered = [0]
+    sender = asyncio.ensure_future(_answer_in_order(writer, answers, count, unanswered))
     try:
         while True:
             request = asyncio.ensure_future(wire.recv(reader))
@@ -296,7 +300,9 @@ async def _serve_lend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
             msg = request.result()
             if msg is None:  # the borrower went away: nothing more to answer
                 return
-            answer = _take(msg, staged, loop)
+            answer = _take(msg, staged, loop, unanswered[0])
+            if isinstance(answer, _Stage):
+                unanswered[0] += 1
             answers.put_nowait(answer)
             if not isinstance(answer, _Stage):  # done's ok, or a refusal: the lend's last answer
                 answers.put_nowait(None)
@@ -307,7 +313,8 @@ async def _serve_lend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
         await asyncio.gather(sender, return_exceptions=True)
 
 
-def _take(msg: dict[str, Any], staged: StagedRing | None, loop: asyncio.AbstractEventLoop) -> _Stage | dict[str, Any]:
+def _take(msg: dict[str, Any], staged: StagedRing | None, loop: asyncio.AbstractEventLoop,
+          unanswered: int) -> _Stage | dict[str, Any]:
     """One request of a lend -> a stage handed to the ring, or the lend's last answer."""
     op = msg.get("op")
     if op == "done":
@@ -319,6 +326,8 @@ def _take(msg: dict[str, Any], staged: StagedRing | None, loop: asyncio.Abstract
         return wire.reply_error("BAD_REQUEST", "stage needs integers seq, slot, offset and nbytes")
     assert isinstance(seq, int) and isinstance(slot, int) and isinstance(offset, int) and isinstance(nbytes, int)
     why = check_stage(staged, slot, offset, nbytes)
+    if why is None and unanswered >= staged.slots:
+        why = f"more than {staged.slots} stages asked before their replies (one a slot)"
     if why is not None:
         return wire.reply_error("BAD_REQUEST", f"stage: {why}")
     stage = _Stage(seq, time.monotonic(), loop.create_future())
@@ -337,7 +346,7 @@ def _settle(copied: asyncio.Future[str | None], why: str | None) -> None:
 
 
 async def _answer_in_order(writer: asyncio.StreamWriter, answers: asyncio.Queue[_Stage | dict[str, Any] | None],
-                           count: StageCount | None) -> None:
+                           count: StageCount | None, unanswered: list[int]) -> None:
     """Each stage's reply once its copy is done, in the order asked; then the lend's last
     answer (None in the queue ends it with none). A failed copy is answered BAD_REQUEST
     and ends the lend."""
@@ -347,6 +356,7 @@ async def _answer_in_order(writer: asyncio.StreamWriter, answers: asyncio.Queue[
                 await wire.send(writer, answer)
             return
         why = await answer.copied
+        unanswered[0] -= 1  # before the reply goes: the borrower may ask for that slot again once it has it
         if why is not None:
             with contextlib.suppress(OSError):
                 await wire.send(writer, wire.reply_error("BAD_REQUEST", f"stage: {why}"))

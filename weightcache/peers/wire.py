@@ -26,9 +26,11 @@ BUSY, UNSUPPORTED):
   "slots", "slot_bytes"}``: a ring of device memory NIXL can read, which the arena is
   copied into piece by piece (backends/cuda_staging.py says why).
 - ``stage`` {"seq", "slot", "offset", "nbytes"} -> {"seq"}, on a staged lend: arena bytes
-  [offset, offset + nbytes) are in the ring's slot ``slot`` when the reply comes. Served
-  one at a time, in order; a borrower may send the next ones before the replies. A
-  request outside the arena or the slot is refused BAD_REQUEST, and ends the lend.
+  [offset, offset + nbytes) are in the ring's slot ``slot`` when the reply comes. A
+  borrower may send the next ones before the replies: each copy is queued as its request
+  arrives, and the replies come in the order asked. A request outside the arena or the
+  slot, or a copy that failed, is answered BAD_REQUEST (after the replies before it),
+  and ends the lend.
 - ``done`` -> {}: the borrower has what it needs; the lease ends.
 """
 
