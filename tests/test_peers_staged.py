@@ -484,6 +484,30 @@ async def test_a_borrower_cannot_ask_more_stages_than_the_ring_has_slots_before_
     srv.close()
 
 
+async def test_a_lend_ended_by_its_deadline_leaves_no_task_reading_the_borrowers_frames() -> None:
+    """The deadline cancels the lend with a stage's copy pending: neither the reply sender
+    nor the pending read of the next request outlives it (that read would take the
+    borrower's next frame)."""
+    ring = StagedRing(0x1000, 4, SLOT, 1_000_000, lambda _slot, _offset, _nbytes, _done: None)  # never copied
+    ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    before = set(asyncio.all_tasks())
+
+    async def lender(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(TimeoutError):
+            await serve_lend(reader, writer, ring, time.monotonic() + 0.3)
+        ended.set_result(None)
+
+    srv = await asyncio.start_server(lender, "127.0.0.1", 0)
+    _reader, writer = await asyncio.open_connection("127.0.0.1", srv.sockets[0].getsockname()[1])
+    await send(writer, {"op": "stage", "seq": 0, "slot": 0, "offset": 0, "nbytes": 100})
+    await asyncio.wait_for(ended, 5)
+    await asyncio.sleep(0.05)
+    left = [t for t in asyncio.all_tasks() - before if t is not asyncio.current_task() and not t.done()]
+    assert not [t for t in left if "recv" in repr(t.get_coro()) or "_answer_in_order" in repr(t.get_coro())], left
+    writer.close()
+    srv.close()
+
+
 async def test_a_failed_copy_is_answered_in_its_turn_and_ends_the_lend() -> None:
     def stage(slot: int, offset: int, nbytes: int, done: Callable[[str | None], None]) -> None:
         threading.Thread(target=done, args=("the lender's copy failed: CUDA_ERROR_ILLEGAL_ADDRESS" if slot == 1 else None,)).start()

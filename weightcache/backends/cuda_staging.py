@@ -49,6 +49,9 @@ class DeviceRing:
         with drv.current(ctx):
             try:
                 self.base = int(drv.check(cu.cuMemAlloc(slots * slot_bytes)))
+                # Zeroed: a peer may read a lender's ring (registered with NIXL) before any
+                # stage, and cuMemAlloc hands back what this process freed earlier.
+                drv.check(cu.cuMemsetD8(self.base, 0, slots * slot_bytes))
                 self.stream = drv.check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
                 for _ in range(slots):
                     self.events.append(drv.check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
@@ -114,8 +117,18 @@ class StagedSource:
             self._asked.put((slot, offset, nbytes, done))
 
     def _copy_in_order(self) -> None:
-        ring = self.ring
         issued: collections.deque[tuple[int, Callable[[str | None], None]]] = collections.deque()  # (slot, done)
+        try:
+            self._copy(issued)
+        finally:  # closed, or an error no stage expected: nothing is left waiting for its answer
+            for _slot, done in issued:  # with copies in flight: the ring's close waits for them
+                done("the lend has ended")
+            while not self._asked.empty():
+                if (item := self._asked.get_nowait()) is not None:
+                    item[3]("the lend has ended")
+
+    def _copy(self, issued: collections.deque[tuple[int, Callable[[str | None], None]]]) -> None:
+        ring = self.ring
         why: str | None = None  # once a copy failed: every later stage is answered with it, and the lend ends
         while True:
             try:
@@ -127,14 +140,14 @@ class StagedSource:
                 done(why)
                 continue
             if item is None:
-                break
+                return
             slot, offset, nbytes, done = item
+            if self._closed:  # the lend ended: what was queued before close is answered, not copied
+                why = why or "the lend has ended"
             if why is None:
                 why = (self._driver(cu.cuMemcpyDtoDAsync, ring.addr(slot), self._va + offset, nbytes, ring.stream)
                        or self._driver(cu.cuEventRecord, ring.events[slot], ring.stream))
             issued.append((slot, done))
-        for _slot, done in issued:  # closed with copies in flight: the ring's close waits for them
-            done("the lend has ended")
 
     def _driver(self, call: Callable[..., Any], *args: Any) -> str | None:
         """None once ``call(*args)`` succeeded in the ring's context; else what went wrong."""

@@ -43,6 +43,7 @@ T = TypeVar("T")
 
 HELLO_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 60.0  # a peer connection with no request for this long is closed
+CLOSE_WAIT_S = 1.0  # for a closed connection's unsent bytes to go; then it is aborted
 LENDS_PER_PEER = 4  # lends one peer address holds at once; more are refused BUSY (each pins a model)
 GPU_LENDS = 4  # GPU lends at once, all peers together: each holds a ring outside the budget ([peers] gpu_ring_bytes)
 
@@ -145,8 +146,12 @@ class Lender:
         finally:
             self._conns.discard(task)
             writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            # Bounded: a peer that stopped reading would keep unsent replies (and this
+            # task, and its fd) here for good, no longer counted or cancelled as a lend.
+            try:
+                await asyncio.wait_for(writer.wait_closed(), CLOSE_WAIT_S)
+            except Exception:
+                writer.transport.abort()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
         hello = await asyncio.wait_for(wire.recv(reader), HELLO_TIMEOUT_S)
@@ -284,11 +289,12 @@ async def _serve_lend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                       count: StageCount | None) -> None:
     loop = asyncio.get_running_loop()
     answers: asyncio.Queue[_Stage | dict[str, Any] | None] = asyncio.Queue()
-    # Stages asked and not answered yet: at most a ring's slots (a fill asks for a slot's
-    # next chunk only once it read the last), so that a borrower that asks without end
-    # cannot queue copies without end.
+    # Stages asked and not answered yet: at most as many as the ring has slots (a fill
+    # asks for a slot's next chunk only once it read the last), so that a borrower that
+    # asks without end cannot queue copies without end.
     unanswered = [0]
     sender = asyncio.ensure_future(_answer_in_order(writer, answers, count, unanswered))
+    request: asyncio.Future[dict[str, Any] | None] | None = None
     try:
         while True:
             request = asyncio.ensure_future(wire.recv(reader))
@@ -308,9 +314,11 @@ async def _serve_lend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                 answers.put_nowait(None)
                 await sender
                 return
-    finally:
-        sender.cancel()
-        await asyncio.gather(sender, return_exceptions=True)
+    finally:  # neither task outlives the lend (a pending recv would take the borrower's next frame)
+        pending = [t for t in (sender, request) if t is not None]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 def _take(msg: dict[str, Any], staged: StagedRing | None, loop: asyncio.AbstractEventLoop,
@@ -327,7 +335,7 @@ def _take(msg: dict[str, Any], staged: StagedRing | None, loop: asyncio.Abstract
     assert isinstance(seq, int) and isinstance(slot, int) and isinstance(offset, int) and isinstance(nbytes, int)
     why = check_stage(staged, slot, offset, nbytes)
     if why is None and unanswered >= staged.slots:
-        why = f"more than {staged.slots} stages asked before their replies (one a slot)"
+        why = f"more than {staged.slots} stages asked before their replies (the ring's slots)"
     if why is not None:
         return wire.reply_error("BAD_REQUEST", f"stage: {why}")
     stage = _Stage(seq, time.monotonic(), loop.create_future())
