@@ -442,7 +442,7 @@ async def test_a_lender_takes_every_stage_asked_before_the_first_copy_is_done_an
     reader, writer, ended, srv = await _lend_pair(ring)
     for seq in range(4):
         await send(writer, {"op": "stage", "seq": seq, "slot": seq, "offset": 4096 * seq, "nbytes": 100})
-    for _ in range(200):  # all four reach the ring with none of them copied yet
+    for _ in range(2000):  # all four reach the ring with none of them copied yet (up to 10 s on a busy machine)
         if len(handed) == 4:
             break
         await asyncio.sleep(0.005)
@@ -468,7 +468,7 @@ async def test_a_borrower_cannot_ask_more_stages_than_the_ring_has_slots_before_
     reader, writer, ended, srv = await _lend_pair(ring)
     for seq in range(5):
         await send(writer, {"op": "stage", "seq": seq, "slot": seq % 4, "offset": 0, "nbytes": 100})
-    for _ in range(200):
+    for _ in range(2000):
         if len(handed) == 4:
             break
         await asyncio.sleep(0.005)
