@@ -23,9 +23,9 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
-from ..defaults import DAEMON_UID_ENV
 from ..errors import PermissionDenied, RequestTimeout, WeightcacheError
-from ..peercred import peer_credentials
+from ..protocol.messages import DAEMON_UID_ENV
+from ..protocol.transport import peer_credentials
 from .core import DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_FRAME_BYTES, DEFAULT_REQUEST_TIMEOUT, ClientCore, Reply, Retry, close_fds
 
 T = TypeVar("T")

@@ -63,12 +63,11 @@ import os
 from collections import deque
 from typing import Any
 
-from ..defaults import SOCKET_ENV, client_socket_path
 from ..errors import DaemonUnavailable, PermissionDenied, RequestTimeout, WeightcacheError, error_from_wire
-from ..protocol.fds import close_fds
 from ..protocol.frames import HEADER, FrameDecoder
-from ..protocol.messages import PROTOCOL_VERSION
+from ..protocol.messages import PROTOCOL_VERSION, SOCKET_ENV, client_socket_path
 from ..protocol.pymsgpack import decode_reply, packb
+from ..protocol.transport import close_fds
 
 DEFAULT_MAX_FRAME_BYTES = 256 * 2**20  # replies: an attach's tensor table can be long
 DEFAULT_CONNECT_TIMEOUT = 10.0

@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..defaults import CONFIG_ENV, SOCKET_ENV
 from ..errors import ConfigError
+from ..protocol.messages import CONFIG_ENV, SOCKET_ENV
 
 
 def read_file(path: Path, named: str = "") -> dict[str, Any]:

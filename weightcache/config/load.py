@@ -9,8 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from ..defaults import CONFIG_ENV, SOCKET_ENV
 from ..errors import ConfigError
+from ..protocol.messages import CONFIG_ENV, SOCKET_ENV
 from .file import read_file
 from .schema import Settings
 

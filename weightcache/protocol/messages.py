@@ -1,8 +1,24 @@
-"""Names shared by both ends of the protocol. docs/protocol.md is the full specification."""
+"""Names shared by both ends of the protocol. docs/protocol.md is the full specification.
+
+The socket's default path and the environment variables that name it are here too, not
+in the config package: the client needs them, and must not import pydantic (~150 ms,
+``python -X importtime``) or a module of their own (each module a fresh engine imports
+costs ~60-75 µs, issue 23)."""
 
 import hashlib
+import os
 
 PROTOCOL_VERSION = 1
+
+DEFAULT_SOCKET = "/run/weightcache/weightcache.sock"
+SOCKET_ENV = "WEIGHTCACHE_SOCKET"
+CONFIG_ENV = "WEIGHTCACHE_CONFIG"
+DAEMON_UID_ENV = "WEIGHTCACHE_DAEMON_UID"  # a daemon uid or user name clients trust besides root and themselves
+
+
+def client_socket_path(explicit: "str | os.PathLike[str] | None" = None) -> str:
+    """The socket a client connects to: explicit, else ``$WEIGHTCACHE_SOCKET``, else the default."""
+    return os.fspath(explicit or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET)
 
 # Ops the daemon answers. Admin ops change what is cached for everyone.
 OPS = frozenset(

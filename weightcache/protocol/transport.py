@@ -9,6 +9,12 @@ The socket work itself is written once (``_recv_now``, and ``_send_steps``, a ge
 that yields while the socket is full); the async functions wait for readiness on the
 event loop, the blocking ones (the SyncClient's, in the caller's thread) with poll(2) up
 to a deadline.
+
+Both ends also take from here who is at the other end (``peer_credentials``: the daemon
+decides whom to serve, a client checks who serves the socket) and how the fds that came
+with frames are closed (``close_fds``). They lived in two modules of their own; each
+module a fresh engine imports costs ~60-75 µs whatever it holds (2-core VM and H100
+host, issue 23), and these are a few lines of the same socket work.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ import math
 import os
 import select
 import socket
+import struct
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,6 +34,45 @@ if TYPE_CHECKING:
 
 MAX_FDS_PER_MSG = 253  # SCM_MAX_FD in Linux
 _ANC_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
+# struct ucred (linux/socket.h): pid_t pid; uid_t uid; gid_t gid. uid_t and gid_t are
+# unsigned: a uid above 2**31 (user namespaces hand out large ranges) stays positive.
+_UCRED = struct.Struct("iII")
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the peer of a connected Unix socket, taken at connect time
+    (``SO_PEERCRED``): the peer cannot forge them, and they do not change if it later
+    drops privileges.
+
+    >>> a, b = socket.socketpair()
+    >>> peer_credentials(a) == (os.getpid(), os.geteuid(), os.getegid())
+    True
+    >>> a.close(); b.close()
+    """
+    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return pid, uid, gid
+
+
+def close_fds(fds: Iterable[int]) -> None:
+    """Close ``fds``, a run of consecutive numbers with one ``os.closerange``.
+
+    Why not an os.close each: every call lets go of the GIL, and while another thread
+    computes the caller waits up to a switch interval (5 ms), or to the end of that
+    thread's C call, to take it back. The 253 fds of one refused frame, closed one by
+    one on the event loop beside a fill's hashing, were 50-60 ms stalls with the loop
+    thread blocked, not on a CPU (docs/benchmarks.md, "Session 19"). Fds that arrive
+    together are numbered in a run: the kernel gives out the lowest free numbers.
+    """
+    ordered = sorted(fds)
+    if not ordered:
+        return
+    start = prev = ordered[0]
+    for fd in ordered[1:]:
+        if fd != prev + 1:
+            os.closerange(start, prev + 1)
+            start = fd
+        prev = fd
+    os.closerange(start, prev + 1)
 
 
 async def _wait(loop: asyncio.AbstractEventLoop, sock: socket.socket, writable: bool) -> None:

@@ -33,11 +33,10 @@ from ..errors import (
     WeightcacheError,
 )
 from ..protocol import FrameDecoder, decode_payload
-from ..protocol.fds import close_fds
 from ..protocol.framing import DEFERRED_KEYS, PayloadRefused
 from ..protocol.messages import ADMIN_OPS
 from ..protocol.packed import encode_reply
-from ..protocol.transport import recv_with_fds, send_with_fds
+from ..protocol.transport import close_fds, recv_with_fds, send_with_fds
 from .access import AccessPolicy, Peer
 from .bounds import Bounds, Connection
 from .handlers import HANDLERS, OWNER_PIN_OPS, hello, redact

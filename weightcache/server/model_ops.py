@@ -24,9 +24,9 @@ from ..errors import Attached, BadRequest, LimitExceeded, PermissionDenied, Pinn
 from ..loader import OpenedSource, adopt_fds
 from ..loader.published import published_checkpoint
 from ..protocol.arena import parse_arena
-from ..protocol.fds import close_fds
 from ..protocol.framing import Deferred
 from ..protocol.messages import tenant_fingerprint
+from ..protocol.transport import close_fds
 from .access import Peer
 from .fills import CopyPublished
 from .registry import Model
