@@ -21,6 +21,7 @@ import gc
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -36,7 +37,7 @@ from weightcache import Client
 from weightcache.client import cuda_mapping, libcuda
 from weightcache.client.libcuda import CudaError, DriverNotFound
 from weightcache.protocol import FrameDecoder, decode_payload, encode_frame
-from weightcache.protocol.arena import VmmArenaDesc
+from weightcache.protocol.arena import AttachReply, VmmArenaDesc
 
 MIB = 2**20
 
@@ -172,6 +173,13 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAl
     if (!r) *h = 0xdef000000000ULL + created++;
     return r;
 }
+/* What a C compiler makes of cuda.h's structs, for the client's packed copies of them. */
+void fake_layout(size_t *o) {
+    o[0] = sizeof(CUmemAccessDesc); o[1] = offsetof(CUmemAccessDesc, location.id); o[2] = offsetof(CUmemAccessDesc, flags);
+    o[3] = sizeof(CUmemAllocationProp); o[4] = offsetof(CUmemAllocationProp, location);
+    o[5] = offsetof(CUmemAllocationProp, win32HandleMetaData); o[6] = offsetof(CUmemAllocationProp, allocFlags);
+    o[7] = offsetof(CUmemAllocationProp, allocFlags.usage); o[8] = sizeof(CUuuid);
+}
 CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, CUmemAllocationHandleType t, unsigned long long flags) {
     LOG("export %#llx type=%d flags=%llu\n", h, (int)t, flags);
     CUresult r = outcome("cuMemExportToShareableHandle");
@@ -231,17 +239,16 @@ def fake(fake_lib: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fake]:
     f.reset()
 
 
-def test_struct_layouts_are_cuda_hs():
-    # cuda.h: CUmemLocation {CUmemLocationType type; int id;}, CUmemAccessDesc {CUmemLocation
-    # location; CUmemAccess_flags flags;}, CUuuid {char bytes[16];}; enums are int-sized.
-    assert ctypes.sizeof(libcuda.CUmemLocation) == 8 and libcuda.CUmemLocation.id.offset == 4
-    assert ctypes.sizeof(libcuda.CUmemAccessDesc) == 12 and libcuda.CUmemAccessDesc.flags.offset == 8
-    assert ctypes.sizeof(libcuda.CUuuid) == 16
-    # CUmemAllocationProp {CUmemAllocationType type; CUmemAllocationHandleType requestedHandleTypes;
-    # CUmemLocation location; void *win32HandleMetaData; struct {uchar, uchar, ushort, uchar[4]} allocFlags;}
-    prop = libcuda.CUmemAllocationProp
-    assert ctypes.sizeof(prop) == 32 and prop.location.offset == 8 and prop.win32HandleMetaData.offset == 16
-    assert prop.allocFlags.offset == 24 and libcuda.CUmemAllocFlags.usage.offset == 2
+def test_packed_structs_are_laid_out_as_a_c_compiler_reads_cuda_h(fake):
+    # Note [no ctypes types]: the structs are struct-packed; the stand-in, compiled from
+    # cuda.h's declarations, says where each field is.
+    got = (ctypes.c_size_t * 9)()
+    fake.ctl.fake_layout(got)
+    desc, prop = libcuda.ACCESS_DESC, libcuda.ALLOCATION_PROP
+    assert list(got) == [desc.size, struct.calcsize("=i"), struct.calcsize("=ii"),
+                         prop.size, struct.calcsize("=ii"), struct.calcsize("=iiii"), struct.calcsize("=iiiiQ"),
+                         struct.calcsize("=iiiiQBB"), libcuda.UUID_BYTES]
+    assert (desc.size, prop.size) == (12, 32)
 
 
 # -- no driver ----------------------------------------------------------------------------
@@ -279,7 +286,7 @@ def test_import_and_map_passes_what_cuda_h_declares(fake):
     drv = fake.drv
     ctx = drv.primary_context(1)
     with drv.current(ctx):
-        va = drv.import_and_map([7, 9], [2 * MIB, 4 * MIB], 1, read_only=True)
+        va = drv.import_and_map([7, 9], [2 * MIB, 4 * MIB])
     assert va == VA
     assert fake.log() == [
         "retain 11",
@@ -288,17 +295,19 @@ def test_import_and_map_passes_what_cuda_h_declares(fake):
         f"reserve size={6 * MIB} align=0 addr=0 flags=0",
         f"map {VA:#x} size={2 * MIB} off=0 handle=0xabc000000007 flags=0",
         f"map {VA + 2 * MIB:#x} size={4 * MIB} off=0 handle=0xabc000000009 flags=0",
-        f"access {VA:#x} size={6 * MIB} type=1 id=1 flags=1 count=1",  # device 1, PROT_READ
         "release 0xabc000000007", "release 0xabc000000009",  # the mapping keeps the memory
-        "pop",
+        "pop",  # no access yet: set_access sets it
     ]
     fake.reset()
     assert drv.primary_context(1) == ctx and fake.log() == []  # retained once
     with drv.current(ctx):
-        drv.import_and_map([3], [2 * MIB], 1, read_only=False)
+        drv.set_access(va, 6 * MIB, 1, read_only=True)
+        drv.set_access(va, 2 * MIB, 1, read_only=False)
         drv.unmap(va, 6 * MIB)
-    assert f"access {VA:#x} size={2 * MIB} type=1 id=1 flags=3 count=1" in fake.log()  # PROT_READWRITE
-    assert fake.log()[-4:] == ["sync", f"unmap {VA:#x} size={6 * MIB}", f"free {VA:#x} size={6 * MIB}", "pop"]
+    assert fake.log() == ["push 0xc0de000b",
+                          f"access {VA:#x} size={6 * MIB} type=1 id=1 flags=1 count=1",  # device 1, PROT_READ
+                          f"access {VA:#x} size={2 * MIB} type=1 id=1 flags=3 count=1",  # PROT_READWRITE
+                          "sync", f"unmap {VA:#x} size={6 * MIB}", f"free {VA:#x} size={6 * MIB}", "pop"]
 
 
 PROP = "type=1 handles=1 loc=1 id=1 win32=(nil) flags=0,0,0 size=32"  # pinned, POSIX fd, device 1, the rest zero
@@ -348,7 +357,7 @@ def test_a_failed_export_closes_what_it_exported_and_undoes_the_mapping(fake):
 def test_a_failed_call_is_named_and_what_was_done_is_undone(fake, failing, undo):
     fake.fail(failing, 2, on_call=2)
     with pytest.raises(CudaError) as info, fake.drv.current(fake.drv.primary_context(0)):
-        fake.drv.import_and_map([7, 9], [2 * MIB, 4 * MIB], 0, read_only=True)
+        fake.drv.import_and_map([7, 9], [2 * MIB, 4 * MIB])
     assert info.value.message == f"CUDA driver call {failing} failed: CUDA_ERROR_OUT_OF_MEMORY (out of memory)"
     assert info.value.details == {"call": failing, "result": "CUDA_ERROR_OUT_OF_MEMORY"}
     log = fake.log()
@@ -358,7 +367,7 @@ def test_a_failed_call_is_named_and_what_was_done_is_undone(fake, failing, undo)
 def test_an_unknown_result_is_still_named(fake):
     fake.fail("cuMemAddressReserve", 999)
     with pytest.raises(CudaError, match=r"cuMemAddressReserve failed: CUresult 999"), fake.drv.current(0):
-        fake.drv.import_and_map([5], [2 * MIB], 0, read_only=True)
+        fake.drv.import_and_map([5], [2 * MIB])
     assert fake.log()[-2:] == ["release 0xabc000000005", "pop"]
 
 
@@ -435,6 +444,80 @@ def test_map_vmm_closes_every_fd_whatever_fails(fake, monkeypatch, failing):
     assert not any(is_open(fd) for fd in fds)
     if failing == "import":
         assert fake.log()[-2:] == [f"release {0xABC000000000 + fds[0]:#x}", "pop"]
+
+
+def _vmm_reply(fake: Fake, fds: list[int]) -> AttachReply:
+    arena = VmmArenaDesc(4 * MIB, [2 * MIB, 2 * MIB], fake.drv.device_uuid(0))
+    return AttachReply(7, "f", f"cuda:{arena.device_uuid}", arena, iter([["w", "U8", [16], 0, 16], ["b", "BF16", [4], 16, 8]]),
+                       fds, "resident", 0.0)
+
+
+class _Owned(bytearray):
+    """Bytes that keep their owner alive, as torch's tensor over a __cuda_array_interface__ does."""
+
+    owner: object
+
+
+@pytest.fixture
+def cpu_slab(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU build of torch has no CUDA: the slab over the range is a CPU tensor here,
+    which keeps the mapping alive as the GPU one does."""
+    import torch
+
+    def as_tensor(obj: cuda_mapping.VmmMapping, device: str | None = None) -> torch.Tensor:
+        buf = _Owned(obj.nbytes)
+        buf.owner = obj
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch, "as_tensor", as_tensor)
+
+
+def test_views_are_made_while_access_is_set_and_none_leaves_before(fake, monkeypatch, cpu_slab):
+    # Note [views while access is set]: cuMemSetAccess on a thread of its own, the views
+    # made meanwhile, and the tensors handed out only once it has returned.
+    from weightcache.client import mapping
+
+    in_call, views_made, order = threading.Event(), threading.Event(), []
+    set_access, tensor_views = libcuda.Driver.set_access, mapping.tensor_views
+
+    def held_set_access(self: libcuda.Driver, *args: Any, **kwargs: Any) -> None:
+        in_call.set()
+        assert views_made.wait(10)  # a caller that waited for the access before its views would time out here
+        set_access(self, *args, **kwargs)
+        order.append("access set")
+
+    def noted_views(*args: Any) -> Any:
+        assert in_call.is_set()
+        out = tensor_views(*args)
+        order.append("views made")
+        views_made.set()
+        return out
+
+    monkeypatch.setattr(libcuda.Driver, "set_access", held_set_access)
+    monkeypatch.setattr(mapping, "tensor_views", noted_views)
+    fds = memfds(2)
+    model = mapping.attached_model("m", _vmm_reply(fake, fds))
+    assert order == ["views made", "access set"]
+    assert sorted(model) == ["b", "w"] and model["b"].shape == (4,) and not any(is_open(fd) for fd in fds)
+    log = fake.log()
+    assert not any(line.startswith("unmap") for line in log)  # the tensors hold the range
+    assert f"access {VA:#x} size={4 * MIB} type=1 id=0 flags=1 count=1" in log
+    # the access thread made the context current for its call, and let it go
+    assert log[log.index(f"access {VA:#x} size={4 * MIB} type=1 id=0 flags=1 count=1") - 1:][:3] == [
+        "push 0xc0de000a", f"access {VA:#x} size={4 * MIB} type=1 id=0 flags=1 count=1", "pop"]
+
+
+def test_access_that_cannot_be_set_is_raised_and_the_range_unmapped(fake, cpu_slab):
+    from weightcache.client import mapping
+
+    fake.fail("cuMemSetAccess", 2)
+    with pytest.raises(CudaError, match=r"cuMemSetAccess failed: CUDA_ERROR_OUT_OF_MEMORY"):
+        mapping.attached_model("m", _vmm_reply(fake, memfds(2)))
+    gc.collect()
+    log = fake.log()
+    assert log.count("FAIL cuMemSetAccess") == 1
+    assert log[-3:] == [f"unmap {VA:#x} size={4 * MIB}", f"free {VA:#x} size={4 * MIB}", "pop"]
 
 
 # -- an attach with no driver at all ---------------------------------------------------------

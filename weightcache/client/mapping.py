@@ -21,7 +21,7 @@ import mmap
 import os
 import stat
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -89,6 +89,10 @@ def prepare_views() -> None:
         warnings.simplefilter("ignore", UserWarning)  # as map_memfd does (its read-only mmap makes torch warn)
         scrap = torch.frombuffer(bytearray(8), dtype=torch.uint8)
     scrap.view(torch.bfloat16).as_strided((2, 1), (1, 1), 0)
+    if torch.cuda.is_initialized():
+        # The same on the GPU, whose dispatch is torch's other path: an empty tensor, so
+        # that nothing is allocated.
+        torch.empty(0, dtype=torch.uint8, device="cuda").view(torch.bfloat16).as_strided((0, 1), (1, 1), 0)
 
 
 def map_memfd(fd: int, nbytes: int) -> torch.Tensor:
@@ -162,10 +166,16 @@ def file_tensor_views(slabs: list[torch.Tensor], arena: FileArenaDesc, table: It
     return out
 
 
-def map_arena(arena: MemfdArenaDesc | VmmArenaDesc, fds: list[int]) -> torch.Tensor:
-    """A memfd or VMM arena + its fds -> one uint8 tensor over the whole arena. Takes the
-    fds: each is closed exactly once, here or by the mapper it is handed to, whether this
-    returns or raises (the mapping keeps the memory)."""
+def _usable() -> None:
+    """A memfd's mapping is readable as made: nothing to wait for."""
+
+
+def map_arena(arena: MemfdArenaDesc | VmmArenaDesc, fds: list[int]) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A memfd or VMM arena + its fds -> one uint8 tensor over the whole arena, and the
+    ``wait`` to call after making views of it and before anything reads them (a VMM
+    range's access is set meanwhile: cuda_mapping.py's Note [views while access is
+    set]). Takes the fds: each is closed exactly once, here or by the mapper it is handed
+    to, whether this returns or raises (the mapping keeps the memory)."""
     if isinstance(arena, VmmArenaDesc):
         from .cuda_mapping import map_vmm
 
@@ -173,7 +183,7 @@ def map_arena(arena: MemfdArenaDesc | VmmArenaDesc, fds: list[int]) -> torch.Ten
     if len(fds) != 1:
         close_fds(fds)
         raise BadRequest(f"memfd arena needs 1 fd, got {len(fds)}")
-    return map_memfd(fds[0], arena.nbytes)  # closes it
+    return map_memfd(fds[0], arena.nbytes), _usable  # closes it
 
 
 def tensor_views(slab: torch.Tensor, table: Iterable[list[Any]]) -> dict[str, torch.Tensor]:
@@ -248,6 +258,10 @@ def attached_model(name: str, reply: AttachReply) -> AttachedModel:
     if isinstance(arena, FileArenaDesc):
         tensors = file_tensor_views(map_files(arena, reply.fds), arena, reply.tensors)
     else:
-        tensors = tensor_views(map_arena(arena, reply.fds), reply.tensors)
+        slab, wait = map_arena(arena, reply.fds)
+        try:
+            tensors = tensor_views(slab, reply.tensors)
+        finally:
+            wait()  # no tensor leaves before the range is readable (and a failure to make it so is raised)
     return AttachedModel(name, reply.lease, reply.fingerprint, reply.device, tensors,
                          source=reply.source, arena_kind=arena.kind, waited_s=reply.waited_s)
