@@ -10,7 +10,7 @@ in the machine weighs on both alike):
   async   ``Client`` on the engine's own event loop, created before timing (an asyncio
           engine has one already)
 
-  import_ms             ``import weightcache`` + ``from weightcache import SyncClient, Client``
+  import_ms             ``from weightcache import SyncClient`` (or ``Client``: the one measured)
   connect_ms            ``SyncClient(socket)`` / ``await Client(socket).connect()``:
                         connect, check who serves it, hello
   import_mapping_ms     the client's torch half (mapping.py, cuda_mapping.py, libcuda.py),
@@ -20,8 +20,10 @@ in the machine weighs on both alike):
     driver_load_ms        of which: loading libcuda and cuInit (first GPU attach only)
     request_ms            the attach request until its reply and fds are in
     map_ms                fds -> one tensor over the arena (GPU: driver_map_ms of it is
-                          import + reserve + map + set access; CPU: the mmap)
-    views_ms              the tensor views
+                          import + reserve + map; CPU: the mmap)
+    set_access_ms         GPU: cuMemSetAccess, on a thread of its own while the views are
+                          made (cuda_mapping.py's Note [views while access is set])
+    views_ms              the tensor views (on a GPU made while the access is set)
   connect_to_usable_ms  connect_ms + import_mapping_ms + attach_ms: the target
                         (<= 5 ms p50 on the H200 for a ~10 GB model in 10 chunks)
   first_touch_ms        reading one element of the first and last tensor back (on a GPU
@@ -87,7 +89,7 @@ from typing import Any
 
 RESULT = "RESULT "
 PHASES = ["import_ms", "import_cpu_ms", "connect_ms", "connect_cpu_ms", "attach_cpu_ms",
-          "import_mapping_ms", "attach_ms", "driver_load_ms", "request_ms", "map_ms", "driver_map_ms",
+          "import_mapping_ms", "attach_ms", "driver_load_ms", "request_ms", "map_ms", "driver_map_ms", "set_access_ms",
           "views_ms", "connect_to_usable_ms", "first_touch_ms", "second_attach_ms", "gc_ms"]
 TARGET_MS = 5.0
 CLIENTS = ("sync", "async")
@@ -112,15 +114,18 @@ def child(sock: str, model: str, device: str, breakdown: bool, client: str) -> d
     gc_log = _log_collections()
 
     t, cpu = time.perf_counter(), time.process_time()
-    import weightcache
-    from weightcache import Client, SyncClient
+    # Only the client this engine uses: a SyncClient engine imports no asyncio client.
+    if client == "sync":
+        from weightcache import SyncClient
+    else:
+        from weightcache import Client
 
     out["import_ms"] = (time.perf_counter() - t) * 1e3
     out["import_cpu_ms"] = (time.process_time() - cpu) * 1e3
     times: dict[str, float] = {}
     if breakdown:
         t = time.perf_counter()
-        from weightcache.client import connection, mapping, sync
+        from weightcache.client import mapping, sync
 
         if cuda:
             from weightcache.client import cuda_mapping, libcuda
@@ -130,10 +135,15 @@ def child(sock: str, model: str, device: str, breakdown: bool, client: str) -> d
         if cuda:
             _timed(cuda_mapping, "map_vmm", "map_ms", times)
             _timed(libcuda.Driver, "import_and_map", "driver_map_ms", times)
+            _timed(libcuda.Driver, "set_access", "set_access_ms", times)
             _timed(libcuda, "load", "driver_load_ms", times)
         else:
             _timed(mapping, "map_memfd", "map_ms", times)
-        transport: Any = sync.BlockingConnection if client == "sync" else connection.Connection
+        transport: Any = sync.BlockingConnection
+        if client == "async":
+            from weightcache.client import aio
+
+            transport = aio.Connection
         request = transport._request
 
         async def timed_request(self: Any, op: str, *args: Any, **kwargs: Any) -> Any:
@@ -166,6 +176,8 @@ def child(sock: str, model: str, device: str, breakdown: bool, client: str) -> d
         out["driver_version"] = libcuda.driver().version()
         out["gpu"] = torch.cuda.get_device_name(torch.device(device))
     import importlib.util
+
+    import weightcache
 
     pyc = importlib.util.cache_from_source(str(Path(weightcache.__file__)))
     out["bytecode_cached"] = os.path.exists(pyc)
@@ -267,8 +279,11 @@ async def _async_engine(client: Any, sock: str, model: str, device: str | None, 
 
 
 def _timed(owner: Any, name: str, key: str, times: dict[str, float]) -> None:
-    """Replace ``owner.name`` with a wrapper adding its wall time to ``times[key]``."""
-    fn = getattr(owner, name)
+    """Replace ``owner.name`` with a wrapper adding its wall time to ``times[key]``. A name
+    the client does not have (an older one, measured beside this one) is left out."""
+    fn = getattr(owner, name, None)
+    if fn is None:
+        return
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         t = time.perf_counter()
