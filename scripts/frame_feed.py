@@ -16,7 +16,7 @@ import os
 import resource
 import time
 
-from weightcache.protocol.frames import HEADER, FrameDecoder
+from weightcache.protocol import HEADER, FrameDecoder
 
 
 def faults() -> int:

@@ -64,7 +64,7 @@ from collections import deque
 from typing import Any
 
 from ..errors import DaemonUnavailable, PermissionDenied, RequestTimeout, WeightcacheError, error_from_wire
-from ..protocol.frames import HEADER, FrameDecoder
+from ..protocol import HEADER, FrameDecoder
 from ..protocol.messages import PROTOCOL_VERSION, SOCKET_ENV, client_socket_path
 from ..protocol.pymsgpack import decode_reply, packb
 from ..protocol.transport import close_fds

@@ -1,4 +1,4 @@
-"""The daemon's side of framing: msgpack maps in and out of frames (frames.py cuts the
+"""The daemon's side of framing: msgpack maps in and out of frames (the package's FrameDecoder cuts the
 stream into frames), with the msgpack package, whose C decoder checks each container's
 length before building it. The client encodes and decodes its frames with pymsgpack.py
 instead, so that a fresh engine does not import msgpack.
@@ -12,7 +12,7 @@ from typing import Any
 import msgpack
 
 from ..errors import BadRequest
-from .frames import DEFAULT_MAX_FRAME, HEADER, FrameDecoder
+from . import DEFAULT_MAX_FRAME, HEADER, FrameDecoder
 
 __all__ = ["DEFAULT_MAX_FRAME", "DEFERRED_KEYS", "HEADER", "MAX_ARRAY_LEN", "MAX_DECODED_BYTES", "MAX_MAP_LEN", "MAX_TABLE_LEN",
            "Deferred", "FrameDecoder", "PayloadRefused", "decode_payload", "encode_frame"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-from .frames import HEADER
+from . import HEADER
 from .pymsgpack import Packed
 
 
