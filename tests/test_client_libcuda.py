@@ -508,6 +508,29 @@ def test_views_are_made_while_access_is_set_and_none_leaves_before(fake, monkeyp
         "push 0xc0de000a", f"access {VA:#x} size={4 * MIB} type=1 id=0 flags=1 count=1", "pop"]
 
 
+def test_the_access_thread_is_started_while_the_daemon_answers_and_used_by_the_map(fake, monkeypatch, cpu_slab):
+    # Note [views while access is set]: prepare_attach (the attach's while_waiting) starts
+    # one parked thread in an engine with CUDA up; the map hands it the range, and starts
+    # no thread of its own.
+    import _thread
+
+    import torch
+
+    from weightcache.client import mapping
+
+    monkeypatch.setattr(cuda_mapping, "_spare", None)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    started: list[object] = []
+    start = _thread.start_new_thread
+    monkeypatch.setattr(_thread, "start_new_thread", lambda fn, args: started.append(fn) or start(fn, args))
+    mapping.prepare_attach()
+    mapping.prepare_attach()  # one spare at a time
+    assert len(started) == 1 and cuda_mapping._spare is not None
+    model = mapping.attached_model("m", _vmm_reply(fake, memfds(2)))
+    assert len(started) == 1 and cuda_mapping._spare is None  # taken, not replaced until the next attach's wait
+    assert f"access {VA:#x} size={4 * MIB} type=1 id=0 flags=1 count=1" in fake.log() and len(model) == 2
+
+
 def test_access_that_cannot_be_set_is_raised_and_the_range_unmapped(fake, cpu_slab):
     from weightcache.client import mapping
 

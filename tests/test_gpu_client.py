@@ -131,7 +131,7 @@ def test_a_fd_that_is_no_vmm_allocation_is_a_named_error():
     try:
         for bad in (fd, -1):  # memory that is not CUDA's, and no file at all
             with pytest.raises(CudaError) as info, drv.current(ctx):
-                drv.import_and_map([bad], [2 * MIB], 0, read_only=True)
+                drv.import_and_map([bad], [2 * MIB])
             assert info.value.details["call"] == "cuMemImportFromShareableHandle", info.value
             assert info.value.details["result"].startswith("CUDA_ERROR_"), info.value
             assert info.value.message.startswith("CUDA driver call cuMemImportFromShareableHandle failed: CUDA_ERROR_")

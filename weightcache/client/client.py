@@ -190,7 +190,7 @@ class ClientOps(ConnectionBase):
         # Imported before the request, not after: torch's import (~1.5 s) is then not
         # taken from the request's timeout, and an import that fails leaves no lease.
         from ..protocol.arena import parse_attach
-        from .mapping import attached_model, prepare_views
+        from .mapping import attached_model, prepare_attach
 
         if device is not None and device.startswith("cuda:") and device[5:].isdigit():
             from .libcuda import driver  # ctypes, not cuda-bindings: cuda_mapping.py's Note [first attach]
@@ -199,6 +199,6 @@ class ClientOps(ConnectionBase):
         reply, fds = await self._request("attach", timeout, {"name": name, "device": device, "rank": rank, "wait_s": wait_s,
                                                        "writable": writable or None, "keep_alive": keep_alive,
                                                        "table": "columns"},
-                                         while_waiting=prepare_views)
+                                         while_waiting=prepare_attach)
         async with self._lease(reply["lease"]):  # ends the lease even if the reply is bad or mapping fails
             yield attached_model(name, parse_attach(reply, fds))

@@ -89,10 +89,18 @@ def prepare_views() -> None:
         warnings.simplefilter("ignore", UserWarning)  # as map_memfd does (its read-only mmap makes torch warn)
         scrap = torch.frombuffer(bytearray(8), dtype=torch.uint8)
     scrap.view(torch.bfloat16).as_strided((2, 1), (1, 1), 0)
+
+
+def prepare_attach() -> None:
+    """What an attach does while the daemon answers it (``while_waiting``): torch's
+    first view calls (:func:`prepare_views`), and in an engine with CUDA up, the thread
+    that will set the range's access (cuda_mapping.py's Note [views while access is
+    set])."""
     if torch.cuda.is_initialized():
-        # The same on the GPU, whose dispatch is torch's other path: an empty tensor, so
-        # that nothing is allocated.
-        torch.empty(0, dtype=torch.uint8, device="cuda").view(torch.bfloat16).as_strided((0, 1), (1, 1), 0)
+        from .cuda_mapping import start_spare
+
+        start_spare()
+    prepare_views()
 
 
 def map_memfd(fd: int, nbytes: int) -> torch.Tensor:
