@@ -531,6 +531,28 @@ def test_the_access_thread_is_started_while_the_daemon_answers_and_used_by_the_m
     assert f"access {VA:#x} size={4 * MIB} type=1 id=0 flags=1 count=1" in fake.log() and len(model) == 2
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_spare_access_thread_is_not_inherited_by_a_fork_nor_needed_to_attach(monkeypatch):
+    import _thread
+
+    monkeypatch.setattr(cuda_mapping, "_spare", None)
+    cuda_mapping.start_spare()
+    assert cuda_mapping._spare is not None
+    pid = os.fork()
+    if pid == 0:  # the child has no thread behind the parent's spare: it must start its own
+        os._exit(0 if cuda_mapping._spare is None and not cuda_mapping._spare_lock.locked() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+    def no_thread(*args: Any) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(cuda_mapping, "_spare", None)
+    monkeypatch.setattr(_thread, "start_new_thread", no_thread)
+    cuda_mapping.start_spare()  # only a head start: the attach goes on, and its map says why if it has no thread either
+    assert cuda_mapping._spare is None
+
+
 def test_access_that_cannot_be_set_is_raised_and_the_range_unmapped(fake, cpu_slab):
     from weightcache.client import mapping
 

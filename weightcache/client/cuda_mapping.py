@@ -155,7 +155,10 @@ def start_spare() -> None:
     global _spare
     with _spare_lock:
         if _spare is None:
-            _spare = AccessThread()
+            try:
+                _spare = AccessThread()
+            except RuntimeError:  # no thread to be had now: the map starts one, or says why it cannot
+                pass
 
 
 def _take_spare() -> AccessThread:
@@ -166,8 +169,9 @@ def _take_spare() -> AccessThread:
 
 
 def _forget_spare() -> None:
-    global _spare
-    _spare = None  # a fork's child has no thread behind it
+    global _spare, _spare_lock
+    _spare = None  # a fork's child has no thread behind it,
+    _spare_lock = threading.Lock()  # and no thread to release a lock held at the fork
 
 
 os.register_at_fork(after_in_child=_forget_spare)
