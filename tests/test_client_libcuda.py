@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -551,6 +552,60 @@ def test_a_spare_access_thread_is_not_inherited_by_a_fork_nor_needed_to_attach(m
     monkeypatch.setattr(_thread, "start_new_thread", no_thread)
     cuda_mapping.start_spare()  # only a head start: the attach goes on, and its map says why if it has no thread either
     assert cuda_mapping._spare is None
+
+
+def test_an_interrupted_wait_leaves_the_range_mapped_until_the_access_call_is_over(fake, monkeypatch, cpu_slab):
+    # A KeyboardInterrupt while the caller waits for the access thread drops the tensors;
+    # the thread holds the range until its call is over, so that the range is not
+    # unmapped (and perhaps reserved by another attach) before the call ran on it.
+    from weightcache.client import mapping
+
+    in_call, release = threading.Event(), threading.Event()
+    set_access = libcuda.Driver.set_access
+
+    def slow_set_access(self: libcuda.Driver, *args: Any, **kwargs: Any) -> None:
+        in_call.set()
+        assert release.wait(10)
+        set_access(self, *args, **kwargs)
+
+    def interrupted(self: cuda_mapping.AccessThread) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(libcuda.Driver, "set_access", slow_set_access)
+    monkeypatch.setattr(cuda_mapping.AccessThread, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        mapping.attached_model("m", _vmm_reply(fake, memfds(2)))
+    assert in_call.wait(10)
+    gc.collect()
+    assert not any(line.startswith("unmap") for line in fake.log())  # the thread still holds the range
+    release.set()
+    for _ in range(1000):  # the thread lets the range go as its call ends
+        gc.collect()
+        if any(line.startswith("unmap") for line in fake.log()):
+            break
+        time.sleep(0.01)
+    log = fake.log()
+    access = next(i for i, line in enumerate(log) if line.startswith("access"))
+    assert access < next(i for i, line in enumerate(log) if line.startswith("unmap"))
+
+
+def test_an_interrupted_hand_over_leaves_no_thread_waiting_for_good(fake):
+    class Interrupted:  # the caller's wait for "in the call" interrupted
+        def acquire(self) -> None:
+            raise KeyboardInterrupt
+
+        def release(self) -> None:
+            pass
+
+    access = cuda_mapping.AccessThread()
+    access._calling = Interrupted()  # type: ignore[assignment]
+    ctx = fake.drv.primary_context(0)
+    with pytest.raises(KeyboardInterrupt):
+        access.set_access(fake.drv, ctx, cuda_mapping.VmmMapping(VA, 2 * MIB, 0, ctx), True)
+    waiter = threading.Thread(target=access.wait, daemon=True)  # it ends, with the range or without
+    waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive()
 
 
 def test_access_that_cannot_be_set_is_raised_and_the_range_unmapped(fake, cpu_slab):

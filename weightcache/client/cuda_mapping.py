@@ -54,6 +54,7 @@ Nothing can read the range before access is set: the tensors leave the client on
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -96,16 +97,20 @@ class VmmMapping:
 class AccessThread:
     """A thread that sets one VMM range's access while the caller makes views (Note
     [views while access is set]). It starts parked and is given its range by
-    :meth:`set_access`; one is started ahead of need (:func:`start_spare`)."""
+    :meth:`set_access`; one is started ahead of need (:func:`start_spare`). The thread
+    holds the range's :class:`VmmMapping` until its call is over, so that the range is
+    never unmapped under it, whatever becomes of the caller (a KeyboardInterrupt while it
+    waits: unmapped, the range could be reserved by another attach before the call ran,
+    and given this one's access)."""
 
     def __init__(self) -> None:
-        self._go = threading.Lock()  # released to hand over the range (or None: end)
+        self._go = threading.Lock()  # released to hand over the range (or no range: end)
         self._go.acquire()
         self._calling = threading.Lock()  # released by the thread as it enters the driver call
         self._calling.acquire()
         self._done = threading.Lock()
         self._done.acquire()
-        self._job: tuple[Driver, int, int, int, int, bool] | None = None
+        self._job: tuple[Driver, int, VmmMapping, bool] | None = None
         self.error: BaseException | None = None
         # _thread, not threading.Thread: Thread.start waits until the new thread runs,
         # which in a fresh process cost the caller 0.35-0.52 ms (0.10-0.15 ms for later
@@ -116,13 +121,14 @@ class AccessThread:
         entered = False
         try:
             self._go.acquire()
-            if self._job is None:
+            job, self._job = self._job, None
+            if job is None:
                 return
-            drv, ctx, va, nbytes, ordinal, read_only = self._job
+            drv, ctx, mapping, read_only = job  # held until the call is over
             with drv.current(ctx):
                 entered = True
                 self._calling.release()
-                drv.set_access(va, nbytes, ordinal, read_only=read_only)
+                drv.set_access(mapping.va, mapping.nbytes, mapping.ordinal, read_only=read_only)
         except BaseException as exc:  # handed to the caller by wait()
             self.error = exc
         finally:
@@ -130,11 +136,22 @@ class AccessThread:
                 self._calling.release()
             self._done.release()
 
-    def set_access(self, drv: Driver, ctx: int, va: int, nbytes: int, ordinal: int, read_only: bool) -> None:
+    def set_access(self, drv: Driver, ctx: int, mapping: VmmMapping, read_only: bool) -> None:
         """Hand the thread its range; return once it is inside the driver call (or done)."""
-        self._job = (drv, ctx, va, nbytes, ordinal, read_only)
-        self._go.release()
-        self._calling.acquire()
+        self._job = (drv, ctx, mapping, read_only)
+        try:
+            self._go.release()
+            self._calling.acquire()
+        except BaseException:
+            self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        """Let the thread end without a range if it has not taken one (the hand-over was
+        interrupted); if it has, it finishes its call holding the range."""
+        self._job = None
+        with contextlib.suppress(RuntimeError):  # released already
+            self._go.release()
 
     def wait(self) -> None:
         """Return once access is set; raise the driver's error if it could not be."""
@@ -194,13 +211,11 @@ def map_vmm(arena: VmmArenaDesc, fds: list[int], *, read_only: bool = True) -> t
     finally:
         for fd in fds:
             os.close(fd)
-    nbytes = sum(sizes)
-    mapping = VmmMapping(va, nbytes, ordinal, ctx)  # owns the range from here: unmapped when collected
+    mapping = VmmMapping(va, sum(sizes), ordinal, ctx)  # owns the range from here: unmapped when collected
     access = _take_spare()
-    access.set_access(drv, ctx, va, nbytes, ordinal, read_only)
     try:
-        slab = torch.as_tensor(mapping, device=f"cuda:{ordinal}")
+        access.set_access(drv, ctx, mapping, read_only)
     except BaseException:
-        access.wait()  # the range goes with the mapping: not while the driver works on it
+        access.abandon()  # interrupted before the hand-over began: the thread must not stay parked
         raise
-    return slab, access.wait
+    return torch.as_tensor(mapping, device=f"cuda:{ordinal}"), access.wait

@@ -91,12 +91,12 @@ def prepare_views() -> None:
     scrap.view(torch.bfloat16).as_strided((2, 1), (1, 1), 0)
 
 
-def prepare_attach() -> None:
+def prepare_attach(gpu: bool = True) -> None:
     """What an attach does while the daemon answers it (``while_waiting``): torch's
-    first view calls (:func:`prepare_views`), and in an engine with CUDA up, the thread
-    that will set the range's access (cuda_mapping.py's Note [views while access is
-    set])."""
-    if torch.cuda.is_initialized():
+    first view calls (:func:`prepare_views`), and for an attach that may be a GPU's
+    (``gpu``: any device but "cpu" asked for, or none) in an engine with CUDA up, the thread that
+    will set the range's access (cuda_mapping.py's Note [views while access is set])."""
+    if gpu and torch.cuda.is_initialized():
         from .cuda_mapping import start_spare
 
         start_spare()
