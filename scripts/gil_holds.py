@@ -8,7 +8,7 @@ syscall (every ``os.close``, ``recv``, ``send``) then waits for the holder to fi
 before it runs again. Two measurements, each beside 0, 1 and 2 threads doing such maps:
 
 - ``close``: 253 fds (one SCM_RIGHTS message's worth) closed one ``os.close`` each,
-  against one ``os.closerange`` (weightcache.protocol.transport.close_fds);
+  against one ``os.closerange`` (weightcache.protocol.close_fds);
 - ``digests``: read_digests of a 100k-tensor checkpoint in a thread while this thread
   sleeps 0.5 ms in a loop: its worst and median lateness (the longest GIL hold it waited
   behind), the function by DIGEST_SLICE rows as it is and as one slice.
@@ -50,7 +50,7 @@ def hold_loops(n: int) -> tuple[list[threading.Thread], threading.Event]:
 
 
 def close_ms(one_by_one: bool) -> float:
-    from weightcache.protocol.transport import close_fds
+    from weightcache.protocol import close_fds
 
     null = os.open("/dev/null", os.O_RDONLY)
     fds = [os.dup(null) for _ in range(253)]

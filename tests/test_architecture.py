@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import weightcache
-from weightcache.protocol.messages import OPS
+from weightcache.protocol import OPS
 
 PACKAGE = Path(weightcache.__file__).parent
 

@@ -261,7 +261,7 @@ def test_close_fds_closes_the_fds_given_and_no_other():
     import os
     import random
 
-    from weightcache.protocol.transport import close_fds
+    from weightcache.protocol import close_fds
 
     fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(10)]
     given = [fds[i] for i in (0, 1, 2, 4, 5, 8)]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 from .errors import WeightcacheError
-from .protocol.messages import tenant_fingerprint
+from .protocol import tenant_fingerprint
 
 if TYPE_CHECKING:
     from .client import AttachedModel, Client, SyncClient, empty_parameters, load_into_module

@@ -1,4 +1,4 @@
-"""The async client: :class:`Client`, the daemon's ops (client.py's ``ClientOps``) on the
+"""The async client: :class:`Client`, the daemon's ops (connection.py's ``ClientOps``) on the
 asyncio transport (:class:`Connection`: a reader task per connection).
 
 In a module of its own so that ``from weightcache import SyncClient`` imports neither: an
@@ -16,9 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from ..errors import DaemonUnavailable, WeightcacheError
-from ..protocol.transport import recv_with_fds, send_with_fds
-from .client import ClientOps
-from .connection import ConnectionBase
+from ..protocol import recv_with_fds, send_with_fds
+from .connection import ClientOps, ConnectionBase
 from .core import Reply
 
 T = TypeVar("T")

@@ -64,10 +64,8 @@ from collections import deque
 from typing import Any
 
 from ..errors import DaemonUnavailable, PermissionDenied, RequestTimeout, WeightcacheError, error_from_wire
-from ..protocol import HEADER, FrameDecoder
-from ..protocol.messages import PROTOCOL_VERSION, SOCKET_ENV, client_socket_path
+from ..protocol import HEADER, PROTOCOL_VERSION, SOCKET_ENV, FrameDecoder, client_socket_path, close_fds
 from ..protocol.pymsgpack import decode_reply, packb
-from ..protocol.transport import close_fds
 
 DEFAULT_MAX_FRAME_BYTES = 256 * 2**20  # replies: an attach's tensor table can be long
 DEFAULT_CONNECT_TIMEOUT = 10.0

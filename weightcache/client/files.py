@@ -8,7 +8,7 @@ import stat
 
 from ..checkpoint_files import discover_files
 from ..errors import LimitExceeded, LoadFailed, PermissionDenied
-from ..protocol.transport import MAX_FDS_PER_MSG
+from ..protocol import MAX_FDS_PER_MSG
 
 
 def open_checkpoint_files(parts: list[str]) -> tuple[list[list[str]], list[int]]:

@@ -1,5 +1,5 @@
 """Turn the fds and tensor table of an attach reply into torch tensors, zero-copy, and
-hand them out as an :class:`AttachedModel`. This is where the client needs torch: client.py
+hand them out as an :class:`AttachedModel`. This is where the client needs torch: connection.py
 imports this module at the first ``attach``, not before.
 
 Note [lifetime]

@@ -2,7 +2,7 @@
 tensors, a VMM allocation exported as fds for CUDA tensors (through the client's ctypes
 driver binding, client/libcuda.py: no cuda-bindings in an engine). Same layout as an
 arena (256-byte-aligned offsets, the daemon's seals and VMM chunk sizes: protocol/arena.py),
-same description as an attach reply's ``arena``. Imports torch: client.py imports it at
+same description as an attach reply's ``arena``. Imports torch: connection.py imports it at
 the first publish."""
 
 from __future__ import annotations

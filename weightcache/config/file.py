@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..protocol.messages import CONFIG_ENV, SOCKET_ENV
+from ..protocol import CONFIG_ENV, SOCKET_ENV
 
 
 def read_file(path: Path, named: str = "") -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from ..errors import ConfigError
-from ..protocol.messages import CONFIG_ENV, SOCKET_ENV
+from ..protocol import CONFIG_ENV, SOCKET_ENV
 from .file import read_file
 from .schema import Settings
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from ..protocol.messages import DEFAULT_SOCKET
+from ..protocol import DEFAULT_SOCKET
 from ..units import format_size, parse_duration, parse_size
 from .checks import AUTO, auto_devices, check_device, check_model_name, resolve_group, tenant_key, under_roots
 from .peers import PeersConfig

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import DaemonConfig
-from ..protocol.transport import peer_credentials
+from ..protocol import peer_credentials
 
 
 @dataclass(frozen=True)

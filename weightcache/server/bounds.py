@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from ..config import DaemonConfig
 from ..errors import LimitExceeded, WeightcacheError
-from ..protocol.transport import close_fds
+from ..protocol import close_fds
 from .access import Peer
 
 

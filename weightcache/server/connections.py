@@ -1,7 +1,7 @@
 """Connections: accept, framing, dispatch and sending, with every limit that keeps one
 peer from costing the others.
 
-Each connection owns its raw non-blocking socket (see protocol/transport.py for why not
+Each connection owns its raw non-blocking socket (see protocol/__init__.py for why not
 streams). Every request runs as its own task, so a slow ``load`` never holds up a
 ``status`` on the same or another connection. What one peer may cost the others is
 bounded as bounds.py's Note [untrusted peers] says, by the counts kept there.
@@ -32,11 +32,9 @@ from ..errors import (
     UnknownOp,
     WeightcacheError,
 )
-from ..protocol import FrameDecoder, decode_payload
+from ..protocol import ADMIN_OPS, FrameDecoder, close_fds, decode_payload, recv_with_fds, send_with_fds
 from ..protocol.framing import DEFERRED_KEYS, PayloadRefused
-from ..protocol.messages import ADMIN_OPS
 from ..protocol.packed import encode_reply
-from ..protocol.transport import close_fds, recv_with_fds, send_with_fds
 from .access import AccessPolicy, Peer
 from .bounds import Bounds, Connection
 from .handlers import HANDLERS, OWNER_PIN_OPS, hello, redact

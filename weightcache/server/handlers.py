@@ -1,7 +1,7 @@
 """One function per op (docs/protocol.md): status, health, models, load, attach, detach,
 evict, pin, unpin, reload, and ``hello``; register, unregister and publish live in
 model_ops.py. ``HANDLERS`` is the dispatch table; it must name exactly the ops of
-protocol/messages.py (checked at import).
+protocol/__init__.py (checked at import).
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from ..errors import (
     ProtocolVersionError,
     WeightcacheError,
 )
-from ..protocol import PROTOCOL_VERSION
-from ..protocol.messages import OPS
+from ..protocol import OPS, PROTOCOL_VERSION
 from ..protocol.packed import Packed
 from ..units import format_size, parse_duration
 from . import model_ops, placing
@@ -414,4 +413,4 @@ HANDLERS: dict[str, Handler] = {
     "evict": evict, "pin": pin, "unpin": unpin, "reload": reload,
     "register": model_ops.register, "unregister": model_ops.unregister, "publish": model_ops.publish,
 }
-assert set(HANDLERS) | {"hello"} == OPS, "protocol/messages.py OPS and the handlers disagree"
+assert set(HANDLERS) | {"hello"} == OPS, "protocol OPS and the handlers disagree"

@@ -23,10 +23,9 @@ from ..config import ModelConfig, check_model_name, config_group_names, problems
 from ..errors import Attached, BadRequest, LimitExceeded, PermissionDenied, Pinned
 from ..loader import OpenedSource, adopt_fds
 from ..loader.published import published_checkpoint
+from ..protocol import close_fds, tenant_fingerprint
 from ..protocol.arena import parse_arena
 from ..protocol.framing import Deferred
-from ..protocol.messages import tenant_fingerprint
-from ..protocol.transport import close_fds
 from .access import Peer
 from .fills import CopyPublished
 from .registry import Model

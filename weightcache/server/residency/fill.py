@@ -19,7 +19,7 @@ from ...cache.names import published_as
 from ...config import DaemonConfig
 from ...errors import LoadFailed, NoSpace, WeightcacheError
 from ...loader import Checkpoint, Progress
-from ...protocol.messages import tenant_fingerprint
+from ...protocol import tenant_fingerprint
 from ..fills import FillStrategy
 from ..logs import PeerEventLog
 from ..registry import Model, Registry
