@@ -549,6 +549,22 @@ def test_the_view_thread_is_started_while_the_daemon_answers_and_used_by_the_map
     assert f"access {VA:#x} size={4 * MIB} type=1 id=0 flags=1 count=1" in fake.log() and len(model) == 2
 
 
+@pytest.mark.parametrize(("device", "thread", "views_here"), [("cuda:0", True, False), (None, True, True), ("cpu", False, True)])
+def test_what_an_attach_prepares_while_the_daemon_answers(monkeypatch, device, thread, views_here):
+    # A GPU attach's first view calls are the view thread's, made by it before it parks;
+    # a CPU attach's are made here; an attach of the model's own device may be either.
+    import torch
+
+    from weightcache.client import mapping
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    done: list[str] = []
+    monkeypatch.setattr(cuda_mapping, "start_spare", lambda: done.append("thread"))
+    monkeypatch.setattr(mapping, "prepare_views", lambda: done.append("views"))
+    mapping.prepare_attach(device)
+    assert done == ["thread"] * thread + ["views"] * views_here
+
+
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_spare_view_thread_is_not_inherited_by_a_fork_nor_needed_to_attach(monkeypatch):
     import _thread

@@ -34,9 +34,11 @@ on the H100). So the views are made on a thread of their own while the caller se
 access:
 
 - the thread is started while the daemon answers the attach request (``start_spare``,
-  called by mapping.py's ``prepare_attach``), and waits, parked on a lock: started in
-  the attach itself it cost 0.27 ms there on the H100 host (Thread.start waits for the
-  new thread to run; a process's first thread is the slowest to start);
+  called by mapping.py's ``prepare_attach``), makes torch's first view calls on a scrap
+  tensor (a thread's first views cost more: its thread-local state), and waits, parked
+  on a lock: started in the attach itself it cost 0.27 ms there on the H100 host
+  (Thread.start waits for the new thread to run; a process's first thread is the
+  slowest to start);
 - the caller reserves, imports and maps with the context current, makes the slab, hands
   the thread the slab and the table, and calls ``cuMemSetAccess`` straight away, which
   lets go of the GIL for the call: the thread takes it and makes the views meanwhile;
@@ -125,6 +127,11 @@ class ViewThread:
 
     def _run(self) -> None:
         try:
+            # torch's first view calls on this thread, made while the daemon answers and
+            # before parking: a fresh thread's first 183 views took 0.28-0.38 ms against
+            # 0.18-0.22 once it had made one (2-core VM), and for the process's first
+            # attach these are its first view calls too (mapping.py's prepare_views).
+            torch.empty(8, dtype=torch.uint8).view(torch.bfloat16).as_strided((2, 1), (1, 1), 0)
             self._go.acquire()
             job, self._job = self._job, None
             if job is not None:

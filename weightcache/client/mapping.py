@@ -91,17 +91,19 @@ def prepare_views() -> None:
     scrap.view(torch.bfloat16).as_strided((2, 1), (1, 1), 0)
 
 
-def prepare_attach(gpu: bool = True) -> None:
-    """What an attach does while the daemon answers it (``while_waiting``): torch's
-    first view calls (:func:`prepare_views`), and for an attach that may be a GPU's
-    (``gpu``: any device but "cpu" asked for, or none) in an engine with CUDA up, the thread that
-    will make the views while the range's access is set (cuda_mapping.py's Note [views
-    while access is set])."""
-    if gpu and torch.cuda.is_initialized():
+def prepare_attach(device: str | None = None) -> None:
+    """What an attach of ``device`` (None: the model's own) does while the daemon answers
+    it (``while_waiting``). For an attach that may be a GPU's (any device but "cpu") in an
+    engine with CUDA up: start the thread that will make the views while the range's
+    access is set (cuda_mapping.py's Note [views while access is set]), which makes
+    torch's first view calls for itself. For one that may be a CPU's (not a "cuda:"
+    device): those first calls here (:func:`prepare_views`)."""
+    if device != "cpu" and torch.cuda.is_initialized():
         from .cuda_mapping import start_spare
 
         start_spare()
-    prepare_views()
+    if device is None or not device.startswith("cuda"):
+        prepare_views()
 
 
 def map_memfd(fd: int, nbytes: int) -> torch.Tensor:
