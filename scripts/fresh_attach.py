@@ -46,7 +46,10 @@ and on a GPU with the same tensors as torch CUDA IPC handles from a holder proce
 process's CPU time for the same span (``cpu_p50``; ``time.process_time``, every thread,
 so the client's prefetch thread counts, and no waiting): on a machine others keep busy
 the wall times move with their load, the CPU times much less. The checkpoint is written by
-``safetensors.torch.save_file`` (mode 0600), as users' files are.
+``safetensors.torch.save_file`` (mode 0600), as users' files are. ``--base DIR`` adds
+engines that import weightcache from DIR (another version of the package, e.g. from
+``git archive``), alternating with the rest: two versions compared in one run, against
+the same daemon (this version's) and the same anchors.
 
 Prints one JSON object: the setup, every process's phases, and median / min / max / p90
 of each phase over the processes, per client (``summary.sync``, ``summary.async``). Without ``--socket`` it writes a synthetic checkpoint
@@ -297,13 +300,16 @@ def _timed(owner: Any, name: str, key: str, times: dict[str, float]) -> None:
 
 
 # ------------------------------------------------------------------------------ the parent
-def run_child(sock: str, model: str, device: str, breakdown: bool, client: str, src: str | None = None) -> dict[str, Any]:
+def run_child(sock: str, model: str, device: str, breakdown: bool, client: str, src: str | None = None,
+              base: str | None = None) -> dict[str, Any]:
     """One fresh engine process. ``src``: a source-only copy of the package (restart.py's
-    source_only_package), imported with PYTHONDONTWRITEBYTECODE=1: no bytecode."""
+    source_only_package), imported with PYTHONDONTWRITEBYTECODE=1: no bytecode. ``base``:
+    a directory holding another version of the package (``--base``), bytecode cached."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # engines have their bytecode cached
     if src is not None:
         env["PYTHONDONTWRITEBYTECODE"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
+    if src is not None or base is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [src or base, os.environ.get("PYTHONPATH")]))
     cmd = [sys.executable, __file__, "--child", "--socket", sock, "--model", model, "--device", device, "--client", client]
     if not breakdown:
         cmd.append("--no-breakdown")
@@ -398,6 +404,8 @@ def time_anchors(args: argparse.Namespace, sock: str, model: str, clients: tuple
     warm_page_cache(ckpt)
     ways: dict[str, list[tuple[float, float]]] = {f"weightcache_{c}": [] for c in clients}
     ways.update({f"weightcache_{c}_no_bytecode": [] for c in clients})
+    if args.base:
+        ways.update({f"weightcache_{c}_base": [] for c in clients})
     ways["load_file"] = []
     cuda = args.device.startswith("cuda")
     with source_only_package() as src, contextlib.ExitStack() as stack:
@@ -406,10 +414,15 @@ def time_anchors(args: argparse.Namespace, sock: str, model: str, clients: tuple
             ways["cuda_ipc"] = []
         for c in clients:  # warm-ups, not counted: the bytecode, the page cache, the daemon
             run_child(sock, model, args.device, False, c)
+            if args.base:
+                run_child(sock, model, args.device, False, c, base=args.base)
         runs: list[tuple[str, Any]] = []
         for c in clients:
             runs.append((f"weightcache_{c}", functools.partial(_import_to_usable_of, sock, model, args.device, c, None)))
             runs.append((f"weightcache_{c}_no_bytecode", functools.partial(_import_to_usable_of, sock, model, args.device, c, src)))
+            if args.base:
+                runs.append((f"weightcache_{c}_base",
+                             functools.partial(_import_to_usable_of, sock, model, args.device, c, None, args.base)))
         runs.append(("load_file", lambda: _weights_ms(time_restart("disk", files=[ckpt], model=model, socket=sock,
                                                                    device=args.device))))
         if held is not None:
@@ -435,11 +448,14 @@ def time_anchors(args: argparse.Namespace, sock: str, model: str, clients: tuple
         if way in _ANCHOR_GC:  # the weightcache ways: how much of the span was the cyclic GC's (load_file's is not known)
             out[way]["gc_p50"] = round(statistics.median(_ANCHOR_GC[way]), 3)
             out[way]["gc_runs"] = [round(x, 3) for x in _ANCHOR_GC[way]]
-    for way in ("load_file", "cuda_ipc"):
+    for way in ("load_file", "cuda_ipc", f"weightcache_{clients[0]}_base"):
         if way in out:
             mine, theirs = out[f"weightcache_{clients[0]}"], out[way]
             out[f"weightcache_{clients[0]}_over_{way}"] = round(mine["p50"] / theirs["p50"], 3)
             out[f"weightcache_{clients[0]}_over_{way}_cpu"] = round(mine["cpu_p50"] / theirs["cpu_p50"], 3)
+    if "cuda_ipc" in out and args.base:
+        mine, theirs = out[f"weightcache_{clients[0]}_base"], out["cuda_ipc"]
+        out[f"weightcache_{clients[0]}_base_over_cuda_ipc"] = round(mine["p50"] / theirs["p50"], 3)
     line = ", ".join(f"{way} {v['p50']:.2f} ms (cpu {v['cpu_p50']:.2f})" for way, v in out.items() if isinstance(v, dict))
     print(f"import -> usable tensors, p50 of {args.procs}: {line}", file=sys.stderr, flush=True)
     return out
@@ -454,9 +470,11 @@ def _import_to_usable(r: dict[str, Any]) -> tuple[float, float]:
 _ANCHOR_GC: dict[str, list[float]] = {}  # way -> each process's ms in GC collections within the span
 
 
-def _import_to_usable_of(sock: str, model: str, device: str, client: str, src: str | None) -> tuple[float, float]:
-    r = run_child(sock, model, device, False, client, src)
-    _ANCHOR_GC.setdefault(f"weightcache_{client}" + ("" if src is None else "_no_bytecode"), []).append(r["gc_ms"])
+def _import_to_usable_of(sock: str, model: str, device: str, client: str, src: str | None,
+                         base: str | None = None) -> tuple[float, float]:
+    r = run_child(sock, model, device, False, client, src, base)
+    way = f"weightcache_{client}" + ("_no_bytecode" if src is not None else "_base" if base is not None else "")
+    _ANCHOR_GC.setdefault(way, []).append(r["gc_ms"])
     return _import_to_usable(r)
 
 
@@ -495,6 +513,8 @@ def main() -> None:
                     help="also time import -> usable tensors side by side: weightcache with and without bytecode, a fresh "
                          "load_file of the same file and, on a GPU, torch CUDA IPC handles of the same tensors")
     ap.add_argument("--settle-s", type=float, default=1.0, help="with --anchors on a GPU: pause after every process")
+    ap.add_argument("--base", help="with --anchors: also time engines that import weightcache from this directory (another "
+                                   "version of the package, e.g. from `git archive`), alternating with the rest")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
