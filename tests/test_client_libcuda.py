@@ -538,6 +538,7 @@ def test_the_view_thread_is_started_while_the_daemon_answers_and_used_by_the_map
 
     monkeypatch.setattr(cuda_mapping, "_spare", None)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # its warm-up on "cuda:0" fails on a CPU build: no matter
     started: list[object] = []
     start = _thread.start_new_thread
     monkeypatch.setattr(_thread, "start_new_thread", lambda fn, args: started.append(fn) or start(fn, args))
@@ -558,11 +559,12 @@ def test_what_an_attach_prepares_while_the_daemon_answers(monkeypatch, device, t
     from weightcache.client import mapping
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     done: list[str] = []
-    monkeypatch.setattr(cuda_mapping, "start_spare", lambda: done.append("thread"))
+    monkeypatch.setattr(cuda_mapping, "start_spare", lambda device: done.append(f"thread for {device}"))
     monkeypatch.setattr(mapping, "prepare_views", lambda: done.append("views"))
     mapping.prepare_attach(device)
-    assert done == ["thread"] * thread + ["views"] * views_here
+    assert done == [f"thread for {device or 'cuda:3'}"] * thread + ["views"] * views_here
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
@@ -570,7 +572,7 @@ def test_a_spare_view_thread_is_not_inherited_by_a_fork_nor_needed_to_attach(mon
     import _thread
 
     monkeypatch.setattr(cuda_mapping, "_spare", None)
-    cuda_mapping.start_spare()
+    cuda_mapping.start_spare(None)
     assert cuda_mapping._spare is not None
     pid = os.fork()
     if pid == 0:  # the child has no thread behind the parent's spare: it must start its own
@@ -583,7 +585,7 @@ def test_a_spare_view_thread_is_not_inherited_by_a_fork_nor_needed_to_attach(mon
 
     monkeypatch.setattr(cuda_mapping, "_spare", None)
     monkeypatch.setattr(_thread, "start_new_thread", no_thread)
-    cuda_mapping.start_spare()  # only a head start: the attach goes on, and its map says why if it has no thread either
+    cuda_mapping.start_spare(None)  # only a head start: the attach goes on, and its map says why if it has no thread either
     assert cuda_mapping._spare is None
 
 

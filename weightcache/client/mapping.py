@@ -101,7 +101,7 @@ def prepare_attach(device: str | None = None) -> None:
     if device != "cpu" and torch.cuda.is_initialized():
         from .cuda_mapping import start_spare
 
-        start_spare()
+        start_spare(device if device and device.startswith("cuda:") else f"cuda:{torch.cuda.current_device()}")
     if device is None or not device.startswith("cuda"):
         prepare_views()
 
