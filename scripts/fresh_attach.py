@@ -19,12 +19,11 @@ in the machine weighs on both alike):
   attach_ms             ``c.attach(model, device=...)`` until it returns: tensors usable
     driver_load_ms        of which: loading libcuda and cuInit (first GPU attach only)
     request_ms            the attach request until its reply and fds are in
-    map_ms                GPU: fds -> usable views (driver_map_ms of it is import +
-                          reserve + map, then the access is set while the views are made:
-                          cuda_mapping.py's Note [views while access is set]); CPU: the mmap
-    set_access_ms         GPU: cuMemSetAccess, in the caller's thread
-    views_ms              the tensor views (on a GPU made on a thread of their own, while
-                          the access is set)
+    map_ms                fds -> one tensor over the arena (GPU: driver_map_ms of it is
+                          import + reserve + map; CPU: the mmap)
+    set_access_ms         GPU: cuMemSetAccess, on a thread of its own while the views are
+                          made (cuda_mapping.py's Note [views while access is set])
+    views_ms              the tensor views (on a GPU made while the access is set)
   connect_to_usable_ms  connect_ms + import_mapping_ms + attach_ms: the target
                         (<= 5 ms p50 on the H200 for a ~10 GB model in 10 chunks)
   first_touch_ms        reading one element of the first and last tensor back (on a GPU

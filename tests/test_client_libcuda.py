@@ -441,7 +441,7 @@ def test_map_vmm_closes_every_fd_whatever_fails(fake, monkeypatch, failing):
         fake.fail("cuMemImportFromShareableHandle", 1, on_call=2)
     with pytest.raises(CudaError, match={"count": "1 chunks but 2 fds", "uuid": "has that UUID",
                                          "import": "cuMemImportFromShareableHandle failed: CUDA_ERROR_INVALID_VALUE"}[failing]):
-        cuda_mapping.map_vmm(arena, fds, dict, [])
+        cuda_mapping.map_vmm(arena, fds)
     assert not any(is_open(fd) for fd in fds)
     if failing == "import":
         assert fake.log()[-2:] == [f"release {0xABC000000000 + fds[0]:#x}", "pop"]
@@ -475,23 +475,21 @@ def cpu_slab(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_views_are_made_while_access_is_set_and_none_leaves_before(fake, monkeypatch, cpu_slab):
-    # Note [views while access is set]: the views on a thread of their own while the
-    # caller is in cuMemSetAccess, and the tensors handed out only once it has returned.
+    # Note [views while access is set]: cuMemSetAccess on a thread of its own, the views
+    # made meanwhile, and the tensors handed out only once it has returned.
     from weightcache.client import mapping
 
     in_call, views_made, order = threading.Event(), threading.Event(), []
     set_access, tensor_views = libcuda.Driver.set_access, mapping.tensor_views
-    caller = threading.get_ident()
 
     def held_set_access(self: libcuda.Driver, *args: Any, **kwargs: Any) -> None:
-        assert threading.get_ident() == caller
         in_call.set()
-        assert views_made.wait(10)  # views made only after the access was set would time out here
+        assert views_made.wait(10)  # a caller that waited for the access before its views would time out here
         set_access(self, *args, **kwargs)
         order.append("access set")
 
     def noted_views(*args: Any) -> Any:
-        assert in_call.is_set() and threading.get_ident() != caller
+        assert in_call.is_set()
         out = tensor_views(*args)
         order.append("views made")
         views_made.set()
@@ -505,30 +503,15 @@ def test_views_are_made_while_access_is_set_and_none_leaves_before(fake, monkeyp
     assert sorted(model) == ["b", "w"] and model["b"].shape == (4,) and not any(is_open(fd) for fd in fds)
     log = fake.log()
     assert not any(line.startswith("unmap") for line in log)  # the tensors hold the range
-    # the caller made the context current for the call, and let it go
-    access = f"access {VA:#x} size={4 * MIB} type=1 id=0 flags=1 count=1"
-    assert log[log.index(access) - 1:][:3] == ["push 0xc0de000a", access, "pop"]
+    assert f"access {VA:#x} size={4 * MIB} type=1 id=0 flags=1 count=1" in log
+    # the access thread made the context current for its call, and let it go
+    assert log[log.index(f"access {VA:#x} size={4 * MIB} type=1 id=0 flags=1 count=1") - 1:][:3] == [
+        "push 0xc0de000a", f"access {VA:#x} size={4 * MIB} type=1 id=0 flags=1 count=1", "pop"]
 
 
-def test_views_that_finish_after_the_access_is_set_are_waited_for(fake, monkeypatch, cpu_slab):
-    from weightcache.client import mapping
-
-    access_set, tensor_views = threading.Event(), mapping.tensor_views
-    monkeypatch.setattr(libcuda.Driver, "set_access", lambda self, *a, **k: access_set.set())
-
-    def slow_views(*args: Any) -> Any:
-        assert access_set.wait(10)
-        time.sleep(0.05)
-        return tensor_views(*args)
-
-    monkeypatch.setattr(mapping, "tensor_views", slow_views)
-    model = mapping.attached_model("m", _vmm_reply(fake, memfds(2)))
-    assert sorted(model) == ["b", "w"]
-
-
-def test_the_view_thread_is_started_while_the_daemon_answers_and_used_by_the_map(fake, monkeypatch, cpu_slab):
+def test_the_access_thread_is_started_while_the_daemon_answers_and_used_by_the_map(fake, monkeypatch, cpu_slab):
     # Note [views while access is set]: prepare_attach (the attach's while_waiting) starts
-    # one parked thread in an engine with CUDA up; the map hands it the views, and starts
+    # one parked thread in an engine with CUDA up; the map hands it the range, and starts
     # no thread of its own.
     import _thread
 
@@ -538,7 +521,6 @@ def test_the_view_thread_is_started_while_the_daemon_answers_and_used_by_the_map
 
     monkeypatch.setattr(cuda_mapping, "_spare", None)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # its warm-up on "cuda:0" fails on a CPU build: no matter
     started: list[object] = []
     start = _thread.start_new_thread
     monkeypatch.setattr(_thread, "start_new_thread", lambda fn, args: started.append(fn) or start(fn, args))
@@ -550,29 +532,12 @@ def test_the_view_thread_is_started_while_the_daemon_answers_and_used_by_the_map
     assert f"access {VA:#x} size={4 * MIB} type=1 id=0 flags=1 count=1" in fake.log() and len(model) == 2
 
 
-@pytest.mark.parametrize(("device", "thread", "views_here"), [("cuda:0", True, False), (None, True, True), ("cpu", False, True)])
-def test_what_an_attach_prepares_while_the_daemon_answers(monkeypatch, device, thread, views_here):
-    # A GPU attach's first view calls are the view thread's, made by it before it parks;
-    # a CPU attach's are made here; an attach of the model's own device may be either.
-    import torch
-
-    from weightcache.client import mapping
-
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    done: list[str] = []
-    monkeypatch.setattr(cuda_mapping, "start_spare", lambda device: done.append(f"thread for {device}"))
-    monkeypatch.setattr(mapping, "prepare_views", lambda: done.append("views"))
-    mapping.prepare_attach(device)
-    assert done == [f"thread for {device or 'cuda:3'}"] * thread + ["views"] * views_here
-
-
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
-def test_a_spare_view_thread_is_not_inherited_by_a_fork_nor_needed_to_attach(monkeypatch):
+def test_a_spare_access_thread_is_not_inherited_by_a_fork_nor_needed_to_attach(monkeypatch):
     import _thread
 
     monkeypatch.setattr(cuda_mapping, "_spare", None)
-    cuda_mapping.start_spare(None)
+    cuda_mapping.start_spare()
     assert cuda_mapping._spare is not None
     pid = os.fork()
     if pid == 0:  # the child has no thread behind the parent's spare: it must start its own
@@ -585,28 +550,59 @@ def test_a_spare_view_thread_is_not_inherited_by_a_fork_nor_needed_to_attach(mon
 
     monkeypatch.setattr(cuda_mapping, "_spare", None)
     monkeypatch.setattr(_thread, "start_new_thread", no_thread)
-    cuda_mapping.start_spare(None)  # only a head start: the attach goes on, and its map says why if it has no thread either
+    cuda_mapping.start_spare()  # only a head start: the attach goes on, and its map says why if it has no thread either
     assert cuda_mapping._spare is None
 
 
-def test_a_table_that_does_not_fit_is_raised_once_access_is_set_and_the_range_unmapped(fake, cpu_slab):
+def test_an_interrupted_wait_leaves_the_range_mapped_until_the_access_call_is_over(fake, monkeypatch, cpu_slab):
+    # A KeyboardInterrupt while the caller waits for the access thread drops the tensors;
+    # the thread holds the range until its call is over, so that the range is not
+    # unmapped (and perhaps reserved by another attach) before the call ran on it.
     from weightcache.client import mapping
-    from weightcache.errors import BadRequest
 
-    reply = _vmm_reply(fake, memfds(2))
-    reply.tensors = iter([["w", "U8", [16], 0, 16], ["big", "F32", [2 * MIB], 0, 8 * MIB]])
-    with pytest.raises(BadRequest, match="does not fit"):
-        mapping.attached_model("m", reply)
+    in_call, release = threading.Event(), threading.Event()
+    set_access = libcuda.Driver.set_access
+
+    def slow_set_access(self: libcuda.Driver, *args: Any, **kwargs: Any) -> None:
+        in_call.set()
+        assert release.wait(10)
+        set_access(self, *args, **kwargs)
+
+    def interrupted(self: cuda_mapping.AccessThread) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(libcuda.Driver, "set_access", slow_set_access)
+    monkeypatch.setattr(cuda_mapping.AccessThread, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        mapping.attached_model("m", _vmm_reply(fake, memfds(2)))
+    assert in_call.wait(10)
     gc.collect()
+    assert not any(line.startswith("unmap") for line in fake.log())  # the thread still holds the range
+    release.set()
+    for _ in range(1000):  # the thread lets the range go as its call ends
+        gc.collect()
+        if any(line.startswith("unmap") for line in fake.log()):
+            break
+        time.sleep(0.01)
     log = fake.log()
     access = next(i for i, line in enumerate(log) if line.startswith("access"))
     assert access < next(i for i, line in enumerate(log) if line.startswith("unmap"))
 
 
-def test_a_view_thread_given_no_work_ends():
-    views = cuda_mapping.ViewThread()
-    views.abandon()
-    waiter = threading.Thread(target=views._done.acquire, daemon=True)
+def test_an_interrupted_hand_over_leaves_no_thread_waiting_for_good(fake):
+    class Interrupted:  # the caller's wait for "in the call" interrupted
+        def acquire(self) -> None:
+            raise KeyboardInterrupt
+
+        def release(self) -> None:
+            pass
+
+    access = cuda_mapping.AccessThread()
+    access._calling = Interrupted()  # type: ignore[assignment]
+    ctx = fake.drv.primary_context(0)
+    with pytest.raises(KeyboardInterrupt):
+        access.set_access(fake.drv, ctx, cuda_mapping.VmmMapping(VA, 2 * MIB, 0, ctx), True)
+    waiter = threading.Thread(target=access.wait, daemon=True)  # it ends, with the range or without
     waiter.start()
     waiter.join(10)
     assert not waiter.is_alive()

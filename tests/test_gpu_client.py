@@ -172,5 +172,5 @@ def test_map_vmm_closes_fds_when_the_driver_refuses_them():
     fds = memfds(2)
     arena = VmmArenaDesc(4 * MIB, [2 * MIB, 2 * MIB], libcuda.driver().device_uuid(0))
     with pytest.raises(CudaError, match="cuMemImportFromShareableHandle"):
-        cuda_mapping.map_vmm(arena, fds, dict, [])
+        cuda_mapping.map_vmm(arena, fds)
     assert not any(is_open(fd) for fd in fds)

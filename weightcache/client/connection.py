@@ -447,6 +447,6 @@ class ClientOps(ConnectionBase):
         reply, fds = await self._request("attach", timeout, {"name": name, "device": device, "rank": rank, "wait_s": wait_s,
                                                        "writable": writable or None, "keep_alive": keep_alive,
                                                        "table": "columns"},
-                                         while_waiting=lambda: prepare_attach(device))
+                                         while_waiting=lambda: prepare_attach(device != "cpu"))
         async with self._lease(reply["lease"]):  # ends the lease even if the reply is bad or mapping fails
             yield attached_model(name, parse_attach(reply, fds))

@@ -30,34 +30,25 @@ Note [views while access is set]
 183 tensors in a fresh engine). Neither needs the other: a view is a pointer, sizes and
 strides, and torch reads nothing through it when making it (``torch.as_tensor`` asks the
 driver which device the pointer is on, which it answers once the range is mapped; measured
-on the H100). So the views are made on a thread of their own while the caller sets the
-access:
+on the H100). So the access is set on a thread of its own, and the views are made in the
+meantime:
 
 - the thread is started while the daemon answers the attach request (``start_spare``,
-  called by mapping.py's ``prepare_attach``), makes torch's first view calls on a scrap
-  tensor (a thread's first views cost more: its thread-local state), and waits, parked
-  on a lock: started in the attach itself it cost 0.27 ms there on the H100 host
-  (Thread.start waits for the new thread to run; a process's first thread is the
-  slowest to start);
-- the caller reserves, imports and maps with the context current, makes the slab, hands
-  the thread the slab and the table, and calls ``cuMemSetAccess`` straight away, which
-  lets go of the GIL for the call: the thread takes it and makes the views meanwhile;
-- nothing that lets go of the GIL may come between the hand-over and that call: a
-  thread that needs the GIL back while the other computes waits up to a switch interval
-  (5 ms) for it, so the caller must be inside the driver, not before it, when the views
-  begin. When the call returns the caller waits for the views (the thread holds the GIL
-  until they are made, or a switch interval), then takes them.
-  Session 23 had the roles the other way round: the access on the thread, the views on
-  the caller, which had to wait until the thread was inside the driver before it could
-  start them; that hand-over was 0.31 ms from the range handed on to the first view on
-  the H200;
-- :func:`map_vmm` returns the views once both are done, and raises the driver's error
-  (after the thread is done with the range) if setting access failed, or the views' if
-  the table did not fit.
+  called by mapping.py's ``prepare_attach``), and waits, parked on a lock: started in
+  the attach itself it cost 0.27 ms there on the H100 host (Thread.start waits for the
+  new thread to run; a process's first thread is the slowest to start);
+- the calling thread reserves, imports and maps, and hands the thread the range; the
+  thread makes the context current, says so, and calls ``cuMemSetAccess``, which lets
+  go of the GIL for the call; the caller then makes the slab tensor and the views;
+- the caller waits for that "in the call" before making views: a thread that needs the
+  GIL back while the other computes waits up to a switch interval (5 ms) for it, so
+  the thread must be inside the driver, not before it, when the views begin;
+- :func:`map_vmm` returns the slab and a ``wait``; :func:`attached_model` (mapping.py)
+  calls it after the views and before handing out any tensor, and it raises the
+  driver's error if setting access failed (the range is then unmapped with the slab).
 
-Nothing can read the range before access is set: the tensors leave :func:`map_vmm` only
-after ``cuMemSetAccess`` returned. The call runs in the caller's thread, which holds the
-range's :class:`VmmMapping` throughout, so the range cannot be unmapped under it.
+Nothing can read the range before access is set: the tensors leave the client only after
+``wait``.
 """
 
 from __future__ import annotations
@@ -66,8 +57,7 @@ import _thread
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 import torch
 
@@ -75,9 +65,6 @@ from ..protocol.arena import VmmArenaDesc
 from .libcuda import CudaError, Driver, driver
 
 DEINITIALIZED = "CUDA_ERROR_DEINITIALIZED"  # cuGetErrorName of CUresult 4
-
-if TYPE_CHECKING:  # mapping.py's tensor_views, handed in: mapping.py imports this module, not the reverse
-    MakeViews = Callable[[torch.Tensor, Iterable[Any]], dict[str, torch.Tensor]]
 
 
 class VmmMapping:
@@ -107,92 +94,95 @@ class VmmMapping:
                 raise
 
 
-class ViewThread:
-    """A thread that makes one attach's tensor views while the caller sets the range's
-    access (Note [views while access is set]). It starts parked and is given its work by
-    :meth:`make_views`; one is started ahead of need (:func:`start_spare`). ``device``
-    ("cuda:N"): the GPU whose views it will make, on which it makes its first view calls
-    (None: on the CPU)."""
+class AccessThread:
+    """A thread that sets one VMM range's access while the caller makes views (Note
+    [views while access is set]). It starts parked and is given its range by
+    :meth:`set_access`; one is started ahead of need (:func:`start_spare`). The thread
+    holds the range's :class:`VmmMapping` until its call is over, so that the range is
+    never unmapped under it, whatever becomes of the caller (a KeyboardInterrupt while it
+    waits: unmapped, the range could be reserved by another attach before the call ran,
+    and given this one's access)."""
 
-    def __init__(self, device: str | None = None) -> None:
-        self._device = device
-        self._go = threading.Lock()  # released to hand over the work (or no work: end)
+    def __init__(self) -> None:
+        self._go = threading.Lock()  # released to hand over the range (or no range: end)
         self._go.acquire()
+        self._calling = threading.Lock()  # released by the thread as it enters the driver call
+        self._calling.acquire()
         self._done = threading.Lock()
         self._done.acquire()
-        self._job: tuple[MakeViews, torch.Tensor, Iterable[Any]] | None = None
-        self._views: dict[str, torch.Tensor] | None = None
-        self._error: BaseException | None = None
+        self._job: tuple[Driver, int, VmmMapping, bool] | None = None
+        self.error: BaseException | None = None
         # _thread, not threading.Thread: Thread.start waits until the new thread runs,
         # which in a fresh process cost the caller 0.35-0.52 ms (0.10-0.15 ms for later
         # threads) on the 2-core VM; this one starts without waiting for it.
         _thread.start_new_thread(self._run, ())
 
     def _run(self) -> None:
+        entered = False
         try:
-            # torch's first view calls on this thread, made while the daemon answers and
-            # before parking: a fresh thread's first 183 views took 0.28-0.38 ms against
-            # 0.18-0.22 once it had made one (2-core VM), and for the process's first
-            # attach these are its first view calls too (mapping.py's prepare_views). On
-            # the GPU, for its device: the thread's CUDA state is set up here, not while
-            # the caller is inside cuMemSetAccess (session 24's H100: views made on a
-            # thread warmed on the CPU took 0.62-1.43 ms there, 0.59 on the caller).
-            with contextlib.suppress(Exception):  # only a head start: the views say what is wrong, if anything
-                scrap = torch.empty(0 if self._device else 8, dtype=torch.uint8, device=self._device)
-                scrap.view(torch.bfloat16).as_strided((scrap.numel() // 2,), (1,), 0)
             self._go.acquire()
             job, self._job = self._job, None
-            if job is not None:
-                make_views, slab, table = job
-                self._views = make_views(slab, table)
-        except BaseException as exc:  # handed to the caller by views()
-            self._error = exc
+            if job is None:
+                return
+            drv, ctx, mapping, read_only = job  # held until the call is over
+            with drv.current(ctx):
+                entered = True
+                self._calling.release()
+                drv.set_access(mapping.va, mapping.nbytes, mapping.ordinal, read_only=read_only)
+        except BaseException as exc:  # handed to the caller by wait()
+            self.error = exc
         finally:
+            if not entered:
+                self._calling.release()
             self._done.release()
 
-    def make_views(self, make_views: MakeViews, slab: torch.Tensor, table: Iterable[Any]) -> None:
-        """Hand the thread its work, ``make_views(slab, table)``, and return at once: it
-        needs the GIL to begin, which the caller's next driver call lets go of."""
-        self._job = (make_views, slab, table)
-        self._go.release()
+    def set_access(self, drv: Driver, ctx: int, mapping: VmmMapping, read_only: bool) -> None:
+        """Hand the thread its range; return once it is inside the driver call (or done)."""
+        self._job = (drv, ctx, mapping, read_only)
+        try:
+            self._go.release()
+            self._calling.acquire()
+        except BaseException:
+            self.abandon()
+            raise
 
     def abandon(self) -> None:
-        """Let a thread that was given no work end."""
+        """Let the thread end without a range if it has not taken one (the hand-over was
+        interrupted); if it has, it finishes its call holding the range."""
+        self._job = None
         with contextlib.suppress(RuntimeError):  # released already
             self._go.release()
 
-    def views(self) -> dict[str, torch.Tensor]:
-        """The views, once made; the error that stopped them, raised."""
+    def wait(self) -> None:
+        """Return once access is set; raise the driver's error if it could not be."""
         with self._done:
             pass
-        if self._error is not None:
-            raise self._error
-        assert self._views is not None
-        return self._views
+        if self.error is not None:
+            raise self.error
 
 
-_spare: ViewThread | None = None
+_spare: AccessThread | None = None
 _spare_lock = threading.Lock()
 
 
-def start_spare(device: str | None) -> None:
-    """Start a parked :class:`ViewThread` for the next GPU attach, unless one is
+def start_spare() -> None:
+    """Start a parked :class:`AccessThread` for the next GPU attach, unless one is
     waiting already. The attach calls this while the daemon answers its request, so that
     starting a thread is not on the way from the reply to usable tensors."""
     global _spare
     with _spare_lock:
         if _spare is None:
             try:
-                _spare = ViewThread(device)
+                _spare = AccessThread()
             except RuntimeError:  # no thread to be had now: the map starts one, or says why it cannot
                 pass
 
 
-def _take_spare(device: str | None) -> ViewThread:
+def _take_spare() -> AccessThread:
     global _spare
     with _spare_lock:
         spare, _spare = _spare, None
-    return spare if spare is not None else ViewThread(device)
+    return spare if spare is not None else AccessThread()
 
 
 def _forget_spare() -> None:
@@ -204,12 +194,10 @@ def _forget_spare() -> None:
 os.register_at_fork(after_in_child=_forget_spare)
 
 
-def map_vmm(arena: VmmArenaDesc, fds: list[int], make_views: MakeViews, table: Iterable[Any], *,
-            read_only: bool = True) -> dict[str, torch.Tensor]:
-    """fds (closed here, whatever happens) + the reply's arena description and tensor
-    table -> the tensors, ``make_views`` of the whole range mapped on the GPU the arena
-    names, readable: the views are made while access is set (Note [views while access is
-    set])."""
+def map_vmm(arena: VmmArenaDesc, fds: list[int], *, read_only: bool = True) -> tuple[torch.Tensor, Callable[[], None]]:
+    """fds (closed here, whatever happens) + the reply's arena description -> a uint8
+    tensor over the whole range on the GPU the arena names, and the ``wait`` to call
+    before anything reads it: access is set meanwhile (Note [views while access is set])."""
     try:
         sizes = arena.chunks
         if len(fds) != len(sizes):
@@ -223,19 +211,11 @@ def map_vmm(arena: VmmArenaDesc, fds: list[int], make_views: MakeViews, table: I
     finally:
         for fd in fds:
             os.close(fd)
-    vmm = VmmMapping(va, sum(sizes), ordinal, ctx)  # owns the range from here: unmapped when collected
-    slab = torch.as_tensor(vmm, device=f"cuda:{ordinal}")
-    views = _take_spare(f"cuda:{ordinal}")
-    with drv.current(ctx):
-        try:
-            views.make_views(make_views, slab, table)
-        except BaseException:
-            views.abandon()  # interrupted before the hand-over: the thread must not stay parked
-            raise
-        try:  # nothing between the hand-over and this driver call lets go of the GIL
-            drv.set_access(va, vmm.nbytes, ordinal, read_only=read_only)
-        except BaseException:
-            with contextlib.suppress(BaseException):
-                views.views()  # the thread is done with the range before it may be unmapped
-            raise
-    return views.views()
+    mapping = VmmMapping(va, sum(sizes), ordinal, ctx)  # owns the range from here: unmapped when collected
+    access = _take_spare()
+    try:
+        access.set_access(drv, ctx, mapping, read_only)
+    except BaseException:
+        access.abandon()  # interrupted before the hand-over began: the thread must not stay parked
+        raise
+    return torch.as_tensor(mapping, device=f"cuda:{ordinal}"), access.wait

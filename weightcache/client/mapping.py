@@ -21,7 +21,7 @@ import mmap
 import os
 import stat
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -91,19 +91,16 @@ def prepare_views() -> None:
     scrap.view(torch.bfloat16).as_strided((2, 1), (1, 1), 0)
 
 
-def prepare_attach(device: str | None = None) -> None:
-    """What an attach of ``device`` (None: the model's own) does while the daemon answers
-    it (``while_waiting``). For an attach that may be a GPU's (any device but "cpu") in an
-    engine with CUDA up: start the thread that will make the views while the range's
-    access is set (cuda_mapping.py's Note [views while access is set]), which makes
-    torch's first view calls for itself. For one that may be a CPU's (not a "cuda:"
-    device): those first calls here (:func:`prepare_views`)."""
-    if device != "cpu" and torch.cuda.is_initialized():
+def prepare_attach(gpu: bool = True) -> None:
+    """What an attach does while the daemon answers it (``while_waiting``): torch's
+    first view calls (:func:`prepare_views`), and for an attach that may be a GPU's
+    (``gpu``: any device but "cpu" asked for, or none) in an engine with CUDA up, the thread that
+    will set the range's access (cuda_mapping.py's Note [views while access is set])."""
+    if gpu and torch.cuda.is_initialized():
         from .cuda_mapping import start_spare
 
-        start_spare(device if device and device.startswith("cuda:") else f"cuda:{torch.cuda.current_device()}")
-    if device is None or not device.startswith("cuda"):
-        prepare_views()
+        start_spare()
+    prepare_views()
 
 
 def map_memfd(fd: int, nbytes: int) -> torch.Tensor:
@@ -177,20 +174,24 @@ def file_tensor_views(slabs: list[torch.Tensor], arena: FileArenaDesc, table: It
     return out
 
 
-def map_arena(arena: MemfdArenaDesc | VmmArenaDesc, fds: list[int], table: Iterable[list[Any]]) -> dict[str, torch.Tensor]:
-    """A memfd or VMM arena + its fds + the tensor table -> views of the mapped arena,
-    readable (a VMM range's access is set while the views are made: cuda_mapping.py's
-    Note [views while access is set]). Takes the fds: each is closed exactly once, here
-    or by the mapper it is handed to, whether this returns or raises (the mapping keeps
-    the memory)."""
+def _usable() -> None:
+    """A memfd's mapping is readable as made: nothing to wait for."""
+
+
+def map_arena(arena: MemfdArenaDesc | VmmArenaDesc, fds: list[int]) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A memfd or VMM arena + its fds -> one uint8 tensor over the whole arena, and the
+    ``wait`` to call after making views of it and before anything reads them (a VMM
+    range's access is set meanwhile: cuda_mapping.py's Note [views while access is
+    set]). Takes the fds: each is closed exactly once, here or by the mapper it is handed
+    to, whether this returns or raises (the mapping keeps the memory)."""
     if isinstance(arena, VmmArenaDesc):
         from .cuda_mapping import map_vmm
 
-        return map_vmm(arena, fds, tensor_views, table, read_only=not arena.writable)  # closes them
+        return map_vmm(arena, fds, read_only=not arena.writable)  # closes them
     if len(fds) != 1:
         close_fds(fds)
         raise BadRequest(f"memfd arena needs 1 fd, got {len(fds)}")
-    return tensor_views(map_memfd(fds[0], arena.nbytes), table)  # closes it
+    return map_memfd(fds[0], arena.nbytes), _usable  # closes it
 
 
 def tensor_views(slab: torch.Tensor, table: Iterable[list[Any]]) -> dict[str, torch.Tensor]:
@@ -265,6 +266,10 @@ def attached_model(name: str, reply: AttachReply) -> AttachedModel:
     if isinstance(arena, FileArenaDesc):
         tensors = file_tensor_views(map_files(arena, reply.fds), arena, reply.tensors)
     else:
-        tensors = map_arena(arena, reply.fds, reply.tensors)
+        slab, wait = map_arena(arena, reply.fds)
+        try:
+            tensors = tensor_views(slab, reply.tensors)
+        finally:
+            wait()  # no tensor leaves before the range is readable (and a failure to make it so is raised)
     return AttachedModel(name, reply.lease, reply.fingerprint, reply.device, tensors,
                          source=reply.source, arena_kind=arena.kind, waited_s=reply.waited_s)
