@@ -23,7 +23,7 @@ serve, a client checks who serves the socket) and how the fds that came with fra
 closed (``close_fds``).
 
 Why one module: the names, the frames and the sockets lived in modules of their own, and
-each module a fresh engine imports costs ~50-75 µs whatever it holds (2-core VM, H100
+each module a fresh engine imports costs ~50-110 µs whatever it holds (2-core VM, H100
 host; issue 23). Every user of the protocol imports the package first.
 
 ``encode_frame`` and ``decode_payload`` (the daemon's msgpack codec, framing.py) are
