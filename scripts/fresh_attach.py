@@ -46,8 +46,9 @@ process's CPU time for the same span (``cpu_p50``; ``time.process_time``, every 
 so the client's prefetch thread counts, and no waiting): on a machine others keep busy
 the wall times move with their load, the CPU times much less. The checkpoint is written by
 ``safetensors.torch.save_file`` (mode 0600), as users' files are. ``--base DIR`` adds
-engines that import weightcache from DIR (another version of the package, e.g. from
-``git archive``), alternating with the rest: two versions compared in one run, against
+engines that import weightcache from DIR (the directory holding another version's
+``weightcache/``, e.g. from ``git archive``; each engine's ``package`` says which copy it
+imported), alternating with the rest: two versions compared in one run, against
 the same daemon (this version's) and the same anchors.
 
 Prints one JSON object: the setup, every process's phases, and median / min / max / p90
@@ -125,6 +126,7 @@ def child(sock: str, model: str, device: str, breakdown: bool, client: str) -> d
 
     out["import_ms"] = (time.perf_counter() - t) * 1e3
     out["import_cpu_ms"] = (time.process_time() - cpu) * 1e3
+    out["package"] = os.path.dirname(sys.modules["weightcache"].__file__ or "")  # which copy was timed (--base)
     times: dict[str, float] = {}
     if breakdown:
         t = time.perf_counter()
@@ -472,6 +474,8 @@ _ANCHOR_GC: dict[str, list[float]] = {}  # way -> each process's ms in GC collec
 def _import_to_usable_of(sock: str, model: str, device: str, client: str, src: str | None,
                          base: str | None = None) -> tuple[float, float]:
     r = run_child(sock, model, device, False, client, src, base)
+    if base is not None and not Path(r["package"]).resolve().is_relative_to(Path(base).resolve()):
+        raise RuntimeError(f"--base {base}: the engine imported weightcache from {r['package']}")
     way = f"weightcache_{client}" + ("_no_bytecode" if src is not None else "_base" if base is not None else "")
     _ANCHOR_GC.setdefault(way, []).append(r["gc_ms"])
     return _import_to_usable(r)
@@ -512,8 +516,8 @@ def main() -> None:
                     help="also time import -> usable tensors side by side: weightcache with and without bytecode, a fresh "
                          "load_file of the same file and, on a GPU, torch CUDA IPC handles of the same tensors")
     ap.add_argument("--settle-s", type=float, default=1.0, help="with --anchors on a GPU: pause after every process")
-    ap.add_argument("--base", help="with --anchors: also time engines that import weightcache from this directory (another "
-                                   "version of the package, e.g. from `git archive`), alternating with the rest")
+    ap.add_argument("--base", help="with --anchors: also time engines that import weightcache from this directory, the one "
+                                   "holding another version's weightcache/ (e.g. from `git archive`), alternating with the rest")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -527,6 +531,10 @@ def main() -> None:
         ap.error("--anchors needs the checkpoint this script writes: leave out --socket")
     if args.restarts and sock is not None:
         ap.error("--restarts needs the checkpoint this script writes: leave out --socket")
+    if args.base and not args.anchors:
+        ap.error("--base adds a way to --anchors' comparison: give --anchors too")
+    if args.base and not (Path(args.base) / "weightcache" / "__init__.py").is_file():
+        ap.error(f"--base {args.base}: no weightcache/__init__.py there (give the directory that holds the package)")
     if sock is None:
         daemon, sock, model, load_s = start_daemon(args, Path(args.dir))
     restarts: dict[str, Any] | None = None

@@ -7,12 +7,13 @@ predecessor's names: the same code, the same order, N modules. Then times, in fr
 processes that imported torch (and, on a GPU, initialised CUDA) first, importing each
 layout's groups, the layouts alternating. Only the import is timed, not an attach.
 
-    python scripts/module_layouts.py --package weightcache --layouts 15,12,1 --rounds 11 [--cuda]
+    mkdir /tmp/wc-8edd1eb && git archive 8edd1eb -- weightcache | tar -x -C /tmp/wc-8edd1eb
+    python scripts/module_layouts.py --package /tmp/wc-8edd1eb/weightcache --layouts 15,12,1 --rounds 11 [--cuda] [--out f.json]
 
-``--package``: the package directory to read (e.g. a ``git archive`` of another version);
-it must have the layout this script names (session 23's: protocol/messages.py and
-protocol/transport.py, client/client.py). docs/benchmarks.md ("Session 24") has what it
-showed.
+``--package``: the weightcache package directory to read, of a version with the 15
+modules this script names (8edd1eb's: protocol/messages.py and protocol/transport.py,
+client/client.py; this version merged them). docs/benchmarks.md ("Session 24") has what
+it showed.
 """
 
 from __future__ import annotations
@@ -90,12 +91,19 @@ def write_layout(package: Path, n: int, into: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--package", type=Path, default=Path(__file__).resolve().parent.parent / "weightcache")
+    ap.add_argument("--package", type=Path, required=True, help="a weightcache package directory with the 15 modules named here")
     ap.add_argument("--layouts", default="15,12,1", help=f"module counts, of {sorted(LAYOUTS)}")
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--cuda", action="store_true", help="initialise CUDA before timing, as an engine has")
+    ap.add_argument("--out", type=Path, help="also write every process's time here (JSON)")
     args = ap.parse_args()
+    missing = [m for m in PATH if not (args.package / f"{m}.py").is_file()]
+    if missing:
+        ap.error(f"{args.package} lacks {', '.join(f'{m}.py' for m in missing)}: give a version with the 15 modules "
+                 "of 8edd1eb's engine path (see the docstring)")
     counts = [int(n) for n in args.layouts.split(",")]
+    if unknown := sorted(set(counts) - set(LAYOUTS)):
+        ap.error(f"no layout of {unknown} modules: choose from {sorted(LAYOUTS)}")
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {n: write_layout(args.package, n, Path(tmp)) for n in counts}
         times: dict[int, list[float]] = {n: [] for n in counts}
@@ -106,6 +114,9 @@ def main() -> None:
                 times[n].append(float(r.stdout.split()[-1]))
     for n in counts:
         print(f"{n:2d} modules: import p50 {statistics.median(times[n]):.2f} ms (min {min(times[n]):.2f}) over {args.rounds}")
+    if args.out:
+        args.out.write_text(json.dumps({"package": str(args.package), "cuda": args.cuda,
+                                        "import_ms": {str(n): times[n] for n in counts}}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

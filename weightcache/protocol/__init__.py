@@ -24,7 +24,9 @@ closed (``close_fds``).
 
 Why one module: the names, the frames and the sockets lived in modules of their own, and
 each module a fresh engine imports costs ~50-110 µs whatever it holds (2-core VM, H100
-host; issue 23). Every user of the protocol imports the package first.
+host; issue 23). Every user of the protocol imports the package first; ``import
+weightcache`` (for ``tenant_fingerprint``) therefore loads socket, select and array too,
+which an engine's torch has loaded already.
 
 ``encode_frame`` and ``decode_payload`` (the daemon's msgpack codec, framing.py) are
 imported when first asked for: the client and ``import weightcache`` import this package,
@@ -297,5 +299,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ADMIN_OPS", "DEFAULT_MAX_FRAME", "HEADER", "OPS", "PROTOCOL_VERSION", "FrameDecoder", "decode_payload",
-           "encode_frame"]
+__all__ = ["ADMIN_OPS", "CONFIG_ENV", "DAEMON_UID_ENV", "DEFAULT_MAX_FRAME", "DEFAULT_SOCKET", "HEADER", "MAX_FDS_PER_MSG", "OPS",
+           "PROTOCOL_VERSION", "SOCKET_ENV", "FrameDecoder", "client_socket_path", "close_fds", "decode_payload", "encode_frame",
+           "peer_credentials", "recv_with_fds", "recv_with_fds_blocking", "send_with_fds", "send_with_fds_blocking",
+           "tenant_fingerprint", "wait_ready"]

@@ -29,7 +29,7 @@ def _map_header(n: int) -> bytes:
 
 def encode_reply(message: dict[str, Any]) -> list[bytes]:
     """One frame for ``message``, whose top-level values may be ``Packed``, as parts to
-    send back to back (``transport.send_with_fds``): the packed values are not copied."""
+    send back to back (``protocol.send_with_fds``): the packed values are not copied."""
     parts: list[bytes] = []
     run = [_map_header(len(message))]
     for key, value in message.items():
