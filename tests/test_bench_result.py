@@ -1,4 +1,4 @@
-"""The bench's typed result writes exactly the JSON that docs/bench-*.json hold (tooling
+"""The bench's typed result writes exactly the JSON that results/bench-*.json hold (tooling
 and the docs read those files): same keys, same order, same values. The rows added later
 (runai-model-streamer, ready to compute, fresh-process attach) keep to the same rules, and
 a small bench runs end to end against a real daemon."""
@@ -31,8 +31,8 @@ from weightcache.tools.bench_result import (
 )
 from weightcache.tools.restart import time_fresh_attach
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
-PUBLISHED = ["bench-cpu.json", "bench-h200.json", "bench-cpu-2026-11-30.json"]
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+PUBLISHED = ["bench-cpu-2026-12-02.json", "bench-h200-2026-12-03.json"]
 
 
 def peer(r: dict[str, Any], name: str) -> PeerLoaderFigures | None:
@@ -72,7 +72,7 @@ def typed(r: dict[str, Any]) -> BenchResult:
 
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_to_json_writes_the_published_keys_in_order(name):
-    text = (DOCS / name).read_text()
+    text = (RESULTS / name).read_text()
     r = json.loads(text)
     out = typed(r).as_dict()
     # The derived figure is recomputed from the medians: equal up to float rounding.
@@ -83,7 +83,7 @@ def test_to_json_writes_the_published_keys_in_order(name):
 
 
 def test_optional_figures_keep_their_absent_or_null_rule():
-    base = typed(json.loads((DOCS / "bench-cpu.json").read_text()))
+    base = typed(json.loads((RESULTS / "bench-cpu-2026-12-02.json").read_text()))
     assert "disk_ceiling_GBps" in base.as_dict()
     # no cold runs: no disk ceiling key; a peer loader that worked has a null cold median
     d = replace(base, disk_ceiling=DiskCeiling(), fastsafetensors=PeerLoaderFigures(warm_s=1.0)).as_dict()
@@ -117,7 +117,7 @@ def new_rows(base: BenchResult) -> BenchResult:
 
 
 def test_new_rows_sit_beside_their_kin_and_read_back():
-    base = typed(json.loads((DOCS / "bench-cpu.json").read_text()))
+    base = typed(json.loads((RESULTS / "bench-cpu-2026-12-02.json").read_text()))
     d = new_rows(base).as_dict()
     keys = list(d)
     # runai's keys right after the other peer loader's, ready to compute after attach, fresh before the restarts
@@ -135,7 +135,7 @@ def test_new_rows_sit_beside_their_kin_and_read_back():
 
 
 def test_fresh_process_headline_is_per_process_beside_its_anchors():
-    d = new_rows(typed(json.loads((DOCS / "bench-cpu.json").read_text()))).as_dict()["fresh_attach"]
+    d = new_rows(typed(json.loads((RESULTS / "bench-cpu-2026-12-02.json").read_text()))).as_dict()["fresh_attach"]
     # per process, import + connect + first attach = 14, 15, 7: the median is 14
     assert d["import_to_tensors_ms"]["p50"] == 14.0 and d["import_to_tensors_ms"]["runs"] == [14.0, 15.0, 7.0]
     assert d["load_file_ms"]["p50"] == 6.0 and d["cuda_ipc_ms"]["p50"] == 17.0
@@ -144,7 +144,7 @@ def test_fresh_process_headline_is_per_process_beside_its_anchors():
 
 
 def test_ready_to_compute_is_medians_and_their_ratio():
-    d = new_rows(typed(json.loads((DOCS / "bench-cpu.json").read_text()))).as_dict()["ready_to_compute"]
+    d = new_rows(typed(json.loads((RESULTS / "bench-cpu-2026-12-02.json").read_text()))).as_dict()["ready_to_compute"]
     assert d["reps"] == 3 and d["read"] == "max per tensor"
     assert d["attach_s"] == {"p50": 0.2, "min": 0.1, "max": 0.3, "runs": [0.1, 0.3, 0.2]}
     assert d["load_file_s"]["p50"] == 0.5
@@ -155,7 +155,7 @@ def test_ready_to_compute_is_medians_and_their_ratio():
 
 
 def test_fresh_attach_connect_to_tensors_is_per_process():
-    d = new_rows(typed(json.loads((DOCS / "bench-cpu.json").read_text()))).as_dict()["fresh_attach"]
+    d = new_rows(typed(json.loads((RESULTS / "bench-cpu-2026-12-02.json").read_text()))).as_dict()["fresh_attach"]
     assert d["n"] == 3
     assert d["connect_to_tensors_ms"] == {"p50": 11.0, "min": 2.0, "max": 11.0, "runs": [11.0, 11.0, 2.0]}
     assert d["import_client_ms"]["p50"] == 4.0 and d["second_attach_ms"]["max"] == 0.7
@@ -168,7 +168,7 @@ def test_an_operators_checkpoint_and_skipped_rows_are_in_the_json_only_when_ther
     """--checkpoint (issue 23): the path and its file count beside the environment, why the
     page cache was refused beside the arena, and the rows that did not run; a generated
     checkpoint's JSON keeps exactly its old keys."""
-    base = typed(json.loads((DOCS / "bench-cpu.json").read_text()))
+    base = typed(json.loads((RESULTS / "bench-cpu-2026-12-02.json").read_text()))
     assert not {"checkpoint", "files", "notes"} & base.as_dict().keys()
     ready = ReadyToComputeFigures(attach_s=Spread((0.1,)), load_file_s=Spread((0.2,)), read="max", resident_ratio=1.0, arena="memfd",
                                   arena_note="/m/a.safetensors is on nfs4, where the bytes can change behind the page cache")

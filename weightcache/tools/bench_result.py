@@ -1,7 +1,7 @@
 """What ``weightcache bench`` measured, as typed records, one per group of figures.
 
-:meth:`BenchResult.as_dict` gives the flat JSON object that docs/bench-cpu.json and
-docs/bench-h200.json hold: tooling and the docs read those files, so the keys, their
+:meth:`BenchResult.as_dict` gives the flat JSON object that results/bench-cpu-*.json and
+results/bench-h200-*.json hold: tooling and the docs read those files, so the keys, their
 order and their meaning stay exactly as they were when the bench returned a plain dict.
 Optional figures keep their old rule: a key is absent when the step did not run (``gpu``
 and the host tier on CPU, the disk ceiling without cold runs) and ``null`` when it ran
@@ -342,7 +342,7 @@ class BenchResult:
     notes: tuple[str, ...] = ()  # issue 23: rows that did not run on this checkpoint, and why (key absent when none)
 
     def as_dict(self) -> dict[str, Any]:
-        """The flat object of docs/bench-*.json, keys in the order they always had (the
+        """The flat object of results/bench-*.json, keys in the order they always had (the
         later rows' keys beside their kin)."""
         out: dict[str, Any] = {}
         for part in (self.env, self.load_file, self.disk_ceiling, self.fastsafetensors, self.runai_streamer, *self.instanttensor,
