@@ -29,7 +29,7 @@ demo: install
 	$(BIN)/weightcache demo
 
 lint: install
-	$(BIN)/ruff check weightcache tests examples scripts
+	$(BIN)/ruff check weightcache tests examples scripts benchmarks
 	$(BIN)/mypy
 
 test: lint
@@ -37,13 +37,13 @@ test: lint
 
 bench: install
 	$(BIN)/pip install -q -e ".[bench]"
-	$(BIN)/weightcache bench --size-gib 1 --big-gib 2 --out docs/bench-cpu.json
+	$(BIN)/weightcache bench --size-gib 1 --big-gib 2 --out results/bench-cpu.json
 
 # Longer reliability runs (docs/reliability.md): churn with SIGKILLs, tenants abusing the
-# daemon, and a longer fuzz.
+# daemon, and a longer fuzz. Results go to results/.
 stress: install
-	$(BIN)/python scripts/stress_churn.py --clients 200 --seconds 30 --out docs/churn.json
-	$(BIN)/python scripts/stress_abuse.py --seconds 20 --out docs/abuse.json
+	$(BIN)/python -m benchmarks churn --clients 200 --seconds 30 --out results/churn.json
+	$(BIN)/python -m benchmarks abuse --seconds 20 --out results/abuse.json
 	WC_FUZZ_EXAMPLES=5000 $(BIN)/pytest -q -s tests/test_fuzz.py
 
 clean:

@@ -13,7 +13,7 @@ disk-loaded engine's) and ~16 GB of disk.
 
 ``--supervised`` adds restarts under ``weightcache supervise`` (docs/deployment.md,
 "Supervisor"): engines forked from a template that imported torch and transformers,
-compared with fresh processes on restart-to-first-logits. scripts/supervised_restart.py
+compared with fresh processes on restart-to-first-logits. `python -m benchmarks supervised-restart`
 measures the same with a recorded template, and writes JSON.
 """
 

@@ -1,6 +1,6 @@
 """Several GPUs: device = "auto" placement and GPU-to-GPU copies (issue 15). Skipped
 unless CUDA, cuda-bindings and at least two GPUs are present; written for any number of
-GPUs (scripts/multi_gpu.py measures the same paths on big models)."""
+GPUs (`python -m benchmarks multi-gpu` measures the same paths on big models)."""
 
 import pytest
 import torch

@@ -620,8 +620,8 @@ def test_a_bad_command_says_why(tmp_path):
 def test_supervised_restart_script_on_cpu(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "r.json"
-    p = subprocess.run([PY, str(REPO / "scripts" / "supervised_restart.py"), "--preset", "tiny", "--device", "cpu", "--restarts", "1",
-                        "--workdir", str(tmp_path / "w"), "--out", str(out)], capture_output=True, text=True, timeout=600)
+    p = subprocess.run([PY, "-m", "benchmarks", "supervised-restart", "--preset", "tiny", "--device", "cpu", "--restarts", "1",
+                        "--workdir", str(tmp_path / "w"), "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["logits_identical"] and len(r["logits_sha256"]) == 1

@@ -9,7 +9,7 @@ an engine's first read of 1 GiB paid ~80 ms of faults, while the same file's pag
 cache, in 2 MiB folios, maps a whole folio per fault (~10 ms): attach + read was 0.4x
 ``load_file`` + read. And the memfd was a second copy of what the page cache already
 held. Prefaulting a memfd in the client (MADV_POPULATE_READ) costs the same as the
-faults it saves. Figures: scripts/cpu_arena_options.py, docs/benchmarks.md.
+faults it saves. Figures: docs/benchmarks.md.
 
 A **file arena** (wire kind ``"file"``, docs/protocol.md): at bind time the arena opens
 each checkpoint file anew (its own read-only open file description, reached through the

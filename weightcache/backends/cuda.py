@@ -301,7 +301,7 @@ class CudaBackend(Backend):
         # Chunk by chunk: copy it out, then release the chunks copied so far as soon as a
         # load waits for the room, so it fills its first chunks while the rest are still
         # being copied here. Not before: each cuMemUnmap stalls copies running meanwhile
-        # (scripts/duplex_probe.py on the H200: a promotion beside a demotion that
+        # (a probe on the H200: a promotion beside a demotion that
         # released every chunk ran at 40 GB/s against 52 alone; torch's copies in both
         # directions at once, without unmaps, at 51 each), and the last ones go at the end.
         assert isinstance(arena, VmmArena) and self.host_pool is not None

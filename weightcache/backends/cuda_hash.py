@@ -4,7 +4,7 @@ Why on the GPU: hashing on the host cost the first load of a file from a warm pa
 1.4-1.6x on the H200 (docs/benchmarks.md, "Content fingerprint"). Hashing each slice
 right after ``preadv`` wrote it ran at ~13.6 GB/s per thread there, the rate of xxh3-128
 over memory (12 GB/s over 1 GiB), not over cache (63 GB/s over a cached 1 MiB;
-scripts/hash_pipeline.py): the hash reads the bytes back from host memory, which the load
+measured on that host): the hash reads the bytes back from host memory, which the load
 itself is bound by (8 threads of memmove reached 62 GB/s). On the GPU the bytes are read from HBM by a kernel that runs
 while the next chunks are copied, and the host does nothing more.
 
@@ -26,7 +26,7 @@ Only files that cannot change unseen are hashed here (the reader decides,
 loader/reader.py): the kernels share the GPU with the engines' by time slicing, and an
 engine computing bf16 matmuls kept 0.56 of its rate during such a load on the H200
 (0.98 during a load without the hash, 1.01 with the hash on the host;
-scripts/hash_contention.py). Those files are hashed once per version; a peer's files are
+python -m benchmarks hash-contention). Those files are hashed once per version; a peer's files are
 hashed at every load, and that must not take GPU time from the other tenants' engines.
 """
 

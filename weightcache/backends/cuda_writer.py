@@ -53,7 +53,7 @@ class VmmWriter:
     never waits for a hash; the smaller pieces are hashed on the host from the buffer.
     Otherwise every piece is hashed on the host. One buffer per thread: a second, so a
     thread reads while its last copy runs, made every arrangement slower on the H200 (up
-    to 1.29x with 8 threads, scripts/hash_pipeline.py)."""
+    to 1.29x with 8 threads)."""
 
     direct_io = True
     serves_files = False  # a copy in device memory

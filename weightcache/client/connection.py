@@ -10,7 +10,7 @@ connection); sync.py's ``BlockingConnection`` waits in the caller's thread (Note
 [blocking transport] there). :class:`ClientOps` is the ops over it: aio.py's
 :class:`~weightcache.Client` runs them on an asyncio loop, sync.py's SyncClient in the
 caller's thread. They were a module of their own; each module a fresh engine imports
-costs ~50-110 µs (issue 23; scripts/module_layouts.py).
+costs ~50-110 µs.
 
 Importing this module does not import torch (tests/test_client_imports.py): the control
 calls need none, and they are what the CLI and health probes make. ``attach`` imports

@@ -20,8 +20,8 @@ The reader (reader.py) cuts its work into *tasks*: runs of whole pieces, contigu
 file and arena, of at most max(chunk, HASH_BLOCK) bytes. A thread reads a task's chunks
 in order and feeds each piece's hasher from the bytes the writer just placed (the memfd
 mapping, the pinned staging buffer, the populated page-cache mapping), so a piece never
-spans two threads. xxh3 releases the GIL for the buffers it hashes (measured by
-scripts/content_hash_cost.py), so hashing runs in parallel across loader threads.
+spans two threads. xxh3 releases the GIL for the buffers it hashes (`gil_pace_while_*`
+in weightcache bench's JSON), so hashing runs in parallel across loader threads.
 
 Files served from their own page cache (CPU file arenas, backends/cpu.py) are not
 copied, so their hash is a pass over the mapping. Tensor digests are kept per file
@@ -143,7 +143,7 @@ def _tasks(rows: Iterable[tuple[int, int, int, int, int]], cap: int) -> list[Tas
 # Every writer has write_batch: the memfd one reads into the mapping, the file arena
 # populates the batch's range once and hashes from the mapping (backends/page_cache.py),
 # the CUDA one stages the batch's span of the arena in its pinned buffer and copies it at
-# once (backends/cuda_writer.py). scripts/small_tensor_loads.py on the H200 host, one task a
+# once (backends/cuda_writer.py). python -m benchmarks small-tensors on the H200 host, one task a
 # tensor -> batched: memfd 3.84 -> 0.46 s, page cache 4.03 -> 0.27 s, VMM 8.47 -> 0.30 s.
 SMALL_TENSOR = 64 * 2**10
 BATCH_TENSORS = 1024  # IOV_MAX on Linux: one preadv a batch

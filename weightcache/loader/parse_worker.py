@@ -2,7 +2,7 @@
 
 Why a process: JSON-parsing and laying out 100k tensors is ~0.6 s of Python that holds
 the interpreter lock, in slices the event loop must queue for; beside one tenant's
-100k-tensor loads another tenant's attach p99 went up 10-16x (issue 25, stress_abuse.py
+100k-tensor loads another tenant's attach p99 went up 10-16x (benchmarks abuse
 --only headerbomb, 2-core VM), and the parse's transient objects stayed in the daemon's
 heap as RSS. A worker holds no lock of the daemon's, runs at nice 5 (the kernel favours the
 event loop's thread when they share a core), and takes its garbage with it when it exits. Its

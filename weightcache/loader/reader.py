@@ -261,7 +261,7 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
         # once per version (their digests are kept), where a peer's files are hashed at
         # every load, and the device's kernels take time from the engines computing on
         # that GPU (0.56 of an engine's matmul rate during such a load on the H200,
-        # scripts/hash_contention.py): a tenant's loads must not take it from the others.
+        # python -m benchmarks hash-contention): a tenant's loads must not take it from the others.
         device_min = writer.device_hash_min if trusted else None
         failed = threading.Event()  # once one chunk fails, the others stop early
 

@@ -21,7 +21,7 @@ T = TypeVar("T")
 
 # Row 5 of issue 25: the GIL is the daemon's one CPU, shared by the event loop and every
 # thread. One tenant's loads of 100k-tensor headers pushed another tenant's attach p99
-# from ~6 to 332 ms (scripts/stress_abuse.py --only headerbomb): in a thread that parses
+# from ~6 to 332 ms (python -m benchmarks abuse --only headerbomb): in a thread that parses
 # such a header the cyclic collector ran 20 full collections per parse, each holding the
 # GIL for up to 250 ms against the loop (the loop's sleep(1 ms) late by 253 ms; 22 ms
 # with the collector paused), and msgpack packed the whole table in one C call (62-180
@@ -35,7 +35,7 @@ SWITCH_INTERVAL_S = 0.0005
 # the default four. Beside two connections of one tenant loading 100k-tensor files, a
 # share of half let both parse at once: the daemon's RSS peaked 317 MiB above its start,
 # 175 MiB with a quarter, and another tenant's attach p50 went 4.2 -> 3.2 ms
-# (stress_abuse.py --only headerbomb; p99 25-34 ms either way, within run-to-run noise).
+# (benchmarks abuse --only headerbomb; p99 25-34 ms either way, within run-to-run noise).
 TENANT_IO_SHARE = 0.25
 
 
@@ -58,7 +58,7 @@ class IoPool:
         # The GIL is handed to a waiting thread after this long (CPython's default: 5 ms).
         # The event loop waits that long for it at each wake-up while a thread runs Python
         # (a parse, a fill of many tensors): another tenant's attach, several wake-ups,
-        # had p99 161 ms beside 100k-tensor loads; 56 ms at 0.5 ms (stress_abuse.py --only
+        # had p99 161 ms beside 100k-tensor loads; 56 ms at 0.5 ms (benchmarks abuse --only
         # headerbomb, 2-core VM). Process-wide, set once here where the threads are made.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
 

@@ -28,7 +28,7 @@ class SpaceFreed:
     model or fails with an error of the model's own, and the next oldest when it is
     cancelled (``settle``). Every detach notifies: with all woken, 1,920 loads waiting for
     one model made a detach take 28-50 ms of the event loop on the CI VM, one refused
-    retry each (scripts/waiter_herd.py)."""
+    retry each (python -m benchmarks waiter-herd)."""
 
     def __init__(self) -> None:
         self.generation = 0  # counts notifications: a waiter that missed one sees it

@@ -3,7 +3,7 @@ a TP=2 model placed automatically, and, for one big model, the three ways a repl
 second GPU gets its bytes, side by side in one run: a peer copy from the first GPU, a
 promotion from the pinned host tier, and a load from the page cache.
 
-    python3 scripts/multi_gpu.py --size-gib 8 --reps 3 --out multi_gpu.json
+    python3 -m benchmarks multi-gpu --size-gib 8 --reps 3 --out multi_gpu.json
 
 Needs two GPUs or more (any number: placement uses all of them, the copy comparison the
 first two). Each copy is timed two ways: the ``load`` request's wall time seen by the
@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"  # where every tool writes by default
 
 GIB = 1 << 30
 # The daemon's line for a fill (server/residency/fill.py): verb, entry, bytes, seconds, GB/s.
@@ -161,7 +163,7 @@ def main() -> int:
     ap.add_argument("--size-gib", type=float, default=8.0, help="the big model's size (the issue asks for >= 4)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")
-    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--out", type=Path, default=RESULTS / "multi-gpu.json", help="write the results as JSON here")
     args = ap.parse_args()
     try:
         import torch

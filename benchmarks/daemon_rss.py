@@ -9,7 +9,7 @@ follows ``load_threads x load_chunk_bytes``. Each daemon: start, load a 64 KiB m
 (5 tensors), an 8 MiB model (40 tensors), evict both, load the first again; RSS after
 each step. Prints one JSON object.
 
-    python3 scripts/daemon_rss.py --device cuda:0 --threads 1,8
+    python3 -m benchmarks daemon-rss --device cuda:0 --threads 1,8
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ then attaches and detaches a resident model ``--rounds`` times: every detach not
 the waiters. Prints the median and max time of those detaches and of a third
 connection's ``status`` after each (docs/architecture.md, "Loading").
 
-    .venv/bin/python scripts/waiter_herd.py --connections 60 --rounds 60
+    python -m benchmarks waiter-herd --connections 60 --rounds 60
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ for a 9 GiB model in isolation: a fixed cost per load. This script measures, in 
    and from the host tier (should the daemon queue loads or run them together?).
 
 Every figure comes with the daemon's own phase breakdown (its "loaded"/"promoted" log
-lines). Run on the GPU host: ``python scripts/profile_loads.py --out results.json``.
+lines). Run on the GPU host: ``python -m benchmarks profile-loads --out results/profile-loads.json``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from weightcache import Client
 from weightcache.tools.daemon_log import load_lines
 from weightcache.tools.spawn import DaemonProcess, config_text
 from weightcache.tools.synth import write_checkpoint
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"  # where every tool writes by default
 
 GIB = 2**30
 async def timed_attach(c: Client, name: str) -> dict[str, Any]:
@@ -116,7 +118,7 @@ def main() -> None:
     ap.add_argument("--host-gib", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", type=Path, default=RESULTS / "profile-loads.json")
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="wc-prof-"))
     work.mkdir(parents=True, exist_ok=True)

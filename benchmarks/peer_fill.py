@@ -24,7 +24,7 @@ Then, ``--rounds`` times, interleaved:
 Rates are data bytes over the wall time of the client's ``load`` call (fill, files) or
 of the read (raw). Writes JSON to ``--out``.
 
-    .venv/bin/python scripts/peer_fill_bench.py --gib 1 --rounds 7 --out docs/peer-fill-cpu.json
+    python -m benchmarks peer-fill --gib 1 --rounds 7 --out results/peer-fill-cpu.json
 
 ``--vram 0,1`` measures only NIXL's raw GPU-to-GPU rate between two processes (one per
 GPU, or ``0,0`` for one GPU), with the fill's request size and window, into memory
@@ -59,6 +59,8 @@ from weightcache.peers.fill import TASK_BYTES, WINDOW
 from weightcache.protocol.framing import HEADER, decode_payload, encode_frame
 from weightcache.tools.spawn import DaemonProcess, config_text
 from weightcache.tools.synth import write_checkpoint
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"  # where every tool writes by default
 
 
 def free_port() -> int:
@@ -461,7 +463,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--out", type=Path)
+    p.add_argument("--out", type=Path, default=RESULTS / "peer-fill.json")
     p.add_argument("--device", default="cpu", help="the daemons' device (cuda:0: two daemons on one GPU, the files' row "
                    "from the page cache, the raw row between two cudaMalloc buffers)")
     p.add_argument("--tensors", type=int, default=64)

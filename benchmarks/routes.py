@@ -10,9 +10,9 @@ close after the attach; each side counts only the request. Counted: a file whose
 functions ran (a module's own body, run by a lazy import, is not counted), so a record
 read only as attributes (server/resident.py's ``Resident`` in an attach) is not.
 
-    python scripts/walk_files.py            # the counts and the files, per side
-    python scripts/walk_files.py --json     # every file:function called, as JSON
-    PYTHONPATH=<other checkout> python scripts/walk_files.py   # another version's
+    python -m benchmarks routes            # the counts and the files, per side
+    python -m benchmarks routes --json     # every file:function called, as JSON
+    PYTHONPATH=<other checkout> python -m benchmarks routes   # another version's
 """
 
 from __future__ import annotations

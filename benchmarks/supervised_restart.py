@@ -20,8 +20,8 @@ One engine also loads the weights from disk (``from_pretrained``): every engine'
 logits must be bit-identical to it. Exit status 1 if they are not; the target (supervised
 with a record below 1 s, median) is reported, not enforced.
 
-    python scripts/supervised_restart.py --preset llama-8b --device cuda:0 --restarts 3 --out docs/supervised-h200.json
-    python scripts/supervised_restart.py --preset tiny --device cpu --restarts 2 --out /tmp/supervised-cpu.json   # smoke test
+    python -m benchmarks supervised-restart --preset llama-8b --device cuda:0 --restarts 3 --out results/supervised.json
+    python -m benchmarks supervised-restart --preset tiny --device cpu --restarts 2 --out /tmp/supervised-cpu.json   # smoke test
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"  # where every tool writes by default
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "transformers_engine.py"
@@ -74,7 +76,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda:0", help="cuda:0, or cpu for a smoke test")
     ap.add_argument("--restarts", type=int, default=3, help="restarts timed per series (each series runs one more engine)")
     ap.add_argument("--workdir", default=None, help="model, socket, logs (default: a temp dir; the built model is reused)")
-    ap.add_argument("--out", required=True, help="write the results here as JSON")
+    ap.add_argument("--out", type=Path, default=RESULTS / "supervised.json", help="write the results here as JSON")
     ap.add_argument("--exclude", default=None, metavar="MODULES",
                     help="passed to the recorded series' supervisor: recorded modules not to preload (if it refused one)")
     args = ap.parse_args()

@@ -38,7 +38,7 @@ Exit 1 unless: peak RSS growth < --rss-bound-mib, peak fd count < --fd-bound, th
 well-behaved client never failed (every request answered, ok, within --request-timeout),
 and the daemon exits 0 on SIGTERM within its grace period plus 10 s.
 
-    .venv/bin/python scripts/stress_abuse.py --seconds 30 --out docs/abuse.json
+    python -m benchmarks abuse --seconds 30   # writes results/abuse.json
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ from weightcache.protocol import encode_frame
 from weightcache.protocol.framing import HEADER
 from weightcache.tools.spawn import DaemonProcess, config_text
 from weightcache.tools.synth import write_checkpoint
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"  # where every tool writes by default
 
 MIB = 2**20
 NOBODY = 65534
@@ -525,7 +527,7 @@ def good_client(path: str, seconds: float, timeout: float, publish_every: int, o
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=30.0)
-    ap.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
+    ap.add_argument("--out", type=Path, default=RESULTS / "abuse.json", help="write the results here as JSON")
     ap.add_argument("--rss-bound-mib", type=float, default=None, help=(
         "peak RSS growth allowed (default 256 MiB; 512 with the tenant abusers, whose 100k-tensor parses each peak at "
         "~85 MiB while they run, two at a time: docs/reliability.md)"))

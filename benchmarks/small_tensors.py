@@ -8,7 +8,7 @@ The file is the tenant's attack of issue 25 as safetensors.torch.save_file write
 page cache (read_checkpoint with the content hash, as a fill does): wall seconds and the
 process's CPU seconds (the GIL the other tenants wait for).
 
-    .venv/bin/python scripts/small_tensor_loads.py --out small.json
+    python -m benchmarks small-tensors --out results/small-tensors.json
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from weightcache.backends.base import Backend
 from weightcache.backends.cpu import CpuBackend
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
 from weightcache.loader.content import FILE_DIGESTS
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"  # where every tool writes by default
 
 
 class OneTaskEach:
@@ -71,7 +73,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk-mib", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out")
+    ap.add_argument("--out", type=Path, default=RESULTS / "small-tensors.json")
     args = ap.parse_args()
     chunk = args.chunk_mib << 20
     backends: dict[str, Backend] = {"memfd": CpuBackend("cpu", page_cache=False), "page_cache": CpuBackend("cpu", page_cache=True)}

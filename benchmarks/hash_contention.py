@@ -8,7 +8,7 @@ tools/bench_hash.py does) from a warm page cache: without the hash, with the has
 GPU, with it on the host, interleaved, a pause between loads. It reports each variant's
 load time and the engine's matmul rate during the loads against its rate in the pauses.
 
-    python3 scripts/hash_contention.py --device cuda:0 --size-gib 4 --reps 3 --out r.json
+    python3 -m benchmarks hash-contention --device cuda:0 --size-gib 4 --reps 3 --out r.json
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"  # where every tool writes by default
 
 BATCH = 20  # matmuls between two timestamps
 
@@ -56,7 +58,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--pause-s", type=float, default=1.0)
     p.add_argument("--workdir", default="/tmp/wc-hash-contention")
-    p.add_argument("--out")
+    p.add_argument("--out", type=Path, default=RESULTS / "hash-contention.json")
     p.add_argument("--engine", nargs=2, metavar=("SECONDS", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.engine:

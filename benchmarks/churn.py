@@ -2,13 +2,13 @@
 detaching at random for a bounded time, some SIGKILLed mid-flight; then the daemon's
 books and file descriptors must be exactly as if nothing had happened.
 
-The clients speak the wire protocol directly (scripts/stress_churn.py --client): written
+The clients speak the wire protocol directly (``churn.py --client``): written
 from docs/protocol.md alone, without torch, so that 200 of them fit in memory and the
 spec is exercised by a second implementation. Each maps what it receives read-only (a
 sealed memfd, or a "file" arena's checkpoint files and their segments: two of the four
 models are served each way) and reads a byte of every tensor, like an engine would.
 
-Run: python scripts/stress_churn.py --clients 200 --seconds 30   (prints a JSON summary)
+Run: python -m benchmarks churn --clients 200 --seconds 30   (prints a JSON summary, writes results/churn.json)
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 import msgpack
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"  # where every tool writes by default
 
 
 # ----------------------------------------------------------------------------- client
@@ -162,7 +164,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--kill-fraction", type=float, default=0.2)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", type=Path, default=RESULTS / "churn.json")
     args = ap.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

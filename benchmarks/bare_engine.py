@@ -15,7 +15,7 @@ third way, weightcache imported from DIR (another version of the package, e.g. f
 leave the collector in another state (docs/benchmarks.md says what that changes).
 
     weightcache serve --config c.toml &      # a daemon holding the model (CPU or GPU)
-    python scripts/bare_engine.py --socket /tmp/s.sock --model fresh --file m.safetensors --rounds 41
+    python -m benchmarks bare-engine --socket /tmp/s.sock --model fresh --file m.safetensors --rounds 41
 """
 
 from __future__ import annotations

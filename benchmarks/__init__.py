@@ -1,0 +1,22 @@
+"""The benchmark and stress tools beside ``weightcache bench``, one entry point:
+``python -m benchmarks NAME [ARGS]`` (``python -m benchmarks`` lists them). Each writes its
+JSON under results/ unless ``--out`` says otherwise; docs/benchmarks.md gives the command
+behind every figure."""
+
+from __future__ import annotations
+
+# name on the command line -> (module in this package, what it measures)
+TOOLS: dict[str, tuple[str, str]] = {
+    "abuse": ("abuse", "tenants abusing the daemon beside a well-behaved client and another tenant (make stress)"),
+    "bare-engine": ("bare_engine", "the smallest fresh engine against a fresh load_file, alternating"),
+    "churn": ("churn", "200 wire-protocol clients attaching at random, some SIGKILLed (make stress)"),
+    "daemon-rss": ("daemon_rss", "the daemon's RSS as a GPU budget's first loads make their staging"),
+    "hash-contention": ("hash_contention", "what the GPU content hash takes from an engine's kernels"),
+    "multi-gpu": ("multi_gpu", "placement and a replica filled three ways on a second GPU"),
+    "peer-fill": ("peer_fill", "a miss filled from a neighbour daemon over NIXL, against files and raw NIXL"),
+    "profile-loads": ("profile_loads", "each miss's phases under churn on one GPU"),
+    "routes": ("routes", "the package files each route runs code in (attach, load, eviction)"),
+    "small-tensors": ("small_tensors", "a file of 100k one-byte tensors, batched and one task a tensor"),
+    "supervised-restart": ("supervised_restart", "restart to first logits: fresh, supervised, recorded modules"),
+    "waiter-herd": ("waiter_herd", "what requests waiting for room cost a detach and others' status"),
+}
