@@ -1,17 +1,29 @@
-"""Which of weightcache's files a request's walk runs code in: the counts of
-docs/architecture.md's "An attach, hop by hop" and "A load, hop by hop".
+"""Which of weightcache's files each route runs code in, and how often it comes back to a
+file it had left: the counts in docs/architecture.md ("Routes, counted").
 
-A daemon runs in this process (CPU backend, one 8 MiB checkpoint) and an engine in a
-child process (SyncClient). Each side records the files of every Python function called
-(sys.setprofile, and threading.setprofile for the daemon's worker threads) while one
-request is served: a cold ``load``, then a warm ``attach`` of the same model. The child
-connects first and waits, so the connection's hello is not counted, nor the detach and the
-close after the attach; each side counts only the request. Counted: a file whose
-functions ran (a module's own body, run by a lazy import, is not counted), so a record
-read only as attributes (server/resident.py's ``Resident`` in an attach) is not.
+Three routes:
 
-    python -m benchmarks routes            # the counts and the files, per side
-    python -m benchmarks routes --json     # every file:function called, as JSON
+  attach    a warm attach: the model resident and unchanged (CPU backend, a page-cache
+            arena); the daemon in this process, the engine a SyncClient in a child process
+  load      a cold load: the model registered and not resident, its file's pages dropped
+            first; the daemon here and the engine's ``load`` request in the child
+  eviction  one eviction decision: ``CacheCore.begin_load`` of a model that needs a
+            resident one's room (the daemon's cache core, in this process)
+
+Each side records the file of every Python function called (``sys.setprofile``, and
+``threading.setprofile`` for the daemon's worker threads) while one request is served.
+The child connects first and waits, so its hello is not counted, nor the detach and the
+close after the attach. A module's own body (run by a lazy import) is not counted.
+
+Counted per route and side:
+
+  files    the package's files whose functions ran
+  returns  returns to a room already left: walking each thread's calls in order, the
+           times a call lands in a file the thread had called into before, coming from
+           another file (a > b > a counts one; a > a > b counts none)
+
+    python -m benchmarks routes                 # the counts and the files, per route and side
+    python -m benchmarks routes --json          # the counts and every file, as JSON
     PYTHONPATH=<other checkout> python -m benchmarks routes   # another version's
 """
 
@@ -20,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -32,34 +45,33 @@ from safetensors.torch import save_file
 
 import weightcache
 
-PACKAGE = Path(weightcache.__file__).parent
+PACKAGE = str(Path(weightcache.__file__).parent)
 
+# The engine: a child process that records its own calls between two lines on stdin.
 CHILD = r"""
-import sys, threading
+import json, sys, threading
 from pathlib import Path
 import weightcache
 from weightcache import SyncClient
-PACKAGE = Path(weightcache.__file__).parent
-files = set()
+PACKAGE = str(Path(weightcache.__file__).parent)
+calls = []
 def prof(frame, event, arg):
-    if event == "call" and frame.f_code.co_name != "<module>":
-        f = frame.f_code.co_filename
-        if f.startswith(str(PACKAGE)):
-            files.add(str(Path(f).relative_to(PACKAGE)) + ":" + frame.f_code.co_name)
+    if event == "call" and frame.f_code.co_name != "<module>" and frame.f_code.co_filename.startswith(PACKAGE):
+        calls.append(frame.f_code.co_filename[len(PACKAGE) + 1:])
 op, socket = sys.argv[1], sys.argv[2]
 with SyncClient(socket) as c:
     if op == "attach":
-        import weightcache.client.mapping  # what prefetch_attach imports at connect in an engine with torch
+        import weightcache.client.mapping  # what an engine with torch imports while it waits for the hello
     print("ready", flush=True)
     sys.stdin.readline()
     sys.setprofile(prof)
     if op == "attach":
         held = c.attach("m")
-        m = held.__enter__()  # the detach, when it leaves, is not the attach's walk
+        held.__enter__()  # the detach, when it leaves, is not the attach's route
     else:
         c.load("m")
     sys.setprofile(None)
-    print("done", " ".join(sorted(files)), flush=True)
+    print("done " + json.dumps(calls), flush=True)
     sys.stdin.readline()  # the daemon stopped counting: now detach and close
     if op == "attach":
         held.__exit__(None, None, None)
@@ -67,71 +79,133 @@ with SyncClient(socket) as c:
 
 
 class Recorder:
+    """A profile function: the package file of every call, per thread, while ``on``."""
+
     def __init__(self) -> None:
         self.on = False
-        self.files: set[str] = set()
+        self.calls: dict[int, list[str]] = {}
 
     def __call__(self, frame: Any, event: str, arg: Any) -> None:
         if self.on and event == "call" and frame.f_code.co_name != "<module>":
             f = frame.f_code.co_filename
-            if f.startswith(str(PACKAGE)):
-                self.files.add(str(Path(f).relative_to(PACKAGE)) + ":" + frame.f_code.co_name)
+            if f.startswith(PACKAGE):
+                self.calls.setdefault(threading.get_ident(), []).append(f[len(PACKAGE) + 1:])
+
+    def start(self) -> None:
+        self.calls, self.on = {}, True
+
+    def stop(self) -> list[list[str]]:
+        self.on = False
+        return list(self.calls.values())
 
 
-async def walk(op: str, socket: str, rec: Recorder) -> dict[str, list[str]]:
+def returns(seq: list[str]) -> int:
+    """Calls that land in a file this sequence had called into before, coming from another."""
+    seen: set[str] = set()
+    n, prev = 0, None
+    for f in seq:
+        if f != prev and f in seen:
+            n += 1
+        seen.add(f)
+        prev = f
+    return n
+
+
+def side(threads: list[list[str]]) -> dict[str, Any]:
+    files = sorted({f for seq in threads for f in seq})
+    return {"files": len(files), "returns": sum(returns(seq) for seq in threads), "list": files}
+
+
+async def over_the_wire(op: str, socket: str, rec: Recorder) -> dict[str, Any]:
     child = await asyncio.create_subprocess_exec(sys.executable, "-c", CHILD, op, socket, stdin=asyncio.subprocess.PIPE,
                                                  stdout=asyncio.subprocess.PIPE)
     assert child.stdin is not None and child.stdout is not None
     assert (await child.stdout.readline()).strip() == b"ready"
-    rec.files, rec.on = set(), True
+    rec.start()
     child.stdin.write(b"go\n")
     await child.stdin.drain()
-    line = (await child.stdout.readline()).decode().split()
+    line = (await child.stdout.readline()).decode()
     await asyncio.sleep(0.3)  # what the daemon does after sending the reply (the request's metrics) counts too
-    rec.on = False
+    daemon = rec.stop()
     child.stdin.write(b"bye\n")
     await child.stdin.drain()
     await child.wait()
-    assert line and line[0] == "done", line
-    return {"daemon": sorted(rec.files), "engine": sorted(line[1:])}
+    assert line.startswith("done "), line
+    return {"daemon": side(daemon), "engine": side([json.loads(line[5:])])}
 
 
-async def main(as_json: bool) -> None:
+def eviction_decision() -> dict[str, Any]:
+    """One ``begin_load`` that evicts: three models, a budget for two, the third's load."""
+    from weightcache.cache.core import CacheCore
+
+    core = CacheCore({"cpu": 200})
+    for name in ("a", "b", "c"):
+        core.register(name, "cpu")
+    for name in ("a", "b"):
+        core.begin_load(name, 100)
+        core.finish_load(name)
+    rec = Recorder()
+    sys.setprofile(rec)
+    rec.start()
+    try:
+        plan = core.begin_load("c", 100)
+    finally:
+        sys.setprofile(None)
+        threads = rec.stop()
+    assert plan.evict == ("a",), plan
+    return {"daemon": side(threads)}
+
+
+async def measure() -> dict[str, Any]:
     from weightcache.config import load_settings
     from weightcache.server.main import build
 
-    tmp = Path(tempfile.mkdtemp(prefix="wc-walk-", dir="/tmp"))
-    g = torch.Generator().manual_seed(0)
-    save_file({f"layer{i}.weight": torch.randn(256, 1024, generator=g) for i in range(8)}, str(tmp / "m.safetensors"))
-    cfg = tmp / "walk.toml"
-    cfg.write_text(f'[daemon]\nsocket = "{tmp / "d.sock"}"\n[budgets]\ncpu = "64MiB"\n'
-                   f'[[models]]\nname = "m"\npath = "{tmp / "m.safetensors"}"\ndevice = "cpu"\n')
+    tmp = Path(tempfile.mkdtemp(prefix="wc-routes-", dir="/tmp"))
     rec = Recorder()
-    threading.setprofile(rec)  # the io pool's and the loader's threads, started after this
-    sys.setprofile(rec)
-    daemon = build(load_settings(cfg), str(cfg))
-    await daemon.start()
-    serving = asyncio.ensure_future(daemon.serve())
     try:
-        out = {"load": await walk("load", str(tmp / "d.sock"), rec),
-               "attach": await walk("attach", str(tmp / "d.sock"), rec)}
+        g = torch.Generator().manual_seed(0)
+        ckpt = tmp / "m.safetensors"
+        save_file({f"layer{i}.weight": torch.randn(256, 1024, generator=g) for i in range(8)}, str(ckpt))
+        cfg = tmp / "routes.toml"
+        cfg.write_text(f'[daemon]\nsocket = "{tmp / "d.sock"}"\n[budgets]\ncpu = "64MiB"\n'
+                       f'[[models]]\nname = "m"\npath = "{ckpt}"\ndevice = "cpu"\n')
+        threading.setprofile(rec)  # the io pool's and the loader's threads, started after this
+        sys.setprofile(rec)
+        daemon = build(load_settings(cfg), str(cfg))
+        await daemon.start()
+        serving = asyncio.ensure_future(daemon.serve())
+        try:
+            fd = os.open(ckpt, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: its pages dropped
+            finally:
+                os.close(fd)
+            out = {"load": await over_the_wire("load", str(tmp / "d.sock"), rec),
+                   "attach": await over_the_wire("attach", str(tmp / "d.sock"), rec)}
+        finally:
+            sys.setprofile(None)
+            threading.setprofile(None)  # type: ignore[arg-type]
+            daemon.request_stop("routes counted")
+            await serving
     finally:
-        sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
-        daemon.request_stop("walk over")
-        await serving
         shutil.rmtree(tmp, ignore_errors=True)
-    if as_json:
+    out["eviction"] = eviction_decision()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print the counts and the files as JSON")
+    out = asyncio.run(measure())
+    if p.parse_args().json:
         print(json.dumps(out, indent=1))
         return
-    for op, sides in out.items():
-        for side, files in sides.items():
-            print(f"{op}, {side}: {len({f.partition(':')[0] for f in files})} files")
-            for f in sorted({f.partition(":")[0] for f in files}):
+    for route, sides in out.items():
+        for name, s in sides.items():
+            print(f"{route}, {name}: {s['files']} files, {s['returns']} returns to a room already left")
+            for f in s["list"]:
                 print(f"    {f}")
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", action="store_true")
-    asyncio.run(main(p.parse_args().json))
+    main()

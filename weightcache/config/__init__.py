@@ -9,7 +9,7 @@ The rooms:
 
 - schema.py: the file's shape, one pydantic model per table (``Settings`` is the whole
   file; a new table is a model there and a field of ``Settings``); peers.py: ``[peers]``'s
-  (weightcache/peers/), apart to keep schema.py under 500 lines;
+  (weightcache/peers/), a model of its own beside schema.py;
 - load.py: :func:`load_settings` (file, then environment) and :func:`problems` (one line
   per problem, naming its key);
 - file.py: the TOML file before validation (reading it, its relative paths, the socket it

@@ -1,6 +1,6 @@
 """``[peers]``: the neighbour daemons a load that misses may be filled from (weightcache/peers/,
-issue 27). A model of its own, apart from schema.py (which holds it as ``Settings.peers``),
-to keep that module under 500 lines."""
+with its own checks). A model of its own, apart from schema.py (which holds it as
+``Settings.peers``)."""
 
 from __future__ import annotations
 

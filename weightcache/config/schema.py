@@ -2,7 +2,7 @@
 
 ``Settings`` is the whole file: a field per top-level table. A new table is a model class
 here and a field of ``Settings`` (and a commented example in configs/example.toml); one
-that would take this module past 500 lines gets a module of its own (peers.py, ``[peers]``).
+with many keys and checks of its own may get a module of its own (peers.py, ``[peers]``).
 """
 
 from __future__ import annotations
