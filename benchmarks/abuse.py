@@ -12,7 +12,7 @@ whenever the daemon closes them):
 - ``nohello``:  connects and says nothing;
 - ``partial``:  sends a header and almost a whole maximum-size frame, then stops.
 
-Tenant abusers (issue 25; ``--tenant-abusers``, on by default, as uid 65534 with
+Tenant abusers (``--tenant-abusers``, on by default, as uid 65534 with
 ``tenant_register`` on):
 
 - ``headerbomb``: two connections, each registering its own file of 100,000 zero-byte
@@ -27,7 +27,7 @@ Tenant abusers (issue 25; ``--tenant-abusers``, on by default, as uid 65534 with
 Another tenant (uid 65533) attaches ``tiny`` and reads it, and cold-loads a 4 KiB model
 of its own (register with fds, load, unregister), first for ``--quiet`` seconds without
 the abusers ("alone"), then beside them: its attach p50/p99 and cold-load latency in both
-phases are the figures issue 25 is about (the target: attach p99 within 2x of alone).
+phases are the figures that matter (the target: attach p99 within 2x of alone).
 
 Throughout both phases a well-behaved client (root, its own process) attaches, reads,
 detaches and asks ``status`` (and every --publish-every rounds publishes a table of 8000
@@ -278,7 +278,7 @@ def abuser(kind: str, path: str, conns: int, seconds: float, uid: int | None, ou
     out.put({"kind": kind, **stats})
 
 
-# ------------------------------------------------------------------ tenant abusers (issue 25)
+# ------------------------------------------------------------------ tenant abusers
 def header_bomb_file(path: Path, n: int, nbytes: int = 0) -> Path:
     """``n`` tensors of ``nbytes`` bytes each, as safetensors.torch.save_file lays them out."""
     header = {f"t{i:06d}": {"dtype": "U8", "shape": [nbytes], "data_offsets": [i * nbytes, (i + 1) * nbytes]}
@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds the other tenant measures alone before the abusers start")
     ap.add_argument("--p99-ratio", type=float, default=0.0, help=(
         "fail if the other tenant's attach p99 beside the abusers is more than this many times its p99 alone "
-        "(issue 25's target is 2; 0, the default, reports the ratio without failing: the target is not met yet, "
+        "(the target is 2; 0, the default, reports the ratio without failing: the target is not shown yet, "
         "docs/reliability.md)"))
     ap.add_argument("--loop-stall-ms", type=float, default=10.0, help=(
         "the daemon's loop_stall_s, in ms: stalls this long are collected from status with their stacks and "
@@ -746,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  other tenant, {phase:6s} {op:9s} n={s['n']:5d} p50 {s['p50_ms']:7.2f} ms  "
                       f"p99 {s['p99_ms']:7.2f} ms  max {s['max_ms']:7.2f} ms")
         print(f"  other tenant failures: {len(tenant['failures'])} {tenant['failures'][:3]}; attach p99 beside the "
-              f"abusers / alone: {tenant.get('attach_p99_ratio', float('nan')):.1f}x (issue 25's target: 2x)")
+              f"abusers / alone: {tenant.get('attach_p99_ratio', float('nan')):.1f}x (the target: 2x)")
     print(f"daemon RSS before the abusers {rss_before_abusers / MIB:.0f} MiB, after {after_rss / MIB:.0f} MiB")
     print(f"daemon exit on SIGTERM: {rc} in {stop_s:.1f}s; tracebacks in its log: {tracebacks}")
     ls = report["loop_stalls"]

@@ -1,4 +1,4 @@
-"""The smallest fresh engine, side by side with a fresh ``load_file`` (issue 23).
+"""The smallest fresh engine, side by side with a fresh ``load_file``.
 
 Each measured process is new and runs only this: ``import torch`` (not timed), then, timed
 with ``perf_counter`` and ``process_time`` until the tensors are usable, either

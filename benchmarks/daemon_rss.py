@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A daemon's RSS before and after its first loads, for two ``load_threads`` (issue 25).
+"""A daemon's RSS before and after its first loads, for two ``load_threads``.
 
 On a GPU budget the abuse stress saw the daemon's RSS grow by 280-305 MiB (bound 512)
 against ~130 on the CPU. The CUDA backend keeps one pinned staging buffer of

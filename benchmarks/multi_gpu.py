@@ -1,4 +1,4 @@
-"""Several GPUs, one daemon (issue 15): automatic placement, engines pinned to each GPU,
+"""Several GPUs, one daemon: automatic placement, engines pinned to each GPU,
 a TP=2 model placed automatically, and, for one big model, the three ways a replica on a
 second GPU gets its bytes, side by side in one run: a peer copy from the first GPU, a
 promotion from the pinned host tier, and a load from the page cache.

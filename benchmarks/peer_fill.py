@@ -1,5 +1,5 @@
 """A model filled from a neighbour daemon over NIXL, against the same daemon's cold load
-from its files and against NIXL's raw rate between two processes (issue 27).
+from its files and against NIXL's raw rate between two processes.
 
 One checkpoint (default 1 GiB, 64 bf16 tensors) is written twice, in two directories:
 the lender daemon serves ``a/model.safetensors`` (a page-cache arena, as its load makes
@@ -354,7 +354,7 @@ async def pair_rounds(args: argparse.Namespace, lender: DaemonProcess, borrower:
                 fd = os.open(b_path, os.O_RDONLY)
                 try:
                     # The evicted arena's mapping goes in a thread: until then pages stay. On
-                    # the GPU the files' row is the loader from the page cache (issue 27).
+                    # the GPU the files' row is the loader from the page cache.
                     for _ in range(0 if gpu else 50):
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                         warm = resident_fraction(fd, os.fstat(fd).st_size, samples=256)

@@ -1,7 +1,7 @@
 """Where a miss's time goes, on one GPU: the per-load phases and concurrent misses.
 
-Issue 12 saw 3 GiB loads under churn at 12-17 GB/s with a single engine, against ~30 GB/s
-for a 9 GiB model in isolation: a fixed cost per load. This script measures, in one run:
+Under churn with a single engine, 3 GiB loads had run at 12-17 GB/s, against ~30 GB/s
+for a 9 GiB model in isolation: a fixed cost per load, now overlapped with the fill. This script measures, in one run:
 
 1. ``isolated``: each model loaded from a warm page cache with nothing to evict, then
    promoted from the host tier with nothing to evict (the loader's and PCIe's rates);

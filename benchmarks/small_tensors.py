@@ -3,7 +3,7 @@
 loader/content.py) and one task a tensor, side by side in one run, into each arena kind
 this host has: a memfd, the page cache (file arenas) and, with a GPU, a VMM arena.
 
-The file is the tenant's attack of issue 25 as safetensors.torch.save_file writes it:
+The file is a tenant's attack (the abuse stress's ``tinybomb``) as safetensors.torch.save_file writes it:
 ``--tensors`` one-byte tensors. Each row is the median of ``--repeats`` loads from a warm
 page cache (read_checkpoint with the content hash, as a fill does): wall seconds and the
 process's CPU seconds (the GIL the other tenants wait for).

@@ -1,4 +1,4 @@
-"""Restart to first logits, supervised vs fresh (issue 16), with the example's 8B engine.
+"""Restart to first logits, supervised vs fresh, with the example's 8B engine.
 
 Builds examples/transformers_engine.py's model (``--preset llama-8b``: Llama-3-8B's
 shapes, 16 GB bf16, random weights, built locally), starts a daemon with it resident,

@@ -1,5 +1,5 @@
 """Copies to the GPU straight from registered page-cache pages: a warm path for the CUDA
-loader that was measured on the H200 and rejected (issue 28, session 11).
+loader that was measured on the H200 and rejected.
 
 It was slower than the staging path at every thread count: 20-24 GB/s against
 staging's 35-41 GB/s in the same run (scripts/loader_paths.py, 9.15 GiB of 183 bf16

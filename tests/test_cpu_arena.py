@@ -362,7 +362,7 @@ async def test_published_weights_get_memory_of_their_own(start_daemon, ckpts):
         assert memfd_bytes(d.proc.pid) >= sum(t.numel() * t.element_size() for t in mine.values())
 
 
-# The attacker review of session 4: who else could change or read a file served from
+# An attacker's view: who else could change or read a file served from
 # its page cache. Each refusal falls back to a sealed memfd, and the log says why.
 
 async def test_a_file_someone_holds_open_for_writing_is_copied(start_daemon, tmp_path):

@@ -142,7 +142,7 @@ def test_a_peer_piling_up_leases_makes_no_reply_longer(start_daemon, ckpts):
     """A peer that pipelines attaches holds a lease per reply (up to
     max_leases_per_connection on each of its connections). `models` and `status` listed
     a holder per lease: with 4096 leases on one model every such request sorted them and
-    described each, 15-46 ms on the loop (scripts/stress_abuse.py, session 19). A row per
+    described each, 15-46 ms on the loop (python -m benchmarks abuse). A row per
     holding connection, with its count, keeps the work and the reply to the connections."""
     d = start_daemon(models={"tiny": ckpts["tiny"]}, extra_daemon={"max_leases_per_connection": 1024})
     c = Conn(d.socket)

@@ -183,7 +183,7 @@ class Landing:
     ---------------------------------
     The pieces are hashed by one launch of the kernel with a block (one warp) per piece
     (cuda_hash.py's ``launch_many``). A launch per piece, on 64 streams taken in turn, let
-    64 warps run at once, and hashed 9.8 GB in 43 ms on one H100 (session 22's fill
+    64 warps run at once, and hashed 9.8 GB in 43 ms on one H100 (the fill's
     log), ~3.5 GB/s a warp: the launch holds every piece at once, up to what the SMs' shared memory takes
     (32 KiB a warp). Without MPS a context has the GPU to itself while its kernels run, so
     the shorter launch also takes less of the GPU from the engines beside it."""

@@ -17,7 +17,7 @@ class LeaseBook:
         # entry -> connection -> its lease ids there, oldest first (ids rise): who holds a model
         # costs the connections holding it, not the leases. A peer pipelining attaches held
         # 4096 leases on one model, and every `models` and `status` that sorted them and
-        # described each holder stalled the loop 15-46 ms (docs/benchmarks.md, "Session 19").
+        # described each holder stalled the loop 15-46 ms (python -m benchmarks abuse).
         self._holding: dict[str, dict[int, dict[int, None]]] = {}
         self._ids = itertools.count(1)
 

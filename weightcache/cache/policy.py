@@ -68,7 +68,7 @@ class DeviceRates:
 # Files not in the page cache are read at the disk's rate (1.9 GB/s there): a model whose
 # files are cold shows it in its own measurement (``LoadRates.cost``), not in this guess.
 GPU_DEFAULTS = DeviceRates(files=30e9, host=47e9, overhead_s=0.005)
-# CPU: the memfd loader warm, 2.15 GB/s (docs/benchmarks.md, CPU table, session 2); fixed
+# CPU: the memfd loader warm, 2.15 GB/s (weightcache bench on the 2-core VM); fixed
 # cost 2-3 ms (allocate + read + seal of 1-256 MiB checkpoints, warm, fitted as a + n/r on
 # the 2-core CI-class VM). CPU models have no tier below, so their host rate is never used.
 CPU_DEFAULTS = DeviceRates(files=2.15e9, host=2.15e9, overhead_s=0.003)

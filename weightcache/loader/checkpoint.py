@@ -101,7 +101,7 @@ class Checkpoint:
     @functools.cached_property
     def data_bytes(self) -> int:
         # Kept: a sum over 100k rows is one C call holding the GIL 1-2 ms, and the loop asked
-        # for it per load, per models reply (session 19's loop watch found it in a stall).
+        # for it per load, per models reply (the loop watch found it in a stall).
         if isinstance(self.tensors, TensorTable):
             return self.tensors.data_bytes
         return sum(t.nbytes for t in self.tensors)
@@ -115,7 +115,7 @@ class Checkpoint:
             table = len(self.table) if self.table is not None else self.tensors.wire_bound
             return HELD_BASE_BYTES + self.tensors.buffer_bytes + table + self.tensors.columns_bound
         # Names counted in UTF-8 bytes, as both tables encode them: by characters, 1,000-emoji
-        # names were under-counted ~3 bytes a character (a review of session 16).
+        # names were under-counted ~3 bytes a character.
         name_bytes = sum(len(t.name.encode()) for t in self.tensors)
         rows = sum(HELD_PER_TENSOR + 9 * len(t.shape) for t in self.tensors) + 2 * name_bytes
         return HELD_BASE_BYTES + rows + columns_bound(name_bytes, len(self.tensors), sum(len(t.shape) for t in self.tensors))

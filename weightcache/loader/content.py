@@ -314,7 +314,7 @@ def read_digests(ckpt: Checkpoint, pieces: Mapping[tuple[int, int], bytes],
     By DIGEST_SLICE rows: a map over a whole column is one bytecode, and the interpreter
     switches threads only between bytecodes, so over 100k rows each held the GIL ~20 ms
     while the event loop, at its next syscall, waited for it (a stall the loop watch
-    named in close_fds' os.close: 59 of 60 ms blocked, docs/benchmarks.md "Session 19")."""
+    named in close_fds' os.close: 59 of 60 ms blocked)."""
     files, offsets, sizes = columns(ckpt)
     digests = [EMPTY_DIGEST] * len(sizes)
     missing: list[int] = []

@@ -322,7 +322,7 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
         # for the GIL, not for the disk. A tenant's 100k one-byte tensors (100 KB) took
         # 0.19 s into a memfd with one or two threads and 0.25 s with eight, and each
         # thread more is one more the event loop contends with for the GIL at its every
-        # syscall (scripts/small_tensor_loads.py --threads N, 2-core VM; session 19).
+        # syscall (python -m benchmarks small-tensors --threads N, 2-core VM).
         workers = min(threads, max(1, len(tasks)), max(1, -(-ckpt.data_bytes // chunk)))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="wc-load",
                                 initializer=_lower_priority, initargs=(nice,)) as pool:

@@ -161,7 +161,7 @@ def close_fds(fds: Iterable[int]) -> None:
     computes the caller waits up to a switch interval (5 ms), or to the end of that
     thread's C call, to take it back. The 253 fds of one refused frame, closed one by
     one on the event loop beside a fill's hashing, were 50-60 ms stalls with the loop
-    thread blocked, not on a CPU (docs/benchmarks.md, "Session 19"). Fds that arrive
+    thread blocked, not on a CPU (the loop watch's report). Fds that arrive
     together are numbered in a run: the kernel gives out the lowest free numbers.
     """
     ordered = sorted(fds)

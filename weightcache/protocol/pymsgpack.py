@@ -35,7 +35,7 @@ _q = struct.Struct(">q")
 _f = struct.Struct(">f")
 _d = struct.Struct(">d")
 # Containers nested deeper are refused (replies nest ~5 deep). Each level is two Python
-# frames: at 256 a caller 500 frames deep met a RecursionError (a review of session 16).
+# frames: at 256 a caller 500 frames deep met a RecursionError.
 MAX_DEPTH = 32
 
 

@@ -2,7 +2,7 @@
 
 Every request waits for the loop: whatever holds it for 30 ms (a computation on the
 loop, a big frame copied, a worker thread holding the GIL) is 30 ms on every peer's
-attach at that moment. Session 18 measured another tenant's attach p99 at 23-37 ms beside
+attach at that moment. The abuse stress measured another tenant's attach p99 at 23-37 ms beside
 every abuser, 4-9 ms alone, and a whole-run profile (py-spy) was too diffuse to name the
 spikes; an operator sees only the slow replies. So the daemon watches itself:
 
@@ -31,7 +31,7 @@ sampled when the code lets go (at the switch interval between bytecodes, at the 
 return otherwise): the stack names the call that held it, or the line after. A stall
 that is another thread holding the GIL shows the loop in its poll and that thread busy.
 Cost: 100 timers a second on the loop and 100 polls in the thread, measured with the
-abuse stress (docs/benchmarks.md, "Session 19").
+abuse stress (python -m benchmarks abuse).
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class Metrics:
 
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     """A thread per scrape, at most MAX_SCRAPES at once: any local user can reach a TCP
-    port, and a review (session 4) parked 250 threads in the daemon in under a minute with
+    port, and one such user parked 250 threads in the daemon in under a minute with
     half-sent requests. Connections beyond the limit are closed at once."""
 
     daemon_threads = True  # a slow scraper never holds up the daemon's exit

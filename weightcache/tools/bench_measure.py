@@ -95,7 +95,7 @@ def drop_page_cache(path: str | os.PathLike[str], *, check: bool = True) -> None
     """Drop the checkpoint's pages from the page cache. DONTNEED leaves pages that a
     process maps (and a tmpfs keeps them all), so with ``check`` it then counts what
     stayed (mincore) and raises where more than COLD_CACHED_MAX of the files did: on the
-    H200 (session 12) a mapping that InstantTensor's MMAP backend left in the bench
+    H200 a mapping that InstantTensor's MMAP backend left in the bench
     process kept a 9.8 GB file cached, and the loader's "cold" load ran at warm speed
     (0.28 s) with nothing saying so."""
     files = checkpoint_paths(path)
