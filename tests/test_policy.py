@@ -1,4 +1,4 @@
-"""Eviction policies (weightcache/cache/policy.py): GDSF's choices against LRU's on the same
+"""Eviction policies (weightcache/cache/eviction.py): GDSF's choices against LRU's on the same
 operations, its clock, its frequencies, the rates it learns, and the config key that picks
 it. The invariants under both policies are tests/test_core.py's state machines."""
 
@@ -9,7 +9,7 @@ from test_core import Clock, loaded
 
 from weightcache.cache import CacheCore, State
 from weightcache.cache.core import AGING_USES_PER_MODEL
-from weightcache.cache.policy import CPU_DEFAULTS, GPU_DEFAULTS, POLICIES, LoadRates
+from weightcache.cache.eviction import CPU_DEFAULTS, GPU_DEFAULTS, POLICIES, LoadRates
 from weightcache.config import DaemonConfig, load_settings
 from weightcache.errors import ConfigError, NoSpace
 

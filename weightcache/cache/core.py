@@ -1,11 +1,12 @@
-"""The cache policy: budgets, states, eviction (policy.py: LRU, or GDSF), pins, keep-alive
+"""The cache policy: budgets, states, eviction (eviction.py: LRU, or GDSF), pins, keep-alive
 and leases. Pure: no I/O, no await, no torch. The server asks it what to do, carries the
 plan out, and reports back (``finish_load``, ``observe_load``).
 
 ``CacheCore`` is the one door; its rooms, each with its own Note: entries.py (the records
-and plans), admission.py (which victims a load or a lowered limit needs), tiers.py (the
-step down, the host tier), shares.py (names on one arena), quotas.py (tenants), leases.py
-(the lease book), names.py (how entry names and arena keys are spelled).
+and plans), eviction.py (everything an eviction decision runs: the policy, names on one
+arena, which victims a load or a lowered limit needs, the step down and the host tier),
+quotas.py (tenants), leases.py (the lease book), names.py (how entry names and arena keys
+are spelled).
 
 Note [invariants]
 -----------------
@@ -59,14 +60,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import Attached, BadRequest, NoSpace, Pinned, UnknownModel
-from .admission import Admission
 from .entries import DeviceAccount, Entry, Lease, LoadPlan, State, StepDown, arena_key
+from .eviction import Admission, EvictionPolicy, HostTier, LoadRates, PolicyName, Shares, Source, make_policy
 from .leases import LeaseBook
 from .names import shared_arena
-from .policy import EvictionPolicy, LoadRates, PolicyName, Source, make_policy
 from .quotas import Quota, check_pin_quota, pins_limited, tenant_bytes, tenant_usage
-from .shares import Shares
-from .tiers import HostTier
 
 # Frequencies age TinyLFU's way: when the attaches counted on a device reach this many per
 # model registered there, every count on it is halved (and the tally with them), so a model
@@ -86,8 +84,8 @@ class CacheCore:
         # device -> the most models RESIDENT or LOADING on it at once (daemon.max_loaded_models)
         self.max_loaded = dict(max_loaded or {})
         self.entries: dict[str, Entry] = {}
-        self.shares = Shares(self.entries)  # Note [shared arenas] in shares.py
-        self.tier = HostTier(host_budget, self.devices, self.entries, self.shares)  # Note [kept host copies] in tiers.py
+        self.shares = Shares(self.entries)  # Note [shared arenas] in eviction.py
+        self.tier = HostTier(host_budget, self.devices, self.entries, self.shares)  # Note [kept host copies] in eviction.py
         self.host = self.tier.account  # the pinned host tier (0: disabled)
         self.book = LeaseBook()
         self._clock = clock
@@ -122,7 +120,7 @@ class CacheCore:
         self.shares.add(e)
         return e
 
-    # -- shared arenas (Note [shared arenas] in shares.py) --------------------------------
+    # -- shared arenas (Note [shared arenas] in eviction.py) --------------------------------
     def siblings(self, name: str) -> list[Entry]:
         """The other entries that share ``name``'s arena key."""
         return self.shares.siblings(self.entry(name))

@@ -110,5 +110,5 @@ class LoadPlan:
 
 
 def arena_key(e: Entry) -> str:
-    """What counts once: the share key (Note [shared arenas] in shares.py), or the entry itself."""
+    """What counts once: the share key (Note [shared arenas] in eviction.py), or the entry itself."""
     return e.share if e.share is not None else own_arena(e.name)

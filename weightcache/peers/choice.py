@@ -20,7 +20,7 @@ that keeps failing would otherwise charge that to every load. Files never measur
 their state are taken at a default for the device: warm, the cache policy's
 (policy.DeviceRates); cold, ``COLD_FILES`` below. The rates drift as the page cache and
 the network load change: the smoothing weighs the last few fills most (as
-cache/policy.LoadRates does), and a peer's rate older than ``REMEASURE_S`` counts as
+cache/eviction.LoadRates does), and a peer's rate older than ``REMEASURE_S`` counts as
 unmeasured, so a peer that lost once is tried again now and then rather than never (a
 source that always loses is never measured otherwise).
 """
@@ -30,15 +30,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..cache.policy import defaults_for
+from ..cache.eviction import defaults_for
 from ..loader import OpenedSource
 from ..loader.preads import resident_fraction
 
 WARM_FRACTION = 0.5  # loader/reader.open_for_reading: buffered reads above it, O_DIRECT below
-SMOOTHING = 0.25  # a new measurement's weight (cache/policy.LoadRates.SMOOTHING)
+SMOOTHING = 0.25  # a new measurement's weight (cache/eviction.LoadRates.SMOOTHING)
 REMEASURE_S = 600.0  # a peer's rate this old is measured again (one fill from it)
 # Files not in the page cache, before this daemon has read any cold: the disk's rate. GPU
-# hosts: the H200's, 1.9 GB/s (cache/policy.py's note; O_DIRECT reads there reached 2.26
+# hosts: the H200's, 1.9 GB/s (cache/eviction.py's note; O_DIRECT reads there reached 2.26
 # in the loader's probe). CPU: the 2-core VM's cold load of 1 GiB, 0.90 GB/s median
 # (docs/benchmarks.md, "Peers").
 COLD_FILES = {"gpu": 1.9e9, "cpu": 0.9e9}

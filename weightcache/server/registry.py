@@ -104,7 +104,7 @@ class Dropped:
 
 
 def share_key(path: Path, rank: int, ranks: int, owner: int | None) -> str | None:
-    """What makes two names' entries one arena (cache/shares.py, Note [shared arenas]): the
+    """What makes two names' entries one arena (cache/eviction.py, Note [shared arenas]): the
     same checkpoint path, symlinks resolved, as the same rank of the same number of
     ranks, for the same owner (the core adds the device). So the two always read the same
     files, whose identity (the staleness check) is then the same for both. A path through

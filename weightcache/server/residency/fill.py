@@ -248,7 +248,7 @@ class Fill:
             own = ("open", *OWN_PHASES)
             self.core.observe_load(name, "host" if plan.promote else "files", nbytes, sum(phases.get(k, 0.0) for k in own))
         self.counters["loads"] += 1  # from files or the host tier, as the core counts them per model
-        if plan.promote:  # the host copy stays (Note [kept host copies] in cache/tiers.py)
+        if plan.promote:  # the host copy stays (Note [kept host copies] in cache/eviction.py)
             self.counters["promotions"] += 1
         dt = time.monotonic() - t0
         self.stats.filled_bytes[source] += ckpt.data_bytes
