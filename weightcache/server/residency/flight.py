@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ...backends import Backend
 from ...cache import CacheCore, State, StepDown
@@ -27,6 +27,9 @@ from .job import LoadJob
 from .room import RoomQueue
 from .stats import Stats
 from .stepdown import StepDowns
+
+if TYPE_CHECKING:
+    from ..store import PublishedStore
 
 log = logging.getLogger("weightcache.daemon")
 
@@ -74,6 +77,7 @@ class SingleFlight:
         # (target, source) GPUs whose peer copy failed: loads from the files there instead
         self.no_peer_copy: set[tuple[str, str]] = set()
         self.neighbours: NeighbourFills | None = None  # [peers]: a miss filled from another daemon (weightcache/peers/)
+        self.store: PublishedStore | None = None  # [published]: published models kept on disk (server/store.py)
 
     @property
     def tasks(self) -> list[asyncio.Task[str]]:
@@ -247,6 +251,9 @@ class SingleFlight:
                             "between these two GPUs", name, pair[1], pair[0], exc, extra={"model": name})
                 job.source = "files"
         if model.published:
+            if self.store is not None and (stored := self.store.record_for(name)) is not None:
+                job.source = "disk"
+                return await self.store.read_back(job, stored)
             raise LoadFailed(f"model {name!r} was published by an engine and has since been evicted; publish it again",
                              model=name, reason="published model evicted")
         return await self._load_files(job, model, backend)
