@@ -280,13 +280,12 @@ def test_a_tmp_file_left_by_a_cut_write_is_removed(store: Store) -> None:
 MULTI = {"socket_mode": 0o666, "allowed_uids": [0, NOBODY, OTHER]}
 
 
-def _publish_as(path: str, name: str, seed: int, rows: int = 512) -> dict[str, Any]:
+def _publish_as(path: str, name: str, tensors: dict[str, torch.Tensor], fingerprint: str) -> dict[str, Any]:
+    """In a forked child: the tensors are made by the parent (torch's thread pools do not
+    survive a fork: a child that ran torch.randn after the parent had hung)."""
     async def go() -> dict[str, Any]:
         async with Client(path) as c:
-            t = processed(seed)
-            if rows != 512:
-                t = {"big": torch.zeros(rows, 256, dtype=torch.int8)}
-            return await c.publish(name, t, fingerprint=f"fp{seed}")
+            return await c.publish(name, tensors, fingerprint=fingerprint)
 
     return asyncio.run(go())
 
@@ -317,9 +316,11 @@ def test_a_tenants_quota_bounds_what_it_keeps_and_others_cannot_reach_it(tmp_pat
     store = Store(tmp_path, quotas={f"uid:{NOBODY}": str(2 * one)}, daemon=MULTI)
     with store.daemon():
         for i in range(3):  # two fit its quota: the third removes its own least recently used
-            m = as_uid(NOBODY, lambda i=i: _publish_as(store.socket, f"n{i}", i))
+            t = processed(i)
+            m = as_uid(NOBODY, lambda i=i, t=t: _publish_as(store.socket, f"n{i}", t, f"fp{i}"))
             assert m.get("on_disk") is True, m
-        too_big = as_uid(NOBODY, lambda: _publish_as(store.socket, "huge", 9, rows=4096))  # 1 MiB, over its quota
+        big = {"big": torch.zeros(4096, 256, dtype=torch.int8)}  # 1 MiB, over its quota
+        too_big = as_uid(NOBODY, lambda: _publish_as(store.socket, "huge", big, "fp9"))
         assert too_big["on_disk"] is False and f'quotas."uid:{NOBODY}".published' in too_big["store_note"], too_big
         assert "huge" in _models_as(store.socket)  # published in memory all the same
     assert len(store.blobs()) == 2
