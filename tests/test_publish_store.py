@@ -172,7 +172,7 @@ def test_a_damaged_file_is_refused_removed_and_the_daemon_serves(store: Store) -
     with store.daemon():
         async def go() -> None:
             async with Client(store.socket) as c:
-                with pytest.raises(CorruptCheckpoint, match="its copy on disk is damaged.*publish it again"):
+                with pytest.raises(CorruptCheckpoint, match=r"its copy on disk is damaged.*publish it again"):
                     async with c.attach("q8"):
                         pass
                 async with c.attach("other") as w:  # the daemon serves on, the other file is whole
@@ -237,7 +237,7 @@ def test_store_config_errors_are_clear(tmp_path: Path) -> None:
         settings(f'dirr = "{tmp_path}"\nbudget = "1GiB"')
     with pytest.raises(ConfigError, match="relative"):
         settings('dir = "store"\nbudget = "1GiB"')
-    with pytest.raises(ConfigError, match="without published.budget"):
+    with pytest.raises(ConfigError, match=r"without published\.budget"):
         settings(f'dir = "{tmp_path}"')
     assert settings("").published.dir is None  # off by default
 
