@@ -354,3 +354,32 @@ def test_store_files_someone_else_could_write_are_ignored(store: Store) -> None:
         assert asyncio.run(names()) == ["mine"]
     assert f"is owned by uid {NOBODY}" in store.log_text() and "ignored" in store.log_text()
     assert len(store.records()) == 2  # left alone: not the daemon's to remove
+
+
+def test_a_second_daemon_on_the_same_store_does_not_start(store: Store, tmp_path: Path) -> None:
+    other = write_store_config(tmp_path / "other.toml", os.path.join(store.sockdir, "o.sock"), store.dir)
+    with store.daemon():
+        proc = subprocess.run([sys.executable, "-m", "weightcache", "serve", "--config", str(other)],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "in use by another daemon" in proc.stderr + proc.stdout, proc.stderr
+
+
+def test_reload_applies_a_lowered_budget_and_reports_a_new_directory(store: Store) -> None:
+    one = 131_072 + 1024 + 2048 + 8 + 400
+    with store.daemon():
+        async def go() -> None:
+            async with Client(store.socket) as c:
+                for i in range(3):
+                    await c.publish(f"p{i}", processed(i), fingerprint=str(i))
+                st = (await c.status())["published"]
+                assert st["models"] == 3 and st["dir"] == str(store.dir) and st["budget"] == 16 * 2**20
+                store.config.write_text(store.config.read_text().replace('budget = "16MiB"', f'budget = "{2 * one}"'))
+                report = await c.reload()
+                assert report["failed"] == [], report
+                assert {m["name"]: m["on_disk"] for m in await c.models()} == {"p0": False, "p1": True, "p2": True}
+                store.config.write_text(store.config.read_text().replace(str(store.dir), str(store.dir) + "2"))
+                report = await c.reload()
+                assert any(line.startswith("published.dir: changed") for line in report["failed"]), report
+
+        asyncio.run(go())
+    assert len(store.blobs()) == 2

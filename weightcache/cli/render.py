@@ -92,6 +92,9 @@ def show_status(st: dict[str, Any]) -> None:
         lines.append(f"loading {name}: {size(p['bytes_done'])} / {size(p['bytes_total'])} at {size(p['bytes_per_s'])}/s")
     if st.get("tenants"):
         lines.append(tenants_table(st["tenants"]))
+    if (store := st.get("published")) is not None:  # administrators only (server/store.py)
+        lines.append(f"published store {store['dir']}: {store['models']} model(s), {size(store['used'])} of "
+                     f"{size(store['budget'])}")
     loop = st.get("loop")  # administrators only (server/loop_watch.py)
     if loop and loop["stalls"]:
         last = loop["recent"][0]

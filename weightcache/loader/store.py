@@ -20,6 +20,7 @@ No server imports, no torch.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -117,10 +118,9 @@ def blob_path(root: Path, content: str) -> Path:
 
 
 # -- the directory ---------------------------------------------------------------------
-def prepare(root: Path) -> list[str]:
+def prepare(root: Path) -> None:
     """Check (making it if missing, mode 0700, in a directory that exists) the store's
-    directory and its subdirectories, and empty tmp/ of what a write cut short left.
-    Raises StoreProblem naming what to fix; returns what was cleaned up, one line each."""
+    directory and its subdirectories. Raises StoreProblem naming what to fix."""
     if root.is_symlink():
         raise StoreProblem(f"{root} is a symbolic link; give the directory itself")
     if not root.exists():
@@ -141,7 +141,6 @@ def prepare(root: Path) -> list[str]:
                            "store's files; use a directory only root or the daemon's user can change")
     if not os.access(root, os.W_OK | os.X_OK):
         raise StoreProblem(f"{root} is not writable by the daemon's user (uid {os.geteuid()})")
-    cleaned = []
     for sub in ("blobs", "records", "tmp"):
         d = root / sub
         if d.is_symlink() or (d.exists() and not d.is_dir()):
@@ -149,11 +148,30 @@ def prepare(root: Path) -> list[str]:
         if not d.exists():
             d.mkdir(mode=0o700)
         _check_own_dir(d)
+
+
+def clean_tmp(root: Path) -> list[str]:
+    """Empty tmp/ of what a write cut short left (the store's lock held); one line each."""
+    cleaned = []
     for entry in os.scandir(root / "tmp"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(entry.path)
         cleaned.append(f"removed {entry.path}, left by a write that did not finish")
     return cleaned
+
+
+def lock(root: Path) -> int:
+    """Take the store's lock (``lock`` in it, flock'd) for as long as the returned fd is
+    open: two daemons writing one store would remove each other's files being written
+    and each count only its own against the budget."""
+    fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreProblem(f"{root} is in use by another daemon (it holds {root / 'lock'}); give each daemon its own "
+                           "directory") from None
+    return fd
 
 
 def _check_own_dir(d: Path) -> None:

@@ -85,13 +85,16 @@ class PublishedStore:
         self.records: dict[str, StoredRecord] = {}  # by model name
         self._lock = asyncio.Lock()  # one change of the records at a time
         self._reading: set[str] = set()  # names being read back (never removed meanwhile)
+        self._lock_fd: int | None = None  # the store's flock, held while the daemon runs (loader/store.lock)
 
     # -- start and reload ---------------------------------------------------------------
     def open(self) -> None:
         """Check the directory and read the records (blocking: at start, before serving).
         ConfigError naming published.dir for a directory the daemon cannot use."""
         try:
-            for line in disk.prepare(self.root):
+            disk.prepare(self.root)
+            self._lock_fd = disk.lock(self.root)
+            for line in disk.clean_tmp(self.root):
                 log.info("published store: %s", line)
             records, bad, ignored = disk.index(self.root)
         except (StoreProblem, OSError) as exc:
