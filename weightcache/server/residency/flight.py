@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from ...backends import Backend
 from ...cache import CacheCore, State, StepDown
@@ -27,9 +27,6 @@ from .job import LoadJob
 from .room import RoomQueue
 from .stats import Stats
 from .stepdown import StepDowns
-
-if TYPE_CHECKING:
-    from ..store import PublishedStore
 
 log = logging.getLogger("weightcache.daemon")
 
@@ -59,6 +56,26 @@ class NeighbourFills(Protocol):
         bytes/s (what the choice compares a peer with)."""
 
 
+class StoredModels(Protocol):
+    """Published models kept on disk (server/store.py's PublishedStore): written at
+    publish, read back for a load of one that is not resident, dropped at unregister."""
+
+    def record_for(self, name: str) -> Any:
+        """What ``read_back`` reads for the published model ``name``, or None if it is not stored."""
+
+    async def read_back(self, job: LoadJob, record: Any) -> str:
+        """Fill ``job``'s model from its stored copy, checked byte by byte; returns the source ("disk")."""
+
+    async def keep(self, name: str) -> None:
+        """Write the just published model ``name`` to disk."""
+
+    async def forget(self, name: str, why: str) -> None:
+        """``name`` was unregistered: its stored copy goes."""
+
+    def status(self) -> dict[str, Any]:
+        """The store's directory, budget, bytes used and models (the status op's ``published``)."""
+
+
 class SingleFlight:
     def __init__(self, settings: DaemonConfig, core: CacheCore, registry: Registry, backends: dict[str, Backend],
                  io: IoPool, room: RoomQueue, step_down: StepDowns, fill: Fill, stats: Stats,
@@ -77,7 +94,7 @@ class SingleFlight:
         # (target, source) GPUs whose peer copy failed: loads from the files there instead
         self.no_peer_copy: set[tuple[str, str]] = set()
         self.neighbours: NeighbourFills | None = None  # [peers]: a miss filled from another daemon (weightcache/peers/)
-        self.store: PublishedStore | None = None  # [published]: published models kept on disk (server/store.py)
+        self.store: StoredModels | None = None  # [published]: published models kept on disk (server/store.py)
 
     @property
     def tasks(self) -> list[asyncio.Task[str]]:
