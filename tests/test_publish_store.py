@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import NOBODY, as_uid, root_only
+from helpers import NOBODY, as_uid, root_only, skip_without_cuda
 from test_publish import processed
 
 from weightcache import Client, tenant_fingerprint
@@ -29,8 +29,9 @@ OTHER = 65533  # a second tenant (setuid takes any uid)
 
 
 def write_store_config(path: Path, sock: str, store: Path, budget: str = "16MiB", quotas: dict[str, str] | None = None,
-                       daemon: dict[str, Any] | None = None) -> Path:
-    text = config_text(sock, {"cpu": "32MiB"}, [], {"log_level": "debug", "shutdown_grace_s": 2, **(daemon or {})})
+                       daemon: dict[str, Any] | None = None, budgets: dict[str, str] | None = None) -> Path:
+    text = config_text(sock, {"cpu": "32MiB", **(budgets or {})}, [],
+                       {"log_level": "debug", "shutdown_grace_s": 2, **(daemon or {})})
     text += f'\n[published]\ndir = "{store}"\nbudget = "{budget}"\n'
     for tenant, q in (quotas or {}).items():
         text += f'\n[quotas."{tenant}"]\npublished = "{q}"\n'
@@ -219,7 +220,10 @@ def test_the_budget_removes_the_least_recently_used_unattached_files(tmp_path: P
                     assert m["on_disk"], m
                 async with c.attach("p0"):  # p0 is the oldest, but attached: never a victim
                     await c.publish("p3", processed(3), fingerprint="3")
-                    return {m["name"]: m["on_disk"] for m in await c.models()}
+                    on_disk = {m["name"]: m["on_disk"] for m in await c.models()}
+                huge = await c.publish("huge", {"big": torch.zeros(4096, 256, dtype=torch.int8)}, fingerprint="h")
+                assert not huge["on_disk"] and "published.budget" in huge["store_note"], huge  # in memory only
+                return on_disk
 
         on_disk = asyncio.run(go())
     assert on_disk == {"p0": True, "p1": False, "p2": True, "p3": True}
@@ -383,3 +387,22 @@ def test_reload_applies_a_lowered_budget_and_reports_a_new_directory(store: Stor
 
         asyncio.run(go())
     assert len(store.blobs()) == 2
+
+
+def test_a_gpu_publish_survives_a_restart(tmp_path: Path) -> None:
+    """The CUDA backend's read of a published arena (CudaBackend.reading), end to end."""
+    skip_without_cuda()
+    mine = {k: v.cuda() for k, v in processed().items()}
+    store = Store(tmp_path, budgets={"cuda:0": "256MiB"})
+    with store.daemon():
+        async def publish() -> dict[str, Any]:
+            async with Client(store.socket) as c:
+                return await c.publish("q8", mine, fingerprint="gpu")
+
+        assert asyncio.run(publish())["on_disk"]
+    with store.daemon():
+        async def attach() -> bool:
+            async with Client(store.socket) as c, c.attach("q8", device="cuda:0") as w:
+                return same({k: v.clone() for k, v in w.items()}, mine)
+
+        assert asyncio.run(attach())

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from ..backends import Backend
 from ..cache import CacheCore, State
 from ..config import ModelConfig, Settings
-from ..errors import ConfigError, CorruptCheckpoint, NoSpace, WeightcacheError
+from ..errors import ConfigError, CorruptCheckpoint, LoadFailed, NoSpace, WeightcacheError
 from ..loader import OpenedSource, open_source, parse_checkpoint
 from ..loader import store as disk
 from ..loader.store import StoredRecord, StoreProblem
@@ -114,12 +114,13 @@ class PublishedStore:
         peer holds now, a device without a budget, an owner at max_models_per_uid."""
         added = []
         limit = self.settings.daemon.max_models_per_uid
-        for rec in sorted(self.records.values(), key=lambda r: r.used):
+        # the most recently used first: those are registered where max_models_per_uid leaves room for some
+        for rec in sorted(self.records.values(), key=lambda r: r.used, reverse=True):
             if rec.name in self.registry.groups or rec.name in self.registry.models:
                 if self.registry.models.get(rec.name) is not None and self.registry.models[rec.name].stored == rec.content:
                     continue  # it is this record's model
                 log.warning("published store: %r is kept on disk but not registered: a model of that name is "
-                            "registered (the config's wins)", rec.name, extra={"model": rec.name})
+                            "registered (the config's, or one registered since)", rec.name, extra={"model": rec.name})
                 continue
             if rec.device not in self.backends:
                 log.warning("published store: %r was published on %s, which has no budget now; kept on disk, not "
@@ -341,8 +342,8 @@ class PublishedStore:
             except NoSpace:
                 raise  # the caller waits for room and tries again
             except WeightcacheError as exc:
-                if job.abandoned.is_set() or exc.details.get("reason") == "cancelled":
-                    raise
+                if job.abandoned.is_set() or not _damaged(exc):
+                    raise  # the file may be whole: a later read tries again
                 await self._corrupt(name, rec, exc)
                 raise CorruptCheckpoint(f"published model {name!r}: its copy on disk is damaged ({exc.message}); it "
                                         "was removed from the store: publish it again", model=name,
@@ -372,6 +373,15 @@ class PublishedStore:
 
     def status(self) -> dict[str, Any]:
         return {"dir": str(self.root), "budget": self.budget, "used": self.used(), "models": len(self.records)}
+
+
+def _damaged(exc: WeightcacheError) -> bool:
+    """Whether a read back failed for the file itself (malformed, truncated, other bytes,
+    gone) rather than for the moment (a timeout, a cancelled load, no memory)."""
+    reason = exc.details.get("reason")
+    if isinstance(exc, CorruptCheckpoint):
+        return reason not in ("cancelled", "changed during load")
+    return isinstance(exc, LoadFailed) and reason in ("not found", "not a regular file", "empty", "symlink")
 
 
 @dataclasses.dataclass(frozen=True)
