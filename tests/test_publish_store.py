@@ -406,3 +406,24 @@ def test_a_gpu_publish_survives_a_restart(tmp_path: Path) -> None:
                 return same({k: v.clone() for k, v in w.items()}, mine)
 
         assert asyncio.run(attach())
+
+
+def test_concurrent_publishes_are_all_kept_and_all_come_back(store: Store) -> None:
+    with store.daemon():
+        async def publish() -> list[bool]:
+            async with Client(store.socket) as a, Client(store.socket) as b:
+                got = await asyncio.gather(*(c.publish(f"p{i}", processed(i), fingerprint=str(i))
+                                             for i, c in enumerate([a, b, a, b])))
+                return [m["on_disk"] for m in got]
+
+        assert asyncio.run(publish()) == [True] * 4
+    assert len(store.blobs()) == 4 and len(store.records()) == 4 and list((store.dir / "tmp").iterdir()) == []
+    with store.daemon():
+        async def back() -> dict[str, str]:
+            async with Client(store.socket) as c:
+                for i in range(4):
+                    async with c.attach(f"p{i}") as w:
+                        assert same({k: v.clone() for k, v in w.items()}, processed(i))
+                return {m["name"]: m["source"] for m in await c.models()}
+
+        assert asyncio.run(back()) == {f"p{i}": "disk" for i in range(4)}
