@@ -105,7 +105,8 @@ class SingleFlight:
                               gone: asyncio.Future[None] | None = None) -> str:
         """Return once ``name`` is resident: at once if it is, else by joining the one
         load in flight or starting it. Returns how: "resident" (it was, or it took a
-        sibling's arena), "files", "host" or "peer" (where its load read the bytes).
+        sibling's arena), "files", "host", "peer" or "disk" (where its load read the bytes; "disk":
+        a published model's stored copy, server/store.py).
 
         A load refused NO_SPACE waits for room (RoomQueue.until_admitted) up to ``wait_s``
         and tries again, behind the older requests for the same model; each wait's
