@@ -246,10 +246,16 @@ def test_store_config_errors_are_clear(tmp_path: Path) -> None:
     assert settings("").published.dir is None  # off by default
 
 
-@pytest.mark.parametrize("case", ["file", "group-writable", "no-parent"])
+@pytest.mark.parametrize("case", ["file", "group-writable", "no-parent", "foreign-owner"])
 def test_a_store_directory_the_daemon_cannot_use_stops_the_start(tmp_path: Path, case: str) -> None:
     store = Store(tmp_path)
-    if case == "file":
+    if case == "foreign-owner":
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give the directory to another uid")
+        store.dir.mkdir(mode=0o700)
+        os.chown(store.dir, NOBODY, NOBODY)
+        expected = f"owned by uid {NOBODY}"
+    elif case == "file":
         store.dir.write_text("not a directory")
         expected = "is not a directory"
     elif case == "group-writable":
