@@ -433,3 +433,17 @@ def test_concurrent_publishes_are_all_kept_and_all_come_back(store: Store) -> No
                 return {m["name"]: m["source"] for m in await c.models()}
 
         assert asyncio.run(back()) == {f"p{i}": "disk" for i in range(4)}
+
+
+@root_only
+def test_a_restart_registers_no_more_of_a_tenants_models_than_max_models_per_uid(tmp_path: Path) -> None:
+    store = Store(tmp_path, daemon=MULTI)
+    with store.daemon():
+        for i in range(2):
+            t = processed(i)
+            assert as_uid(NOBODY, lambda i=i, t=t: _publish_as(store.socket, f"n{i}", t, f"fp{i}"))["on_disk"]
+    store.config.write_text(store.config.read_text().replace("[daemon]\n", "[daemon]\nmax_models_per_uid = 1\n"))
+    with store.daemon():
+        assert sorted(_models_as(store.socket)) == ["n1"]  # the most recently published
+    assert f"'n0' not registered: uid {NOBODY} has max_models_per_uid=1" in store.log_text()
+    assert len(store.records()) == 2  # kept on disk all the same
