@@ -335,5 +335,12 @@ class Backend(ABC):
     @abstractmethod
     def close_published(self, source: PublishedSource) -> None: ...
 
+    # -- the published store: a published arena written to disk (server/store.py) ---------
+    def reading(self, arena: Arena) -> AbstractContextManager[Callable[[int, int], memoryview]]:
+        """For the sealed ``arena`` of a publish: a function ``read(offset, nbytes)`` giving
+        a host view of those bytes, valid until the next call (blocking; the caller holds a
+        lease so the arena is not freed meanwhile)."""
+        raise RuntimeError(f"{type(self).__name__} cannot read its arenas back")
+
     def close(self) -> None:  # noqa: B027  (a hook: most backends hold nothing backend-wide)
         """Release backend-wide resources at shutdown."""

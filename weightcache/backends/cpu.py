@@ -80,7 +80,7 @@ import mmap
 import operator
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -340,6 +340,18 @@ class CpuBackend(Backend):
         if source.mapping is not None:
             source.mapping.close()
             source.mapping = None
+
+    @contextlib.contextmanager
+    def reading(self, arena: Arena) -> Iterator[Callable[[int, int], memoryview]]:
+        # A publish's arena is a sealed memfd: views of one read-only mapping of it.
+        assert isinstance(arena, MemfdArena) and arena.files is None and arena.fd >= 0
+        m = mmap.mmap(arena.fd, arena.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        whole = memoryview(m)
+        try:
+            yield lambda offset, n: whole[offset : offset + n]
+        finally:
+            whole.release()
+            m.close()
 
     # -- attach and free ----------------------------------------------------------------
     def export(self, arena: Arena) -> tuple[list[int], dict[str, Any]]:

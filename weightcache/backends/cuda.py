@@ -15,10 +15,13 @@ docs/benchmarks.md has this backend's attach figures since.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import logging
 import os
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -284,6 +287,32 @@ class CudaBackend(Backend):
             with drv.current(self.ctx):
                 drv.unmap(source.va, source.nbytes)
             source.va = 0
+
+    @contextlib.contextmanager
+    def reading(self, arena: Arena) -> Iterator[Callable[[int, int], memoryview]]:
+        # Through one pageable host buffer, grown to the largest read asked for (the store
+        # reads at most loader/content.HASH_BLOCK at a time); synchronous copies.
+        assert isinstance(arena, VmmArena)
+        buf = bytearray()
+        holder: list[Any] = []
+
+        def read(offset: int, n: int) -> memoryview:
+            nonlocal buf
+            if offset < 0 or offset + n > arena.nbytes:
+                raise ValueError(f"bytes {offset}..{offset + n} are outside the {arena.nbytes}-byte arena")
+            if n > len(buf):
+                holder.clear()
+                buf = bytearray(n)
+                holder.append((ctypes.c_char * n).from_buffer(buf))
+            if n:
+                with drv.current(self.ctx):
+                    drv.check(cu.cuMemcpyDtoH(ctypes.addressof(holder[0]), arena.va + offset, n))
+            return memoryview(buf)[:n]
+
+        try:
+            yield read
+        finally:
+            holder.clear()
 
     def export(self, arena: Arena) -> tuple[list[int], dict[str, Any]]:
         assert isinstance(arena, VmmArena)

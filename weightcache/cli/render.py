@@ -92,6 +92,9 @@ def show_status(st: dict[str, Any]) -> None:
         lines.append(f"loading {name}: {size(p['bytes_done'])} / {size(p['bytes_total'])} at {size(p['bytes_per_s'])}/s")
     if st.get("tenants"):
         lines.append(tenants_table(st["tenants"]))
+    if (store := st.get("published")) is not None:  # administrators only (server/store.py)
+        lines.append(f"published store {store['dir']}: {store['models']} model(s), {size(store['used'])} of "
+                     f"{size(store['budget'])}")
     loop = st.get("loop")  # administrators only (server/loop_watch.py)
     if loop and loop["stalls"]:
         last = loop["recent"][0]
@@ -125,7 +128,7 @@ def tenants_table(tenants: dict[str, Any]) -> Any:
 
 def show_models(models: list[dict[str, Any]]) -> None:
     """`weightcache models`: every registered model, with why the last load failed."""
-    t = table("name", "state", "device", "size", "attached", "pinned", "arena", "loads", "evictions", "last error",
+    t = table("name", "state", "device", "size", "attached", "pinned", "source", "arena", "loads", "evictions", "last error",
               right=("size", "attached", "loads", "evictions"))
     for m in models:
         # A bad path or format is found at start and at reload, before any load: say so here,
@@ -136,9 +139,15 @@ def show_models(models: list[dict[str, Any]]) -> None:
         device = (f"{m['device']} (auto: {placed['reason']})" if placed.get("device") == m["device"]
                   else f"{m['device']} (auto)" if m.get("replica_of") else m["device"])
         t.add_row(m["name"], m["state"], device, size(m["nbytes"] or None), str(m["attach_count"]),
-                  "yes" if m["pinned"] else "", arena(m), str(m["loads"]), str(m["evictions"]),
+                  "yes" if m["pinned"] else "", source(m), arena(m), str(m["loads"]), str(m["evictions"]),
                   f"{err.get('code', '')}: {err.get('message', '')}" if err else "")
     show(t)
+
+
+def source(m: dict[str, Any]) -> str:
+    """Where a model comes from: the config, a register, or a publish (kept on disk or not)."""
+    origin = {"config": "config", "register": "registered", "publish": "published"}.get(m.get("origin", ""), "-")
+    return f"{origin}, on disk" if m.get("on_disk") else origin
 
 
 def arena(m: dict[str, Any]) -> str:

@@ -41,11 +41,11 @@ from .checks import (
 if TYPE_CHECKING:
     from .load import load_settings, problems
     from .peers import PeersConfig
-    from .schema import Budget, DaemonConfig, ModelConfig, QuotaConfig, Settings, ShardConfig, config_group_names
+    from .schema import Budget, DaemonConfig, ModelConfig, PublishedConfig, QuotaConfig, Settings, ShardConfig, config_group_names
 
 _LAZY = {
-    **dict.fromkeys(("Budget", "DaemonConfig", "ModelConfig", "QuotaConfig", "Settings", "ShardConfig", "config_group_names"),
-                    "schema"),
+    **dict.fromkeys(("Budget", "DaemonConfig", "ModelConfig", "PublishedConfig", "QuotaConfig", "Settings", "ShardConfig",
+                     "config_group_names"), "schema"),
     **dict.fromkeys(("load_settings", "problems"), "load"),
     "PeersConfig": "peers",
 }
@@ -59,6 +59,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["AUTO", "Budget", "DaemonConfig", "ModelConfig", "PeersConfig", "QuotaConfig", "Settings", "ShardConfig",
+__all__ = ["AUTO", "Budget", "DaemonConfig", "ModelConfig", "PeersConfig", "PublishedConfig", "QuotaConfig", "Settings", "ShardConfig",
            "auto_devices", "check_device", "check_model_name", "config_group_names", "load_settings", "problems",
            "resolve_group", "tenant_key", "under_roots"]

@@ -176,6 +176,13 @@ class QuotaConfig(BaseModel):
 
     bytes: dict[str, int] = Field(default_factory=dict, description='per device, e.g. {"cuda:0" = "20GiB"}')
     pins: int | None = Field(default=None, ge=0, description="models pinned at once")
+    published: int | None = Field(default=None, ge=0, description=(
+        "bytes of its published models kept on disk in the [published] store (a file stored once counts once)"))
+
+    @field_validator("published", mode="before")
+    @classmethod
+    def _published(cls, v: Any) -> int | None:
+        return None if v is None else parse_size(v)
 
     @field_validator("bytes", mode="before")
     @classmethod
@@ -189,6 +196,37 @@ class QuotaConfig(BaseModel):
             except ValueError as exc:
                 raise ValueError(f"{k}: {exc}") from None
         return out
+
+
+class PublishedConfig(BaseModel):
+    """[published]: where published models are kept on disk so that they survive a
+    restart (server/store.py; docs/deployment.md, "Published weights on disk"). Off
+    while ``dir`` is not set."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dir: Path | None = Field(default=None, description="an absolute path, the daemon's alone (mode 0700); made if missing")
+    budget: int | None = Field(default=None, gt=0, description="bytes the store may hold, e.g. \"20GiB\"")
+
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _budget(cls, v: Any) -> int | None:
+        return None if v is None else parse_size(v)
+
+    @field_validator("dir")
+    @classmethod
+    def _dir(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_absolute():
+            raise ValueError(f"{str(v)!r} is relative; give an absolute path such as \"/var/lib/weightcache/published\"")
+        return v
+
+    @model_validator(mode="after")
+    def _sized(self) -> PublishedConfig:
+        # A store without a size would take the disk: the operator says how much it may.
+        if self.dir is not None and self.budget is None:
+            raise ValueError('published.dir is set without published.budget: say how much the store may hold, '
+                             'e.g. budget = "20GiB"')
+        return self
 
 
 class DaemonConfig(BaseModel):
@@ -356,6 +394,7 @@ class Settings(BaseSettings):
     budgets: dict[str, Budget] = Field(default_factory=lambda: {"cpu": Budget(fraction=0.5)})
     models: list[ModelConfig] = Field(default_factory=list)
     peers: PeersConfig = PeersConfig()  # neighbour daemons (weightcache/peers/)
+    published: PublishedConfig = PublishedConfig()  # published models kept on disk (server/store.py)
 
     # "uid:1000" or "gid:<name or gid>" -> what that tenant's models may hold; keys are
     # normalised to "uid:N" / "gid:N" (tenant_key).

@@ -35,6 +35,7 @@ from .registry import Registry
 from .requests import Context
 from .residency import Residency
 from .settings_reload import reload_budgets, reload_max_loaded, settings_changes
+from .store import PublishedStore
 
 if TYPE_CHECKING:
     from ..peers import Peers
@@ -75,6 +76,9 @@ class Daemon:
         stall_s = settings.daemon.loop_stall_s
         self.loop_watch = LoopWatch(stall_s, self.metrics.loop_lag.observe) if stall_s else None
         self.peers = _peers(settings, core, self.registry, backends, self.residency, self._stopping.is_set)
+        self.store = PublishedStore(settings, core, self.registry, backends, self.residency, self.access) \
+            if settings.published.dir is not None else None
+        self.residency.flights.store = self.store
         self.context = Context(
             settings=settings, core=core, registry=self.registry, residency=self.residency, access=self.access, backends=backends,
             started=self.started, socket_path=self.socket_path, connections=lambda: len(self.connections),
@@ -99,6 +103,9 @@ class Daemon:
             self.loop_watch.start()
         for mc in self.settings.models:
             self.registry.register(mc)
+        if self.store is not None:  # published models kept on disk: registered again, read when asked for
+            await asyncio.to_thread(self.store.open)
+            self.store.restore()
         # Before the socket listens: a mapping seen now cannot be one of this daemon's.
         self._outlived = await asyncio.to_thread(survey, os.getpid())
         self._warn_outlived()
@@ -327,6 +334,11 @@ class Daemon:
             self.core.set_quotas(quotas)  # in place; a lowered one evicts nothing now (Note [quotas])
             report["quotas"] = sorted(quotas)
         await self.config_models.reload(new.models, report)
+        if self.store is not None:
+            await self.store.reload(new, report)
+        elif new.published != self.settings.published:
+            report["failed"].append("published: changed in the file, but read at start only: restart the daemon to "
+                                    "apply it")
         log.info("reload: %s", {k: v for k, v in report.items() if v and k != "unchanged"})
         for line in report["failed"] + report["pending"]:  # each change that did not take effect, on its own line
             log.error("reload: not in effect: %s", line)

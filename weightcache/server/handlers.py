@@ -207,6 +207,8 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
         # Neighbour daemons, what they hold, this daemon's fills and lends ([peers]; None
         # when off): the operator's, and for others daemon-wide figures like the totals above.
         "peers": ctx.peers() if admin else None,
+        # [published] (server/store.py): where published models are kept on disk, and how full; None when off
+        "published": store.status() if admin and (store := ctx.residency.flights.store) is not None else None,
         "placement": {slot: ctx.registry.placement_as_seen(caller.peer, slot) for slot in ctx.registry.placed
                       if ctx.registry.visible(caller.peer, next(iter(ctx.registry.replicas[slot].values())))},
     }, []

@@ -9,6 +9,7 @@ operator's. A peer's model gets a fingerprint bound to its uid.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -197,6 +198,8 @@ async def unregister(ctx: Context, caller: Caller, req: Request) -> Reply:
         raise PermissionDenied(f"model {name!r} is not yours to unregister", model=name, op="unregister")
     ctx.residency.step_down.forget(ctx.registry.unregister(name))
     ctx.residency.preloads.forget(name)
+    if (store := ctx.residency.flights.store) is not None:
+        await store.forget(name, f"unregistered by uid {caller.peer.uid}")
     return {"unregistered": name}, []
 
 
@@ -270,6 +273,8 @@ async def _publish(ctx: Context, caller: Caller, req: Request, name: str, replac
         raise
     finally:
         await residency.io.run(backend.close_published, source)
+    if (store := residency.flights.store) is not None:
+        await asyncio.shield(store.keep(name))  # durable when the reply says so, even if the peer hung up
     return {"model": ctx.registry.describe(name, caller.peer, None)}, []
 
 

@@ -67,6 +67,10 @@ class Model:
     # A device = "auto" rank has one entry per candidate device (a replica); ``slot`` is
     # the rank's name (``model``, or ``model@0``) they share. None: not placed automatically.
     slot: str | None = None
+    # A published model kept on disk (server/store.py): its file's content fingerprint,
+    # None while it is not stored; and why its last publish was not stored, if it was not.
+    stored: str | None = None
+    store_note: str | None = None
     # Its arena's record, shared with the other names of its share key (Note [one record
     # per arena]); set by the registry when the entry is registered.
     resident: Resident = field(init=False, repr=False)
@@ -436,6 +440,8 @@ class Registry:
             "allowed_uids": None if private or m.config.allowed_uids is None else list(m.config.allowed_uids),
             "allowed_gids": None if private or m.config.allowed_gids is None else list(m.config.allowed_gids),
             "path": None if private else str(m.path), "fingerprint": m.seen[0] if m.seen else None,
+            # a published model kept in the store on disk (survives a restart); why not, to its owner
+            "on_disk": m.stored is not None, "store_note": None if private else m.store_note,
             "tensors": m.seen[1] if m.seen else None,
             "idle_s": idle, "expires_in_s": self._expires_in(e, idle),
             "loads": e.loads, "evictions": e.evictions, "demotions": e.demotions, "promotions": e.promotions,

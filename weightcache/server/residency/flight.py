@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from ...backends import Backend
 from ...cache import CacheCore, State, StepDown
@@ -56,6 +56,26 @@ class NeighbourFills(Protocol):
         bytes/s (what the choice compares a peer with)."""
 
 
+class StoredModels(Protocol):
+    """Published models kept on disk (server/store.py's PublishedStore): written at
+    publish, read back for a load of one that is not resident, dropped at unregister."""
+
+    def record_for(self, name: str) -> Any:
+        """What ``read_back`` reads for the published model ``name``, or None if it is not stored."""
+
+    async def read_back(self, job: LoadJob, record: Any) -> str:
+        """Fill ``job``'s model from its stored copy, checked byte by byte; returns the source ("disk")."""
+
+    async def keep(self, name: str) -> None:
+        """Write the just published model ``name`` to disk."""
+
+    async def forget(self, name: str, why: str) -> None:
+        """``name`` was unregistered: its stored copy goes."""
+
+    def status(self) -> dict[str, Any]:
+        """The store's directory, budget, bytes used and models (the status op's ``published``)."""
+
+
 class SingleFlight:
     def __init__(self, settings: DaemonConfig, core: CacheCore, registry: Registry, backends: dict[str, Backend],
                  io: IoPool, room: RoomQueue, step_down: StepDowns, fill: Fill, stats: Stats,
@@ -74,6 +94,7 @@ class SingleFlight:
         # (target, source) GPUs whose peer copy failed: loads from the files there instead
         self.no_peer_copy: set[tuple[str, str]] = set()
         self.neighbours: NeighbourFills | None = None  # [peers]: a miss filled from another daemon (weightcache/peers/)
+        self.store: StoredModels | None = None  # [published]: published models kept on disk (server/store.py)
 
     @property
     def tasks(self) -> list[asyncio.Task[str]]:
@@ -84,7 +105,8 @@ class SingleFlight:
                               gone: asyncio.Future[None] | None = None) -> str:
         """Return once ``name`` is resident: at once if it is, else by joining the one
         load in flight or starting it. Returns how: "resident" (it was, or it took a
-        sibling's arena), "files", "host" or "peer" (where its load read the bytes).
+        sibling's arena), "files", "host", "peer" or "disk" (where its load read the bytes; "disk":
+        a published model's stored copy, server/store.py).
 
         A load refused NO_SPACE waits for room (RoomQueue.until_admitted) up to ``wait_s``
         and tries again, behind the older requests for the same model; each wait's
@@ -247,6 +269,9 @@ class SingleFlight:
                             "between these two GPUs", name, pair[1], pair[0], exc, extra={"model": name})
                 job.source = "files"
         if model.published:
+            if self.store is not None and (stored := self.store.record_for(name)) is not None:
+                job.source = "disk"
+                return await self.store.read_back(job, stored)
             raise LoadFailed(f"model {name!r} was published by an engine and has since been evicted; publish it again",
                              model=name, reason="published model evicted")
         return await self._load_files(job, model, backend)

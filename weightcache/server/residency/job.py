@@ -13,7 +13,8 @@ class LoadJob:
 
     name: str
     # where its bytes come from: "files", "host" (a promotion), "peer" (another GPU) or
-    # "neighbour" (another daemon, weightcache/peers/)
+    # "neighbour" (another daemon, weightcache/peers/), "disk" (a published model read back
+    # from the published store, server/store.py)
     source: str = "files"
     waiters: int = 0
     # Set when every waiter went and the load was not worth finishing: the filling
