@@ -12,13 +12,13 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import DaemonUnavailable, WeightcacheError
 from ..protocol import recv_with_fds, send_with_fds
 from .connection import ClientOps, ConnectionBase
-from .core import Reply
+from .core import PEER_GONE_ERRNOS, Reply
 
 T = TypeVar("T")
 
@@ -33,6 +33,8 @@ class Connection(ConnectionBase):
         self._pending: dict[int, asyncio.Future[Reply]] = {}
         self._write_lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
+        self._reconnect_lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the connection: finalizers hand it their detaches
 
     # -- connecting -----------------------------------------------------------------
     async def _connect_once(self, sock: socket.socket, deadline: float | None) -> None:
@@ -43,9 +45,13 @@ class Connection(ConnectionBase):
         await asyncio.sleep(seconds)
 
     def _started(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._reader = asyncio.ensure_future(self._read_loop())
 
     async def close(self) -> None:
+        await self._drop(self.core.close())
+
+    async def _drop(self, error: WeightcacheError) -> None:
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
@@ -53,11 +59,14 @@ class Connection(ConnectionBase):
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        self._fail_pending(self.core.stop(DaemonUnavailable("client closed")))
+        self._fail_pending(self.core.stop(error))
+
+    def _reconnecting(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._reconnect_lock
 
     # -- requests -------------------------------------------------------------------
-    async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None,
-                       while_waiting: Callable[[], None] | None = None) -> Reply:
+    async def _exchange(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None,
+                        while_waiting: Callable[[], None] | None = None) -> Reply:
         rid, frame = self.core.request(op, args, len(send_fds or ()))
         limit = self.core.limit(op, timeout)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
@@ -77,6 +86,10 @@ class Connection(ConnectionBase):
                 reply, fds = await fut
         except BaseException as exc:
             timed_out = isinstance(exc, TimeoutError) and deadline.expired()
+            if sending and isinstance(exc, OSError) and exc.errno in PEER_GONE_ERRNOS:  # Note [reconnecting]
+                gone = self.core.peer_gone(op, exc)
+                self._break_connection(gone)
+                raise gone from exc
             if sending and (timed_out or not isinstance(exc, OSError)):  # part of the frame may be out (Note [timeouts])
                 self._break_connection(self.core.abandoned(op))
             if fut.done() and not fut.cancelled() and fut.exception() is None:
@@ -117,15 +130,19 @@ class Connection(ConnectionBase):
         self._background.add(task)  # keep a reference until it is done
         task.add_done_callback(self._background.discard)
 
-    @contextlib.asynccontextmanager
-    async def _lease(self, lease: int) -> AsyncIterator[None]:
-        """Detach ``lease`` when the block exits, however it exits. Shielded: a cancelled
-        engine task must still give its lease back."""
-        try:
-            yield
-        finally:
-            if self._sock is not None:  # else the connection is closed and the lease ended with it
-                await asyncio.shield(self._detach_quietly(lease))
+    async def _end_lease(self, lease: int) -> None:
+        """Shielded: a cancelled engine task must still give its lease back."""
+        await asyncio.shield(self._detach_quietly(lease))
+
+    def _lease_gone(self, lease: int, epoch: int) -> None:
+        def detach() -> None:
+            if self.core.epoch == epoch and self.core.connected:
+                self._give_back(lease)
+
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: so is the connection, and the lease with it
+                loop.call_soon_threadsafe(detach)
 
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.to_thread(fn, *args)  # the loop keeps serving other requests meanwhile

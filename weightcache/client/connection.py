@@ -22,19 +22,22 @@ Timeouts and cancellation: Note [timeouts] and Note [cancellation] in core.py.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import sys
+import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
-from ..errors import PermissionDenied, RequestTimeout, WeightcacheError
+from ..errors import DaemonUnavailable, PermissionDenied, RequestTimeout, WeightcacheError
 from ..protocol import DAEMON_UID_ENV, peer_credentials
-from .core import DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_FRAME_BYTES, DEFAULT_REQUEST_TIMEOUT, ClientCore, Reply, Retry, close_fds
+from .core import DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_FRAME_BYTES, DEFAULT_REQUEST_TIMEOUT, ClientCore, PeerGone, Reply, Retry, close_fds
 
 if TYPE_CHECKING:  # annotations only: importing them would import torch
     import torch
@@ -72,6 +75,88 @@ def import_attach_half() -> None:
             driver().device_uuids()
     except Exception:  # the attach does the same work and raises what went wrong
         return
+
+
+log = logging.getLogger("weightcache.client")
+
+
+class Lease:
+    """One attach's lease, owned by the memory it maps (mapping.py's Note [lifetime]).
+
+    It ends once, at the first of: :meth:`end` (the attach block's exit), the last of
+    its mappings collected (:meth:`own`: every tensor view of them gone), or the end of
+    the connection that granted it (the daemon ends it then; nothing is sent). Until
+    then it keeps its connection, and so the client, alive: a client or context manager
+    dropped while its tensors are in use neither ends the lease nor closes the
+    connection under them."""
+
+    __slots__ = ("_conn", "_epoch", "_left", "_lock", "ended", "id")
+
+    def __init__(self, lease_id: int, conn: ConnectionBase) -> None:
+        self.id = lease_id
+        self._conn = conn
+        self._epoch = conn.core.epoch
+        self._left: set[int] = set()  # the ids of the mappings still alive
+        self._lock = threading.Lock()
+        self.ended = False
+
+    def own(self, mappings: list[object]) -> None:
+        """End the lease when the last of ``mappings`` (each an object that the tensors'
+        storage keeps alive: an ``mmap``, a ``VmmMapping``) is collected."""
+        for m in mappings:
+            self._left.add(id(m))
+            fin = weakref.finalize(m, self._mapping_gone, id(m))
+            fin.atexit = False  # at exit the connection closes, and the daemon ends the lease with it
+
+    def _mapping_gone(self, key: int) -> None:
+        # From a finalizer: any thread, any moment (even inside this client's own calls).
+        self._left.discard(key)
+        if not self._left and self._take():
+            self._conn._lease_gone(self.id, self._epoch)
+
+    def _take(self) -> bool:
+        """Whether this call ends the lease: it had not ended, and its connection is still up."""
+        with self._lock:
+            if self.ended:
+                return False
+            self.ended = True
+        return self._conn.core.epoch == self._epoch and self._conn.core.connected
+
+    @property
+    def held(self) -> bool:
+        """Whether the daemon still holds it for this client, as far as the client knows."""
+        return not self.ended and self._conn.core.epoch == self._epoch and self._conn.core.connected
+
+    async def end(self) -> None:
+        """Detach now (the attach block's exit). A lease already ended, or of a connection
+        that ended (Note [reconnecting] in core.py), sends nothing."""
+        if self._take():
+            await self._conn._end_lease(self.id)
+
+
+class Attachment:
+    """What :meth:`ClientOps.attach` returns: ``async with`` it to attach; the lease ends
+    when the block exits, or, for an attach entered and never exited, when the tensors
+    are gone (:class:`Lease`)."""
+
+    def __init__(self, conn: ClientOps, name: str, args: dict[str, Any], timeout: float | None) -> None:
+        self._conn, self._name, self._args, self._timeout = conn, name, args, timeout
+        self._entered = False
+        # Held while the block runs: ``async with c.attach("m"):`` without ``as`` keeps no
+        # tensor, and the lease must last to the block's end all the same.
+        self._model: AttachedModel | None = None
+
+    async def __aenter__(self) -> AttachedModel:
+        if self._entered:
+            raise RuntimeError(f"this attach of {self._name!r} was entered already; call attach() again")
+        self._entered = True
+        self._model = await self._conn._attach(self._name, self._args, self._timeout)
+        return self._model
+
+    async def __aexit__(self, *exc: object) -> None:
+        model, self._model = self._model, None
+        if model is not None and model._lease is not None:
+            await model._lease.end()
 
 
 def check_daemon_identity(sock: socket.socket, path: str) -> None:
@@ -153,14 +238,40 @@ class ConnectionBase(ABC):
             deadline = self.core.connect_deadline(started)
             limit = float("inf") if deadline is None else max(1e-3, deadline - time.monotonic())
             try:
-                reply, fds = await self._request("hello", limit, self.core.hello(), while_waiting=import_attach_half)
+                reply, fds = await self._exchange("hello", limit, self.core.hello(), while_waiting=import_attach_half)
                 close_fds(fds)
                 self.core.accept_hello(reply)
             except RequestTimeout:
                 raise self.core.no_answer() from None
-        except BaseException:
-            await self.close()
+        except BaseException as exc:
+            await self._drop(exc if isinstance(exc, WeightcacheError) else self.core.interrupted())
             raise
+
+    async def _reconnect(self) -> None:
+        """Connect again after the connection ended without ``close()`` (Note
+        [reconnecting] in core.py): once, whichever of the callers that found it lost
+        comes first."""
+        async with self._reconnecting():
+            if self.core.connected:  # another caller connected again meanwhile
+                return
+            lost = self.core.error
+            if self.core.closed:
+                raise lost or DaemonUnavailable("client closed")
+            before = self.core.server_info.get("pid")
+            await self._drop(lost or self.core.ended())
+            try:
+                await self._open()
+            except WeightcacheError as exc:
+                raise self.core.reconnect_failed(lost, exc) from exc
+            now = self.core.server_info.get("pid")
+            restarted = now != before
+            reason = lost.message if lost is not None else "the connection ended"
+            self.core.events.append({"event": "reconnected", "restarted": restarted, "pid": now, "previous_pid": before,
+                                     "reason": reason})
+            log.warning("connected again to the daemon at %s: %s (%s); the leases of the old connection ended",
+                        self.core.socket_path,
+                        f"the daemon restarted (pid {before}, now {now})" if restarted else f"the same daemon (pid {now})",
+                        reason)
 
     async def _connect(self) -> tuple[socket.socket, float]:
         """A connected socket whose peer we trust, and the ``time.monotonic()`` its attempt
@@ -198,6 +309,22 @@ class ConnectionBase(ABC):
         return sock
 
     # -- requests -----------------------------------------------------------------------------
+    async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None,
+                       while_waiting: Callable[[], None] | None = None) -> Reply:
+        """``request`` that also sends ``send_fds`` (SCM_RIGHTS, on the same frame) and
+        returns the fds of the reply, which the caller must close. ``while_waiting`` is
+        called once the frame is sent, before waiting for the reply (which it must not
+        read); its time counts against the request's. A connection that ended is made
+        again first, and a frame the daemon never took is sent again on a new one (Note
+        [reconnecting] in core.py)."""
+        if self.core.lost:
+            await self._reconnect()
+        try:
+            return await self._exchange(op, timeout, args, send_fds, while_waiting)
+        except PeerGone:
+            await self._reconnect()
+            return await self._exchange(op, timeout, args, send_fds, while_waiting)
+
     async def request(self, op: str, *, timeout: float | None = None, **args: Any) -> dict[str, Any]:
         """Send one request; return the reply map or raise the error class of its code.
         Arguments that are None are left out.
@@ -220,8 +347,14 @@ class ConnectionBase(ABC):
 
     async def _detach_quietly(self, lease: int) -> None:
         # If this fails the connection is gone, and the daemon ended the lease with it.
+        # On this connection only: a new one (Note [reconnecting]) holds no such lease.
         with contextlib.suppress(WeightcacheError, OSError):
-            await self.request("detach", lease=lease)
+            _reply, fds = await self._exchange("detach", None, {"lease": lease})
+            close_fds(fds)
+
+    async def _end_lease(self, lease: int) -> None:
+        """Detach ``lease`` (of this connection) and wait for the daemon's answer."""
+        await self._detach_quietly(lease)
 
     # -- what each transport does its own way ----------------------------------------------
     @abstractmethod
@@ -247,16 +380,25 @@ class ConnectionBase(ABC):
         daemon ends every lease this connection held."""
 
     @abstractmethod
-    async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None,
-                       while_waiting: Callable[[], None] | None = None) -> Reply:
-        """``request`` that also sends ``send_fds`` (SCM_RIGHTS, on the same frame) and
-        returns the fds of the reply, which the caller must close. ``while_waiting`` is
-        called once the frame is sent, before waiting for the reply (which it must not
-        read); its time counts against the request's."""
+    async def _exchange(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None,
+                        while_waiting: Callable[[], None] | None = None) -> Reply:
+        """:meth:`_request` on the connection as it is: no connecting again. A send
+        that finds the daemon's end closed raises :class:`~.core.PeerGone`."""
 
     @abstractmethod
-    def _lease(self, lease: int) -> AbstractAsyncContextManager[None]:
-        """Detach ``lease`` when the block exits, however it exits."""
+    async def _drop(self, error: WeightcacheError) -> None:
+        """Close the socket (and the reader) and fail the requests in flight with
+        ``error``, which becomes the connection's; not ``close()``: the next call may
+        connect again."""
+
+    @abstractmethod
+    def _reconnecting(self) -> AbstractAsyncContextManager[None]:
+        """Held while connecting again, so that one caller does it."""
+
+    @abstractmethod
+    def _lease_gone(self, lease: int, epoch: int) -> None:
+        """Detach ``lease`` of connection ``epoch`` soon, waiting for nothing: called by a
+        finalizer (:class:`Lease`), in any thread, at any moment."""
 
     @abstractmethod
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
@@ -419,34 +561,46 @@ class ClientOps(ConnectionBase):
         finally:
             packed.release()
 
-    @contextlib.asynccontextmanager
-    async def attach(self, name: str, device: str | None = None, rank: int | None = None, *, wait_s: float | None = None,
-                     timeout: float | None = None, writable: bool = False,
-                     keep_alive: float | str | None = None) -> AsyncIterator[AttachedModel]:
+    def attach(self, name: str, device: str | None = None, rank: int | None = None, *, wait_s: float | None = None,
+               timeout: float | None = None, writable: bool = False,
+               keep_alive: float | str | None = None) -> Attachment:
         """Attach ``name`` (loading it first if needed) and yield its tensors, zero-copy.
 
         Read-only unless ``writable=True`` and the daemon allows it (GPU arenas only):
         writes then change the bytes every other attached engine sees. ``keep_alive`` is
         as for :meth:`load`: ``0`` evicts the model once its last lease ends.
 
-        The lease lasts until the block exits (or the connection closes). Keep the block
+        The lease lasts until the block exits (or the connection ends). Keep the block
         open while the tensors are in use: only a lease keeps the daemon from evicting.
+        An attach entered and never exited (``w = c.attach("m").__enter__()``) keeps its
+        lease, and its client, for as long as any of its tensors lives (mapping.py's Note
+        [lifetime]).
 
         >>> async with c.attach("qwen-7b", device="cuda:0") as weights:   # doctest: +SKIP
         ...     model = load_into_module(skeleton, weights)
         """
+        return Attachment(self, name, {"name": name, "device": device, "rank": rank, "wait_s": wait_s,
+                                       "writable": writable or None, "keep_alive": keep_alive, "table": "columns"}, timeout)
+
+    async def _attach(self, name: str, args: dict[str, Any], timeout: float | None) -> AttachedModel:
+        """The attach request and the mapping of its reply; the lease is the model's
+        (``AttachedModel._lease``), or ended here if mapping fails."""
         # Imported before the request, not after: torch's import (~1.5 s) is then not
         # taken from the request's timeout, and an import that fails leaves no lease.
         from ..protocol.arena import parse_attach
         from .mapping import attached_model, prepare_attach
 
+        device = args["device"]
         if device is not None and device.startswith("cuda:") and device[5:].isdigit():
             from .libcuda import driver  # ctypes, not cuda-bindings: cuda_mapping.py's Note [first attach]
 
-            device = f"cuda:{driver().device_uuid(int(device[5:]))}"  # this process's numbering -> UUID
-        reply, fds = await self._request("attach", timeout, {"name": name, "device": device, "rank": rank, "wait_s": wait_s,
-                                                       "writable": writable or None, "keep_alive": keep_alive,
-                                                       "table": "columns"},
-                                         while_waiting=lambda: prepare_attach(device != "cpu"))
-        async with self._lease(reply["lease"]):  # ends the lease even if the reply is bad or mapping fails
-            yield attached_model(name, parse_attach(reply, fds))
+            args = {**args, "device": f"cuda:{driver().device_uuid(int(device[5:]))}"}  # this process's numbering -> UUID
+        reply, fds = await self._request("attach", timeout, args, while_waiting=lambda: prepare_attach(device != "cpu"))
+        lease = Lease(reply["lease"], self)
+        try:
+            model = attached_model(name, parse_attach(reply, fds), lease)
+            model.budget_bytes = reply.get("nbytes")
+            return model
+        except BaseException:  # a bad reply, or mapping failed: no tensor holds the lease
+            await lease.end()
+            raise
