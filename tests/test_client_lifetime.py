@@ -113,6 +113,7 @@ def test_a_block_exit_still_ends_the_lease_and_a_late_collection_sends_nothing_m
 def _restart(d: Any, log: Path) -> DaemonProcess:
     """Stop ``d`` (SIGTERM; its lease outlives the grace period) and start a new daemon on the
     same socket and config."""
+    assert d.proc is not None
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(timeout=60) == 0
     return DaemonProcess(d.config, d.socket, log).start()
@@ -136,7 +137,9 @@ def test_a_sync_client_connects_again_after_a_daemon_restart(start_daemon, ckpts
         # The block's exit detached nothing: that lease was the old connection's.
         with c.attach("m") as w:
             assert c.status()["leases"] == 1
-        assert c.status()["leases"] == 0
+            third = _restart(second, tmp_path / "third.log")  # and now the block's exit is the first call after it
+        second = third
+        assert c.status()["leases"] == 0 and c.server_info["pid"] == third.proc.pid
         second.stop()  # gone for good: the next call says what happened, and that connecting again failed
         with pytest.raises(DaemonUnavailable, match=r"closed the connection.*connecting again failed: cannot connect"):
             c.status()

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import DaemonUnavailable, WeightcacheError
 from ..protocol import recv_with_fds, send_with_fds
 from .connection import ClientOps, ConnectionBase
 from .core import PEER_GONE_ERRNOS, Reply
+
+if TYPE_CHECKING:
+    from .mapping import AttachedModel
 
 T = TypeVar("T")
 
@@ -162,6 +166,29 @@ class Connection(ConnectionBase):
         self._pending.clear()
 
 
+class Attachment:
+    """What :meth:`Client.attach` returns: ``async with`` it to attach. The lease ends when
+    the block exits; one entered and never exited ends when its tensors are gone
+    (mapping.py's Note [lifetime])."""
+
+    def __init__(self, attach: Callable[[], Awaitable[AttachedModel]]) -> None:
+        self._attach = attach
+        # Held while the block runs: ``async with c.attach("m"):`` without ``as`` keeps no
+        # tensor, and the lease must last to the block's end all the same.
+        self._model: AttachedModel | None = None
+
+    async def __aenter__(self) -> AttachedModel:
+        if self._model is not None:
+            raise RuntimeError("this attach was entered already; call attach() again")
+        self._model = await self._attach()
+        return self._model
+
+    async def __aexit__(self, *exc: object) -> None:
+        model, self._model = self._model, None
+        if model is not None and model._lease is not None:
+            await model._lease.end()
+
+
 class Client(ClientOps, Connection):
     """Async client for the weightcache daemon.
 
@@ -178,3 +205,24 @@ class Client(ClientOps, Connection):
     ``wait_for_daemon``: how long connecting waits for a daemon that is not running yet
     (None: ``$WEIGHTCACHE_WAIT_FOR_DAEMON``, else 5 s; 0 tries once).
     """
+
+    def attach(self, name: str, device: str | None = None, rank: int | None = None, *, wait_s: float | None = None,
+               timeout: float | None = None, writable: bool = False,
+               keep_alive: float | str | None = None) -> Attachment:
+        """Attach ``name`` (loading it first if needed) and yield its tensors, zero-copy.
+
+        Read-only unless ``writable=True`` and the daemon allows it (GPU arenas only):
+        writes then change the bytes every other attached engine sees. ``keep_alive`` is
+        as for :meth:`load`: ``0`` evicts the model once its last lease ends.
+
+        The lease lasts until the block exits (or the connection ends). Keep the block
+        open while the tensors are in use: only a lease keeps the daemon from evicting.
+        An attach entered and never exited (``w = await c.attach("m").__aenter__()``)
+        keeps its lease, and its client, for as long as any of its tensors lives
+        (mapping.py's Note [lifetime]).
+
+        >>> async with c.attach("qwen-7b", device="cuda:0") as weights:   # doctest: +SKIP
+        ...     model = load_into_module(skeleton, weights)
+        """
+        return Attachment(functools.partial(self._attach, name, device, rank, wait_s=wait_s, timeout=timeout,
+                                            writable=writable, keep_alive=keep_alive))

@@ -26,9 +26,7 @@ import logging
 import os
 import socket
 import sys
-import threading
 import time
-import weakref
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -78,85 +76,6 @@ def import_attach_half() -> None:
 
 
 log = logging.getLogger("weightcache.client")
-
-
-class Lease:
-    """One attach's lease, owned by the memory it maps (mapping.py's Note [lifetime]).
-
-    It ends once, at the first of: :meth:`end` (the attach block's exit), the last of
-    its mappings collected (:meth:`own`: every tensor view of them gone), or the end of
-    the connection that granted it (the daemon ends it then; nothing is sent). Until
-    then it keeps its connection, and so the client, alive: a client or context manager
-    dropped while its tensors are in use neither ends the lease nor closes the
-    connection under them."""
-
-    __slots__ = ("_conn", "_epoch", "_left", "_lock", "ended", "id")
-
-    def __init__(self, lease_id: int, conn: ConnectionBase) -> None:
-        self.id = lease_id
-        self._conn = conn
-        self._epoch = conn.core.epoch
-        self._left: set[int] = set()  # the ids of the mappings still alive
-        self._lock = threading.Lock()
-        self.ended = False
-
-    def own(self, mappings: list[object]) -> None:
-        """End the lease when the last of ``mappings`` (each an object that the tensors'
-        storage keeps alive: an ``mmap``, a ``VmmMapping``) is collected."""
-        for m in mappings:
-            self._left.add(id(m))
-            fin = weakref.finalize(m, self._mapping_gone, id(m))
-            fin.atexit = False  # at exit the connection closes, and the daemon ends the lease with it
-
-    def _mapping_gone(self, key: int) -> None:
-        # From a finalizer: any thread, any moment (even inside this client's own calls).
-        self._left.discard(key)
-        if not self._left and self._take():
-            self._conn._lease_gone(self.id, self._epoch)
-
-    def _take(self) -> bool:
-        """Whether this call ends the lease: it had not ended, and its connection is still up."""
-        with self._lock:
-            if self.ended:
-                return False
-            self.ended = True
-        return self._conn.core.epoch == self._epoch and self._conn.core.connected
-
-    @property
-    def held(self) -> bool:
-        """Whether the daemon still holds it for this client, as far as the client knows."""
-        return not self.ended and self._conn.core.epoch == self._epoch and self._conn.core.connected
-
-    async def end(self) -> None:
-        """Detach now (the attach block's exit). A lease already ended, or of a connection
-        that ended (Note [reconnecting] in core.py), sends nothing."""
-        if self._take():
-            await self._conn._end_lease(self.id)
-
-
-class Attachment:
-    """What :meth:`ClientOps.attach` returns: ``async with`` it to attach; the lease ends
-    when the block exits, or, for an attach entered and never exited, when the tensors
-    are gone (:class:`Lease`)."""
-
-    def __init__(self, conn: ClientOps, name: str, args: dict[str, Any], timeout: float | None) -> None:
-        self._conn, self._name, self._args, self._timeout = conn, name, args, timeout
-        self._entered = False
-        # Held while the block runs: ``async with c.attach("m"):`` without ``as`` keeps no
-        # tensor, and the lease must last to the block's end all the same.
-        self._model: AttachedModel | None = None
-
-    async def __aenter__(self) -> AttachedModel:
-        if self._entered:
-            raise RuntimeError(f"this attach of {self._name!r} was entered already; call attach() again")
-        self._entered = True
-        self._model = await self._conn._attach(self._name, self._args, self._timeout)
-        return self._model
-
-    async def __aexit__(self, *exc: object) -> None:
-        model, self._model = self._model, None
-        if model is not None and model._lease is not None:
-            await model._lease.end()
 
 
 def check_daemon_identity(sock: socket.socket, path: str) -> None:
@@ -248,9 +167,8 @@ class ConnectionBase(ABC):
             raise
 
     async def _reconnect(self) -> None:
-        """Connect again after the connection ended without ``close()`` (Note
-        [reconnecting] in core.py): once, whichever of the callers that found it lost
-        comes first."""
+        """Connect again after the connection ended without ``close()`` (Note [reconnecting]
+        in core.py): once, by whichever of the callers that found it lost comes first."""
         async with self._reconnecting():
             if self.core.connected:  # another caller connected again meanwhile
                 return
@@ -263,15 +181,7 @@ class ConnectionBase(ABC):
                 await self._open()
             except WeightcacheError as exc:
                 raise self.core.reconnect_failed(lost, exc) from exc
-            now = self.core.server_info.get("pid")
-            restarted = now != before
-            reason = lost.message if lost is not None else "the connection ended"
-            self.core.events.append({"event": "reconnected", "restarted": restarted, "pid": now, "previous_pid": before,
-                                     "reason": reason})
-            log.warning("connected again to the daemon at %s: %s (%s); the leases of the old connection ended",
-                        self.core.socket_path,
-                        f"the daemon restarted (pid {before}, now {now})" if restarted else f"the same daemon (pid {now})",
-                        reason)
+            log.warning("%s", self.core.reconnected(before, lost))
 
     async def _connect(self) -> tuple[socket.socket, float]:
         """A connected socket whose peer we trust, and the ``time.monotonic()`` its attempt
@@ -398,7 +308,7 @@ class ConnectionBase(ABC):
     @abstractmethod
     def _lease_gone(self, lease: int, epoch: int) -> None:
         """Detach ``lease`` of connection ``epoch`` soon, waiting for nothing: called by a
-        finalizer (:class:`Lease`), in any thread, at any moment."""
+        finalizer (mapping.py's ``Lease``), in any thread, at any moment."""
 
     @abstractmethod
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
@@ -561,41 +471,24 @@ class ClientOps(ConnectionBase):
         finally:
             packed.release()
 
-    def attach(self, name: str, device: str | None = None, rank: int | None = None, *, wait_s: float | None = None,
-               timeout: float | None = None, writable: bool = False,
-               keep_alive: float | str | None = None) -> Attachment:
-        """Attach ``name`` (loading it first if needed) and yield its tensors, zero-copy.
-
-        Read-only unless ``writable=True`` and the daemon allows it (GPU arenas only):
-        writes then change the bytes every other attached engine sees. ``keep_alive`` is
-        as for :meth:`load`: ``0`` evicts the model once its last lease ends.
-
-        The lease lasts until the block exits (or the connection ends). Keep the block
-        open while the tensors are in use: only a lease keeps the daemon from evicting.
-        An attach entered and never exited (``w = c.attach("m").__enter__()``) keeps its
-        lease, and its client, for as long as any of its tensors lives (mapping.py's Note
-        [lifetime]).
-
-        >>> async with c.attach("qwen-7b", device="cuda:0") as weights:   # doctest: +SKIP
-        ...     model = load_into_module(skeleton, weights)
-        """
-        return Attachment(self, name, {"name": name, "device": device, "rank": rank, "wait_s": wait_s,
-                                       "writable": writable or None, "keep_alive": keep_alive, "table": "columns"}, timeout)
-
-    async def _attach(self, name: str, args: dict[str, Any], timeout: float | None) -> AttachedModel:
-        """The attach request and the mapping of its reply; the lease is the model's
-        (``AttachedModel._lease``), or ended here if mapping fails."""
+    async def _attach(self, name: str, device: str | None = None, rank: int | None = None, *, wait_s: float | None = None,
+                      timeout: float | None = None, writable: bool = False,
+                      keep_alive: float | str | None = None) -> AttachedModel:
+        """What entering ``attach`` does (aio.py's ``Attachment``, sync.py's): the request, and
+        the mapping of its reply, which then owns the lease (ended here if mapping fails)."""
         # Imported before the request, not after: torch's import (~1.5 s) is then not
         # taken from the request's timeout, and an import that fails leaves no lease.
         from ..protocol.arena import parse_attach
-        from .mapping import attached_model, prepare_attach
+        from .mapping import Lease, attached_model, prepare_attach
 
-        device = args["device"]
         if device is not None and device.startswith("cuda:") and device[5:].isdigit():
             from .libcuda import driver  # ctypes, not cuda-bindings: cuda_mapping.py's Note [first attach]
 
-            args = {**args, "device": f"cuda:{driver().device_uuid(int(device[5:]))}"}  # this process's numbering -> UUID
-        reply, fds = await self._request("attach", timeout, args, while_waiting=lambda: prepare_attach(device != "cpu"))
+            device = f"cuda:{driver().device_uuid(int(device[5:]))}"  # this process's numbering -> UUID
+        reply, fds = await self._request("attach", timeout, {"name": name, "device": device, "rank": rank, "wait_s": wait_s,
+                                                       "writable": writable or None, "keep_alive": keep_alive,
+                                                       "table": "columns"},
+                                         while_waiting=lambda: prepare_attach(device != "cpu"))
         lease = Lease(reply["lease"], self)
         try:
             model = attached_model(name, parse_attach(reply, fds), lease)

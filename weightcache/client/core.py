@@ -343,6 +343,16 @@ class ClientCore:
         """A send that found the daemon's end closed: the frame was not taken (Note [reconnecting])."""
         return PeerGone(f"{self.ended().message} ({op!r} found it closed: {exc.strerror or exc})", socket=self.socket_path)
 
+    def reconnected(self, before: Any, lost: WeightcacheError | None) -> str:
+        """Connected again after ``lost`` to a daemon whose pid was ``before``: the
+        ``reconnected`` event added to ``events``, and what to log."""
+        now = self.server_info.get("pid")
+        reason = lost.message if lost is not None else "the connection ended"
+        self.events.append({"event": "reconnected", "restarted": now != before, "pid": now, "previous_pid": before,
+                            "reason": reason})
+        who = f"the daemon restarted (pid {before}, now {now})" if now != before else f"the same daemon (pid {now})"
+        return f"connected again to the daemon at {self.socket_path}: {who} ({reason}); the leases of the old connection ended"
+
     def reconnect_failed(self, lost: WeightcacheError | None, exc: WeightcacheError) -> WeightcacheError:
         """Connecting again after ``lost`` failed with ``exc``: one error that says both."""
         before = lost.message if lost is not None else "the connection to the daemon ended"

@@ -13,9 +13,8 @@ and pages) or driver (VMM), so a mapping stays valid even if the daemon evicts t
 the lease is what keeps the daemon from evicting it while you use it.
 
 The lease is owned by the same objects that own the mapping: ``attached_model`` hands
-the connection's :class:`~.connection.Lease` the mapped objects (the ``mmap`` of each
-memfd or file, the ``VmmMapping`` of a GPU range), and the lease ends when the last of
-them is collected, that is when no tensor view of them is left, or earlier at the
+the :class:`Lease` the mapped objects (the ``mmap`` of each memfd or file, the
+``VmmMapping`` of a GPU range), and the lease ends when the last of them is collected, that is when no tensor view of them is left, or earlier at the
 attach block's exit or the connection's end. So an attach whose context manager was
 dropped unexited (``w = c.attach("m").__enter__()``) holds its lease, seen in ``ps``
 and counted in the budget, for exactly as long as the engine can read ``w``; the lease
@@ -30,18 +29,17 @@ import math
 import mmap
 import os
 import stat
+import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ..errors import BadRequest
 from ..protocol.arena import AttachReply, FileArenaDesc, MemfdArenaDesc, VmmArenaDesc
-from .core import close_fds
-
-if TYPE_CHECKING:
-    from .connection import Lease
+from .core import ClientCore, close_fds
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -234,6 +232,70 @@ def tensor_views(slab: torch.Tensor, table: Iterable[list[Any]]) -> dict[str, to
             base = bases[0] = _typed(slab, dtype, itemsize)
         out[name] = base.as_strided(shape, _contiguous_strides(shape), offset // itemsize)
     return out
+
+
+class LeaseConnection(Protocol):
+    """What a :class:`Lease` needs of its connection (connection.py's ``ConnectionBase``)."""
+
+    core: ClientCore
+
+    def _lease_gone(self, lease: int, epoch: int) -> None: ...
+
+    async def _end_lease(self, lease: int) -> None: ...
+
+
+class Lease:
+    """One attach's lease, owned by the memory it maps (mapping.py's Note [lifetime]).
+
+    It ends once, at the first of: :meth:`end` (the attach block's exit), the last of
+    its mappings collected (:meth:`own`: every tensor view of them gone), or the end of
+    the connection that granted it (the daemon ends it then; nothing is sent). Until
+    then it keeps its connection, and so the client, alive: a client or context manager
+    dropped while its tensors are in use neither ends the lease nor closes the
+    connection under them."""
+
+    __slots__ = ("_conn", "_epoch", "_left", "_lock", "ended", "id")
+
+    def __init__(self, lease_id: int, conn: LeaseConnection) -> None:
+        self.id = lease_id
+        self._conn = conn
+        self._epoch = conn.core.epoch
+        self._left: set[int] = set()  # the ids of the mappings still alive
+        self._lock = threading.Lock()
+        self.ended = False
+
+    def own(self, mappings: list[object]) -> None:
+        """End the lease when the last of ``mappings`` (each an object that the tensors'
+        storage keeps alive: an ``mmap``, a ``VmmMapping``) is collected."""
+        for m in mappings:
+            self._left.add(id(m))
+            fin = weakref.finalize(m, self._mapping_gone, id(m))
+            fin.atexit = False  # at exit the connection closes, and the daemon ends the lease with it
+
+    def _mapping_gone(self, key: int) -> None:
+        # From a finalizer: any thread, any moment (even inside this client's own calls).
+        self._left.discard(key)
+        if not self._left and self._take():
+            self._conn._lease_gone(self.id, self._epoch)
+
+    def _take(self) -> bool:
+        """Whether this call ends the lease: it had not ended, and its connection is still up."""
+        with self._lock:
+            if self.ended:
+                return False
+            self.ended = True
+        return self._conn.core.epoch == self._epoch and self._conn.core.connected
+
+    @property
+    def held(self) -> bool:
+        """Whether the daemon still holds it for this client, as far as the client knows."""
+        return not self.ended and self._conn.core.epoch == self._epoch and self._conn.core.connected
+
+    async def end(self) -> None:
+        """Detach now (the attach block's exit). A lease already ended, or of a connection
+        that ended (Note [reconnecting] in core.py), sends nothing."""
+        if self._take():
+            await self._conn._end_lease(self.id)
 
 
 class AttachedModel(Mapping[str, torch.Tensor]):

@@ -24,7 +24,7 @@ one ever does suspend (a wait that is not the transport's).
   stops), so one thread's long ``load`` does not delay another's ``status``.
 - Leases end when the connection closes, so the socket stays open for as long as the
   client lives (``close``, ``with``, or its collection close it), and for as long as
-  the tensors of an attach never exited live (connection.py's ``Lease``).
+  the tensors of an attach never exited live (mapping.py's ``Lease``).
 - Nothing runs in the background. While the daemon answers the hello, the connecting
   thread imports what the first attach needs (connection.py's ``import_attach_half``)
   in an engine that has imported torch. What the daemon sends unasked is read at the next call:
@@ -57,7 +57,6 @@ if TYPE_CHECKING:
     import socket
     from collections.abc import AsyncIterator
 
-    from .connection import Attachment
     from .mapping import AttachedModel
 
     # Annotations only: making them at run time cost a fresh engine ~45 µs of its import (2-core VM).
@@ -406,19 +405,26 @@ class SyncClient:
                keep_alive: float | str | None = None) -> SyncAttachment:
         """:meth:`Client.attach` as a plain context manager: the lease ends when the block
         does (or, for one entered and never exited, when its tensors are gone)."""
-        return SyncAttachment(self._client.attach(name, device, rank, wait_s=wait_s, timeout=timeout, writable=writable,
-                                                  keep_alive=keep_alive))
+        return SyncAttachment(functools.partial(self._client._attach, name, device, rank, wait_s=wait_s, timeout=timeout,
+                                                writable=writable, keep_alive=keep_alive))
 
 
 class SyncAttachment:
-    """What :meth:`SyncClient.attach` returns: ``with`` it to attach (connection.py's ``Attachment``)."""
+    """What :meth:`SyncClient.attach` returns: ``with`` it to attach (as aio.py's
+    ``Attachment``: the block holds the model, and its exit ends the lease)."""
 
-    def __init__(self, attachment: Attachment) -> None:
-        self._attachment = attachment
+    def __init__(self, attach: Callable[[], Coroutine[Any, Any, AttachedModel]]) -> None:
+        self._attach = attach
+        self._model: AttachedModel | None = None
 
     def __enter__(self) -> AttachedModel:
-        return run_to_end(self._attachment.__aenter__())
+        if self._model is not None:
+            raise RuntimeError("this attach was entered already; call attach() again")
+        self._model = run_to_end(self._attach())
+        return self._model
 
     def __exit__(self, *exc: object) -> None:
-        run_to_end(self._attachment.__aexit__(*exc))
+        model, self._model = self._model, None
+        if model is not None and model._lease is not None:
+            run_to_end(model._lease.end())
 
