@@ -130,7 +130,13 @@ class Connection(ConnectionBase):
             self.core.discard()
 
     def _give_back(self, lease: int) -> None:
-        task = asyncio.ensure_future(self._detach_quietly(lease))
+        epoch = self.core.epoch
+
+        async def detach() -> None:
+            if self.core.epoch == epoch:  # else it ended with its connection (Note [reconnecting])
+                await self._detach_quietly(lease)
+
+        task = asyncio.ensure_future(detach())
         self._background.add(task)  # keep a reference until it is done
         task.add_done_callback(self._background.discard)
 

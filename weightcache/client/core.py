@@ -179,6 +179,7 @@ class ClientCore:
         self.connected = False
         self.closed = False  # close() was called: no connecting again (Note [reconnecting])
         self.epoch = 0  # connections made so far; a lease is of the epoch that granted it
+        self.announced_stop = False  # this connection's daemon sent shutting_down
         # Why the connection cannot carry requests: it broke, or was closed. None while it can.
         self.error: WeightcacheError | None = None
         self._decoder = FrameDecoder(max_frame_bytes)
@@ -191,6 +192,7 @@ class ClientCore:
         self._decoder = FrameDecoder(self.max_frame_bytes)
         self.connected, self.error = True, None
         self.epoch += 1
+        self.announced_stop = False
 
     @property
     def lost(self) -> bool:
@@ -276,6 +278,7 @@ class ClientCore:
             reply = decode_reply(payload, limit)
             if "event" in reply:  # unsolicited, e.g. {"event": "shutting_down", "grace_s": 10}
                 self.events.append(reply)
+                self.announced_stop = self.announced_stop or reply.get("event") == "shutting_down"
                 continue
             count = int(reply.get("fds", 0))
             if count > len(self._fd_queue):
@@ -333,8 +336,7 @@ class ClientCore:
 
     def ended(self) -> DaemonUnavailable:
         """The daemon closed the connection (Note [reconnecting])."""
-        said = any(e.get("event") == "shutting_down" for e in self.events)
-        why = "it announced it was shutting down" if said else "it stopped or restarted, or dropped this client"
+        why = "it announced it was shutting down" if self.announced_stop else "it stopped or restarted, or dropped this client"
         return DaemonUnavailable(f"the daemon at {self.socket_path} closed the connection ({why}); the leases held on "
                                  "it ended, attached tensors stay readable, and the next call connects again",
                                  socket=self.socket_path)
