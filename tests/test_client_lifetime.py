@@ -188,3 +188,27 @@ async def test_a_block_without_as_holds_its_lease_to_its_end(start_daemon, ckpts
             _collect()
             assert s.status()["leases"] == 1
         assert s.status()["leases"] == 0
+
+
+def test_a_forked_childs_copy_of_the_tensors_ends_no_lease(start_daemon, ckpts):
+    """The child shares the parent's socket: a detach sent from it would end the parent's
+    lease and put a frame in the parent's stream."""
+    import os
+
+    d = start_daemon(models={"m": ckpts["tiny"]})
+    with SyncClient(d.socket) as other:
+        c = SyncClient(d.socket)
+        w = c.attach("m").__enter__()
+        pid = os.fork()
+        if pid == 0:  # the child drops its copies of the tensors, and with them the mapping
+            try:
+                del w
+                _collect()
+            finally:
+                os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert other.status()["leases"] == 1 and c.status()["leases"] == 1
+        del w
+        _collect()
+        _wait_no_leases(other)
+        c.close()

@@ -245,16 +245,17 @@ class LeaseConnection(Protocol):
 
 
 class Lease:
-    """One attach's lease, owned by the memory it maps (mapping.py's Note [lifetime]).
+    """One attach's lease, owned by the memory it maps (Note [lifetime]).
 
     It ends once, at the first of: :meth:`end` (the attach block's exit), the last of
     its mappings collected (:meth:`own`: every tensor view of them gone), or the end of
     the connection that granted it (the daemon ends it then; nothing is sent). Until
     then it keeps its connection, and so the client, alive: a client or context manager
     dropped while its tensors are in use neither ends the lease nor closes the
-    connection under them."""
+    connection under them. A forked child's copies of the mappings end nothing: the
+    lease, and the connection's stream, are the parent's."""
 
-    __slots__ = ("_conn", "_epoch", "_left", "_lock", "ended", "id")
+    __slots__ = ("_conn", "_epoch", "_left", "_lock", "_pid", "ended", "id")
 
     def __init__(self, lease_id: int, conn: LeaseConnection) -> None:
         self.id = lease_id
@@ -262,6 +263,7 @@ class Lease:
         self._epoch = conn.core.epoch
         self._left: set[int] = set()  # the ids of the mappings still alive
         self._lock = threading.Lock()
+        self._pid = os.getpid()
         self.ended = False
 
     def own(self, mappings: list[object]) -> None:
@@ -275,7 +277,7 @@ class Lease:
     def _mapping_gone(self, key: int) -> None:
         # From a finalizer: any thread, any moment (even inside this client's own calls).
         self._left.discard(key)
-        if not self._left and self._take():
+        if not self._left and os.getpid() == self._pid and self._take():
             self._conn._lease_gone(self.id, self._epoch)
 
     def _take(self) -> bool:
@@ -285,11 +287,6 @@ class Lease:
                 return False
             self.ended = True
         return self._conn.core.epoch == self._epoch and self._conn.core.connected
-
-    @property
-    def held(self) -> bool:
-        """Whether the daemon still holds it for this client, as far as the client knows."""
-        return not self.ended and self._conn.core.epoch == self._epoch and self._conn.core.connected
 
     async def end(self) -> None:
         """Detach now (the attach block's exit). A lease already ended, or of a connection
