@@ -101,6 +101,9 @@ async def test_cancelled_attach_leaves_no_lease_and_no_stale_reply(start_daemon,
             await asyncio.sleep(delay)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        # An attach that finished before the cancel is an attach entered and never exited:
+        # its lease lasts while its tensors do (mapping.py's Note [lifetime]), here the task's result.
+        del task
         # the next request gets its own reply, not a leftover attach reply
         st = await c.status()
         assert "devices" in st

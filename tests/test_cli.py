@@ -31,6 +31,7 @@ from weightcache.config import DaemonConfig
 from weightcache.errors import Attached, NoSpace
 from weightcache.server.access import AccessPolicy, Peer
 from weightcache.server.requests import Caller, Request
+from weightcache.units import format_size
 
 LONG = "small-fp16-model-" + "x" * 90  # a table cell far wider than 80 columns
 
@@ -78,9 +79,10 @@ def test_every_command_prints_a_line_and_json_without_the_protocol_fields(start_
     assert out == "tiny: nothing to evict (evicted)\n"
     assert cli_json(capsys, *s, "load", "tiny")["model"]["state"] == "resident"
     rc, out, _ = cli(capsys, *s, "attach", "tiny")
-    assert rc == 0 and out.startswith("attached tiny: lease ") and " KiB on cpu in " in out
+    assert rc == 0 and out.startswith("attached tiny: lease ") and f", 5 tensors, {TINY} on cpu in " in out, out
     attached = cli_json(capsys, *s, "attach", "tiny")
-    assert attached["name"] == "tiny" and attached["tensors"] == 5 and 0 < attached["nbytes"] <= 64 * 1024
+    assert attached["name"] == "tiny" and attached["tensors"] == 5 and 0 < attached["tensor_bytes"] <= 64 * 1024
+    assert attached["nbytes"] == next(m["nbytes"] for m in cli_json(capsys, *s, "models")) > attached["tensor_bytes"]
     rc, out, _ = cli(capsys, *s, "reload")
     assert rc == 0 and out.startswith("reloaded: ")
     assert "id" not in cli_json(capsys, *s, "reload")
@@ -468,3 +470,78 @@ def test_client_commands_do_not_import_pydantic(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(cfg)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", r.stdout
+
+
+# -- one size, sharded models, checkpoints that are not safetensors ---------------------------
+def test_one_model_shows_one_size_everywhere(start_daemon, ckpts, capsys, tmp_path):
+    """models, ps, load, attach, evict, a reload's eviction and the daemon's log: the bytes
+    the budget counts, in one unit (the tensors' own sum, and the arena without what the
+    daemon holds for the checkpoint, were shown as two other sizes)."""
+    d = start_daemon(budget="20MiB", models={"tiny": ckpts["tiny"]})
+    s = ("--socket", d.socket)
+    assert cli(capsys, *s, "load", "tiny")[1] == f"tiny: resident on cpu, {TINY}, 5 tensors\n"
+    for command in ("models", "ps"):
+        assert TINY in next(line for line in cli(capsys, *s, command)[1].splitlines() if "tiny" in line)
+    assert f", 5 tensors, {TINY} on cpu in " in cli(capsys, *s, "attach", "tiny")[1]
+    assert cli(capsys, *s, "evict", "tiny")[1] == f"tiny: evicted, {TINY} freed\n"
+    assert cli(capsys, *s, "load", "tiny")[0] == 0
+    d.config.write_text(d.config.read_text().replace('"cpu" = "20MiB"', '"cpu" = "64KiB"'))
+    rc, out, err = cli(capsys, *s, "reload")
+    assert rc == 0 and f"evicted: tiny ({TINY}): cpu budget lowered" in out, (out, err)
+    assert f"evicted tiny ({TINY}): cpu budget lowered" in d.log_text()
+
+
+def test_sharded_models_in_the_cli_attach_by_rank_and_load_every_rank(start_daemon, ckpts, capsys):
+    d = start_daemon(budget="40MiB", models={"tp": None},
+                     tp={"shards": [{"path": str(ckpts["a"]), "device": "cpu"}, {"path": str(ckpts["tiny"]), "device": "cpu"}]})
+    s = ("--socket", d.socket)
+    rc, out, _ = cli(capsys, *s, "load", "tp")
+    sizes = {m["name"]: format_size(m["nbytes"]) for m in cli_json(capsys, *s, "models")}
+    assert rc == 0 and out.splitlines() == [f"tp@0 (rank 0): resident on cpu, {sizes['tp@0']}, 40 tensors",
+                                            f"tp@1 (rank 1): resident on cpu, {TINY}, 5 tensors"], out
+    assert [x["rank"] for x in cli_json(capsys, *s, "load", "tp")["shards"]] == [0, 1]
+    rc, _, err = cli(capsys, *s, "attach", "tp")
+    assert rc == 1 and "sharded over 2 ranks: attach one of them with rank=0 to rank=1 (`weightcache attach tp --rank 0`)" in err, err
+    rc, out, err = cli(capsys, *s, "attach", "tp", "--rank", "1", "--verify")
+    assert rc == 0 and out.startswith("attached tp rank 1: lease ") and f", 5 tensors, {TINY} on cpu in " in out, (out, err)
+    assert f"verified: all 5 tensors equal the bytes in {ckpts['tiny']}" in out, out
+    got = cli_json(capsys, *s, "attach", "tp", "--rank", "0")
+    assert got["rank"] == 0 and got["tensors"] == 40
+    rc, _, err = cli(capsys, *s, "attach", "tp", "--rank", "2")
+    assert rc == 1 and "has ranks 0..1, not 2" in err
+    assert cli(capsys, *s, "status")[0] == 0  # still serving
+
+
+def _pickled_dir(root: Path) -> Path:
+    """A transformers-style directory of PyTorch .bin shards, as save_pretrained wrote them
+    before safetensors was its default."""
+    import torch
+
+    d = root / "bin-model"
+    d.mkdir()
+    for i in (1, 2):
+        torch.save({f"w{i}": torch.zeros(4)}, d / f"pytorch_model-0000{i}-of-00002.bin")
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {
+        "w1": "pytorch_model-00001-of-00002.bin", "w2": "pytorch_model-00002-of-00002.bin"}}))
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4}))
+    return d
+
+
+def test_a_directory_of_bin_shards_and_a_config_json_get_errors_that_say_what_to_do(start_daemon, ckpts, capsys, tmp_path):
+    bins = _pickled_dir(tmp_path)
+    # Served by the daemon from its config file: `models` shows why each cannot load.
+    d = start_daemon(budget="20MiB", models={"bins": bins, "index": bins / "pytorch_model.bin.index.json",
+                                             "config": bins / "config.json", "tiny": ckpts["tiny"]})
+    s = ("--socket", d.socket)
+    for name in ("bins", "index"):
+        rc, _, err = cli(capsys, *s, "load", name)
+        assert rc == 1 and "PyTorch pickle file" in err and "save_pretrained(NEW_DIR)" in err, err
+    rc, _, err = cli(capsys, *s, "load", "config")
+    assert rc == 1 and "not a checkpoint index: a model's config.json without a \"weight_map\"" in err, err
+    assert "KeyError" not in err
+    # Registered by a client, which opens the files itself: the same messages, before anything is sent.
+    rc, _, err = cli(capsys, *s, "register", "bins2", str(bins))
+    assert rc == 1 and "2 PyTorch pickle file(s) (pytorch_model-00001-of-00002.bin, pytorch_model-00002-of-00002.bin)" in err, err
+    rc, _, err = cli(capsys, *s, "register", "config2", str(bins / "config.json"))
+    assert rc == 1 and "not a checkpoint index" in err and "KeyError" not in err, err
+    assert cli(capsys, *s, "load", "tiny")[0] == 0  # and the daemon serves on

@@ -391,19 +391,42 @@ def test_threads_sharing_a_sync_client_do_not_wait_for_each_other(fake):
     assert f.ops().count("status") == 120
 
 
-def test_a_sync_client_whose_daemon_goes_away_fails_fast(fake):
-    f = fake(answers={"status": {"devices": {}}})
-    c = SyncClient(f.path)
+def test_a_sync_client_whose_daemon_goes_away_fails_fast_and_connects_again_at_the_next_call(fake):
+    release = threading.Event()
+    f = fake(answers={"status": {"devices": {}}, "load": MODEL}, held={"load": release})  # load: never released
+    c = SyncClient(f.path, wait_for_daemon=0.2)
     assert c.status()["devices"] == {}
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            c.load("x", timeout=30)
+        except BaseException as exc:
+            failed.append(exc)
+
+    t = threading.Thread(target=load)
+    t.start()
+    deadline = time.monotonic() + HANG_GUARD_S
+    while "load" not in f.ops():
+        assert time.monotonic() < deadline, "the load was never sent"
+        time.sleep(0.01)
+    started = time.monotonic()
     for conn in f.conns:  # the daemon closes the connection (e.g. it stopped)
         conn.shutdown(socket.SHUT_RDWR)
-    t = time.monotonic()
-    with pytest.raises(DaemonUnavailable, match=r"closed the connection|broke"):
-        c.status(timeout=30)  # the end of the stream is seen at once, not after the timeout
-    with pytest.raises(DaemonUnavailable):
-        c.models(timeout=30)  # and the connection stays failed
-    assert time.monotonic() - t < 5
+    t.join(timeout=HANG_GUARD_S)
+    # The request in flight fails at the end of the stream, not after its timeout.
+    assert len(failed) == 1 and isinstance(failed[0], DaemonUnavailable), failed
+    assert "closed the connection" in str(failed[0]) and "the next call connects again" in str(failed[0])
+    assert time.monotonic() - started < 5
+    assert c.status(timeout=30)["devices"] == {}  # the next call connects again
+    assert len(f.conns) == 2 and c._client.events[-1]["event"] == "reconnected"
+    f.close()  # now nobody listens: the next call says both what happened and why connecting failed
+    with pytest.raises(DaemonUnavailable, match=r"connecting again failed: cannot connect .* after waiting 0\.2s"):
+        c.models(timeout=30)
+    assert time.monotonic() - started < 10
     c.close()
+    with pytest.raises(DaemonUnavailable, match="client closed"):
+        c.status()  # closed for good: no connecting again
 
 
 class Interrupted(Exception):

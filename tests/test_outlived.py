@@ -78,3 +78,33 @@ def test_which_command_lines_are_daemons():
     assert not is_daemon(["/opt/wc/.venv/bin/weightcache", "supervise", "--", "python", "engine.py", "serve"])
     assert not is_daemon(["/opt/wc/.venv/bin/weightcache", "--config", "serve.toml", "status"])
     assert not is_daemon(["python", "engine.py", "serve"])
+
+
+def test_the_daemons_own_parent_is_not_another_daemon(tmp_path):
+    """`timeout 600 weightcache serve` (so nice, sudo, systemd-run): the parent's command
+    line names serve too, and was warned about as another daemon."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from conftest import write_config
+
+    from weightcache.tools.spawn import wait_for_socket
+
+    sockdir = tempfile.mkdtemp(prefix="wc-", dir="/tmp")
+    sock, cfg, log = os.path.join(sockdir, "d.sock"), tmp_path / "d.toml", tmp_path / "d.log"
+    write_config(cfg, sock, "8MiB", {})
+    with log.open("wb") as out:
+        parent = subprocess.Popen(["timeout", "600", sys.executable, "-m", "weightcache", "serve", "--config", str(cfg)],
+                                  stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for_socket(sock, parent)
+        with SyncClient(sock) as c:
+            status = c.status()
+        assert status["pid"] != parent.pid  # the daemon is timeout's child
+        assert parent.pid not in [o["pid"] for o in status["other_daemons"]], status["other_daemons"]
+        assert f"another weightcache daemon runs on this host (pid {parent.pid}:" not in log.read_text()
+    finally:
+        parent.send_signal(signal.SIGTERM)  # timeout passes it on to the daemon
+        assert parent.wait(timeout=60) == 0, log.read_text()[-2000:]
+        shutil.rmtree(sockdir, ignore_errors=True)

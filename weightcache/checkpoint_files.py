@@ -12,6 +12,7 @@ in the parser, the reader and their imports.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import stat
@@ -24,8 +25,27 @@ INDEX_SUFFIX = ".safetensors.index.json"
 MAX_INDEX_BYTES = 16 * 2**20  # the largest real index (tens of thousands of tensors) is a few MiB; as the header cap
 
 
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")  # PyTorch's pickled checkpoints (torch.save)
+# How to turn a pickled checkpoint into safetensors, once: what an error about one ends with.
+CONVERT_HINT = ("convert it to safetensors once: for a transformers model, `AutoModel.from_pretrained(DIR)"
+                ".save_pretrained(NEW_DIR)` writes safetensors (the default); for any file, "
+                "`safetensors.torch.save_file(torch.load(F, weights_only=True), F_NEW.safetensors)`")
+
+
 def corrupt(path: str, reason: str) -> CorruptCheckpoint:
     return CorruptCheckpoint(f"{path}: {reason}", file=path, reason=reason)
+
+
+def no_safetensors(directory: str, names: list[str]) -> LoadFailed:
+    """The error for a directory (its entries ``names``) without a .safetensors file:
+    if it holds PyTorch pickles, what they are and how to convert them."""
+    pickles = sorted(n for n in names if any(fnmatch.fnmatchcase(n, p) for p in PICKLE_PATTERNS))
+    if not pickles:
+        return LoadFailed(f"{directory}: directory holds no .safetensors files", file=directory, reason="empty")
+    shown = ", ".join(pickles[:3]) + (f" and {len(pickles) - 3} more" if len(pickles) > 3 else "")
+    return LoadFailed(f"{directory}: directory holds no .safetensors files, but {len(pickles)} PyTorch pickle "
+                      f"file(s) ({shown}): weightcache serves safetensors checkpoints only; {CONVERT_HINT}",
+                      file=directory, reason="pickle")
 
 
 def read_capped(fd: int, cap: int) -> bytes | None:
@@ -47,7 +67,10 @@ def index_names(raw: bytes, index: str) -> list[str]:
     try:
         data: Any = json.loads(raw.decode("utf-8"))
         if not isinstance(data, dict) or "weight_map" not in data:
-            raise KeyError("weight_map")
+            # e.g. the model's config.json: valid JSON, but no index
+            what = "a model's config.json" if os.path.basename(index) == "config.json" else "JSON"
+            raise LoadFailed(f"{index}: not a checkpoint index: {what} without a \"weight_map\"; give the checkpoint's "
+                             f"directory, its *{INDEX_SUFFIX} or a .safetensors file", file=index, reason="not an index")
         weight_map = data["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise TypeError("weight_map must map tensor names to file names")
@@ -61,6 +84,11 @@ def index_names(raw: bytes, index: str) -> list[str]:
     except RecursionError:
         raise corrupt(index, "invalid index: nested too deeply") from None
     names = sorted(set(weight_map.values()))
+    pickles = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in PICKLE_PATTERNS)]
+    if pickles:  # pytorch_model.bin.index.json
+        raise LoadFailed(f"{index}: the index lists PyTorch pickle files ({pickles[0]}"
+                         f"{f' and {len(pickles) - 1} more' if len(pickles) > 1 else ''}), not safetensors: "
+                         f"weightcache serves safetensors checkpoints only; {CONVERT_HINT}", file=index, reason="pickle")
     for n in names:
         if not n or os.path.isabs(n) or ".." in Path(n).parts or "\0" in n:
             raise corrupt(index, f"index names a file outside its directory: {n[:200]!r}")
@@ -80,7 +108,7 @@ def discover_files(source: str | Path) -> list[str]:
             return _files_from_index(indexes[0])
         files = sorted(str(f) for f in p.glob("*.safetensors"))
         if not files:
-            raise LoadFailed(f"{p}: directory holds no .safetensors files", file=str(p), reason="empty")
+            raise no_safetensors(str(p), os.listdir(p))
         return files
     if p.name.endswith(".json"):
         return _files_from_index(p)

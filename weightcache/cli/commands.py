@@ -65,8 +65,9 @@ async def cmd_load(args: argparse.Namespace) -> int:
 
     async with _client(args) as c:
         before = {m["name"]: m for m in await c.models()}
-        job = asyncio.ensure_future(c.load(args.name, device=args.device, rank=args.rank, wait_s=args.wait,
-                                           keep_alive=args.keep_alive))
+        # The whole reply: a sharded model's every rank is under "shards" (Client.load returns rank 0's).
+        job = asyncio.ensure_future(c.request("load", name=args.name, device=args.device, rank=args.rank, wait_s=args.wait,
+                                              keep_alive=args.keep_alive))
         console = Console(stderr=True)  # stdout keeps only the result, for scripts
         quiet = args.quiet or args.json or not console.is_terminal
         with Progress("[bold]{task.description}", BarColumn(), TextColumn("{task.fields[sizes]}"),
@@ -84,19 +85,23 @@ async def cmd_load(args: argparse.Namespace) -> int:
                     bar.update(task, visible=True, completed=p["bytes_done"], total=p["bytes_total"],
                                sizes=f"{size(p['bytes_done'])} / {size(p['bytes_total'])}",
                                rate=f"{size(p['bytes_per_s'])}/s")
-        model = await job
+        reply = await job
+        model, shards = reply["model"], reply.get("shards") or [reply["model"]]
         after = await c.models()
     # What left its device while this load ran: the room it made (or, rarely, what a
     # concurrent eviction took); the daemon counts every model's evictions. Not the model
     # itself: its own stale copy, dropped because its files changed, made no room for it.
+    loaded = {s["name"] for s in shards}
     evicted = [{"name": m["name"], "nbytes": before[m["name"]]["nbytes"], "state": m["state"]} for m in after
-               if m["name"] in before and m["name"] != model["name"] and m["evictions"] > before[m["name"]]["evictions"]]
+               if m["name"] in before and m["name"] not in loaded and m["evictions"] > before[m["name"]]["evictions"]]
     if args.json:
-        print_json({"model": model, "evicted": evicted})
+        print_json({"model": model, "shards": shards, "evicted": evicted})
         return 0
-    print(f"{model['name']}: {model['state']} on {model['device']}, {size(model['nbytes'])}, {model['tensors']} tensors")
-    if model.get("placement"):
-        print(f"placed on {model['placement']['detail']}")
+    for s in shards:  # every rank of a sharded model, each on its own device
+        rank = f" (rank {s['rank']})" if s.get("rank") is not None else ""
+        print(f"{s['name']}{rank}: {s['state']} on {s['device']}, {size(s['nbytes'])}, {s['tensors']} tensors")
+        if s.get("placement"):
+            print(f"placed on {s['placement']['detail']}")
     if evicted:
         print("evicted to make room: " + ", ".join(
             f"{e['name']} ({size(e['nbytes'])}{', to the host tier' if e['state'] == 'host' else ''})" for e in evicted))
@@ -230,15 +235,21 @@ async def cmd_attach(args: argparse.Namespace) -> int:
 
     async with _client(args) as c:
         t0 = time.perf_counter()
-        async with c.attach(args.name, keep_alive=args.keep_alive) as m:
+        async with c.attach(args.name, rank=args.rank, keep_alive=args.keep_alive) as m:
             dt = time.perf_counter() - t0
-            result: dict[str, Any] = {"name": m.name, "lease": m.lease, "tensors": len(m), "nbytes": m.nbytes,
-                                      "device": m.device, "attach_ms": dt * 1e3, "fingerprint": m.fingerprint}
+            # The size the budget counts, as `models` and `ps` show it (the tensors' own sum
+            # is less: the arena's padding and what the daemon holds for the checkpoint).
+            nbytes = m.budget_bytes if m.budget_bytes is not None else m.nbytes
+            result: dict[str, Any] = {"name": m.name, "rank": args.rank, "lease": m.lease, "tensors": len(m),
+                                      "nbytes": nbytes, "tensor_bytes": m.nbytes, "device": m.device,
+                                      "attach_ms": dt * 1e3, "fingerprint": m.fingerprint}
             if not args.json:
-                print(f"attached {m.name}: lease {m.lease}, {len(m)} tensors, {size(m.nbytes)} on {m.device} "
+                rank = f" rank {args.rank}" if args.rank is not None else ""
+                print(f"attached {m.name}{rank}: lease {m.lease}, {len(m)} tensors, {size(nbytes)} on {m.device} "
                       f"in {dt * 1e3:.2f} ms; fingerprint {m.fingerprint[:16]}")
             if args.verify:
-                entry = next(x for x in await c.models() if x["name"] == args.name)
+                entry = next(x for x in await c.models() if (x["name"] == args.name if args.rank is None else
+                                                             x["shard_of"] == args.name and x["rank"] == args.rank))
                 path = entry["path"]
                 if entry["origin"] == "publish" or path is None:
                     # Was the loader's "published:NAME: checkpoint path does not exist".

@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("attach", help="attach a model and report; --verify compares every byte with the files",
                        parents=[client])
     s.add_argument("name")
+    s.add_argument("--rank", type=int, default=None, help="the rank to attach, of a sharded model (0, 1, ...)")
     s.add_argument("--verify", action="store_true")
     s.add_argument("--hold", type=_seconds, default=0, metavar="DURATION", help="keep the lease this long: seconds or 30s/5m")
     s.add_argument("--keep-alive", default=None, metavar="DURATION",
@@ -219,7 +220,8 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "reload": ("weightcache reload            # exit 1 when a change did not take effect",
                "weightcache reload --json | jq '.failed'",
                "systemctl reload weightcache  # the same, from the unit (Type=notify-reload)"),
-    "attach": ("weightcache attach qwen-7b --verify", "weightcache attach qwen-7b --hold 5m   # keep it resident meanwhile"),
+    "attach": ("weightcache attach qwen-7b --verify", "weightcache attach qwen-7b --hold 5m   # keep it resident meanwhile",
+               "weightcache attach llama-8b-tp2 --rank 1   # one rank of a sharded model"),
     "demo": ("weightcache demo", "weightcache demo --restarts 5 --model-mib 256"),
     "bench": ("weightcache bench --device cpu --size-gib 1",
               "weightcache bench --device cuda:0 --size-gib 9.15 --tensors 183 --out run.json",

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import DaemonUnavailable, WeightcacheError
 from ..protocol import recv_with_fds, send_with_fds
 from .connection import ClientOps, ConnectionBase
-from .core import Reply
+from .core import PEER_GONE_ERRNOS, Reply
+
+if TYPE_CHECKING:
+    from .mapping import AttachedModel
 
 T = TypeVar("T")
 
@@ -33,6 +37,8 @@ class Connection(ConnectionBase):
         self._pending: dict[int, asyncio.Future[Reply]] = {}
         self._write_lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
+        self._reconnect_lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the connection: finalizers hand it their detaches
 
     # -- connecting -----------------------------------------------------------------
     async def _connect_once(self, sock: socket.socket, deadline: float | None) -> None:
@@ -43,9 +49,13 @@ class Connection(ConnectionBase):
         await asyncio.sleep(seconds)
 
     def _started(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._reader = asyncio.ensure_future(self._read_loop())
 
     async def close(self) -> None:
+        await self._drop(self.core.close())
+
+    async def _drop(self, error: WeightcacheError) -> None:
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
@@ -53,11 +63,14 @@ class Connection(ConnectionBase):
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        self._fail_pending(self.core.stop(DaemonUnavailable("client closed")))
+        self._fail_pending(self.core.stop(error))
+
+    def _reconnecting(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._reconnect_lock
 
     # -- requests -------------------------------------------------------------------
-    async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None,
-                       while_waiting: Callable[[], None] | None = None) -> Reply:
+    async def _exchange(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None,
+                        while_waiting: Callable[[], None] | None = None) -> Reply:
         rid, frame = self.core.request(op, args, len(send_fds or ()))
         limit = self.core.limit(op, timeout)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
@@ -77,6 +90,10 @@ class Connection(ConnectionBase):
                 reply, fds = await fut
         except BaseException as exc:
             timed_out = isinstance(exc, TimeoutError) and deadline.expired()
+            if sending and isinstance(exc, OSError) and exc.errno in PEER_GONE_ERRNOS:  # Note [reconnecting]
+                gone = self.core.peer_gone(op, exc)
+                self._break_connection(gone)
+                raise gone from exc
             if sending and (timed_out or not isinstance(exc, OSError)):  # part of the frame may be out (Note [timeouts])
                 self._break_connection(self.core.abandoned(op))
             if fut.done() and not fut.cancelled() and fut.exception() is None:
@@ -113,19 +130,29 @@ class Connection(ConnectionBase):
             self.core.discard()
 
     def _give_back(self, lease: int) -> None:
-        task = asyncio.ensure_future(self._detach_quietly(lease))
+        epoch = self.core.epoch
+
+        async def detach() -> None:
+            if self.core.epoch == epoch:  # else it ended with its connection (Note [reconnecting])
+                await self._detach_quietly(lease)
+
+        task = asyncio.ensure_future(detach())
         self._background.add(task)  # keep a reference until it is done
         task.add_done_callback(self._background.discard)
 
-    @contextlib.asynccontextmanager
-    async def _lease(self, lease: int) -> AsyncIterator[None]:
-        """Detach ``lease`` when the block exits, however it exits. Shielded: a cancelled
-        engine task must still give its lease back."""
-        try:
-            yield
-        finally:
-            if self._sock is not None:  # else the connection is closed and the lease ended with it
-                await asyncio.shield(self._detach_quietly(lease))
+    async def _end_lease(self, lease: int) -> None:
+        """Shielded: a cancelled engine task must still give its lease back."""
+        await asyncio.shield(self._detach_quietly(lease))
+
+    def _lease_gone(self, lease: int, epoch: int) -> None:
+        def detach() -> None:
+            if self.core.epoch == epoch and self.core.connected:
+                self._give_back(lease)
+
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: so is the connection, and the lease with it
+                loop.call_soon_threadsafe(detach)
 
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.to_thread(fn, *args)  # the loop keeps serving other requests meanwhile
@@ -145,6 +172,29 @@ class Connection(ConnectionBase):
         self._pending.clear()
 
 
+class Attachment:
+    """What :meth:`Client.attach` returns: ``async with`` it to attach. The lease ends when
+    the block exits; one entered and never exited ends when its tensors are gone
+    (mapping.py's Note [lifetime])."""
+
+    def __init__(self, attach: Callable[[], Awaitable[AttachedModel]]) -> None:
+        self._attach = attach
+        # Held while the block runs: ``async with c.attach("m"):`` without ``as`` keeps no
+        # tensor, and the lease must last to the block's end all the same.
+        self._model: AttachedModel | None = None
+
+    async def __aenter__(self) -> AttachedModel:
+        if self._model is not None:
+            raise RuntimeError("this attach was entered already; call attach() again")
+        self._model = await self._attach()
+        return self._model
+
+    async def __aexit__(self, *exc: object) -> None:
+        model, self._model = self._model, None
+        if model is not None and model._lease is not None:
+            await model._lease.end()
+
+
 class Client(ClientOps, Connection):
     """Async client for the weightcache daemon.
 
@@ -161,3 +211,24 @@ class Client(ClientOps, Connection):
     ``wait_for_daemon``: how long connecting waits for a daemon that is not running yet
     (None: ``$WEIGHTCACHE_WAIT_FOR_DAEMON``, else 5 s; 0 tries once).
     """
+
+    def attach(self, name: str, device: str | None = None, rank: int | None = None, *, wait_s: float | None = None,
+               timeout: float | None = None, writable: bool = False,
+               keep_alive: float | str | None = None) -> Attachment:
+        """Attach ``name`` (loading it first if needed) and yield its tensors, zero-copy.
+
+        Read-only unless ``writable=True`` and the daemon allows it (GPU arenas only):
+        writes then change the bytes every other attached engine sees. ``keep_alive`` is
+        as for :meth:`load`: ``0`` evicts the model once its last lease ends.
+
+        The lease lasts until the block exits (or the connection ends). Keep the block
+        open while the tensors are in use: only a lease keeps the daemon from evicting.
+        An attach entered and never exited (``w = await c.attach("m").__aenter__()``)
+        keeps its lease, and its client, for as long as any of its tensors lives
+        (mapping.py's Note [lifetime]).
+
+        >>> async with c.attach("qwen-7b", device="cuda:0") as weights:   # doctest: +SKIP
+        ...     model = load_into_module(skeleton, weights)
+        """
+        return Attachment(functools.partial(self._attach, name, device, rank, wait_s=wait_s, timeout=timeout,
+                                            writable=writable, keep_alive=keep_alive))

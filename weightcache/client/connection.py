@@ -22,19 +22,20 @@ Timeouts and cancellation: Note [timeouts] and Note [cancellation] in core.py.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import sys
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
-from ..errors import PermissionDenied, RequestTimeout, WeightcacheError
+from ..errors import DaemonUnavailable, PermissionDenied, RequestTimeout, WeightcacheError
 from ..protocol import DAEMON_UID_ENV, peer_credentials
-from .core import DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_FRAME_BYTES, DEFAULT_REQUEST_TIMEOUT, ClientCore, Reply, Retry, close_fds
+from .core import DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_FRAME_BYTES, DEFAULT_REQUEST_TIMEOUT, ClientCore, PeerGone, Reply, Retry, close_fds
 
 if TYPE_CHECKING:  # annotations only: importing them would import torch
     import torch
@@ -72,6 +73,9 @@ def import_attach_half() -> None:
             driver().device_uuids()
     except Exception:  # the attach does the same work and raises what went wrong
         return
+
+
+log = logging.getLogger("weightcache.client")
 
 
 def check_daemon_identity(sock: socket.socket, path: str) -> None:
@@ -153,14 +157,31 @@ class ConnectionBase(ABC):
             deadline = self.core.connect_deadline(started)
             limit = float("inf") if deadline is None else max(1e-3, deadline - time.monotonic())
             try:
-                reply, fds = await self._request("hello", limit, self.core.hello(), while_waiting=import_attach_half)
+                reply, fds = await self._exchange("hello", limit, self.core.hello(), while_waiting=import_attach_half)
                 close_fds(fds)
                 self.core.accept_hello(reply)
             except RequestTimeout:
                 raise self.core.no_answer() from None
-        except BaseException:
-            await self.close()
+        except BaseException as exc:
+            await self._drop(exc if isinstance(exc, WeightcacheError) else self.core.interrupted())
             raise
+
+    async def _reconnect(self) -> None:
+        """Connect again after the connection ended without ``close()`` (Note [reconnecting]
+        in core.py): once, by whichever of the callers that found it lost comes first."""
+        async with self._reconnecting():
+            if self.core.connected:  # another caller connected again meanwhile
+                return
+            lost = self.core.error
+            if self.core.closed:
+                raise lost or DaemonUnavailable("client closed")
+            before = self.core.server_info.get("pid")
+            await self._drop(lost or self.core.ended())
+            try:
+                await self._open()
+            except WeightcacheError as exc:
+                raise self.core.reconnect_failed(lost, exc) from exc
+            log.warning("%s", self.core.reconnected(before, lost))
 
     async def _connect(self) -> tuple[socket.socket, float]:
         """A connected socket whose peer we trust, and the ``time.monotonic()`` its attempt
@@ -198,6 +219,22 @@ class ConnectionBase(ABC):
         return sock
 
     # -- requests -----------------------------------------------------------------------------
+    async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None,
+                       while_waiting: Callable[[], None] | None = None) -> Reply:
+        """``request`` that also sends ``send_fds`` (SCM_RIGHTS, on the same frame) and
+        returns the fds of the reply, which the caller must close. ``while_waiting`` is
+        called once the frame is sent, before waiting for the reply (which it must not
+        read); its time counts against the request's. A connection that ended is made
+        again first, and a frame the daemon never took is sent again on a new one (Note
+        [reconnecting] in core.py)."""
+        if self.core.lost:
+            await self._reconnect()
+        try:
+            return await self._exchange(op, timeout, args, send_fds, while_waiting)
+        except PeerGone:
+            await self._reconnect()
+            return await self._exchange(op, timeout, args, send_fds, while_waiting)
+
     async def request(self, op: str, *, timeout: float | None = None, **args: Any) -> dict[str, Any]:
         """Send one request; return the reply map or raise the error class of its code.
         Arguments that are None are left out.
@@ -220,8 +257,14 @@ class ConnectionBase(ABC):
 
     async def _detach_quietly(self, lease: int) -> None:
         # If this fails the connection is gone, and the daemon ended the lease with it.
+        # On this connection only: a new one (Note [reconnecting]) holds no such lease.
         with contextlib.suppress(WeightcacheError, OSError):
-            await self.request("detach", lease=lease)
+            _reply, fds = await self._exchange("detach", None, {"lease": lease})
+            close_fds(fds)
+
+    async def _end_lease(self, lease: int) -> None:
+        """Detach ``lease`` (of this connection) and wait for the daemon's answer."""
+        await self._detach_quietly(lease)
 
     # -- what each transport does its own way ----------------------------------------------
     @abstractmethod
@@ -247,16 +290,25 @@ class ConnectionBase(ABC):
         daemon ends every lease this connection held."""
 
     @abstractmethod
-    async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None,
-                       while_waiting: Callable[[], None] | None = None) -> Reply:
-        """``request`` that also sends ``send_fds`` (SCM_RIGHTS, on the same frame) and
-        returns the fds of the reply, which the caller must close. ``while_waiting`` is
-        called once the frame is sent, before waiting for the reply (which it must not
-        read); its time counts against the request's."""
+    async def _exchange(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None,
+                        while_waiting: Callable[[], None] | None = None) -> Reply:
+        """:meth:`_request` on the connection as it is: no connecting again. A send
+        that finds the daemon's end closed raises :class:`~.core.PeerGone`."""
 
     @abstractmethod
-    def _lease(self, lease: int) -> AbstractAsyncContextManager[None]:
-        """Detach ``lease`` when the block exits, however it exits."""
+    async def _drop(self, error: WeightcacheError) -> None:
+        """Close the socket (and the reader) and fail the requests in flight with
+        ``error``, which becomes the connection's; not ``close()``: the next call may
+        connect again."""
+
+    @abstractmethod
+    def _reconnecting(self) -> AbstractAsyncContextManager[None]:
+        """Held while connecting again, so that one caller does it."""
+
+    @abstractmethod
+    def _lease_gone(self, lease: int, epoch: int) -> None:
+        """Detach ``lease`` of connection ``epoch`` soon, waiting for nothing: called by a
+        finalizer (mapping.py's ``Lease``), in any thread, at any moment."""
 
     @abstractmethod
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
@@ -419,26 +471,15 @@ class ClientOps(ConnectionBase):
         finally:
             packed.release()
 
-    @contextlib.asynccontextmanager
-    async def attach(self, name: str, device: str | None = None, rank: int | None = None, *, wait_s: float | None = None,
-                     timeout: float | None = None, writable: bool = False,
-                     keep_alive: float | str | None = None) -> AsyncIterator[AttachedModel]:
-        """Attach ``name`` (loading it first if needed) and yield its tensors, zero-copy.
-
-        Read-only unless ``writable=True`` and the daemon allows it (GPU arenas only):
-        writes then change the bytes every other attached engine sees. ``keep_alive`` is
-        as for :meth:`load`: ``0`` evicts the model once its last lease ends.
-
-        The lease lasts until the block exits (or the connection closes). Keep the block
-        open while the tensors are in use: only a lease keeps the daemon from evicting.
-
-        >>> async with c.attach("qwen-7b", device="cuda:0") as weights:   # doctest: +SKIP
-        ...     model = load_into_module(skeleton, weights)
-        """
+    async def _attach(self, name: str, device: str | None = None, rank: int | None = None, *, wait_s: float | None = None,
+                      timeout: float | None = None, writable: bool = False,
+                      keep_alive: float | str | None = None) -> AttachedModel:
+        """What entering ``attach`` does (aio.py's ``Attachment``, sync.py's): the request, and
+        the mapping of its reply, which then owns the lease (ended here if mapping fails)."""
         # Imported before the request, not after: torch's import (~1.5 s) is then not
         # taken from the request's timeout, and an import that fails leaves no lease.
         from ..protocol.arena import parse_attach
-        from .mapping import attached_model, prepare_attach
+        from .mapping import Lease, attached_model, prepare_attach
 
         if device is not None and device.startswith("cuda:") and device[5:].isdigit():
             from .libcuda import driver  # ctypes, not cuda-bindings: cuda_mapping.py's Note [first attach]
@@ -448,5 +489,11 @@ class ClientOps(ConnectionBase):
                                                        "writable": writable or None, "keep_alive": keep_alive,
                                                        "table": "columns"},
                                          while_waiting=lambda: prepare_attach(device != "cpu"))
-        async with self._lease(reply["lease"]):  # ends the lease even if the reply is bad or mapping fails
-            yield attached_model(name, parse_attach(reply, fds))
+        lease = Lease(reply["lease"], self)
+        try:
+            model = attached_model(name, parse_attach(reply, fds), lease)
+            model.budget_bytes = reply.get("nbytes")
+            return model
+        except BaseException:  # a bad reply, or mapping failed: no tensor holds the lease
+            await lease.end()
+            raise

@@ -46,6 +46,24 @@ and the hello exchange counts from the start of the attempt that connected.
 :class:`Retry` is the schedule; the one loop that follows it is
 connection.py's ``ConnectionBase._connect``.
 
+Note [reconnecting]
+-------------------
+A connection the daemon closed (it stopped, restarted, or dropped this client) or that
+broke is not the client's end: the next call connects again (the retry and bounds of
+Note [waiting for the daemon]) and goes on. Nothing is lost that reconnecting could
+keep: the daemon ended the old connection's leases with it, and what was attached stays
+mapped and readable (client/mapping.py's Note [lifetime]). A request that was in flight
+when the connection ended fails (the daemon may or may not have done it); one whose
+frame the daemon never took (the send found the peer gone: EPIPE, ECONNRESET) is sent
+again on the new connection. Each connection is an ``epoch``: a lease belongs to the
+epoch that granted it, and ending one of an earlier epoch sends nothing (the daemon
+ended it already; its number may name another client's lease now). After connecting
+again, ``events`` gets ``{"event": "reconnected", "restarted": bool, "pid": ...,
+"previous_pid": ..., "reason": ...}`` and the ``weightcache.client`` logger a warning
+that says whether the daemon restarted (its pid changed). If connecting again fails,
+the error says both what ended the connection and why connecting failed. Only
+``close()`` ends a client for good.
+
 Note [cancellation]
 -------------------
 A request cancelled (or timed out) between send and reply leaves its id behind; the
@@ -81,6 +99,12 @@ DAEMON_REQUEST_TIMEOUT_S = 900.0  # the daemon's default request_timeout_s, for 
 LOAD_TIMEOUT_MARGIN_S = 30.0  # past the daemon's own timeout, so its TIMEOUT reply arrives first
 
 Reply = tuple[dict[str, Any], list[int]]  # a reply map and the fds that came with it
+PEER_GONE_ERRNOS = frozenset({errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN})  # a send found the daemon's end closed
+
+
+class PeerGone(DaemonUnavailable):
+    """A send found the daemon's end of the connection closed, so the daemon never took
+    the frame: the request may be sent again on a new connection (Note [reconnecting])."""
 
 
 def wait_for_daemon_from_env() -> float:
@@ -153,6 +177,9 @@ class ClientCore:
         self.server_info: dict[str, Any] = {}
         self.events: deque[dict[str, Any]] = deque(maxlen=64)  # events the daemon announced, newest last
         self.connected = False
+        self.closed = False  # close() was called: no connecting again (Note [reconnecting])
+        self.epoch = 0  # connections made so far; a lease is of the epoch that granted it
+        self.announced_stop = False  # this connection's daemon sent shutting_down
         # Why the connection cannot carry requests: it broke, or was closed. None while it can.
         self.error: WeightcacheError | None = None
         self._decoder = FrameDecoder(max_frame_bytes)
@@ -164,6 +191,19 @@ class ClientCore:
         self.discard()
         self._decoder = FrameDecoder(self.max_frame_bytes)
         self.connected, self.error = True, None
+        self.epoch += 1
+        self.announced_stop = False
+
+    @property
+    def lost(self) -> bool:
+        """The connection ended without ``close()``: the next call connects again."""
+        return self.epoch > 0 and not self.connected and not self.closed
+
+    def close(self) -> DaemonUnavailable:
+        """``close()`` was called: the client's end, whatever ended the connection before;
+        returns the error later calls raise."""
+        self.closed, self.error = True, None
+        return DaemonUnavailable("client closed")
 
     def stop(self, error: WeightcacheError) -> WeightcacheError:
         """The connection is over (``error`` says why, unless an earlier reason stands);
@@ -229,7 +269,7 @@ class ClientCore:
         FrameTooLarge or BadRequest for garbage: the connection is then over."""
         self._fd_queue.extend(fds)
         if not data:
-            raise DaemonUnavailable(f"weightcache at {self.socket_path} closed the connection")
+            raise self.ended()
         replies = []
         limit = self.max_frame_bytes
         for payload in self._decoder.feed(data):
@@ -238,6 +278,7 @@ class ClientCore:
             reply = decode_reply(payload, limit)
             if "event" in reply:  # unsolicited, e.g. {"event": "shutting_down", "grace_s": 10}
                 self.events.append(reply)
+                self.announced_stop = self.announced_stop or reply.get("event") == "shutting_down"
                 continue
             count = int(reply.get("fds", 0))
             if count > len(self._fd_queue):
@@ -292,6 +333,32 @@ class ClientCore:
         return RequestTimeout(
             f"the daemon at {self.socket_path} did not answer {op!r} within {limit:g}s; it may be stopped, "
             "hung or overloaded (a late reply is dropped)", op=op, timeout_s=limit)
+
+    def ended(self) -> DaemonUnavailable:
+        """The daemon closed the connection (Note [reconnecting])."""
+        why = "it announced it was shutting down" if self.announced_stop else "it stopped or restarted, or dropped this client"
+        return DaemonUnavailable(f"the daemon at {self.socket_path} closed the connection ({why}); the leases held on "
+                                 "it ended, attached tensors stay readable, and the next call connects again",
+                                 socket=self.socket_path)
+
+    def peer_gone(self, op: str, exc: OSError) -> PeerGone:
+        """A send that found the daemon's end closed: the frame was not taken (Note [reconnecting])."""
+        return PeerGone(f"{self.ended().message} ({op!r} found it closed: {exc.strerror or exc})", socket=self.socket_path)
+
+    def reconnected(self, before: Any, lost: WeightcacheError | None) -> str:
+        """Connected again after ``lost`` to a daemon whose pid was ``before``: the
+        ``reconnected`` event added to ``events``, and what to log."""
+        now = self.server_info.get("pid")
+        reason = lost.message if lost is not None else "the connection ended"
+        self.events.append({"event": "reconnected", "restarted": now != before, "pid": now, "previous_pid": before,
+                            "reason": reason})
+        who = f"the daemon restarted (pid {before}, now {now})" if now != before else f"the same daemon (pid {now})"
+        return f"connected again to the daemon at {self.socket_path}: {who} ({reason}); the leases of the old connection ended"
+
+    def reconnect_failed(self, lost: WeightcacheError | None, exc: WeightcacheError) -> WeightcacheError:
+        """Connecting again after ``lost`` failed with ``exc``: one error that says both."""
+        before = lost.message if lost is not None else "the connection to the daemon ended"
+        return type(exc)(f"{before}; connecting again failed: {exc.message}", **exc.details)
 
     def abandoned(self, op: str) -> DaemonUnavailable:
         return DaemonUnavailable(f"connection to {self.socket_path} closed: a {op!r} request was abandoned while its frame "

@@ -194,10 +194,14 @@ def _forget_spare() -> None:
 os.register_at_fork(after_in_child=_forget_spare)
 
 
-def map_vmm(arena: VmmArenaDesc, fds: list[int], *, read_only: bool = True) -> tuple[torch.Tensor, Callable[[], None]]:
+def map_vmm(arena: VmmArenaDesc, fds: list[int], *, read_only: bool = True,
+            owners: list[object] | None = None) -> tuple[torch.Tensor, Callable[[], None]]:
     """fds (closed here, whatever happens) + the reply's arena description -> a uint8
     tensor over the whole range on the GPU the arena names, and the ``wait`` to call
-    before anything reads it: access is set meanwhile (Note [views while access is set])."""
+    before anything reads it: access is set meanwhile (Note [views while access is set]).
+    The range's :class:`VmmMapping`, which torch keeps alive for as long as any tensor
+    of the range lives, is appended to ``owners`` (the lease's owner: mapping.py's Note
+    [lifetime]); the access thread holds it too until its call is over."""
     try:
         sizes = arena.chunks
         if len(fds) != len(sizes):
@@ -212,6 +216,8 @@ def map_vmm(arena: VmmArenaDesc, fds: list[int], *, read_only: bool = True) -> t
         for fd in fds:
             os.close(fd)
     mapping = VmmMapping(va, sum(sizes), ordinal, ctx)  # owns the range from here: unmapped when collected
+    if owners is not None:
+        owners.append(mapping)
     access = _take_spare()
     try:
         access.set_access(drv, ctx, mapping, read_only)

@@ -11,6 +11,15 @@ arenas); the mapping is unmapped when the last view is garbage collected, never 
 The daemon's memory is reference counted by the kernel (memfd, and a mapped file's inode
 and pages) or driver (VMM), so a mapping stays valid even if the daemon evicts the model;
 the lease is what keeps the daemon from evicting it while you use it.
+
+The lease is owned by the same objects that own the mapping: ``attached_model`` hands
+the :class:`Lease` the mapped objects (the ``mmap`` of each memfd or file, the
+``VmmMapping`` of a GPU range), and the lease ends when the last of them is collected, that is when no tensor view of them is left, or earlier at the
+attach block's exit or the connection's end. So an attach whose context manager was
+dropped unexited (``w = c.attach("m").__enter__()``) holds its lease, seen in ``ps``
+and counted in the budget, for exactly as long as the engine can read ``w``; the lease
+keeps its client's connection open meanwhile. A tensor copied out (``.clone()``,
+``.to(device)``) does not hold it.
 """
 
 from __future__ import annotations
@@ -20,15 +29,17 @@ import math
 import mmap
 import os
 import stat
+import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ..errors import BadRequest
 from ..protocol.arena import AttachReply, FileArenaDesc, MemfdArenaDesc, VmmArenaDesc
-from .core import close_fds
+from .core import ClientCore, close_fds
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -103,12 +114,15 @@ def prepare_attach(gpu: bool = True) -> None:
     prepare_views()
 
 
-def map_memfd(fd: int, nbytes: int) -> torch.Tensor:
-    """Map a sealed memfd (or a file) read-only and wrap it as a uint8 tensor (closes ``fd``)."""
+def map_memfd(fd: int, nbytes: int, owners: list[object] | None = None) -> torch.Tensor:
+    """Map a sealed memfd (or a file) read-only and wrap it as a uint8 tensor (closes ``fd``).
+    The ``mmap``, which the tensor's storage keeps alive, is appended to ``owners``."""
     try:
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
+    if owners is not None:
+        owners.append(mapping)
     with warnings.catch_warnings():
         # torch warns that the buffer is not writable: that is the point. A write through
         # these tensors faults (SIGSEGV) in this process; the daemon's bytes are sealed.
@@ -116,7 +130,7 @@ def map_memfd(fd: int, nbytes: int) -> torch.Tensor:
         return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
-def map_files(arena: FileArenaDesc, fds: list[int]) -> list[torch.Tensor]:
+def map_files(arena: FileArenaDesc, fds: list[int], owners: list[object] | None = None) -> list[torch.Tensor]:
     """A ``file`` arena's fds (one read-only regular file each) -> one uint8 tensor per
     file over its first ``arena.files[i]`` bytes. Takes the fds: each is closed here,
     whether this returns or raises (the mappings keep the files)."""
@@ -131,7 +145,7 @@ def map_files(arena: FileArenaDesc, fds: list[int]) -> list[torch.Tensor]:
             if not stat.S_ISREG(st.st_mode) or st.st_size < size:
                 raise BadRequest(f"file arena: fd {fd} is not a regular file of at least {size} bytes")
             pending.remove(fd)
-            slabs.append(map_memfd(fd, size))
+            slabs.append(map_memfd(fd, size, owners))
     finally:
         close_fds(pending)
     return slabs
@@ -178,20 +192,22 @@ def _usable() -> None:
     """A memfd's mapping is readable as made: nothing to wait for."""
 
 
-def map_arena(arena: MemfdArenaDesc | VmmArenaDesc, fds: list[int]) -> tuple[torch.Tensor, Callable[[], None]]:
+def map_arena(arena: MemfdArenaDesc | VmmArenaDesc, fds: list[int],
+              owners: list[object] | None = None) -> tuple[torch.Tensor, Callable[[], None]]:
     """A memfd or VMM arena + its fds -> one uint8 tensor over the whole arena, and the
     ``wait`` to call after making views of it and before anything reads them (a VMM
     range's access is set meanwhile: cuda_mapping.py's Note [views while access is
     set]). Takes the fds: each is closed exactly once, here or by the mapper it is handed
-    to, whether this returns or raises (the mapping keeps the memory)."""
+    to, whether this returns or raises (the mapping keeps the memory). The object that
+    owns the mapping (kept alive by the slab's storage) is appended to ``owners``."""
     if isinstance(arena, VmmArenaDesc):
         from .cuda_mapping import map_vmm
 
-        return map_vmm(arena, fds, read_only=not arena.writable)  # closes them
+        return map_vmm(arena, fds, read_only=not arena.writable, owners=owners)  # closes them
     if len(fds) != 1:
         close_fds(fds)
         raise BadRequest(f"memfd arena needs 1 fd, got {len(fds)}")
-    return map_memfd(fds[0], arena.nbytes), _usable  # closes it
+    return map_memfd(fds[0], arena.nbytes, owners), _usable  # closes it
 
 
 def tensor_views(slab: torch.Tensor, table: Iterable[list[Any]]) -> dict[str, torch.Tensor]:
@@ -218,6 +234,67 @@ def tensor_views(slab: torch.Tensor, table: Iterable[list[Any]]) -> dict[str, to
     return out
 
 
+class LeaseConnection(Protocol):
+    """What a :class:`Lease` needs of its connection (connection.py's ``ConnectionBase``)."""
+
+    core: ClientCore
+
+    def _lease_gone(self, lease: int, epoch: int) -> None: ...
+
+    async def _end_lease(self, lease: int) -> None: ...
+
+
+class Lease:
+    """One attach's lease, owned by the memory it maps (Note [lifetime]).
+
+    It ends once, at the first of: :meth:`end` (the attach block's exit), the last of
+    its mappings collected (:meth:`own`: every tensor view of them gone), or the end of
+    the connection that granted it (the daemon ends it then; nothing is sent). Until
+    then it keeps its connection, and so the client, alive: a client or context manager
+    dropped while its tensors are in use neither ends the lease nor closes the
+    connection under them. A forked child's copies of the mappings end nothing: the
+    lease, and the connection's stream, are the parent's."""
+
+    __slots__ = ("_conn", "_epoch", "_left", "_lock", "_pid", "ended", "id")
+
+    def __init__(self, lease_id: int, conn: LeaseConnection) -> None:
+        self.id = lease_id
+        self._conn = conn
+        self._epoch = conn.core.epoch
+        self._left: set[int] = set()  # the ids of the mappings still alive
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self.ended = False
+
+    def own(self, mappings: list[object]) -> None:
+        """End the lease when the last of ``mappings`` (each an object that the tensors'
+        storage keeps alive: an ``mmap``, a ``VmmMapping``) is collected."""
+        for m in mappings:
+            self._left.add(id(m))
+            fin = weakref.finalize(m, self._mapping_gone, id(m))
+            fin.atexit = False  # at exit the connection closes, and the daemon ends the lease with it
+
+    def _mapping_gone(self, key: int) -> None:
+        # From a finalizer: any thread, any moment (even inside this client's own calls).
+        self._left.discard(key)
+        if not self._left and os.getpid() == self._pid and self._take():
+            self._conn._lease_gone(self.id, self._epoch)
+
+    def _take(self) -> bool:
+        """Whether this call ends the lease: it had not ended, and its connection is still up."""
+        with self._lock:
+            if self.ended:
+                return False
+            self.ended = True
+        return self._conn.core.epoch == self._epoch and self._conn.core.connected
+
+    async def end(self) -> None:
+        """Detach now (the attach block's exit). A lease already ended, or of a connection
+        that ended (Note [reconnecting] in core.py), sends nothing."""
+        if self._take():
+            await self._conn._end_lease(self.id)
+
+
 class AttachedModel(Mapping[str, torch.Tensor]):
     """A read-only mapping of tensor name -> tensor, backed by the daemon's arena.
 
@@ -226,9 +303,11 @@ class AttachedModel(Mapping[str, torch.Tensor]):
     """
 
     def __init__(self, name: str, lease: int, fingerprint: str, device: str, tensors: dict[str, torch.Tensor],
-                 source: str = "resident", arena_kind: str | None = None, waited_s: float = 0.0) -> None:
+                 source: str = "resident", arena_kind: str | None = None, waited_s: float = 0.0,
+                 owner: Lease | None = None) -> None:
         self.name = name
-        self.lease = lease
+        self.lease = lease  # the lease's number in the daemon (``ps``)
+        self._lease = owner  # the lease itself, owned by the mapping (Note [lifetime]); None if it is not the client's
         self.fingerprint = fingerprint
         self.device = device
         # Where the daemon got the bytes for this attach: "resident" (a hit), "host" (it
@@ -240,6 +319,10 @@ class AttachedModel(Mapping[str, torch.Tensor]):
         # How the bytes are mapped: "file" (the checkpoint files' page cache, on CPU),
         # "memfd" (a sealed copy, on CPU) or "cuda_vmm".
         self.arena_kind = arena_kind
+        # The bytes the daemon's budget counts for it, as `models` and `ps` show them (the
+        # arena, padded, and what the daemon holds for the checkpoint); None from a daemon
+        # that does not say. ``nbytes`` is the tensors' own sum.
+        self.budget_bytes: int | None = None
         self._tensors = tensors
 
     def __getitem__(self, key: str) -> torch.Tensor:
@@ -259,17 +342,21 @@ class AttachedModel(Mapping[str, torch.Tensor]):
         return f"AttachedModel({self.name!r}, lease={self.lease}, tensors={len(self)}, device={self.device!r})"
 
 
-def attached_model(name: str, reply: AttachReply) -> AttachedModel:
+def attached_model(name: str, reply: AttachReply, lease: Lease | None = None) -> AttachedModel:
     """A parsed attach reply (its fds taken, as by :func:`map_arena` and :func:`map_files`)
-    -> the model's tensors. The lease stays the caller's to end."""
+    -> the model's tensors. ``lease``, if given, is then owned by the mapping (Note
+    [lifetime]); if this raises, it stays the caller's to end."""
     arena = reply.arena
+    owners: list[object] = []
     if isinstance(arena, FileArenaDesc):
-        tensors = file_tensor_views(map_files(arena, reply.fds), arena, reply.tensors)
+        tensors = file_tensor_views(map_files(arena, reply.fds, owners), arena, reply.tensors)
     else:
-        slab, wait = map_arena(arena, reply.fds)
+        slab, wait = map_arena(arena, reply.fds, owners)
         try:
             tensors = tensor_views(slab, reply.tensors)
         finally:
             wait()  # no tensor leaves before the range is readable (and a failure to make it so is raised)
+    if lease is not None:
+        lease.own(owners)
     return AttachedModel(name, reply.lease, reply.fingerprint, reply.device, tensors,
-                         source=reply.source, arena_kind=arena.kind, waited_s=reply.waited_s)
+                         source=reply.source, arena_kind=arena.kind, waited_s=reply.waited_s, owner=lease)

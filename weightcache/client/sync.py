@@ -23,7 +23,8 @@ one ever does suspend (a wait that is not the transport's).
   every reply it reads to the thread waiting for its id, and wakes the others when it
   stops), so one thread's long ``load`` does not delay another's ``status``.
 - Leases end when the connection closes, so the socket stays open for as long as the
-  client lives (``close``, ``with``, or its collection close it).
+  client lives (``close``, ``with``, or its collection close it), and for as long as
+  the tensors of an attach never exited live (mapping.py's ``Lease``).
 - Nothing runs in the background. While the daemon answers the hello, the connecting
   thread imports what the first attach needs (connection.py's ``import_attach_half``)
   in an engine that has imported torch. What the daemon sends unasked is read at the next call:
@@ -40,20 +41,21 @@ import atexit
 import contextlib
 import functools
 import os
-import sys
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections import deque
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from ..errors import DaemonUnavailable, WeightcacheError
 from ..protocol import recv_with_fds_blocking, send_with_fds_blocking
 from .connection import ClientOps, ConnectionBase
-from .core import DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_FRAME_BYTES, DEFAULT_REQUEST_TIMEOUT, Reply
+from .core import DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_FRAME_BYTES, DEFAULT_REQUEST_TIMEOUT, PEER_GONE_ERRNOS, Reply
 
 if TYPE_CHECKING:
     import socket
+    from collections.abc import AsyncIterator
 
     from .mapping import AttachedModel
 
@@ -108,7 +110,10 @@ class BlockingConnection(ConnectionBase):
         self._state = threading.Condition()  # guards what follows; notified when a reply lands or the reader stops
         self._pending: dict[int, Reply | WeightcacheError | None] = {}
         self._reading = False  # a thread is reading replies for everyone
-        self._leftover_leases: list[int] = []  # from late attach replies: detached after the read that found them
+        # (epoch, lease) to detach without waiting: of late attach replies (after the read that
+        # found them) and of attaches whose tensors were collected (Lease)
+        self._leftover_leases: deque[tuple[int, int]] = deque()
+        self._reconnect_lock = threading.Lock()
 
     # -- connecting: the waits of ConnectionBase._connect ----------------------------
     async def _connect_once(self, sock: socket.socket, deadline: float | None) -> None:
@@ -131,16 +136,27 @@ class BlockingConnection(ConnectionBase):
         self._close_now()
 
     def _close_now(self) -> None:
+        self._drop_now(self.core.close())
+
+    async def _drop(self, error: WeightcacheError) -> None:
+        self._drop_now(error)
+
+    def _drop_now(self, error: WeightcacheError) -> None:
         with self._state:
             sock, self._sock = self._sock, None
-            self._fail_pending(self.core.stop(DaemonUnavailable("client closed")))
+            self._fail_pending(self.core.stop(error))
             self._leftover_leases.clear()  # they end with the connection
         if sock is not None:
             sock.close()
 
+    @contextlib.asynccontextmanager
+    async def _reconnecting(self) -> AsyncIterator[None]:
+        with self._reconnect_lock:
+            yield
+
     # -- requests -------------------------------------------------------------------
-    async def _request(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None,
-                       while_waiting: Callable[[], None] | None = None) -> Reply:
+    async def _exchange(self, op: str, timeout: float | None, args: dict[str, Any], send_fds: list[int] | None = None,
+                        while_waiting: Callable[[], None] | None = None) -> Reply:
         rid, frame = self.core.request(op, args, len(send_fds or ()))
         limit = self.core.limit(op, timeout)
         deadline = _deadline(limit)
@@ -163,6 +179,10 @@ class BlockingConnection(ConnectionBase):
                 while_waiting()
             reply, fds = self._wait_for(rid, deadline)
         except BaseException as exc:
+            if sending and isinstance(exc, OSError) and exc.errno in PEER_GONE_ERRNOS:  # Note [reconnecting]
+                gone = self.core.peer_gone(op, exc)
+                self._break_connection(gone)
+                raise gone from exc
             if sending:  # part of the frame may be out (Note [timeouts])
                 self._break_connection(self.core.abandoned(op))
             if isinstance(exc, TimeoutError):
@@ -246,46 +266,54 @@ class BlockingConnection(ConnectionBase):
             raise
 
     def _give_back(self, lease: int) -> None:
-        self._leftover_leases.append(lease)  # sent once the read that found it is over: _detach_leftovers
+        # sent once the read that found it is over: _detach_leftovers
+        self._leftover_leases.append((self.core.epoch, lease))
 
-    def _detach_leftovers(self) -> None:
-        """Detach the leases of late attach replies, waiting for nothing: the daemon's
-        answers are dropped as they come. If sending fails, the connection is gone and
-        the daemon ended the leases with it."""
-        with self._state:
-            leases, self._leftover_leases = self._leftover_leases, []
-        for lease in leases:
-            with contextlib.suppress(WeightcacheError, OSError):
-                _rid, frame = self.core.request("detach", {"lease": lease})
-                deadline = _deadline(self.core.limit("detach", None))
-                if not _acquire(self._send_lock, deadline):
-                    continue  # another thread is stuck sending; the connection will break with it
-                try:
-                    if self._sock is not None:
+    def _lease_gone(self, lease: int, epoch: int) -> None:
+        # From a finalizer, maybe in a thread that holds the send lock or _state: queue it,
+        # and send it now only if the send lock is free (else its holder sends it after).
+        self._leftover_leases.append((epoch, lease))
+        self._detach_leftovers(wait=False)
+
+    def _detach_leftovers(self, wait: bool = True) -> None:
+        """Detach the queued leases of this connection, waiting for no answer: the
+        daemon's answers are dropped as they come. If sending fails, the connection is
+        gone and the daemon ended the leases with it. ``wait=False``: only if the send
+        lock is free now."""
+        while self._leftover_leases:
+            deadline = _deadline(self.core.limit("detach", None))
+            if not (_acquire(self._send_lock, deadline) if wait else self._send_lock.acquire(blocking=False)):
+                return  # another thread is sending (and sends these after), or stuck; the connection breaks with it
+            try:
+                with contextlib.suppress(IndexError):
+                    while True:
+                        epoch, lease = self._leftover_leases.popleft()
+                        if epoch != self.core.epoch or self._sock is None:
+                            continue  # ended with its connection
+                        _rid, frame = self.core.request("detach", {"lease": lease})
                         try:
                             send_with_fds_blocking(self._sock, frame, [], deadline)
+                        except OSError as exc:
+                            self._break_connection(self.core.peer_gone("detach", exc) if exc.errno in PEER_GONE_ERRNOS
+                                                   else self.core.broken(exc))
+                            return
                         except BaseException:
                             self._break_connection(self.core.abandoned("detach"))
                             raise
-                finally:
-                    self._send_lock.release()
+            except WeightcacheError:
+                return  # the connection is over: the daemon ended the leases with it
+            finally:
+                self._send_lock.release()
 
-    @contextlib.asynccontextmanager
-    async def _lease(self, lease: int) -> AsyncIterator[None]:
-        try:
-            yield
-        finally:
-            if self._sock is not None:  # else the connection is closed and the lease ended with it
-                await self._detach_quietly(lease)
+    async def _end_lease(self, lease: int) -> None:
+        await self._detach_quietly(lease)
 
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
         return fn(*args)  # the caller's thread waits for it anyway; other threads' requests are not held up
 
     def _break_connection(self, err: WeightcacheError) -> None:
         """The stream is out of step or over: fail every request and close the socket."""
-        with self._state:
-            self.core.stop(err)
-        self._close_now()
+        self._drop_now(err)
 
     def _fail_pending(self, exc: WeightcacheError) -> None:
         with self._state:
@@ -372,18 +400,31 @@ class SyncClient:
     publish = _blocking(ClientOps.publish)
     reload = _blocking(ClientOps.reload)
 
-    @contextlib.contextmanager
     def attach(self, name: str, device: str | None = None, rank: int | None = None, *, wait_s: float | None = None,
                timeout: float | None = None, writable: bool = False,
-               keep_alive: float | str | None = None) -> Iterator[AttachedModel]:
-        """:meth:`Client.attach` as a plain context manager: the lease ends when the block does."""
-        cm = self._client.attach(name, device, rank, wait_s=wait_s, timeout=timeout, writable=writable, keep_alive=keep_alive)
-        model = run_to_end(cm.__aenter__())
-        try:
-            yield model
-        except BaseException:
-            if not run_to_end(cm.__aexit__(*sys.exc_info())):  # a closed client's _lease detaches nothing
-                raise
-        else:
-            run_to_end(cm.__aexit__(None, None, None))
+               keep_alive: float | str | None = None) -> SyncAttachment:
+        """:meth:`Client.attach` as a plain context manager: the lease ends when the block
+        does (or, for one entered and never exited, when its tensors are gone)."""
+        return SyncAttachment(functools.partial(self._client._attach, name, device, rank, wait_s=wait_s, timeout=timeout,
+                                                writable=writable, keep_alive=keep_alive))
+
+
+class SyncAttachment:
+    """What :meth:`SyncClient.attach` returns: ``with`` it to attach (as aio.py's
+    ``Attachment``: the block holds the model, and its exit ends the lease)."""
+
+    def __init__(self, attach: Callable[[], Coroutine[Any, Any, AttachedModel]]) -> None:
+        self._attach = attach
+        self._model: AttachedModel | None = None
+
+    def __enter__(self) -> AttachedModel:
+        if self._model is not None:
+            raise RuntimeError("this attach was entered already; call attach() again")
+        self._model = run_to_end(self._attach())
+        return self._model
+
+    def __exit__(self, *exc: object) -> None:
+        model, self._model = self._model, None
+        if model is not None and model._lease is not None:
+            run_to_end(model._lease.end())
 

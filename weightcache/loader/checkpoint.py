@@ -21,7 +21,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..checkpoint_files import corrupt
+from ..checkpoint_files import CONVERT_HINT, corrupt
 from ..errors import CorruptCheckpoint, LoadFailed
 from . import parse_worker
 from .layout import lay_out
@@ -148,15 +148,12 @@ class Checkpoint:
 _OBJECT_START = re.compile(rb"[ \t\r\n]*\{")
 
 
-_CONVERT = "convert it, e.g. with safetensors.torch.save_file"
-
-
 def _looks_like(head: bytes) -> tuple[str, str] | None:
     """(what the file looks like, what to do) for a known format that is not safetensors."""
     if head.startswith(b"PK\x03\x04"):
-        return "a PyTorch zip checkpoint (.bin/.pt)", _CONVERT
+        return "a PyTorch zip checkpoint (.bin/.pt)", CONVERT_HINT
     if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
-        return "a Python pickle, e.g. a legacy PyTorch .bin/.pt checkpoint", _CONVERT
+        return "a Python pickle, e.g. a legacy PyTorch .bin/.pt checkpoint", CONVERT_HINT
     if head.startswith(b"GGUF"):
         return "a GGUF file (llama.cpp)", "weightcache loads safetensors checkpoints only"
     return None

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from ..checkpoint_files import INDEX_SUFFIX, MAX_INDEX_BYTES, corrupt, index_names, read_capped
+from ..checkpoint_files import INDEX_SUFFIX, MAX_INDEX_BYTES, corrupt, index_names, no_safetensors, read_capped
 from ..errors import BadRequest, LoadFailed, PermissionDenied, WeightcacheError
 
 log = logging.getLogger("weightcache.loader")
@@ -341,7 +341,7 @@ def open_source(source: str | os.PathLike[str], *, roots: Sequence[str | os.Path
                 return _open_indexed(op, top, index_path, ifd)
             shards = [n for n in names if fnmatch.fnmatchcase(n, "*.safetensors")]
             if not shards:
-                raise LoadFailed(f"{label}: directory holds no .safetensors files", file=label, reason="empty")
+                raise no_safetensors(label, names)
             return _open_files(op, top, [(str(Path(label) / n), n) for n in shards])
         if label.endswith(".json"):
             # An index: its files are opened relative to one fd of its directory (checked

@@ -327,8 +327,8 @@ class Daemon:
                                   "pending": [], "unchanged": [], "displaced": [], "evicted": [], "budgets": [],
                                   "max_loaded_models": [], "quotas": None}
         settings_changes(self.settings, new, report)
-        await reload_budgets(self.core, self.backends, self.residency, self.registry, new, report)
-        await reload_max_loaded(self.core, self.backends, self.residency, self.registry, new, report)
+        await reload_budgets(self.core, self.backends, self.residency, new, report)
+        await reload_max_loaded(self.core, self.backends, self.residency, new, report)
         quotas = quotas_of(new)
         if quotas != self.core.quotas:
             self.core.set_quotas(quotas)  # in place; a lowered one evicts nothing now (Note [quotas])

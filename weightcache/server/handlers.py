@@ -346,6 +346,7 @@ async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
         raise
     return {
         "lease": lease.id, "model": name, "rank": m.rank, "device": entry.device, "fingerprint": res.checkpoint.fingerprint,
+        "nbytes": entry.nbytes,  # what the budget counts, as `models` shows it (not the tensors' sum)
         "arena": {**arena, "writable": writable}, "source": source, "waited_s": round(sum(waits), 6),
         "placement": ctx.registry.placement_as_seen(caller.peer, m.slot), "tensors": Packed(res.columns if table == "columns" else res.table),
     }, fds

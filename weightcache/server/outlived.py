@@ -132,15 +132,36 @@ def _argv(pid: int) -> list[str]:
         return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
 
 
+def ancestors(pid: int) -> set[int]:
+    """The processes above ``pid`` (its parent, the parent's parent, ...), read from
+    /proc/<pid>/stat; those that cannot be read end the chain."""
+    out: set[int] = set()
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
+            pid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        if pid in out:  # a loop cannot happen, but a chain read while pids are reused must still end
+            break
+        out.add(pid)
+    return out
+
+
 def other_daemons(exclude: int | None = None, among: list[int] | None = None) -> list[dict[str, Any]]:
     """The other `weightcache serve` processes on this host (this PID namespace), or of
     ``among`` only: two daemons on different sockets both started, each taking its own
     budget of the same memory (by default half of RAM each), and neither said so (issue 24).
-    /proc/<pid>/cmdline is readable for every process, root or not."""
+    /proc/<pid>/cmdline is readable for every process, root or not. ``exclude`` and the
+    processes above it are not counted: a daemon started as `timeout 1h weightcache serve`
+    (or under nice, sudo, systemd-run) has a parent whose command line names serve too."""
     pids = among if among is not None else [int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]
+    skip = {exclude, *ancestors(exclude)} if exclude is not None else set()
     out = []
     for pid in pids:
-        if pid == exclude:
+        if pid in skip:
             continue
         try:
             argv = _argv(pid)

@@ -324,7 +324,9 @@ class Registry:
                 raise BadRequest(f"model {name!r} is not sharded; rank {rank} does not exist", model=name, rank=rank)
             return members[0]
         if rank is None:
-            raise BadRequest(f"model {name!r} is sharded over {len(members)} ranks: attach with rank=", model=name)
+            raise BadRequest(f"model {name!r} is sharded over {len(members)} ranks: attach one of them with rank=0 to "
+                             f"rank={len(members) - 1} (`weightcache attach {name} --rank 0`), one engine per rank",
+                             model=name, ranks=len(members))
         if not 0 <= rank < len(members):
             raise BadRequest(f"model {name!r} has ranks 0..{len(members) - 1}, not {rank}", model=name, rank=rank)
         return members[rank]

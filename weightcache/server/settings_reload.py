@@ -16,7 +16,6 @@ from ..cache import CacheCore, StepDown
 from ..config import Budget, Settings
 from ..errors import ConfigError, NoSpace
 from ..units import format_size
-from .registry import Registry
 from .residency import Residency
 
 
@@ -42,17 +41,18 @@ def settings_changes(old: Settings, new: Settings, report: dict[str, Any]) -> No
         report["failed"].append("peers: changed in the file, but read at start only: restart the daemon to apply it")
 
 
-def evicted(registry: Registry, core: CacheCore, step: StepDown, reason: str) -> list[dict[str, Any]]:
+def evicted(core: CacheCore, step: StepDown, reason: str) -> list[dict[str, Any]]:
     """What ``step`` moves off its device, for the reload's report (before it is done)."""
     out = []
     for name in step.leaving:
-        arena = registry.holding(name)
-        out.append({"name": name, "nbytes": arena.nbytes if arena is not None else core.entry(name).nbytes,
+        # What the budget counted for it, as `models` and `ps` show it (the arena, padded,
+        # and what the daemon holds for the checkpoint: Note [held bytes]).
+        out.append({"name": name, "nbytes": core.entry(name).nbytes,
                     "to": "host" if name in step.demote or name in step.release else "evicted", "reason": reason})
     return out
 
 
-async def _lowered(change: Callable[[], StepDown], key: str, reason: str, core: CacheCore, residency: Residency, registry: Registry,
+async def _lowered(change: Callable[[], StepDown], key: str, reason: str, core: CacheCore, residency: Residency,
                    report: dict[str, Any]) -> bool:
     """Apply one limit ``change`` in the core and carry out the evictions it plans, listed
     under ``evicted``; False, with the reason under ``failed``, when attached or pinned
@@ -62,13 +62,13 @@ async def _lowered(change: Callable[[], StepDown], key: str, reason: str, core: 
     except NoSpace as exc:
         report["failed"].append(f"{key}: {exc.message}")
         return False
-    report["evicted"] += evicted(registry, core, step, reason)
+    report["evicted"] += evicted(core, step, reason)
     await residency.step_down.carry_out(step, reason=reason)
     residency.room.notify()
     return True
 
 
-async def reload_max_loaded(core: CacheCore, backends: dict[str, Backend], residency: Residency, registry: Registry,
+async def reload_max_loaded(core: CacheCore, backends: dict[str, Backend], residency: Residency,
                             new: Settings, report: dict[str, Any]) -> None:
     """Apply a changed daemon.max_loaded_models in place: a lowered count evicts
     unattached models in the policy's order, as a lowered budget does. A count that
@@ -83,11 +83,11 @@ async def reload_max_loaded(core: CacheCore, backends: dict[str, Backend], resid
             report["failed"].append(f"max_loaded_models.{device}: a new device needs a daemon restart")
             continue
         if await _lowered(functools.partial(core.set_max_loaded, device, limit), f"max_loaded_models.{device}",
-                          f"{device} max_loaded_models lowered", core, residency, registry, report):
+                          f"{device} max_loaded_models lowered", core, residency, report):
             report["max_loaded_models"].append({"device": device, "limit": limit, "previous": previous})
 
 
-async def reload_budgets(core: CacheCore, backends: dict[str, Backend], residency: Residency, registry: Registry,
+async def reload_budgets(core: CacheCore, backends: dict[str, Backend], residency: Residency,
                          new: Settings, report: dict[str, Any]) -> None:
     """Each [budgets] entry as start resolves and checks it (``resolve_budget``), then
     applied: a lowered budget evicts unattached models in the policy's order. A device
@@ -115,5 +115,5 @@ async def reload_budgets(core: CacheCore, backends: dict[str, Backend], residenc
             backends[device].limit(nbytes)  # before the evictions are carried out, as the core now counts
             return step
 
-        if await _lowered(change, f"budgets.{device}", f"{device} budget lowered", core, residency, registry, report):
+        if await _lowered(change, f"budgets.{device}", f"{device} budget lowered", core, residency, report):
             report["budgets"].append({"device": device, "budget": nbytes, "previous": previous})

@@ -15,6 +15,7 @@ from typing import Any
 
 from ...backends import Arena, Backend
 from ...cache import CacheCore, State, StepDown
+from ...units import format_size
 from ..registry import Dropped, Registry
 from .io import MANY_TENSORS
 from .stats import Stats
@@ -158,12 +159,15 @@ class StepDowns:
             res.drop_parsed()  # its tensors and table go with the arena (Note [held bytes])
         if arena is None:
             return
+        # The size the budget counted for it, as `models` and `ps` show it (the arena and
+        # what the daemon held for its checkpoint), in the CLI's unit: one size everywhere.
+        counted = self.core.entry(name).nbytes
         if kept_host_copy:
-            log.info("demoted %s to the host tier (%d bytes, its host copy kept since its promotion: no copy): %s",
-                     name, arena.nbytes, reason, extra={"model": name, "bytes": arena.nbytes, "reason": reason})
+            log.info("demoted %s to the host tier (%s, its host copy kept since its promotion: no copy): %s",
+                     name, format_size(counted), reason, extra={"model": name, "bytes": counted, "reason": reason})
         else:
-            log.info("evicted %s (%d bytes): %s", name, arena.nbytes, reason,
-                     extra={"model": name, "bytes": arena.nbytes, "reason": reason})
+            log.info("evicted %s (%s): %s", name, format_size(counted), reason,
+                     extra={"model": name, "bytes": counted, "reason": reason})
         self.release(arena)
 
     def release(self, arena: Arena) -> None:
