@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..errors import LoadFailed, UnknownModel, WeightcacheError
+from ..errors import Attached, LimitExceeded, LoadFailed, NoSpace, PermissionDenied, UnknownModel
 from ..protocol import tenant_fingerprint
 
 if TYPE_CHECKING:
@@ -241,7 +241,7 @@ def derived_model(name: str, fingerprint: str, p: Plan, module: nn.Module) -> tu
     source's content fingerprint and the conversion's identity, so that another checkpoint
     or another transformers gets another one."""
     fp = f"{fingerprint}+{p.identity(module)}"
-    return f"{name}~{hashlib.sha256(fp.encode()).hexdigest()[:12]}", fp
+    return f"{name[:100]}:converted-{hashlib.sha256(fp.encode()).hexdigest()[:12]}", fp
 
 
 def _trusted(derived: AttachedModel, fingerprint: str) -> bool:
@@ -249,6 +249,9 @@ def _trusted(derived: AttachedModel, fingerprint: str) -> bool:
 
 
 _MISSING = (UnknownModel, LoadFailed)  # never published, or evicted since (a published model has no files)
+# Why a publish may fail and the engine still serve, from the tensors it built: the name is
+# held by an attached model (another uid's or another source's), no room, the uid's quota.
+_NOT_KEPT = (Attached, NoSpace, PermissionDenied, LimitExceeded)
 
 
 @contextlib.contextmanager
@@ -278,7 +281,7 @@ def attach_converted(client: SyncClient, name: str, module: nn.Module, device: s
                 built, built_here = build(p, source, module), True
                 try:
                     client.publish(dname, built, fingerprint=dfp, replace=True)
-                except WeightcacheError as exc:  # another engine's is attached under that name, or no room
+                except _NOT_KEPT as exc:
                     log.warning("could not publish %s's converted tensors as %s: %s", name, dname, exc)
                 derived = _attach_derived(client, stack, dname, dfp, device, attach_args)
             yield ConvertedWeights(p.resolve(source, derived if derived is not None else built or {}), source, derived,
@@ -315,7 +318,7 @@ async def attach_converted_async(client: Client, name: str, module: nn.Module, d
                 built, built_here = build(p, source, module), True
                 try:
                     await client.publish(dname, built, fingerprint=dfp, replace=True)
-                except WeightcacheError as exc:
+                except _NOT_KEPT as exc:
                     log.warning("could not publish %s's converted tensors as %s: %s", name, dname, exc)
                 derived = await _attach_derived_async(client, stack, dname, dfp, device, attach_args)
             yield ConvertedWeights(p.resolve(source, derived if derived is not None else built or {}), source, derived,

@@ -1,0 +1,114 @@
+"""Families whose checkpoints transformers converts as it loads them: MoE experts fused
+from per-expert tensors (Mixtral, Qwen2-MoE), ViT's and Llava's renamed keys, T5 saved in
+fp16 with its ``wo`` layers kept fp32, a Llama whose bf16 checkpoint holds fp32 ``lm_head``
+and norms. Each is attached from a real daemon into an ``empty_parameters`` skeleton by a
+fresh engine process (tests/family_child.py), which compares the logits with
+``from_pretrained``'s bit for bit. Tiny configs built here: no downloads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+CHILD = Path(__file__).resolve().parent / "family_child.py"
+TEXT = dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64)
+
+
+def build(family: str, out: Path) -> Path:
+    """Save a tiny ``family`` checkpoint to ``out`` the way transformers writes it."""
+    from transformers import (AutoModelForCausalLM, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
+                              MixtralConfig, Qwen2MoeConfig, T5Config, T5ForConditionalGeneration, ViTConfig,
+                              ViTForImageClassification)
+
+    torch.manual_seed(0)
+    if family == "mixtral":
+        model = AutoModelForCausalLM.from_config(MixtralConfig(**TEXT, num_local_experts=4, num_experts_per_tok=2))
+    elif family == "qwen2_moe":
+        model = AutoModelForCausalLM.from_config(Qwen2MoeConfig(**TEXT, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                                num_experts=4, num_experts_per_tok=2))
+    elif family == "vit":
+        model = ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                                    image_size=32, patch_size=8, num_labels=3))
+    elif family == "llava":
+        vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                                  patch_size=8, projection_dim=32)
+        model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=LlamaConfig(**TEXT), image_token_index=150))
+    elif family == "t5":
+        # Loaded in fp16, T5 keeps its `wo` layers fp32 (_keep_in_fp32_modules), and saves them so.
+        T5ForConditionalGeneration(T5Config(vocab_size=160, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                            decoder_start_token_id=0)).save_pretrained(out / "fp32")
+        model = T5ForConditionalGeneration.from_pretrained(out / "fp32", dtype=torch.float16)
+    else:  # llama_mixed
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**TEXT, tie_word_embeddings=False), dtype=torch.bfloat16)
+        model.lm_head.float()
+        for m in model.modules():
+            if "RMSNorm" in type(m).__name__:
+                m.float()
+    model.save_pretrained(out / family)
+    return out / family
+
+
+FAMILIES = ["mixtral", "qwen2_moe", "vit", "llava", "t5", "llama_mixed"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("families")
+    return {f: build(f, d) for f in FAMILIES}
+
+
+def engine(sock: str, name: str, path: Path, family: str, mode: str) -> dict[str, object]:
+    r = subprocess.run([sys.executable, str(CHILD), sock, name, str(path), family, mode], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return {**json.loads(r.stdout.strip().splitlines()[-1]), "stderr": r.stderr[-2000:]}
+
+
+def test_checkpoints_are_in_the_layouts_transformers_converts(checkpoints):
+    # What makes these families need conversion, so that the tests below test it.
+    from safetensors import safe_open
+
+    def dtypes(family: str) -> dict[str, str]:
+        with safe_open(str(checkpoints[family] / "model.safetensors"), "pt") as f:
+            return {k: str(f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118
+
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in dtypes("mixtral")
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in dtypes("qwen2_moe")
+    assert "vit.encoder.layer.0.attention.attention.query.weight" in dtypes("vit")
+    assert "language_model.model.embed_tokens.weight" in dtypes("llava")
+    t5 = dtypes("t5")
+    assert t5["encoder.block.0.layer.1.DenseReluDense.wo.weight"] == "F32" and t5["shared.weight"] == "F16"
+    llama = dtypes("llama_mixed")
+    assert llama["lm_head.weight"] == llama["model.norm.weight"] == "F32" and llama["model.embed_tokens.weight"] == "BF16"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_fresh_engine_gets_from_pretrained_logits(family, checkpoints, start_daemon):
+    d = start_daemon(budget="64MiB", models={family: checkpoints[family]})
+    got = engine(d.socket, family, checkpoints[family], family, "plain")
+    assert got["equal"], got
+    assert got["dtypes"] == got["ref_dtypes"], got  # T5: fp16 and fp32 (wo); the Llama: bf16, as from_pretrained casts it
+
+
+def test_a_second_engine_attaches_the_fused_experts_the_first_one_built(checkpoints, start_daemon):
+    d = start_daemon(budget="64MiB", models={"mixtral": checkpoints["mixtral"]})
+    first = engine(d.socket, "mixtral", checkpoints["mixtral"], "mixtral", "converted")
+    assert first["equal"] and first["built_here"] and first["all_views"], first
+    assert first["derived"] in first["models"], first  # published to the daemon
+    second = engine(d.socket, "mixtral", checkpoints["mixtral"], "mixtral", "converted")
+    assert second["equal"] and second["all_views"], second
+    assert not second["built_here"], second  # attached the derived model, built nothing
+    assert (second["derived"], second["derived_fingerprint"]) == (first["derived"], first["derived_fingerprint"])
+    assert second["derived_fingerprint"].startswith("uid"), second  # a published model's (tenant_fingerprint)
+
+
+def test_a_family_that_needs_no_build_attaches_no_derived_model(checkpoints, start_daemon):
+    d = start_daemon(budget="64MiB", models={"vit": checkpoints["vit"]})
+    got = engine(d.socket, "vit", checkpoints["vit"], "vit", "converted")
+    assert got["equal"] and got["all_views"] and got["derived"] is None and got["models"] == ["vit"], got
