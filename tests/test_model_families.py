@@ -23,9 +23,19 @@ TEXT = dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_lay
 
 def build(family: str, out: Path) -> Path:
     """Save a tiny ``family`` checkpoint to ``out`` the way transformers writes it."""
-    from transformers import (AutoModelForCausalLM, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
-                              MixtralConfig, Qwen2MoeConfig, T5Config, T5ForConditionalGeneration, ViTConfig,
-                              ViTForImageClassification)
+    from transformers import (
+        AutoModelForCausalLM,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        MixtralConfig,
+        Qwen2MoeConfig,
+        T5Config,
+        T5ForConditionalGeneration,
+        ViTConfig,
+        ViTForImageClassification,
+    )
 
     torch.manual_seed(0)
     if family == "mixtral":
@@ -67,7 +77,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def engine(sock: str, name: str, path: Path, family: str, mode: str) -> dict[str, object]:
     r = subprocess.run([sys.executable, str(CHILD), sock, name, str(path), family, mode], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
-    return {**json.loads(r.stdout.strip().splitlines()[-1]), "stderr": r.stderr[-2000:]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def test_checkpoints_are_in_the_layouts_transformers_converts(checkpoints):
@@ -112,3 +122,29 @@ def test_a_family_that_needs_no_build_attaches_no_derived_model(checkpoints, sta
     d = start_daemon(budget="64MiB", models={"vit": checkpoints["vit"]})
     got = engine(d.socket, "vit", checkpoints["vit"], "vit", "converted")
     assert got["equal"] and got["all_views"] and got["derived"] is None and got["models"] == ["vit"], got
+
+
+async def test_the_async_client_keeps_and_finds_the_derived_model_too(checkpoints, start_daemon):
+    from transformers import AutoConfig, MixtralForCausalLM
+
+    from weightcache import Client, empty_parameters, load_into_module
+    from weightcache.client.conversions import attach_converted_async
+
+    path = checkpoints["mixtral"]
+    d = start_daemon(budget="64MiB", models={"mixtral": path})
+    ref = MixtralForCausalLM.from_pretrained(path).eval()
+    ids = torch.tensor([[1, 7, 42, 99]])
+    seen = []
+    async with Client(d.socket) as c:
+        for _ in range(2):
+            cfg = AutoConfig.from_pretrained(path)
+            with empty_parameters():
+                skeleton = MixtralForCausalLM._from_config(cfg, dtype=cfg.dtype)
+            async with attach_converted_async(c, "mixtral", skeleton) as w:
+                model = load_into_module(skeleton, w).eval()
+                with torch.no_grad():
+                    assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+                assert w.derived is not None and w.derived["model.layers.0.mlp.experts.gate_up_proj"].data_ptr() == \
+                    model.model.layers[0].mlp.experts.gate_up_proj.data_ptr()
+                seen.append((w.built_here, w.derived_name, w.derived.fingerprint))
+    assert [s[0] for s in seen] == [True, False] and seen[0][1:] == seen[1][1:], seen

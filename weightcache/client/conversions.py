@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import re
+import sys
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -82,6 +83,10 @@ class Plan:
 
 
 def _transformers_model(module: nn.Module) -> bool:
+    # A transformers model means transformers is imported: a plain torch engine does not
+    # pay for importing it (seconds) to learn that its module is not one.
+    if "transformers" not in sys.modules:
+        return False
     try:
         from transformers import PreTrainedModel
     except ImportError:
