@@ -12,9 +12,12 @@ starts a daemon serving it, and runs fresh engine processes one after another, e
                       the experts and publishes them (``built_here``); later ones attach
                       the derived model
 
-Each is timed from before the attach (or the ``from_pretrained`` call) to a module ready
-to run, after ``import torch, transformers`` and the skeleton under ``empty_parameters``.
-The order within an engine is converted, in-process, from_pretrained. Prints one JSON object.
+Each is timed, wall and the process's CPU time (every thread; less moved by other load
+on the machine), from before the attach (or the ``from_pretrained`` call) to a module
+ready to run, after ``import torch, transformers``, one attach of the checkpoint that is
+not counted (the process's first attach imports the client's mapping half) and the
+skeleton under ``empty_parameters``. The order within an engine is converted,
+in-process, from_pretrained. Prints one JSON object.
 
     python scripts/derived_cost.py --engines 4 --hidden 512 --intermediate 1024 --experts 8 --layers 4
 """
@@ -47,21 +50,32 @@ def engine(sock: str, path: str) -> dict[str, object]:
             return transformers.MixtralForCausalLM._from_config(cfg, dtype=cfg.dtype)
 
     out: dict[str, object] = {}
+    clock = [0.0, 0.0]
+
+    def start() -> None:
+        clock[:] = [time.perf_counter(), time.process_time()]
+
+    def stop(what: str) -> None:
+        out[f"{what}_ms"] = (time.perf_counter() - clock[0]) * 1e3
+        out[f"{what}_cpu_ms"] = (time.process_time() - clock[1]) * 1e3
+
     with SyncClient(sock) as c:
+        with c.attach("mixtral"):  # the process's first attach (imports, first mapping): not the conversion's
+            pass
         s = skeleton()
-        t0 = time.perf_counter()
+        start()
         with attach_converted(c, "mixtral", s) as w:
             load_into_module(s, w)
-            out["converted_ms"] = (time.perf_counter() - t0) * 1e3
+            stop("converted")
             out["built_here"], out["derived"] = w.built_here, w.derived_name
         s = skeleton()
-        t0 = time.perf_counter()
+        start()
         with c.attach("mixtral") as w:
             load_into_module(s, w)
-            out["in_process_ms"] = (time.perf_counter() - t0) * 1e3
-    t0 = time.perf_counter()
+            stop("in_process")
+    start()
     transformers.MixtralForCausalLM.from_pretrained(path)
-    out["from_pretrained_ms"] = (time.perf_counter() - t0) * 1e3
+    stop("from_pretrained")
     return out
 
 
@@ -104,11 +118,12 @@ def main() -> None:
     later = runs[1:]
     print(json.dumps({
         "checkpoint_bytes": ckpt_bytes, "config": vars(args) | {"engine": None},
-        "first_converted_ms": runs[0]["converted_ms"], "first_built_here": runs[0]["built_here"],
-        "later_converted_ms_median": statistics.median(r["converted_ms"] for r in later) if later else None,
-        "later_built_here": [r["built_here"] for r in later],
-        "in_process_ms_median": statistics.median(r["in_process_ms"] for r in runs),
-        "from_pretrained_ms_median": statistics.median(r["from_pretrained_ms"] for r in runs),
+        "first_built_here": runs[0]["built_here"], "later_built_here": [r["built_here"] for r in later],
+        **{f"first_converted_{k}": runs[0][f"converted_{k}"] for k in ("ms", "cpu_ms")},
+        **{f"later_converted_{k}_median": statistics.median(r[f"converted_{k}"] for r in later) if later else None
+           for k in ("ms", "cpu_ms")},
+        **{f"{w}_{k}_median": statistics.median(r[f"{w}_{k}"] for r in runs)
+           for w in ("in_process", "from_pretrained") for k in ("ms", "cpu_ms")},
         "engines": runs}, indent=1))
 
 

@@ -148,3 +148,55 @@ async def test_the_async_client_keeps_and_finds_the_derived_model_too(checkpoint
                     model.model.layers[0].mlp.experts.gate_up_proj.data_ptr()
                 seen.append((w.built_here, w.derived_name, w.derived.fingerprint))
     assert [s[0] for s in seen] == [True, False] and seen[0][1:] == seen[1][1:], seen
+
+
+def test_transformers_4s_class_renames_apply_where_there_is_no_conversion_mapping(monkeypatch):
+    # transformers 4 has no conversion_mapping module: its classes carry a
+    # {regex: replacement} table that from_pretrained applies (first match wins).
+    from torch import nn
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from weightcache import empty_parameters, load_into_module
+
+    class Old(PreTrainedModel):
+        config_class = PretrainedConfig
+        _checkpoint_conversion_mapping = {r"^language_model\.model": "model.language_model", r"^language_model\.": ""}
+
+        def __init__(self, config: PretrainedConfig) -> None:
+            super().__init__(config)
+            self.model = nn.Module()
+            self.model.language_model = nn.Linear(4, 4)
+            self.lm_head = nn.Linear(4, 2)
+
+    monkeypatch.setitem(sys.modules, "transformers.conversion_mapping", None)  # import fails, as on transformers 4
+    src = {"language_model.model.weight": torch.randn(4, 4), "language_model.model.bias": torch.randn(4),
+           "language_model.lm_head.weight": torch.randn(2, 4), "language_model.lm_head.bias": torch.randn(2)}
+    with empty_parameters():
+        skeleton = Old(PretrainedConfig())
+    model = load_into_module(skeleton, src)
+    assert model.model.language_model.weight.data_ptr() == src["language_model.model.weight"].data_ptr()  # renamed, a view
+    assert model.lm_head.bias.data_ptr() == src["language_model.lm_head.bias"].data_ptr()
+
+
+def test_a_skeleton_built_in_the_checkpoints_dtypes_takes_them_as_views(checkpoints):
+    # from_pretrained casts the bf16 Llama's fp32 lm_head and norms to bf16 (a copy); a
+    # skeleton whose parameters are fp32 there (on meta: free) keeps the checkpoint's as views.
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from weightcache import empty_parameters, load_into_module
+    from weightcache.client.conversions import plan
+
+    path = checkpoints["llama_mixed"]
+    weights = load_file(path / "model.safetensors")
+    cfg = AutoConfig.from_pretrained(path)
+    with empty_parameters():
+        skeleton = LlamaForCausalLM._from_config(cfg, dtype=cfg.dtype)
+    assert plan(skeleton, weights).built == sorted(k for k, v in weights.items() if v.dtype == torch.float32)  # casts
+    for m in skeleton.modules():
+        if m is skeleton.lm_head or "RMSNorm" in type(m).__name__:
+            m.float()
+    assert plan(skeleton, weights).built == []
+    model = load_into_module(skeleton, weights)
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert all(t.data_ptr() == weights[k].data_ptr() for k, t in model.state_dict().items())

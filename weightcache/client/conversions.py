@@ -153,7 +153,7 @@ def plan(module: nn.Module, weights: Mapping[str, torch.Tensor]) -> Plan:
     return p
 
 
-def _rename(module: nn.Module, weights: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], p: Plan,
+def _rename(module: Any, weights: Mapping[str, torch.Tensor], own: dict[str, torch.Tensor], p: Plan,
             sources: dict[str, str]) -> None:
     """transformers' renaming loop (core_model_loading.convert_and_load_state_dict_in_model)
     on the names alone: renames into ``sources``, converters into ``p.converters``."""
