@@ -127,9 +127,10 @@ def target_dtypes(module: nn.Module, keys: list[str], own: Mapping[str, torch.Te
     return out
 
 
-def plan(module: nn.Module, weights: Mapping[str, torch.Tensor]) -> Plan:
-    """How ``weights`` (a checkpoint's tensors, by its names) become ``module``'s state dict."""
-    own = module.state_dict(keep_vars=True)
+def plan(module: nn.Module, weights: Mapping[str, torch.Tensor], own: dict[str, torch.Tensor] | None = None) -> Plan:
+    """How ``weights`` (a checkpoint's tensors, by its names) become ``module``'s state dict
+    (``own``: ``module.state_dict(keep_vars=True)``, where the caller has it)."""
+    own = module.state_dict(keep_vars=True) if own is None else own
     p = Plan()
     if not _transformers_model(module):
         p.views = {k: k for k in weights if k in own}

@@ -81,13 +81,13 @@ def load_into_module(module: nn.Module, weights: Mapping[str, torch.Tensor], *, 
     """
     from .conversions import build, plan
 
-    p = plan(module, weights)
+    own = module.state_dict(keep_vars=True)
+    p = plan(module, weights, own)
     unexpected_keys = p.unexpected
     if p.converted or p.built:
         weights = p.resolve(weights, build(p, weights, module))
     else:
         unexpected_keys = []
-    own = module.state_dict(keep_vars=True)
     aliases = _alias_groups(module, own)
     # A tied tensor is one key of the weights, as in the checkpoint that stores it once:
     # ``canonical`` maps every name of a group to the one whose tensor the group gets.
