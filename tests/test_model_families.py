@@ -200,3 +200,17 @@ def test_a_skeleton_built_in_the_checkpoints_dtypes_takes_them_as_views(checkpoi
     model = load_into_module(skeleton, weights)
     assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert all(t.data_ptr() == weights[k].data_ptr() for k, t in model.state_dict().items())
+
+
+def test_attach_converted_refuses_one_ranks_shard_before_asking_the_daemon():
+    from torch import nn
+
+    from weightcache.client.conversions import attach_converted
+
+    class NoClient:
+        def attach(self, *args: object, **kwargs: object) -> None:
+            raise AssertionError("asked the daemon")
+
+    with pytest.raises(ValueError, match=r"converts whole checkpoints, not one rank's shard \(rank=\)"), \
+            attach_converted(NoClient(), "m", nn.Linear(2, 2), rank=1):  # type: ignore[arg-type]
+        pass

@@ -250,6 +250,13 @@ def derived_model(name: str, fingerprint: str, p: Plan, module: nn.Module) -> tu
     return f"{name[:100]}:converted-{hashlib.sha256(fp.encode()).hexdigest()[:12]}", fp
 
 
+def _whole_models_only(attach_args: dict[str, Any]) -> None:
+    # transformers converts a whole checkpoint; one rank's shard of a sharded model is not one.
+    if attach_args.get("rank") is not None:
+        raise ValueError("attach_converted converts whole checkpoints, not one rank's shard (rank=): attach the shard "
+                         "with client.attach(name, rank=...) and pass it to load_into_module")
+
+
 def _trusted(derived: AttachedModel, fingerprint: str) -> bool:
     return derived.fingerprint == tenant_fingerprint(fingerprint, os.getuid())
 
@@ -274,6 +281,7 @@ def attach_converted(client: SyncClient, name: str, module: nn.Module, device: s
     >>> with SyncClient() as c, attach_converted(c, "mixtral", skeleton) as w:   # doctest: +SKIP
     ...     model = load_into_module(skeleton, w)
     """
+    _whole_models_only(attach_args)
     with client.attach(name, device, **attach_args) as source:
         p = plan(module, source)
         if not p.built:
@@ -311,6 +319,7 @@ def _attach_derived(client: SyncClient, stack: contextlib.ExitStack, name: str, 
 async def attach_converted_async(client: Client, name: str, module: nn.Module, device: str | None = None,
                                  **attach_args: Any) -> AsyncIterator[ConvertedWeights]:
     """:func:`attach_converted` for the asyncio :class:`~weightcache.Client`."""
+    _whole_models_only(attach_args)
     async with client.attach(name, device, **attach_args) as source:
         p = plan(module, source)
         if not p.built:
