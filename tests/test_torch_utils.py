@@ -136,5 +136,5 @@ def test_a_dtype_mismatch_outside_transformers_says_how_to_build_the_skeleton():
     with empty_parameters():
         skeleton = Rotary()
     with pytest.raises(ValueError, match=r"proj\.weight: dtype torch\.bfloat16 in the weights, torch\.float32 in the module.*"
-                                         r"Way out: build the skeleton in the checkpoint's dtype .*module\.to\(torch\.bfloat16\)"):
+                                         r"Way out: build the skeleton in the checkpoint's dtype: .*module\.to\(torch\.bfloat16\)"):
         load_into_module(skeleton, weights)

@@ -170,8 +170,9 @@ def _way_out(module: nn.Module, missing: list[str], unexpected: list[str], wrong
             hints.append(f"build the skeleton in the checkpoint's dtype (from_config(cfg, dtype={dtype}) under "
                          "empty_parameters(); a parameter kept in another dtype: cast it on the skeleton, still on meta)")
         else:
-            hints.append(f"build the skeleton in the checkpoint's dtype (under empty_parameters(), "
-                         f"module.to({dtype}) costs nothing: its parameters are on meta)")
+            hints.append(f"build the skeleton in the checkpoint's dtype: under empty_parameters() its "
+                         f"parameters are on meta, so casting them costs nothing (module.to({dtype}) casts its "
+                         "floating buffers too)")
     return "".join(f". Way out: {h}" for h in hints)
 
 
