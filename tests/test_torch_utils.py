@@ -129,6 +129,14 @@ def test_key_mismatch_errors_say_the_way_out():
     renamed = {"w": fixed["proj.weight"], "b": fixed["proj.bias"], "s": fixed["scale"]}
     with pytest.raises(ValueError, match=r"Way out: rename the weights' keys to the module's"):
         load_into_module(skeleton, renamed)
+    with empty_parameters():
+        skeleton = Rotary()
+    with pytest.raises(ValueError, match=r"missing keys: \['scale'\]. Way out: the weights do not hold these: build the skeleton "
+                                         r"from the checkpoint's own config"):
+        load_into_module(skeleton, {k: v for k, v in fixed.items() if k != "scale"})
+    with pytest.raises(ValueError, match=r"unexpected keys: \['extra'\]. Way out: strict=False leaves"):
+        load_into_module(skeleton, {**fixed, "extra": fixed["scale"]})
+    assert load_into_module(skeleton, {**fixed, "extra": fixed["scale"]}, strict=False).scale.data_ptr() == fixed["scale"].data_ptr()
 
 
 def test_a_dtype_mismatch_outside_transformers_says_how_to_build_the_skeleton():

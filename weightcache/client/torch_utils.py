@@ -164,6 +164,11 @@ def _way_out(module: nn.Module, missing: list[str], unexpected: list[str], wrong
         else:
             hints.append("rename the weights' keys to the module's (a dict of the same tensors: views, no copy), or "
                          "publish the processed tensors once (docs/engine-integration.md, \"Publish\")")
+    elif missing:
+        hints.append("the weights do not hold these: build the skeleton from the checkpoint's own config (it may "
+                     "have fewer layers, or no such head)")
+    elif unexpected:
+        hints.append("strict=False leaves the weights' extra tensors out")
     if wrong_dtype:
         dtype = max(set(wrong_dtype), key=wrong_dtype.count)
         if _is_transformers(module):
