@@ -214,3 +214,26 @@ def test_attach_converted_refuses_one_ranks_shard_before_asking_the_daemon():
     with pytest.raises(ValueError, match=r"converts whole checkpoints, not one rank's shard \(rank=\)"), \
             attach_converted(NoClient(), "m", nn.Linear(2, 2), rank=1):  # type: ignore[arg-type]
         pass
+
+
+async def test_where_the_daemon_has_no_room_for_the_derived_model_the_engine_serves_what_it_built(checkpoints, start_daemon, caplog):
+    from transformers import AutoConfig, MixtralForCausalLM
+
+    from weightcache import Client, empty_parameters, load_into_module
+    from weightcache.client.conversions import attach_converted_async
+
+    path = checkpoints["mixtral"]
+    size = (path / "model.safetensors").stat().st_size
+    d = start_daemon(budget=f"{size * 3 // 2 // 1024}KiB", models={"mixtral": path})  # the checkpoint fits, the experts again do not
+    ref = MixtralForCausalLM.from_pretrained(path).eval()
+    cfg = AutoConfig.from_pretrained(path)
+    with empty_parameters():
+        skeleton = MixtralForCausalLM._from_config(cfg, dtype=cfg.dtype)
+    ids = torch.tensor([[1, 7, 42, 99]])
+    async with Client(d.socket) as c, attach_converted_async(c, "mixtral", skeleton) as w:
+        model = load_into_module(skeleton, w).eval()
+        assert w.built_here and w.derived is None, w
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+        assert [m["name"] for m in await c.models()] == ["mixtral"]
+    assert "could not publish mixtral's converted tensors" in caplog.text and "NO_SPACE" in caplog.text, caplog.text
