@@ -108,3 +108,41 @@ def test_tensor_views_are_the_slices_of_the_arena():
 def test_tensor_views_refuse_rows_that_do_not_fit(row):
     with pytest.raises(BadRequest, match="does not fit"):
         tensor_views(torch.zeros(16, dtype=torch.uint8), [row])
+
+
+def test_key_mismatch_errors_say_the_way_out():
+    torch.manual_seed(0)
+    weights = {f"model.{k}": v.detach().clone() for k, v in Rotary().state_dict().items()}
+    with empty_parameters():
+        skeleton = Rotary()
+    with pytest.raises(ValueError, match=r"differ from the module's by a prefix: pass \{k\.removeprefix\('model\.'\): v for k, v in "):
+        load_into_module(skeleton, weights)
+    fixed = {k.removeprefix("model."): v for k, v in weights.items()}  # what the message says
+    assert load_into_module(skeleton, fixed).proj.weight.data_ptr() == weights["model.proj.weight"].data_ptr()
+    nested = nn.Module()
+    with empty_parameters():
+        nested.body = Rotary()
+    with pytest.raises(ValueError, match=r"by a prefix: pass \{'body\.' \+ k: v for k, v in "):
+        load_into_module(nested, fixed)
+    with empty_parameters():
+        skeleton = Rotary()
+    renamed = {"w": fixed["proj.weight"], "b": fixed["proj.bias"], "s": fixed["scale"]}
+    with pytest.raises(ValueError, match=r"Way out: rename the weights' keys to the module's"):
+        load_into_module(skeleton, renamed)
+    with empty_parameters():
+        skeleton = Rotary()
+    with pytest.raises(ValueError, match=r"missing keys: \['scale'\]. Way out: the weights do not hold these: build the skeleton "
+                                         r"from the checkpoint's own config"):
+        load_into_module(skeleton, {k: v for k, v in fixed.items() if k != "scale"})
+    with pytest.raises(ValueError, match=r"unexpected keys: \['extra'\]. Way out: strict=False leaves"):
+        load_into_module(skeleton, {**fixed, "extra": fixed["scale"]})
+    assert load_into_module(skeleton, {**fixed, "extra": fixed["scale"]}, strict=False).scale.data_ptr() == fixed["scale"].data_ptr()
+
+
+def test_a_dtype_mismatch_outside_transformers_says_how_to_build_the_skeleton():
+    weights = {k: v.to(torch.bfloat16) for k, v in Rotary().state_dict().items()}
+    with empty_parameters():
+        skeleton = Rotary()
+    with pytest.raises(ValueError, match=r"proj\.weight: dtype torch\.bfloat16 in the weights, torch\.float32 in the module.*"
+                                         r"Way out: build the skeleton in the checkpoint's dtype: .*module\.to\(torch\.bfloat16\)"):
+        load_into_module(skeleton, weights)

@@ -55,41 +55,60 @@ def load_into_module(module: nn.Module, weights: Mapping[str, torch.Tensor], *, 
     """Make ``module``'s parameters and buffers views of ``weights`` (e.g. an
     :class:`~weightcache.AttachedModel`). Returns the module.
 
+    A transformers model gets the checkpoint converted as ``from_pretrained`` converts it
+    (weightcache/client/conversions.py): keys renamed by transformers' own conversion
+    for the class (views under new names), each tensor in the dtype ``from_pretrained``
+    gives it (the load dtype; fp32 for ``_keep_in_fp32_modules``; the skeleton, on
+    ``meta``, takes it). What must be built (fused MoE experts, a cast) is built here, in
+    this process's memory; :func:`~weightcache.client.conversions.attach_converted` builds
+    it once and keeps it in the daemon instead. Any other module gets no conversion.
+
     Checks, before touching the module: with ``strict`` the key sets match exactly
-    (missing and unexpected keys are both named); every shared key has the same shape
-    and dtype (no silent casts: a cast would be a copy); no parameter or buffer is left
-    on ``meta`` (a skeleton from :func:`empty_parameters` needs every parameter in the
-    weights). Buffers that the weights do not hold (non-persistent ones: rotary
-    frequencies) are moved to the weights' device, so that the module is ready to run
-    there. The parameters come back with ``requires_grad=False``: they are views of
+    (missing and unexpected keys are both named, with the way out); every shared key has
+    the same shape and dtype (no silent casts beyond transformers' own); no parameter or
+    buffer is left on ``meta`` (a skeleton from :func:`empty_parameters` needs every
+    parameter in the weights). Buffers that the weights do not hold (non-persistent ones:
+    rotary frequencies) are moved to the weights' device, so that the module is ready to
+    run there. The parameters come back with ``requires_grad=False``: they are views of
     read-only shared memory. For the same reason a later ``load_state_dict`` that would
-    copy into them (without ``assign=True``) raises instead of crashing the process.
+    copy into them (without ``assign=True``) raises instead of crashing the process;
+    one that loads other tensors (an adapter's) is left alone.
 
     >>> with SyncClient() as c, c.attach("tiny") as w:      # doctest: +SKIP
     ...     with empty_parameters():
     ...         skeleton = TinyModel()
     ...     model = load_into_module(skeleton, w)
     """
+    from .conversions import build, plan
+
     own = module.state_dict(keep_vars=True)
+    p = plan(module, weights, own)
+    unexpected_keys = p.unexpected
+    if p.converted or p.built:
+        weights = p.resolve(weights, build(p, weights, module))
+    else:
+        unexpected_keys = []
     aliases = _alias_groups(module, own)
     # A tied tensor is one key of the weights, as in the checkpoint that stores it once:
     # ``canonical`` maps every name of a group to the one whose tensor the group gets.
     canonical = {name: _pick(group, weights) for group in aliases for name in group}
     covered = set(weights) | {n for n, c in canonical.items() if c in weights}
-    problems = []
+    problems, missing, unexpected = [], [], []
     if strict:
         missing = sorted(set(own) - covered)
-        unexpected = sorted(set(weights) - set(own))
+        unexpected = sorted({*unexpected_keys, *(set(weights) - set(own))})
         if missing:
             problems.append(f"missing keys: {_some(missing)}")
         if unexpected:
             problems.append(f"unexpected keys: {_some(unexpected)}")
+    wrong_dtype = []
     for key in sorted(set(own) & covered):
         mine, theirs = own[key], weights[canonical.get(key, key)]
         if mine.shape != theirs.shape:
             problems.append(f"{key}: shape {tuple(theirs.shape)} in the weights, {tuple(mine.shape)} in the module")
-        elif mine.dtype != theirs.dtype:
+        elif mine.dtype != theirs.dtype and p.dtypes.get(key) != theirs.dtype:
             problems.append(f"{key}: dtype {theirs.dtype} in the weights, {mine.dtype} in the module")
+            wrong_dtype.append(theirs.dtype)
     left_on_meta = sorted(k for k, t in _named_tensors(module) if t.is_meta and k not in covered)
     if left_on_meta and not (strict and problems):  # under strict, "missing keys" already names them
         problems.append(f"left on the meta device (not in the weights): {_some(left_on_meta)}")
@@ -97,7 +116,8 @@ def load_into_module(module: nn.Module, weights: Mapping[str, torch.Tensor], *, 
     if len(devices) > 1:
         problems.append(f"the weights span several devices: {sorted(map(str, devices))}")
     if problems:
-        raise ValueError(f"cannot load weights into {type(module).__name__}: " + "; ".join(problems))
+        raise ValueError(f"cannot load weights into {type(module).__name__}: " + "; ".join(problems)
+                         + _way_out(module, missing, unexpected, wrong_dtype))
     # assign=True makes each parameter wrap the given tensor instead of copying into it.
     # Only one name per tied group is assigned (assign would give each name a Parameter
     # of its own and untie them); the others are made that same Parameter afterwards.
@@ -107,32 +127,103 @@ def load_into_module(module: nn.Module, weights: Mapping[str, torch.Tensor], *, 
     for name, source in canonical.items():
         if name != source and source in weights:
             _set_tensor(module, name, _get_tensor(module, source))
-    for p in module.parameters():
-        p.requires_grad_(False)
+    for p_ in module.parameters():
+        p_.requires_grad_(False)
     device = next(iter(devices), None)
-    for sub in module.modules():
-        if (sub._parameters or sub._buffers) and sub not in _guarded:
-            sub.register_load_state_dict_pre_hook(_refuse_copy_into_views)
-            _guarded.add(sub)
+    views = {n for n in own if n in covered}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        p_dot = f"{prefix}." if prefix else ""
+        if sub._parameters or sub._buffers:
+            if sub not in _attached:
+                sub.register_load_state_dict_pre_hook(_refuse_copy_into_views)
+            _attached[sub] = {leaf: weakref.ref(t) for leaf, t in (*sub._parameters.items(), *sub._buffers.items())
+                              if t is not None and p_dot + leaf in views}
         for name, buf in sub._buffers.items():
             if device is not None and buf is not None and buf.device != device:
                 sub._buffers[name] = buf.to(device)
     return module
 
 
-_guarded: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules that have the hook below
+def _way_out(module: nn.Module, missing: list[str], unexpected: list[str], wrong_dtype: list[torch.dtype]) -> str:
+    """What to do about keys or dtypes that do not match, for the error's end."""
+    hints = []
+    if missing and unexpected:
+        prefix = _prefix_between(missing, unexpected)
+        if prefix is not None:
+            strip, add = prefix
+            hints.append(f"the weights' keys differ from the module's by a prefix: pass "
+                         f"{{{f'{add!r} + ' if add else ''}k{f'.removeprefix({strip!r})' if strip else ''}: v "
+                         "for k, v in weights.items()}} (the same tensors, no copy)")
+        elif _is_transformers(module):
+            import transformers
+
+            hints.append(f"transformers {transformers.__version__}'s conversion for {type(module).__name__} does not "
+                         "map these keys either: check that the checkpoint is this model's, register a conversion "
+                         "(transformers.conversion_mapping.register_checkpoint_conversion_mapping), or publish the "
+                         "converted state dict once (docs/engine-integration.md, \"Publish\")")
+        else:
+            hints.append("rename the weights' keys to the module's (a dict of the same tensors: views, no copy), or "
+                         "publish the processed tensors once (docs/engine-integration.md, \"Publish\")")
+    elif missing:
+        hints.append("the weights do not hold these: build the skeleton from the checkpoint's own config (it may "
+                     "have fewer layers, or no such head)")
+    elif unexpected:
+        hints.append("strict=False leaves the weights' extra tensors out")
+    if wrong_dtype:
+        dtype = max(set(wrong_dtype), key=wrong_dtype.count)
+        if _is_transformers(module):
+            hints.append(f"build the skeleton in the checkpoint's dtype (from_config(cfg, dtype={dtype}) under "
+                         "empty_parameters(); a parameter kept in another dtype: cast it on the skeleton, still on meta)")
+        else:
+            hints.append(f"build the skeleton in the checkpoint's dtype: under empty_parameters() its "
+                         f"parameters are on meta, so casting them costs nothing (module.to({dtype}) casts its "
+                         "floating buffers too)")
+    return "".join(f". Way out: {h}" for h in hints)
+
+
+def _prefix_between(missing: list[str], unexpected: list[str]) -> tuple[str, str] | None:
+    """(strip, add) such that ``add + k.removeprefix(strip)`` turns every unexpected key
+    into a missing one, or None."""
+    u, m = unexpected[0], set(missing)
+    for cut in range(len(u)):
+        if cut and u[cut - 1] != ".":
+            continue
+        rest = u[cut:]
+        for cand in (c for c in m if c.endswith(rest) and (len(c) == len(rest) or c[-len(rest) - 1] == ".")):
+            strip, add = u[:cut], cand[: len(cand) - len(rest)]
+            if (strip or add) and all(k.startswith(strip) and add + k[len(strip):] in m for k in unexpected):
+                return strip, add
+    return None
+
+
+def _is_transformers(module: nn.Module) -> bool:
+    from .conversions import _transformers_model
+
+    return _transformers_model(module)
+
+
+# The tensors each module got from load_into_module: {local name: the view}, for the guard below.
+_attached: weakref.WeakKeyDictionary[nn.Module, dict[str, weakref.ref[torch.Tensor]]] = weakref.WeakKeyDictionary()
 
 
 def _refuse_copy_into_views(module: nn.Module, state_dict: Mapping[str, torch.Tensor], prefix: str,
                             local_metadata: dict[str, object], *_: object) -> None:
     # load_state_dict copies into the existing tensors unless assign=True: into read-only
     # shared memory that is a SIGSEGV on the CPU and a CUDA error on a GPU. Raised from a
-    # pre-hook because torch copies before it reports the errors that hooks collect.
-    if not local_metadata.get("assign_to_params_buffers", False):
+    # pre-hook because torch copies before it reports the errors that hooks collect. Only
+    # keys that would land on an attached view count: an adapter's lora_A/lora_B, or an
+    # empty state dict, load as usual.
+    if local_metadata.get("assign_to_params_buffers", False):
+        return
+    views = _attached.get(module, {})
+    hit = sorted(prefix + leaf for leaf, ref in views.items()
+                 if prefix + leaf in state_dict and ref() is not None
+                 and ref() is (module._parameters.get(leaf) if leaf in module._parameters else module._buffers.get(leaf)))
+    if hit:
         where = f" ({prefix.rstrip('.')})" if prefix else ""
-        raise RuntimeError(f"{type(module).__name__}{where}: its weights are read-only "
-                           "views of weightcache memory, so load_state_dict cannot copy into them; "
-                           "pass assign=True or call weightcache.load_into_module again")
+        raise RuntimeError(f"{type(module).__name__}{where}: {_some(hit)} are read-only views of weightcache memory, so "
+                           "load_state_dict cannot copy into them; pass assign=True, leave those keys out, or call "
+                           "weightcache.load_into_module again")
 
 
 def _alias_groups(module: nn.Module, own: Mapping[str, torch.Tensor]) -> list[list[str]]:
