@@ -18,11 +18,12 @@ from ...backends import Backend
 from ...cache import CacheCore, State, StepDown
 from ...config import DaemonConfig
 from ...errors import LoadFailed, NoSpace, WeightcacheError
-from ...loader import Checkpoint, OpenedSource, open_source, parse_checkpoint
+from ...loader import Checkpoint, OpenedSource, open_source
 from ..fills import PeerCopy, Promote, ReadFiles
 from ..registry import Model, Registry
+from .checks import parse_charged
 from .fill import Fill
-from .io import IoPool, collector_paused
+from .io import IoPool
 from .job import LoadJob
 from .room import RoomQueue
 from .stats import Stats
@@ -268,7 +269,9 @@ class SingleFlight:
                 log.info("load %s: reusing the parse kept while it waited for room", name, extra={"model": name})
             else:
                 # its fingerprint comes with the bytes, in the fill
-                ckpt = await self.io.run(collector_paused(parse_checkpoint), opened, tenant=model.owner)
+                e = self.core.entry(name)
+                ckpt = await parse_charged(self.io, self.core, opened, uid=model.owner, tenants=e.tenants, device=e.device,
+                                           what=name)
         except Exception as exc:
             if opened is not None and opened is not model.files:
                 opened.close()
