@@ -240,7 +240,7 @@ def header_lengths(opened: OpenedSource) -> list[tuple[os.stat_result, int, byte
 
 
 def _header_lengths(opened: OpenedSource) -> list[tuple[os.stat_result, int, bytes]]:
-    out = []
+    out: list[tuple[os.stat_result, int, bytes]] = []
     seen: dict[tuple[int, int], str] = {}
     total = 0
     for f in opened.files:
