@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from ..errors import CorruptCheckpoint, LoadFailed
+from ..safe_path import safe_sys_path
 from .tensor_table import TensorTable, wire_table
 
 if TYPE_CHECKING:
@@ -55,17 +56,19 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 # at a tenant's register and at the operator's reload. So the interpreter runs isolated
 # (-I: no working directory or script directory on sys.path, no PYTHON* variables, no
 # user site-packages), in /, with a few variables kept (the interpreter may need its
-# libraries), and its one sys.path addition is _PACKAGE_ROOT, given on its command line.
+# libraries), and imports from what its command line names: _PACKAGE_ROOT first, then the
+# daemon's own sys.path as ``python -P`` would have it (safe_path.py: PYTHONPATH's
+# absolute entries kept, the directory the daemon was started in not).
 WORKER_CWD = "/"
 WORKER_ENV_KEPT = ("PATH", "LD_LIBRARY_PATH", "LANG", "LC_ALL", "LC_CTYPE")
-_WORKER_MAIN = ("import sys; sys.path.insert(0, sys.argv[1]); "
+_WORKER_MAIN = ("import sys; sys.path[:0] = sys.argv[1:]; "
                 "from weightcache.loader.parse_worker import main; main()")
 
 
 def worker_command() -> tuple[list[str], dict[str, str]]:
     """The worker's argv and environment (Note [what a worker runs])."""
     env = {k: v for k in WORKER_ENV_KEPT if (v := os.environ.get(k)) is not None}
-    return [sys.executable, "-I", "-c", _WORKER_MAIN, _PACKAGE_ROOT], env
+    return [sys.executable, "-I", "-c", _WORKER_MAIN, _PACKAGE_ROOT, *safe_sys_path()], env
 
 
 def lay_out_apart(headers: Sequence[tuple[str, int, bytes]]) -> Layout:

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 from .. import engine as engine_api
 from ..errors import ConfigError
+from ..safe_path import safe_sys_path
 from .command import EngineCommand, parse_command, run_engine
 from .fork_safety import ForkUnsafe, check_fork_safe, driver_files, open_fds, reseed, socket_fds
 from .policy import EngineExit, RestartPolicy
@@ -43,18 +44,14 @@ PR_SET_CHILD_SUBREAPER = 36
 
 @contextlib.contextmanager
 def preload_path() -> Iterator[None]:
-    """sys.path as the preloads see it: without the entry the interpreter put first (the
-    supervisor's script directory, or the working directory with ``-m``; none under
-    ``-P``/``-I``) and without relative entries (the working directory by another name),
-    as ``python -P`` would have it; what PYTHONPATH names absolutely is kept, as the
-    operator's choice. The template imports the engine's dependencies, perhaps as root,
+    """sys.path as the preloads see it: as ``python -P`` would have it (safe_sys_path:
+    not the supervisor's script directory, not the working directory with ``-m``). The template imports the engine's dependencies, perhaps as root,
     perhaps started in a directory others can write: a torch.py planted there must not be
     what every engine forks with. The engine itself gets the sys.path[0] python would
     give it (command.run_engine) and keeps its working directory: its own code is its own
     (docs/deployment.md, "Supervisor")."""
     saved = list(sys.path)
-    first = 0 if sys.flags.safe_path else 1
-    kept = [p for p in saved[first:] if p and os.path.isabs(p)]
+    kept = safe_sys_path()
     sys.path[:] = kept
     try:
         yield
