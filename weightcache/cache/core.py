@@ -371,8 +371,7 @@ class CacheCore:
         return tenant_usage(self.entries.values(), self.quotas, self.devices, self.admission.parses)
 
     def charge_parse(self, tenants: tuple[str, ...], device: str, nbytes: int, what: str) -> int:
-        """Charge a running parse of ``nbytes`` to ``tenants``' quotas on ``device`` (Note
-        [quotas]): a token for ``release_parse``, or NoSpace naming the quota."""
+        """A running parse charged to quotas (Note [quotas]): a token for release_parse, or NoSpace."""
         return self.admission.parses.charge(self.entries.values(), self.quotas, tenants, device, nbytes, what)
 
     def release_parse(self, token: int) -> None:
