@@ -151,20 +151,18 @@ class Pins:
             return
         self.stats.counters["neighbour_mismatches"] += 1
         res = model.resident
-        if res.checkpoint is not filled:  # evicted or reloaded meanwhile: nothing of it is served
-            return
+        if self.registry.models.get(name) is not model or res.checkpoint is not filled:
+            return  # unregistered, evicted or reloaded meanwhile: nothing of it is served
         res.refuted = True
-        entry = self.core.entry(name)
-        evict = entry.state is State.RESIDENT and entry.evictable and all(
-            x.evictable for x in self.core.siblings(name) if x.state is State.RESIDENT)
+        holders = [x for x in (self.core.entry(name), *self.core.siblings(name)) if x.state is State.RESIDENT]
+        evict = bool(holders) and not any(x.leases for x in holders)  # a pin keeps a model, not bytes its files never held
         log.error("model %s: filled from a neighbour under fingerprint %s, but its files hold %s: %s", name,
                   filled.fingerprint, fingerprint,
                   "evicted" if evict else "served only to engines attached now, reloaded from the files after",
                   extra={"model": name})
-        if evict:
-            for x in [name, *(s.name for s in self.core.siblings(name) if s.state is State.RESIDENT)]:
-                await self.step_down.carry_out(self.core.evict(x, ignore_pin=True, demote=False),
-                                               reason="its neighbour's bytes are not its files'")
+        for x in holders if evict else ():
+            await self.step_down.carry_out(self.core.evict(x.name, ignore_pin=True, demote=False),
+                                           reason="its neighbour's bytes are not its files'")
 
     def _hash_files(self, model: Model, filled: Checkpoint) -> tuple[FilesIdentity, str] | None:
         d = self.settings
