@@ -108,6 +108,7 @@ async def test_files_rewritten_after_a_verified_fill_are_read_not_filled(pair: P
         assert row["source"] == "files" and row["fingerprint"] == fingerprint_files(mine), pair.log(1)[-3000:]
         assert "the pinned fingerprint is not trusted for these files (its files changed since)" in pair.log(1)
         assert await counter(b, "pin_mismatches") == 1
+        assert f"not the one pinned in [peers] fingerprints ({old})" in pair.log(1)
         await same_bytes_as_files(b, "m", mine)
 
 

@@ -81,7 +81,10 @@ class Pins:
         # The pins as configured now ([peers] fingerprints; the daemon sets it with its peers).
         self.pinned: Callable[[], Mapping[str, str]] = dict
         self._found: dict[str, tuple[FilesIdentity, str]] = {}  # model -> (its files, the fingerprint they hold)
-        self._told: set[tuple[str, FilesIdentity]] = set()  # mismatches logged
+        # The files each model's last "not trusted" and "does not match" lines were about:
+        # each said once per model and files.
+        self._told_distrust: dict[str, FilesIdentity] = {}
+        self._told_mismatch: dict[str, FilesIdentity] = {}
         self._pool: ThreadPoolExecutor | None = None
 
     def trusted(self, name: str, opened: OpenedSource) -> bool:
@@ -94,8 +97,8 @@ class Pins:
         ident = files_identity(opened)
         if found == (ident, pin):
             return True
-        if ident is not None and (name, ident) not in self._told:
-            self._told.add((name, ident))
+        if ident is not None and self._told_distrust.get(name) != ident:
+            self._told_distrust[name] = ident
             why = "its files changed since" if found[0] != ident else f"its files hold {found[1]}"
             log.info("load %s: the pinned fingerprint is not trusted for these files (%s): from the files", name, why,
                      extra={"model": name})
@@ -115,8 +118,8 @@ class Pins:
         pin = self.pinned().get(name)
         if pin and pin != fingerprint:
             self.stats.counters["pin_mismatches"] += 1
-            if (name, ident) not in self._told:
-                self._told.add((name, ident))
+            if self._told_mismatch.get(name) != ident:
+                self._told_mismatch[name] = ident
                 log.warning("model %s: its files hold fingerprint %s, not the one pinned in [peers] fingerprints (%s): "
                             "this daemon fills it from no neighbour until the pin matches its files", name, fingerprint,
                             pin, extra={"model": name})
