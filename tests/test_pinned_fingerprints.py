@@ -18,7 +18,7 @@ from weightcache import Client
 from weightcache.loader import fingerprint_files, open_checkpoint
 
 MIB = 2**20
-pytestmark = pytest.mark.skipif(WHY is not None, reason=f"NIXL cannot start here (pip install 'weightcache[peers]'): {WHY}")
+needs_nixl = pytest.mark.skipif(WHY is not None, reason=f"NIXL cannot start here (pip install 'weightcache[peers]'): {WHY}")
 
 
 @pytest.fixture
@@ -61,6 +61,7 @@ def start_lender(pair: Pair, tmp_path: Path, seed: int) -> tuple[Any, str]:
     return pair.start(0, {"m": theirs}), fingerprint_files(theirs)
 
 
+@needs_nixl
 async def test_a_fill_under_a_pin_the_files_no_longer_match_is_verified_and_evicted(pair: Pair, tmp_path: Path) -> None:
     lender, old = start_lender(pair, tmp_path, seed=1)
     mine = ckpt(tmp_path / "borrower", 4 * MIB, seed=1)
@@ -86,6 +87,7 @@ async def test_a_fill_under_a_pin_the_files_no_longer_match_is_verified_and_evic
         await same_bytes_as_files(b, "m", mine)
 
 
+@needs_nixl
 async def test_files_rewritten_after_a_verified_fill_are_read_not_filled(pair: Pair, tmp_path: Path) -> None:
     lender, old = start_lender(pair, tmp_path, seed=1)
     mine = ckpt(tmp_path / "borrower", 4 * MIB, seed=1)
@@ -112,6 +114,7 @@ async def test_files_rewritten_after_a_verified_fill_are_read_not_filled(pair: P
         await same_bytes_as_files(b, "m", mine)
 
 
+@needs_nixl
 async def test_a_single_daemon_says_its_pin_does_not_match_its_files_and_stops_using_it(pair: Pair, tmp_path: Path) -> None:
     """One daemon, a pin its rewritten files do not hold: the load reads the files, says
     the pin is wrong and counts it; a neighbour that starts later with the pinned content
@@ -135,3 +138,50 @@ async def test_a_single_daemon_says_its_pin_does_not_match_its_files_and_stops_u
         row = model_row(await b.models(), "m")
         assert row["source"] == "files" and row["fingerprint"] == fingerprint_files(mine), pair.log(1)[-3000:]
         await same_bytes_as_files(b, "m", mine)
+
+
+@pytest.mark.parametrize("attached", [False, True])
+async def test_bytes_found_not_to_be_the_files_are_evicted_or_served_only_to_those_attached(tmp_path: Path,
+                                                                                           attached: bool) -> None:
+    """The verification of a neighbour's fill (Pins._verify), in process: an arena whose
+    fingerprint its files do not hold is evicted when nobody is attached; else the engine
+    attached keeps it, and once it detaches the next load reads the files."""
+    import dataclasses
+
+    from weightcache.backends.cpu import CpuBackend
+    from weightcache.cache import CacheCore
+    from weightcache.config import ModelConfig, Settings
+    from weightcache.server.registry import Registry
+    from weightcache.server.residency import Residency
+
+    path = ckpt(tmp_path, 4 * MIB, seed=3)
+    core = CacheCore({"cpu": 64 * MIB})
+    backends = {"cpu": CpuBackend("cpu")}
+    registry = Registry(core, backends, access=None)
+    registry.register(ModelConfig(name="m", path=path))
+    residency = Residency(Settings().daemon, core, registry, backends, lambda: False)
+    try:
+        await residency.flights.ensure_resident("m", 0)
+        model = registry.models["m"]
+        real = model.resident.checkpoint
+        assert real is not None
+        forged = dataclasses.replace(real, fingerprint="0" * 32)  # as a neighbour's bytes under a stale pin
+        model.resident.checkpoint = forged
+        lease = core.attach("m", 1) if attached else None
+        await residency.pins._verify("m", model, forged)
+        assert residency.stats.counters["neighbour_checks"] == 1
+        assert residency.stats.counters["neighbour_mismatches"] == 1
+        if attached:
+            assert core.entry("m").state.value == "resident" and model.resident.checkpoint is forged
+            assert await residency.flights.ensure_resident("m", 0) == "resident"  # the attached keep their bytes
+            assert model.resident.checkpoint is forged
+            assert lease is not None
+            core.detach(lease.id, 1)
+        else:
+            assert core.entry("m").state.value != "resident"
+        await residency.flights.ensure_resident("m", 0)  # from the files now
+        assert model.resident.checkpoint is not forged
+        assert model.resident.checkpoint.fingerprint == fingerprint_files(path)
+        assert not model.resident.refuted
+    finally:
+        await residency.close()
