@@ -67,10 +67,12 @@ def test_a_header_bomb_is_charged_to_its_owner_and_released_with_its_arena(start
     assert got[4]["used"] == 0, got[4]
 
     _set_quota(d, plain)  # no quota: the device's budget sees the same bytes
-    # The heap warmed by parses of this header, as the refused loads above warmed it before
-    # the registers themselves were refused: what is measured is what loads leave behind.
+    # The heap warmed by a register, load and eviction of this header, as the refused loads
+    # above warmed it before the registers themselves were refused: what is measured is
+    # what the four loads leave behind.
     c = Conn(d.socket, timeout=120)
-    for i, op in enumerate(({"op": "register", "name": "warm", "path": bomb}, {"op": "unregister", "name": "warm"})):
+    for i, op in enumerate(({"op": "register", "name": "warm", "path": bomb}, {"op": "load", "name": "warm"},
+                            {"op": "evict", "name": "warm"}, {"op": "unregister", "name": "warm"})):
         r = c.call({"id": 1 + i, **op})
         assert r is not None and r["ok"], r
     c.close()
