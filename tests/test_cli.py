@@ -301,7 +301,7 @@ def test_register_says_who_may_use_it_and_status_shows_tenants(start_daemon, ckp
     me = f"uid:{os.geteuid()}"
     assert rc == 0 and "tenant" in out and me in out, out  # the registering uid's usage
     (m,) = cli_json(capsys, *s, "models")
-    assert cli_json(capsys, *s, "status")["tenants"][me]["devices"]["cpu"] == {"used": m["nbytes"], "quota": None}
+    assert cli_json(capsys, *s, "status")["tenants"][me]["devices"]["cpu"] == {"used": m["nbytes"], "parsing": 0, "quota": None}
     rc, out, _ = cli(capsys, *s, "ps")
     assert rc == 0 and f"uid {os.geteuid()}" in out, out
 

@@ -143,8 +143,27 @@ def test_usage_shows_bytes_per_device_pins_and_quota():
     loaded(core, "a1", 100)
     loaded(core, "b1", 50)
     usage = core.tenant_usage()
-    assert usage["uid:1000"] == {"devices": {"cpu": {"used": 100, "quota": 500}}, "pins": 0, "pins_quota": 2}
-    assert usage["uid:2000"] == {"devices": {"cpu": {"used": 50, "quota": None}}, "pins": 0, "pins_quota": None}
+    assert usage["uid:1000"] == {"devices": {"cpu": {"used": 100, "parsing": 0, "quota": 500}}, "pins": 0, "pins_quota": 2}
+    assert usage["uid:2000"] == {"devices": {"cpu": {"used": 50, "parsing": 0, "quota": None}}, "pins": 0, "pins_quota": None}
+
+
+def test_a_parse_is_charged_while_it_runs_and_refused_past_what_cannot_leave():
+    core = make(quotas=[Quota("uid:1000", {"cpu": 500})], a1=A, a2=A, a3=A)
+    loaded(core, "a1", 100)
+    token = core.charge_parse(A, "cpu", 300, "new")
+    assert core.tenant_usage()["uid:1000"]["devices"]["cpu"] == {"used": 400, "parsing": 300, "quota": 500}
+    # a load sees the parse's bytes: 100 + 300 + 150 is over 500, so a1 (unattached) makes room
+    plan = core.begin_load("a2", 150)
+    assert plan.evict == ("a1",)
+    core.finish_load("a2")
+    core.attach("a2", conn=1)  # cannot leave now
+    with pytest.raises(NoSpace) as err:  # 150 attached + 300 parsing + 100 > 500
+        core.charge_parse(A, "cpu", 100, "other")
+    assert err.value.details["quota"] == "uid:1000" and "parsing other" in err.value.message
+    assert core.charge_parse(B, "cpu", 10**9, "theirs")  # another tenant, no quota: charged, not refused
+    core.release_parse(token)
+    assert core.tenant_usage()["uid:1000"]["devices"]["cpu"] == {"used": 150, "parsing": 0, "quota": 500}
+    core.release_parse(core.charge_parse(A, "cpu", 350, "fits"))  # 150 + 350: at the quota
 
 
 def test_tenant_keys_are_the_uid_then_each_group_once():

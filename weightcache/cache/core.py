@@ -366,7 +366,14 @@ class CacheCore:
     def tenant_usage(self) -> dict[str, dict[str, Any]]:
         """Per tenant that has a quota or holds a model: bytes per device, pins, and the
         quota (None where not limited)."""
-        return tenant_usage(self.entries.values(), self.quotas, self.devices)
+        return tenant_usage(self.entries.values(), self.quotas, self.devices, self.admission.parses)
+
+    def charge_parse(self, tenants: tuple[str, ...], device: str, nbytes: int, what: str) -> int:
+        """A running parse charged to quotas (Note [quotas]): a token for release_parse, or NoSpace."""
+        return self.admission.parses.charge(self.entries.values(), self.quotas, tenants, device, nbytes, what)
+
+    def release_parse(self, token: int) -> None:
+        self.admission.parses.release(token)
 
     def pins_limited(self, name: str) -> bool:
         """Whether a pins quota covers ``name`` (its owner may then pin it, within the quota)."""

@@ -23,7 +23,7 @@ from typing import Any, Literal, Protocol, TypeVar, get_args
 from ..errors import NoSpace
 from ..units import format_size
 from .entries import DeviceAccount, Entry, State, StepDown, arena_key
-from .quotas import Quota, over_quota, tenant_bytes
+from .quotas import Parses, Quota, over_quota, tenant_bytes
 
 # ===============================================================================================
 # THE POLICY: which evictable models leave a device (LRU, GDSF) and what a load costs
@@ -342,6 +342,7 @@ class Admission:
         self.policy = policy
         self.max_loaded = max_loaded  # device -> the most models RESIDENT or LOADING on it at once
         self.quotas: dict[str, Quota] = {}  # tenant -> its quota (Note [quotas] in quotas.py)
+        self.parses = Parses()  # tenants' parses running, charged to their quotas
 
     def choose(self, e: Entry, nbytes: int, commit: bool) -> tuple[list[Entry], list[Entry] | None]:
         """The victims a load of ``nbytes`` for ``e`` needs: its tenants' own (for their
@@ -404,7 +405,7 @@ class Admission:
                 continue
             taken = {v.name for v in chosen}
             going = sum({arena_key(v): v.nbytes for v in chosen if t in v.tenants}.values())
-            used = tenant_bytes(self.entries.values(), t, e.device)
+            used = tenant_bytes(self.entries.values(), t, e.device) + self.parses.bytes(t, e.device)
             over = used - going + nbytes - limit
             if over <= 0:
                 continue

@@ -25,6 +25,14 @@ where a pins quota covers it: ``pins_limited``). Quotas are checked when bytes o
 quota evicts nothing by itself. So, in addition to (1): once ``begin_load`` admits a
 load, each of its tenants with a byte quota on the device holds at most that quota there
 (a tenant over a lowered quota must get under it before it loads more).
+
+A parse of a tenant's checkpoint (its register, or a load's) holds memory too, for as
+long as it runs: what its headers cost to parse (loader/checkpoint.parse_cost), counted
+from their length fields before any is read. It is charged to the same quotas, on the
+model's device, while it runs (``Parses``): it counts in the tenant's ``used`` and in
+the room its loads see, and a parse that does not fit beside what the tenant holds that
+cannot leave now (attached, pinned or loading models, its other parses) is refused with
+NoSpace naming the quota. It evicts nothing: it is over in seconds.
 """
 
 from __future__ import annotations
@@ -66,16 +74,61 @@ def tenant_pins(entries: Iterable[Entry], tenant: str) -> set[str]:
     return {model_of(x.name) for x in entries if tenant in x.tenants and x.pinned}
 
 
-def tenant_usage(entries: Iterable[Entry], quotas: dict[str, Quota], devices: dict[str, DeviceAccount]) -> dict[str, dict[str, Any]]:
-    """Per tenant that has a quota or holds a model: bytes per device, pins, and the
-    quota (None where not limited)."""
+class Parses:
+    """The parses running for tenants, and the bytes each is charged (Note [quotas])."""
+
+    def __init__(self) -> None:
+        self._running: dict[int, tuple[tuple[str, ...], str, int]] = {}  # token -> (tenants, device, bytes)
+        self._next = 0
+
+    def bytes(self, tenant: str, device: str) -> int:
+        return sum(n for tenants, dev, n in self._running.values() if dev == device and tenant in tenants)
+
+    def tenants(self) -> set[str]:
+        return {tenants[0] for tenants, _dev, _n in self._running.values() if tenants}
+
+    def charge(self, entries: Iterable[Entry], quotas: dict[str, Quota], tenants: tuple[str, ...], device: str,
+               nbytes: int, what: str) -> int:
+        """Charge a parse of ``nbytes`` to ``tenants`` on ``device``: a token for ``release``,
+        or NoSpace naming the first quota it does not fit."""
+        entries = list(entries)
+        for t in tenants:
+            q = quotas.get(t)
+            limit = q.nbytes.get(device) if q is not None else None
+            if limit is None:
+                continue
+            kept = sum({arena_key(x): x.nbytes for x in entries if t in x.tenants and x.device == device
+                        and x.state in (State.RESIDENT, State.LOADING) and not x.evictable}.values())
+            parsing = self.bytes(t, device)
+            if kept + parsing + nbytes > limit:
+                assert q is not None
+                raise NoSpace(
+                    f"parsing {what} holds ~{format_size(nbytes)} while it runs, charged to {t} on {device}: over its "
+                    f"quota ({q.where()}.bytes = {format_size(limit)}), of which its models that cannot leave now hold "
+                    f"{format_size(kept)} and its other parses {format_size(parsing)}",
+                    model=what, device=device, needed=nbytes, quota=t, quota_bytes=limit, quota_used=kept + parsing,
+                    fits_ever=nbytes <= limit)
+        self._next += 1
+        self._running[self._next] = (tenants, device, nbytes)
+        return self._next
+
+    def release(self, token: int) -> None:
+        self._running.pop(token, None)
+
+
+def tenant_usage(entries: Iterable[Entry], quotas: dict[str, Quota], devices: dict[str, DeviceAccount],
+                 parses: Parses) -> dict[str, dict[str, Any]]:
+    """Per tenant that has a quota, holds a model or parses one: bytes per device (its
+    parses' among them, also apart as ``parsing``), pins, and the quota (None where not
+    limited)."""
     entries = list(entries)
-    tenants = set(quotas) | {t for x in entries for t in x.tenants[:1]}  # owners' uids
+    tenants = set(quotas) | {t for x in entries for t in x.tenants[:1]} | parses.tenants()  # owners' uids
     out = {}
     for t in sorted(tenants):
         q = quotas.get(t)
         out[t] = {
-            "devices": {dev: {"used": tenant_bytes(entries, t, dev), "quota": q.nbytes.get(dev) if q else None}
+            "devices": {dev: {"used": tenant_bytes(entries, t, dev) + parses.bytes(t, dev), "parsing": parses.bytes(t, dev),
+                              "quota": q.nbytes.get(dev) if q else None}
                         for dev in devices},
             "pins": len(tenant_pins(entries, t)), "pins_quota": q.pins if q else None,
         }

@@ -31,12 +31,14 @@ def read_file(path: Path, named: str = "") -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}): is it the TOML file?") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    # Relative paths (the models' and the socket's) are relative to the config file,
-    # not to the cwd, which under systemd is /; "~" is the daemon user's home, as in a
+    # Relative paths (the models', the socket's, model_roots') are relative to the config
+    # file, not to the cwd (the daemon leaves it at start: server/main.py); "~" is the daemon user's home, as in a
     # shell (read literally it became a directory named "~").
     daemon = data.get("daemon")
     if isinstance(daemon, dict) and isinstance(daemon.get("socket"), str):
         daemon["socket"] = config_relative(daemon["socket"], path)
+    if isinstance(daemon, dict) and isinstance(daemon.get("model_roots"), list):
+        daemon["model_roots"] = [config_relative(r, path) if isinstance(r, str) else r for r in daemon["model_roots"]]
     for m in data.get("models", []) if isinstance(data.get("models"), list) else []:
         shards = m.get("shards", []) if isinstance(m, dict) else []
         for part in [m, *shards] if isinstance(shards, list) else [m]:

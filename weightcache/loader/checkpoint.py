@@ -38,6 +38,12 @@ from .tensor_table import TensorInfo, TensorTable, columns_bound, wire_columns, 
 # take ~100 bytes per tensor: 16 MiB is ~150k tensors in one file, and sharded
 # checkpoints stay well under 1 MiB per file.
 MAX_HEADER_BYTES = 16 * 2**20
+# The headers of one checkpoint together, from their 8-byte length fields, before any is
+# read: per file alone, one register of 32 fds of one file with a 16 MiB header made the
+# daemon read 512 MiB of headers into its heap and a 512 MiB request memfd for the parse
+# worker (~1 GiB). The largest real checkpoints stay far below: ~100-150 bytes a tensor,
+# and a trillion-parameter MoE with per-expert scales has ~150k tensors (~20 MB).
+MAX_CHECKPOINT_HEADER_BYTES = 64 * 2**20
 
 # Note [held bytes]
 # ~~~~~~~~~~~~~~~~~
@@ -62,6 +68,18 @@ MAX_HEADER_BYTES = 16 * 2**20
 # worker's; the daemon's own peak while it waits, the request and the reply in flight,
 # was 47.6 MB for that header, 29.3 MB since the reply is read into the buffer the
 # columns are views of (tracemalloc; parse_worker.py), freed when the parse returns.
+# What a parse of a header holds while it runs, per byte of the header: in the daemon, the
+# raw headers, the worker's request and its reply (29.3 MB for a 7.4 MB header: ~4x), and
+# the parse's own peak (~85 MiB for it in a thread: ~12x), in the worker for big headers.
+PARSE_BYTES_PER_HEADER_BYTE = 16
+
+
+def parse_cost(header_bytes: int) -> int:
+    """The memory a parse of ``header_bytes`` of headers holds at its peak (charged to a
+    tenant's quota while it runs: cache/quotas.py)."""
+    return PARSE_BYTES_PER_HEADER_BYTE * header_bytes
+
+
 HELD_PER_TENSOR = 320  # a published table's rows (tuples): bytes per tensor besides its name (twice) and 9 per dimension
 HELD_BASE_BYTES = 8192  # the Checkpoint, its file records, its columns' views and the model's record (4.6 KiB measured)
 
@@ -184,34 +202,72 @@ def _pread_exact(fd: int, n: int, offset: int) -> bytes:
     return b"".join(parts)
 
 
-def read_raw_header(file: SourceFile) -> tuple[os.stat_result, bytes]:
-    """One .safetensors file's stat and raw header (the JSON's bytes), read from
-    ``file.fd`` with pread; every size and framing check that needs no JSON parse done."""
+def _header_length(file: SourceFile) -> tuple[os.stat_result, int, bytes]:
+    """One .safetensors file's stat, header length and first 16 bytes, every check that
+    needs only those done (a regular file; the length within MAX_HEADER_BYTES and the file)."""
     path, fd = file.path, file.fd
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise LoadFailed(f"{path}: not a regular file", file=path, reason="not a regular file")
         head = _pread_exact(fd, 16, 0)
-        if len(head) < 8:
-            raise corrupt(path, f"file is {st.st_size} bytes, too short for the 8-byte header length")
-        (n,) = struct.unpack_from("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > st.st_size:
-            # Sniff only here and after the JSON check below: a real header of 640 bytes
-            # starts with the same two bytes as a pickle.
-            if _looks_like(head) or not _OBJECT_START.match(head, 8):
-                raise _not_safetensors(path, head)
-            if n > MAX_HEADER_BYTES:
-                raise corrupt(path, f"header exceeds the {MAX_HEADER_BYTES >> 20} MiB limit")
-            raise corrupt(path, f"header runs past the end of the {st.st_size}-byte file (truncated?)")
-        raw = _pread_exact(fd, n, 8)
+    except OSError as exc:
+        raise LoadFailed(f"{path}: read failed: {exc.strerror}", file=path, reason=exc.strerror) from None
+    if len(head) < 8:
+        raise corrupt(path, f"file is {st.st_size} bytes, too short for the 8-byte header length")
+    (n,) = struct.unpack_from("<Q", head)
+    if n > MAX_HEADER_BYTES or 8 + n > st.st_size:
+        # Sniff only here and after the JSON check in read_raw_header: a real header of
+        # 640 bytes starts with the same two bytes as a pickle.
+        if _looks_like(head) or not _OBJECT_START.match(head, 8):
+            raise _not_safetensors(path, head)
+        if n > MAX_HEADER_BYTES:
+            raise corrupt(path, f"header exceeds the {MAX_HEADER_BYTES >> 20} MiB limit")
+        raise corrupt(path, f"header runs past the end of the {st.st_size}-byte file (truncated?)")
+    return st, n, head
+
+
+def header_lengths(opened: OpenedSource) -> list[tuple[os.stat_result, int, bytes]]:
+    """Each file's (stat, header length, first 16 bytes), before any header is read: no
+    file twice (one device and inode under two names or fds), and the headers together
+    within MAX_CHECKPOINT_HEADER_BYTES. What a parse of them costs is known from these
+    (server/residency/checks.py charges it to the tenant's quota)."""
+    with opened.reading():
+        return _header_lengths(opened)
+
+
+def _header_lengths(opened: OpenedSource) -> list[tuple[os.stat_result, int, bytes]]:
+    out: list[tuple[os.stat_result, int, bytes]] = []
+    seen: dict[tuple[int, int], str] = {}
+    total = 0
+    for f in opened.files:
+        st, n, head = _header_length(f)
+        first = seen.get((st.st_dev, st.st_ino))
+        if first is not None:
+            raise corrupt(f.path, f"the same file as {first} (device {st.st_dev}, inode {st.st_ino}): a checkpoint names "
+                          "each file once")
+        seen[(st.st_dev, st.st_ino)] = f.path
+        total += n
+        if total > MAX_CHECKPOINT_HEADER_BYTES:
+            raise corrupt(f.path, f"the checkpoint's headers exceed the {MAX_CHECKPOINT_HEADER_BYTES >> 20} MiB limit "
+                          f"together ({len(out) + 1} of its {len(opened.files)} files)")
+        out.append((st, n, head))
+    return out
+
+
+def read_raw_header(file: SourceFile, st: os.stat_result, n: int, head: bytes) -> bytes:
+    """One .safetensors file's raw header (the JSON's bytes), read from ``file.fd`` with
+    pread, given what _header_length found."""
+    path = file.path
+    try:
+        raw = _pread_exact(file.fd, n, 8)
     except OSError as exc:
         raise LoadFailed(f"{path}: read failed: {exc.strerror}", file=path, reason=exc.strerror) from None
     if len(raw) < n:
         raise corrupt(path, "file ended inside the header (truncated while reading?)")
     if not _OBJECT_START.match(raw):
         raise _not_safetensors(path, head)
-    return st, raw
+    return raw
 
 
 # -- whole checkpoints ------------------------------------------------------------------------
@@ -222,7 +278,8 @@ def parse_checkpoint(opened: OpenedSource) -> Checkpoint:
     one arena (lay_out). Headers of PARSE_APART_BYTES or more in all are validated and laid
     out in a worker process (parse_worker.py says why)."""
     with opened.reading():  # a close meanwhile (its register or load given up) waits for these reads
-        heads = [read_raw_header(f) for f in opened.files]
+        heads = [(st, read_raw_header(f, st, n, head))
+                 for f, (st, n, head) in zip(opened.files, header_lengths(opened), strict=True)]
     headers = [(f.path, st.st_size, raw) for f, (st, raw) in zip(opened.files, heads, strict=True)]
     apart = sum(len(raw) for _st, raw in heads) >= parse_worker.PARSE_APART_BYTES
     laid = parse_worker.lay_out_apart(headers) if apart else lay_out(headers)

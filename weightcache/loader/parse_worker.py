@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from ..errors import CorruptCheckpoint, LoadFailed
+from ..safe_path import safe_sys_path
 from .tensor_table import TensorTable, wire_table
 
 if TYPE_CHECKING:
@@ -44,7 +45,30 @@ WORKER_TIMEOUT_S = 120.0  # a 16 MiB header takes ~3 s; past this the worker is 
 # failed; 258 s for it at nice 10, 111 s at 5). At 5 the loop still outweighs a worker
 # 3:1 on a shared core (one headerbomb stress run: attach p99 1.5x alone).
 WORKER_NICE = 5
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # so the worker imports this copy of weightcache
+# The directory this copy of weightcache is imported from (site-packages, or a source tree
+# for an editable install): the worker imports the package from there and nowhere else.
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+# Note [what a worker runs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# A worker started as ``python -m weightcache.loader.parse_worker`` in the daemon's working
+# directory and environment imported weightcache (and msgpack) from that directory first:
+# a weightcache/__init__.py planted where the daemon was started ran as the daemon's user
+# at a tenant's register and at the operator's reload. So the interpreter runs isolated
+# (-I: no working directory or script directory on sys.path, no PYTHON* variables, no
+# user site-packages), in /, with a few variables kept (the interpreter may need its
+# libraries), and imports from what its command line names: _PACKAGE_ROOT first, then the
+# daemon's own sys.path as ``python -P`` would have it (safe_path.py: PYTHONPATH's
+# absolute entries kept, the directory the daemon was started in not).
+WORKER_CWD = "/"
+WORKER_ENV_KEPT = ("PATH", "LD_LIBRARY_PATH", "LANG", "LC_ALL", "LC_CTYPE")
+_WORKER_MAIN = ("import sys; sys.path[:0] = sys.argv[1:]; "
+                "from weightcache.loader.parse_worker import main; main()")
+
+
+def worker_command() -> tuple[list[str], dict[str, str]]:
+    """The worker's argv and environment (Note [what a worker runs])."""
+    env = {k: v for k in WORKER_ENV_KEPT if (v := os.environ.get(k)) is not None}
+    return [sys.executable, "-I", "-c", _WORKER_MAIN, _PACKAGE_ROOT, *safe_sys_path()], env
 
 
 def lay_out_apart(headers: Sequence[tuple[str, int, bytes]]) -> Layout:
@@ -59,7 +83,6 @@ def lay_out_apart(headers: Sequence[tuple[str, int, bytes]]) -> Layout:
     from .layout import Layout
 
     raw_bytes = sum(len(raw) for _path, _size, raw in headers)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))}
     deadline = time.monotonic() + WORKER_TIMEOUT_S
     with _memfd("wc-parse-request") as request, _memfd("wc-parse-errors") as errors:
         packer = msgpack.Packer(use_bin_type=True)
@@ -70,8 +93,8 @@ def lay_out_apart(headers: Sequence[tuple[str, int, bytes]]) -> Layout:
             _write_all(request, raw)
         os.lseek(request, 0, os.SEEK_SET)
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "weightcache.loader.parse_worker"], stdin=request,
-                                    stdout=subprocess.PIPE, stderr=errors, env=env)
+            argv, env = worker_command()
+            proc = subprocess.Popen(argv, stdin=request, stdout=subprocess.PIPE, stderr=errors, env=env, cwd=WORKER_CWD)
         except OSError as exc:
             raise LoadFailed(f"cannot start the header parse worker: {exc.strerror}", reason="parse worker") from None
         assert proc.stdout is not None
@@ -221,8 +244,12 @@ def _serve() -> int:
     return 0
 
 
-if __name__ == "__main__":
+def main() -> None:
     status = _serve()
     # Past the interpreter's teardown, which frees the parse's objects one by one (~0.1 s
     # for 100k tensors) while the daemon waits for the pipe to close.
     os._exit(status)
+
+
+if __name__ == "__main__":
+    main()

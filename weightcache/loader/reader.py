@@ -383,7 +383,14 @@ def fingerprint_files(source: str | os.PathLike[str], *, threads: int = 4, chunk
     computed here by reading every byte: for tools and tests, and for an engine that
     wants to know which files an attached model came from."""
     with open_source(source) as opened:
-        ckpt = parse_checkpoint(opened)
-        fp = read_checkpoint(ckpt, opened, _HashingWriter(chunk), threads=threads, chunk=chunk, nice=0, direct_io="off")
+        return fingerprint_opened(parse_checkpoint(opened), opened, threads=threads, chunk=chunk, nice=0)
+
+
+def fingerprint_opened(ckpt: Checkpoint, opened: OpenedSource, *, threads: int, chunk: int, nice: int,
+                       cancelled: Callable[[], bool] = lambda: False) -> str:
+    """The fingerprint of the files ``ckpt`` was parsed from, read from ``opened`` into
+    nothing but a hash (a per-thread buffer): what a load of them would give."""
+    fp = read_checkpoint(ckpt, opened, _HashingWriter(chunk), threads=threads, chunk=chunk, nice=nice, direct_io="off",
+                         cancelled=cancelled)
     assert fp is not None
     return fp

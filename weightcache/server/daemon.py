@@ -358,6 +358,7 @@ def _peers(settings: Settings, core: CacheCore, registry: Registry, backends: di
     peers = Peers(settings.peers, core=core, registry=registry, backends=backends, notify_space=residency.room.notify,
                   shutting_down=stopping)
     residency.flights.neighbours = peers
+    residency.pins.pinned = lambda: peers.settings.fingerprints
     return peers
 
 

@@ -22,6 +22,7 @@ from ..backends import Backend, backend_for
 from ..cache import CacheCore
 from ..config import Settings
 from ..errors import ConfigError, WeightcacheError
+from ..protocol import CONFIG_ENV, SOCKET_ENV
 from .daemon import Daemon
 from .logs import setup_logging
 from .settings_reload import resolve_budget
@@ -112,6 +113,7 @@ def run_daemon(settings: Settings, config_path: str | None = None) -> int:
 
     setup_logging(settings.daemon.log_level, settings.daemon.log_format)
     _raise_fd_limit()
+    settings, config_path = leave_working_directory(settings, config_path)
     try:
         check_socket_path(Path(settings.daemon.socket))  # before the devices: nothing made yet
         uvloop.run(_main(settings, config_path))
@@ -122,6 +124,35 @@ def run_daemon(settings: Settings, config_path: str | None = None) -> int:
         return 2
     _exit_past_stuck_threads(0)
     return 0
+
+
+# Where the daemon runs from: nothing it or a child of it does may depend on (or import
+# from) the directory it was started in, which may be one others can write
+# (parse_worker.py, Note [what a worker runs]).
+DAEMON_CWD = "/"
+# Variables naming paths that a reload reads again (config/load.py): made absolute once.
+_PATH_VARIABLES = (SOCKET_ENV, "WEIGHTCACHE_DAEMON__SOCKET", CONFIG_ENV)
+
+
+def leave_working_directory(settings: Settings, config_path: str | None) -> tuple[Settings, str | None]:
+    """``chdir`` to DAEMON_CWD, first making absolute what was relative to the working
+    directory: the config file's path (a reload reads it again), the socket when
+    ``--socket`` or the environment gave it, and those variables themselves (a reload
+    reads them again). Paths written in the config file are relative to the file already
+    (config/file.py)."""
+    for var in _PATH_VARIABLES:
+        value = os.environ.get(var)
+        if value and not os.path.isabs(os.path.expanduser(value)):
+            os.environ[var] = os.path.abspath(value)
+    if config_path is not None:
+        config_path = os.path.abspath(config_path)
+    d = settings.daemon
+    if not d.socket.is_absolute() or any(not r.is_absolute() for r in d.model_roots):
+        d = d.model_copy(update={"socket": Path(os.path.abspath(d.socket)),
+                                 "model_roots": [Path(os.path.abspath(r)) for r in d.model_roots]})
+        settings = settings.model_copy(update={"daemon": d})
+    os.chdir(DAEMON_CWD)
+    return settings, config_path
 
 
 async def _main(settings: Settings, config_path: str | None) -> None:

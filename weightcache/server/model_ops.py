@@ -76,11 +76,12 @@ async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
             sources = _adopt_files(mc, files, req)
         # The header checked now, as the config's models are at start: a file that is not a
         # checkpoint is refused with the error its load would give, not registered to fail later.
-        problem = await ctx.residency.checks.check_files(mc, sources, tenant=None if admin else caller.peer.uid)
+        tenants = tenant_keys(caller.peer.uid, caller.peer.groups)
+        problem = await ctx.residency.checks.check_files(mc, sources, tenant=None if admin else caller.peer.uid,
+                                                         tenants=tenants)
         if problem is not None:
             raise problem
-        ctx.registry.register(mc, origin="register", owner=caller.peer.uid, sources=sources,
-                              tenants=tenant_keys(caller.peer.uid, caller.peer.groups))
+        ctx.registry.register(mc, origin="register", owner=caller.peer.uid, sources=sources, tenants=tenants)
     except BaseException:
         for src in sources or ():
             src.close()

@@ -88,7 +88,7 @@ class Model:
     def unchanged(self) -> bool:
         """The resident bytes still are what the files hold (the staleness check)."""
         checkpoint = self.resident.checkpoint
-        if checkpoint is None:
+        if checkpoint is None or self.resident.refuted:
             return False
         if self.published:
             return True

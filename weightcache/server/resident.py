@@ -44,12 +44,17 @@ class Resident:
     host: HostCopy | None = None  # the backend's host-tier copy (the model HOST, or one kept since its promotion)
     host_of: str | None = None  # the entry whose host copy it is
     holders: set[str] = field(default_factory=set)  # the names that hold ``arena`` now
+    # Its bytes were found not to be what its files hold (a neighbour's fill under a pinned
+    # fingerprint the files no longer have: residency/pins.py): served only to those
+    # attached meanwhile, as a changed file's, then reloaded.
+    refuted: bool = False
 
     def fill(self, name: str, arena: Arena, checkpoint: Checkpoint, tables: tuple[bytes, bytes], held: int,
              source: str) -> None:
         """``name`` filled the arena with ``checkpoint``'s bytes (no other name holds one:
         the core admits no load while a sibling loads or is resident)."""
         self.arena, self.checkpoint, self.held, self.source = arena, checkpoint, held, source
+        self.refuted = False
         self.table, self.columns = tables
         self.holders = {name}
 

@@ -16,12 +16,14 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
 from .. import engine as engine_api
 from ..errors import ConfigError
+from ..safe_path import safe_sys_path
 from .command import EngineCommand, parse_command, run_engine
 from .fork_safety import ForkUnsafe, check_fork_safe, driver_files, open_fds, reseed, socket_fds
 from .policy import EngineExit, RestartPolicy
@@ -38,6 +40,24 @@ WAITED_SIGNALS = STOP_SIGNALS | FORWARDED_SIGNALS | {signal.SIGCHLD}
 SI_KERNEL = 0x80
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+
+
+@contextlib.contextmanager
+def preload_path() -> Iterator[None]:
+    """sys.path as the preloads see it: as ``python -P`` would have it (safe_sys_path:
+    not the supervisor's script directory, not the working directory with ``-m``). The template imports the engine's dependencies, perhaps as root,
+    perhaps started in a directory others can write: a torch.py planted there must not be
+    what every engine forks with. The engine itself gets the sys.path[0] python would
+    give it (command.run_engine) and keeps its working directory: its own code is its own
+    (docs/deployment.md, "Supervisor")."""
+    saved = list(sys.path)
+    kept = safe_sys_path()
+    sys.path[:] = kept
+    try:
+        yield
+    finally:
+        added = [p for p in sys.path if p not in kept]  # what a preload added (a .pth-like path hook) stays
+        sys.path[:] = saved + [p for p in added if p not in saved]
 
 
 @dataclass(frozen=True)
@@ -112,10 +132,13 @@ class Supervisor:
             before = len(os.listdir("/proc/self/task"))
             fds_before = open_fds()
             try:
-                importlib.import_module(name)
+                with preload_path():
+                    importlib.import_module(name)
             except Exception as exc:
                 if name in explicit:
-                    raise ConfigError(f"--preload {name}: cannot import it: {type(exc).__name__}: {exc}") from None
+                    raise ConfigError(f"--preload {name}: cannot import it: {type(exc).__name__}: {exc} (preloads are "
+                                      "imported as `python -P` would: not from the working directory or the "
+                                      "supervisor's script directory)") from None
                 failed.append(f"{name} ({type(exc).__name__})")
             after = len(os.listdir("/proc/self/task"))
             if after > before:

@@ -33,6 +33,7 @@ from .fill import Fill
 from .flight import SingleFlight
 from .io import IoPool
 from .job import LoadJob
+from .pins import Pins
 from .room import RoomQueue, SpaceFreed
 from .stats import COUNTERS, Stats
 from .stepdown import StepDowns
@@ -51,8 +52,9 @@ class Residency:
         self.room = RoomQueue(core)
         self.step_down = StepDowns(core, registry, backends, self.tasks, self.stats)
         self.fill = Fill(settings, core, registry, backends, self.room, self.step_down, self.stats, shutting_down)
+        self.pins = Pins(settings, core, registry, self.step_down, self.tasks, self.stats, shutting_down)
         self.flights = SingleFlight(settings, core, registry, backends, self.io, self.room, self.step_down, self.fill,
-                                    self.stats, shutting_down)
+                                    self.stats, self.pins, shutting_down)
         self.checks = Checks(settings, core, registry, self.io)
         self.preloads = Preloads(settings, core, registry, backends, self.flights, self.checks, self.tasks)
 
@@ -64,3 +66,4 @@ class Residency:
         await self.tasks.close()
         self.step_down.close()
         self.io.close()
+        self.pins.close()

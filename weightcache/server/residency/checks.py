@@ -9,13 +9,31 @@ import logging
 from ...cache import CacheCore
 from ...config import DaemonConfig, ModelConfig
 from ...errors import LoadFailed, WeightcacheError
-from ...loader import OpenedSource, open_source, parse_checkpoint
+from ...loader import Checkpoint, OpenedSource, open_source, parse_checkpoint
+from ...loader.checkpoint import header_lengths, parse_cost
 from ...loader.sources import unindexed_note
 from .. import placing
 from ..registry import Registry
 from .io import IoPool, collector_paused
 
 log = logging.getLogger("weightcache.daemon")
+
+
+async def parse_charged(io: IoPool, core: CacheCore, opened: OpenedSource, *, uid: int | None, tenants: tuple[str, ...],
+                        device: str, what: str) -> Checkpoint:
+    """parse_checkpoint in the io pool (``uid``'s share of it), its cost charged to
+    ``tenants``' quotas on ``device`` while it runs (Note [quotas] in cache/quotas.py),
+    counted from the headers' length fields before any header is read; NoSpace naming
+    the quota if it does not fit. The operator's models (no tenants) are charged nothing."""
+    token = None
+    if tenants and device in core.devices:
+        lengths = await io.run(header_lengths, opened, tenant=uid)
+        token = core.charge_parse(tenants, device, parse_cost(sum(n for _st, n, _head in lengths)), what)
+    try:
+        return await io.run(collector_paused(parse_checkpoint), opened, tenant=uid)
+    finally:
+        if token is not None:
+            core.release_parse(token)
 
 
 class Checks:
@@ -26,23 +44,25 @@ class Checks:
         self.io = io
 
     async def check_files(self, mc: ModelConfig, sources: list[OpenedSource] | None = None,
-                          tenant: int | None = None) -> WeightcacheError | None:
+                          tenant: int | None = None, tenants: tuple[str, ...] = ()) -> WeightcacheError | None:
         """Why ``mc``'s checkpoints cannot be loaded, as a load would say it (the files
         opened as a load opens them, or a peer's own ``sources``, and every header parsed,
         in the io pool), or None when they can. One check for every way a model arrives:
         the config at start and reload, and ``register`` (issue 24: a pickle registered
         fine and failed only at its load)."""
         d = self.settings
-        for i, (path, _device) in enumerate(mc.parts):
+        for i, (path, device) in enumerate(mc.parts):
             opened = None
             try:
-                # As a load parses (its tenant's share of the io pool, the collector paused).
+                # As a load parses (its tenant's share of the io pool, its quota charged, the collector paused).
                 if sources is not None:
-                    await self.io.run(collector_paused(parse_checkpoint), sources[i], tenant=tenant)
+                    target = sources[i]
                 else:
-                    opened = await self.io.run(open_source, path, roots=d.model_roots or None,
-                                               follow_symlinks=d.follow_symlinks, cleanup=OpenedSource.close, tenant=tenant)
-                    await self.io.run(collector_paused(parse_checkpoint), opened, tenant=tenant)
+                    target = opened = await self.io.run(open_source, path, roots=d.model_roots or None,
+                                                        follow_symlinks=d.follow_symlinks, cleanup=OpenedSource.close,
+                                                        tenant=tenant)
+                await parse_charged(self.io, self.core, target, uid=tenant, tenants=tenants, device=device, what=mc.name)
+                if sources is None:
                     note = await self.io.run(unindexed_note, path)
                     if note is not None:  # merged as it always was, but not silently
                         log.warning("model %s: %s", mc.name, note, extra={"model": mc.name})

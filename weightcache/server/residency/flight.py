@@ -18,12 +18,14 @@ from ...backends import Backend
 from ...cache import CacheCore, State, StepDown
 from ...config import DaemonConfig
 from ...errors import LoadFailed, NoSpace, WeightcacheError
-from ...loader import Checkpoint, OpenedSource, open_source, parse_checkpoint
+from ...loader import Checkpoint, OpenedSource, open_source
 from ..fills import PeerCopy, Promote, ReadFiles
 from ..registry import Model, Registry
+from .checks import parse_charged
 from .fill import Fill
-from .io import IoPool, collector_paused
+from .io import IoPool
 from .job import LoadJob
+from .pins import Pins
 from .room import RoomQueue
 from .stats import Stats
 from .stepdown import StepDowns
@@ -78,7 +80,7 @@ class StoredModels(Protocol):
 
 class SingleFlight:
     def __init__(self, settings: DaemonConfig, core: CacheCore, registry: Registry, backends: dict[str, Backend],
-                 io: IoPool, room: RoomQueue, step_down: StepDowns, fill: Fill, stats: Stats,
+                 io: IoPool, room: RoomQueue, step_down: StepDowns, fill: Fill, stats: Stats, pins: Pins,
                  shutting_down: Callable[[], bool]) -> None:
         self.settings = settings
         self.core = core
@@ -89,6 +91,7 @@ class SingleFlight:
         self.step_down = step_down
         self.fill = fill
         self.stats = stats
+        self.pins = pins
         self._shutting_down = shutting_down
         self.jobs: dict[str, LoadJob] = {}  # entry -> its load in flight
         # (target, source) GPUs whose peer copy failed: loads from the files there instead
@@ -293,7 +296,9 @@ class SingleFlight:
                 log.info("load %s: reusing the parse kept while it waited for room", name, extra={"model": name})
             else:
                 # its fingerprint comes with the bytes, in the fill
-                ckpt = await self.io.run(collector_paused(parse_checkpoint), opened, tenant=model.owner)
+                e = self.core.entry(name)
+                ckpt = await parse_charged(self.io, self.core, opened, uid=model.owner, tenants=e.tenants, device=e.device,
+                                           what=name)
         except Exception as exc:
             if opened is not None and opened is not model.files:
                 opened.close()
@@ -307,13 +312,18 @@ class SingleFlight:
             raise err from None
         opening = time.monotonic() - t_open
         try:
-            if self.neighbours is not None and await self.neighbours.fill(job, model, backend, ckpt, opened,
-                                                                          self.fill.fill_new_arena):
+            # A pinned fingerprint only for the files it was found to match (Note [pinned
+            # fingerprints] in pins.py); a neighbour's fill is verified against them.
+            if (self.neighbours is not None and self.pins.trusted(name, opened)
+                    and await self.neighbours.fill(job, model, backend, ckpt, opened, self.fill.fill_new_arena)):
+                self.pins.verify_soon(name)
                 return job.source
             await self.fill.fill_new_arena(name, ckpt, backend.capacity(ckpt.arena_bytes), 0,
                                            ReadFiles(backend, d, opened, label=name,
                                                      cancelled=lambda: self._shutting_down() or job.abandoned.is_set()),
                                            verb="loaded", job=job, phases={"open": opening})
+            if (loaded := model.resident.checkpoint) is not None:
+                self.pins.found(name, model, opened, loaded.fingerprint)
             if self.neighbours is not None and (rate := self.core.rates.last_rate(name, "files")) is not None:
                 self.neighbours.observe_files(name, rate)  # the load's own rate (fill.py, observe_load)
             return job.source

@@ -11,7 +11,7 @@ from ...loader import Progress
 # Daemon-wide totals for ``status`` and the metrics (per-model ones live on the core's
 # entries, and go when a model is unregistered).
 COUNTERS = ("loads", "promotions", "evictions", "demotions", "kept_copy_demotions", "failed_demotions", "failed_loads",
-            "wasted_loads", "cancelled_loads")
+            "wasted_loads", "cancelled_loads", "pin_mismatches", "neighbour_checks", "neighbour_mismatches")
 
 
 @dataclass
