@@ -229,6 +229,41 @@ def test_pieces_left_to_the_device_are_counted_not_hashed_and_say_where_they_are
         assert split == host_only
 
 
+def test_device_only_says_which_chunks_the_host_need_not_read():
+    """A writer may copy a chunk without the host reading it (page-cache windows,
+    backends/page_windows.py) only where every byte of it belongs to a piece the device
+    hashes; fed unread bytes of that length, the hasher gives the digests it gives from
+    the real bytes."""
+    import xxhash
+
+    from weightcache.loader.content import Piece, Task
+
+    big, small = HASH_BLOCK, 304
+    pieces = (Piece(0, 0, big), Piece(0, 1, big), Piece(1, 0, small), Piece(2, 0, big))
+    data = os.urandom(sum(p.nbytes for p in pieces))
+    task = Task(0, 0, 256, len(data), pieces)
+    h = TaskHasher(task, {}, device_min=4096)
+    assert h.device_only(2 * big)  # the two first pieces
+    assert not h.device_only(2 * big + 1)  # one byte of the small piece, hashed on the host
+    out: dict = {}
+    h = TaskHasher(task, out, device_min=4096)
+    h(memoryview(bytes(big // 2)))  # unread bytes: counted, not hashed
+    assert h.device_only(big // 2 + big)
+    assert not h.device_only(big // 2 + big + small)
+    h(memoryview(bytes(big // 2 + big)))
+    assert not h.device_only(1)  # the small piece is next
+    h(memoryview(data)[2 * big : 2 * big + small])
+    assert h.device_only(big) and not h.device_only(big + 1)  # nothing past the task
+    h(memoryview(bytes(big)))
+    for piece, start in h.take_device_done():
+        out[(piece.tensor, piece.index)] = xxhash.xxh3_128_digest(data[start : start + piece.nbytes])
+    whole: dict = {}
+    TaskHasher(task, whole)(memoryview(data))
+    assert out == whole
+    assert not TaskHasher(task, {}).device_only(1)  # no device hash: every byte is the host's
+    assert not TaskHasher(Task(0, 0, 8, len(data), pieces), {}, device_min=4096).device_only(1)  # unaligned: the host's
+
+
 class _DeviceHashingWriter:
     """A writer that, like the CUDA one, hashes big pieces "on its device" (here: from its
     own copy of the arena, at finish) when the reader's plan says so (a TaskHasher
