@@ -262,14 +262,16 @@ def daemon_spec(spec: str) -> dict[str, Any]:
     return out
 
 
-def through_daemon(path: Path, device: str, specs: list[str], reps: int, workdir: Path) -> dict[str, Any]:
+def through_daemon(path: Path, device: str, specs: list[str], reps: int, workdir: Path, cold: int = 0) -> dict[str, Any]:
     """The product end to end, as the issue measured it: a daemon with each of ``specs``'
     load settings (daemon_spec) evicts the model and loads it again through the client,
     page cache warm, content hash on; the first load (staging buffers allocated) not
-    counted."""
+    counted. With ``cold``, that many loads more from a dropped page cache, each beside the
+    disk's O_DIRECT ceiling (bench_measure.disk_ceiling), and how many of the file's bytes
+    the page cache held after the drop (mincore)."""
     import asyncio
 
-    from weightcache.tools.bench_measure import daemon_load, status_under_load
+    from weightcache.tools.bench_measure import daemon_load, disk_ceiling, drop_page_cache, page_cache_bytes, status_under_load
     from weightcache.tools.spawn import DaemonProcess, config_text
 
     out: dict[str, Any] = {}
@@ -286,7 +288,17 @@ def through_daemon(path: Path, device: str, specs: list[str], reps: int, workdir
             runs = [asyncio.run(daemon_load(sock, "m")) for _ in range(reps)]
             # what more loader threads cost the control plane: status, back to back, during a load
             st = asyncio.run(status_under_load(sock, "m"))
+            colds, ceilings, left = [], [], []
+            for _ in range(cold):
+                ceilings.append(round(disk_ceiling(path) / 1e9, 3))
+                drop_page_cache(path)
+                left.append(page_cache_bytes(path))
+                colds.append(round(path.stat().st_size / asyncio.run(daemon_load(sock, "m", cold=path)) / 1e9, 3))
         r = out[spec] = {"GBps": [round(path.stat().st_size / s / 1e9, 2) for s in runs]}
+        if cold:
+            r["cold"] = {"GBps": colds, "odirect_ceiling_GBps": ceilings, "cached_bytes_after_drop": left,
+                         "ratio": round(max(colds) / max(ceilings), 3)}
+            print(f"daemon {spec} cold", r["cold"], flush=True)
         lines = log.read_text().splitlines()
         # The daemon's own account of each load, phase by phase (residency/fill.py's log line).
         r["phases"] = [line.split(" in ", 1)[-1].strip() for line in lines if "loaded m:" in line]
@@ -315,6 +327,7 @@ def main() -> int:
                    "instanttensor_buffered, instanttensor_mmap, instanttensor_mmap_registered); all by default")
     p.add_argument("--daemon", default="", help="also time the daemon's load end to end with these settings "
                    "(T[:cMIB][:dDEPTH][:dma], comma-separated: e.g. 8,16:c4:d3:dma)")
+    p.add_argument("--cold", type=int, default=0, help="with --daemon: this many cold loads per setting beside the O_DIRECT ceiling")
     p.add_argument("--only-ends", action="store_true", help="skip the in-process variants: only --anchors and --daemon")
     p.add_argument("--out")
     a = p.parse_args()
@@ -356,7 +369,7 @@ def main() -> int:
             res["runs"].setdefault(name, []).append(r)
             print(name, json.dumps(r), flush=True)
     if a.daemon:
-        res["daemon"] = through_daemon(path, a.device, a.daemon.split(","), a.reps + 1, Path(a.workdir))
+        res["daemon"] = through_daemon(path, a.device, a.daemon.split(","), a.reps + 1, Path(a.workdir), a.cold)
     if a.anchors:
         res["anchors_GBps"] = anchors(path, a.device, a.reps, [k for k in a.anchor_kinds.split(",") if k])
     fps = {r["fingerprint"] for rs in res["runs"].values() for r in rs}
