@@ -246,11 +246,14 @@ def anchors(path: Path, device: str, reps: int, only: list[str] | None = None) -
 
 
 def daemon_spec(spec: str) -> dict[str, Any]:
-    """``T[:cMIB][:dDEPTH][:dma]`` -> the daemon's load settings: T threads, MIB chunks,
-    DEPTH staging buffers per thread, page-cache windows on ("dma") or off."""
+    """``T[:cMIB][:dDEPTH][:dma][:cold]`` -> the daemon's load settings: T threads, MIB
+    chunks, DEPTH staging buffers per thread, page-cache windows on ("dma") or off; "cold"
+    asks through_daemon for cold loads too."""
     parts = spec.split(":")
     out: dict[str, Any] = {"load_threads": int(parts[0]), "load_page_cache_dma": "off"}
     for part in parts[1:]:
+        if part == "cold":
+            continue  # through_daemon's
         if part == "dma":
             out["load_page_cache_dma"] = "on"
         elif part.startswith("c"):
@@ -289,11 +292,13 @@ def through_daemon(path: Path, device: str, specs: list[str], reps: int, workdir
             # what more loader threads cost the control plane: status, back to back, during a load
             st = asyncio.run(status_under_load(sock, "m"))
             colds, ceilings, left = [], [], []
-            for _ in range(cold):
+            for _ in range(cold if "cold" in spec.split(":") else 0):
                 ceilings.append(round(disk_ceiling(path) / 1e9, 3))
                 drop_page_cache(path)
                 left.append(page_cache_bytes(path))
                 colds.append(round(path.stat().st_size / asyncio.run(daemon_load(sock, "m", cold=path)) / 1e9, 3))
+            if cold:
+                warm_page_cache(path)  # the next setting's warm loads
         r = out[spec] = {"GBps": [round(path.stat().st_size / s / 1e9, 2) for s in runs]}
         if cold:
             r["cold"] = {"GBps": colds, "odirect_ceiling_GBps": ceilings, "cached_bytes_after_drop": left,
@@ -304,7 +309,7 @@ def through_daemon(path: Path, device: str, specs: list[str], reps: int, workdir
         r["phases"] = [line.split(" in ", 1)[-1].strip() for line in lines if "loaded m:" in line]
         r["start"] = [line for line in lines if "page cache" in line or "page-cache" in line][:3]
         r["status_during_load_ms"] = {"n": st.n, "p50": round(st.p50_ms, 3), "p99": round(st.p99_ms, 3), "max": round(st.max_ms, 3)}
-        print(f"daemon {spec}", r["GBps"], r["status_during_load_ms"], flush=True)
+        print(f"daemon {spec}", json.dumps(r), flush=True)
     return out
 
 
@@ -327,7 +332,7 @@ def main() -> int:
                    "instanttensor_buffered, instanttensor_mmap, instanttensor_mmap_registered); all by default")
     p.add_argument("--daemon", default="", help="also time the daemon's load end to end with these settings "
                    "(T[:cMIB][:dDEPTH][:dma], comma-separated: e.g. 8,16:c4:d3:dma)")
-    p.add_argument("--cold", type=int, default=0, help="with --daemon: this many cold loads per setting beside the O_DIRECT ceiling")
+    p.add_argument("--cold", type=int, default=0, help="with --daemon: cold loads for each setting marked :cold, each beside the O_DIRECT ceiling")
     p.add_argument("--only-ends", action="store_true", help="skip the in-process variants: only --anchors and --daemon")
     p.add_argument("--out")
     a = p.parse_args()
@@ -345,6 +350,8 @@ def main() -> int:
     if not a.only_ends:
         res["register_cost"] = register_cost(path, backend, [2 << 20, 16 << 20, *windows], 8)
     print(json.dumps(res, indent=1), flush=True)
+    if a.anchors:  # before the daemon's cold loads, which leave the page cache cold
+        res["anchors_GBps"] = anchors(path, a.device, a.reps, [k for k in a.anchor_kinds.split(",") if k])
     variants: list[tuple[str, int, int, Callable[..., Any]]] = []
     for threads in (int(t) for t in a.threads.split(",")):
         for chunk in (int(c) << 20 for c in a.chunk_mib.split(",")):
@@ -370,8 +377,6 @@ def main() -> int:
             print(name, json.dumps(r), flush=True)
     if a.daemon:
         res["daemon"] = through_daemon(path, a.device, a.daemon.split(","), a.reps + 1, Path(a.workdir), a.cold)
-    if a.anchors:
-        res["anchors_GBps"] = anchors(path, a.device, a.reps, [k for k in a.anchor_kinds.split(",") if k])
     fps = {r["fingerprint"] for rs in res["runs"].values() for r in rs}
     res["fingerprints_agree"] = len(fps) <= 1
     res["best_GBps"] = {k: max(r["GBps"] for r in v) for k, v in res["runs"].items()}
