@@ -41,7 +41,7 @@ from weightcache.backends.cuda_writer import VmmWriter
 from weightcache.backends.page_windows import probe_registration
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
 from weightcache.loader.content import FILE_DIGESTS
-from weightcache.tools.bench_measure import warm_page_cache
+from weightcache.tools.bench_measure import INSTANTTENSOR_BACKENDS, INSTANTTENSOR_ENV, warm_page_cache
 from weightcache.tools.synth import kept_checkpoint
 
 PAGE = mmap.PAGESIZE
@@ -222,10 +222,7 @@ def anchors(path: Path, device: str, reps: int, only: list[str] | None = None) -
     import sys
 
     out: dict[str, Any] = {}
-    kinds = [("load_file", {}), *((f"instanttensor_{b}", {}) for b in ("default", "buffered", "mmap")),
-             ("instanttensor_mmap", {"INSTANTTENSOR_USE_INTERNAL_MEMORY_REGISTER": "1"})]
-    for kind, env in kinds:
-        label = kind + ("_registered" if env else "")
+    for label in ("load_file", *(f"instanttensor_{b}" for b in INSTANTTENSOR_BACKENDS)):
         if only and label not in only:
             continue
         for _ in range(reps):
@@ -233,9 +230,10 @@ def anchors(path: Path, device: str, reps: int, only: list[str] | None = None) -
             # already (~0.2 s on the H200: a third of InstantTensor's whole load).
             code = ("import sys, torch; from pathlib import Path; from weightcache.tools import bench_measure as m; "
                     f"torch.zeros(1, device={device!r}); torch.cuda.synchronize(); p = Path({str(path)!r}); "
-                    + (f"print(m.time_load_file(p, {device!r}))" if kind == "load_file"
-                       else f"print(m.time_instanttensor(p, {device!r}, {kind.split('_', 1)[1]!r}))"))
-            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
+                    + (f"print(m.time_load_file(p, {device!r}))" if label == "load_file"
+                       else f"print(m.time_instanttensor(p, {device!r}, {label.split('_', 1)[1]!r}))"))
+            env = {**os.environ, **INSTANTTENSOR_ENV.get(label.split("_", 1)[1], {})}
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
             if r.returncode:
                 out[label] = {"error": r.stderr.strip().splitlines()[-1:] }
                 break
