@@ -253,7 +253,7 @@ def daemon_spec(spec: str) -> dict[str, Any]:
         if part == "cold":
             continue  # through_daemon's
         if part == "dma":
-            out["load_page_cache_dma"] = "on"
+            out["load_page_cache_dma"] = "auto"  # the daemon probes registration at start and says what it chose
         elif part.startswith("c"):
             out["load_chunk_bytes"] = int(part[1:]) << 20
         elif part.startswith("d"):
