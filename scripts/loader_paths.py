@@ -305,7 +305,7 @@ def through_daemon(path: Path, device: str, specs: list[str], reps: int, workdir
         lines = log.read_text().splitlines()
         # The daemon's own account of each load, phase by phase (residency/fill.py's log line).
         r["phases"] = [line.split(" in ", 1)[-1].strip() for line in lines if "loaded m:" in line]
-        r["start"] = [line for line in lines if "page cache" in line or "page-cache" in line][:3]
+        r["start"] = [line for line in lines if "page cache" in line or "page-cache" in line or "registered" in line][:6]
         r["status_during_load_ms"] = {"n": st.n, "p50": round(st.p50_ms, 3), "p99": round(st.p99_ms, 3), "max": round(st.max_ms, 3)}
         print(f"daemon {spec}", json.dumps(r), flush=True)
     return out
