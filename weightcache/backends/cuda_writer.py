@@ -51,7 +51,10 @@ class VmmWriter:
     thread's own stream: 8 threads x 16 MiB reached 39 GB/s from page cache on the H200 in
     one process, and 31.9-41.4 GB/s through the daemon on two hosts of the same kind
     (docs/benchmarks.md, issue 28). Copying straight from registered page-cache pages
-    instead was slower (20-24 GB/s: the registration is the cost; scripts/registered_reads.py).
+    instead was slower (20-24 GB/s: the registration is the cost; scripts/registered_reads.py);
+    with ``begin`` told of files wholly cached and the backend's ``load_page_cache_dma``
+    on, a registrar registers them from the load's end while these threads stage from its
+    start, and the chunks it got to first are copied from there (backends/page_windows.py).
     The buffers are page-aligned (cuMemHostAlloc), so O_DIRECT fds can read into them.
 
     The content hash: where the reader planned it (``TaskHasher.on_device``, for trusted
@@ -60,9 +63,11 @@ class VmmWriter:
     piece longer than DEVICE_MIN is hashed by a kernel once its bytes are copied, on a
     hash stream that waits for the copy (an event), so the next read into the buffer
     never waits for a hash; the smaller pieces are hashed on the host from the buffer.
-    Otherwise every piece is hashed on the host. One buffer per thread: a second, so a
-    thread reads while its last copy runs, made every arrangement slower on the H200 (up
-    to 1.29x with 8 threads, scripts/hash_pipeline.py)."""
+    Otherwise every piece is hashed on the host. ``depth`` buffers per thread, each with
+    its own stream (``load_depth``, 1 by default): a second, so a thread reads while its
+    last copy runs, made every arrangement slower on the H200 in scripts/hash_pipeline.py
+    (up to 1.29x with 8 threads, 16 MiB chunks, every piece hashed on the host then);
+    scripts/loader_paths.py --depths measures it again with the hash on the GPU."""
 
     direct_io = True
     serves_files = False  # a copy in device memory
