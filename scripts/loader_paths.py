@@ -1,5 +1,5 @@
 """Where a CUDA load from a warm page cache spends its time, and what a path that skips
-the CPU copy gains (issue 28).
+the CPU copy gains, against InstantTensor and through the daemon.
 
 The daemon's loader reads each chunk with ``preadv`` into a pinned staging buffer, then
 copies it to the GPU: every byte crosses host memory twice before the DMA reads it a
@@ -7,13 +7,21 @@ third time. This script measures, side by side in one process on one GPU:
 
 - ``pinned H2D``: the copy engine's ceiling, from one pinned buffer;
 - ``staging``: the daemon's own writer (read_checkpoint into a VMM arena, hash on), at
-  several thread counts, with its phases timed (preadv, waits for the previous copy);
-- ``registered``: the file mmapped (PROT_READ) and its page-cache pages registered with
+  several thread counts and staging depths (``--depths``: buffers per thread);
+- ``staging+dma`` (``--dma``): the same with the daemon's page-cache windows beside it
+  (backends/page_windows.py: registered from the load's end while the threads stage from
+  its start); every variant's fingerprint must agree;
+- ``registered`` (``--registered``): the file mmapped (PROT_READ) and its page-cache pages registered with
   ``cuMemHostRegister(READ_ONLY)`` in aligned windows, each chunk copied to the GPU
   straight from them (the CPU never touches the mapping: a file truncated meanwhile
   cannot raise SIGBUS in the daemon), hashed on the GPU as today; chunks holding a piece
   that the host hashes go the staging way;
 - ``register`` alone: what pinning page-cache pages costs per window size.
+
+With ``--anchors``, InstantTensor's backends and load_file, each in a fresh process; with
+``--daemon``, the daemon end to end at given load settings, warm, and cold beside the
+O_DIRECT ceiling (``--cold``). docs/benchmarks.md ("Loading from the page cache (vs
+InstantTensor)") has the command that runs them all in one call.
 
     python3 scripts/loader_paths.py --size-gib 9.15 --tensors 183 --out r.json
 """
