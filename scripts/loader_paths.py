@@ -1,5 +1,5 @@
 """Where a CUDA load from a warm page cache spends its time, and what a path that skips
-the CPU copy gains (issue 28).
+the CPU copy gains, against InstantTensor and through the daemon.
 
 The daemon's loader reads each chunk with ``preadv`` into a pinned staging buffer, then
 copies it to the GPU: every byte crosses host memory twice before the DMA reads it a
@@ -7,13 +7,21 @@ third time. This script measures, side by side in one process on one GPU:
 
 - ``pinned H2D``: the copy engine's ceiling, from one pinned buffer;
 - ``staging``: the daemon's own writer (read_checkpoint into a VMM arena, hash on), at
-  several thread counts, with its phases timed (preadv, waits for the previous copy);
-- ``registered``: the file mmapped (PROT_READ) and its page-cache pages registered with
+  several thread counts and staging depths (``--depths``: buffers per thread);
+- ``staging+dma`` (``--dma``): the same with the daemon's page-cache windows beside it
+  (backends/page_windows.py: registered from the load's end while the threads stage from
+  its start); every variant's fingerprint must agree;
+- ``registered`` (``--registered``): the file mmapped (PROT_READ) and its page-cache pages registered with
   ``cuMemHostRegister(READ_ONLY)`` in aligned windows, each chunk copied to the GPU
   straight from them (the CPU never touches the mapping: a file truncated meanwhile
   cannot raise SIGBUS in the daemon), hashed on the GPU as today; chunks holding a piece
   that the host hashes go the staging way;
 - ``register`` alone: what pinning page-cache pages costs per window size.
+
+With ``--anchors``, InstantTensor's backends and load_file, each in a fresh process; with
+``--daemon``, the daemon end to end at given load settings, warm, and cold beside the
+O_DIRECT ceiling (``--cold``). docs/benchmarks.md ("Loading from the page cache (vs
+InstantTensor)") has the command that runs them all in one call.
 
     python3 scripts/loader_paths.py --size-gib 9.15 --tensors 183 --out r.json
 """
@@ -38,9 +46,10 @@ from registered_reads import RegisteredReads  # beside this script (scripts/)
 from weightcache import cuda_driver as drv
 from weightcache.backends.cuda import CudaBackend
 from weightcache.backends.cuda_writer import VmmWriter
+from weightcache.backends.page_windows import probe_registration
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
-from weightcache.loader.content import FILE_DIGESTS, TaskHasher
-from weightcache.tools.bench_measure import warm_page_cache
+from weightcache.loader.content import FILE_DIGESTS
+from weightcache.tools.bench_measure import INSTANTTENSOR_BACKENDS, INSTANTTENSOR_ENV, warm_page_cache
 from weightcache.tools.synth import kept_checkpoint
 
 PAGE = mmap.PAGESIZE
@@ -70,36 +79,19 @@ class Timers:
 class TimedStaging(VmmWriter):
     """The daemon's writer, its phases timed (summed over threads)."""
 
-    def __init__(self, *a: Any, timers: Timers) -> None:
-        super().__init__(*a)
+    def __init__(self, *a: Any, timers: Timers, depth: int = 1, dma: bool = False) -> None:
+        super().__init__(*a, depth=depth)
         self.t = timers
+        self.dma = dma
+
+    def begin(self, files: list[tuple[int, int]]) -> None:
+        if self.dma:  # the daemon's two ways at once (backends/page_windows.py)
+            super().begin(files)
 
     def write_from_file(self, fd, file_offset, arena_offset, nbytes, direct=False, seen=None):  # type: ignore[override]
         t = time.perf_counter()
         super().write_from_file(fd, file_offset, arena_offset, nbytes, direct, seen)
         self.t.add("write_s", time.perf_counter() - t)
-
-
-def host_bytes_ahead(seen: TaskHasher, n: int) -> bool:
-    """Whether the next ``n`` bytes the hasher will see hold a piece it hashes on the host."""
-    starts = getattr(seen, "_starts", None)
-    if starts is None:
-        starts, pos = [], 0
-        for p in seen.task.pieces:
-            starts.append((pos, p))
-            pos += p.nbytes
-        seen._starts = starts  # type: ignore[attr-defined]
-    lo, hi = seen._pos, seen._pos + n
-    for start, p in starts:
-        if start >= hi:
-            break
-        if start + p.nbytes <= lo:
-            continue
-        on_device = (seen.device_min is not None and p.nbytes > seen.device_min
-                     and (seen.task.arena_offset + start) % 16 == 0)
-        if not on_device:
-            return True
-    return False
 
 
 class Registered(VmmWriter):
@@ -114,7 +106,7 @@ class Registered(VmmWriter):
 
     def write_from_file(self, fd, file_offset, arena_offset, nbytes, direct=False, seen=None):  # type: ignore[override]
         t0 = time.perf_counter()
-        device_only = seen is None or (seen.on_device and not host_bytes_ahead(seen, nbytes))
+        device_only = seen is None or seen.device_only(nbytes)
         with drv.current(self._b.ctx):
             srcs = None if direct or not device_only else self.reads.sources(fd, file_offset, nbytes)
             self.t.add("register_s", time.perf_counter() - t0)
@@ -149,6 +141,7 @@ class Registered(VmmWriter):
             self.t.add("unregister_s", time.perf_counter() - t)
 
 
+
 def load_once(path: Path, backend: CudaBackend, threads: int, chunk: int, make: Callable[..., Any]) -> dict[str, Any]:
     FILE_DIGESTS.clear()
     timers = Timers()
@@ -174,6 +167,7 @@ def load_once(path: Path, backend: CudaBackend, threads: int, chunk: int, make: 
             for addr, size in maps.values():
                 libc.munmap(addr, size)
     return {"s": dt, "GBps": ckpt.data_bytes / dt / 1e9, "fingerprint": fp, "fallback_bytes": getattr(w, "fallback_bytes", None),
+            "registered_bytes": w.registered_bytes,
             **{k: round(v, 4) for k, v in timers.s.items()}}
 
 
@@ -226,7 +220,7 @@ def pinned_h2d(backend: CudaBackend, nbytes: int = 1 << 30) -> float:
     return round(best, 1)
 
 
-def anchors(path: Path, device: str, reps: int) -> dict[str, Any]:
+def anchors(path: Path, device: str, reps: int, only: list[str] | None = None) -> dict[str, Any]:
     """load_file and InstantTensor's three backends on the same file, each in a fresh
     process (a library's pools and pinned buffers do not outlive its run), best of
     ``reps``; InstantTensor's MMAP once more with its own page-cache registration on
@@ -236,18 +230,18 @@ def anchors(path: Path, device: str, reps: int) -> dict[str, Any]:
     import sys
 
     out: dict[str, Any] = {}
-    kinds = [("load_file", {}), *((f"instanttensor_{b}", {}) for b in ("default", "buffered", "mmap")),
-             ("instanttensor_mmap", {"INSTANTTENSOR_USE_INTERNAL_MEMORY_REGISTER": "1"})]
-    for kind, env in kinds:
-        label = kind + ("_registered" if env else "")
+    for label in ("load_file", *(f"instanttensor_{b}" for b in INSTANTTENSOR_BACKENDS)):
+        if only and label not in only:
+            continue
         for _ in range(reps):
             # CUDA initialised before the clock starts, as in an engine that has its context
             # already (~0.2 s on the H200: a third of InstantTensor's whole load).
             code = ("import sys, torch; from pathlib import Path; from weightcache.tools import bench_measure as m; "
                     f"torch.zeros(1, device={device!r}); torch.cuda.synchronize(); p = Path({str(path)!r}); "
-                    + (f"print(m.time_load_file(p, {device!r}))" if kind == "load_file"
-                       else f"print(m.time_instanttensor(p, {device!r}, {kind.split('_', 1)[1]!r}))"))
-            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
+                    + (f"print(m.time_load_file(p, {device!r}))" if label == "load_file"
+                       else f"print(m.time_instanttensor(p, {device!r}, {label.split('_', 1)[1]!r}))"))
+            env = {**os.environ, **INSTANTTENSOR_ENV.get(label.split("_", 1)[1], {})}
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
             if r.returncode:
                 out[label] = {"error": r.stderr.strip().splitlines()[-1:] }
                 break
@@ -257,34 +251,71 @@ def anchors(path: Path, device: str, reps: int) -> dict[str, Any]:
     return out
 
 
-def through_daemon(path: Path, device: str, threads: list[int], reps: int, workdir: Path) -> dict[str, Any]:
-    """The product end to end, as the issue measured it: a daemon (``load_threads`` each
-    of ``threads``) evicts the model and loads it again through the client, page cache
-    warm, content hash on; the first load (staging buffers allocated) not counted."""
+def daemon_spec(spec: str) -> dict[str, Any]:
+    """``T[:cMIB][:dDEPTH][:dma][:cold]`` -> the daemon's load settings: T threads, MIB
+    chunks, DEPTH staging buffers per thread, page-cache windows on ("dma") or off; "cold"
+    asks through_daemon for cold loads too."""
+    parts = spec.split(":")
+    out: dict[str, Any] = {"load_threads": int(parts[0]), "load_page_cache_dma": "off"}
+    for part in parts[1:]:
+        if part == "cold":
+            continue  # through_daemon's
+        if part == "dma":
+            out["load_page_cache_dma"] = "auto"  # the daemon probes registration at start and says what it chose
+        elif part.startswith("c"):
+            out["load_chunk_bytes"] = int(part[1:]) << 20
+        elif part.startswith("d"):
+            out["load_depth"] = int(part[1:])
+        else:
+            raise SystemExit(f"--daemon: {spec!r}: {part!r} is none of cMIB, dDEPTH, dma")
+    return out
+
+
+def through_daemon(path: Path, device: str, specs: list[str], reps: int, workdir: Path, cold: int = 0) -> dict[str, Any]:
+    """The product end to end, as the issue measured it: a daemon with each of ``specs``'
+    load settings (daemon_spec) evicts the model and loads it again through the client,
+    page cache warm, content hash on; the first load (staging buffers allocated) not
+    counted. With ``cold``, that many loads more from a dropped page cache, each beside the
+    disk's O_DIRECT ceiling (bench_measure.disk_ceiling), and how many of the file's bytes
+    the page cache held after the drop (mincore)."""
     import asyncio
 
-    from weightcache.tools.bench_measure import daemon_load, status_under_load
+    from weightcache.tools.bench_measure import daemon_load, disk_ceiling, drop_page_cache, page_cache_bytes, status_under_load
     from weightcache.tools.spawn import DaemonProcess, config_text
 
     out: dict[str, Any] = {}
-    for t in threads:
-        sock = str(workdir / f"paths-{t}.sock")
-        cfg = workdir / f"paths-{t}.toml"
+    for spec in specs:
+        tag = spec.replace(":", "_")
+        sock = str(workdir / f"paths-{tag}.sock")
+        cfg = workdir / f"paths-{tag}.toml"
+        log = workdir / f"paths-{tag}.log"
         cfg.write_text(config_text(sock, {device: str(int(path.stat().st_size * 1.2))},
                                    [{"name": "m", "path": str(path), "device": device}],
-                                   daemon={"load_threads": t, "log_level": "info"}))
-        with DaemonProcess(cfg, sock, workdir / f"paths-{t}.log"):
+                                   daemon={**daemon_spec(spec), "log_level": "info"}))
+        with DaemonProcess(cfg, sock, log):
             asyncio.run(daemon_load(sock, "m"))
             runs = [asyncio.run(daemon_load(sock, "m")) for _ in range(reps)]
             # what more loader threads cost the control plane: status, back to back, during a load
             st = asyncio.run(status_under_load(sock, "m"))
-        out[f"daemon_{t}thr_GBps"] = [round(path.stat().st_size / s / 1e9, 2) for s in runs]
+            colds, ceilings, left = [], [], []
+            for _ in range(cold if "cold" in spec.split(":") else 0):
+                ceilings.append(round(disk_ceiling(path) / 1e9, 3))
+                drop_page_cache(path)
+                left.append(page_cache_bytes(path))
+                colds.append(round(path.stat().st_size / asyncio.run(daemon_load(sock, "m", cold=path)) / 1e9, 3))
+            if cold:
+                warm_page_cache(path)  # the next setting's warm loads
+        r = out[spec] = {"GBps": [round(path.stat().st_size / s / 1e9, 2) for s in runs]}
+        if cold:
+            r["cold"] = {"GBps": colds, "odirect_ceiling_GBps": ceilings, "cached_bytes_after_drop": left,
+                         "ratio": round(max(colds) / max(ceilings), 3)}
+            print(f"daemon {spec} cold", r["cold"], flush=True)
+        lines = log.read_text().splitlines()
         # The daemon's own account of each load, phase by phase (residency/fill.py's log line).
-        out[f"daemon_{t}thr_phases"] = [line.split(" in ", 1)[-1].strip() for line in
-                                        (workdir / f"paths-{t}.log").read_text().splitlines() if "loaded m:" in line]
-        out[f"daemon_{t}thr_status_during_load_ms"] = {"n": st.n, "p50": round(st.p50_ms, 3), "p99": round(st.p99_ms, 3),
-                                                       "max": round(st.max_ms, 3)}
-        print(f"daemon load_threads={t}", out[f"daemon_{t}thr_GBps"], out[f"daemon_{t}thr_status_during_load_ms"], flush=True)
+        r["phases"] = [line.split(" in ", 1)[-1].strip() for line in lines if "loaded m:" in line]
+        r["start"] = [line for line in lines if "page cache" in line or "page-cache" in line or "registered" in line][:6]
+        r["status_during_load_ms"] = {"n": st.n, "p50": round(st.p50_ms, 3), "p99": round(st.p99_ms, 3), "max": round(st.max_ms, 3)}
+        print(f"daemon {spec}", json.dumps(r), flush=True)
     return out
 
 
@@ -297,11 +328,18 @@ def main() -> int:
     p.add_argument("--threads", default="8,12,16")
     p.add_argument("--windows-mib", default="64,256")
     p.add_argument("--chunk-mib", default="16")
+    p.add_argument("--depths", default="1", help="staging buffers per loader thread, each of these")
+    p.add_argument("--dma", action="store_true", help="also each staging variant with the page-cache windows beside it")
+    p.add_argument("--registered", action="store_true", help="also the registered-only writer (Registered)")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--workdir", default="/tmp/wc-loader-paths")
     p.add_argument("--anchors", action="store_true", help="also load_file and InstantTensor, each in a fresh process")
-    p.add_argument("--daemon-threads", default="", help="also time the daemon's load end to end with these load_threads (e.g. 8,16)")
-    p.add_argument("--only-ends", action="store_true", help="skip the in-process variants: only --anchors and --daemon-threads")
+    p.add_argument("--anchor-kinds", default="", help="only these anchors (load_file, instanttensor_default, "
+                   "instanttensor_buffered, instanttensor_mmap, instanttensor_mmap_registered); all by default")
+    p.add_argument("--daemon", default="", help="also time the daemon's load end to end with these settings "
+                   "(T[:cMIB][:dDEPTH][:dma], comma-separated: e.g. 8,16:c4:d3:dma)")
+    p.add_argument("--cold", type=int, default=0, help="with --daemon: cold loads for each setting marked :cold, each beside the O_DIRECT ceiling")
+    p.add_argument("--only-ends", action="store_true", help="skip the in-process variants: only --anchors and --daemon")
     p.add_argument("--out")
     a = p.parse_args()
     path = Path(a.path) if a.path else kept_checkpoint(Path(a.workdir) / f"paths-{a.size_gib:g}g.safetensors",
@@ -311,15 +349,26 @@ def main() -> int:
     backend = CudaBackend(a.device)
     res: dict[str, Any] = {"nbytes": path.stat().st_size, "pinned_h2d_GBps": pinned_h2d(backend), "runs": {}}
     windows = [int(w) << 20 for w in a.windows_mib.split(",")]
-    if not a.only_ends:
-        res["register_cost"] = register_cost(path, backend, [2 << 20, 16 << 20, *windows], 8)
+    if a.dma:
+        rate, why = probe_registration(backend.ctx)
+        res["register_probe"] = {"GBps": round(rate, 1), "refused": why}
+        backend.page_cache_dma = not why
     print(json.dumps(res, indent=1), flush=True)
+    if a.anchors:  # before the daemon's cold loads, which leave the page cache cold
+        res["anchors_GBps"] = anchors(path, a.device, a.reps, [k for k in a.anchor_kinds.split(",") if k])
+    if a.daemon:  # the product end to end next: it counts most where the call is cut short
+        res["daemon"] = through_daemon(path, a.device, a.daemon.split(","), a.reps + 1, Path(a.workdir), a.cold)
     variants: list[tuple[str, int, int, Callable[..., Any]]] = []
     for threads in (int(t) for t in a.threads.split(",")):
         for chunk in (int(c) << 20 for c in a.chunk_mib.split(",")):
-            variants.append((f"staging {threads}thr {chunk >> 20}M", threads, chunk,
-                             lambda b, ar, c, maps, timers: TimedStaging(b, ar, c, timers=timers)))
-            for win in windows:
+            for depth in (int(d) for d in a.depths.split(",")):
+                variants.append((f"staging {threads}thr {chunk >> 20}M x{depth}", threads, chunk,
+                                 lambda b, ar, c, maps, timers, depth=depth: TimedStaging(b, ar, c, timers=timers, depth=depth)))
+                if a.dma:
+                    variants.append((f"staging+dma {threads}thr {chunk >> 20}M x{depth}", threads, chunk,
+                                     lambda b, ar, c, maps, timers, depth=depth: TimedStaging(b, ar, c, timers=timers, depth=depth,
+                                                                                              dma=True)))
+            for win in windows if a.registered else ():
                 variants.append((f"registered {threads}thr {chunk >> 20}M win{win >> 20}M", threads, chunk,
                                  lambda b, ar, c, maps, timers, win=win: Registered(b, ar, c, maps=maps, window=win, timers=timers)))
     for rep in range(0 if a.only_ends else a.reps):
@@ -332,11 +381,8 @@ def main() -> int:
                 continue
             res["runs"].setdefault(name, []).append(r)
             print(name, json.dumps(r), flush=True)
-    if a.daemon_threads:
-        res["daemon_GBps"] = through_daemon(path, a.device, [int(t) for t in a.daemon_threads.split(",")], a.reps + 1,
-                                            Path(a.workdir))
-    if a.anchors:
-        res["anchors_GBps"] = anchors(path, a.device, a.reps)
+    if not a.only_ends:  # what registering page-cache pages costs, per window size
+        res["register_cost"] = register_cost(path, backend, [2 << 20, 16 << 20, *windows], 8)
     fps = {r["fingerprint"] for rs in res["runs"].values() for r in rs}
     res["fingerprints_agree"] = len(fps) <= 1
     res["best_GBps"] = {k: max(r["GBps"] for r in v) for k, v in res["runs"].items()}

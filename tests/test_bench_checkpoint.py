@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from weightcache.cli import main
 from weightcache.tools.bench import user_checkpoint
-from weightcache.tools.bench_measure import checkpoint_bytes, checkpoint_paths
+from weightcache.tools.bench_measure import INSTANTTENSOR_BACKENDS, checkpoint_bytes, checkpoint_paths
 
 # Every row, as few times as each allows; the control plane's model is 2 MiB.
 SMALL = ("--device", "cpu", "--attaches", "3", "--reps", "1", "--restarts", "1", "--fresh", "1", "--big-gib", str(2 / 1024))
@@ -83,7 +83,7 @@ def check_rows(r: dict[str, Any], printed: str, ckpt: Path, tensors: int) -> Non
     assert fresh["n"] == 1 and fresh["import_to_tensors_ms"]["p50"] > 0 and fresh["load_file_ms"]["p50"] > 0
     assert fresh["first_attach_ms"]["p50"] > 0
     assert r["restart_checksums_equal"] is True  # engines that loaded the files and that attached saw the same bytes
-    for b in ("default", "buffered", "mmap"):  # a row that cannot run on the CPU says why
+    for b in INSTANTTENSOR_BACKENDS:  # a row that cannot run on the CPU says why
         assert r[f"instanttensor_{b}_error"].startswith("no CPU target") and f"InstantTensor {b}: skipped: no CPU target" in printed
     assert f"{tensors} tensors, {ckpt} ({len(files)} file" in printed
     assert "ready to compute: attach + read every byte" in printed and "fresh process: import the client" in printed

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from weightcache.tools.bench import BenchConfig, run_bench
+from weightcache.tools.bench_measure import INSTANTTENSOR_BACKENDS
 from weightcache.tools.bench_result import (
     AttachFigures,
     BenchResult,
@@ -52,7 +53,7 @@ def typed(r: dict[str, Any]) -> BenchResult:
         disk_ceiling=DiskCeiling(gbps=r.get("disk_ceiling_GBps"), error=r.get("disk_ceiling_error")),
         fastsafetensors=peer(r, "fastsafetensors") or PeerLoaderFigures(),
         runai_streamer=peer(r, "runai_streamer"),
-        instanttensor=tuple(p for b in ("default", "buffered", "mmap") if (p := peer(r, f"instanttensor_{b}")) is not None),
+        instanttensor=tuple(p for b in INSTANTTENSOR_BACKENDS if (p := peer(r, f"instanttensor_{b}")) is not None),
         ready=ReadyToComputeFigures.from_dict(r["ready_to_compute"]) if "ready_to_compute" in r else None,
         fresh_attach=FreshAttachFigures.from_dict(r["fresh_attach"]) if "fresh_attach" in r else None,
         content_hash=ContentHashFigures.from_dict(r["content_hash"]) if "content_hash" in r else None,
@@ -217,6 +218,6 @@ def test_bench_runs_end_to_end_small(tmp_path, capsys):
             assert f"{dist}: skipped" in printed.out + printed.err
         else:
             assert r[f"{name}_warm_s"] > 0 and r[f"{name}_cold_s"] > 0 and r[f"{name}_version"]
-    for b in ("default", "buffered", "mmap"):  # no CPU target: each backend's row says why, no figure
+    for b in INSTANTTENSOR_BACKENDS:  # no CPU target: each backend's row says why, no figure
         assert r[f"instanttensor_{b}_error"].startswith("no CPU target") and f"instanttensor_{b}_warm_s" not in r
     assert typed(r).as_dict().keys() == r.keys()

@@ -93,6 +93,8 @@ def test_file_then_env_precedence(tmp_path, monkeypatch):
         ('[daemon]\nmax_read_bytes_per_s_per_uid = -1', "daemon.max_read_bytes_per_s_per_uid: size must be >= 0"),
         ('[daemon]\nloop_stall_s = "100ms"', "daemon.loop_stall_s: not a duration: '100ms'"),
         ('[daemon]\nloop_stall_s = -0.1', "daemon.loop_stall_s: Input should be greater than or equal to 0"),
+        ('[daemon]\nload_depth = 0', "daemon.load_depth: Input should be greater than or equal to 1"),
+        ('[daemon]\nload_page_cache_dma = "yes"', "daemon.load_page_cache_dma: Input should be 'auto', 'on' or 'off'"),
     ],
 )
 def test_invalid_configs_name_the_key(tmp_path, body, expect):

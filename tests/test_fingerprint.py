@@ -229,6 +229,41 @@ def test_pieces_left_to_the_device_are_counted_not_hashed_and_say_where_they_are
         assert split == host_only
 
 
+def test_device_only_says_which_chunks_the_host_need_not_read():
+    """A writer may copy a chunk without the host reading it (page-cache windows,
+    backends/page_windows.py) only where every byte of it belongs to a piece the device
+    hashes; fed unread bytes of that length, the hasher gives the digests it gives from
+    the real bytes."""
+    import xxhash
+
+    from weightcache.loader.content import Piece, Task
+
+    big, small = HASH_BLOCK, 304
+    pieces = (Piece(0, 0, big), Piece(0, 1, big), Piece(1, 0, small), Piece(2, 0, big))
+    data = os.urandom(sum(p.nbytes for p in pieces))
+    task = Task(0, 0, 256, len(data), pieces)
+    h = TaskHasher(task, {}, device_min=4096)
+    assert h.device_only(2 * big)  # the two first pieces
+    assert not h.device_only(2 * big + 1)  # one byte of the small piece, hashed on the host
+    out: dict = {}
+    h = TaskHasher(task, out, device_min=4096)
+    h(memoryview(bytes(big // 2)))  # unread bytes: counted, not hashed
+    assert h.device_only(big // 2 + big)
+    assert not h.device_only(big // 2 + big + small)
+    h(memoryview(bytes(big // 2 + big)))
+    assert not h.device_only(1)  # the small piece is next
+    h(memoryview(data)[2 * big : 2 * big + small])
+    assert h.device_only(big) and not h.device_only(big + 1)  # nothing past the task
+    h(memoryview(bytes(big)))
+    for piece, start in h.take_device_done():
+        out[(piece.tensor, piece.index)] = xxhash.xxh3_128_digest(data[start : start + piece.nbytes])
+    whole: dict = {}
+    TaskHasher(task, whole)(memoryview(data))
+    assert out == whole
+    assert not TaskHasher(task, {}).device_only(1)  # no device hash: every byte is the host's
+    assert not TaskHasher(Task(0, 0, 8, len(data), pieces), {}, device_min=4096).device_only(1)  # unaligned: the host's
+
+
 class _DeviceHashingWriter:
     """A writer that, like the CUDA one, hashes big pieces "on its device" (here: from its
     own copy of the arena, at finish) when the reader's plan says so (a TaskHasher
@@ -278,6 +313,56 @@ def test_only_files_that_cannot_change_unseen_are_hashed_on_the_device(tmp_path)
             w = _DeviceHashingWriter(ckpt.arena_bytes)
             assert read_checkpoint(ckpt, opened, w, threads=2, chunk=1 << 20) == want
         assert w.asked is on_device, oct(mode)
+
+
+class _UnreadWriter(_DeviceHashingWriter):
+    """As the CUDA writer with page-cache windows: told by ``begin`` which files it may copy
+    without reading them, it copies every chunk that ``device_only`` allows from the file
+    to its arena behind the hasher's back, and feeds the hasher zeros instead."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self.offered: list[tuple[int, int]] | None = None
+        self.unread = 0
+
+    def begin(self, files):
+        self.offered = list(files)
+
+    def write_from_file(self, fd, file_offset, arena_offset, nbytes, direct=False, seen=None):
+        if fd in dict(self.offered or ()) and (seen is None or seen.device_only(nbytes)):
+            with memoryview(self.arena)[arena_offset : arena_offset + nbytes] as dst:
+                assert os.preadv(fd, [dst], file_offset) == nbytes
+            if seen is not None:
+                seen(memoryview(bytes(nbytes)))
+                self._todo += [(seen, piece, start) for piece, start in seen.take_device_done()]
+            self.unread += nbytes
+            return
+        super().write_from_file(fd, file_offset, arena_offset, nbytes, direct, seen)
+
+
+def test_the_files_a_writer_may_copy_unread_are_those_hashed_on_its_device_or_not_at_all(tmp_path):
+    """The reader offers a writer with ``begin`` (the CUDA one's page-cache windows) the
+    files whose bytes the host need not read: those the device hashes (files that cannot
+    change unseen) and, with the hash off, every file. The chunks it copies without
+    reading them, the hasher fed zeros for them, leave the fingerprint as it is."""
+    p = tmp_path / "m.safetensors"
+    save_file(tensors(), str(p))
+    want = fingerprint_files(p)
+    for mode, content_hash, offered in ((0o644, True, True), (0o664, True, False), (0o664, False, True)):
+        os.chmod(p, mode)
+        FILE_DIGESTS.clear()
+        with open_source(p) as opened:
+            ckpt = parse_checkpoint(opened)
+            w = _UnreadWriter(ckpt.arena_bytes)
+            got = read_checkpoint(ckpt, opened, w, threads=2, chunk=1 << 20, content_hash=content_hash)
+            assert w.offered == ([(opened.files[0].fd, ckpt.files[0].size)] if offered else []), (oct(mode), content_hash)
+        assert got == (want if content_hash else None)
+        assert (w.unread > 0) is offered, (oct(mode), content_hash)
+        with open_source(p) as opened:  # the arena holds the file's tensors whichever way they came
+            ckpt = parse_checkpoint(opened)
+            for t in ckpt.tensors:
+                assert bytes(w.arena[t.arena_offset : t.arena_offset + t.nbytes]) == os.pread(
+                    opened.files[0].fd, t.nbytes, t.file_offset), t.name
 
 
 def test_a_tables_fingerprint_rows_hash_as_the_rows_they_were_made_from(tmp_path):

@@ -7,6 +7,7 @@ their CUDA cases with these); this file holds what only a GPU has.
 """
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -312,6 +313,7 @@ def test_a_load_hashed_on_the_gpu_has_the_files_fingerprint(tmp_path, monkeypatc
         backend = CudaBackend("cuda:0", hash_on_gpu=hash_on_gpu)
         assert (backend.gpu_hash is not None) == hash_on_gpu, backend.gpu_hash_unavailable
         try:
+            backend.configure_loads(2, "off")  # two staging buffers a thread (page-cache windows: the test below)
             for direct_io in ("off", "on"):
                 FILE_DIGESTS.clear()
                 with open_source(path) as opened:
@@ -326,3 +328,82 @@ def test_a_load_hashed_on_the_gpu_has_the_files_fingerprint(tmp_path, monkeypatc
                 assert got == want, (hash_on_gpu, direct_io)
         finally:
             backend.close()
+
+
+def _load_with_windows_registered_first(tmp_path, monkeypatch, before_registering=None):
+    """A load through CudaBackend with page-cache windows on, each window registered before
+    the loader threads start (the registrar is joined in PageWindows' constructor), so
+    every chunk the GPU alone hashes is copied from them: (fingerprint or the exception,
+    the file's fingerprint, bytes copied from the windows, windows the driver refused)."""
+    from safetensors.torch import save_file
+
+    import weightcache.backends.page_windows as page_windows
+    from weightcache.backends.cuda import CudaBackend
+    from weightcache.loader import fingerprint_files, open_source, parse_checkpoint, read_checkpoint
+    from weightcache.loader.content import FILE_DIGESTS, HASH_BLOCK
+
+    made: list = []
+    init = page_windows.PageWindows.__init__
+    register = page_windows.PageWindows._register_backwards
+
+    def init_and_wait(self, ctx, files, window=1 << 20):  # several windows, chunks crossing them
+        init(self, ctx, files, window)
+        made.append(self)
+        if self._thread is not None:
+            self._thread.join()
+
+    def register_after(self):
+        if before_registering is not None:
+            before_registering()
+        register(self)
+
+    monkeypatch.setattr(page_windows.PageWindows, "__init__", init_and_wait)
+    monkeypatch.setattr(page_windows.PageWindows, "_register_backwards", register_after)
+    g = torch.Generator().manual_seed(2)
+    path = tmp_path / "w.safetensors"
+    save_file({"big": torch.randn(HASH_BLOCK // 4 * 3 + 12345, generator=g), "small": torch.randn(1000, generator=g),
+               "odd": torch.randint(0, 255, (HASH_BLOCK + 77,), dtype=torch.uint8), "mid": torch.randn(700_001, generator=g)},
+              str(path))
+    want = fingerprint_files(path)  # also leaves the file in the page cache
+    backend = CudaBackend("cuda:0")
+    try:
+        backend.configure_loads(3, "on")
+        assert backend.page_cache_dma
+        FILE_DIGESTS.clear()
+        with open_source(path) as opened:
+            ckpt = parse_checkpoint(opened)
+            arena = backend.allocate(backend.capacity(ckpt.arena_bytes), "t")
+            writer = backend.writer(arena, 3 << 20)
+            try:
+                got = read_checkpoint(ckpt, opened, writer, threads=3, chunk=3 << 20, direct_io="off")
+                backend.seal(arena)
+            except Exception as exc:
+                got = exc
+            finally:
+                backend.free(arena)
+    finally:
+        backend.close()  # waits for the windows' release
+    assert len(made) == 1
+    return got, want, writer.registered_bytes, made[0].refused
+
+
+def test_a_load_copied_from_registered_page_cache_windows_has_the_files_fingerprint(tmp_path, monkeypatch):
+    """Chunks copied straight from registered page-cache pages (backends/page_windows.py),
+    hashed on the GPU, beside chunks staged because a piece of them is hashed on the host,
+    give the fingerprint the host computes from the file."""
+    got, want, copied, refused = _load_with_windows_registered_first(tmp_path, monkeypatch)
+    assert got == want
+    assert copied > 0 and refused == 0
+
+
+def test_a_file_truncated_before_its_windows_are_registered_fails_the_load_not_the_daemon(tmp_path, monkeypatch):
+    """The driver refuses to register pages past the file's new end (no SIGBUS: the CPU
+    never touches the mapping); the chunks are staged instead, and the short read fails
+    the load with the reason, in a process that goes on."""
+    from weightcache.errors import CorruptCheckpoint, LoadFailed
+
+    path = tmp_path / "w.safetensors"
+    got, _want, _copied, refused = _load_with_windows_registered_first(
+        tmp_path, monkeypatch, before_registering=lambda: os.truncate(path, path.stat().st_size // 2))
+    assert isinstance(got, (CorruptCheckpoint, LoadFailed)), got
+    assert refused == 1

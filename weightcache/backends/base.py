@@ -249,6 +249,10 @@ class Backend(ABC):
         writer then makes those pages resident instead of copying them. By default every
         byte is copied."""
 
+    def configure_loads(self, depth: int, page_cache_dma: str) -> None:  # noqa: B027  (a hook)
+        """The daemon's ``load_depth`` and ``load_page_cache_dma``, once at start and at each
+        reload; a backend whose writer has no use for them ignores them."""
+
     @abstractmethod
     def writer(self, arena: Arena, chunk_bytes: int) -> ArenaWriter:
         """A writer for one load; the loader never hands it more than ``chunk_bytes`` at once."""

@@ -36,9 +36,14 @@ from .cuda_hash import HASH_STREAMS, GpuHasher, HashUnavailable
 from .cuda_staging import Landing, StagedSource
 from .cuda_writer import VmmWriter
 from .extents import split_by_chunks
+from .page_windows import PageWindows, probe_registration
 from .pinned import PinnedCopy, PinnedPool, StagingPool
 
 log = logging.getLogger("weightcache.daemon")
+
+# Registering page-cache pages slower than this (GB/s, probed at start) would add little
+# beside the staging threads and take the driver's time from their copies.
+REGISTER_MIN_GBPS = 10.0
 
 
 @dataclass
@@ -104,6 +109,47 @@ class CudaBackend(Backend):
         self.room = Room(1 << 62)
         self._budget = 1 << 62
         self._peers: dict[int, bool] = {}  # ordinal -> can this GPU read its memory (can_copy_from)
+        self.load_depth = 1
+        self.page_cache_dma = False  # configure_loads
+        self._releases: list[threading.Thread] = []  # page-cache windows being unregistered after a load
+
+    def configure_loads(self, depth: int, page_cache_dma: str) -> None:
+        self.load_depth = depth
+        if page_cache_dma == "off":
+            self.page_cache_dma = False
+            return
+        rate, why = probe_registration(self.ctx)
+        if why:
+            self.page_cache_dma = False
+            log.info("%s: loads stage every chunk: the driver refused to register page-cache pages (%s)", self.device, why)
+        elif page_cache_dma == "on" or rate >= REGISTER_MIN_GBPS:
+            self.page_cache_dma = True
+            log.info("%s: loads of files wholly in the page cache copy from registered pages too (registration "
+                     "probed at %.1f GB/s)", self.device, rate)
+        else:
+            self.page_cache_dma = False
+            log.info("%s: loads stage every chunk: registering page-cache pages probed at %.1f GB/s, under %.0f",
+                     self.device, rate, REGISTER_MIN_GBPS)
+
+    def page_windows(self, files: list[tuple[int, int]]) -> PageWindows | None:
+        """Registered windows for one load of ``files`` ((fd, size), the loader's order), or None."""
+        if not self.page_cache_dma or not files:
+            return None
+        windows = PageWindows(self.ctx, files)
+        return windows if windows else None
+
+    def release_windows(self, windows: PageWindows) -> None:
+        """Unregister a finished load's windows in a thread: the load is done, its bytes in place."""
+        def release() -> None:
+            try:
+                windows.release()
+            except Exception:
+                log.exception("%s: unregistering a load's page-cache windows failed", self.device)
+
+        self._releases = [t for t in self._releases if t.is_alive()]
+        t = threading.Thread(target=release, name="wc-unregister", daemon=True)
+        self._releases.append(t)
+        t.start()
 
     def total_memory(self) -> int:
         return drv.total_memory(self.ordinal)
@@ -185,7 +231,7 @@ class CudaBackend(Backend):
 
     def writer(self, arena: Arena, chunk_bytes: int) -> VmmWriter:
         assert isinstance(arena, VmmArena)
-        return VmmWriter(self, arena, chunk_bytes)
+        return VmmWriter(self, arena, chunk_bytes, self.load_depth)
 
     def seal(self, arena: Arena) -> None:
         # The daemon's own mapping becomes read-only too: nothing may change served bytes.
@@ -381,6 +427,8 @@ class CudaBackend(Backend):
         self.host_pool.free(host.pieces)
 
     def close(self) -> None:
+        for t in self._releases:
+            t.join()
         if self.gpu_hash is not None:
             self.gpu_hash.close()
         self.staging.close()

@@ -5,6 +5,7 @@ plan says (loader/content.py, backends/cuda_hash.py)."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import operator
 import threading
 from collections.abc import Callable
@@ -17,7 +18,10 @@ from .. import cuda_driver as drv
 from ..loader.content import TaskHasher
 from ..loader.preads import DIRECT_ALIGN, pread_direct, pread_full, pread_hashing, read_batch
 from .cuda_hash import DEVICE_MIN, DIGEST_SLOTS, DigestBlock, GpuHasher
+from .page_windows import PageWindows
 from .pinned import Staging, StagingPool
+
+log = logging.getLogger("weightcache.daemon")
 
 
 class VmmArenaLike(Protocol):
@@ -31,10 +35,15 @@ class VmmDevice(Protocol):
     """What the writer uses of its CudaBackend."""
 
     ctx: Any
+    device: str
     staging: StagingPool
     gpu_hash: GpuHasher | None
 
     def grow(self, arena: Any, upto: int) -> None: ...
+
+    def page_windows(self, files: list[tuple[int, int]]) -> PageWindows | None: ...
+
+    def release_windows(self, windows: PageWindows) -> None: ...
 
 
 class VmmWriter:
@@ -42,7 +51,10 @@ class VmmWriter:
     thread's own stream: 8 threads x 16 MiB reached 39 GB/s from page cache on the H200 in
     one process, and 31.9-41.4 GB/s through the daemon on two hosts of the same kind
     (docs/benchmarks.md, issue 28). Copying straight from registered page-cache pages
-    instead was slower (20-24 GB/s: the registration is the cost; scripts/registered_reads.py).
+    instead was slower (20-24 GB/s: the registration is the cost; scripts/registered_reads.py);
+    with ``begin`` told of files wholly cached and the backend's ``load_page_cache_dma``
+    on, a registrar registers them from the load's end while these threads stage from its
+    start, and the chunks it got to first are copied from there (backends/page_windows.py).
     The buffers are page-aligned (cuMemHostAlloc), so O_DIRECT fds can read into them.
 
     The content hash: where the reader planned it (``TaskHasher.on_device``, for trusted
@@ -51,15 +63,20 @@ class VmmWriter:
     piece longer than DEVICE_MIN is hashed by a kernel once its bytes are copied, on a
     hash stream that waits for the copy (an event), so the next read into the buffer
     never waits for a hash; the smaller pieces are hashed on the host from the buffer.
-    Otherwise every piece is hashed on the host. One buffer per thread: a second, so a
-    thread reads while its last copy runs, made every arrangement slower on the H200 (up
-    to 1.29x with 8 threads)."""
+    Otherwise every piece is hashed on the host. ``depth`` buffers per thread, each with
+    its own stream (``load_depth``, 1 by default): a second, so a thread reads while its
+    last copy runs, made every arrangement slower on the H200 while every piece was hashed
+    on the host (up to 1.29x with 8 threads, 16 MiB chunks); scripts/loader_paths.py
+    --depths measures it with the hash on the GPU."""
 
     direct_io = True
     serves_files = False  # a copy in device memory
 
-    def __init__(self, backend: VmmDevice, arena: VmmArenaLike, chunk: int) -> None:
+    def __init__(self, backend: VmmDevice, arena: VmmArenaLike, chunk: int, depth: int = 1) -> None:
+        if depth < 1:
+            raise ValueError(f"a loader thread needs at least one staging buffer, not {depth}")
         self._b = backend
+        self._depth = depth
         self._arena = arena
         self._size = chunk + 2 * DIRECT_ALIGN  # room to widen a read to O_DIRECT alignment
         self._local = threading.local()
@@ -69,17 +86,42 @@ class VmmWriter:
         self.device_hash_min: int | None = DEVICE_MIN if self._hasher is not None else None
         self._blocks: list[DigestBlock] = []  # taken from the hasher, in use
         self._slots: list[tuple[DigestBlock, int, dict[tuple[int, int], bytes], tuple[int, int]]] = []
+        self._windows: PageWindows | None = None
+        self._unread: memoryview | None = None  # fed to the hasher for bytes only the device hashes
+        self.registered_bytes = 0  # copied from registered page-cache windows
+
+    def begin(self, files: list[tuple[int, int]]) -> None:
+        """The files (fd, size) this load may copy without the host reading them (buffered,
+        hashed on the device or not at all), in the load's order: those wholly in the page
+        cache are copied from registered pages where the registrar gets to them first
+        (backends/page_windows.py, Note [two ways at once])."""
+        self._windows = self._b.page_windows(files)
 
     def _staging(self) -> Staging:
-        st = getattr(self._local, "st", None)
-        if st is None:
-            st = self._local.st = self._b.staging.take(self._size)
+        """The thread's next buffer of its ring of ``depth``: each has its own stream, so
+        a thread reads into one while the copies out of the others run."""
+        ring = getattr(self._local, "ring", None)
+        if ring is None:
+            ring = self._local.ring = []
+            self._local.next = 0
+        i = self._local.next
+        self._local.next = (i + 1) % self._depth
+        if i == len(ring):
+            st = self._b.staging.take(self._size)
+            ring.append(st)
             with self._lock:
                 self._all.append(st)
-        return st
+        return ring[i]
 
     def write_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, direct: bool = False,
                         seen: TaskHasher | None = None) -> None:
+        if self._windows is not None and not direct:
+            if seen is None or seen.device_only(nbytes):
+                srcs = self._windows.sources(fd, file_offset, nbytes)
+                if srcs is not None:
+                    return self._copy_registered(srcs, arena_offset, nbytes, seen)
+            else:
+                self._windows.staged(fd, file_offset, nbytes)
         with drv.current(self._b.ctx):
             st = self._staging()
             if st.busy:
@@ -111,6 +153,26 @@ class VmmWriter:
                 if on_device:
                     self._hash_on_device(seen, st)
 
+    def _copy_registered(self, srcs: list[tuple[int, int]], arena_offset: int, nbytes: int, seen: TaskHasher | None) -> None:
+        """Copies from registered page-cache pages on the next stream of the thread's ring; the
+        host never reads them, the device hashes what the hasher hands it."""
+        with drv.current(self._b.ctx):
+            st = self._staging()  # its stream; the buffer is not touched
+            if self._arena.mapped < arena_offset + nbytes:
+                self._b.grow(self._arena, arena_offset + nbytes)
+            pos = self._arena.va + arena_offset
+            for addr, n in srcs:
+                drv.check(cu.cuMemcpyHtoDAsync(pos, addr, n, st.stream))
+                pos += n
+            st.busy = True
+            with self._lock:
+                self.registered_bytes += nbytes
+            if seen is not None:
+                if self._unread is None or len(self._unread) < nbytes:
+                    self._unread = memoryview(bytes(self._size))
+                seen(self._unread[:nbytes])  # device pieces only (device_only): counted, never read
+                self._hash_on_device(seen, st)
+
     def write_batch(self, fd: int, file_offset: int, arena_offsets: list[int], sizes: list[int],
                     seen: Callable[[list[memoryview]], None] | None = None) -> None:
         """Small tensors (Note [small tensors in batches], loader/content.py): one preadv
@@ -118,6 +180,8 @@ class VmmWriter:
         host from there, and one copy of the span to the device."""
         base = arena_offsets[0]
         span = arena_offsets[-1] + sizes[-1] - base  # at most the chunk: the plan's rule
+        if self._windows is not None:
+            self._windows.staged(fd, file_offset, span)
         starts = list(map(operator.sub, arena_offsets, repeat(base)))
         with drv.current(self._b.ctx):
             st = self._staging()
@@ -161,6 +225,17 @@ class VmmWriter:
             return block, block.used - 1
 
     def finish(self) -> None:
+        windows, self._windows = self._windows, None
+        if windows is not None:
+            windows.stop()
+        self._finish()  # if the streams cannot be synchronized, a copy may still read the windows: kept
+        if windows is not None:
+            log.info("%s: %.2f of %.2f GB registered in %.3f s, %.2f GB copied from there (the rest staged)",
+                     self._b.device, windows.registered_bytes / 1e9, windows.mapped_bytes / 1e9, windows.register_s,
+                     self.registered_bytes / 1e9)
+            self._b.release_windows(windows)
+
+    def _finish(self) -> None:
         with drv.current(self._b.ctx):
             synced = False
             try:

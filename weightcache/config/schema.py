@@ -243,6 +243,14 @@ class DaemonConfig(BaseModel):
     # put status's p99 during a warm load at 7.0 ms against 1.6 (docs/benchmarks.md, issue 28).
     load_threads: int = Field(default_factory=lambda: min(8, os.cpu_count() or 1), ge=1, le=256)
     load_chunk_bytes: int = Field(default=16 * 2**20, ge=4096)
+    # Both below keep the loader as it was measured (one buffer a thread, every chunk staged)
+    # until they are measured on a GPU against it (docs/benchmarks.md, "Loading from the
+    # page cache (vs InstantTensor)"). Read at start.
+    load_depth: int = Field(default=1, ge=1, le=16, description=(
+        "pinned staging buffers per loader thread (GPU loads): a thread reads into one while the copies out of the others run"))
+    load_page_cache_dma: Literal["auto", "on", "off"] = Field(default="off", description=(
+        "GPU loads of files wholly in the page cache: also copy from their registered pages, beside the staging path "
+        "(backends/page_windows.py); 'auto' probes the driver's registration at start and uses it when it is fast"))
     load_direct_io: Literal["auto", "on", "off"] = Field(
         default="auto", description="O_DIRECT reads: 'auto' uses them for files mostly not in page cache (GPU loads)")
     load_nice: int = Field(default=19, ge=0, le=19, description="scheduling niceness of loader threads")

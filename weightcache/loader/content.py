@@ -241,7 +241,7 @@ class TaskHasher:
     def __init__(self, task: Task, out: dict[tuple[int, int], bytes], device_min: int | None = None) -> None:
         self.task = task
         self.out = out
-        self._pieces = iter(task.pieces)
+        self._next = 0  # index of the next piece in task.pieces
         self.device_min = device_min
         self._piece: Piece | None = None
         self._on_device = False
@@ -255,13 +255,11 @@ class TaskHasher:
         pos, n = 0, len(view)
         while pos < n:
             if self._piece is None:
-                self._piece = next(self._pieces)
+                self._piece = self.task.pieces[self._next]
+                self._next += 1
                 self._left = self._piece.nbytes
                 self._start = self._pos + pos
-                # 16-byte aligned in the arena for the kernel's loads: every piece of a
-                # tensor placed at a 256-byte offset is, the check only guards the rule.
-                self._on_device = (self.device_min is not None and self._piece.nbytes > self.device_min
-                                   and (self.task.arena_offset + self._start) % 16 == 0)
+                self._on_device = self._device_hashes(self._piece, self._start)
                 self._h.reset()
             take = min(self._left, n - pos)
             if not self._on_device:
@@ -276,6 +274,35 @@ class TaskHasher:
                     self.out[(self._piece.tensor, self._piece.index)] = self._h.digest()
                 self._piece = None
         self._pos += n
+
+    def _device_hashes(self, piece: Piece, start: int) -> bool:
+        """Whether the writer's device hashes ``piece``, which starts ``start`` bytes into the task."""
+        # 16-byte aligned in the arena for the kernel's loads: every piece of a tensor
+        # placed at a 256-byte offset is, the check only guards the rule.
+        return self.device_min is not None and piece.nbytes > self.device_min and (self.task.arena_offset + start) % 16 == 0
+
+    def device_only(self, n: int) -> bool:
+        """Whether the next ``n`` bytes belong only to pieces the device hashes: the writer
+        may then copy them without the host reading them (the hasher is fed any bytes of
+        that length, which it counts and never reads)."""
+        if self.device_min is None:
+            return False
+        start = self._pos
+        if self._piece is not None:
+            if not self._on_device:
+                return False
+            if n <= self._left:
+                return True
+            n -= self._left
+            start += self._left
+        pieces, i = self.task.pieces, self._next
+        while n > 0:
+            if i == len(pieces) or not self._device_hashes(pieces[i], start):
+                return False
+            n -= pieces[i].nbytes
+            start += pieces[i].nbytes
+            i += 1
+        return True
 
     @property
     def on_device(self) -> bool:

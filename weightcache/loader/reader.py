@@ -263,6 +263,9 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
         # that GPU (0.56 of an engine's matmul rate during such a load on the H200,
         # python -m benchmarks hash-contention): a tenant's loads must not take it from the others.
         device_min = writer.device_hash_min if trusted else None
+        if hasattr(writer, "begin"):  # the files it may copy without the host reading them
+            writer.begin([(fds[i], f.size) for i, f in enumerate(ckpt.files)
+                          if not direct[i] and (not content_hash or i in known or device_min is not None)])
         failed = threading.Event()  # once one chunk fails, the others stop early
 
         def fail(file: int, exc: Exception) -> BaseException:

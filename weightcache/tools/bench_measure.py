@@ -317,7 +317,9 @@ def time_runai_streamer(path: Path, device: str) -> float:
     return dt
 
 
-INSTANTTENSOR_BACKENDS = ("default", "buffered", "mmap")
+INSTANTTENSOR_BACKENDS = ("default", "buffered", "mmap", "mmap_registered")
+# Set in the process that loads: InstantTensor reads it when it starts (off by default).
+INSTANTTENSOR_ENV = {"mmap_registered": {"INSTANTTENSOR_USE_INTERNAL_MEMORY_REGISTER": "1"}}
 
 
 def time_instanttensor(path: Path, device: str, backend: str = "default") -> float:
@@ -325,12 +327,14 @@ def time_instanttensor(path: Path, device: str, backend: str = "default") -> flo
     tensor iterated into a dict on ``device`` (a GPU: the library has no CPU target),
     then a sync. ``backend``: "default" (the library's choice: direct I/O for a file on
     disk), "buffered" (``BackendPolicy.BUFFERED``: io_uring or AIO through the page
-    cache) or "mmap" (``Backend.MMAP``: worker threads copy from a mapping of the file
-    into pinned buffers)."""
+    cache), "mmap" (``Backend.MMAP``: worker threads copy from a mapping of the file
+    into pinned buffers) or "mmap_registered" (MMAP in a process started with
+    INSTANTTENSOR_USE_INTERNAL_MEMORY_REGISTER=1, :func:`time_instanttensor_in_child`:
+    the mapping registered with the driver and copied from without a CPU copy)."""
     import torch
     from instanttensor import Backend, BackendPolicy, safe_open
 
-    chosen = {"default": None, "buffered": BackendPolicy.BUFFERED, "mmap": Backend.MMAP}[backend]
+    chosen = {"default": None, "buffered": BackendPolicy.BUFFERED, "mmap": Backend.MMAP, "mmap_registered": Backend.MMAP}[backend]
     files = checkpoint_paths(path)
     torch.empty(1, device=device)  # the CUDA context, before the clock
     t = time.perf_counter()
@@ -351,7 +355,8 @@ def time_instanttensor_in_child(path: Path, device: str, backend: str = "default
     it ran in the bench's own process (``drop_page_cache``)."""
     code = ("import sys; from pathlib import Path; from weightcache.tools.bench_measure import time_instanttensor; "
             "print(time_instanttensor(Path(sys.argv[1]), sys.argv[2], sys.argv[3]))")
-    out = subprocess.run([sys.executable, "-c", code, str(path), device, backend], capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", code, str(path), device, backend], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, **INSTANTTENSOR_ENV.get(backend, {})})
     if out.returncode:
         raise RuntimeError(f"instanttensor ({backend}) failed: {out.stderr.strip()[-300:]}")
     return float(out.stdout.split()[-1])

@@ -10,6 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from .bench_measure import INSTANTTENSOR_BACKENDS
 from .bench_result import BenchResult, PeerLoaderFigures, Spread
 
 GIB = 2**30
@@ -30,7 +31,7 @@ def write_chart(r: dict[str, Any], png: Path) -> bool:
     timed = [("load_file warm", r.get("load_file_warm_s")), ("load_file cold", r.get("load_file_cold_s")),
             ("fastsafetensors warm", r.get("fastsafetensors_warm_s")), ("fastsafetensors cold", r.get("fastsafetensors_cold_s")),
             ("runai-model-streamer warm", r.get("runai_streamer_warm_s")), ("runai-model-streamer cold", r.get("runai_streamer_cold_s")),
-            *((f"InstantTensor {b} {w}", r.get(f"instanttensor_{b}_{w}_s")) for b in ("default", "buffered", "mmap")
+            *((f"InstantTensor {b} {w}", r.get(f"instanttensor_{b}_{w}_s")) for b in INSTANTTENSOR_BACKENDS
               for w in ("warm", "cold")),
             ("weightcache loader warm", r.get("loader_warm_s")), ("weightcache loader cold", r.get("loader_cold_s")),
             ("host-tier promotion", r.get("host_promote_s"))]
