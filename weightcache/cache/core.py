@@ -60,7 +60,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import Attached, BadRequest, NoSpace, Pinned, UnknownModel
-from .entries import DeviceAccount, Entry, Lease, LoadPlan, State, StepDown, arena_key
+from .entries import DeviceAccount, Entry, EntryEvent, Lease, LoadPlan, State, StepDown, arena_key
 from .eviction import Admission, EvictionPolicy, HostTier, LoadRates, PolicyName, Shares, Source, make_policy
 from .leases import LeaseBook
 from .names import shared_arena
@@ -148,7 +148,8 @@ class CacheCore:
         if sib.host_copy:  # kept from its promotion; a shared arena has none (Note [shared arenas])
             self.tier.drop_copy(sib)
             drop.append(sib.name)
-        e.nbytes, e.state = sib.nbytes, State.RESIDENT
+        e.nbytes = sib.nbytes
+        e.move(EntryEvent.JOIN)
         self._used(e)
         return StepDown(drop_host=tuple(drop))
 
@@ -252,7 +253,7 @@ class CacheCore:
             self.policy.evicted(e.device, own)
         victims = own + others
         step = self.tier.step_down(victims, keep=e)
-        e.state = State.LOADING
+        e.move(EntryEvent.LOAD)
         e.nbytes = nbytes
         acct.reserved += nbytes
         return LoadPlan(name=name, nbytes=nbytes, step_down=step, promote=e.host_copy)
@@ -308,7 +309,7 @@ class CacheCore:
             e.promotions += 1
             if not self.tier.demotable(e):  # a second name of its files came meanwhile: the caller frees it
                 self.tier.drop_copy(e)
-        e.state = State.RESIDENT
+        e.move(EntryEvent.LOADED)
         e.loads += 1
         self._used(e)
         return e
@@ -335,7 +336,7 @@ class CacheCore:
         """Roll a failed load back: the reservation is returned, the budget is as before."""
         e = self._loading(name)
         self.devices[e.device].reserved -= e.nbytes
-        e.state = State.HOST if e.host_copy else State.EVICTED if e.loads else State.REGISTERED
+        e.move(EntryEvent.PROMOTION_FAILED if e.host_copy else EntryEvent.RELOAD_FAILED if e.loads else EntryEvent.FIRST_LOAD_FAILED)
         return e
 
     def _loading(self, name: str) -> Entry:
@@ -386,7 +387,7 @@ class CacheCore:
             if self.shares.sibling_in(e, State.RESIDENT) is None:  # else a sibling keeps the bytes
                 self.devices[e.device].used -= e.nbytes
             e.evictions += 1
-            e.state = State.EVICTED
+            e.move(EntryEvent.EVICT)
             if e.host_copy:  # a kept copy goes with the device's (stale bytes, Note [kept host copies])
                 self.tier.drop_copy(e)
                 return StepDown(evict=(name,), drop_host=(name,))
