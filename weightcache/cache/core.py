@@ -94,6 +94,10 @@ class CacheCore:
         self._models_on: dict[str, int] = dict.fromkeys(budgets, 0)  # device -> models registered on it
         self._uses: dict[str, int] = dict.fromkeys(budgets, 0)  # device -> attaches tallied towards aging
         self.admission = Admission(self.entries, self.devices, self.shares, self.policy, self.max_loaded)
+        # Called when a keep_alive deadline comes earlier than the one the keep-alive sweeper
+        # sleeps towards (``next_expiry``): the server wakes its sweeper.
+        self.on_deadline: Callable[[], None] = lambda: None
+        self._sweep_at: float | None = None  # the sweeper's wake-up, by the clock (None: none set)
 
     # -- registry -------------------------------------------------------------------
     def entry(self, name: str) -> Entry:
@@ -197,6 +201,7 @@ class CacheCore:
     def _used(self, e: Entry) -> None:
         e.last_used = self._clock()
         e.clock_base = self.policy.clock(e.device)
+        self._deadline_moved(e)
 
     def _count_use(self, e: Entry) -> None:
         """One more attach of ``e``: its frequency, aged per device (AGING_USES_PER_MODEL)."""
@@ -218,6 +223,7 @@ class CacheCore:
         if pinned and not e.pinned:
             check_pin_quota(self.entries.values(), self.quotas, name, e.tenants)
         e.pinned = pinned
+        self._deadline_moved(e)
         return e
 
     def set_keep_alive(self, name: str, seconds: float | None) -> Entry:
@@ -227,6 +233,7 @@ class CacheCore:
             raise BadRequest(f"keep_alive must be >= 0 seconds or never, not {seconds!r}", argument="keep_alive")
         e = self.entry(name)
         e.keep_alive = seconds
+        self._deadline_moved(e)
         return e
 
     # -- loading --------------------------------------------------------------------
@@ -420,7 +427,33 @@ class CacheCore:
     def is_expired(self, name: str) -> bool:
         """Whether ``name`` is registered, unattached, unpinned, resident and past its keep_alive."""
         e = self.entries.get(name)
-        return e is not None and e.evictable and e.keep_alive is not None and self._clock() - e.last_used >= e.keep_alive
+        at = None if e is None else e.expires_at
+        return at is not None and self._clock() >= at
+
+    def hold(self, name: str) -> Entry:
+        """A request is on its way to use ``name``: its keep_alive waits until ``release``."""
+        e = self.entry(name)
+        e.wanted += 1
+        return e
+
+    def release(self, e: Entry) -> None:
+        """The request ``hold`` counted is done with ``e`` (attached it, or gave up)."""
+        e.wanted -= 1
+        self._deadline_moved(e)
+
+    def next_expiry(self) -> float | None:
+        """Seconds until the earliest keep_alive runs out (0: one has), None if none can:
+        how long the keep-alive sweeper may sleep. Until then ``on_deadline`` is called
+        whenever a deadline comes earlier (a detach, a load, a shorter keep_alive, an unpin)."""
+        deadlines = [at for e in self.entries.values() if (at := e.expires_at) is not None]
+        self._sweep_at = min(deadlines, default=None)
+        return None if self._sweep_at is None else max(0.0, self._sweep_at - self._clock())
+
+    def _deadline_moved(self, e: Entry) -> None:
+        at = e.expires_at
+        if at is not None and (self._sweep_at is None or at < self._sweep_at):
+            self._sweep_at = at
+            self.on_deadline()
 
     # -- leases ---------------------------------------------------------------------
     def attach(self, name: str, conn: int) -> Lease:

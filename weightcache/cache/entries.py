@@ -81,6 +81,9 @@ class Entry:
     # The tenants whose quotas it counts against ("uid:N", "gid:N": quotas.py); () for the
     # operator's configured models, which count against none (Note [quotas]).
     tenants: tuple[str, ...] = ()
+    # Requests on their way to use it (CacheCore.hold): its keep_alive waits for them, so a
+    # model loaded for an attach is not expired before the attach takes its lease.
+    wanted: int = 0
 
     def move(self, event: EntryEvent) -> State:
         """Apply ``event`` to the entry's state by ``MOVES``; IllegalMove if it lists none."""
@@ -98,6 +101,14 @@ class Entry:
     @property
     def evictable(self) -> bool:
         return self.state is State.RESIDENT and not self.leases and not self.pinned
+
+    @property
+    def expires_at(self) -> float | None:
+        """When its keep_alive runs out, by the core's clock; None while it cannot expire
+        (not evictable, wanted, or keep_alive never)."""
+        if not self.evictable or self.keep_alive is None or self.wanted:
+            return None
+        return self.last_used + self.keep_alive
 
 
 @dataclass
