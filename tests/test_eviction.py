@@ -111,8 +111,10 @@ async def test_keep_alive_evicts_idle_models(start_daemon, ckpts):
 
 async def test_request_keep_alive(start_daemon, ckpts):
     """keep_alive on attach and load: 0 evicts once the last lease ends, -1 outlives the
-    configured 1 s, and a bad value is BAD_REQUEST naming the argument."""
-    d = start_daemon(models={"tiny": ckpts["tiny"], "a": ckpts["a"]}, a={"keep_alive": 1})
+    configured 1 s, and a bad value is BAD_REQUEST naming the argument. That a model
+    stays is seen beside a witness, b: registered after it and running out after it
+    would, so the sweep that evicts b would have evicted it first."""
+    d = start_daemon(models={"tiny": ckpts["tiny"], "a": ckpts["a"], "b": ckpts["b"]}, a={"keep_alive": 1})
     async with Client(d.socket) as c:
         async def evicted(name: str) -> bool:
             return (await states(c))[name] == "evicted"
@@ -123,11 +125,13 @@ async def test_request_keep_alive(start_daemon, ckpts):
         with pytest.raises(BadRequest):
             await c.load("tiny", keep_alive=-2)
         async with c.attach("tiny", keep_alive=0):
-            await asyncio.sleep(1.5)  # the keep_alive loop runs every second: leased, it stays
-            assert (await states(c))["tiny"] == "resident"
+            await c.load("b", keep_alive=0)
+            await eventually(lambda: evicted("b"))
+            assert (await states(c))["tiny"] == "resident"  # leased, it stays
         await eventually(lambda: evicted("tiny"))  # tiny has no configured keep_alive
         assert (await c.load("a", keep_alive=-1))["keep_alive"] is None
-        await asyncio.sleep(2.2)
+        await c.load("b", keep_alive="1s")  # runs out after a's configured 1 s would have
+        await eventually(lambda: evicted("b"))
         assert (await states(c))["a"] == "resident"  # configured 1 s, overridden by -1
         assert (await c.load("a", keep_alive="1s"))["keep_alive"] == 1
         await eventually(lambda: evicted("a"))

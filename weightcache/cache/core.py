@@ -60,7 +60,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import Attached, BadRequest, NoSpace, Pinned, UnknownModel
-from .entries import DeviceAccount, Entry, Lease, LoadPlan, State, StepDown, arena_key
+from .entries import DeviceAccount, Entry, EntryEvent, Lease, LoadPlan, State, StepDown, arena_key
 from .eviction import Admission, EvictionPolicy, HostTier, LoadRates, PolicyName, Shares, Source, make_policy
 from .leases import LeaseBook
 from .names import shared_arena
@@ -94,6 +94,10 @@ class CacheCore:
         self._models_on: dict[str, int] = dict.fromkeys(budgets, 0)  # device -> models registered on it
         self._uses: dict[str, int] = dict.fromkeys(budgets, 0)  # device -> attaches tallied towards aging
         self.admission = Admission(self.entries, self.devices, self.shares, self.policy, self.max_loaded)
+        # Called when a keep_alive deadline comes earlier than the one the keep-alive sweeper
+        # sleeps towards (``next_expiry``): the server wakes its sweeper.
+        self.on_deadline: Callable[[], None] = lambda: None
+        self._sweep_at: float | None = None  # the sweeper's wake-up, by the clock (None: none set)
 
     # -- registry -------------------------------------------------------------------
     def entry(self, name: str) -> Entry:
@@ -148,7 +152,8 @@ class CacheCore:
         if sib.host_copy:  # kept from its promotion; a shared arena has none (Note [shared arenas])
             self.tier.drop_copy(sib)
             drop.append(sib.name)
-        e.nbytes, e.state = sib.nbytes, State.RESIDENT
+        e.nbytes = sib.nbytes
+        e.move(EntryEvent.JOIN)
         self._used(e)
         return StepDown(drop_host=tuple(drop))
 
@@ -196,6 +201,7 @@ class CacheCore:
     def _used(self, e: Entry) -> None:
         e.last_used = self._clock()
         e.clock_base = self.policy.clock(e.device)
+        self._deadline_moved(e)
 
     def _count_use(self, e: Entry) -> None:
         """One more attach of ``e``: its frequency, aged per device (AGING_USES_PER_MODEL)."""
@@ -217,6 +223,7 @@ class CacheCore:
         if pinned and not e.pinned:
             check_pin_quota(self.entries.values(), self.quotas, name, e.tenants)
         e.pinned = pinned
+        self._deadline_moved(e)
         return e
 
     def set_keep_alive(self, name: str, seconds: float | None) -> Entry:
@@ -226,6 +233,7 @@ class CacheCore:
             raise BadRequest(f"keep_alive must be >= 0 seconds or never, not {seconds!r}", argument="keep_alive")
         e = self.entry(name)
         e.keep_alive = seconds
+        self._deadline_moved(e)
         return e
 
     # -- loading --------------------------------------------------------------------
@@ -252,7 +260,7 @@ class CacheCore:
             self.policy.evicted(e.device, own)
         victims = own + others
         step = self.tier.step_down(victims, keep=e)
-        e.state = State.LOADING
+        e.move(EntryEvent.LOAD)
         e.nbytes = nbytes
         acct.reserved += nbytes
         return LoadPlan(name=name, nbytes=nbytes, step_down=step, promote=e.host_copy)
@@ -308,7 +316,7 @@ class CacheCore:
             e.promotions += 1
             if not self.tier.demotable(e):  # a second name of its files came meanwhile: the caller frees it
                 self.tier.drop_copy(e)
-        e.state = State.RESIDENT
+        e.move(EntryEvent.LOADED)
         e.loads += 1
         self._used(e)
         return e
@@ -335,7 +343,7 @@ class CacheCore:
         """Roll a failed load back: the reservation is returned, the budget is as before."""
         e = self._loading(name)
         self.devices[e.device].reserved -= e.nbytes
-        e.state = State.HOST if e.host_copy else State.EVICTED if e.loads else State.REGISTERED
+        e.move(EntryEvent.PROMOTION_FAILED if e.host_copy else EntryEvent.RELOAD_FAILED if e.loads else EntryEvent.FIRST_LOAD_FAILED)
         return e
 
     def _loading(self, name: str) -> Entry:
@@ -393,7 +401,7 @@ class CacheCore:
             if self.shares.sibling_in(e, State.RESIDENT) is None:  # else a sibling keeps the bytes
                 self.devices[e.device].used -= e.nbytes
             e.evictions += 1
-            e.state = State.EVICTED
+            e.move(EntryEvent.EVICT)
             if e.host_copy:  # a kept copy goes with the device's (stale bytes, Note [kept host copies])
                 self.tier.drop_copy(e)
                 return StepDown(evict=(name,), drop_host=(name,))
@@ -426,7 +434,33 @@ class CacheCore:
     def is_expired(self, name: str) -> bool:
         """Whether ``name`` is registered, unattached, unpinned, resident and past its keep_alive."""
         e = self.entries.get(name)
-        return e is not None and e.evictable and e.keep_alive is not None and self._clock() - e.last_used >= e.keep_alive
+        at = None if e is None else e.expires_at
+        return at is not None and self._clock() >= at
+
+    def hold(self, name: str) -> Entry:
+        """A request is on its way to use ``name``: its keep_alive waits until ``release``."""
+        e = self.entry(name)
+        e.wanted += 1
+        return e
+
+    def release(self, e: Entry) -> None:
+        """The request ``hold`` counted is done with ``e`` (attached it, or gave up)."""
+        e.wanted -= 1
+        self._deadline_moved(e)
+
+    def next_expiry(self) -> float | None:
+        """Seconds until the earliest keep_alive runs out (0: one has), None if none can:
+        how long the keep-alive sweeper may sleep. Until then ``on_deadline`` is called
+        whenever a deadline comes earlier (a detach, a load, a shorter keep_alive, an unpin)."""
+        deadlines = [at for e in self.entries.values() if (at := e.expires_at) is not None]
+        self._sweep_at = min(deadlines, default=None)
+        return None if self._sweep_at is None else max(0.0, self._sweep_at - self._clock())
+
+    def _deadline_moved(self, e: Entry) -> None:
+        at = e.expires_at
+        if at is not None and (self._sweep_at is None or at < self._sweep_at):
+            self._sweep_at = at
+            self.on_deadline()
 
     # -- leases ---------------------------------------------------------------------
     def attach(self, name: str, conn: int) -> Lease:

@@ -1,11 +1,13 @@
-"""The cache core's records: an entry's states and fields, a device's account, a lease,
-and the plans the core hands the server (``StepDown``, ``LoadPlan``). Data only."""
+"""The cache core's records: an entry's states, the moves between them (``MOVES``) and its
+fields, a device's account, a lease, and the plans the core hands the server
+(``StepDown``, ``LoadPlan``). Data only."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from ..errors import InternalError
 from .names import own_arena
 
 
@@ -15,6 +17,39 @@ class State(StrEnum):
     RESIDENT = "resident"  # arena filled and sealed; attachable
     HOST = "host"  # demoted: its bytes wait in pinned host memory; a load promotes them
     EVICTED = "evicted"  # was resident, arena freed; a load brings it back
+
+
+class EntryEvent(StrEnum):
+    """What happens to an entry; ``MOVES`` says from which states, and to which."""
+
+    LOAD = "load"  # a load was admitted: bytes reserved, an arena to fill (from its files or host copy)
+    LOADED = "loaded"  # the arena is filled and sealed
+    JOIN = "join"  # it took a resident sibling's arena (Note [shared arenas] in eviction.py)
+    # A load failed; where it leaves the entry depends on what it had (CacheCore.abort_load).
+    PROMOTION_FAILED = "promotion_failed"  # its host copy is still there
+    RELOAD_FAILED = "reload_failed"  # loaded before: evicted again
+    FIRST_LOAD_FAILED = "first_load_failed"  # never filled an arena of its own
+    EVICT = "evict"  # its arena is freed, no copy kept (or a sibling keeps the bytes)
+    DEMOTE = "demote"  # its arena is freed, its bytes in the host tier (copied, or kept)
+    DROP_COPY = "drop_copy"  # the host tier forgot its copy
+
+
+# Every legal move: state -> event -> new state. ``Entry.move`` is the one way an entry's
+# state changes, and anything not listed here is a bug in the core (``IllegalMove``).
+# docs/architecture.md ("An entry's states") shows the same table.
+MOVES: dict[State, dict[EntryEvent, State]] = {
+    State.REGISTERED: {EntryEvent.LOAD: State.LOADING, EntryEvent.JOIN: State.RESIDENT},
+    State.LOADING: {EntryEvent.LOADED: State.RESIDENT, EntryEvent.PROMOTION_FAILED: State.HOST,
+                    EntryEvent.RELOAD_FAILED: State.EVICTED, EntryEvent.FIRST_LOAD_FAILED: State.REGISTERED},
+    State.RESIDENT: {EntryEvent.EVICT: State.EVICTED, EntryEvent.DEMOTE: State.HOST},
+    State.HOST: {EntryEvent.LOAD: State.LOADING, EntryEvent.DROP_COPY: State.EVICTED},
+    State.EVICTED: {EntryEvent.LOAD: State.LOADING, EntryEvent.JOIN: State.RESIDENT},
+}
+
+
+class IllegalMove(InternalError):
+    """An entry was asked to make a move ``MOVES`` does not list: the core's bookkeeping
+    is wrong. Raised before anything about the entry changes."""
 
 
 @dataclass
@@ -46,6 +81,18 @@ class Entry:
     # The tenants whose quotas it counts against ("uid:N", "gid:N": quotas.py); () for the
     # operator's configured models, which count against none (Note [quotas]).
     tenants: tuple[str, ...] = ()
+    # Requests on their way to use it (CacheCore.hold): its keep_alive waits for them, so a
+    # model loaded for an attach is not expired before the attach takes its lease.
+    wanted: int = 0
+
+    def move(self, event: EntryEvent) -> State:
+        """Apply ``event`` to the entry's state by ``MOVES``; IllegalMove if it lists none."""
+        new = MOVES[self.state].get(event)
+        if new is None:
+            raise IllegalMove(f"model {self.name!r}: no move on {event} from state {self.state}",
+                              model=self.name, state=str(self.state), event=str(event))
+        self.state = new
+        return new
 
     @property
     def attach_count(self) -> int:
@@ -54,6 +101,14 @@ class Entry:
     @property
     def evictable(self) -> bool:
         return self.state is State.RESIDENT and not self.leases and not self.pinned
+
+    @property
+    def expires_at(self) -> float | None:
+        """When its keep_alive runs out, by the core's clock; None while it cannot expire
+        (not evictable, wanted, or keep_alive never)."""
+        if not self.evictable or self.keep_alive is None or self.wanted:
+            return None
+        return self.last_used + self.keep_alive
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol, TypeVar, get_args
 
 from ..errors import NoSpace
 from ..units import format_size
-from .entries import DeviceAccount, Entry, State, StepDown, arena_key
+from .entries import DeviceAccount, Entry, EntryEvent, State, StepDown, arena_key
 from .quotas import Parses, Quota, over_quota, tenant_bytes
 
 # ===============================================================================================
@@ -505,7 +505,7 @@ class HostTier:
         self.account.used -= e.nbytes
         e.host_copy = False
         if e.state is State.HOST:
-            e.state = State.EVICTED
+            e.move(EntryEvent.DROP_COPY)
 
     def demotable(self, e: Candidate) -> bool:
         """Whether evicting ``e`` now would move it to the host tier (the step down's rule).
@@ -531,12 +531,12 @@ class HostTier:
                 self.drop_copy(v)
                 drop_host.append(v.name)
             if self.shares.sibling_in(v, State.RESIDENT) is not None:  # a name still on the arena keeps its bytes
-                v.state = State.EVICTED
+                v.move(EntryEvent.EVICT)
                 evict.append(v.name)
                 continue
             self._devices[v.device].used -= v.nbytes
             if v.host_copy:  # kept from its promotion: the host tier has its bytes already
-                v.state = State.HOST
+                v.move(EntryEvent.DEMOTE)
                 v.demotions += 1
                 release.append(v.name)
                 continue
@@ -564,12 +564,13 @@ class HostTier:
                         evict.append(old.name)
                         old.demotions -= 1
                 if self.account.free >= v.nbytes:
-                    v.state, v.host_copy = State.HOST, True
+                    v.move(EntryEvent.DEMOTE)
+                    v.host_copy = True
                     v.demotions += 1
                     self.account.used += v.nbytes
                     demote.append(v.name)
                     continue
-            v.state = State.EVICTED
+            v.move(EntryEvent.EVICT)
             evict.append(v.name)
         return StepDown(demote=tuple(demote), evict=tuple(evict), drop_host=tuple(drop_host), release=tuple(release))
 

@@ -417,7 +417,7 @@ class Registry:
     def _expires_in(e: Entry, idle: float | None) -> float | None:
         """Seconds until keep_alive evicts the entry (CacheCore.expired), or None when it
         will not: no keep_alive, pinned, attached (the clock restarts at the last
-        detach), or not resident. The daemon's sweep may act up to a second later."""
+        detach), or not resident. The daemon's sweep wakes at that deadline (CacheCore.next_expiry)."""
         if e.keep_alive is None or idle is None or not e.evictable:
             return None
         return max(0.0, e.keep_alive - idle)

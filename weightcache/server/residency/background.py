@@ -1,9 +1,10 @@
 """Work the daemon starts itself: preloads (which decide readiness, the health op) and
-the keep-alive sweep that evicts models unused for their keep_alive."""
+the keep-alive sweep that evicts models unused for their keep_alive, each when it runs out."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from ...backends import Backend
@@ -73,9 +74,13 @@ class Preloads:
 
 
 async def keep_alive_loop(core: CacheCore, step_down: StepDowns, room: RoomQueue) -> None:
-    """Evict each model whose keep_alive ran out, checked once a second."""
+    """Evict each model whose keep_alive ran out, as it runs out (mini-redis's purge task):
+    sleep until the earliest deadline (``CacheCore.next_expiry``), or until the core says
+    one came earlier (``on_deadline``: a detach, a load, a shorter keep_alive, an unpin)."""
+    wake = asyncio.Event()
+    core.on_deadline = wake.set
     while True:
-        await asyncio.sleep(1.0)
+        wake.clear()  # before the sweep: a deadline moved while it awaits wakes the next sleep
         for name in core.expired():
             # An eviction may wait for its demotion (a GPU model's copy to the host
             # tier): a model listed may have been attached, used, or removed since,
@@ -84,3 +89,6 @@ async def keep_alive_loop(core: CacheCore, step_down: StepDowns, room: RoomQueue
                 continue
             await step_down.carry_out(core.evict(name), reason="keep_alive expired")
             room.notify()
+        delay = core.next_expiry()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), delay)

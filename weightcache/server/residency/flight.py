@@ -116,8 +116,12 @@ class SingleFlight:
         seconds go in ``waits`` (the attach reply's ``waited_s``). So no request can make
         the others that join its load wait longer than they asked to. ``gone`` is done
         once the requester's connection closed: it then waits for room no more."""
-        return await self.room.until_admitted(name, functools.partial(self._resident_once, name), wait_s,
-                                              key=name, waits=waits, gone=gone)
+        e = self.core.hold(name)  # nor expired by its keep_alive before the caller uses it
+        try:
+            return await self.room.until_admitted(name, functools.partial(self._resident_once, name), wait_s,
+                                                  key=name, waits=waits, gone=gone)
+        finally:
+            self.core.release(e)
 
     async def _resident_once(self, name: str) -> str:
         e = self.core.entry(name)
