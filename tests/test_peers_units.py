@@ -29,13 +29,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_peers_config_parses_and_refuses_what_is_not_host_port() -> None:
     p = PeersConfig(listen="0.0.0.0:7470", addresses=["10.0.0.2:7470"], dns="peers.svc:7470", timeout_s="2m",
-                    max_fill_bytes_per_s="1GiB", fingerprints={"m": "ab"})
+                    max_fill_bytes_per_s="1GiB", fingerprints={"m": "ab"}, secret_file="/run/secrets/peers")
     assert p.timeout_s == 120 and p.max_fill_bytes_per_s == 2**30 and p.addresses == ("10.0.0.2:7470",)
     assert p.prefer == "faster" and PeersConfig(prefer="peers").prefer == "peers"
     assert PeersConfig().slot_bytes == 64 * 2**20 and PeersConfig(gpu_ring_bytes="2GiB").slot_bytes == 256 * 2**20
     assert PeersConfig(gpu_ring_bytes="100MiB").slot_bytes == 12 * 2**20  # whole 2 MiB
     for bad in ({"listen": "7470"}, {"addresses": ["host"]}, {"dns": "svc:http"}, {"refresh_s": 0}, {"nope": 1},
-                {"prefer": "fastest"}, {"gpu_ring_bytes": "8MiB"}, {"gpu_ring_bytes": "16GiB"}):
+                {"prefer": "fastest"}, {"gpu_ring_bytes": "8MiB"}, {"gpu_ring_bytes": "16GiB"},
+                {"listen": "127.0.0.1:7470"},  # peers on, no secret: refused (peers/auth.py)
+                {"secret_file": "/k", "insecure_no_secret": True}):
         with pytest.raises(ValidationError):
             PeersConfig(**bad)
     assert Settings().peers.listen is None  # off unless configured
@@ -78,7 +80,7 @@ def test_same_host_sees_through_ipv4_mapped_addresses() -> None:
 
 
 async def test_only_configured_peers_are_allowed() -> None:
-    d = Directory(PeersConfig(listen="127.0.0.1:1", addresses=["127.0.0.1:7470", "localhost:7471"]), "me")
+    d = Directory(PeersConfig(listen="127.0.0.1:1", insecure_no_secret=True, addresses=["127.0.0.1:7470", "localhost:7471"]), "me", None)
     assert await d.allowed("127.0.0.1")
     assert not await d.allowed("10.9.9.9")
 
@@ -118,10 +120,10 @@ def test_a_reload_says_peers_are_read_at_start_only() -> None:
     from weightcache.server.settings_reload import settings_changes
 
     report: dict[str, list[str]] = {"failed": []}
-    old = Settings(peers=PeersConfig(listen="127.0.0.1:7470"))
+    old = Settings(peers=PeersConfig(listen="127.0.0.1:7470", insecure_no_secret=True))
     settings_changes(old, old, report)
     assert report["failed"] == []
-    settings_changes(old, Settings(peers=PeersConfig(listen="127.0.0.1:7471")), report)
+    settings_changes(old, Settings(peers=PeersConfig(listen="127.0.0.1:7471", insecure_no_secret=True)), report)
     assert report["failed"] == ["peers: changed in the file, but read at start only: restart the daemon to apply it"]
 
 

@@ -13,6 +13,17 @@ lend, whichever comes first. What is lent is only what the operator configured a
 every user may use (``lendable``): a tenant's registered or published model, or one
 restricted to some uids or groups, is neither listed nor lent, so a peer's question
 never reaches past the access rules of this daemon's tenants.
+
+Note [lends are bounded in time]
+--------------------------------
+A lend pins its model (an attached model is never a victim), so a peer could keep one
+resident by asking again at every ``timeout_s``. Three bounds: a lend ends at
+``timeout_s``; one peer address gets at most LENDS_PER_MODEL lends of one model in any
+``LEND_WINDOW_TIMEOUTS * timeout_s`` (a fill needs one); and a local load or publish
+refused for room ends the lends that are idle (``end_idle``: a host lend older than
+IDLE_LEND_S, whose one-sided reads this side cannot see, or a GPU lend with no stage
+asked for that long): this daemon's own tenants come before its peers, whose fills
+fall back to their files.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -34,8 +46,11 @@ from ..backends.base import StagedRing
 from ..cache import CacheCore, State
 from ..config.peers import RING_SLOTS
 from ..errors import WeightcacheError
+from ..protocol.framing import encode_frame
+from ..server.logs import PeerEventLog
 from ..server.registry import Model, Registry
 from . import wire
+from .auth import NotAuthenticated, Secret, challenge
 from .transport import Transport
 
 log = logging.getLogger("weightcache.peers")
@@ -46,6 +61,12 @@ IDLE_TIMEOUT_S = 60.0  # a peer connection with no request for this long is clos
 CLOSE_WAIT_S = 1.0  # for a closed connection's unsent bytes to go; then it is aborted
 LENDS_PER_PEER = 4  # lends one peer address holds at once; more are refused BUSY (each pins a model)
 GPU_LENDS = 4  # GPU lends at once, all peers together: each holds a ring outside the budget ([peers] gpu_ring_bytes)
+CONNECTIONS_PER_ADDRESS = 8  # peer connections open at once from one address; more are closed unread
+CONNECTIONS = 64  # and from all addresses together
+READ_BUFFER = 16 * 2**10  # a connection's stream stops reading the socket past twice this (asyncio's limit)
+LENDS_PER_MODEL = 4  # lends of one model to one address per window (Note [lends are bounded in time])
+LEND_WINDOW_TIMEOUTS = 5  # the window, in [peers] timeout_s
+IDLE_LEND_S = 5.0  # a lend with nothing asked for this long is ended when a local load needs room
 
 
 def lendable(name: str, model: Model, core: CacheCore, backends: dict[str, Backend]) -> bool:
@@ -63,10 +84,21 @@ def tier(device: str) -> str:
     return "gpu" if device.startswith("cuda") else "host"
 
 
+@dataclass
+class Lending:
+    """A lend in progress, for ``Lender.end_idle``."""
+
+    name: str
+    host: str
+    task: asyncio.Task[None]
+    active: float  # monotonic time of its lend or its last stage request
+
+
 class Lender:
     def __init__(self, *, daemon_id: str, core: CacheCore, registry: Registry, backends: dict[str, Backend],
                  transport: Callable[[], Transport | None], allowed: Callable[[str], Awaitable[bool]],
-                 notify_space: Callable[[], None], timeout_s: float, serve: bool, slot_bytes: int) -> None:
+                 notify_space: Callable[[], None], timeout_s: float, serve: bool, slot_bytes: int,
+                 secret: Secret | None = None) -> None:
         self.daemon_id = daemon_id
         self.core = core
         self.registry = registry
@@ -85,9 +117,20 @@ class Lender:
         self.lends = 0  # lends made since start
         self.refused = 0  # connections from addresses that are not configured peers
         self._by_peer: dict[str, int] = {}  # peer host -> lends it holds now
+        self.secret = secret
+        self.unauthenticated = 0  # connections closed for not proving the key (auth.py)
+        self.over_limit = 0  # connections closed for CONNECTIONS_PER_ADDRESS / CONNECTIONS
+        self.ended_for_room = 0  # lends ended by end_idle
+        self._open: dict[str, int] = {}  # peer host -> its connections open now
+        self._lent_at: dict[tuple[str, str], deque[float]] = {}  # (host, fingerprint) -> its lends' times in the window
+        self._lending: dict[int, Lending] = {}  # conn -> the lend it holds
+        self._idle_timer: asyncio.TimerHandle | None = None  # end_idle's next look
+        # One line per kind of refusal per address and minute at most, then a count
+        # (an unconfigured host connecting in a loop wrote ~2,500 lines/s).
+        self.events = PeerEventLog(log, burst=3, total=20, window=60.0)
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._accept, host or None, port, reuse_address=True)
+        self._server = await asyncio.start_server(self._accept, host or None, port, reuse_address=True, limit=READ_BUFFER)
 
     @property
     def port(self) -> int | None:
@@ -104,6 +147,29 @@ class Lender:
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self.events.flush()
+
+    def end_idle(self, look_again: bool = True) -> int:
+        """End the lends idle for IDLE_LEND_S (Note [lends are bounded in time]): a local
+        load or publish was refused for room. A lend not idle yet is looked at again once
+        it would be (the load may be waiting for the room). Returns how many were ended."""
+        now = time.monotonic()
+        idle = [ln for ln in self._lending.values() if now - ln.active >= IDLE_LEND_S and not ln.task.done()]
+        for ln in idle:
+            log.info("ending the lend of %s to peer %s: a load here needs the room", ln.name, ln.host,
+                     extra={"model": ln.name, "peer": ln.host})
+            ln.task.cancel()
+        self.ended_for_room += len(idle)
+        later = [ln.active + IDLE_LEND_S for ln in self._lending.values() if ln not in idle]
+        if later and look_again and self._idle_timer is None:
+            def again() -> None:
+                self._idle_timer = None
+                self.end_idle(look_again=False)  # once per refusal: a lend kept busy is not polled
+
+            self._idle_timer = asyncio.get_running_loop().call_later(max(0.0, min(later) - now) + 0.01, again)
+        return len(idle)
 
     def inventory(self) -> list[dict[str, Any]]:
         """What this daemon would lend now; nothing without NIXL (it would refuse every
@@ -111,11 +177,16 @@ class Lender:
         out: list[dict[str, Any]] = []
         if self._transport() is None:
             return out
+        room = wire.MAX_INVENTORY_FRAME - 64  # the frame's header and the reply's own keys
         for name, m in self.registry.models.items():
             if lendable(name, m, self.core, self.backends):
                 assert m.resident.checkpoint is not None
-                out.append({"fingerprint": m.resident.checkpoint.fingerprint, "layout": m.resident.checkpoint.layout,
-                            "nbytes": m.resident.checkpoint.data_bytes, "tier": tier(m.device), "device": m.device})
+                row = {"fingerprint": m.resident.checkpoint.fingerprint, "layout": m.resident.checkpoint.layout,
+                       "nbytes": m.resident.checkpoint.data_bytes, "tier": tier(m.device), "device": m.device}
+                room -= len(encode_frame(row))
+                if room < 0:  # what a peer's inventory frame holds (wire.py); the rest is not offered
+                    break
+                out.append(row)
         return out
 
     def _find(self, fingerprint: str, layout: str) -> str | None:
@@ -132,11 +203,27 @@ class Lender:
         self._conns.add(task)
         peer = writer.get_extra_info("peername")
         host = str(peer[0]) if peer else "?"
+        counted = False
         try:
             if not await self._allowed(host):
                 self.refused += 1
-                log.warning("peer port: refused a connection from %s, which is not a configured peer", host,
-                            extra={"peer": host})
+                self.events.log(logging.WARNING, "peer refused", host, "peer port: refused a connection from %s, which is "
+                                "not a configured peer", host, extra={"peer": host})
+                return
+            if self._open.get(host, 0) >= CONNECTIONS_PER_ADDRESS or sum(self._open.values()) >= CONNECTIONS:
+                self.over_limit += 1
+                self.events.log(logging.WARNING, "peer over limit", host, "peer port: closed a connection from %s: it has "
+                                "%d open (at most %d per address, %d in all)", host, self._open.get(host, 0),
+                                CONNECTIONS_PER_ADDRESS, CONNECTIONS, extra={"peer": host})
+                return
+            self._open[host] = self._open.get(host, 0) + 1
+            counted = True
+            try:
+                await challenge(reader, writer, self.secret)
+            except NotAuthenticated as exc:
+                self.unauthenticated += 1
+                self.events.log(logging.WARNING, "peer not authenticated", host, "peer port: closed a connection from %s: %s",
+                                host, exc, extra={"peer": host})
                 return
             await self._serve(reader, writer, host)
         except (wire.PeerError, OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
@@ -144,6 +231,10 @@ class Lender:
         except Exception as exc:  # a malformed request must not end the daemon's port
             log.warning("peer %s: %s: %s", host, type(exc).__name__, exc, extra={"peer": host})
         finally:
+            if counted:
+                self._open[host] -= 1
+                if not self._open[host]:
+                    del self._open[host]
             self._conns.discard(task)
             writer.close()
             # Bounded: a peer that stopped reading would keep unsent replies (and this
@@ -189,6 +280,18 @@ class Lender:
         if self._by_peer.get(host, 0) >= LENDS_PER_PEER:
             await wire.send(writer, wire.reply_error("BUSY", f"this peer holds {LENDS_PER_PEER} lends already"))
             return
+        now = time.monotonic()
+        window = LEND_WINDOW_TIMEOUTS * self.timeout_s
+        times = self._lent_at.setdefault((host, fingerprint), deque())
+        while times and now - times[0] > window:
+            times.popleft()
+        if len(times) >= LENDS_PER_MODEL:
+            await wire.send(writer, wire.reply_error("BUSY", f"this peer was lent this model {LENDS_PER_MODEL} times in the "
+                                                             f"last {window:.0f} s; load it from the files"))
+            return
+        times.append(now)
+        for key in [k for k, v in self._lent_at.items() if not v or now - v[-1] > window]:
+            del self._lent_at[key]
         model = self.registry.models[name]
         backend = self.backends[model.device]
         if backend.dma_through_ring and self.rings_now >= GPU_LENDS:
@@ -202,7 +305,10 @@ class Lender:
         self.rings_now += ring
         self._by_peer[host] = self._by_peer.get(host, 0) + 1
         view = reg = pump = None
-        stages = StageCount()
+        task = asyncio.current_task()
+        assert task is not None
+        lending = self._lending[conn] = Lending(name, host, task, time.monotonic())
+        stages = StageCount(lending=lending)
         pumping = threading.Event()
         t0 = time.monotonic()
         try:
@@ -243,6 +349,7 @@ class Lender:
                 if view is not None:  # a GPU's ring is freed (cuMemFree may wait for the device): off the loop
                     await asyncio.shield(asyncio.to_thread(view.release))
             finally:
+                self._lending.pop(conn, None)
                 self.core.detach(lease.id, conn)
                 self.lent_now -= 1
                 self.rings_now -= ring
@@ -261,6 +368,7 @@ class StageCount:
 
     n: int = 0
     seconds: float = 0.0
+    lending: Lending | None = None  # whose ``active`` each stage request renews
 
 
 async def serve_lend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, staged: StagedRing | None,
@@ -306,6 +414,8 @@ async def _serve_lend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
             msg = request.result()
             if msg is None:  # the borrower went away: nothing more to answer
                 return
+            if count is not None and count.lending is not None:
+                count.lending.active = time.monotonic()
             answer = _take(msg, staged, loop, unanswered[0])
             if isinstance(answer, _Stage):
                 unanswered[0] += 1

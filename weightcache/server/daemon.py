@@ -346,6 +346,7 @@ def _peers(settings: Settings, core: CacheCore, registry: Registry, backends: di
     peers = Peers(settings.peers, core=core, registry=registry, backends=backends, notify_space=residency.room.notify,
                   shutting_down=stopping)
     residency.flights.neighbours = peers
+    residency.room.on_refused = peers.lender.end_idle  # a local load's need for room ends idle lends
     return peers
 
 
