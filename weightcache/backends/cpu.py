@@ -286,6 +286,14 @@ class CpuBackend(Backend):
         addr = map_readonly(arena.fd, arena.nbytes)
         return DmaView([DmaRegion(0, addr, arena.nbytes)], "DRAM", release=lambda: unmap(addr, arena.nbytes))
 
+    def dma_files(self, arena: Arena) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, int]]] | None:
+        assert isinstance(arena, MemfdArena)
+        if arena.files is not None:
+            return [(f.fd, f.size) for f in arena.files], [(f, fo, ao, n) for f, fo, ao, n in SEGMENT.iter_unpack(arena.segments)]
+        if arena.fd < 0:
+            return None
+        return [(arena.fd, arena.nbytes)], [(0, 0, 0, arena.nbytes)]
+
     def dma_target(self, arena: Arena) -> DmaView | None:
         assert isinstance(arena, MemfdArena) and arena.files is None
         # Pages reserved range by range (``prepare``), ahead of the reads: a whole 1 GiB

@@ -41,6 +41,7 @@ from .auth import Secret
 from .choice import REMEASURE_S, Choice, backoff_s, choose, files_default, files_warm, smoothed
 from .directory import Directory, PeerState, connect
 from .fill import Lent, PeerFill
+from .lend_worker import WorkerGone
 from .server import Lender
 from .staged import CannotLand, StagedFill
 from .transport import TransferFailed, Transport, unavailable
@@ -124,6 +125,11 @@ class Peers:
                         "answered as a peer (tests only; set secret_file)")
         if self.nixl_error is not None:
             log.warning("peers: NIXL cannot start (%s); this daemon neither fills from nor lends to its peers", self.nixl_error)
+        if self.nixl_error is None and self.settings.serve:  # the lend worker's NIXL starts now, not at the first lend
+            try:
+                await asyncio.to_thread(self.lender.worker.start)
+            except WorkerGone as exc:
+                log.warning("peers: %s; host models are not lent until it starts", exc)
         assert self.settings.listen is not None
         host, port = wire.split_host_port(self.settings.listen)
         await self.lender.start(host, port)
@@ -144,6 +150,7 @@ class Peers:
                 "lending_now": self.lender.lent_now, "lends": self.lender.lends, "refused": self.lender.refused,
                 "authenticated": self.secret is not None, "unauthenticated": self.lender.unauthenticated,
                 "over_limit": self.lender.over_limit, "lends_ended_for_room": self.lender.ended_for_room,
+                "lend_worker": self.lender.worker.describe(),
                 "fills": dict(self.filled),
                 # what the choice (choice.py) compares a peer's fill_bytes_per_s with
                 "files_bytes_per_s": {f"{dev} {'warm' if warm else 'cold'}": round(rate)

@@ -38,10 +38,10 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..backends import Backend
+from ..backends import Arena, Backend
 from ..backends.base import StagedRing
 from ..cache import CacheCore, State
 from ..config.peers import RING_SLOTS
@@ -51,6 +51,7 @@ from ..server.logs import PeerEventLog
 from ..server.registry import Model, Registry
 from . import wire
 from .auth import NotAuthenticated, Secret, challenge
+from .lend_worker import LendWorker, LentFiles, WorkerGone
 from .transport import Transport
 
 log = logging.getLogger("weightcache.peers")
@@ -92,6 +93,11 @@ class Lending:
     host: str
     task: asyncio.Task[None]
     active: float  # monotonic time of its lend or its last stage request
+    worker: bool = False  # lent through the lend worker (its death ends the lend)
+    stages: StageCount = field(default_factory=lambda: StageCount())
+
+    def __post_init__(self) -> None:
+        self.stages.lending = self  # each stage request renews ``active``
 
 
 class Lender:
@@ -128,8 +134,16 @@ class Lender:
         # One line per kind of refusal per address and minute at most, then a count
         # (an unconfigured host connecting in a loop wrote ~2,500 lines/s).
         self.events = PeerEventLog(log, burst=3, total=20, window=60.0)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.worker = LendWorker(on_gone=self._on_worker_gone)
+
+    def _on_worker_gone(self, why: str) -> None:  # the worker's watch thread
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
+                self._loop.call_soon_threadsafe(self._worker_gone, why)
 
     async def start(self, host: str, port: int) -> None:
+        self._loop = asyncio.get_running_loop()
         self._server = await asyncio.start_server(self._accept, host or None, port, reuse_address=True, limit=READ_BUFFER)
 
     @property
@@ -149,6 +163,7 @@ class Lender:
                 await asyncio.wait_for(self._server.wait_closed(), 5)
         if self._idle_timer is not None:
             self._idle_timer.cancel()
+        await asyncio.to_thread(self.worker.close)
         self.events.flush()
 
     def end_idle(self, look_again: bool = True) -> int:
@@ -304,62 +319,103 @@ class Lender:
         ring = backend.dma_through_ring
         self.rings_now += ring
         self._by_peer[host] = self._by_peer.get(host, 0) + 1
-        view = reg = pump = None
         task = asyncio.current_task()
         assert task is not None
         lending = self._lending[conn] = Lending(name, host, task, time.monotonic())
-        stages = StageCount(lending=lending)
-        pumping = threading.Event()
         t0 = time.monotonic()
+        try:
+            if backend.dma_through_ring:
+                await self._lend_ring(backend, arena, transport, reader, writer, lending, t0)
+            else:
+                await self._lend_files(backend, arena, reader, writer, lending, t0)
+        finally:
+            self._lending.pop(conn, None)
+            self.core.detach(lease.id, conn)
+            self.lent_now -= 1
+            self.rings_now -= ring
+            self._by_peer[host] -= 1
+            if not self._by_peer[host]:
+                del self._by_peer[host]
+            log.info("lend of %s to peer %s ended after %.2fs%s", name, host, time.monotonic() - t0,
+                     f" ({lending.stages.n} stages, {lending.stages.seconds * 1e3:.1f} ms from request to reply)"
+                     if lending.stages.n else "", extra={"model": name, "peer": host})
+            self._notify_space()
+
+    def _lent(self, lending: Lending) -> None:
+        self.lends += 1
+        model = self.registry.models.get(lending.name)
+        ckpt = model.resident.checkpoint if model is not None else None
+        log.info("lending %s (%d bytes) to peer %s", lending.name, ckpt.data_bytes if ckpt else 0, lending.host,
+                 extra={"model": lending.name, "peer": lending.host})
+
+    async def _lend_files(self, backend: Backend, arena: Arena, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter, lending: Lending, t0: float) -> None:
+        """A host lend, through the lend worker (lend_worker.py, Note [a lend exposes only
+        what is lent]): the daemon's own memory is never registered with NIXL."""
+        files = backend.dma_files(arena)
+        if files is None:
+            await wire.send(writer, wire.reply_error("UNSUPPORTED", "this arena cannot be lent"))
+            return
+        lend_id: int | None = None
+        try:
+            try:
+                lend_id, metadata, regions = await asyncio.to_thread(self.worker.lend, LentFiles(*files))
+            except WorkerGone as exc:
+                await wire.send(writer, wire.reply_error("BUSY", f"cannot lend now: {exc}"))
+                return
+            lending.worker = True
+            await wire.send(writer, {"ok": True, "metadata": metadata, "memory": "DRAM", "device_id": 0,
+                                     "regions": [list(r) for r in regions]})
+            self._lent(lending)
+            with contextlib.suppress(TimeoutError):  # until done, EOF, or the timeout (Note [what a lend holds])
+                await serve_lend(reader, writer, None, t0 + self.timeout_s, lending.stages)
+        finally:
+            if lend_id is not None:  # unmapped in the worker before the lease ends
+                with contextlib.suppress(WorkerGone):
+                    await asyncio.shield(asyncio.to_thread(self.worker.end, lend_id))
+
+    async def _lend_ring(self, backend: Backend, arena: Arena, transport: Transport, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter, lending: Lending, t0: float) -> None:
+        """A GPU lend: the arena is copied into a ring of device memory piece by piece
+        (cuda_staging.py), registered with this daemon's own NIXL agent."""
+        view = reg = pump = None
+        pumping = threading.Event()
         try:
             try:
                 view = await asyncio.to_thread(backend.dma_source, arena, RING_SLOTS, self.slot_bytes)
             except WeightcacheError as exc:  # the ring's device memory refused (cuda_staging.py)
                 await wire.send(writer, wire.reply_error("BUSY", f"cannot lend now: {exc.message}"))
                 return
-            if view is None:
-                await wire.send(writer, wire.reply_error("UNSUPPORTED", f"the {model.device} backend cannot lend its arenas"))
+            if view is None or view.staged is None:
+                await wire.send(writer, wire.reply_error("UNSUPPORTED", f"the {arena.device} backend cannot lend its arenas"))
                 return
             staged = view.staged
-            regions = ([(staged.addr, staged.slots * staged.slot_bytes)] if staged is not None
-                       else [(r.addr, r.nbytes) for r in view.regions if r.nbytes])
-            reg = await asyncio.to_thread(within, view.context, transport.register, regions, view.memory, view.device_id)
+            reg = await asyncio.to_thread(within, view.context, transport.register,
+                                          [(staged.addr, staged.slots * staged.slot_bytes)], view.memory, view.device_id)
             metadata = await asyncio.to_thread(transport.metadata)
             pump = asyncio.ensure_future(asyncio.to_thread(transport.progress, pumping))
-            reply: dict[str, Any] = {"ok": True, "metadata": metadata, "memory": view.memory, "device_id": view.device_id,
-                                     "regions": [[r.arena_offset, r.addr, r.nbytes] for r in view.regions if r.nbytes]}
-            if staged is not None:
-                reply["staged"] = {"addr": staged.addr, "slots": staged.slots, "slot_bytes": staged.slot_bytes}
-            await wire.send(writer, reply)
-            self.lends += 1
-            log.info("lending %s (%d bytes) to peer %s", name, model.resident.checkpoint.data_bytes if model.resident.checkpoint else 0, host,
-                     extra={"model": name, "peer": host})
-            # Until done, EOF, or the timeout (Note [what a lend holds]).
-            with contextlib.suppress(TimeoutError):
-                await serve_lend(reader, writer, staged, t0 + self.timeout_s, stages)
+            await wire.send(writer, {"ok": True, "metadata": metadata, "memory": view.memory, "device_id": view.device_id,
+                                     "regions": [], "staged": {"addr": staged.addr, "slots": staged.slots,
+                                                               "slot_bytes": staged.slot_bytes}})
+            self._lent(lending)
+            with contextlib.suppress(TimeoutError):  # until done, EOF, or the timeout (Note [what a lend holds])
+                await serve_lend(reader, writer, staged, t0 + self.timeout_s, lending.stages)
         finally:
             # Deregistered before the view goes, the view before the lease: see the Note.
-            try:
-                pumping.set()
-                if pump is not None:
-                    await asyncio.shield(pump)
-                if reg is not None:
-                    assert view is not None
-                    await asyncio.shield(asyncio.to_thread(within, view.context, transport.deregister, reg))
-                if view is not None:  # a GPU's ring is freed (cuMemFree may wait for the device): off the loop
-                    await asyncio.shield(asyncio.to_thread(view.release))
-            finally:
-                self._lending.pop(conn, None)
-                self.core.detach(lease.id, conn)
-                self.lent_now -= 1
-                self.rings_now -= ring
-                self._by_peer[host] -= 1
-                if not self._by_peer[host]:
-                    del self._by_peer[host]
-                log.info("lend of %s to peer %s ended after %.2fs%s", name, host, time.monotonic() - t0,
-                         f" ({stages.n} stages, {stages.seconds * 1e3:.1f} ms from request to reply)" if stages.n else "",
-                         extra={"model": name, "peer": host})
-                self._notify_space()
+            pumping.set()
+            if pump is not None:
+                await asyncio.shield(pump)
+            if reg is not None:
+                assert view is not None
+                await asyncio.shield(asyncio.to_thread(within, view.context, transport.deregister, reg))
+            if view is not None:  # a GPU's ring is freed (cuMemFree may wait for the device): off the loop
+                await asyncio.shield(asyncio.to_thread(view.release))
+
+    def _worker_gone(self, why: str) -> None:
+        """The lend worker died (a write into a lent range faults there): its lends are over."""
+        for ln in list(self._lending.values()):
+            if ln.worker and not ln.task.done():
+                ln.task.cancel()
 
 
 @dataclass

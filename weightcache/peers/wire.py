@@ -37,6 +37,7 @@ BUSY, UNSUPPORTED):
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 __all__ = ["PROTOCOL", "PeerError", "check_reply", "encode_frame", "lend_reply_limit", "recv", "reply_error", "send",
@@ -101,12 +102,12 @@ async def recv(reader: asyncio.StreamReader, max_frame: int = MAX_REQUEST_FRAME,
         payload = await reader.readexactly(n)
     except asyncio.IncompleteReadError:
         raise PeerError("connection closed inside a frame") from None
-    limits: dict[str, int] = {"max_array_len": max_array_len, "max_str_len": 4096, "max_bin_len": max_frame,
-                              "max_decoded_bytes": max_frame}
+    decode = functools.partial(decode_payload, max_array_len=max_array_len, max_str_len=4096, max_bin_len=max_frame,
+                               max_decoded_bytes=max_frame)
     try:
         if n <= DECODE_ON_LOOP:
-            return decode_payload(payload, **limits)
-        return await asyncio.to_thread(decode_payload, payload, **limits)
+            return decode(payload)
+        return await asyncio.to_thread(decode, payload)
     except BadRequest as exc:
         raise PeerError(f"malformed frame: {exc.message}") from None
 
