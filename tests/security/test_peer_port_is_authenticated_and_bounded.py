@@ -13,7 +13,10 @@ import hmac
 import os
 import socket
 import struct
+import subprocess
+import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -22,14 +25,17 @@ from typing import Any
 
 import msgpack
 import pytest
+import torch
 
 from weightcache import SyncClient
+from weightcache.loader import fingerprint_files
 from weightcache.peers.auth import ASKER, LENDER, MAGIC, NONCE
 from weightcache.peers.transport import unavailable
 from weightcache.tools.spawn import DaemonProcess, config_text
 from weightcache.tools.synth import write_checkpoint
 
 MIB = 2**20
+ROOT = Path(__file__).resolve().parents[2]
 NIXL = unavailable()
 needs_nixl = pytest.mark.skipif(NIXL is not None, reason=f"NIXL cannot start here (pip install 'weightcache[peers]'): {NIXL}")
 
@@ -52,13 +58,14 @@ class Peer:
     (so that any local process connects from a listed address)."""
 
     def __init__(self, tmp: Path, models: dict[str, Path], budget: str = "64MiB", peers: dict[str, Any] | None = None,
-                 other: int | None = None, key: bytes | None = None) -> None:
+                 other: int | None = None, key: bytes | None = None, model_opts: dict[str, dict[str, Any]] | None = None) -> None:
         self.key = key or os.urandom(32).hex().encode()
         self.keyfile = write_key(tmp / "peer.key", self.key)
         self.port, self.other = free_port(), other or free_port()
         self.sockdir = tempfile.mkdtemp(prefix="wc-", dir="/tmp")
         sock = os.path.join(self.sockdir, "d.sock")
-        text = config_text(sock, {"cpu": budget}, [{"name": n, "path": str(p), "device": "cpu"} for n, p in models.items()],
+        rows = [{"name": n, "path": str(p), "device": "cpu", **(model_opts or {}).get(n, {})} for n, p in models.items()]
+        text = config_text(sock, {"cpu": budget}, rows,
                            {"log_level": "debug", "shutdown_grace_s": 2})
         lines = ["", "[peers]", f'listen = "127.0.0.1:{self.port}"', f'addresses = ["127.0.0.1:{self.other}"]',
                  f'secret_file = "{self.keyfile}"', "refresh_s = 0.3"]
@@ -386,3 +393,159 @@ def test_a_local_load_that_needs_the_room_ends_an_idle_lend(peer_factory: Any, t
             assert next(m for m in c.models() if m["name"] == "b")["state"] == "resident"
         assert read_until_eof(s) == b""  # the lend was ended: its connection closed
     assert p.status()["lends_ended_for_room"] == 1
+
+
+# A peer that writes into what it was lent, over TCP alone (UCX's software RMA: the
+# lender's worker performs the write). It proves the key, asks for a lend, and posts one
+# NIXL WRITE of 4 KiB into the first lent region.
+WRITER = textwrap.dedent('''
+    import hashlib, hmac, json, mmap, os, socket, struct, sys, time
+    import msgpack
+    from weightcache.backends.cpu import _address
+    from weightcache.peers.auth import ASKER, MAGIC, NONCE
+    from weightcache.peers.transport import Transport
+
+    port, key, fp, layout = int(sys.argv[1]), sys.argv[2].encode(), sys.argv[3], sys.argv[4]
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    def exactly(n):
+        out = b""
+        while len(out) < n:
+            got = s.recv(n - len(out))
+            if not got:
+                raise EOFError
+            out += got
+        return out
+    def ask(msg):
+        p = msgpack.packb(msg, use_bin_type=True)
+        s.sendall(struct.pack(">I", len(p)) + p)
+        (n,) = struct.unpack(">I", exactly(4))
+        return msgpack.unpackb(exactly(n), raw=False)
+    ns = exactly(len(MAGIC) + NONCE)[len(MAGIC):]
+    nc = os.urandom(NONCE)
+    s.sendall(nc + hmac.new(key, ASKER + ns + nc, hashlib.sha256).digest())
+    exactly(32)
+    ask({"op": "hello", "protocol": 2, "daemon": "writer"})
+    lent = ask({"op": "lend", "fingerprint": fp, "layout": layout})
+    assert lent["ok"], lent
+    _, addr, n = lent["regions"][0]
+    t = Transport()
+    remote = t._add_remote(lent["metadata"])
+    src = mmap.mmap(-1, 4096)
+    src[:] = b"W" * 4096
+    reg = t.register([(_address(src), 4096)], "DRAM")
+    local = t.agent.get_xfer_descs([(_address(src), 4096, 0)], "DRAM")
+    far = t.agent.get_xfer_descs([(addr, 4096, 0)], "DRAM")
+    h = t.agent.initialize_xfer("WRITE", local, far, remote)
+    state = t.agent.transfer(h)
+    end = time.monotonic() + 20
+    while state not in ("DONE", "ERR") and time.monotonic() < end:
+        time.sleep(0.01)
+        state = t.agent.check_xfer_state(h)
+    print("RESULT " + json.dumps({"write": state}), flush=True)
+    os._exit(0)
+''')
+
+
+@needs_nixl
+def test_a_write_into_a_lend_never_reaches_the_daemon(peer_factory: Any, tmp_path: Path) -> None:
+    """One NIXL WRITE into a lent (read-only) region killed the lender daemon (SIGSEGV in
+    UCX's software RMA over TCP), 3 of 3. Lends now come from the lend worker, whose
+    mapping is read-only: the write faults there or is refused; the daemon serves on,
+    its model's bytes unchanged, and lends again."""
+    path = tiny(tmp_path, 1 * MIB)
+    p = peer_factory(models={"m": path})
+    with SyncClient(p.socket) as c:
+        c.load("m")
+    ask = offered(p)
+    env = {k: v for k, v in os.environ.items() if k != "UCX_TLS"}
+    env["UCX_TLS"] = "tcp"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", WRITER, str(p.port), p.key.decode(), ask["fingerprint"], ask["layout"]],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert "RESULT" in r.stdout or r.returncode != 0, (r.stdout[-2000:], r.stderr[-2000:])
+    assert p.daemon.proc is not None and p.daemon.proc.poll() is None, p.log_text()[-3000:]  # the daemon lives
+    died = p.status()["lend_worker"]
+    assert died["deaths"] >= 1 or '"write": "ERR"' in r.stdout, (died, r.stdout[-2000:])  # the write faulted in the worker
+    with SyncClient(p.socket) as c, c.attach("m") as m:  # its bytes are the file's
+        from safetensors.torch import load_file
+
+        want = load_file(str(path))
+        for k, v in want.items():
+            assert m[k].reshape(-1).view(torch.uint8).equal(v.reshape(-1).view(torch.uint8)), k
+    deadline = time.monotonic() + 30
+    while True:  # lends again (a worker that died is started again within 5 s)
+        with dial(p.port) as s:
+            prove(s, p.key)
+            hello(s)
+            reply = request(s, {"op": "lend", **ask})
+            if reply["ok"]:
+                s.sendall(frame({"op": "done"}))
+                break
+        assert time.monotonic() < deadline, reply
+        time.sleep(0.5)
+    worker = p.status()["lend_worker"]
+    assert worker["pid"] is not None and worker["pid"] != p.daemon.proc.pid, worker
+
+
+@needs_nixl
+def test_a_lend_maps_nothing_of_the_daemon_but_the_lent_model(peer_factory: Any, tmp_path: Path) -> None:
+    """NIXL checks a read's range only in the reader's library; over TCP the lender's UCX
+    worker served any address of the daemon (8 KB of a root-only model were read). The
+    process that serves a lend now maps the lent model's files and nothing of the others."""
+    lent, other = tiny(tmp_path, 1 * MIB, seed=3), tiny(tmp_path, 1 * MIB, seed=4)
+    p = peer_factory(models={"open": lent, "other": other})
+    with SyncClient(p.socket) as c:
+        c.load("open")
+        c.load("other")
+    with dial(p.port) as s:
+        prove(s, p.key)
+        hello(s)
+        models = request(s, {"op": "inventory"})["models"]
+    fp_open = next(m for m in models if m["nbytes"] and m["fingerprint"] == fingerprint_files(lent))
+    with dial(p.port) as s:
+        prove(s, p.key)
+        hello(s)
+        reply = request(s, {"op": "lend", "fingerprint": fp_open["fingerprint"], "layout": fp_open["layout"]})
+        assert reply["ok"] is True, reply
+        worker = p.status()["lend_worker"]["pid"]
+        assert p.daemon.proc is not None and worker not in (None, p.daemon.proc.pid)
+        maps = Path(f"/proc/{worker}/maps").read_text()
+        spans = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in maps.splitlines()]
+        for _, addr, n in reply["regions"]:  # every lent byte is the worker's, in a read-only mapping
+            line = next(x for x, (lo, hi) in zip(maps.splitlines(), spans, strict=True) if lo <= addr and addr + n <= hi)
+            assert line.split()[1].startswith("r-"), line
+        assert (str(other) not in maps and str(lent) in maps) or "memfd" in maps, maps[-3000:]
+        s.sendall(frame({"op": "done"}))
+
+
+@needs_nixl
+def test_held_only_open_models_are_listed_or_lent_and_a_fifth_lend_at_once_is_busy(peer_factory: Any, tmp_path: Path) -> None:
+    """Kept from before the key: a model restricted to some uids is neither listed nor lent
+    (UNKNOWN_MODEL even with its fingerprint), and one address holds 4 lends at once."""
+    from weightcache.peers.server import LENDS_PER_PEER
+
+    p = peer_factory(models={"open": tiny(tmp_path, seed=5), "restricted": tiny(tmp_path, seed=6)},
+                     model_opts={"restricted": {"allowed_uids": [0]}})
+    with SyncClient(p.socket) as c:
+        c.load("open")
+        c.load("restricted")
+        hidden = next(m for m in c.models() if m["name"] == "restricted")["fingerprint"]
+    ask = offered(p)  # the one model listed: the open one
+    with dial(p.port) as s:
+        prove(s, p.key)
+        hello(s)
+        reply = request(s, {"op": "lend", "fingerprint": hidden, "layout": ask["layout"]})  # same shapes, same layout
+        assert reply["ok"] is False and reply["error"]["code"] == "UNKNOWN_MODEL", reply
+    held = []
+    try:
+        for i in range(LENDS_PER_PEER + 1):
+            s = dial(p.port)
+            held.append(s)
+            prove(s, p.key)
+            hello(s)
+            reply = request(s, {"op": "lend", **ask})
+            assert reply["ok"] is (i < LENDS_PER_PEER), (i, reply)
+        assert reply["error"]["code"] == "BUSY", reply
+    finally:
+        for s in held:
+            s.close()
