@@ -13,7 +13,10 @@ in a loop, first alone for --seconds, then beside each flood in turn for --secon
 - ``partial``:     48 connections, each proving the key and sending 16 MiB - 1 bytes;
 - ``unconfigured``: connects from 127.0.0.2 (not a listed peer) in a loop;
 - ``inventory``:   the listed peer proves the key and answers every ``inventory`` with a
-  15 MiB frame of nested empty arrays (the asking side's decode).
+  15 MiB frame of nested empty arrays (the asking side's decode);
+- ``<kind>-sink``: the same flood against a listener of this script that does what the
+  peer port does with each connection: what the flooding processes themselves cost the
+  victim on this machine (on 2 cores, most of it).
 
 Prints (and with --out writes) a JSON summary: per phase the attach p50/p99 and their
 ratio to the alone phase, and the daemon's RSS before the floods and after each.
@@ -76,9 +79,14 @@ def prove(s: socket.socket, key: bytes) -> None:
     recv_exactly(s, 32)
 
 
-def flooder(kind: str, port: int, key: bytes, until: float, conns: int) -> None:
+def flooder(phase: str, port: int, key: bytes, start: float, until: float, conns: int, out: Any) -> None:
+    kind = phase.removesuffix("-sink")
+    while time.monotonic() < start:  # started before the victim's first phase: no start-up in a flood's figures
+        time.sleep(0.01)
     socks: list[socket.socket] = []
+    made = errors = 0
     while time.monotonic() < until:
+        made += 1
         try:
             s = socket.socket()
             s.settimeout(5)
@@ -101,14 +109,41 @@ def flooder(kind: str, port: int, key: bytes, until: float, conns: int) -> None:
             s.sendall(frame(NESTED))
             s.close()
         except (OSError, EOFError):
+            errors += 1
             with contextlib.suppress(OSError):
                 s.close()
     for x in socks:
         x.close()
+    out.put((phase, made, errors))
 
 
-def fake_lender(port: int, key: bytes, until: float) -> None:
+def sink(port: int, until: float) -> None:
+    """A control: a listener that does what the peer port does with each flood connection
+    (the challenge, 64 bytes read, a proof, a frame header read, closed), so that the same
+    flood against it shows what the flood's own processes cost the victim."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", port))
+    srv.listen(64)
+    srv.settimeout(0.5)
+    while time.monotonic() < until:
+        try:
+            c, _ = srv.accept()
+        except TimeoutError:
+            continue
+        with c, contextlib.suppress(OSError, EOFError):
+            c.settimeout(5)
+            c.sendall(MAGIC + os.urandom(NONCE))
+            recv_exactly(c, NONCE + 32)
+            c.sendall(bytes(32))
+            recv_exactly(c, 4)
+    srv.close()
+
+
+def fake_lender(port: int, key: bytes, start: float, until: float) -> None:
     """The listed peer: proves the key, answers hello, and every inventory with 15 MiB."""
+    while time.monotonic() < start:
+        time.sleep(0.01)
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(("127.0.0.1", port))
@@ -163,6 +198,13 @@ def rss(pid: int) -> int:
     return 0
 
 
+def cpu_s(pid: int) -> float:
+    """The process's user + system CPU seconds so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
@@ -172,9 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--settle", type=float, default=3.0)
-    ap.add_argument("--floods", default="hello-nokey,hello-key,partial,unconfigured,inventory")
+    ap.add_argument("--startup", type=float, default=2.0, help="seconds for the processes to start before the first phase")
+    ap.add_argument("--floods", default="hello-nokey,hello-nokey-sink,hello-key,hello-key-sink,partial,partial-sink,"
+                                        "unconfigured,inventory", help="a kind ending in -sink floods a control listener")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+
     kinds = [k for k in args.floods.split(",") if k]
     tmp = Path(tempfile.mkdtemp(prefix="peer-flood-"))
     key = os.urandom(32).hex().encode()
@@ -196,36 +241,50 @@ def main(argv: list[str] | None = None) -> int:
 
         with SyncClient(sock) as c:
             c.load("tiny")
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("fork")  # at once: a spawned child imports for seconds on 2 cores
         q = ctx.Queue()
-        t0 = time.monotonic() + 1.0
+        fq = ctx.Queue()
+        t0 = time.monotonic() + args.startup
         phases, at = [], t0
         for name in ["alone", *kinds]:
             phases.append((name, at, at + args.seconds))
             at += args.seconds + args.settle
-        v = ctx.Process(target=victim, args=(sock, phases, q))
-        v.start()
-        rss_after: dict[str, int] = {}
-        while time.monotonic() < t0 + args.seconds:
-            time.sleep(0.05)
-        rss_after["alone"] = rss(d.proc.pid)
+        procs = []  # every flood's processes, started now, each waiting for its phase
         for name, start, end in phases[1:]:
+            if name == "inventory":
+                procs.append(ctx.Process(target=fake_lender, args=(fake, key, start, end)))
+                continue
+            to = port
+            if name.endswith("-sink"):
+                to = free_port()  # one per flood: a listener of its own
+                procs.append(ctx.Process(target=sink, args=(to, end)))
+            n = 1 if name == "unconfigured" else 4
+            procs += [ctx.Process(target=flooder, args=(name, to, key, start, end, 12, fq)) for _ in range(n)]
+        flooders = sum(1 for p in procs if p._target is flooder)  # type: ignore[attr-defined]
+        procs.append(ctx.Process(target=victim, args=(sock, phases, q)))
+        for p in procs:
+            p.start()
+        rss_after: dict[str, int] = {}
+        cpu: dict[str, float] = {}
+        for name, start, end in phases:
             while time.monotonic() < start:
                 time.sleep(0.01)
-            if name == "inventory":
-                procs = [ctx.Process(target=fake_lender, args=(fake, key, end))]
-            else:
-                n = 4 if name.startswith("hello") else 1 if name == "unconfigured" else 4
-                procs = [ctx.Process(target=flooder, args=(name, port, key, end, 12)) for _ in range(n)]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join()
-            while time.monotonic() < end + args.settle - 0.2:
+            c0 = cpu_s(d.proc.pid)
+            while time.monotonic() < end:
+                time.sleep(0.05)
+            cpu[name] = cpu_s(d.proc.pid) - c0
+            while time.monotonic() < end + (args.settle - 0.2 if name != "alone" else 0):
                 time.sleep(0.05)
             rss_after[name] = rss(d.proc.pid)
+        made: dict[str, list[int]] = {}
+        for _ in range(flooders):
+            kind, n_made, n_err = fq.get(timeout=60)
+            made.setdefault(kind, [0, 0])
+            made[kind][0] += n_made
+            made[kind][1] += n_err
         res = q.get(timeout=60)
-        v.join()
+        for p in procs:
+            p.join()
         lat = res["latency"]
         alone99 = pct(lat["alone"], 0.99)
         summary: dict[str, Any] = {"seconds": args.seconds, "failures": res["failures"], "phases": {}}
@@ -234,10 +293,12 @@ def main(argv: list[str] | None = None) -> int:
             summary["phases"][name] = {"n": len(xs), "p50_ms": round(pct(xs, 0.5) * 1e3, 3),
                                        "p99_ms": round(pct(xs, 0.99) * 1e3, 3),
                                        "p99_ratio": round(pct(xs, 0.99) / alone99, 2) if alone99 else None,
-                                       "rss_mib_after": round(rss_after[name] / MIB, 1)}
+                                       "rss_mib_after": round(rss_after[name] / MIB, 1),
+                                       "daemon_cpu_s": round(cpu[name], 2)}
         with SyncClient(sock) as c:
             st = c.status()["peers"]
-        summary["peer_port"] = {k: st[k] for k in ("refused", "unauthenticated", "over_limit")}
+        summary["peer_port"] = {k: st[k] for k in ("refused", "unauthenticated", "over_limit", "cut_off")}
+        summary["flood_connections"] = {k: {"made": v[0], "closed_or_failed": v[1]} for k, v in made.items()}
         summary["peer_errors"] = [p["error"] for p in st["peers"]]
         log = (tmp / "d.log").read_text(errors="replace")
         summary["log_lines"] = len(log.splitlines())

@@ -276,6 +276,25 @@ def test_connections_per_address_are_capped_and_given_back(peer_factory: Any, tm
     assert p.status()["over_limit"] >= 1
 
 
+def test_an_address_that_keeps_failing_the_handshake_is_cut_off(peer_factory: Any, tmp_path: Path) -> None:
+    """Each wrong proof cost the daemon an accept, a challenge and a read: after STRIKES of
+    them an address is closed unread, as an unconfigured one is."""
+    from weightcache.peers.server import STRIKES
+
+    p = peer_factory(models={"m": tiny(tmp_path)})
+    for _ in range(STRIKES):
+        with dial(p.port) as s:
+            head = recv_exactly(s, len(MAGIC) + NONCE)
+            nc = os.urandom(NONCE)
+            s.sendall(nc + mac(b"not the key", ASKER, head[len(MAGIC):], nc))
+            assert read_until_eof(s) == b""
+    with dial(p.port) as s:  # closed before the challenge: nothing of this connection is read
+        assert read_until_eof(s) == b""
+    st = p.status()
+    assert st["cut_off"] == 1 and st["unauthenticated"] == STRIKES, st
+    assert "failed the handshake or broke the protocol" in p.log_text()
+
+
 def test_an_unconfigured_host_connecting_in_a_loop_writes_a_bounded_log(peer_factory: Any, tmp_path: Path) -> None:
     """127.0.0.2 is not a configured peer: each connect is closed unread; one warning per
     connect wrote ~2,500 lines/s."""

@@ -149,7 +149,7 @@ class Peers:
                 "peers": [p.describe() for p in self.directory.peers.values()],
                 "lending_now": self.lender.lent_now, "lends": self.lender.lends, "refused": self.lender.refused,
                 "authenticated": self.secret is not None, "unauthenticated": self.lender.unauthenticated,
-                "over_limit": self.lender.over_limit, "lends_ended_for_room": self.lender.ended_for_room,
+                "over_limit": self.lender.over_limit, "cut_off": self.lender.cut_off, "lends_ended_for_room": self.lender.ended_for_room,
                 "lend_worker": self.lender.worker.describe(),
                 "fills": dict(self.filled),
                 # what the choice (choice.py) compares a peer's fill_bytes_per_s with

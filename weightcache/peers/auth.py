@@ -55,7 +55,12 @@ RECHECK_S = 1.0
 
 
 class NotAuthenticated(Exception):
-    """The other side did not prove the shared secret (or broke the handshake)."""
+    """The other side did not prove the shared secret (or broke the handshake). ``strike``:
+    it sent a proof that failed, or part of one, or none in time (not: closed at once)."""
+
+    def __init__(self, message: str, strike: bool = True) -> None:
+        super().__init__(message)
+        self.strike = strike
 
 
 def read_keys(path: str) -> tuple[bytes, ...]:
@@ -152,7 +157,8 @@ async def challenge(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
             await writer.drain()
             proof = await reader.readexactly(NONCE + MAC)
     except (asyncio.IncompleteReadError, TimeoutError, OSError) as exc:
-        raise NotAuthenticated(f"no proof of the shared secret ({type(exc).__name__})") from None
+        silent = isinstance(exc, asyncio.IncompleteReadError) and not exc.partial
+        raise NotAuthenticated(f"no proof of the shared secret ({type(exc).__name__})", strike=not silent) from None
     keys = secret.keys()
     nc, mac = proof[:NONCE], proof[NONCE:]
     if not _matches(keys, ASKER, ns, nc, mac):
