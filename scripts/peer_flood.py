@@ -48,6 +48,9 @@ from weightcache.tools.spawn import DaemonProcess, config_text
 from weightcache.tools.synth import write_checkpoint
 
 MIB = 2**20
+# Each flood from an address of its own (all but 127.0.0.2 listed as peers), so that one
+# flood's strikes (peers/server.py, Note [peer strikes]) do not cut off the next.
+SOURCES = {"hello-nokey": "127.0.0.3", "hello-key": "127.0.0.4", "partial": "127.0.0.5", "unconfigured": "127.0.0.2"}
 BIG = 15 * MIB
 NESTED = b"\x81\xa2op\xdd" + struct.pack(">I", BIG - 8) + b"\x90" * (BIG - 8)  # {"op": [[], [], ...]}: 15 MiB
 
@@ -90,7 +93,7 @@ def flooder(phase: str, port: int, key: bytes, start: float, until: float, conns
         try:
             s = socket.socket()
             s.settimeout(5)
-            s.bind(("127.0.0.2" if kind == "unconfigured" else "127.0.0.1", 0))
+            s.bind((SOURCES[kind], 0))
             s.connect(("127.0.0.1", port))
             if kind == "unconfigured":
                 s.close()
@@ -232,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = tmp / "d.toml"
     cfg.write_text(config_text(sock, {"cpu": "256MiB"}, [{"name": "tiny", "path": str(model), "device": "cpu", "preload": True}],
                                {"log_level": "info"})
-                   + f'\n[peers]\nlisten = "127.0.0.1:{port}"\naddresses = ["127.0.0.1:{fake}"]\nsecret_file = "{keyfile}"\n'
+                   + f'\n[peers]\nlisten = "127.0.0.1:{port}"\nsecret_file = "{keyfile}"\n'
+                   + f'addresses = ["127.0.0.1:{fake}", "127.0.0.3:1", "127.0.0.4:1", "127.0.0.5:1"]\n'
                    + "refresh_s = 0.3\n")
     d = DaemonProcess(cfg, sock, tmp / "d.log").start()
     assert d.proc is not None

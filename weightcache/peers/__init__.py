@@ -99,7 +99,7 @@ class Peers:
         self._shutting_down = shutting_down
         self.lender = Lender(daemon_id=self.daemon_id, core=core, registry=registry, backends=backends,
                              transport=lambda: self.transport, allowed=self.directory.allowed, notify_space=notify_space,
-                             secret=self.secret,
+                             secret=self.secret, known=self.directory.known,
                              timeout_s=settings.timeout_s, serve=settings.serve, slot_bytes=settings.slot_bytes)
         self._refresh: asyncio.Task[None] | None = None
         # Outcomes of loads a peer offered: "ok", "failed", and "files faster" (not tried).

@@ -139,6 +139,13 @@ class Directory:
             self._resolved_at = time.monotonic()
         return out
 
+    def known(self, host: str) -> bool | None:
+        """Whether ``host`` is a configured peer, as far as the last resolution (under a
+        second old for a no) tells without resolving again; None: ask ``allowed``."""
+        if any(same_host(host, h) for h in self._hosts):
+            return True
+        return False if time.monotonic() - self._resolved_at < 1.0 else None
+
     async def allowed(self, host: str) -> bool:
         """Whether a connection from ``host`` comes from a configured peer (resolved again,
         at most once a second, when it is not among the last answer: a pod just started)."""

@@ -106,7 +106,7 @@ class Lender:
     def __init__(self, *, daemon_id: str, core: CacheCore, registry: Registry, backends: dict[str, Backend],
                  transport: Callable[[], Transport | None], allowed: Callable[[str], Awaitable[bool]],
                  notify_space: Callable[[], None], timeout_s: float, serve: bool, slot_bytes: int,
-                 secret: Secret | None = None) -> None:
+                 secret: Secret | None = None, known: Callable[[str], bool | None] | None = None) -> None:
         self.daemon_id = daemon_id
         self.core = core
         self.registry = registry
@@ -126,6 +126,7 @@ class Lender:
         self.refused = 0  # connections from addresses that are not configured peers
         self._by_peer: dict[str, int] = {}  # peer host -> lends it holds now
         self.secret = secret
+        self._known = known  # the directory's word without a lookup: a peer, not one, or None (ask ``allowed``)
         self.unauthenticated = 0  # connections closed for not proving the key (auth.py)
         self.over_limit = 0  # connections closed for CONNECTIONS_PER_ADDRESS / CONNECTIONS
         self.ended_for_room = 0  # lends ended by end_idle
@@ -148,7 +149,12 @@ class Lender:
 
     async def start(self, host: str, port: int) -> None:
         self._loop = asyncio.get_running_loop()
-        self._server = await asyncio.start_server(self._accept, host or None, port, reuse_address=True, limit=READ_BUFFER)
+        loop = self._loop
+
+        def factory() -> asyncio.StreamReaderProtocol:
+            return _PeerProtocol(self, asyncio.StreamReader(limit=READ_BUFFER, loop=loop), self._accept, loop=loop)
+
+        self._server = await loop.create_server(factory, host or None, port, reuse_address=True)
 
     @property
     def port(self) -> int | None:
@@ -238,6 +244,29 @@ class Lender:
         return None
 
     # -- one peer connection ------------------------------------------------------------
+    def _refuse(self, host: str) -> None:
+        self.refused += 1
+        self.events.log(logging.WARNING, "peer refused", host, "peer port: refused a connection from %s, which is "
+                        "not a configured peer", host, extra={"peer": host})
+
+    def _cut(self, host: str) -> None:
+        self.cut_off += 1
+        self.events.log(logging.WARNING, "peer cut off", host, "peer port: closed a connection from %s unread: it "
+                        "failed the handshake or broke the protocol %d times in %.0f s", host, STRIKES,
+                        STRIKE_WINDOW_S, extra={"peer": host})
+
+    def refuse_at_once(self, host: str) -> bool:
+        """Whether a connection from ``host`` is closed as it is accepted, before a stream or
+        a task is made for it: an address cut off for its strikes, or one the directory
+        knows is not a peer (``known``). A flood of those costs an accept and a close."""
+        if self._struck_out(host):
+            self._cut(host)
+            return True
+        if self._known is not None and self._known(host) is False:
+            self._refuse(host)
+            return True
+        return False
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
@@ -247,15 +276,10 @@ class Lender:
         counted = False
         try:
             if not await self._allowed(host):
-                self.refused += 1
-                self.events.log(logging.WARNING, "peer refused", host, "peer port: refused a connection from %s, which is "
-                                "not a configured peer", host, extra={"peer": host})
+                self._refuse(host)
                 return
             if self._struck_out(host):
-                self.cut_off += 1
-                self.events.log(logging.WARNING, "peer cut off", host, "peer port: closed a connection from %s unread: it "
-                                "failed the handshake or broke the protocol %d times in %.0f s", host, STRIKES,
-                                STRIKE_WINDOW_S, extra={"peer": host})
+                self._cut(host)
                 return
             if self._open.get(host, 0) >= CONNECTIONS_PER_ADDRESS or sum(self._open.values()) >= CONNECTIONS:
                 self.over_limit += 1
@@ -453,6 +477,25 @@ class Lender:
         for ln in list(self._lending.values()):
             if ln.worker and not ln.task.done():
                 ln.task.cancel()
+
+
+class _PeerProtocol(asyncio.StreamReaderProtocol):
+    """asyncio.start_server's protocol, but a connection the lender refuses at once
+    (``Lender.refuse_at_once``) is aborted before its stream and task are made."""
+
+    def __init__(self, lender: Lender, reader: asyncio.StreamReader, cb: Any, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(reader, cb, loop=loop)
+        self._lender = lender
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        if self._lender.refuse_at_once(str(peer[0]) if peer else "?"):
+            if isinstance(transport, asyncio.Transport):
+                transport.abort()
+            else:
+                transport.close()
+            return
+        super().connection_made(transport)
 
 
 @dataclass
