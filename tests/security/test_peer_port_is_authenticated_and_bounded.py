@@ -378,6 +378,7 @@ def test_a_peer_cannot_renew_lends_to_pin_a_model(peer_factory: Any, tmp_path: P
                 assert request_reply(s)["ok"] is True
             else:
                 assert reply["ok"] is False and reply["error"]["code"] == "BUSY", reply
+                assert f"{LENDS_PER_MODEL} times in the last" in reply["error"]["message"], reply
 
 
 def offered(p: Peer) -> dict[str, str]:
