@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import json
 import os
 import socket
 import struct
@@ -569,3 +570,53 @@ def test_held_only_open_models_are_listed_or_lent_and_a_fifth_lend_at_once_is_bu
     finally:
         for s in held:
             s.close()
+
+
+# The issue's read: lend the open model, patch the 16 bytes of NIXL metadata that say
+# where the registration starts and how long it is, so that NIXL's own check (in the
+# reader's library) passes for another address, and read it over TCP alone.
+PATCHED_READER = WRITER.split("t = Transport()")[0] + textwrap.dedent('''
+    from weightcache.peers.transport import Extent
+    target = int(sys.argv[5])
+    md = bytearray(lent["metadata"])
+    at = md.find(struct.pack("<Q", addr) + struct.pack("<Q", n))
+    assert at >= 0, "the registration is not in the metadata"
+    md[at:at + 16] = struct.pack("<Q", target) + struct.pack("<Q", 4096)
+    t = Transport()
+    dst = mmap.mmap(-1, 4096)
+    try:
+        t.read(bytes(md), [Extent(_address(dst), target, 4096)], "DRAM", 0, "DRAM", 0, window=1,
+               on_done=lambda d, k: None, stop=lambda: None, deadline=time.monotonic() + 20, stall_s=5)
+        got = "bytes " + bytes(dst[:4096]).hex()
+    except Exception as exc:
+        got = "refused: " + str(exc)[:200]
+    print("RESULT " + json.dumps({"read": got}), flush=True)
+    os._exit(0)
+''')
+
+
+@needs_nixl
+def test_patched_metadata_reads_nothing_of_the_daemon(peer_factory: Any, tmp_path: Path) -> None:
+    """8,112 bytes of a root-only model were read from the daemon this way. The lend now
+    comes from the lend worker: the address the daemon maps the other model at holds
+    none of its bytes there (or nothing: the worker faults, and is started again)."""
+    lent, other = tiny(tmp_path, 1 * MIB, seed=7), tiny(tmp_path, 1 * MIB, seed=8)
+    other.chmod(0o600)
+    p = peer_factory(models={"open": lent, "other": other}, model_opts={"other": {"allowed_uids": [0]}})
+    with SyncClient(p.socket) as c:
+        c.load("open")
+        c.load("other")
+    assert p.daemon.proc is not None
+    maps = Path(f"/proc/{p.daemon.proc.pid}/maps").read_text().splitlines()
+    target = next(int(x.split("-")[0], 16) for x in maps if x.endswith(str(other)))  # the daemon's view of the other file
+    ask = offered(p)
+    env = {k: v for k, v in os.environ.items() if k != "UCX_TLS"}
+    env["UCX_TLS"] = "tcp"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", PATCHED_READER, str(p.port), p.key.decode(), ask["fingerprint"], ask["layout"],
+                        str(target)], env=env, capture_output=True, text=True, timeout=120)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, (r.stdout[-2000:], r.stderr[-2000:])
+    got = json.loads(line[7:])["read"]
+    assert got != "bytes " + other.read_bytes()[:4096].hex(), "the other model's bytes were read from the daemon"
+    assert p.daemon.proc.poll() is None, p.log_text()[-3000:]
