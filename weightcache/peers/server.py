@@ -95,6 +95,7 @@ class Lending:
     host: str
     task: asyncio.Task[None]
     active: float  # monotonic time of its lend or its last stage request
+    fingerprint: str = ""  # what was asked for: its window's key with ``host``
     worker: bool = False  # lent through the lend worker (its death ends the lend)
     stages: StageCount = field(default_factory=lambda: StageCount())
 
@@ -358,14 +359,13 @@ class Lender:
             return
         now = time.monotonic()
         window = LEND_WINDOW_TIMEOUTS * self.timeout_s
-        times = self._lent_at.setdefault((host, fingerprint), deque())
+        times = self._lent_at.get((host, fingerprint), deque())
         while times and now - times[0] > window:
             times.popleft()
         if len(times) >= LENDS_PER_MODEL:
             await wire.send(writer, wire.reply_error("BUSY", f"this peer was lent this model {LENDS_PER_MODEL} times in the "
                                                              f"last {window:.0f} s; load it from the files"))
             return
-        times.append(now)
         for key in [k for k, v in self._lent_at.items() if not v or now - v[-1] > window]:
             del self._lent_at[key]
         model = self.registry.models[name]
@@ -382,7 +382,7 @@ class Lender:
         self._by_peer[host] = self._by_peer.get(host, 0) + 1
         task = asyncio.current_task()
         assert task is not None
-        lending = self._lending[conn] = Lending(name, host, task, time.monotonic())
+        lending = self._lending[conn] = Lending(name, host, task, time.monotonic(), fingerprint)
         t0 = time.monotonic()
         try:
             if backend.dma_through_ring:
@@ -403,7 +403,9 @@ class Lender:
             self._notify_space()
 
     def _lent(self, lending: Lending) -> None:
+        """A lend was made (counted in its window only then: a refused one pins nothing)."""
         self.lends += 1
+        self._lent_at.setdefault((lending.host, lending.fingerprint), deque()).append(time.monotonic())
         model = self.registry.models.get(lending.name)
         ckpt = model.resident.checkpoint if model is not None else None
         log.info("lending %s (%d bytes) to peer %s", lending.name, ckpt.data_bytes if ckpt else 0, lending.host,
