@@ -307,7 +307,12 @@ def start(tmp: Path, i: int, model: Path, ports: list[int], fp: str | None, devi
     sock = str(tmp / f"d{i}.sock")
     budget = f"{max(6, 2 * model.stat().st_size // 2**30 + 2)}GiB"  # the model, and room for a second copy in flight
     text = config_text(sock, {device: budget}, [{"name": "m", "path": str(model), "device": device}], {"log_level": "info"})
+    key = tmp / "peer.key"  # both daemons prove the same key (peers/auth.py)
+    if not key.exists():
+        key.write_bytes(os.urandom(32).hex().encode() + b"\n")
+        key.chmod(0o600)
     text += (f'\n[peers]\nlisten = "127.0.0.1:{ports[i]}"\naddresses = ["127.0.0.1:{ports[1 - i]}"]\nrefresh_s = 0.2\n'
+             f'secret_file = "{key}"\n'
              + (f'fingerprints = {{ m = "{fp}" }}\n' if fp else "")
              + (f'gpu_ring_bytes = "{ring}"\n' if ring else "")
              + 'prefer = "peers"\n')  # every round's fill from the peer: what is measured here, whatever is faster

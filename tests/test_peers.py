@@ -46,6 +46,7 @@ class Pair:
         self.tmp, self.sockdir = tmp, sockdir
         self.ports = [free_port(), free_port()]
         self.procs: list[DaemonProcess] = []
+        self.secret = write_secret(tmp / "peer-secret")
 
     def start(self, i: int, models: dict[str, Path], peers: dict[str, Any] | None = None,
               budget: str = "1GiB", device: str = "cpu") -> DaemonProcess:
@@ -54,7 +55,8 @@ class Pair:
         text = config_text(sock, {device: budget}, [{"name": n, "path": str(p), "device": device} for n, p in models.items()],
                            {"log_level": "debug", "shutdown_grace_s": 2})
         other = self.ports[1 - i]
-        lines = ["", "[peers]", f'listen = "127.0.0.1:{self.ports[i]}"', f'addresses = ["127.0.0.1:{other}"]', "refresh_s = 0.3"]
+        lines = ["", "[peers]", f'listen = "127.0.0.1:{self.ports[i]}"', f'addresses = ["127.0.0.1:{other}"]', "refresh_s = 0.3",
+                 f'secret_file = "{self.secret}"']
         for k, v in (peers or {}).items():
             lines.append(f"{k} = {v}")
         cfg.write_text(text + "\n".join(lines) + "\n")
@@ -64,6 +66,14 @@ class Pair:
 
     def log(self, i: int) -> str:
         return (self.tmp / f"peer{i}.log").read_text(errors="replace")
+
+
+def write_secret(path: Path, *keys: bytes) -> Path:
+    """A key file as the daemon accepts it (peers/auth.py): owned by this uid, mode 0600."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(b"\n".join(keys or (os.urandom(32).hex().encode(),)) + b"\n")
+    return path
 
 
 @contextlib.contextmanager

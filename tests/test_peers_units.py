@@ -4,6 +4,8 @@ connect, and the Kubernetes example's peer discovery."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import os
 import threading
 import time
@@ -29,13 +31,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_peers_config_parses_and_refuses_what_is_not_host_port() -> None:
     p = PeersConfig(listen="0.0.0.0:7470", addresses=["10.0.0.2:7470"], dns="peers.svc:7470", timeout_s="2m",
-                    max_fill_bytes_per_s="1GiB", fingerprints={"m": "ab"})
+                    max_fill_bytes_per_s="1GiB", fingerprints={"m": "ab"}, secret_file="/run/secrets/peers")
     assert p.timeout_s == 120 and p.max_fill_bytes_per_s == 2**30 and p.addresses == ("10.0.0.2:7470",)
     assert p.prefer == "faster" and PeersConfig(prefer="peers").prefer == "peers"
     assert PeersConfig().slot_bytes == 64 * 2**20 and PeersConfig(gpu_ring_bytes="2GiB").slot_bytes == 256 * 2**20
     assert PeersConfig(gpu_ring_bytes="100MiB").slot_bytes == 12 * 2**20  # whole 2 MiB
     for bad in ({"listen": "7470"}, {"addresses": ["host"]}, {"dns": "svc:http"}, {"refresh_s": 0}, {"nope": 1},
-                {"prefer": "fastest"}, {"gpu_ring_bytes": "8MiB"}, {"gpu_ring_bytes": "16GiB"}):
+                {"prefer": "fastest"}, {"gpu_ring_bytes": "8MiB"}, {"gpu_ring_bytes": "16GiB"},
+                {"listen": "127.0.0.1:7470"},  # peers on, no secret: refused (peers/auth.py)
+                {"secret_file": "/k", "insecure_no_secret": True}):
         with pytest.raises(ValidationError):
             PeersConfig(**bad)
     assert Settings().peers.listen is None  # off unless configured
@@ -78,7 +82,7 @@ def test_same_host_sees_through_ipv4_mapped_addresses() -> None:
 
 
 async def test_only_configured_peers_are_allowed() -> None:
-    d = Directory(PeersConfig(listen="127.0.0.1:1", addresses=["127.0.0.1:7470", "localhost:7471"]), "me")
+    d = Directory(PeersConfig(listen="127.0.0.1:1", insecure_no_secret=True, addresses=["127.0.0.1:7470", "localhost:7471"]), "me", None)
     assert await d.allowed("127.0.0.1")
     assert not await d.allowed("10.9.9.9")
 
@@ -118,10 +122,10 @@ def test_a_reload_says_peers_are_read_at_start_only() -> None:
     from weightcache.server.settings_reload import settings_changes
 
     report: dict[str, list[str]] = {"failed": []}
-    old = Settings(peers=PeersConfig(listen="127.0.0.1:7470"))
+    old = Settings(peers=PeersConfig(listen="127.0.0.1:7470", insecure_no_secret=True))
     settings_changes(old, old, report)
     assert report["failed"] == []
-    settings_changes(old, Settings(peers=PeersConfig(listen="127.0.0.1:7471")), report)
+    settings_changes(old, Settings(peers=PeersConfig(listen="127.0.0.1:7471", insecure_no_secret=True)), report)
     assert report["failed"] == ["peers: changed in the file, but read at start only: restart the daemon to apply it"]
 
 
@@ -239,3 +243,74 @@ def test_files_warm_reads_the_page_cache_state(tmp_path: Path) -> None:
             assert files_warm(opened)
     finally:
         os.close(fd)
+
+
+def _keyfile(path: Path, *keys: bytes, mode: int = 0o600) -> str:
+    path.write_bytes(b"\n".join(keys) + b"\n")
+    path.chmod(mode)
+    return str(path)
+
+
+def test_the_key_file_is_refused_with_a_reason(tmp_path: Path) -> None:
+    from weightcache.errors import ConfigError
+    from weightcache.peers.auth import read_keys
+
+    k1, k2 = b"a" * 64, b"b" * 64
+    assert read_keys(_keyfile(tmp_path / "ok", k1, k2)) == (k1, k2)
+    assert read_keys(_keyfile(tmp_path / "group", k1, mode=0o640)) == (k1,)  # a group may read (fsGroup)
+    for name, keys, mode, why in (("others", (k1,), 0o604, "mode 0604"), ("gw", (k1,), 0o620, "mode 0620"),
+                                  ("short", (b"x" * 31,), 0o600, "shorter than 32"), ("empty", (b"",), 0o600, "no key"),
+                                  ("many", (k1,) * 5, 0o600, "holds 5 keys")):
+        with pytest.raises(ConfigError, match=why):
+            read_keys(_keyfile(tmp_path / name, *keys, mode=mode))
+    with pytest.raises(ConfigError, match="cannot be opened"):
+        read_keys(str(tmp_path / "missing"))
+    if os.geteuid() == 0:
+        p = _keyfile(tmp_path / "theirs", k1)
+        os.chown(p, 65534, -1)
+        with pytest.raises(ConfigError, match="owned by uid 65534"):
+            read_keys(p)
+
+
+async def _handshake(asker: tuple[bytes, ...], lender: tuple[bytes, ...], tmp_path: Path) -> str:
+    """Both halves over loopback: "ok", or which side refused."""
+    from weightcache.peers.auth import NotAuthenticated, Secret, challenge, prove
+
+    a = Secret(_keyfile(tmp_path / "asker", *asker))
+    b = Secret(_keyfile(tmp_path / "lender", *lender))
+    got: list[str] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await challenge(reader, writer, b)
+            got.append("ok")
+        except NotAuthenticated:
+            got.append("lender refused")
+        writer.close()
+
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.sockets[0].getsockname()[1])
+    try:
+        await prove(reader, writer, a)
+        mine = "ok"
+    except NotAuthenticated:
+        mine = "asker refused"
+    writer.close()
+    srv.close()
+    await srv.wait_closed()
+    if got and got[0] != "ok":
+        return got[0]
+    return mine
+
+
+async def test_a_rotation_keeps_every_pair_of_daemons_talking(tmp_path: Path) -> None:
+    """The three steps of docs/deployment.md, "The shared key": at every step, daemons on
+    either side of it accept each other; a daemon with the old key alone and one with the
+    new key alone do not."""
+    old, new = b"o" * 64, b"n" * 64
+    steps = [(old,), (old, new), (new, old), (new,)]
+    for before, after in itertools.pairwise(steps):
+        assert await _handshake(before, after, tmp_path) == "ok", (before, after)
+        assert await _handshake(after, before, tmp_path) == "ok", (after, before)
+    assert await _handshake((old,), (new,), tmp_path) == "lender refused"
+    assert await _handshake((new,), (new, old), tmp_path) == "ok"

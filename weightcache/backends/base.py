@@ -313,6 +313,14 @@ class Backend(ABC):
         ``slots`` x ``slot_bytes``."""
         return None
 
+    def dma_files(self, arena: Arena) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, int]]] | None:
+        """The sealed host ``arena`` as files another process can map read-only: each
+        file as (fd, size), owned by the arena (not to be closed), and each region as
+        (file index, offset in the file, arena offset, bytes), in arena order; None
+        where its bytes are not in files (a GPU arena). A lend worker maps them instead
+        of the daemon registering its own memory (peers/lend_worker.py)."""
+        return None
+
     def dma_target(self, arena: Arena) -> DmaView | None:
         """The fresh, unsealed ``arena``'s memory, writable by a transfer engine until
         ``seal``, or None where this backend cannot offer it (the fill then reads the files)."""

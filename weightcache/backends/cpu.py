@@ -97,12 +97,10 @@ from .page_cache import (
     HeldFile,
     PageCacheWriter,
     hold_files,
-    map_readonly,
     mlock_files,
     populate_supported,
     release,
     segments,
-    unmap,
 )
 
 log = logging.getLogger("weightcache.daemon")
@@ -275,16 +273,13 @@ class CpuBackend(Backend):
         fcntl.fcntl(arena.fd, fcntl.F_ADD_SEALS, MEMFD_SEALS)
 
     # -- a neighbour daemon's transfer engine (weightcache/peers/) ----------------------
-    def dma_source(self, arena: Arena, slots: int, slot_bytes: int) -> DmaView | None:
+    def dma_files(self, arena: Arena) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, int]]] | None:
         assert isinstance(arena, MemfdArena)
-        if arena.files is not None:  # a file arena: its bytes are the held files' mappings
-            regions = [DmaRegion(ao, arena.files[f].addr + fo, n) for f, fo, ao, n in SEGMENT.iter_unpack(arena.segments)]
-            return DmaView(regions, "DRAM")
+        if arena.files is not None:
+            return [(f.fd, f.size) for f in arena.files], [(f, fo, ao, n) for f, fo, ao, n in SEGMENT.iter_unpack(arena.segments)]
         if arena.fd < 0:
             return None
-        # Sealed: the daemon's own mapping is gone; a read-only one for the peer's read.
-        addr = map_readonly(arena.fd, arena.nbytes)
-        return DmaView([DmaRegion(0, addr, arena.nbytes)], "DRAM", release=lambda: unmap(addr, arena.nbytes))
+        return [(arena.fd, arena.nbytes)], [(0, 0, 0, arena.nbytes)]
 
     def dma_target(self, arena: Arena) -> DmaView | None:
         assert isinstance(arena, MemfdArena) and arena.files is None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..units import parse_duration, parse_size
 
@@ -16,14 +16,21 @@ RING_SLOTS = 8  # reads in flight through a ring: enough that a stage's round tr
 class PeersConfig(BaseModel):
     """``[peers]``: neighbour daemons a load that misses may be filled from, over NIXL
     (weightcache/peers/, issue 27; docs/deployment.md, "Peers"). Off unless ``listen``
-    is set. Only the peers named here (``addresses``, and what ``dns`` resolves to) are
-    asked and answered."""
+    is set. A peer proves the key in ``secret_file`` before anything else is read
+    (peers/auth.py); then only the peers named here (``addresses``, and what ``dns``
+    resolves to) are asked and answered."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     listen: str | None = Field(default=None, description="host:port of this daemon's peer port (None: no peers)")
     addresses: tuple[str, ...] = Field(default=(), description="host:port of each peer daemon")
     dns: str | None = Field(default=None, description="name:port that resolves to the peers (a headless Service)")
+    # Each non-empty line a key of >= 32 bytes; the first signs, every one is accepted (a
+    # rotation: docs/deployment.md, "Peers"). Owned by the daemon's uid, no access for others.
+    secret_file: str | None = Field(default=None, description="file of the key(s) every peer must prove (peers/auth.py)")
+    # Without a secret, any process that can reach the port from a listed address is a
+    # peer: for tests on one host only, never for a deployment.
+    insecure_no_secret: bool = Field(default=False, description="allow peers without secret_file (tests only: INSECURE)")
     refresh_s: float = Field(default=10.0, gt=0, description="how often each peer is asked what it holds")
     # Model name -> the content fingerprint its files must have (`weightcache models`
     # shows it): what a peer's copy is checked against before it is served. A model whose
@@ -72,6 +79,15 @@ class PeersConfig(BaseModel):
             if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
                 raise ValueError(f"{v!r} is not host:port")
         return v
+
+    @model_validator(mode="after")
+    def _secret(self) -> PeersConfig:
+        if self.listen is not None and self.secret_file is None and not self.insecure_no_secret:
+            raise ValueError("[peers] listen is set but secret_file is not: peers must prove a shared key before they are "
+                             "answered (docs/deployment.md, \"Peers\"); set secret_file")
+        if self.secret_file is not None and self.insecure_no_secret:
+            raise ValueError("[peers] secret_file and insecure_no_secret = true contradict each other: drop insecure_no_secret")
+        return self
 
     @field_validator("addresses")
     @classmethod

@@ -37,9 +37,11 @@ from ..loader.content import FILE_DIGESTS, fingerprint
 from ..server.registry import Model, Registry
 from ..server.residency.fill import OWN_PHASES
 from . import wire
+from .auth import Secret
 from .choice import REMEASURE_S, Choice, backoff_s, choose, files_default, files_warm, smoothed
 from .directory import Directory, PeerState, connect
 from .fill import Lent, PeerFill
+from .lend_worker import WorkerGone
 from .server import Lender
 from .staged import CannotLand, StagedFill
 from .transport import TransferFailed, Transport, unavailable
@@ -89,12 +91,15 @@ class Peers:
                  notify_space: Callable[[], None], shutting_down: Callable[[], bool]) -> None:
         self.settings = settings
         self.daemon_id = f"{socket.gethostname()}/{os.getpid()}/{os.urandom(4).hex()}"
-        self.directory = Directory(settings, self.daemon_id)
+        # A key file that cannot be used is the config's error: the daemon does not start (auth.py).
+        self.secret = Secret(settings.secret_file) if settings.secret_file is not None else None
+        self.directory = Directory(settings, self.daemon_id, self.secret)
         self.transport: Transport | None = None
         self.nixl_error: str | None = None
         self._shutting_down = shutting_down
         self.lender = Lender(daemon_id=self.daemon_id, core=core, registry=registry, backends=backends,
                              transport=lambda: self.transport, allowed=self.directory.allowed, notify_space=notify_space,
+                             secret=self.secret, known=self.directory.known,
                              timeout_s=settings.timeout_s, serve=settings.serve, slot_bytes=settings.slot_bytes)
         self._refresh: asyncio.Task[None] | None = None
         # Outcomes of loads a peer offered: "ok", "failed", and "files faster" (not tried).
@@ -115,8 +120,16 @@ class Peers:
                 self.transport = await asyncio.to_thread(Transport)
             except Exception as exc:
                 self.nixl_error = f"{type(exc).__name__}: {exc}"
+        if self.secret is None:
+            log.warning("peers: [peers] insecure_no_secret = true: ANY process that can connect from a listed address is "
+                        "answered as a peer (tests only; set secret_file)")
         if self.nixl_error is not None:
             log.warning("peers: NIXL cannot start (%s); this daemon neither fills from nor lends to its peers", self.nixl_error)
+        if self.nixl_error is None and self.settings.serve:  # the lend worker's NIXL starts now, not at the first lend
+            try:
+                await asyncio.to_thread(self.lender.worker.start)
+            except WorkerGone as exc:
+                log.warning("peers: %s; host models are not lent until it starts", exc)
         assert self.settings.listen is not None
         host, port = wire.split_host_port(self.settings.listen)
         await self.lender.start(host, port)
@@ -135,6 +148,9 @@ class Peers:
                 "nixl": "ok" if self.transport is not None else self.nixl_error,
                 "peers": [p.describe() for p in self.directory.peers.values()],
                 "lending_now": self.lender.lent_now, "lends": self.lender.lends, "refused": self.lender.refused,
+                "authenticated": self.secret is not None, "unauthenticated": self.lender.unauthenticated,
+                "over_limit": self.lender.over_limit, "cut_off": self.lender.cut_off, "lends_ended_for_room": self.lender.ended_for_room,
+                "lend_worker": self.lender.worker.describe(),
                 "fills": dict(self.filled),
                 # what the choice (choice.py) compares a peer's fill_bytes_per_s with
                 "files_bytes_per_s": {f"{dev} {'warm' if warm else 'cold'}": round(rate)
@@ -252,12 +268,14 @@ class Peers:
     async def _lend_and_fill(self, fill_new_arena: Callable[..., Awaitable[None]], job: Job, ckpt: Checkpoint,
                              backend: Backend, peer: PeerState, expected: str, choice: Choice) -> float:
         assert self.transport is not None
-        reader, writer, _ = await connect(peer.address, self.daemon_id)
+        reader, writer, _ = await connect(peer.address, self.daemon_id, self.secret)
         channel: LendChannel | None = None
         watcher: asyncio.Task[None] | None = None
         try:
             await wire.send(writer, {"op": "lend", "fingerprint": expected, "layout": ckpt.layout})
-            lent = Lent.parse(wire.check_reply(await asyncio.wait_for(wire.recv(reader), 30), "lend"))
+            reply = await asyncio.wait_for(wire.recv(reader, wire.lend_reply_limit(len(ckpt.tensors)),
+                                                    max_array_len=max(len(ckpt.tensors) + 1, 4096)), 30)
+            lent = Lent.parse(wire.check_reply(reply, "lend"))
             channel = LendChannel(asyncio.get_running_loop(), reader, writer)
             watcher = asyncio.ensure_future(channel.run())
 

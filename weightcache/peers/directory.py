@@ -15,12 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import PeersConfig
+from ..errors import WeightcacheError
 from . import wire
+from .auth import NotAuthenticated, Secret, prove
 from .server import same_host
 
 log = logging.getLogger("weightcache.peers")
 
 CONNECT_TIMEOUT_S = 5.0
+MAX_REFRESH_BACKOFF_S = 300.0  # a peer that keeps failing is asked at most this seldom
 MAX_MODELS = 4096  # a peer's inventory is cut here: a broken peer cannot make this daemon hold unbounded lists
 
 
@@ -48,6 +51,8 @@ class PeerState:
     measured_at: float = 0.0  # monotonic time of the last fill that measured it
     failed_in_a_row: int = 0  # fills from it that failed since its last good one
     retry_at: float = 0.0  # monotonic time before which it is not asked to fill (choice.backoff_s)
+    failed_asks: int = 0  # inventories that failed in a row
+    ask_at: float = 0.0  # monotonic time before which it is not asked its inventory again (refresh_backoff_s)
 
     def describe(self) -> dict[str, Any]:
         return {"address": self.address, "daemon": self.daemon, "reachable": self.error is None and self.last_seen is not None,
@@ -59,11 +64,23 @@ class PeerState:
                             "device": o.device} for o in self.offers]}
 
 
-async def connect(address: str, daemon_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
-    """A control connection to the peer at ``address``, past hello; returns its daemon id."""
+def refresh_backoff_s(refresh_s: float, failed: int) -> float:
+    """How long after its last failed inventory a peer is asked again: refresh_s, doubled
+    for each failure in a row after the first, up to MAX_REFRESH_BACKOFF_S."""
+    return min(refresh_s * 2 ** max(0, failed - 1), max(refresh_s, MAX_REFRESH_BACKOFF_S))
+
+
+async def connect(address: str, daemon_id: str, secret: Secret | None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
+    """A control connection to the peer at ``address``, past the handshake (auth.py) and
+    hello; returns its daemon id."""
     host, port = wire.split_host_port(address)
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=wire.MAX_INVENTORY_FRAME),
+                                            CONNECT_TIMEOUT_S)
     try:
+        try:
+            await prove(reader, writer, secret)
+        except NotAuthenticated as exc:
+            raise wire.PeerError(f"not authenticated: {exc}", code="NOT_AUTHENTICATED") from None
         await wire.send(writer, {"op": "hello", "protocol": wire.PROTOCOL, "daemon": daemon_id})
         reply = wire.check_reply(await asyncio.wait_for(wire.recv(reader), CONNECT_TIMEOUT_S), "hello")
         peer_id = reply.get("daemon")
@@ -90,9 +107,10 @@ def _parse_offers(models: Any) -> list[Offer]:
 
 
 class Directory:
-    def __init__(self, settings: PeersConfig, daemon_id: str) -> None:
+    def __init__(self, settings: PeersConfig, daemon_id: str, secret: Secret | None) -> None:
         self.settings = settings
         self.daemon_id = daemon_id
+        self.secret = secret
         self.peers: dict[str, PeerState] = {}  # resolved address -> state
         self._hosts: set[str] = set()  # IPs of the configured peers, as last resolved
         self._resolved_at = 0.0
@@ -121,6 +139,13 @@ class Directory:
             self._resolved_at = time.monotonic()
         return out
 
+    def known(self, host: str) -> bool | None:
+        """Whether ``host`` is a configured peer, as far as the last resolution (under a
+        second old for a no) tells without resolving again; None: ask ``allowed``."""
+        if any(same_host(host, h) for h in self._hosts):
+            return True
+        return False if time.monotonic() - self._resolved_at < 1.0 else None
+
     async def allowed(self, host: str) -> bool:
         """Whether a connection from ``host`` comes from a configured peer (resolved again,
         at most once a second, when it is not among the last answer: a pod just started)."""
@@ -140,28 +165,34 @@ class Directory:
         addresses = await self.resolve()
         for gone in set(self.peers) - set(addresses):
             del self.peers[gone]
-        await asyncio.gather(*(self._ask(a) for a in addresses))
+        now = time.monotonic()
+        await asyncio.gather(*(self._ask(a) for a in addresses if a not in self.peers or self.peers[a].ask_at <= now))
         self.changed.set()
 
     async def _ask(self, address: str) -> None:
         state = self.peers.setdefault(address, PeerState(address))
         try:
-            reader, writer, peer_id = await connect(address, self.daemon_id)
+            reader, writer, peer_id = await connect(address, self.daemon_id, self.secret)
             try:
                 if peer_id == self.daemon_id:  # this daemon itself (the Service resolves to every pod)
                     self.peers.pop(address, None)
                     return
                 await wire.send(writer, {"op": "inventory"})
-                reply = wire.check_reply(await asyncio.wait_for(wire.recv(reader), CONNECT_TIMEOUT_S), "inventory")
+                got = await asyncio.wait_for(wire.recv(reader, wire.MAX_INVENTORY_FRAME), CONNECT_TIMEOUT_S)
+                reply = wire.check_reply(got, "inventory")
                 state.daemon, state.offers = peer_id, _parse_offers(reply.get("models"))
                 state.last_seen, state.error = time.monotonic(), None
+                state.failed_asks, state.ask_at = 0, 0.0
             finally:
                 writer.close()
-        except (OSError, wire.PeerError, TimeoutError, asyncio.IncompleteReadError) as exc:
-            if state.error is None:
-                log.info("peer %s: cannot ask what it holds: %s", address, exc or type(exc).__name__)
-            state.error = str(exc) or type(exc).__name__
+        except (OSError, wire.PeerError, TimeoutError, asyncio.IncompleteReadError, WeightcacheError) as exc:
+            why = str(exc) or type(exc).__name__
+            if state.error != why:  # once per reason, not once per refresh
+                log.warning("peer %s: cannot ask what it holds: %s", address, why, extra={"peer": address})
+            state.error = why
             state.offers = []
+            state.failed_asks += 1
+            state.ask_at = time.monotonic() + refresh_backoff_s(self.settings.refresh_s, state.failed_asks)
 
     def offers(self, fingerprint: str, layout: str) -> list[tuple[PeerState, Offer]]:
         """Peers that said they hold this content, best first: GPU before host memory (a

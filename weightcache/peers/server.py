@@ -13,6 +13,17 @@ lend, whichever comes first. What is lent is only what the operator configured a
 every user may use (``lendable``): a tenant's registered or published model, or one
 restricted to some uids or groups, is neither listed nor lent, so a peer's question
 never reaches past the access rules of this daemon's tenants.
+
+Note [lends are bounded in time]
+--------------------------------
+A lend pins its model (an attached model is never a victim), so a peer could keep one
+resident by asking again at every ``timeout_s``. Three bounds: a lend ends at
+``timeout_s``; one peer address gets at most LENDS_PER_MODEL lends of one model in any
+``LEND_WINDOW_TIMEOUTS * timeout_s`` (a fill needs one); and a local load or publish
+refused for room ends the lends that are idle (``end_idle``: a host lend older than
+IDLE_LEND_S, whose one-sided reads this side cannot see, or a GPU lend with no stage
+asked for that long): this daemon's own tenants come before its peers, whose fills
+fall back to their files.
 """
 
 from __future__ import annotations
@@ -24,18 +35,23 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..backends import Backend
+from ..backends import Arena, Backend
 from ..backends.base import StagedRing
 from ..cache import CacheCore, State
 from ..config.peers import RING_SLOTS
 from ..errors import WeightcacheError
+from ..protocol.framing import encode_frame
+from ..server.logs import PeerEventLog
 from ..server.registry import Model, Registry
 from . import wire
+from .auth import NotAuthenticated, Secret, challenge
+from .lend_worker import LendWorker, LentFiles, WorkerGone
 from .transport import Transport
 
 log = logging.getLogger("weightcache.peers")
@@ -46,6 +62,14 @@ IDLE_TIMEOUT_S = 60.0  # a peer connection with no request for this long is clos
 CLOSE_WAIT_S = 1.0  # for a closed connection's unsent bytes to go; then it is aborted
 LENDS_PER_PEER = 4  # lends one peer address holds at once; more are refused BUSY (each pins a model)
 GPU_LENDS = 4  # GPU lends at once, all peers together: each holds a ring outside the budget ([peers] gpu_ring_bytes)
+CONNECTIONS_PER_ADDRESS = 8  # peer connections open at once from one address; more are closed unread
+CONNECTIONS = 64  # and from all addresses together
+READ_BUFFER = 16 * 2**10  # a connection's stream stops reading the socket past twice this (asyncio's limit)
+LENDS_PER_MODEL = 4  # lends of one model to one address per window (Note [lends are bounded in time])
+LEND_WINDOW_TIMEOUTS = 5  # the window, in [peers] timeout_s
+IDLE_LEND_S = 5.0  # a lend with nothing asked for this long is ended when a local load needs room
+STRIKES = 10  # failed handshakes or broken frames from one address within STRIKE_WINDOW_S ...
+STRIKE_WINDOW_S = 60.0  # ... cut it off: its connections are closed unread until the window has no STRIKES
 
 
 def lendable(name: str, model: Model, core: CacheCore, backends: dict[str, Backend]) -> bool:
@@ -63,10 +87,27 @@ def tier(device: str) -> str:
     return "gpu" if device.startswith("cuda") else "host"
 
 
+@dataclass
+class Lending:
+    """A lend in progress, for ``Lender.end_idle``."""
+
+    name: str
+    host: str
+    task: asyncio.Task[None]
+    active: float  # monotonic time of its lend or its last stage request
+    fingerprint: str = ""  # what was asked for: its window's key with ``host``
+    worker: bool = False  # lent through the lend worker (its death ends the lend)
+    stages: StageCount = field(default_factory=lambda: StageCount())
+
+    def __post_init__(self) -> None:
+        self.stages.lending = self  # each stage request renews ``active``
+
+
 class Lender:
     def __init__(self, *, daemon_id: str, core: CacheCore, registry: Registry, backends: dict[str, Backend],
                  transport: Callable[[], Transport | None], allowed: Callable[[str], Awaitable[bool]],
-                 notify_space: Callable[[], None], timeout_s: float, serve: bool, slot_bytes: int) -> None:
+                 notify_space: Callable[[], None], timeout_s: float, serve: bool, slot_bytes: int,
+                 secret: Secret | None = None, known: Callable[[str], bool | None] | None = None) -> None:
         self.daemon_id = daemon_id
         self.core = core
         self.registry = registry
@@ -85,9 +126,36 @@ class Lender:
         self.lends = 0  # lends made since start
         self.refused = 0  # connections from addresses that are not configured peers
         self._by_peer: dict[str, int] = {}  # peer host -> lends it holds now
+        self.secret = secret
+        self._known = known  # the directory's word without a lookup: a peer, not one, or None (ask ``allowed``)
+        self.unauthenticated = 0  # connections closed for not proving the key (auth.py)
+        self.over_limit = 0  # connections closed for CONNECTIONS_PER_ADDRESS / CONNECTIONS
+        self.ended_for_room = 0  # lends ended by end_idle
+        self._open: dict[str, int] = {}  # peer host -> its connections open now
+        self._lent_at: dict[tuple[str, str], deque[float]] = {}  # (host, fingerprint) -> its lends' times in the window
+        self._lending: dict[int, Lending] = {}  # conn -> the lend it holds
+        self._strikes: dict[str, deque[float]] = {}  # peer host -> when it failed the handshake or broke a frame
+        self.cut_off = 0  # connections closed unread for their address's strikes
+        self._idle_timer: asyncio.TimerHandle | None = None  # end_idle's next look
+        # One line per kind of refusal per address and minute at most, then a count
+        # (an unconfigured host connecting in a loop wrote ~2,500 lines/s).
+        self.events = PeerEventLog(log, burst=3, total=20, window=60.0)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.worker = LendWorker(on_gone=self._on_worker_gone)
+
+    def _on_worker_gone(self, why: str) -> None:  # the worker's watch thread
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
+                self._loop.call_soon_threadsafe(self._worker_gone, why)
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._accept, host or None, port, reuse_address=True)
+        self._loop = asyncio.get_running_loop()
+        loop = self._loop
+
+        def factory() -> asyncio.StreamReaderProtocol:
+            return _PeerProtocol(self, asyncio.StreamReader(limit=READ_BUFFER, loop=loop), self._accept, loop=loop)
+
+        self._server = await loop.create_server(factory, host or None, port, reuse_address=True)
 
     @property
     def port(self) -> int | None:
@@ -104,6 +172,52 @@ class Lender:
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        await asyncio.to_thread(self.worker.close)
+        self.events.flush()
+
+    def _strike(self, host: str) -> None:
+        """``host`` failed the handshake or broke the protocol (Note [peer strikes])."""
+        now = time.monotonic()
+        times = self._strikes.setdefault(host, deque(maxlen=STRIKES))
+        times.append(now)
+        if len(self._strikes) > 4 * CONNECTIONS:  # forget the addresses whose strikes are old
+            for h in [h for h, t in self._strikes.items() if now - t[-1] > STRIKE_WINDOW_S]:
+                del self._strikes[h]
+
+    def _struck_out(self, host: str) -> bool:
+        """Note [peer strikes]
+        ----------------------
+        Each connection that fails the handshake or breaks a frame costs the loop an
+        accept, a challenge and a read (an unauthenticated 15 MiB hello flood from 4
+        processes took the daemon from 1.5 to 2.3 s of CPU in 10 s on the 2-core VM). An
+        address with STRIKES of them within STRIKE_WINDOW_S is closed unread, as an
+        unconfigured one is, until its oldest strike of the last STRIKES is that old. On a
+        node shared with an attacker (hostNetwork) this shuts the node's honest daemon out
+        too for that long: its fills fall back to the files; nothing else is lost."""
+        times = self._strikes.get(host)
+        return times is not None and len(times) >= STRIKES and time.monotonic() - times[0] < STRIKE_WINDOW_S
+
+    def end_idle(self, look_again: bool = True) -> int:
+        """End the lends idle for IDLE_LEND_S (Note [lends are bounded in time]): a local
+        load or publish was refused for room. A lend not idle yet is looked at again once
+        it would be (the load may be waiting for the room). Returns how many were ended."""
+        now = time.monotonic()
+        idle = [ln for ln in self._lending.values() if now - ln.active >= IDLE_LEND_S and not ln.task.done()]
+        for ln in idle:
+            log.info("ending the lend of %s to peer %s: a load here needs the room", ln.name, ln.host,
+                     extra={"model": ln.name, "peer": ln.host})
+            ln.task.cancel()
+        self.ended_for_room += len(idle)
+        later = [ln.active + IDLE_LEND_S for ln in self._lending.values() if ln not in idle]
+        if later and look_again and self._idle_timer is None:
+            def again() -> None:
+                self._idle_timer = None
+                self.end_idle(look_again=False)  # once per refusal: a lend kept busy is not polled
+
+            self._idle_timer = asyncio.get_running_loop().call_later(max(0.0, min(later) - now) + 0.01, again)
+        return len(idle)
 
     def inventory(self) -> list[dict[str, Any]]:
         """What this daemon would lend now; nothing without NIXL (it would refuse every
@@ -111,11 +225,16 @@ class Lender:
         out: list[dict[str, Any]] = []
         if self._transport() is None:
             return out
+        room = wire.MAX_INVENTORY_FRAME - 64  # the frame's header and the reply's own keys
         for name, m in self.registry.models.items():
             if lendable(name, m, self.core, self.backends):
                 assert m.resident.checkpoint is not None
-                out.append({"fingerprint": m.resident.checkpoint.fingerprint, "layout": m.resident.checkpoint.layout,
-                            "nbytes": m.resident.checkpoint.data_bytes, "tier": tier(m.device), "device": m.device})
+                row = {"fingerprint": m.resident.checkpoint.fingerprint, "layout": m.resident.checkpoint.layout,
+                       "nbytes": m.resident.checkpoint.data_bytes, "tier": tier(m.device), "device": m.device}
+                room -= len(encode_frame(row))
+                if room < 0:  # what a peer's inventory frame holds (wire.py); the rest is not offered
+                    break
+                out.append(row)
         return out
 
     def _find(self, fingerprint: str, layout: str) -> str | None:
@@ -126,24 +245,73 @@ class Lender:
         return None
 
     # -- one peer connection ------------------------------------------------------------
+    def _refuse(self, host: str) -> None:
+        self.refused += 1
+        self.events.log(logging.WARNING, "peer refused", host, "peer port: refused a connection from %s, which is "
+                        "not a configured peer", host, extra={"peer": host})
+
+    def _cut(self, host: str) -> None:
+        self.cut_off += 1
+        self.events.log(logging.WARNING, "peer cut off", host, "peer port: closed a connection from %s unread: it "
+                        "failed the handshake or broke the protocol %d times in %.0f s", host, STRIKES,
+                        STRIKE_WINDOW_S, extra={"peer": host})
+
+    def refuse_at_once(self, host: str) -> bool:
+        """Whether a connection from ``host`` is closed as it is accepted, before a stream or
+        a task is made for it: an address cut off for its strikes, or one the directory
+        knows is not a peer (``known``). A flood of those costs an accept and a close."""
+        if self._struck_out(host):
+            self._cut(host)
+            return True
+        if self._known is not None and self._known(host) is False:
+            self._refuse(host)
+            return True
+        return False
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._conns.add(task)
         peer = writer.get_extra_info("peername")
         host = str(peer[0]) if peer else "?"
+        counted = False
         try:
             if not await self._allowed(host):
-                self.refused += 1
-                log.warning("peer port: refused a connection from %s, which is not a configured peer", host,
-                            extra={"peer": host})
+                self._refuse(host)
+                return
+            if self._struck_out(host):
+                self._cut(host)
+                return
+            if self._open.get(host, 0) >= CONNECTIONS_PER_ADDRESS or sum(self._open.values()) >= CONNECTIONS:
+                self.over_limit += 1
+                self.events.log(logging.WARNING, "peer over limit", host, "peer port: closed a connection from %s: it has "
+                                "%d open (at most %d per address, %d in all)", host, self._open.get(host, 0),
+                                CONNECTIONS_PER_ADDRESS, CONNECTIONS, extra={"peer": host})
+                return
+            self._open[host] = self._open.get(host, 0) + 1
+            counted = True
+            try:
+                await challenge(reader, writer, self.secret)
+            except NotAuthenticated as exc:
+                self.unauthenticated += 1
+                if exc.strike:
+                    self._strike(host)
+                self.events.log(logging.WARNING, "peer not authenticated", host, "peer port: closed a connection from %s: %s",
+                                host, exc, extra={"peer": host})
                 return
             await self._serve(reader, writer, host)
         except (wire.PeerError, OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
-            log.info("peer %s: connection ended: %s", host, exc, extra={"peer": host})
-        except Exception as exc:  # a malformed request must not end the daemon's port
-            log.warning("peer %s: %s: %s", host, type(exc).__name__, exc, extra={"peer": host})
+            self.events.log(logging.INFO, "peer connection ended", host, "peer %s: connection ended: %s", host, exc,
+                            extra={"peer": host})
+        except Exception as exc:  # a malformed request (a frame over the limit) must not end the daemon's port
+            self._strike(host)
+            self.events.log(logging.WARNING, "peer broke the protocol", host, "peer %s: %s: %s", host,
+                            type(exc).__name__, exc, extra={"peer": host})
         finally:
+            if counted:
+                self._open[host] -= 1
+                if not self._open[host]:
+                    del self._open[host]
             self._conns.discard(task)
             writer.close()
             # Bounded: a peer that stopped reading would keep unsent replies (and this
@@ -189,6 +357,17 @@ class Lender:
         if self._by_peer.get(host, 0) >= LENDS_PER_PEER:
             await wire.send(writer, wire.reply_error("BUSY", f"this peer holds {LENDS_PER_PEER} lends already"))
             return
+        now = time.monotonic()
+        window = LEND_WINDOW_TIMEOUTS * self.timeout_s
+        times = self._lent_at.get((host, fingerprint), deque())
+        while times and now - times[0] > window:
+            times.popleft()
+        if len(times) >= LENDS_PER_MODEL:
+            await wire.send(writer, wire.reply_error("BUSY", f"this peer was lent this model {LENDS_PER_MODEL} times in the "
+                                                             f"last {window:.0f} s; load it from the files"))
+            return
+        for key in [k for k, v in self._lent_at.items() if not v or now - v[-1] > window]:
+            del self._lent_at[key]
         model = self.registry.models[name]
         backend = self.backends[model.device]
         if backend.dma_through_ring and self.rings_now >= GPU_LENDS:
@@ -201,58 +380,124 @@ class Lender:
         ring = backend.dma_through_ring
         self.rings_now += ring
         self._by_peer[host] = self._by_peer.get(host, 0) + 1
-        view = reg = pump = None
-        stages = StageCount()
-        pumping = threading.Event()
+        task = asyncio.current_task()
+        assert task is not None
+        lending = self._lending[conn] = Lending(name, host, task, time.monotonic(), fingerprint)
         t0 = time.monotonic()
+        try:
+            if backend.dma_through_ring:
+                await self._lend_ring(backend, arena, transport, reader, writer, lending, t0)
+            else:
+                await self._lend_files(backend, arena, reader, writer, lending, t0)
+        finally:
+            self._lending.pop(conn, None)
+            self.core.detach(lease.id, conn)
+            self.lent_now -= 1
+            self.rings_now -= ring
+            self._by_peer[host] -= 1
+            if not self._by_peer[host]:
+                del self._by_peer[host]
+            log.info("lend of %s to peer %s ended after %.2fs%s", name, host, time.monotonic() - t0,
+                     f" ({lending.stages.n} stages, {lending.stages.seconds * 1e3:.1f} ms from request to reply)"
+                     if lending.stages.n else "", extra={"model": name, "peer": host})
+            self._notify_space()
+
+    def _lent(self, lending: Lending) -> None:
+        """A lend was made (counted in its window only then: a refused one pins nothing)."""
+        self.lends += 1
+        self._lent_at.setdefault((lending.host, lending.fingerprint), deque()).append(time.monotonic())
+        model = self.registry.models.get(lending.name)
+        ckpt = model.resident.checkpoint if model is not None else None
+        log.info("lending %s (%d bytes) to peer %s", lending.name, ckpt.data_bytes if ckpt else 0, lending.host,
+                 extra={"model": lending.name, "peer": lending.host})
+
+    async def _lend_files(self, backend: Backend, arena: Arena, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter, lending: Lending, t0: float) -> None:
+        """A host lend, through the lend worker (lend_worker.py, Note [a lend exposes only
+        what is lent]): the daemon's own memory is never registered with NIXL."""
+        files = backend.dma_files(arena)
+        if files is None:
+            await wire.send(writer, wire.reply_error("UNSUPPORTED", "this arena cannot be lent"))
+            return
+        lend_id: int | None = None
+        try:
+            try:
+                lend_id, metadata, regions = await asyncio.to_thread(self.worker.lend, LentFiles(*files))
+            except WorkerGone as exc:
+                await wire.send(writer, wire.reply_error("BUSY", f"cannot lend now: {exc}"))
+                return
+            lending.worker = True
+            await wire.send(writer, {"ok": True, "metadata": metadata, "memory": "DRAM", "device_id": 0,
+                                     "regions": [list(r) for r in regions]})
+            self._lent(lending)
+            with contextlib.suppress(TimeoutError):  # until done, EOF, or the timeout (Note [what a lend holds])
+                await serve_lend(reader, writer, None, t0 + self.timeout_s, lending.stages)
+        finally:
+            if lend_id is not None:  # unmapped in the worker before the lease ends
+                with contextlib.suppress(WorkerGone):
+                    await asyncio.shield(asyncio.to_thread(self.worker.end, lend_id))
+
+    async def _lend_ring(self, backend: Backend, arena: Arena, transport: Transport, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter, lending: Lending, t0: float) -> None:
+        """A GPU lend: the arena is copied into a ring of device memory piece by piece
+        (cuda_staging.py), registered with this daemon's own NIXL agent."""
+        view = reg = pump = None
+        pumping = threading.Event()
         try:
             try:
                 view = await asyncio.to_thread(backend.dma_source, arena, RING_SLOTS, self.slot_bytes)
             except WeightcacheError as exc:  # the ring's device memory refused (cuda_staging.py)
                 await wire.send(writer, wire.reply_error("BUSY", f"cannot lend now: {exc.message}"))
                 return
-            if view is None:
-                await wire.send(writer, wire.reply_error("UNSUPPORTED", f"the {model.device} backend cannot lend its arenas"))
+            if view is None or view.staged is None:
+                await wire.send(writer, wire.reply_error("UNSUPPORTED", f"the {arena.device} backend cannot lend its arenas"))
                 return
             staged = view.staged
-            regions = ([(staged.addr, staged.slots * staged.slot_bytes)] if staged is not None
-                       else [(r.addr, r.nbytes) for r in view.regions if r.nbytes])
-            reg = await asyncio.to_thread(within, view.context, transport.register, regions, view.memory, view.device_id)
+            reg = await asyncio.to_thread(within, view.context, transport.register,
+                                          [(staged.addr, staged.slots * staged.slot_bytes)], view.memory, view.device_id)
             metadata = await asyncio.to_thread(transport.metadata)
             pump = asyncio.ensure_future(asyncio.to_thread(transport.progress, pumping))
-            reply: dict[str, Any] = {"ok": True, "metadata": metadata, "memory": view.memory, "device_id": view.device_id,
-                                     "regions": [[r.arena_offset, r.addr, r.nbytes] for r in view.regions if r.nbytes]}
-            if staged is not None:
-                reply["staged"] = {"addr": staged.addr, "slots": staged.slots, "slot_bytes": staged.slot_bytes}
-            await wire.send(writer, reply)
-            self.lends += 1
-            log.info("lending %s (%d bytes) to peer %s", name, model.resident.checkpoint.data_bytes if model.resident.checkpoint else 0, host,
-                     extra={"model": name, "peer": host})
-            # Until done, EOF, or the timeout (Note [what a lend holds]).
-            with contextlib.suppress(TimeoutError):
-                await serve_lend(reader, writer, staged, t0 + self.timeout_s, stages)
+            await wire.send(writer, {"ok": True, "metadata": metadata, "memory": view.memory, "device_id": view.device_id,
+                                     "regions": [], "staged": {"addr": staged.addr, "slots": staged.slots,
+                                                               "slot_bytes": staged.slot_bytes}})
+            self._lent(lending)
+            with contextlib.suppress(TimeoutError):  # until done, EOF, or the timeout (Note [what a lend holds])
+                await serve_lend(reader, writer, staged, t0 + self.timeout_s, lending.stages)
         finally:
             # Deregistered before the view goes, the view before the lease: see the Note.
-            try:
-                pumping.set()
-                if pump is not None:
-                    await asyncio.shield(pump)
-                if reg is not None:
-                    assert view is not None
-                    await asyncio.shield(asyncio.to_thread(within, view.context, transport.deregister, reg))
-                if view is not None:  # a GPU's ring is freed (cuMemFree may wait for the device): off the loop
-                    await asyncio.shield(asyncio.to_thread(view.release))
-            finally:
-                self.core.detach(lease.id, conn)
-                self.lent_now -= 1
-                self.rings_now -= ring
-                self._by_peer[host] -= 1
-                if not self._by_peer[host]:
-                    del self._by_peer[host]
-                log.info("lend of %s to peer %s ended after %.2fs%s", name, host, time.monotonic() - t0,
-                         f" ({stages.n} stages, {stages.seconds * 1e3:.1f} ms from request to reply)" if stages.n else "",
-                         extra={"model": name, "peer": host})
-                self._notify_space()
+            pumping.set()
+            if pump is not None:
+                await asyncio.shield(pump)
+            if reg is not None:
+                assert view is not None
+                await asyncio.shield(asyncio.to_thread(within, view.context, transport.deregister, reg))
+            if view is not None:  # a GPU's ring is freed (cuMemFree may wait for the device): off the loop
+                await asyncio.shield(asyncio.to_thread(view.release))
+
+    def _worker_gone(self, why: str) -> None:
+        """The lend worker died (a write into a lent range faults there): its lends are over."""
+        for ln in list(self._lending.values()):
+            if ln.worker and not ln.task.done():
+                ln.task.cancel()
+
+
+class _PeerProtocol(asyncio.StreamReaderProtocol):
+    """asyncio.start_server's protocol, but a connection the lender refuses at once
+    (``Lender.refuse_at_once``) is aborted before its stream and task are made."""
+
+    def __init__(self, lender: Lender, reader: asyncio.StreamReader, cb: Any, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(reader, cb, loop=loop)
+        self._lender = lender
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        if self._lender.refuse_at_once(str(peer[0]) if peer else "?"):
+            if isinstance(transport, asyncio.Transport):
+                transport.abort()
+            else:
+                transport.close()
+            return
+        super().connection_made(transport)
 
 
 @dataclass
@@ -261,6 +506,7 @@ class StageCount:
 
     n: int = 0
     seconds: float = 0.0
+    lending: Lending | None = None  # whose ``active`` each stage request renews
 
 
 async def serve_lend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, staged: StagedRing | None,
@@ -306,6 +552,8 @@ async def _serve_lend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
             msg = request.result()
             if msg is None:  # the borrower went away: nothing more to answer
                 return
+            if count is not None and count.lending is not None:
+                count.lending.active = time.monotonic()
             answer = _take(msg, staged, loop, unanswered[0])
             if isinstance(answer, _Stage):
                 unanswered[0] += 1

@@ -37,16 +37,30 @@ BUSY, UNSUPPORTED):
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
+__all__ = ["PROTOCOL", "PeerError", "check_reply", "encode_frame", "lend_reply_limit", "recv", "reply_error", "send",
+           "split_host_port"]
+
 from ..errors import BadRequest, FrameTooLarge
-from ..protocol.framing import HEADER, decode_payload, encode_frame
+from ..protocol.framing import HEADER, MAX_ARRAY_LEN, decode_payload, encode_frame
 
 PROTOCOL = 2
-# A lend's reply is the biggest frame: NIXL metadata (a few KiB) and one region per
-# contiguous run of a file arena (~40 bytes each: 100k runs fit).
-MAX_FRAME = 16 * 2**20
-MAX_REGIONS = 1 << 20
+# Frame limits, by what a frame may hold (Note [peer frame bounds]).
+MAX_REQUEST_FRAME = 4096  # hello, inventory, lend, stage, done, and the replies but inventory's and lend's
+MAX_INVENTORY_FRAME = 64 * 2**10  # the lender lists what fits (server.py, Lender.inventory)
+MAX_FRAME = 16 * 2**20  # the most a lend's reply may be, whatever it describes
+LEND_REPLY_BASE = 64 * 2**10  # NIXL metadata of a lend with few regions (a few KiB) and the reply's own keys
+LEND_REPLY_PER_TENSOR = 1024  # a region (~40 bytes) and its part of NIXL's metadata (a descriptor and a remote key)
+DECODE_ON_LOOP = 4096  # a payload this short is decoded on the loop: fewer than 4096 objects, however shaped
+
+
+def lend_reply_limit(tensors: int) -> int:
+    """The biggest lend reply a checkpoint of ``tensors`` tensors needs: a file arena is
+    lent as one region per contiguous run of tensors, a memfd arena as one, a GPU arena
+    as a ring (no regions)."""
+    return min(MAX_FRAME, LEND_REPLY_BASE + LEND_REPLY_PER_TENSOR * tensors)
 
 
 class PeerError(Exception):
@@ -62,8 +76,19 @@ async def send(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
     await writer.drain()
 
 
-async def recv(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME) -> dict[str, Any] | None:
-    """The next frame's map; None at a clean end of stream (between frames)."""
+async def recv(reader: asyncio.StreamReader, max_frame: int = MAX_REQUEST_FRAME,
+               max_array_len: int = MAX_ARRAY_LEN) -> dict[str, Any] | None:
+    """The next frame's map; None at a clean end of stream (between frames).
+
+    Note [peer frame bounds]
+    ------------------------
+    The Unix socket's bounds (protocol/framing.py): a frame's announced length is checked
+    against ``max_frame`` before any of it is read, so a peer's partial frame holds at
+    most that many bytes here; the payload is decoded with the same structural limits
+    (maps of MAX_MAP_LEN keys, arrays of ``max_array_len``, strings of 4096 bytes) and,
+    beyond DECODE_ON_LOOP bytes, in a thread, never on the event loop. Only a lend's
+    reply is allowed past the 64 KiB of an inventory, by as much as the checkpoint it is
+    asked for needs (``lend_reply_limit``)."""
     try:
         head = await reader.readexactly(HEADER.size)
     except asyncio.IncompleteReadError as exc:
@@ -77,8 +102,12 @@ async def recv(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME) -> dict
         payload = await reader.readexactly(n)
     except asyncio.IncompleteReadError:
         raise PeerError("connection closed inside a frame") from None
+    decode = functools.partial(decode_payload, max_array_len=max_array_len, max_str_len=4096, max_bin_len=max_frame,
+                               max_decoded_bytes=max_frame)
     try:
-        return decode_payload(payload, max_array_len=MAX_REGIONS, max_str_len=4096, max_bin_len=max_frame, max_decoded_bytes=max_frame)
+        if n <= DECODE_ON_LOOP:
+            return decode(payload)
+        return await asyncio.to_thread(decode, payload)
     except BadRequest as exc:
         raise PeerError(f"malformed frame: {exc.message}") from None
 

@@ -359,6 +359,7 @@ def _peers(settings: Settings, core: CacheCore, registry: Registry, backends: di
                   shutting_down=stopping)
     residency.flights.neighbours = peers
     residency.pins.pinned = lambda: peers.settings.fingerprints
+    residency.room.on_refused = peers.lender.end_idle  # a local load's need for room ends idle lends
     return peers
 
 

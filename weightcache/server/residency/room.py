@@ -97,6 +97,9 @@ class RoomQueue:
     def __init__(self, core: CacheCore) -> None:
         self.core = core
         self.freed = SpaceFreed()
+        # Called when a request is refused for room: what else holds memory may
+        # give it back (the peer port's idle lends, weightcache/peers/server.py).
+        self.on_refused: Callable[[], object] | None = None
 
     def notify(self) -> None:
         """Room may have been freed (a detach, a free, a failed load's reservation back)."""
@@ -127,6 +130,8 @@ class RoomQueue:
                 try:
                     got = await attempt()
                 except NoSpace as exc:
+                    if self.on_refused is not None and exc.fits_ever:
+                        self.on_refused()  # before the refusal goes back: the room is there for a retry, or this wait
                     left = deadline - time.monotonic()
                     if left <= 0 or not exc.fits_ever or (gone is not None and gone.done()):
                         raise
