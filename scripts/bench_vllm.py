@@ -75,7 +75,7 @@ def child(args: argparse.Namespace) -> None:
     timed(base_loader.BaseModelLoader, "create_model", "init")
     timed(default_loader.DefaultModelLoader, "load_weights", "weights")
     timed(wc.WeightcacheModelLoader, "load_weights", "weights")
-    timed(wc, "_put_in_place", "weights")
+    timed(wc, "put_in_place", "weights")
     timed(base_loader, "process_weights_after_loading", "post")
     timed(wc, "process_weights_after_loading", "post")
     timed(wc.WeightcacheModelLoader, "_publish", "publish")

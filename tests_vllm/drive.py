@@ -30,6 +30,9 @@ def init_one_rank() -> None:
         return
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+    _set_torch_accelerator_to_noop()  # as vLLM's CPU model runner does: torch.accelerator has no device here
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -86,15 +89,18 @@ def keep_linear_weights() -> Iterator[None]:
         ops._supports_onednn, utils.check_cpu_sgl_kernel = saved
 
 
-class Lines(logging.Handler):
-    """The plugin's log lines (logger ``vllm.weightcache``)."""
+class Lines(logging.Filter):
+    """The plugin's log lines (logger ``vllm.weightcache``). A filter, not a handler: vLLM
+    configures logging again while an engine's config is built (logging.config resets
+    the handlers of the loggers under "vllm", not their filters)."""
 
     def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
+        super().__init__()
         self.lines: list[str] = []
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def filter(self, record: logging.LogRecord) -> bool:
         self.lines.append(record.getMessage())
+        return True
 
     def text(self) -> str:
         return "\n".join(self.lines)
@@ -102,10 +108,11 @@ class Lines(logging.Handler):
 
 @contextlib.contextmanager
 def plugin_lines() -> Iterator[Lines]:
-    handler = Lines()
-    log = logging.getLogger("vllm.weightcache")
-    log.addHandler(handler)
+    from weightcache.integrations.vllm.loader import logger as log
+
+    lines = Lines()
+    log.addFilter(lines)
     try:
-        yield handler
+        yield lines
     finally:
-        log.removeHandler(handler)
+        log.removeFilter(lines)

@@ -56,8 +56,9 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from ... import SyncClient, tenant_fingerprint
 from ...checkpoint_files import discover_files
-from ...errors import BadRequest, UnknownModel, WeightcacheError
-from .keys import Options, ProcessedKey, checkpoint_name, processed_name, quant_config_digest
+from ...errors import BadRequest, DaemonUnavailable, UnknownModel, WeightcacheError
+from .keys import Options, ProcessedKey, checkpoint_name, processed_name
+from .processed import NotPublishable, processed_key, publishable, put_in_place, target_device
 
 try:  # vLLM's seam for attaching processed weights (the in-tree ipc_cache loader uses it)
     from vllm.model_executor.utils import weights_already_processed
@@ -67,7 +68,6 @@ except ImportError:  # an older vLLM: processed weights cannot be re-run through
 # Logged under "vllm." so that vLLM's own handler and level apply.
 logger = init_logger("vllm.weightcache")
 
-BUFFER_PREFIX = "buffers/"  # published buffers' names: a parameter's name never has a "/"
 HOW = "docs/vllm.md"
 
 # The leases of zero-copy parameters: held for the engine process's life (the daemon ends
@@ -77,10 +77,6 @@ _held: list[Any] = []
 
 class Unusable(Exception):
     """The daemon cannot serve this engine this time: the default loader takes over."""
-
-
-class NotPublishable(Exception):
-    """The processed weights cannot be published or attached on this engine (said once)."""
 
 
 @dataclasses.dataclass
@@ -106,6 +102,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         self.phases: dict[str, float] = {}  # seconds per phase of the last load_model (logged at its end)
         self._plan_in_use: Plan | None = None  # the plan of the load_model in progress
         self._weights_started: float | None = None
+        self._created: nn.Module | None = None  # the model create_model made last (dropped again when a load gives up)
 
     # -- vLLM's interface --------------------------------------------------------------
     def download_model(self, model_config: ModelConfig) -> None:
@@ -138,7 +135,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         return 0
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
-        self.phases = {}
+        self.phases, self._created = {}, None
         try:
             plan = self._plan(vllm_config, model_config, model=None)
         except Unusable as exc:
@@ -157,7 +154,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             model = self._load_from_checkpoint(vllm_config, model_config, prefix, plan)
         except (Unusable, WeightcacheError, OSError) as exc:
             logger.warning("weightcache: %s; loading with vLLM's default loader", _one_line(exc))
-            gc.collect()
+            self._drop_created(vllm_config)
             return self._default_load(vllm_config, model_config, prefix)
         if plan.key is not None and self.options.publish:
             self._publish(model, plan)
@@ -188,7 +185,7 @@ class WeightcacheModelLoader(BaseModelLoader):
                     _register(client, checkpoint_name(folder, discover_files(folder), device, os.geteuid()), folder, device)
                 fingerprint = _fingerprint(client, name)
         except (WeightcacheError, OSError) as exc:
-            raise Unusable(_one_line(exc)) from exc
+            raise Unusable(f"the daemon at {self._socket_path()} (this engine runs as uid {os.geteuid()}): {_one_line(exc)}") from exc
         return Plan(folder, device, attach_device, name, fingerprint, None, None)
 
     def _checkpoint_folder(self, model_config: ModelConfig, model: nn.Module | None) -> str:
@@ -222,6 +219,7 @@ class WeightcacheModelLoader(BaseModelLoader):
     def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         started = time.perf_counter()
         model = super().create_model(vllm_config, model_config, prefix)
+        self._created = model
         self.phases["init_s"] = time.perf_counter() - started
         if getattr(model, "secondary_weights", ()):
             raise Unusable("this model reads weights from more than one source")
@@ -258,13 +256,13 @@ class WeightcacheModelLoader(BaseModelLoader):
                 if weights.fingerprint != want:
                     raise NotPublishable(f"{name} holds weights published under another key or by another user")
                 started = time.perf_counter()
-                target = _target_device(vllm_config)
+                target = target_device(vllm_config)
                 with set_default_torch_dtype(model_config.dtype):
                     with torch.device("meta"):
                         model = self.create_model(vllm_config, model_config, prefix)
                     self.phases["init_s"] = time.perf_counter() - started
                     started = time.perf_counter()
-                    _put_in_place(model, weights, target, zero_copy)
+                    put_in_place(model, weights, target, zero_copy)
                     self.phases["weights_s"] = time.perf_counter() - started
                     started = time.perf_counter()
                     with weights_already_processed():
@@ -273,11 +271,13 @@ class WeightcacheModelLoader(BaseModelLoader):
             except NotPublishable as exc:
                 cm.__exit__(None, None, None)
                 client.close()
+                self._drop_created(vllm_config)
                 logger.warning("weightcache: processed weights %s are not usable here (%s); attaching the checkpoint "
                                "and publishing them again", name, exc)
                 return None
             except BaseException:
                 cm.__exit__(None, None, None)
+                self._drop_created(vllm_config)
                 raise
             if zero_copy:
                 _held.append((client, cm))  # the parameters are the daemon's memory: keep the lease
@@ -311,8 +311,35 @@ class WeightcacheModelLoader(BaseModelLoader):
         logger.info("weightcache: published processed weights as %s (%d tensors)", name, len(tensors))
 
     # -- helpers -----------------------------------------------------------------------
+    def _drop_created(self, vllm_config: VllmConfig) -> None:
+        """Forget a model this load built and gave up on: its attention layers registered
+        themselves by name in the config's forward context, where the next build of the
+        same layers would be refused as duplicates."""
+        model, self._created = self._created, None
+        if model is None:
+            return
+        mine = {id(m) for m in model.modules()}
+        context = vllm_config.compilation_config.static_forward_context
+        for name in [k for k, v in context.items() if id(v) in mine]:
+            del context[name]
+        del model
+        gc.collect()
+
     def _client(self) -> SyncClient:
-        return SyncClient(self.options.socket, name=f"vllm pid {os.getpid()}")
+        try:
+            return SyncClient(self.options.socket, name=f"vllm pid {os.getpid()}")
+        except DaemonUnavailable as exc:
+            if "broke" not in exc.message:
+                raise
+            # A daemon that refuses a peer sends PERMISSION_DENIED and closes at once;
+            # the hello may meet the closed socket before the refusal is read.
+            raise DaemonUnavailable(f"{exc.message}: the daemon closed the connection as it opened, as it does for a uid "
+                                    "its allowed_uids / allowed_gids leave out") from exc
+
+    def _socket_path(self) -> str:
+        from ...protocol import client_socket_path
+
+        return str(client_socket_path(self.options.socket))
 
     def _fallback_config(self, load_format: str = "auto") -> LoadConfig:
         # DefaultModelLoader refuses extra config keys it does not know: give it none.
@@ -363,12 +390,7 @@ def _processed_unsupported(vllm_config: VllmConfig, model_config: ModelConfig) -
 
 
 def _zero_copy_device(vllm_config: VllmConfig) -> bool:
-    return _target_device(vllm_config).type == "cuda"
-
-
-def _target_device(vllm_config: VllmConfig) -> torch.device:
-    load_device = vllm_config.load_config.device or vllm_config.device_config.device
-    return torch.device(load_device)
+    return target_device(vllm_config).type == "cuda"
 
 
 def _daemon_device() -> tuple[str, str | None]:
@@ -387,8 +409,10 @@ def _configured_for(client: SyncClient, folder: str, device: str) -> str | None:
     real = os.path.realpath(folder)
     for m in client.models():
         path = m.get("path")
-        if path and m.get("shard_of") is None and m.get("replica_of") is None and m.get("state") != "error" \
-                and os.path.realpath(path) == real and m.get("device") in (device, "cpu" if device == "cpu" else None):
+        # Configured models only: the daemon opened them by path and reloads them when the
+        # files change; a registered one holds the files as they were (its name says which).
+        if path and m.get("origin") == "config" and m.get("shard_of") is None and m.get("replica_of") is None \
+                and m.get("state") != "error" and os.path.realpath(path) == real and m.get("device") in (device, "cpu" if device == "cpu" else None):
             return str(m["name"])
     return None
 
@@ -413,106 +437,9 @@ def _fingerprint(client: SyncClient, name: str) -> str:
     return str(client.load(name)["fingerprint"])
 
 
-def processed_key(vllm_config: VllmConfig, model_config: ModelConfig, checkpoint: str) -> ProcessedKey:
-    """The key of this engine's processed weights (:class:`.keys.ProcessedKey`)."""
-    import vllm
-    from vllm.distributed import get_dp_group, get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-    pc = vllm_config.parallel_config
-    hf = model_config.hf_config
-    quant = getattr(hf, "quantization_config", None) or getattr(hf, "compression_config", None)
-    try:
-        dp_size, dp_rank = get_dp_group().world_size, get_dp_group().rank_in_group
-    except (AssertionError, AttributeError):
-        dp_size, dp_rank = pc.data_parallel_size, pc.data_parallel_rank
-    target = _target_device(vllm_config)
-    kind = target.type
-    if kind == "cuda":
-        major, minor = torch.cuda.get_device_capability()
-        kind = f"cuda sm{major}{minor} {torch.cuda.get_device_name()}"
-    backends = tuple(sorted((k, str(v)) for k, v in os.environ.items()
-                            if k in ("VLLM_ATTENTION_BACKEND", "VLLM_USE_DEEP_GEMM", "VLLM_USE_FLASHINFER_MOE_FP8",
-                                     "VLLM_USE_FLASHINFER_MOE_FP4", "VLLM_MXFP4_USE_MARLIN", "VLLM_ROCM_USE_AITER",
-                                     "VLLM_CPU_SGL_KERNEL")))
-    attention = getattr(vllm_config, "attention_config", None)
-    if attention is not None and getattr(attention, "backend", None) is not None:
-        backends += (("attention_config.backend", str(attention.backend)),)
-    return ProcessedKey(
-        checkpoint=checkpoint,
-        architectures=tuple(getattr(hf, "architectures", None) or ()),
-        dtype=str(model_config.dtype),
-        quantization=model_config.quantization,
-        quant_config=quant_config_digest(quant if isinstance(quant, dict) else getattr(quant, "to_dict", lambda: quant)()),
-        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
-        tp_size=get_tensor_model_parallel_world_size(),
-        tp_rank=get_tensor_model_parallel_rank(),
-        pp_size=get_pp_group().world_size,
-        pp_rank=get_pp_group().rank_in_group,
-        dp_size=int(dp_size),
-        dp_rank=int(dp_rank),
-        ep=bool(getattr(pc, "enable_expert_parallel", False)),
-        backends=backends,
-        device_kind=kind,
-        vllm_version=vllm.__version__,
-        torch_version=torch.__version__,
-        max_model_len=int(model_config.max_model_len),
-    )
-
-
-def publishable(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The processed parameters and buffers to publish, by name (buffers under
-    ``buffers/``); NotPublishable says why there are none to publish."""
-    params = dict(model.named_parameters())
-    empty = [n for n, p in params.items() if p.numel() == 0]
-    if empty:
-        return _refuse(f"post-processing left {len(empty)} parameter(s) empty (e.g. {empty[0]}): this backend keeps "
-                       "the processed weights outside the parameters (vLLM's CPU backend packs linear weights for oneDNN)")
-    out: dict[str, torch.Tensor] = {n: p.data for n, p in params.items()}
-    out.update({BUFFER_PREFIX + n: b for n, b in model.named_buffers()})
-    devices = {t.device for t in out.values()}
-    if len(devices) != 1:
-        return _refuse(f"the processed tensors are on several devices ({sorted(map(str, devices))})")
-    return out
-
-
-def _refuse(why: str) -> dict[str, torch.Tensor]:
-    raise NotPublishable(why)
-
-
-def _put_in_place(model: nn.Module, weights: Mapping[str, torch.Tensor], target: torch.device, zero_copy: bool) -> None:
-    """Make ``weights`` (published by :func:`publishable`) the parameters and buffers of
-    ``model`` (built on ``meta``); NotPublishable if they are not exactly its tensors."""
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    want = {**{n: (tuple(p.shape), p.dtype) for n, p in params.items()},
-            **{BUFFER_PREFIX + n: (tuple(b.shape), b.dtype) for n, b in buffers.items()}}
-    have = {n: (tuple(t.shape), t.dtype) for n, t in weights.items()}
-    if have != want:
-        missing = sorted(set(want) - set(have))[:3]
-        extra = sorted(set(have) - set(want))[:3]
-        other = sorted(n for n in set(want) & set(have) if want[n] != have[n])[:3]
-        raise NotPublishable(f"tensors differ from this model's: missing {missing}, unexpected {extra}, other shape or dtype {other}")
-    replaced: dict[int, nn.Parameter] = {}
-    for name, old in params.items():
-        tensor = weights[name]
-        new = nn.Parameter(tensor if zero_copy else tensor.to(target, copy=True), requires_grad=False)
-        new.__dict__.update(old.__dict__)  # vLLM's attributes (weight_loader, ...) for a later reload
-        replaced[id(old)] = new
-    # By identity, in every module: a tied parameter is one object under two names, which
-    # named_parameters() listed once.
-    modules = dict(model.named_modules(remove_duplicate=False))
-    for module in modules.values():
-        for leaf, p in list(module._parameters.items()):
-            if p is not None and id(p) in replaced:
-                module._parameters[leaf] = replaced[id(p)]
-    for name in buffers:
-        module_name, _, leaf = name.rpartition(".")
-        modules[module_name]._buffers[leaf] = weights[BUFFER_PREFIX + name].to(target, copy=True)
-
-
 def _one_line(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return " ".join(text.split())
 
 
-__all__ = ["BUFFER_PREFIX", "WeightcacheModelLoader", "processed_key", "publishable"]
+__all__ = ["WeightcacheModelLoader"]
