@@ -41,7 +41,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests_vllm"))
 
 SIZES = {  # hidden, intermediate, layers, vocab
-    "tiny": (256, 512, 2, 503),
+    "tiny": (256, 512, 2, 768),
     "medium": (1024, 4096, 8, 32000),
 }
 

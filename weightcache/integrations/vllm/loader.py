@@ -189,7 +189,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         return Plan(folder, device, attach_device, name, fingerprint, None, None)
 
     def _checkpoint_folder(self, model_config: ModelConfig, model: nn.Module | None) -> str:
-        if model is not None and getattr(model, "secondary_weights", ()):
+        if model is not None and getattr(model, "secondary_weights", None):
             raise Unusable("this model reads weights from more than one source")
         try:
             folder, files, use_safetensors, _ = self._disk("safetensors")._prepare_weights(
@@ -221,7 +221,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         model = super().create_model(vllm_config, model_config, prefix)
         self._created = model
         self.phases["init_s"] = time.perf_counter() - started
-        if getattr(model, "secondary_weights", ()):
+        if getattr(model, "secondary_weights", None):
             raise Unusable("this model reads weights from more than one source")
         self._weights_started = time.perf_counter()
         return model
@@ -361,7 +361,7 @@ class _Attached(DefaultModelLoader):
         self._weights = weights
 
     def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.counter_before_loading_weights == 0.0:
+        if self.counter_before_loading_weights == 0.0:  # type: ignore[has-type]  # vLLM logs the time from it
             self.counter_before_loading_weights = time.perf_counter()
         yield from self._weights.items()
 
