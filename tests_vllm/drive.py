@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,11 +34,11 @@ def init_one_rank() -> None:
 
     _set_torch_accelerator_to_noop()  # as vLLM's CPU model runner does: torch.accelerator has no device here
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # A file rendezvous: a free TCP port found first can be taken by another process
+    # before gloo binds it (seen on the busy CI VM).
+    rendezvous = tempfile.mkdtemp(prefix="wcv-gloo-")
     with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=0,
+        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{rendezvous}/store", local_rank=0,
                                      backend="gloo")
         initialize_model_parallel(1, 1)
     _initialized = True
