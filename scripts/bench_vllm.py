@@ -28,6 +28,7 @@ them) before the engine, ``total`` the process from its first import to the toke
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -94,21 +95,19 @@ def child(args: argparse.Namespace) -> None:
     timed(wc.WeightcacheModelLoader, "_publish", "publish")
     timed(wc.WeightcacheModelLoader, "load_model", "load_model")
     timed(default_loader.DefaultModelLoader, "load_model", "load_model")
-    if args.nopack:
-        from drive import keep_linear_weights
+    from drive import keep_linear_weights
 
-        keep_linear_weights().__enter__()
-
-    started = time.perf_counter()
-    extra = {} if args.mode is None else {"model_loader_extra_config": {"mode": args.mode}}
-    # The engine core and its worker in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 and
-    # the "uni" executor), where the timers above are.
-    llm = LLM(model=args.model, load_format=args.load_format, dtype="float32", max_model_len=128, max_num_seqs=1,
-              enforce_eager=True, seed=0, distributed_executor_backend="uni", **extra)
-    phases["engine"] = time.perf_counter() - started
-    started = time.perf_counter()
-    llm.generate(["w1 w2 w3"], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-    phases["first_token"] = time.perf_counter() - started
+    with keep_linear_weights() if args.nopack else contextlib.nullcontext():
+        started = time.perf_counter()
+        extra = {} if args.mode is None else {"model_loader_extra_config": {"mode": args.mode}}
+        # The engine core and its worker in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0
+        # and the "uni" executor), where the timers above are.
+        llm = LLM(model=args.model, load_format=args.load_format, dtype="float32", max_model_len=128, max_num_seqs=1,
+                  enforce_eager=True, seed=0, distributed_executor_backend="uni", **extra)
+        phases["engine"] = time.perf_counter() - started
+        started = time.perf_counter()
+        llm.generate(["w1 w2 w3"], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        phases["first_token"] = time.perf_counter() - started
     phases["total"] = time.perf_counter() - t0
     print("RESULT " + json.dumps(phases), flush=True)
 

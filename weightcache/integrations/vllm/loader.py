@@ -99,7 +99,7 @@ class WeightcacheModelLoader(BaseModelLoader):
     def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
         self.options = Options.parse(load_config.model_loader_extra_config)
-        self.phases: dict[str, float] = {}  # seconds per phase of the last load_model (logged at its end)
+        self.phases: dict[str, float] = {}  # seconds per phase of the last load_model
         self._plan_in_use: Plan | None = None  # the plan of the load_model in progress
         self._weights_started: float | None = None
         self._created: nn.Module | None = None  # the model create_model made last (dropped again when a load gives up)
@@ -147,6 +147,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             try:
                 model = self._attach_processed(vllm_config, model_config, prefix, plan)
                 if model is not None:
+                    self._log_phases()
                     return model
             except (WeightcacheError, OSError) as exc:
                 logger.warning("weightcache: attaching processed weights failed (%s); attaching the checkpoint", _one_line(exc))
@@ -158,7 +159,11 @@ class WeightcacheModelLoader(BaseModelLoader):
             return self._default_load(vllm_config, model_config, prefix)
         if plan.key is not None and self.options.publish:
             self._publish(model, plan)
+        self._log_phases()
         return model
+
+    def _log_phases(self) -> None:
+        logger.info("weightcache: load_model phases: %s", ", ".join(f"{k[:-2]} {v:.3f} s" for k, v in self.phases.items()))
 
     # -- the plan ----------------------------------------------------------------------
     def _plan(self, vllm_config: VllmConfig, model_config: ModelConfig, model: nn.Module | None) -> Plan:
