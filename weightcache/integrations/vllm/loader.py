@@ -21,7 +21,7 @@ the weight source, and processed weights kept in the daemon between starts.
    copies (vLLM writes some, e.g. attention scales). Then post-processing runs under
    ``weights_already_processed()``, which rebuilds only kernel state.
 4. Otherwise the checkpoint is attached and fed to ``model.load_weights`` through
-   vLLM's own ``DefaultModelLoader`` (its expert filter and its check that every
+   vLLM's own ``DefaultModelLoader`` (its ``load_weights`` and its check that every
    parameter was loaded), then post-processed as usual; the lease ends once the
    copies are made. With ``publish`` the processed parameters and buffers are then
    published under the key, unless post-processing left a parameter empty (vLLM's CPU
@@ -359,7 +359,7 @@ class WeightcacheModelLoader(BaseModelLoader):
 
 class _Attached(DefaultModelLoader):
     """vLLM's default loader with an attached model as its one weight source: its
-    ``load_weights`` (expert filter, the check that every parameter was loaded) as is."""
+    ``load_weights`` (the check that every parameter was loaded) as is."""
 
     def __init__(self, load_config: LoadConfig, weights: Mapping[str, torch.Tensor]) -> None:
         super().__init__(load_config)
