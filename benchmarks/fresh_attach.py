@@ -57,10 +57,10 @@ of each phase over the processes, per client (``summary.sync``, ``summary.async`
 daemon at the end. A warm-up process (not counted) runs first, so every measured one
 finds Python's bytecode cache written.
 
-    python scripts/fresh_attach.py --device cuda:0 --size-gib 9.15 --tensors 183 --procs 7 --anchors
-    python scripts/fresh_attach.py --device cpu --size-gib 0.5 --tensors 100 --procs 5
-    python scripts/fresh_attach.py --device cpu --size-gib 0.25 --tensors 200 --procs 20 --no-breakdown
-    python scripts/fresh_attach.py --socket /run/weightcache/weightcache.sock --model qwen-7b --device cuda:0
+    python -m benchmarks fresh-attach --device cuda:0 --size-gib 9.15 --tensors 183 --procs 7 --anchors
+    python -m benchmarks fresh-attach --device cpu --size-gib 0.5 --tensors 100 --procs 5
+    python -m benchmarks fresh-attach --device cpu --size-gib 0.25 --tensors 200 --procs 20 --no-breakdown
+    python -m benchmarks fresh-attach --socket /run/weightcache/weightcache.sock --model qwen-7b --device cuda:0
 """
 
 # ruff: noqa: E402  (a measured engine imports torch before the rest of this script's imports)
@@ -97,6 +97,7 @@ PHASES = ["import_ms", "import_cpu_ms", "connect_ms", "connect_cpu_ms", "attach_
           "views_ms", "connect_to_usable_ms", "first_touch_ms", "second_attach_ms", "gc_ms"]
 TARGET_MS = 5.0
 CLIENTS = ("sync", "async")
+RESULTS = Path(__file__).resolve().parent.parent / "results"  # where every tool writes by default
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -518,7 +519,7 @@ def main() -> None:
     ap.add_argument("--settle-s", type=float, default=1.0, help="with --anchors on a GPU: pause after every process")
     ap.add_argument("--base", help="with --anchors: also time engines that import weightcache from this directory, the one "
                                    "holding another version's weightcache/ (e.g. from `git archive`), alternating with the rest")
-    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--out", type=Path, default=RESULTS / "fresh-attach.json", help="also write the JSON here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -570,8 +571,8 @@ def main() -> None:
     }
     text = json.dumps(report, indent=2)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text + "\n")
 
 
 if __name__ == "__main__":
