@@ -1,4 +1,4 @@
-"""Time a fresh engine's attach, phase by phase (issue 13): connect -> usable tensors.
+"""Time a fresh engine's attach, phase by phase: connect -> usable tensors.
 
 Each measured process is new. It imports torch and initialises CUDA first (the engine's
 own start, reported but not counted), then times what the client adds, with one of the
@@ -32,11 +32,11 @@ in the machine weighs on both alike):
   gc_ms, gc_gens        time in the cyclic GC's collections from the import to usable
                         tensors, and their generations: a fresh engine's first
                         collections go through what ``import torch`` left (a gen-1 one
-                        cost ~2 ms on the 2-core VM, issue 23), so how many objects the
+                        cost ~2 ms on the 2-core VM), so how many objects the
                         client keeps alive at once shows here
 
-With ``--anchors`` it then times, side by side and alternating, what issue 23 asks of a
-fresh engine: import -> usable tensors with weightcache (bytecode cached, as a wheel
+With ``--anchors`` it then times, side by side and alternating, what a
+fresh engine pays: import -> usable tensors with weightcache (bytecode cached, as a wheel
 install leaves it, and compiled from source, as an editable checkout with
 PYTHONDONTWRITEBYTECODE=1 has it), with a fresh process's ``load_file`` of the same file,
 and on a GPU with the same tensors as torch CUDA IPC handles from a holder process
@@ -369,7 +369,7 @@ def time_restarts(args: argparse.Namespace, sock: str, model: str) -> dict[str, 
     """The bench's restart rows (weightcache/tools/restart.py): a fresh engine process to
     ready, ``floor`` (import torch + CUDA init), ``disk`` (+ load_file) and ``cache`` (+
     import the client, connect, attach), interleaved, page cache warm. ``weights_s`` is
-    the in-process weights step, timed after torch and CUDA are ready: issue 13's target
+    the in-process weights step, timed after torch and CUDA are ready: the target
     for ``cache`` is within 20 ms of the floor, i.e. a weights step <= 20 ms."""
     from weightcache.tools.bench_measure import warm_page_cache
     from weightcache.tools.restart import time_restart
@@ -395,7 +395,7 @@ def time_restarts(args: argparse.Namespace, sock: str, model: str) -> dict[str, 
 
 
 def time_anchors(args: argparse.Namespace, sock: str, model: str, clients: tuple[str, ...]) -> dict[str, Any]:
-    """Issue 23's comparison: import -> usable tensors in fresh processes, side by side,
+    """The comparison: import -> usable tensors in fresh processes, side by side,
     alternating: weightcache (bytecode cached, and compiled from source), a fresh
     process's load_file of the same file, and on a GPU the same tensors as torch CUDA IPC
     handles from a process that holds them (weightcache/tools/restart.py)."""
@@ -437,7 +437,7 @@ def time_anchors(args: argparse.Namespace, sock: str, model: str, clients: tuple
                 if cuda:
                     # A process's device memory and context are freed by the driver after it
                     # exits: without a pause that may fall on the next process's time (in
-                    # session 9's runs weightcache's processes were ~12 ms p50 beside the
+                    # runs without it weightcache's processes were ~12 ms p50 beside the
                     # others against ~9 ms for the same phases back to back).
                     time.sleep(args.settle_s)
     out: dict[str, Any] = {}

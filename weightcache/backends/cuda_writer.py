@@ -50,7 +50,7 @@ class VmmWriter:
     """preadv into a per-thread pinned buffer, then an async host-to-device copy on that
     thread's own stream: 8 threads x 16 MiB reached 39 GB/s from page cache on the H200 in
     one process, and 31.9-41.4 GB/s through the daemon on two hosts of the same kind
-    (docs/benchmarks.md, issue 28). Copying straight from registered page-cache pages
+    (docs/benchmarks.md). Copying straight from registered page-cache pages
     instead was slower (20-24 GB/s: the registration is the cost; benchmarks/registered_reads.py);
     with ``begin`` told of files wholly cached and the backend's ``load_page_cache_dma``
     on, a registrar registers them from the load's end while these threads stage from its
