@@ -42,13 +42,12 @@ from typing import Any
 
 from cuda.bindings import driver as cu
 
+from benchmarks.registered_reads import RegisteredReads
 from weightcache import cuda_driver as drv
 from weightcache.backends.cuda import CudaBackend
 from weightcache.backends.cuda_writer import VmmWriter
 from weightcache.backends.page_windows import probe_registration
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
-
-from benchmarks.registered_reads import RegisteredReads
 from weightcache.loader.content import FILE_DIGESTS
 from weightcache.tools.bench_measure import INSTANTTENSOR_BACKENDS, INSTANTTENSOR_ENV, warm_page_cache
 from weightcache.tools.synth import kept_checkpoint

@@ -14,7 +14,8 @@ The table also keeps, in name order, what the content fingerprint hashes of each
 after its name (``\\0 dtype \\0 shape \\0``, Note [content fingerprint], content.py):
 made where the rows are (in the parse worker for a big header), so the fill hashes the
 header half without a row object a tensor. That is what the daemon's threads had built
-at every load of a 100k-tensor file, 1.65-1.82 s of Python holding the interpreter lock; it costs ~7 bytes a tensor plus two 8-byte columns, counted with the rest
+at every load of a 100k-tensor file, 1.65-1.82 s of Python holding the interpreter lock;
+it costs ~7 bytes a tensor plus two 8-byte columns, counted with the rest
 (buffer_bytes).
 """
 
