@@ -50,7 +50,7 @@ demo: install
 	$(BIN)/weightcache demo
 
 lint: install
-	$(BIN)/ruff check weightcache tests tests_vllm examples scripts benchmarks
+	$(BIN)/ruff check weightcache tests tests_vllm examples benchmarks
 	$(BIN)/mypy
 
 test: lint
@@ -66,7 +66,7 @@ bench: install
 
 # Engine start to first token, default loader against the plugin (docs/vllm.md).
 bench-vllm: install
-	$(VLLM_ENV) $(VLLM_BIN)/python scripts/bench_vllm.py --out results/vllm-bench-cpu.json
+	$(VLLM_ENV) $(VLLM_BIN)/python -m benchmarks vllm-start --out results/vllm-bench-cpu.json
 
 # Longer reliability runs (docs/reliability.md): churn with SIGKILLs, tenants abusing the
 # daemon, and a longer fuzz. Results go to results/.

@@ -10,7 +10,7 @@ with ``perf_counter`` and ``process_time`` until the tensors are usable, either
 with the cyclic GC's collections in the span noted (``gc.callbacks``). Ways alternate
 round by round, so that drift in the machine weighs on each alike; ``--base DIR`` adds a
 third way, weightcache imported from DIR (another version of the package, e.g. from
-``git archive``), to compare two versions in one run. scripts/fresh_attach.py's
+``git archive``), to compare two versions in one run. ``benchmarks fresh-attach``'s
 ``--anchors`` measures the same span inside tools/restart.py's engine, whose own imports
 leave the collector in another state (docs/benchmarks.md says what that changes).
 

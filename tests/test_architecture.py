@@ -43,7 +43,7 @@ def _imports(path: Path) -> set[str]:
 
 def test_entry_names_and_share_keys_are_spelled_in_one_place():
     """A staging entry, a rank's or a replica's name and a share key are spelled by
-    cache/names.py alone (issue 26: "#" in name was tested in six places)."""
+    cache/names.py alone ("#" in name was tested in six places)."""
     for path in PACKAGE.rglob("*.py"):
         if path.parts[-2:] in (("cache", "names.py"),) or path.parts[-2] not in ("server", "cache", "residency"):
             continue
@@ -168,7 +168,7 @@ CLIENT_MUST_NOT_IMPORT = ("weightcache.loader", "weightcache.server", "weightcac
 def test_no_module_of_the_client_imports_the_daemon_nor_its_loader():
     """Every module of weightcache.client, imported in a fresh interpreter, imports the
     protocol and the client only: never weightcache.loader, weightcache.server or
-    cuda-bindings (issue 26: publish imported the loader, and so all of it, for one
+    cuda-bindings (publish imported the loader, and so all of it, for one
     constant; the client's modules are what engines and the CLI pay for)."""
     code = ("import pkgutil, sys, weightcache.client\n"
             "for m in pkgutil.iter_modules(weightcache.client.__path__):\n"
@@ -181,7 +181,7 @@ def test_no_module_of_the_client_imports_the_daemon_nor_its_loader():
 
 def test_no_client_module_reaches_the_loader_even_at_call_time():
     """No import anywhere in a client module, function bodies included, of the loader,
-    the server or cuda-bindings (issue 26: register and verify reached the loader for
+    the server or cuda-bindings (register and verify reached the loader for
     checkpoint discovery, now in the leaf weightcache/checkpoint_files.py)."""
     for path in sorted((PACKAGE / "client").glob("*.py")):
         reached = {m for m in _imports(path) if m.startswith(CLIENT_MUST_NOT_IMPORT)}

@@ -1,4 +1,4 @@
-"""``weightcache bench --checkpoint PATH`` on the files users have (issue 23): one file
+"""``weightcache bench --checkpoint PATH`` on the files users have: one file
 written by safetensors' ``save_file``, and a sharded directory as transformers'
 ``save_pretrained`` writes it (shards and their index json; written by transformers where
 it is installed, else by ``save_file`` and an index json of the same shape). Every row
@@ -92,7 +92,7 @@ def check_rows(r: dict[str, Any], printed: str, ckpt: Path, tensors: int) -> Non
 def test_bench_on_a_file_written_by_save_file(capsys, tmp_path):
     p = tmp_path / "m.safetensors"
     save_file(some_tensors(12, seed=0), str(p))
-    assert p.stat().st_mode & 0o777 == 0o600  # as users' files are (issue 23)
+    assert p.stat().st_mode & 0o777 == 0o600  # as users' files are
     r, printed = bench(capsys, tmp_path, p, "--cold-reps", "0")
     check_rows(r, printed, p, 12)
     assert r["load_file_cold_s"] is None and "notes" not in r

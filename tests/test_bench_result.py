@@ -166,7 +166,7 @@ def test_fresh_attach_connect_to_tensors_is_per_process():
 
 
 def test_an_operators_checkpoint_and_skipped_rows_are_in_the_json_only_when_there():
-    """--checkpoint (issue 23): the path and its file count beside the environment, why the
+    """--checkpoint: the path and its file count beside the environment, why the
     page cache was refused beside the arena, and the rows that did not run; a generated
     checkpoint's JSON keeps exactly its old keys."""
     base = typed(json.loads((RESULTS / "bench-cpu-2026-12-02.json").read_text()))

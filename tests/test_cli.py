@@ -1,4 +1,4 @@
-"""Issue 14, "CLI and output" and "seeing who holds what": the commands' output (human and
+"""CLI output and seeing who holds what: the commands' output (human and
 --json), tables that are not cut when piped, one size convention, --socket anywhere and
 from $WEIGHTCACHE_CONFIG, the load's progress and what it evicted, `ps` with the lease
 holders, NO_SPACE and ATTACHED naming the holders (as far as the requester may see
@@ -307,7 +307,7 @@ def test_register_says_who_may_use_it_and_status_shows_tenants(start_daemon, ckp
 
 
 def test_models_shows_why_a_model_cannot_load(start_daemon, tmp_path, capsys):
-    """A path typo is found at start; the table says so, not only --json (issue 14)."""
+    """A path typo is found at start; the table says so, not only --json."""
     d = start_daemon(models={"typo": tmp_path / "nope.safetensors"})
     for _ in range(100):  # the start-up check runs in the background
         rc, out, _ = cli(capsys, "--socket", d.socket, "models")

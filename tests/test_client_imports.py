@@ -89,7 +89,7 @@ def test_attach_imports_torch_when_first_used_and_the_tensors_work(start_daemon,
 
 def test_an_engine_that_attaches_never_imports_msgpack(start_daemon, ckpts):
     # The client's frames go through its own codec (protocol/pymsgpack.py): msgpack's
-    # import was 1.3-1.8 ms of a fresh engine's span on the 2-core VM (issue 23). Nor
+    # import was 1.3-1.8 ms of a fresh engine's span on the 2-core VM. Nor
     # does a SyncClient engine import the asyncio client (client/aio.py).
     d = start_daemon(models={"tiny": ckpts["tiny"]})
     out = run_python("""
@@ -124,7 +124,7 @@ def test_the_torch_names_are_lazy_attributes():
 
 def test_the_client_and_its_gpu_half_import_nothing_heavy():
     # An engine pays for every import on its restart path: importing cuda-bindings for
-    # the driver calls cost 15.5-16 ms on the H200 (issue 13); the ctypes binding
+    # the driver calls cost 15.5-16 ms on the H200; the ctypes binding
     # (client/libcuda.py) costs nothing that torch has not imported already.
     out = run_python("""
         import sys

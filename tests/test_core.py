@@ -222,7 +222,7 @@ def shared_with_a_kept_copy() -> CacheCore:
 
 @pytest.mark.parametrize("how", ["explicit", "policy"])
 def test_a_shared_arena_holds_no_kept_copy(how):
-    # Found by review: a kept copy outlived its name (EVICTED with a host copy), its room lost
+    # A kept copy must not outlive its name (EVICTED with a host copy), its room lost
     # and, after a same-size change of the files, old bytes promoted under the new checkpoint.
     core = shared_with_a_kept_copy()
     assert core.entry("a").host_copy
@@ -256,7 +256,7 @@ def test_a_promotion_that_finds_its_files_shared_now_keeps_no_copy():
 
 
 def test_no_host_copy_is_dropped_for_a_victim_that_cannot_fit_anyway():
-    # Found by review: v1 dropped h's copy, still did not fit, and was evicted all the same.
+    # v1 must not drop h's copy when it would still not fit and be evicted all the same.
     core = CacheCore({"cuda:0": 300}, clock=Clock(), host_budget=150)
     for n in ("v1", "v2", "h", "c"):
         core.register(n, "cuda:0")

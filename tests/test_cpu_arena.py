@@ -379,7 +379,7 @@ async def test_a_file_someone_holds_open_for_writing_is_copied(start_daemon, tmp
 
 async def test_a_file_written_by_save_file_is_served_from_its_page_cache(start_daemon, tmp_path):
     # safetensors' save_file creates files 0600 (save_pretrained writes through it): the
-    # operator's files as they are, which were all copied into a memfd before (issue 23).
+    # operator's files as they are, which were all copied into a memfd before.
     p = tmp_path / "m.safetensors"
     expected = {f"t{i}": torch.randn(1000 + i) for i in range(8)}
     save_file(expected, str(p))

@@ -1,5 +1,5 @@
 """The host pool's extent allocator: a host copy may be several pieces, so any free
-bytes can take a demotion (issue 12: a first-fit pool failed demotions with room left)."""
+bytes can take a demotion (a first-fit pool failed demotions with room left)."""
 
 import pytest
 from hypothesis import given, settings

@@ -59,7 +59,7 @@ async def test_a_fresh_engine_attaches_through_ctypes_without_cuda_bindings(star
     assert got["same"] and got["on_gpu"], got
     assert got["extra"] == 0, got  # zero-copy: no GPU memory of its own
     assert got["cuda_modules"] == [], got  # the client's driver calls went through ctypes
-    assert got["import_ms"] < 50, got  # not a benchmark (scripts/fresh_attach.py is): only that nothing heavy came in
+    assert got["import_ms"] < 50, got  # not a benchmark (benchmarks/fresh_attach.py is): only that nothing heavy came in
 
 
 def test_a_fresh_engine_publishes_gpu_tensors_through_ctypes_without_cuda_bindings(start_daemon):

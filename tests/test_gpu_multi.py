@@ -1,4 +1,4 @@
-"""Several GPUs: device = "auto" placement and GPU-to-GPU copies (issue 15). Skipped
+"""Several GPUs: device = "auto" placement and GPU-to-GPU copies. Skipped
 unless CUDA, cuda-bindings and at least two GPUs are present; written for any number of
 GPUs (`python -m benchmarks multi-gpu` measures the same paths on big models)."""
 

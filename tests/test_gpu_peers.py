@@ -1,4 +1,4 @@
-"""Two daemons on one GPU (issue 27): a model resident in one's VMM memory is filled into
+"""Two daemons on one GPU: a model resident in one's VMM memory is filled into
 the other's through the device rings (backends/cuda_staging.py, peers/staged.py) over
 NIXL, bit-exact, its pieces hashed on the GPU once landed; a lender killed mid-transfer
 leaves the load to the files and nothing held. Run with the device tool; CI has no GPU.

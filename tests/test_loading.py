@@ -283,7 +283,7 @@ async def test_waiters_for_a_model_whose_load_fails_before_admission_do_not_fail
             raise LoadFailed("b: the files no longer parse", model="b")
 
         monkeypatch.setattr(checks, "parse_checkpoint", broken)  # a load parses through checks.parse_charged
-        # The files changed (else the waiting load reuses the parse it kept: issue 25).
+        # The files changed (else the waiting load reuses the parse it kept).
         st = os.stat(ckpts["b"])
         os.utime(ckpts["b"], ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
         core.detach(lease.id, 1)

@@ -1,4 +1,4 @@
-"""The Prometheus endpoint (issue 14): /metrics only, removed models' series go, error
+"""The Prometheus endpoint: /metrics only, removed models' series go, error
 replies counted by code and op."""
 
 import struct
@@ -88,7 +88,7 @@ async def test_error_replies_are_counted_by_code_and_op(start_daemon, tmp_path):
 
 
 async def test_half_sent_scrapes_cannot_pile_up_threads(start_daemon):
-    """Any local user reaches the port: a review parked 250 threads in the daemon with
+    """Any local user reaches the port: one could park 250 threads in the daemon with
     requests it never finished. At most MAX_SCRAPES (4) are served at once."""
     import os
     import socket

@@ -125,7 +125,7 @@ def test_kubernetes_manifest_matches_the_tested_config_and_cli():
 
     root = Path(__file__).resolve().parent.parent / "examples" / "kubernetes"
     docs = {d["kind"]: d for d in yaml.safe_load_all((root / "weightcache-daemonset.yaml").read_text())}
-    assert set(docs) == {"ConfigMap", "Service", "DaemonSet", "Pod"}  # Service: the peers' headless Service (issue 27)
+    assert set(docs) == {"ConfigMap", "Service", "DaemonSet", "Pod"}  # Service: the peers' headless Service
     # The ConfigMap's TOML is the file test_config.py loads.
     assert docs["ConfigMap"]["data"]["weightcache.toml"] == (root / "weightcache.toml").read_text()
     (daemon,) = docs["DaemonSet"]["spec"]["template"]["spec"]["containers"]
@@ -182,7 +182,7 @@ async def test_health_is_ready_once_preloads_are_resident_and_reports_failures(s
 
 
 async def test_json_logs_carry_fields(start_daemon, ckpts):
-    """conn, pid, uid, op, code, model, bytes, seconds as top-level keys (issue 14), not only in msg."""
+    """conn, pid, uid, op, code, model, bytes, seconds as top-level keys, not only in msg."""
     d = start_daemon(models={"a": ckpts["a"]}, extra_daemon={"log_format": "json", "log_level": "debug"})
     async with Client(d.socket) as c:
         with pytest.raises(Exception, match="nope"):

@@ -1,4 +1,4 @@
-"""Issue 24, the CLI's habits: ``--version``, a quiet exit when the reader of a pipe
+"""The CLI's habits: ``--version``, a quiet exit when the reader of a pipe
 goes (``weightcache ps --json | head``), strict JSON (no NaN/Infinity, and
 ``keep_alive = inf`` refused in the file), examples in each subcommand's help, and
 ``register`` saying that a runtime registration does not outlive the daemon."""

@@ -1,4 +1,4 @@
-"""Issue 24: after a daemon restart, an engine still mapping the old daemon's copy was
+"""After a daemon restart, an engine still mapping the old daemon's copy was
 invisible (no lease in `ps`, its memory outside every budget). The new daemon finds the
 processes that map an earlier daemon's memfd arenas (/proc/<pid>/maps) before its socket
 listens, warns at start, and `status` lists them while they still map it

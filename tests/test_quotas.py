@@ -1,5 +1,5 @@
-"""Per-tenant quotas in the pure core (cache/core.py, Note [quotas]) and their config
-(issue 15): a tenant over its byte quota on a device evicts its own unattached models
+"""Per-tenant quotas in the pure core (cache/core.py, Note [quotas]) and their config:
+a tenant over its byte quota on a device evicts its own unattached models
 first, and is refused NO_SPACE naming the quota when they cannot make room; pins are
 counted per model; the operator's models count against no quota. The multi-uid tests
 through the daemon are in tests/security/test_tenants.py."""

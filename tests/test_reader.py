@@ -62,7 +62,7 @@ def test_residency_probe_and_the_auto_choice(data_file):
     try:
         # Warm, and held mapped while the probe looks: on a busy VM reclaim (this one's
         # DAMON pages out unmapped file pages) took pages between a plain read and the
-        # probe, and "auto" then chose O_DIRECT (a failure seen under load, issue 23).
+        # probe, and "auto" then chose O_DIRECT (a failure seen under load).
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as held:
             assert len(bytes(held)) == size
             assert resident_fraction(fd, size) >= 0.9
@@ -74,7 +74,7 @@ def test_residency_probe_and_the_auto_choice(data_file):
             pytest.skip("posix_fadvise(DONTNEED) did not drop the pages here")
         # Looking does not read: the RWF_NOWAIT probe this replaced started readahead of
         # each page it missed, so 50 ms later this file was 100% warm and "auto" read it
-        # buffered (a CI failure, issue 23).
+        # buffered (a CI failure).
         time.sleep(0.1)
         assert resident_fraction(fd, size) <= cold
         rfd, direct, why = open_for_reading(fd, size, DirectWriter(), "auto")

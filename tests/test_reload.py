@@ -1,4 +1,4 @@
-"""Reload keeps what it can (issue 14): a policy change (keep_alive, pin, preload) applies
+"""Reload keeps what it can: a policy change (keep_alive, pin, preload) applies
 in place to a resident model; a changed path that does not open or parse keeps the old
 model and fails the reload; models peers registered survive reloads and SIGHUP; a config
 model whose file is bad shows its reason in `models` from the start."""

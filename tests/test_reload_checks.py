@@ -1,4 +1,4 @@
-"""Issue 24, the reload an operator can trust: it checks what start checks (a CPU budget
+"""The reload an operator can trust: it checks what start checks (a CPU budget
 larger than the host is refused by both), one rule for the exit status (every change
 that did not take effect is one line under ``failed`` and a non-zero exit), the models
 a lowered budget evicted are listed, sizes are readable in the CLI's lines and numbers in

@@ -1,4 +1,4 @@
-"""Issue 5: who may connect, limits, timeouts, and an announced, lease-aware shutdown."""
+"""Who may connect, limits, timeouts, and an announced, lease-aware shutdown."""
 
 import asyncio
 import os

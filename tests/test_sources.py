@@ -1,5 +1,5 @@
 """Opening a checkpoint once and only reading it through those fds (sources.py), and the
-strict header parser: each test is one finding of the tenant-isolation review."""
+strict header parser: each test is one way a tenant could cross into another's data."""
 
 import json
 import os

@@ -1,5 +1,5 @@
 """A daemon that cannot start says why in one line naming the key or path and what to do,
-exits 2, and leaves no socket behind; in JSON log mode that line is JSON (issue 14)."""
+exits 2, and leaves no socket behind; in JSON log mode that line is JSON."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""weightcache supervise (issue 16): a real supervisor process forking real engines.
+"""weightcache supervise: a real supervisor process forking real engines.
 
 Each test runs ``python -m weightcache supervise ... -- python ENGINE`` with an engine
 script written for the test, and reads what the engine wrote, the supervisor's log

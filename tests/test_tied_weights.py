@@ -2,7 +2,7 @@
 Qwen2.5-0.5B/1.5B, Gemma): their checkpoints store the shared tensor once, and
 ``from_pretrained`` ties the output layer to it again. Attached from a real daemon and
 put into an ``empty_parameters`` skeleton with ``load_into_module``, the logits must be
-``from_pretrained``'s bit for bit (issue 24). Tiny configs, built locally: no downloads."""
+``from_pretrained``'s bit for bit. Tiny configs, built locally: no downloads."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 24: a directory of .safetensors files without an index was merged into one model
+"""A directory of .safetensors files without an index was merged into one model
 silently, whatever the files were. It is still loaded as one model (a directory of
 shards named any way keeps working; tensor names that clash are refused), but unless
 its files plainly belong together (one file, an index, or one complete

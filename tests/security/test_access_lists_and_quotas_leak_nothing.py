@@ -1,4 +1,4 @@
-"""Per-model access lists and per-tenant quotas (issue 15) leak nothing: errors and
+"""Per-model access lists and per-tenant quotas leak nothing: errors and
 placements name no model the viewer may not use, a quota error does not tell what its
 owner holds, and a tenant's files never share an arena with another name."""
 

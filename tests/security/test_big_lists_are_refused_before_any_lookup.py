@@ -1,4 +1,4 @@
-"""Issue 25, row 1: a request's lists are bounded before any per-entry work, and a
+"""A request's lists are bounded before any per-entry work, and a
 peer's group names are resolved from the config only, never looked up per request.
 (Row 6, per-uid limits reserved before the first await: test_per_uid_limits_hold.py.)"""
 

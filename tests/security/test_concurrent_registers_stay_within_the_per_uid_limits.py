@@ -1,4 +1,4 @@
-"""Issue 25, "every per-uid limit is reserved atomically before the first await": a
+"""Every per-uid limit is reserved atomically before the first await. A
 register checked max_files_per_uid before it parsed the header (``await check_files``)
 and never again, and checked max_models_per_uid before and after. So a tenant's
 concurrent registers all passed the file limit (16 registers of one file each under a

@@ -1,4 +1,4 @@
-"""Issue 25, "names in the config win": a tenant registers a name the operator is about to
+"""Names in the config win: a tenant registers a name the operator is about to
 add (open to the other tenants) and keeps one lease on it. At reload the config's model
 was reported `kept` and never registered, and other tenants attaching the name got the
 squatter's bytes. Now the name is claimed at reload: the reload reports it `pending` and

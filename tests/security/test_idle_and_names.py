@@ -1,5 +1,5 @@
 """What a connection keeps after its requests are answered: nothing of its frames, and a
-bounded, printable client name (found by the review after the fix landed)."""
+bounded, printable client name."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 25, row 3: with the default config (no model_roots, follow_symlinks = true) the
+"""With the default config (no model_roots, follow_symlinks = true) the
 root daemon follows no symbolic link in a directory someone else can change."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 25, row 5: fair shares of the daemon's shared work. One tenant's loads of
+"""Fair shares of the daemon's shared work. One tenant's loads of
 100k-tensor headers pushed another tenant's attach p99 from 9.5 to 604 ms and left its
 cold loads queued behind them. What is held here by counts and bytes; the latencies
 are `python -m benchmarks abuse`'s to measure (docs/reliability.md has the figures)."""

@@ -1,4 +1,4 @@
-"""Issue 25, row 8: log lines for events peers cause are rate-limited per uid, and what
+"""Log lines for events peers cause are rate-limited per uid, and what
 was left out is counted in the log."""
 
 from __future__ import annotations

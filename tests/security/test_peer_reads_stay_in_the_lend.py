@@ -1,4 +1,4 @@
-"""A neighbour daemon reads only what a lend registered (issue 27, docs/reliability.md
+"""A neighbour daemon reads only what a lend registered (docs/reliability.md
 "Peers"): NIXL refuses a read whose remote range is outside the lender's registration,
 over UCX's default transports and over TCP alone (the transport between nodes without
 RDMA). The check is NIXL's, in the reader's own library: what it holds against a peer

@@ -1,5 +1,5 @@
 """Per-uid limits hold whatever a tenant does at once: concurrent publishes cannot pass
-max_models_per_uid (each reserves its slot before its first await; issue 25, row 6),
+max_models_per_uid (each reserves its slot before its first await),
 registrations by fds cannot make the daemon hold unbounded fds, and one tenant's
 unfinished frames cannot use up the partial-frame budget of all."""
 

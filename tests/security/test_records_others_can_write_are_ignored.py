@@ -1,4 +1,4 @@
-"""Issue 25, "Also": the supervisor's module record is held to the ownership rule the
+"""The supervisor's module record is held to the ownership rule the
 daemon applies to paths it reads as root; names in it are modules a root supervisor
 imports."""
 

@@ -1,4 +1,4 @@
-"""Issue 25, "rate-limited logs": a load refused or failed for a tenant's model is the
+"""Rate-limited logs: a load refused or failed for a tenant's model is the
 tenant's doing (its quota, its file), and the tenant may ask again as often as it likes.
 Each refusal wrote one ERROR line: a tenant asking again and again for loads of a model over its quota
 wrote one line per load (300 loads, 300 lines, before). Now such lines go through the

@@ -1,5 +1,5 @@
 """A tenant that rewrites its own registered file so that each load is refused
-(flight.py's open/parse 'load refused') writes a bounded number of lines (issue 25)."""
+(flight.py's open/parse 'load refused') writes a bounded number of lines."""
 
 from __future__ import annotations
 

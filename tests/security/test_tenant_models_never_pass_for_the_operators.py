@@ -56,7 +56,7 @@ def test_tenant_preload_cannot_make_the_daemon_unready(start_daemon, tmp_path, c
     (h,) = calls(d.socket, [{"id": 2, "op": "health"}])
     if "model" in got:  # accepted: its failure must not count against the daemon's readiness
         assert h["ready"] is True, f"a tenant's broken preload made the daemon unready: {h}"
-    else:  # refused: tenants may not register here, or (issue 24) register checks the header first
+    else:  # refused: tenants may not register here, or register checks the header first
         assert got.get("code") in ("PERMISSION_DENIED", "CORRUPT_CHECKPOINT"), got
         assert h["ready"] is True, h
 

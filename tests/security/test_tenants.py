@@ -1,4 +1,4 @@
-"""Issue 15, per-model access and per-tenant quotas, played by two real tenants: forked
+"""Per-model access and per-tenant quotas, played by two real tenants: forked
 children that drop to uid 65534 (NOBODY) and 65533 (OTHER). A model another tenant may
 not use is refused PERMISSION_DENIED on every model op and is not named to it in
 `models`, `status`, `health` or a NO_SPACE message; daemon-wide figures are the
@@ -92,7 +92,7 @@ def test_a_model_others_may_not_use_is_refused_and_not_shown_to_them(start_daemo
     (r,) = as_uid(OTHER, lambda: calls(d.socket, [{"id": 1, "op": "attach", "name": "no-such-model"}]))
     assert code(r) == "UNKNOWN_MODEL"
     # How many engines, leases, loads and evictions the daemon has is what the others do:
-    # a tenant is not told (issue 25); administrators are.
+    # a tenant is not told; administrators are.
     assert denied["daemon_wide"] == [None, None, None] and allowed["daemon_wide"] == [None, None, None]
     (st,) = calls(d.socket, [{"id": 1, "op": "status"}])
     assert isinstance(st["connections"], int) and isinstance(st["leases"], int) and st["counters"]["loads"] >= 1

@@ -1,4 +1,4 @@
-"""Issue 25, row 4: a load waiting for room keeps its parse, and is woken only by a
+"""A load waiting for room keeps its parse, and is woken only by a
 detach that frees enough for it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 25, row 2: what a model makes the daemon hold beyond its arena (its parsed
+"""What a model makes the daemon hold beyond its arena (its parsed
 header and the attach table) is counted to the owner's quota and the device's budget,
 and released with the arena."""
 

@@ -50,7 +50,7 @@ class Room:
     chunk by chunk as they are copied to the host tier and freed. So a load fills its
     first chunks while its victims' last ones are still copied out (device to host and
     host to device overlap on PCIe's two directions), and the daemon never holds more
-    than its budget, even while an earlier load's victims are still leaving (issue 12: a
+    than its budget, even while an earlier load's victims are still leaving (a
     3 GiB miss under churn spent 59 ms demoting its victim before filling anything; a
     per-load room, started at "need less victims", made a load wait for victim bytes it
     did not need whenever its victims were bigger than its need)."""

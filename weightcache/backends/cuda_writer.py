@@ -50,8 +50,8 @@ class VmmWriter:
     """preadv into a per-thread pinned buffer, then an async host-to-device copy on that
     thread's own stream: 8 threads x 16 MiB reached 39 GB/s from page cache on the H200 in
     one process, and 31.9-41.4 GB/s through the daemon on two hosts of the same kind
-    (docs/benchmarks.md, issue 28). Copying straight from registered page-cache pages
-    instead was slower (20-24 GB/s: the registration is the cost; scripts/registered_reads.py);
+    (docs/benchmarks.md). Copying straight from registered page-cache pages
+    instead was slower (20-24 GB/s: the registration is the cost; benchmarks/registered_reads.py);
     with ``begin`` told of files wholly cached and the backend's ``load_page_cache_dma``
     on, a registrar registers them from the load's end while these threads stage from its
     start, and the chunks it got to first are copied from there (backends/page_windows.py).
@@ -66,7 +66,7 @@ class VmmWriter:
     Otherwise every piece is hashed on the host. ``depth`` buffers per thread, each with
     its own stream (``load_depth``, 1 by default): a second, so a thread reads while its
     last copy runs, made every arrangement slower on the H200 while every piece was hashed
-    on the host (up to 1.29x with 8 threads, 16 MiB chunks); scripts/loader_paths.py
+    on the host (up to 1.29x with 8 threads, 16 MiB chunks); benchmarks/loader_paths.py
     --depths measures it with the hash on the GPU."""
 
     direct_io = True

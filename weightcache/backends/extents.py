@@ -3,7 +3,7 @@ is tested without a GPU (tests/test_extents.py).
 
 Why extents and not one contiguous range per copy: under churn a first-fit pool
 fragmented, and demotions failed with room to spare (on an H200, 125 failed demotions in
-60 s with an 8 GiB tier and 3 GiB models; issue 12). A host copy made of several pieces
+60 s with an 8 GiB tier and 3 GiB models). A host copy made of several pieces
 costs one copy call per piece, and any free bytes can take a demotion: an allocation
 succeeds exactly when ``free_bytes >= n``.
 """

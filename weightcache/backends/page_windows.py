@@ -7,7 +7,7 @@ Note [two ways at once]
 ~~~~~~~~~~~~~~~~~~~~~~~
 Registering page-cache pages is itself the cost (the driver pins them one by one: ~40
 GB/s from one thread on the H200, and no faster from eight), so a load that waited for
-its windows to be registered ran slower than the staging path (scripts/registered_reads.py).
+its windows to be registered ran slower than the staging path (benchmarks/registered_reads.py).
 Here neither waits for the other: one registrar thread registers windows from the load's
 last byte backwards while the loader threads stage chunks from its first byte forwards
 (backends/cuda_writer.py). A chunk whose windows are registered already is copied from

@@ -37,7 +37,7 @@ class Staging:
 class StagingPool:
     """Pinned staging buffers kept across loads. Allocating them per load (8 threads x
     16 MiB: cuMemHostAlloc, and cuMemFreeHost at the end) was part of the fixed cost
-    every load paid (issue 12); kept, they cost load_threads x load_chunk_bytes of
+    every load paid; kept, they cost load_threads x load_chunk_bytes of
     pinned host memory for the daemon's life."""
 
     def __init__(self, ctx: Any, hash_streams: int) -> None:

@@ -82,11 +82,11 @@ class DeviceRates:
 
 # What a load costs before anything was measured on this machine.
 # GPU: docs/benchmarks.md, H200 run 7 (9.15 GiB): the loader from the page cache at 31.5 GB/s
-# (34.6 GB/s for 3 GiB isolated, 28.8 in issue 12: ~30) and promotion from the host tier at
+# (34.6 GB/s for 3 GiB isolated, 28.8 under churn: ~30) and promotion from the host tier at
 # 46.7 GB/s (50 for 3 GiB). The fixed cost is the phases of a load that do not grow with its
 # size, as the daemon logged them ("where a miss's time goes under churn"): open 1 ms,
 # allocate 0.7-1.3, seal 1-2, the attach table 0.3, waiting for freed arenas 2-4: ~5 ms.
-# (Issue 12's 60-100 ms per load was the victim's demotion, now overlapped with the fill.)
+# (A victim's demotion, 60-100 ms a load when it ran before the fill, overlaps the fill.)
 # Files not in the page cache are read at the disk's rate (1.9 GB/s there): a model whose
 # files are cold shows it in its own measurement (``LoadRates.cost``), not in this guess.
 GPU_DEFAULTS = DeviceRates(files=30e9, host=47e9, overhead_s=0.005)
@@ -484,7 +484,7 @@ class Admission:
 # bytes for as long as the model is resident. Evicting it later is then a free of its device
 # arena (``StepDown.release``) instead of a device-to-host copy: under churn on the H200 a
 # promotion that needed a victim's room waited ~20 ms for the victim's first 1 GiB chunk to
-# be copied out (issue 12). The kept copy costs host-tier room only while nothing else
+# be copied out. The kept copy costs host-tier room only while nothing else
 # needs it: making room in the host tier drops kept copies before any HOST model's (a kept
 # copy's bytes are still on the device; a HOST model's are nowhere else but its files).
 # Stale files drop both copies (``evict(demote=False)``). A shared arena keeps none (it is

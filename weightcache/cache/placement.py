@@ -1,4 +1,4 @@
-"""Where a model configured with ``device = "auto"`` goes (issue 15). Pure, like the core:
+"""Where a model configured with ``device = "auto"`` goes. Pure, like the core:
 the server builds a ``DeviceView`` per candidate device (``views``), asks ``place`` (one
 rank) or ``place_ranks`` (a tensor-parallel model), logs the ``Placement`` and carries
 it out through the ordinary load path, which admits it exactly as any other load.

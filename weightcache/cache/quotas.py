@@ -1,4 +1,4 @@
-"""Per-tenant quotas (issue 15): what one uid's or group's models may hold, and the
+"""Per-tenant quotas: what one uid's or group's models may hold, and the
 rules that the core (core.py) applies with them. Pure: no I/O.
 
 A tenant is named ``"uid:N"`` or ``"gid:N"``. A model registered or published by a peer

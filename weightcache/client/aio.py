@@ -2,7 +2,7 @@
 asyncio transport (:class:`Connection`: a reader task per connection).
 
 In a module of its own so that ``from weightcache import SyncClient`` imports neither: an
-engine that is not asyncio code paid for both classes at its import (issue 23).
+engine that is not asyncio code paid for both classes at its import.
 Timeouts and cancellation: Note [timeouts] and Note [cancellation] in core.py.
 """
 

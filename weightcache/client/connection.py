@@ -50,13 +50,13 @@ def import_attach_half() -> None:
     cuda_mapping.py and the driver's UUID table), in an engine that has imported torch.
     ``_open`` calls it once the hello frame is sent, while the daemon answers: the
     one-time work of the first attach then fills a wait instead of adding to it (on
-    the H200 that work was 0.83 ms of imports and 0.15 ms of driver set-up, issue 13).
+    the H200 that work was 0.83 ms of imports and 0.15 ms of driver set-up).
 
     In the caller's thread, not a thread of its own: the thread this replaced started
     0.25-0.34 ms into the connect and then held the GIL the connect wanted, so that on
     the 2-core VM it saved nothing, import to usable tensors 14.1 ms p50 with it and
     14.0 without, CPU 13.1 and 11.8 ms (15 fresh engines each, alternating, 1 GiB and
-    200 tensors; issue 23). Only where torch is imported already: a control client (the
+    200 tensors). Only where torch is imported already: a control client (the
     CLI, health probes) must not import torch, and an engine that has not imported it
     would wait ~1.5 s for it here. An import that fails is left to the attach, which
     imports the same modules and raises."""

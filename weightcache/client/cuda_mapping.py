@@ -1,7 +1,7 @@
 """Import a CUDA VMM arena from its fds and wrap it as a torch tensor.
 
 The driver calls go through libcuda.py (ctypes), not cuda-bindings: importing
-cuda-bindings cost an engine 15.5-16 ms on its restart path (issue 13).
+cuda-bindings cost an engine 15.5-16 ms on its restart path.
 
 Read-only by default (``CU_MEM_ACCESS_FLAGS_PROT_READ``): a kernel that writes to it
 faults in this process only ("illegal memory access"); the daemon's bytes stay intact.

@@ -2,7 +2,7 @@
 
 The daemon uses cuda-bindings (weightcache/cuda_driver.py); the client does not, because
 an engine pays for every import on its restart path: ``import cuda.bindings.driver``
-took 15.5-16 ms in a fresh engine process on the H200 (issue 13), and its first call
+took 15.5-16 ms in a fresh engine process on the H200, and its first call
 resolves its whole table of driver entry points. This module imports only ``ctypes``
 (which torch has imported already), loads the library at the first GPU attach (an engine
 with CUDA initialised has it loaded: dlopen then only finds it), and looks up the 21
@@ -30,7 +30,7 @@ Note [no ctypes types]
 ----------------------
 No ``ctypes.Structure`` and no ``ctypes.POINTER`` type is made here: each is a new class,
 and the five structs and eight pointer types this module made cost a fresh engine ~0.2
-ms of its ~0.4 ms import (2-core VM, issue 23), inside the span from the import to
+ms of its ~0.4 ms import (2-core VM), inside the span from the import to
 usable tensors. Every pointer parameter is declared ``void *`` (``ctypes.c_void_p``
 takes ``byref`` of a scalar, a ``create_string_buffer`` and ``bytes``), the structs the
 driver reads (CUmemAccessDesc, CUmemAllocationProp) are ``struct``-packed bytes, and the
@@ -251,7 +251,7 @@ class Driver:
     def set_access(self, va: int, total: int, ordinal: int, *, read_only: bool) -> None:
         """Let device ``ordinal`` read (or read and write) the mapped range ``[va, va +
         total)``. Needs a current context. Most of an attach's driver time: 0.59 of 0.87 ms
-        for 10 chunks of 9.15 GiB on an H100 (issue 23)."""
+        for 10 chunks of 9.15 GiB on an H100."""
         desc = ACCESS_DESC.pack(CU_MEM_LOCATION_TYPE_DEVICE, ordinal,
                                 CU_MEM_ACCESS_FLAGS_PROT_READ if read_only else CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
         self._call("cuMemSetAccess", va, total, desc, 1)

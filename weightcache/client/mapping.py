@@ -67,7 +67,7 @@ class _Dtypes(dict[str, tuple[torch.dtype, int, dict[int, torch.Tensor]]]):
     for one tensor table, looked up per tensor by the name alone. It replaced a cache keyed
     by a tuple (dtype name, *shape) built per tensor, plus a (file, dtype) tuple per tensor
     for the base: with those, 200 rows of a file arena took 1.03-1.11 ms p50 warm, now
-    0.68-0.76, of which the 200 ``as_strided`` alone are 0.48-0.65 (2-core VM, issue 23)."""
+    0.68-0.76, of which the 200 ``as_strided`` alone are 0.48-0.65 (2-core VM)."""
 
     def __missing__(self, name: str) -> tuple[torch.dtype, int, dict[int, torch.Tensor]]:
         dtype = TORCH_DTYPES.get(name)
@@ -91,7 +91,7 @@ def prepare_views() -> None:
     a dtype view, as_strided) on a scrap buffer, once per process. The attach calls it
     while the daemon answers (``while_waiting``): in a fresh engine on the 2-core VM this
     took 0.28 ms and made the real mapping and first view 0.30 -> 0.09 ms (p50 of 9),
-    work that then falls in a wait rather than after it (issue 23)."""
+    work that then falls in a wait rather than after it."""
     global _views_prepared
     if _views_prepared:
         return
@@ -216,7 +216,7 @@ def tensor_views(slab: torch.Tensor, table: Iterable[list[Any]]) -> dict[str, to
     One ``as_strided`` per tensor on a per-dtype view of the slab: slicing, then viewing
     as the dtype, then reshaping costs three tensor ops per tensor, and for a few hundred
     tensors that was most of an attach (1.1 vs 0.45 ms for 291 tensors on the CPU). The
-    ``as_strided`` (a new tensor) is most of what is left (issue 13's report); the Python
+    ``as_strided`` (a new tensor) is most of what is left; the Python
     around it is a dtype lookup by name (:class:`_Dtypes`) and the strides.
     """
     out = {}

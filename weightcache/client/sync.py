@@ -6,7 +6,7 @@ Note [blocking transport]
 A SyncClient does its socket I/O in the thread that calls it: no event loop, no thread of
 its own. The first version ran the async client on a private loop thread; starting that
 thread and loop, and two cross-thread handoffs per call, cost a fresh engine ~0.6-1.2 ms
-of a ~2 ms connect on the H200 (issue 13), against 0.35 ms for the async client's connect.
+of a ~2 ms connect on the H200, against 0.35 ms for the async client's connect.
 
 One implementation of the protocol: the ops are connection.py's ``ClientOps`` coroutines,
 connecting (the retry loop, the hello) is connection.py's ``ConnectionBase``, and

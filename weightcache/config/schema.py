@@ -240,7 +240,7 @@ class DaemonConfig(BaseModel):
     # More readers than cores buys nothing for a memory-bound copy and stretches the
     # control plane's tail latency (docs/benchmarks.md), hence the default min(8, cores).
     # 16 on the H200 host (16 cores) was 2-15% faster through the daemon in two runs, but
-    # put status's p99 during a warm load at 7.0 ms against 1.6 (docs/benchmarks.md, issue 28).
+    # put status's p99 during a warm load at 7.0 ms against 1.6 (docs/benchmarks.md).
     load_threads: int = Field(default_factory=lambda: min(8, os.cpu_count() or 1), ge=1, le=256)
     load_chunk_bytes: int = Field(default=16 * 2**20, ge=4096)
     # Both below keep the loader as it was measured (one buffer a thread, every chunk staged)

@@ -51,7 +51,7 @@ MAX_CHECKPOINT_HEADER_BYTES = 64 * 2**20
 # reply's table (msgpack, encoded once per load). Rows were one TensorInfo per tensor (a
 # 7-tuple, its name, shape and offsets as Python objects): for 100,000 zero-byte tensors
 # (a 7.4 MB header, 22-character names) tracemalloc measured 30.1 MiB for them and 3.1
-# MiB for the table, ~350 bytes a tensor; before issue 25 the raw header (7.1 MiB) was
+# MiB for the table, ~350 bytes a tensor; with the raw header (7.1 MiB) was
 # kept too, and all of it after eviction, charged to nobody: a tenant with an 8 KiB quota
 # made the daemon hold +201 MiB RSS with four such models. Rows parsed from files are now
 # columns (tensor_table.py): for the same file 11.0 MB in all, columns and table (the

@@ -132,7 +132,7 @@ def _tasks(rows: Iterable[tuple[int, int, int, int, int]], cap: int) -> list[Tas
 # TaskHasher for each, and the fill called the writer, preadv and the hash once a tensor.
 # A tenant's file of 100,000 one-byte tensors (safetensors.torch.save_file) cost 3.0-4.2 s
 # of CPU per load holding the GIL (user time of read_checkpoint into a memfd arena, 2
-# threads, 2-core VM; 0.08 s for the same file of empty tensors), against issue 25's
+# threads, 2-core VM; 0.08 s for the same file of empty tensors), against the
 # other tenants. Tensors of at most SMALL_TENSOR bytes that follow each other in one file
 # are therefore read as a Batch: one preadv of up to BATCH_TENSORS buffers straight into
 # their places in the arena, and one xxh3 each from those buffers, with the iteration in
@@ -212,7 +212,7 @@ def batch_hasher(batch: Batch, out: dict[tuple[int, int], bytes]) -> Callable[[l
 def places(ckpt: Checkpoint) -> Iterable[tuple[int, int, int, int]]:
     """(file, file offset, nbytes, arena offset) of each tensor, in order: from the
     columns of a TensorTable, with no row object a tensor (a 100k-tensor file's are what
-    a fill goes through several times, issue 25)."""
+    a fill goes through several times)."""
     t = ckpt.tensors
     if isinstance(t, TensorTable):
         return zip(t.file, t.file_offset, t.nbytes, t.arena_offset, strict=True)

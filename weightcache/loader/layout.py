@@ -54,7 +54,7 @@ class _HeaderError(Exception):
 
 # Big headers are taken apart in slices of this many entries: freeing (or sorting) 100k
 # objects in one C call held the interpreter lock for 20-45 ms against the daemon's
-# event loop (issue 25; the loop's 1 ms sleeps measured beside a parse).
+# event loop (the loop's 1 ms sleeps measured beside a parse).
 SLICE = 4096
 
 

@@ -165,7 +165,7 @@ class _Opener:
     of which root or the daemon's uid alone can change (untrusted_directory): else one
     who can write a directory there could swap a file for a link to another tenant's
     file, which the daemon, reading as root, would then serve (the stale-file reload did,
-    with the default config, before issue 25)."""
+    with the default config, without this check)."""
 
     def __init__(self, source: str, roots: Sequence[str | os.PathLike[str]] | None, follow_symlinks: bool) -> None:
         self.source = source
@@ -284,7 +284,7 @@ def unindexed_note(directory: str | os.PathLike[str]) -> str | None:
     index, or the complete set ``<stem>-00001-of-0000N`` .. ``-0000N-of-0000N`` of one stem,
     as ``save_pretrained`` names shards. Anything else (two unrelated models, a stray copy
     beside the shards, a set with one missing) is still merged into one model, as it
-    always was (tensor names that clash are refused), but no longer silently (issue 24):
+    always was (tensor names that clash are refused), but no longer silently:
     start, reload and register log this line and the CLI's register prints it. A pure
     look at the names (no file is opened); None for anything that is not a directory."""
     try:

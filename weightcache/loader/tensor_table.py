@@ -4,7 +4,7 @@ Why columns and not a tuple of TensorInfo: a NamedTuple is a tuple *subclass*, a
 CPython's collector untracks only exact tuples, so every TensorInfo a model keeps stays
 tracked for the daemon's life and every full collection walks it. Beside a tenant's
 100k-tensor checkpoints those walks (tens of ms each, holding the interpreter lock) were
-part of what another tenant's attach waited behind (issue 25). Here a model keeps nine
+part of what another tenant's attach waited behind. Here a model keeps nine
 buffers whatever its tensor count: nothing per tensor for the collector to walk, ~60
 bytes a tensor instead of ~350, and the columns cross a pipe from the parse worker
 (parse_worker.py) as bytes. A TensorInfo is made when a row is read and freed by its
@@ -14,8 +14,8 @@ The table also keeps, in name order, what the content fingerprint hashes of each
 after its name (``\\0 dtype \\0 shape \\0``, Note [content fingerprint], content.py):
 made where the rows are (in the parse worker for a big header), so the fill hashes the
 header half without a row object a tensor. That is what the daemon's threads had built
-at every load of a 100k-tensor file, 1.65-1.82 s of Python holding the interpreter lock
-(issue 25); it costs ~7 bytes a tensor plus two 8-byte columns, counted with the rest
+at every load of a 100k-tensor file, 1.65-1.82 s of Python holding the interpreter lock;
+it costs ~7 bytes a tensor plus two 8-byte columns, counted with the rest
 (buffer_bytes).
 """
 

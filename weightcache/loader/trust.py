@@ -1,7 +1,7 @@
 """Who can change a checkpoint's bytes: the one trust rule of the daemon.
 
 Two things depend on it, and they must agree (they did not while each wrote its own
-copy, issue 26): whether a CPU model may be served from its files' own page cache
+copy): whether a CPU model may be served from its files' own page cache
 (backends/cpu.py, Note [page-cache arenas]), and whether a file's tensor digests may be
 kept by file identity and reused at its next load (loader/content.py). Both are safe only
 when nobody but the operator can change the bytes behind the daemon's back.

@@ -24,7 +24,7 @@ closed (``close_fds``).
 
 Why one module: the names, the frames and the sockets lived in modules of their own, and
 each module a fresh engine imports costs ~50-110 µs whatever it holds (2-core VM, H100
-host; issue 23). Every user of the protocol imports the package first; ``import
+host). Every user of the protocol imports the package first; ``import
 weightcache`` (for ``tenant_fingerprint``) therefore loads socket, select and array too,
 which an engine's torch has loaded already.
 

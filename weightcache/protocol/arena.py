@@ -1,6 +1,6 @@
 """The arena on the wire, defined once for the daemon that exports arenas and the client
 that maps them (docs/protocol.md, "attach" and "publish"): both ends import it, so the
-layout cannot drift between them (issue 26: the segment format was written twice, and
+layout cannot drift between them (the segment format was written twice, and
 each backend built its reply's arena map by hand while the client parsed it by hand).
 :func:`parse_attach` reads a whole attach reply around its arena, for the client.
 
@@ -209,7 +209,7 @@ def taken(rows: list[Any]) -> Iterator[Any]:
     its shape list are freed once their view is made: all of them alive beside the
     views were ~400 more GC-tracked objects at once, for 200 tensors, and a fresh
     engine's span from the import to usable tensors then reached a gen-1 collection of
-    what its own ``import torch`` left (2.0-2.6 ms on the 2-core VM, issue 23)."""
+    what its own ``import torch`` left (2.0-2.6 ms on the 2-core VM)."""
     rows.reverse()
     while rows:
         yield rows.pop()

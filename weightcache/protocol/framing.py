@@ -60,7 +60,7 @@ class Deferred:
     io pool, never on the event loop. A publish's tensor table is the one list a request
     may make long (a row per tensor, up to MAX_TABLE_LEN), and building it is the cost:
     ~0.3 s of held GIL for a 17.6 MiB table of 340k rows, in one C call that lets no
-    other connection in (the same stall as issue 25's ``biglist``, a publish listing
+    other connection in (the same stall as ``abuse``'s ``biglist``, a publish listing
     700,000 groups, which set another tenant's attach p99 with every abuser at once:
     4.7x on the 2-core VM; such lists are now refused from their size). Skipping it to find where it ends costs 18.5 ms
     for that frame, and 41 ms for the worst shape of 16 MiB (16M empty arrays), whose

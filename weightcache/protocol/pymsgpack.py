@@ -1,6 +1,6 @@
 """The client's msgpack codec, in Python: what a fresh engine uses instead of the msgpack
 package, whose import was 1.3-1.8 ms of a fresh engine's ~7.8 ms from ``from weightcache
-import SyncClient`` to usable tensors (2-core VM, torch imported first; issue 23). The
+import SyncClient`` to usable tensors (2-core VM, torch imported first). The
 daemon keeps the msgpack package, whose C decoder bounds hostile frames (framing.py).
 
 A client's frames are small: hello, attach and detach requests; their replies, whose

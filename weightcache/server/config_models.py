@@ -112,7 +112,7 @@ class ConfigModels:
 
     # Note [config names win]
     # A tenant may register or publish a name before the operator adds it to the config
-    # (issue 25: it held one lease, the reload said "kept", and every tenant attaching
+    # (it held one lease, the reload said "kept", and every tenant attaching
     # the name got the squatter's bytes). The config's name wins. Displaced at once when
     # the peer's model is free; while it is attached, the name is *claimed*: no new
     # load, attach, pin or evict of the peer's copy (Registry.check_use refuses them),

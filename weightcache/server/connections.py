@@ -207,7 +207,7 @@ class Connections:
                 self.bounds.count_partial(conn, decoder.pending)
                 # Only the connection that grew the sum can find it over a cap here: each
                 # refused one's half frame leaves the count (and the memory) before its
-                # goodbye, so no bystander reads while the sum is over (issue 26's review).
+                # goodbye, so no bystander reads while the sum is over.
                 if (refusal := self.bounds.check_partial(conn)) is not None:
                     await self._drop(conn, refusal, decoder)
                     break

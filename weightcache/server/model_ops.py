@@ -97,7 +97,7 @@ async def register(ctx: Context, caller: Caller, req: Request) -> Reply:
 # Who may use a model, as register and publish take them (config.ModelConfig).
 ACCESS_FIELDS = ("allowed_uids", "allowed_gids")
 
-# Bounds on what a request may list, checked before any per-entry work (issue 25): a
+# Bounds on what a request may list, checked before any per-entry work: a
 # publish whose allowed_gids was ["root"] * 1,000,000 (a 4.8 MB frame) was validated on
 # the event loop with one getgrnam each, and another peer's status waited 24.1 s.
 # Real lists name a few teams; a model has at most a few dozen ranks.

@@ -2,7 +2,7 @@
 
 An engine that attached a model keeps its mapping when the daemon exits (the memory is
 reference counted: that is the point). After a restart the new daemon holds no lease on
-it, so `ps` did not show it and no budget counted it (issue 24). What can be measured:
+it, so `ps` did not show it and no budget counted it. What can be measured:
 
 - **CPU, sealed memfd arenas**: every arena is a memfd named ``weightcache:<model>``, and
   a process that maps one shows it in /proc/<pid>/maps as ``/memfd:weightcache:<model>``.
@@ -153,7 +153,7 @@ def ancestors(pid: int) -> set[int]:
 def other_daemons(exclude: int | None = None, among: list[int] | None = None) -> list[dict[str, Any]]:
     """The other `weightcache serve` processes on this host (this PID namespace), or of
     ``among`` only: two daemons on different sockets both started, each taking its own
-    budget of the same memory (by default half of RAM each), and neither said so (issue 24).
+    budget of the same memory (by default half of RAM each), and neither said so.
     /proc/<pid>/cmdline is readable for every process, root or not. ``exclude`` and the
     processes above it are not counted: a daemon started as `timeout 1h weightcache serve`
     (or under nice, sudo, systemd-run) has a parent whose command line names serve too."""

@@ -4,7 +4,7 @@ engine from it, so a restart costs a fork instead of ``import torch, transformer
     weightcache supervise [--preload MODULES] [--record FILE [--exclude MODULES]] [--status FILE] -- python engine.py ARGS
 
 In the spirit of gunicorn's ``--preload`` and Android's zygote. With the cache, an
-engine's imports, not its weights, decide its restart time (issue 16: on the H200 an
+engine's imports, not its weights, decide its restart time (on the H200 an
 8B transformers engine spent 13.8-14.6 s of a 16.6-17.7 s restart importing; a forked
 engine that found torch and transformers imported was ready in 0.36 s).
 

@@ -12,7 +12,7 @@ so the template must hold nothing a child cannot own:
    ``/dev/nvidia-uvm``, ``/dev/nvidiaN``), so a descriptor or mapping of one in the
    template means a driver in use. The library merely loaded is fine: torch 2.11 (cu130)
    maps ``libcuda.so`` when it is imported, without initialising it, and engines forked
-   after that attached and ran on the H200 (issue 16's fork test; a check on the mapped
+   after that attached and ran on the H200 (the fork test in tests/test_supervisor.py; a check on the mapped
    library refused every torch template there).
 2. **One thread.** Another thread's locks (malloc's, the import lock, a library's) may be
    held at the fork and are never released in the child. Refused when
@@ -29,7 +29,7 @@ so the template must hold nothing a child cannot own:
      joins the pool's threads, but a joined thread is still listed in
      ``/proc/self/task`` until the kernel has torn it down (the join returns when the
      thread's tid is cleared, before it leaves the thread group), and on a loaded 2-core
-     VM the check once found it there (a refusal one start in a few; issue 23). So once
+     VM the check once found it there (a refusal one start in a few). So once
      a pool was asked to stop, the check waits for the threads to leave, up to
      ``POOL_STOP_WAIT_S``, and refuses only what is still running then: a start that
      succeeds succeeds every time, and a template with a thread of another kind is

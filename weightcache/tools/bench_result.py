@@ -151,7 +151,7 @@ class ReadyToComputeFigures:
     load_file_s: Spread
     read: str  # how every byte is read
     # CPU only: host memory holding the model once the daemon serves it (its memfds plus the
-    # file's page cache), over the file's size; absent in runs before issue 23
+    # file's page cache), over the file's size; absent from older runs' JSON
     resident_ratio: float | None = None
     arena: str | None = None  # which arena it got ("file", "memfd"; models' "arena")
     arena_note: str | None = None  # why not the page cache, where it was refused (models' "arena_note"; key absent if none)
@@ -188,7 +188,7 @@ class FreshAttachFigures:
     first_attach_ms: Spread  # attach entered -> tensors usable, lazy imports included
     second_attach_ms: Spread  # the same process's next attach
     lazy_imports: tuple[str, ...] = ()  # modules connect or the first attach imported (union over the processes)
-    load_file_ms: Spread | None = None  # import safetensors + load_file -> usable (absent in runs before issue 23)
+    load_file_ms: Spread | None = None  # import safetensors + load_file -> usable (absent from older runs' JSON)
     cuda_ipc_ms: Spread | None = None  # receive handles + open each -> usable (GPU only)
 
     @property
@@ -207,7 +207,7 @@ class FreshAttachFigures:
                "import_client_ms": self.import_client_ms.as_dict(), "connect_ms": self.connect_ms.as_dict(),
                "first_attach_ms": self.first_attach_ms.as_dict(), "second_attach_ms": self.second_attach_ms.as_dict(),
                "lazy_imports": list(self.lazy_imports)}
-        if self.load_file_ms is not None:  # runs since issue 23: the headline beside its anchors
+        if self.load_file_ms is not None:  # runs with anchors: the headline beside its anchors
             out["import_to_tensors_ms"] = self.import_to_tensors_ms.as_dict()
         for key in ("load_file_ms", "cuda_ipc_ms"):
             sp = getattr(self, key)
@@ -332,14 +332,14 @@ class BenchResult:
     host_tier: HostTierFigures | None  # None on CPU
     restart: RestartFigures
     control_plane: ControlPlaneFigures
-    # Added later (issues 12 and 13): absent from the JSON of runs made before them.
+    # Optional: absent from the JSON of older runs.
     runai_streamer: PeerLoaderFigures | None = None
     ready: ReadyToComputeFigures | None = None
     fresh_attach: FreshAttachFigures | None = None
-    content_hash: ContentHashFigures | None = None  # issue 14: the loader with and without the content hash
-    # issue 28: InstantTensor, one per backend ("instanttensor_default", _buffered, _mmap)
+    content_hash: ContentHashFigures | None = None  # the loader with and without the content hash
+    # InstantTensor, one per backend ("instanttensor_default", _buffered, _mmap)
     instanttensor: tuple[PeerLoaderFigures, ...] = ()
-    notes: tuple[str, ...] = ()  # issue 23: rows that did not run on this checkpoint, and why (key absent when none)
+    notes: tuple[str, ...] = ()  # rows that did not run on this checkpoint, and why (key absent when none)
 
     def as_dict(self) -> dict[str, Any]:
         """The flat object of results/bench-*.json, keys in the order they always had (the

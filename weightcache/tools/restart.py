@@ -18,8 +18,7 @@ Note [as the engine meets it]
 -----------------------------
 Every child runs this file by its path, never ``python -m weightcache...``: that would
 import the weightcache package before torch, and its cost would fall outside the timed
-step (the issue 23 review found the docs' fresh-process figures left ~5-20 ms out that
-way). The disk child imports nothing of weightcache (the parent hands it the file list).
+step (~5-20 ms of a fresh process left out that way). The disk child imports nothing of weightcache (the parent hands it the file list).
 Children import weightcache's compiled bytecode, as a ``pip install`` leaves it; with
 ``bytecode=False`` they import the package from a copy of its sources with
 ``PYTHONDONTWRITEBYTECODE=1``, so every process compiles it: what an editable checkout
@@ -87,7 +86,7 @@ class FreshAttach:
 
     @property
     def import_to_tensors_ms(self) -> float:
-        """What a fresh engine pays for its weights once torch is ready: the issue 23 target."""
+        """What a fresh engine pays for its weights once torch is ready: the figure to keep small."""
         return self.import_client_ms + self.connect_ms + self.first_attach_ms
 
 

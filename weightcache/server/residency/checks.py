@@ -48,7 +48,7 @@ class Checks:
         """Why ``mc``'s checkpoints cannot be loaded, as a load would say it (the files
         opened as a load opens them, or a peer's own ``sources``, and every header parsed,
         in the io pool), or None when they can. One check for every way a model arrives:
-        the config at start and reload, and ``register`` (issue 24: a pickle registered
+        the config at start and reload, and ``register`` (a pickle registered
         fine and failed only at its load)."""
         d = self.settings
         for i, (path, device) in enumerate(mc.parts):

@@ -115,7 +115,7 @@ class Fill:
         budget is exactly as before. Loads, promotions and publishes all come here.
 
         Every phase is timed and logged with the load: the fixed costs a small model pays
-        (making room, allocating, sealing) are hidden in a big one's GB/s (issue 12). A
+        (making room, allocating, sealing) are hidden in a big one's GB/s. A
         caller that passes ``phases`` (seconds by phase, e.g. the files' "open") finds
         them all there afterwards (a peer's fill rate is measured from them).
 

@@ -44,7 +44,7 @@ FINISH_ORPHAN_AFTER = 0.5
 
 
 class NeighbourFills(Protocol):
-    """Fills from a neighbour daemon's copy (weightcache/peers/, issue 27), tried for a
+    """Fills from a neighbour daemon's copy (weightcache/peers/), tried for a
     load that missed here before the files are read."""
 
     async def fill(self, job: LoadJob, model: Model, backend: Backend, ckpt: Checkpoint, opened: OpenedSource,

@@ -19,7 +19,7 @@ from ...loader.published import _gc_paused
 log = logging.getLogger("weightcache.daemon")
 T = TypeVar("T")
 
-# Row 5 of issue 25: the GIL is the daemon's one CPU, shared by the event loop and every
+# Fair shares: the GIL is the daemon's one CPU, shared by the event loop and every
 # thread. One tenant's loads of 100k-tensor headers pushed another tenant's attach p99
 # from ~6 to 332 ms (python -m benchmarks abuse --only headerbomb): in a thread that parses
 # such a header the cyclic collector ran 20 full collections per parse, each holding the

@@ -3,7 +3,7 @@ the CPU copy gains, against InstantTensor and through the daemon.
 
 The daemon's loader reads each chunk with ``preadv`` into a pinned staging buffer, then
 copies it to the GPU: every byte crosses host memory twice before the DMA reads it a
-third time. This script measures, side by side in one process on one GPU:
+third time. This tool measures, side by side in one process on one GPU:
 
 - ``pinned H2D``: the copy engine's ceiling, from one pinned buffer;
 - ``staging``: the daemon's own writer (read_checkpoint into a VMM arena, hash on), at
@@ -23,7 +23,7 @@ With ``--anchors``, InstantTensor's backends and load_file, each in a fresh proc
 O_DIRECT ceiling (``--cold``). docs/benchmarks.md ("Loading from the page cache (vs
 InstantTensor)") has the command that runs them all in one call.
 
-    python3 scripts/loader_paths.py --size-gib 9.15 --tensors 183 --out r.json
+    python -m benchmarks loader-paths --size-gib 9.15 --tensors 183   # writes results/loader-paths.json
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from cuda.bindings import driver as cu
-from registered_reads import RegisteredReads  # beside this script (scripts/)
 
+from benchmarks.registered_reads import RegisteredReads
 from weightcache import cuda_driver as drv
 from weightcache.backends.cuda import CudaBackend
 from weightcache.backends.cuda_writer import VmmWriter
@@ -51,6 +51,8 @@ from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
 from weightcache.loader.content import FILE_DIGESTS
 from weightcache.tools.bench_measure import INSTANTTENSOR_BACKENDS, INSTANTTENSOR_ENV, warm_page_cache
 from weightcache.tools.synth import kept_checkpoint
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"  # where every tool writes by default
 
 PAGE = mmap.PAGESIZE
 libc = ctypes.CDLL(None, use_errno=True)
@@ -95,7 +97,7 @@ class TimedStaging(VmmWriter):
 
 
 class Registered(VmmWriter):
-    """Copies straight from registered page-cache pages (scripts/registered_reads.py)."""
+    """Copies straight from registered page-cache pages (benchmarks/registered_reads.py)."""
 
     def __init__(self, backend, arena, chunk, *, maps: dict[int, tuple[int, int]], window: int, timers: Timers) -> None:
         super().__init__(backend, arena, chunk)
@@ -340,7 +342,7 @@ def main() -> int:
                    "(T[:cMIB][:dDEPTH][:dma], comma-separated: e.g. 8,16:c4:d3:dma)")
     p.add_argument("--cold", type=int, default=0, help="with --daemon: cold loads for each setting marked :cold, each beside the O_DIRECT ceiling")
     p.add_argument("--only-ends", action="store_true", help="skip the in-process variants: only --anchors and --daemon")
-    p.add_argument("--out")
+    p.add_argument("--out", type=Path, default=RESULTS / "loader-paths.json")
     a = p.parse_args()
     path = Path(a.path) if a.path else kept_checkpoint(Path(a.workdir) / f"paths-{a.size_gib:g}g.safetensors",
                                                        int(a.size_gib * 2**30), a.tensors)
@@ -388,8 +390,8 @@ def main() -> int:
     res["best_GBps"] = {k: max(r["GBps"] for r in v) for k, v in res["runs"].items()}
     print(json.dumps({"best_GBps": res["best_GBps"], "fingerprints_agree": res["fingerprints_agree"]}, indent=1))
     backend.close()
-    if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=1) + "\n")
     return 0 if res["fingerprints_agree"] else 1
 
 

@@ -17,9 +17,10 @@ on the machine), from before the attach (or the ``from_pretrained`` call) to a m
 ready to run, after ``import torch, transformers``, one attach of the checkpoint that is
 not counted (the process's first attach imports the client's mapping half) and the
 skeleton under ``empty_parameters``. The order within an engine is converted,
-in-process, from_pretrained. Prints one JSON object.
+in-process, from_pretrained. Prints one JSON object and writes it to ``--out``
+(results/derived-cost.json unless told).
 
-    python scripts/derived_cost.py --engines 4 --hidden 512 --intermediate 1024 --experts 8 --layers 4
+    python -m benchmarks derived-cost --engines 4 --hidden 512 --intermediate 1024 --experts 8 --layers 4
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"  # where every tool writes by default
 
 
 def engine(sock: str, path: str) -> dict[str, object]:
@@ -87,6 +90,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", type=Path, default=RESULTS / "derived-cost.json", help="write the JSON here too")
     ap.add_argument("--engine", nargs=2, metavar=("SOCKET", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine:
@@ -116,15 +120,18 @@ def main() -> None:
                 sys.exit(r.stderr[-3000:])
             runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
     later = runs[1:]
-    print(json.dumps({
-        "checkpoint_bytes": ckpt_bytes, "config": vars(args) | {"engine": None},
+    text = json.dumps({
+        "checkpoint_bytes": ckpt_bytes, "config": vars(args) | {"engine": None, "out": str(args.out)},
         "first_built_here": runs[0]["built_here"], "later_built_here": [r["built_here"] for r in later],
         **{f"first_converted_{k}": runs[0][f"converted_{k}"] for k in ("ms", "cpu_ms")},
         **{f"later_converted_{k}_median": statistics.median(r[f"converted_{k}"] for r in later) if later else None
            for k in ("ms", "cpu_ms")},
         **{f"{w}_{k}_median": statistics.median(r[f"{w}_{k}"] for r in runs)
            for w in ("in_process", "from_pretrained") for k in ("ms", "cpu_ms")},
-        "engines": runs}, indent=1))
+        "engines": runs}, indent=1)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

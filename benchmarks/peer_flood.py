@@ -21,7 +21,7 @@ in a loop, first alone for --seconds, then beside each flood in turn for --secon
 Prints (and with --out writes) a JSON summary: per phase the attach p50/p99 and their
 ratio to the alone phase, and the daemon's RSS before the floods and after each.
 
-    .venv/bin/python scripts/peer_flood.py --seconds 10 --out /tmp/peer_flood.json
+    .venv/bin/python -m benchmarks peer-flood --seconds 10 --out /tmp/peer_flood.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Time a fresh engine's attach, phase by phase (issue 13): connect -> usable tensors.
+"""Time a fresh engine's attach, phase by phase: connect -> usable tensors.
 
 Each measured process is new. It imports torch and initialises CUDA first (the engine's
 own start, reported but not counted), then times what the client adds, with one of the
@@ -32,11 +32,11 @@ in the machine weighs on both alike):
   gc_ms, gc_gens        time in the cyclic GC's collections from the import to usable
                         tensors, and their generations: a fresh engine's first
                         collections go through what ``import torch`` left (a gen-1 one
-                        cost ~2 ms on the 2-core VM, issue 23), so how many objects the
+                        cost ~2 ms on the 2-core VM), so how many objects the
                         client keeps alive at once shows here
 
-With ``--anchors`` it then times, side by side and alternating, what issue 23 asks of a
-fresh engine: import -> usable tensors with weightcache (bytecode cached, as a wheel
+With ``--anchors`` it then times, side by side and alternating, what a
+fresh engine pays: import -> usable tensors with weightcache (bytecode cached, as a wheel
 install leaves it, and compiled from source, as an editable checkout with
 PYTHONDONTWRITEBYTECODE=1 has it), with a fresh process's ``load_file`` of the same file,
 and on a GPU with the same tensors as torch CUDA IPC handles from a holder process
@@ -57,10 +57,10 @@ of each phase over the processes, per client (``summary.sync``, ``summary.async`
 daemon at the end. A warm-up process (not counted) runs first, so every measured one
 finds Python's bytecode cache written.
 
-    python scripts/fresh_attach.py --device cuda:0 --size-gib 9.15 --tensors 183 --procs 7 --anchors
-    python scripts/fresh_attach.py --device cpu --size-gib 0.5 --tensors 100 --procs 5
-    python scripts/fresh_attach.py --device cpu --size-gib 0.25 --tensors 200 --procs 20 --no-breakdown
-    python scripts/fresh_attach.py --socket /run/weightcache/weightcache.sock --model qwen-7b --device cuda:0
+    python -m benchmarks fresh-attach --device cuda:0 --size-gib 9.15 --tensors 183 --procs 7 --anchors
+    python -m benchmarks fresh-attach --device cpu --size-gib 0.5 --tensors 100 --procs 5
+    python -m benchmarks fresh-attach --device cpu --size-gib 0.25 --tensors 200 --procs 20 --no-breakdown
+    python -m benchmarks fresh-attach --socket /run/weightcache/weightcache.sock --model qwen-7b --device cuda:0
 """
 
 # ruff: noqa: E402  (a measured engine imports torch before the rest of this script's imports)
@@ -97,6 +97,7 @@ PHASES = ["import_ms", "import_cpu_ms", "connect_ms", "connect_cpu_ms", "attach_
           "views_ms", "connect_to_usable_ms", "first_touch_ms", "second_attach_ms", "gc_ms"]
 TARGET_MS = 5.0
 CLIENTS = ("sync", "async")
+RESULTS = Path(__file__).resolve().parent.parent / "results"  # where every tool writes by default
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -368,7 +369,7 @@ def time_restarts(args: argparse.Namespace, sock: str, model: str) -> dict[str, 
     """The bench's restart rows (weightcache/tools/restart.py): a fresh engine process to
     ready, ``floor`` (import torch + CUDA init), ``disk`` (+ load_file) and ``cache`` (+
     import the client, connect, attach), interleaved, page cache warm. ``weights_s`` is
-    the in-process weights step, timed after torch and CUDA are ready: issue 13's target
+    the in-process weights step, timed after torch and CUDA are ready: the target
     for ``cache`` is within 20 ms of the floor, i.e. a weights step <= 20 ms."""
     from weightcache.tools.bench_measure import warm_page_cache
     from weightcache.tools.restart import time_restart
@@ -394,7 +395,7 @@ def time_restarts(args: argparse.Namespace, sock: str, model: str) -> dict[str, 
 
 
 def time_anchors(args: argparse.Namespace, sock: str, model: str, clients: tuple[str, ...]) -> dict[str, Any]:
-    """Issue 23's comparison: import -> usable tensors in fresh processes, side by side,
+    """The comparison: import -> usable tensors in fresh processes, side by side,
     alternating: weightcache (bytecode cached, and compiled from source), a fresh
     process's load_file of the same file, and on a GPU the same tensors as torch CUDA IPC
     handles from a process that holds them (weightcache/tools/restart.py)."""
@@ -436,7 +437,7 @@ def time_anchors(args: argparse.Namespace, sock: str, model: str, clients: tuple
                 if cuda:
                     # A process's device memory and context are freed by the driver after it
                     # exits: without a pause that may fall on the next process's time (in
-                    # session 9's runs weightcache's processes were ~12 ms p50 beside the
+                    # runs without it weightcache's processes were ~12 ms p50 beside the
                     # others against ~9 ms for the same phases back to back).
                     time.sleep(args.settle_s)
     out: dict[str, Any] = {}
@@ -518,7 +519,7 @@ def main() -> None:
     ap.add_argument("--settle-s", type=float, default=1.0, help="with --anchors on a GPU: pause after every process")
     ap.add_argument("--base", help="with --anchors: also time engines that import weightcache from this directory, the one "
                                    "holding another version's weightcache/ (e.g. from `git archive`), alternating with the rest")
-    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--out", type=Path, default=RESULTS / "fresh-attach.json", help="also write the JSON here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -570,8 +571,8 @@ def main() -> None:
     }
     text = json.dumps(report, indent=2)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

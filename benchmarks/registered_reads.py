@@ -2,7 +2,7 @@
 loader that was measured on the H200 and rejected.
 
 It was slower than the staging path at every thread count: 20-24 GB/s against
-staging's 35-41 GB/s in the same run (scripts/loader_paths.py, 9.15 GiB of 183 bf16
+staging's 35-41 GB/s in the same run (``python -m benchmarks loader-paths``, 9.15 GiB of 183 bf16
 tensors, page cache warm). ``cuMemHostRegister`` of page-cache pages is the cost: 38-41
 GB/s for 64-256 MiB windows from one thread and no faster from 8 (the driver serialises
 it), then unregistering at 94-117 GB/s, all before or beside copies that the pinned
@@ -16,7 +16,7 @@ Note [registered page-cache reads]
 The staging path (``VmmWriter`` in cuda_writer.py) ``preadv``s each chunk into a pinned buffer
 and copies it from there: every byte crosses host memory twice before the DMA engine
 reads it a third time, and 8 threads of that reached 29 GB/s on the H200 against a
-55 GB/s pinned host-to-device ceiling (scripts/loader_paths.py). Here the file is mapped
+55 GB/s pinned host-to-device ceiling (``python -m benchmarks loader-paths``). Here the file is mapped
 ``PROT_READ`` and its page-cache pages are registered with the driver
 (``cuMemHostRegister(READ_ONLY)``) a window at a time, so the DMA engine reads them where
 they are. The daemon's CPU never touches the mapping: a file truncated meanwhile cannot

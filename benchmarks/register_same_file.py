@@ -3,22 +3,26 @@ daemon takes to refuse it and how much of its memory it keeps (docs/reliability.
 "What a register may cost"). Starts its own daemon (tenant_register on, CPU budget);
 run it as the daemon's user.
 
-    python scripts/register_same_file.py [--fds 32] [--header-mib 16]
+    python -m benchmarks register-same-file [--fds 32] [--header-mib 16]   # writes results/register-same-file.json
 """
 
 from __future__ import annotations
 
 import argparse
 import array
+import json
 import os
 import socket
 import tempfile
 import time
+from pathlib import Path
 
 import msgpack
 
 from weightcache.protocol import encode_frame
 from weightcache.tools.spawn import DaemonProcess, config_text
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"  # where every tool writes by default
 
 
 def rss(pid: int) -> int:
@@ -49,6 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fds", type=int, default=32)
     ap.add_argument("--header-mib", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=RESULTS / "register-same-file.json", help="write the figures here as JSON")
     args = ap.parse_args()
     d = tempfile.mkdtemp(prefix="wc-samefile-", dir="/tmp")
     big = os.path.join(d, "big.safetensors")
@@ -76,6 +81,9 @@ def main() -> None:
     print(f"{args.fds} fds of one file with a {args.header_mib} MiB header: {what}")
     print(f"register took {took:.3f} s; daemon RSS {before / 2**20:.1f} -> {after / 2**20:.1f} MiB "
           f"(+{(after - before) / 2**20:.1f})")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"fds": args.fds, "header_mib": args.header_mib, "reply": r, "register_s": took,
+                                    "rss_before": before, "rss_after": after}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

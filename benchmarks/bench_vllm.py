@@ -1,7 +1,7 @@
 """Engine start to first token with vLLM's default loader and with the weightcache plugin,
 side by side in one run, each start a fresh process (docs/vllm.md has the figures).
 
-    make bench-vllm            # = LD_PRELOAD=<libiomp5> .venv-vllm/bin/python scripts/bench_vllm.py --out ...
+    make bench-vllm            # = LD_PRELOAD=<libiomp5> .venv-vllm/bin/python -m benchmarks vllm-start --out ...
 
 Rows, in the order they run (the checkpoint is read once before, so every row finds it in
 the page cache): ``auto`` (vLLM's default loader), ``weightcache copy`` twice (the first
