@@ -1,4 +1,4 @@
-"""Two daemons on loopback (issue 27): a model resident in one is loaded by the other
+"""Two daemons on loopback: a model resident in one is loaded by the other
 from the first's memory over NIXL, bit-exact and with the same fingerprint; when the
 lender dies mid-transfer the load finishes from the files and nothing leaks; bytes that
 do not match the fingerprint are never served. Skipped where NIXL cannot start."""

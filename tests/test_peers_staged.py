@@ -1,4 +1,4 @@
-"""A GPU model's lend and fill through rings (issue 27: peers/staged.py, the lender's
+"""A GPU model's lend and fill through rings (peers/staged.py, the lender's
 ``stage`` op in peers/server.py, the fill's control channel in peers/__init__.py), on
 the CPU: the rings are host memory, the NIXL agent a stand-in that copies, so what is
 checked here is the protocol and the fill's bookkeeping (chunks, slots reused only once

@@ -15,7 +15,7 @@ RING_SLOTS = 8  # reads in flight through a ring: enough that a stage's round tr
 
 class PeersConfig(BaseModel):
     """``[peers]``: neighbour daemons a load that misses may be filled from, over NIXL
-    (weightcache/peers/, issue 27; docs/deployment.md, "Peers"). Off unless ``listen``
+    (weightcache/peers/; docs/deployment.md, "Peers"). Off unless ``listen``
     is set. A peer proves the key in ``secret_file`` before anything else is read
     (peers/auth.py); then only the peers named here (``addresses``, and what ``dns``
     resolves to) are asked and answered."""

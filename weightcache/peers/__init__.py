@@ -1,4 +1,4 @@
-"""Neighbour daemons (issue 27): a load that misses here may be filled from a peer
+"""Neighbour daemons: a load that misses here may be filled from a peer
 daemon's resident copy over NIXL instead of from the files.
 
 - directory.py: who the peers are (config, DNS) and what each holds (``inventory``).

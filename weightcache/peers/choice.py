@@ -1,5 +1,5 @@
 """Which source fills a load that a peer could serve: the one expected to be faster, from
-rates this daemon measured (issue 27: a fill "chosen by measured cost").
+rates this daemon measured (a fill chosen by measured cost).
 
 A peer is not faster by nature. On the 2-core VM a fill from a neighbour over loopback ran
 at 0.83 GB/s (median), the same daemon's cold load from its files at 0.90 and a load from
