@@ -308,7 +308,7 @@ def through_daemon(path: Path, device: str, specs: list[str], reps: int, workdir
             if cold:
                 warm_page_cache(path)  # the next setting's warm loads
         r = out[spec] = {"GBps": [round(path.stat().st_size / s / 1e9, 2) for s in runs]}
-        if cold:
+        if colds:  # only the settings marked cold load from a dropped page cache
             r["cold"] = {"GBps": colds, "odirect_ceiling_GBps": ceilings, "cached_bytes_after_drop": left,
                          "ratio": round(max(colds) / max(ceilings), 3)}
             print(f"daemon {spec} cold", r["cold"], flush=True)
