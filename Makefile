@@ -1,6 +1,7 @@
-# Everything runs from a project virtualenv that `make install` builds (every target
-# depends on it). TORCH picks the torch build: the default is the CPU wheel that CI and
-# the dev machines have on local disk; on a GPU host use e.g. `make install TORCH=torch`.
+# Everything runs from a project virtualenv, .venv, that every target builds first; the
+# vLLM tier's targets (test, test-vllm, bench-vllm) build .venv-vllm too, `make install`
+# both. TORCH picks the torch build: the default is the CPU wheel that CI and the dev
+# machines have on local disk; on a GPU host use e.g. `make install TORCH=torch`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -46,10 +47,10 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_BIN)/pip install -q -e . pytest
 	touch $@
 
-demo: install
+demo: $(VENV)/.installed
 	$(BIN)/weightcache demo
 
-lint: install
+lint: $(VENV)/.installed
 	$(BIN)/ruff check weightcache tests tests_vllm examples benchmarks
 	$(BIN)/mypy
 
@@ -57,20 +58,20 @@ test: lint
 	$(BIN)/pytest -q
 	$(if $(VLLM),$(MAKE) test-vllm)
 
-test-vllm: install
+test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_ENV) $(VLLM_BIN)/pytest -q -p no:cacheprovider tests_vllm
 
-bench: install
+bench: $(VENV)/.installed
 	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/weightcache bench --size-gib 1 --big-gib 2 --out results/bench-cpu.json
 
 # Engine start to first token, default loader against the plugin (docs/vllm.md).
-bench-vllm: install
+bench-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_ENV) $(VLLM_BIN)/python -m benchmarks vllm-start --out results/vllm-bench-cpu.json
 
 # Longer reliability runs (docs/reliability.md): churn with SIGKILLs, tenants abusing the
 # daemon, and a longer fuzz. Results go to results/.
-stress: install
+stress: $(VENV)/.installed
 	$(BIN)/python -m benchmarks churn --clients 200 --seconds 30 --out results/churn.json
 	$(BIN)/python -m benchmarks abuse --seconds 20 --out results/abuse.json
 	WC_FUZZ_EXAMPLES=5000 $(BIN)/pytest -q -s tests/test_fuzz.py
