@@ -25,5 +25,6 @@ TOOLS: dict[str, tuple[str, str]] = {
     "small-tensors": ("small_tensors", "a file of 100k one-byte tensors, batched and one task a tensor"),
     "supervised-restart": ("supervised_restart", "restart to first logits: fresh, supervised, recorded modules"),
     "vllm-start": ("bench_vllm", "vLLM engine start to first token: auto, the plugin's copy, processed weights (run with the vLLM venv)"),
+    "vllm-official": ("vllm_official", "processed weights, official vllm wheel on the CPU: equal to a normal load, no load or processing again"),
     "waiter-herd": ("waiter_herd", "what requests waiting for room cost a detach and others' status"),
 }
