@@ -41,6 +41,7 @@ import atexit
 import contextlib
 import functools
 import os
+import socket
 import threading
 import time
 import weakref
@@ -54,7 +55,6 @@ from .connection import ClientOps, ConnectionBase
 from .core import DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_FRAME_BYTES, DEFAULT_REQUEST_TIMEOUT, PEER_GONE_ERRNOS, Reply
 
 if TYPE_CHECKING:
-    import socket
     from collections.abc import AsyncIterator
 
     from .mapping import AttachedModel
@@ -180,7 +180,7 @@ class BlockingConnection(ConnectionBase):
             reply, fds = self._wait_for(rid, deadline)
         except BaseException as exc:
             if sending and isinstance(exc, OSError) and exc.errno in PEER_GONE_ERRNOS:  # Note [reconnecting]
-                gone = self.core.peer_gone(op, exc)
+                gone = self._last_words(sock) or self.core.peer_gone(op, exc)
                 self._break_connection(gone)
                 raise gone from exc
             if sending:  # part of the frame may be out (Note [timeouts])
@@ -197,6 +197,25 @@ class BlockingConnection(ConnectionBase):
                 self._unclaimed(*slot)
             self._detach_leftovers()
         return self.core.checked(reply, fds)
+
+    def _last_words(self, sock: socket.socket | None) -> WeightcacheError | None:
+        """The error the daemon sent before it closed the connection, if one is waiting in
+        the socket: a daemon that refuses a connection (a uid it does not allow, too many
+        connections) sends why and closes, and a hello sent meanwhile finds the socket
+        closed (EPIPE). The refusal, not the EPIPE, is what the caller must see, and it is
+        not a reason to connect again. Read only when no other thread is reading."""
+        with self._state:
+            if self._reading or sock is None:
+                return None
+        try:
+            data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            replies = self.core.receive(data, [])
+        except (OSError, WeightcacheError):
+            return None
+        for reply, fds in replies:
+            if isinstance(err := self.core.unclaimed(reply, fds), WeightcacheError):
+                return err
+        return None
 
     def _wait_for(self, rid: int, deadline: float | None) -> Reply:
         """The reply to ``rid``: read by this thread, or by another that is reading."""
