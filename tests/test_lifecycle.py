@@ -106,6 +106,31 @@ def test_sigterm_shutdown_with_live_leases_removes_the_socket(start_daemon, ckpt
     kid.wait()
 
 
+def test_sigterm_sent_to_the_daemon_and_its_group_is_one_graceful_stop(start_daemon, ckpts):
+    """`timeout 600 weightcache serve` passes SIGTERM on to the daemon and then to its whole
+    process group: the daemon receives it twice within milliseconds, and must stop as asked
+    once (exit 0, socket removed), not as a second, forcing request."""
+    d = start_daemon(models={"a": ckpts["a"]})
+    d.proc.send_signal(signal.SIGTERM)
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=30) == 0
+    assert not os.path.exists(d.socket)
+    assert "exiting now" not in d.log_text()
+
+
+def test_stop_requests_a_repeat_is_only_one_a_second_or_more_later(monkeypatch):
+    from weightcache import systemd
+
+    now = [100.0]
+    monkeypatch.setattr(systemd.time, "monotonic", lambda: now[0])
+    stops = systemd.StopRequests()
+    assert stops.take() == "first"
+    now[0] += 0.01
+    assert stops.take() == "duplicate"
+    now[0] += systemd.StopRequests.REPEAT_AFTER_S
+    assert stops.take() == "again"
+
+
 def test_stale_socket_is_replaced_but_a_live_one_is_not(start_daemon, ckpts, tmp_path):
     d = start_daemon()
     d.proc.send_signal(signal.SIGKILL)

@@ -25,6 +25,7 @@ from weightcache.errors import ConfigError
 from weightcache.supervise.command import parse_command
 from weightcache.supervise.loop import Supervisor, SupervisorOptions
 from weightcache.supervise.policy import EngineExit, RestartPolicy
+from weightcache.systemd import StopRequests
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parent.parent
@@ -258,10 +259,25 @@ def test_second_stop_signal_kills_at_once(tmp_path):
     p = supervise(["--stop-timeout", "60"], [str(signalled_engine(tmp_path, term_delay=60))], tmp_path)
     pid = engine_pid(tmp_path)
     p.send_signal(signal.SIGTERM)
+    first = time.monotonic()
     wait_for(lambda: "SIGTERM" in lines(tmp_path / "signals"))
+    time.sleep(max(0.0, first + StopRequests.REPEAT_AFTER_S + 0.2 - time.monotonic()))
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=20)
     assert p.returncode == 1 and not alive(pid) and "second SIGINT" in err
+
+
+def test_a_stop_signal_sent_to_the_process_and_its_group_stops_gracefully(tmp_path):
+    """`timeout`, systemd and a terminal send the signal to the supervisor and to its group:
+    the same request, twice within milliseconds, is not the operator asking for a kill."""
+    p = supervise(["--stop-timeout", "60"], [str(signalled_engine(tmp_path, term_delay=1.5))], tmp_path)
+    pid = engine_pid(tmp_path)
+    p.send_signal(signal.SIGTERM)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 0, err
+    assert lines(tmp_path / "signals")[-1] == "engine done" and not alive(pid)
+    assert "second SIGTERM" not in err and "SIGKILL" not in err
 
 
 def test_stop_during_backoff_exits_without_a_new_engine(tmp_path):

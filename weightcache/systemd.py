@@ -1,7 +1,8 @@
-"""systemd readiness: Type=notify units learn READY=1 and STOPPING=1 from us (the
-daemon), and from a supervised engine (weightcache.engine.ready); a reload is announced
-with RELOADING=1 and ends with READY=1. Imports nothing heavy: an engine calls it on its
-restart path."""
+"""What a service manager tells us and learns from us. Readiness: Type=notify units learn
+READY=1 and STOPPING=1 from us (the daemon), and from a supervised engine
+(weightcache.engine.ready); a reload is announced with RELOADING=1 and ends with READY=1.
+Stop signals: which second one is an operator asking again (:class:`StopRequests`).
+Imports nothing heavy: an engine calls it on its restart path."""
 
 from __future__ import annotations
 
@@ -29,3 +30,25 @@ def reloading_message() -> str:
     253+) matches a reload to the request that caused it by that time, and without it
     may take an earlier READY=1 as the reload's end (sd_notify(3))."""
     return f"RELOADING=1\nMONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}"
+
+
+class StopRequests:
+    """Counts stop signals (SIGTERM, SIGINT, SIGQUIT): the first asks for a graceful stop, a
+    later one for stopping now. `timeout`, systemd (KillMode=control-group or mixed) and a
+    terminal's Ctrl-C each send the signal to every process of a group as well as to the
+    one they started, so a daemon or supervisor run under them receives the same request
+    twice within milliseconds; only a signal :attr:`REPEAT_AFTER_S` or more after the first
+    is the operator asking again."""
+
+    REPEAT_AFTER_S = 1.0
+
+    def __init__(self) -> None:
+        self.first_at: float | None = None
+
+    def take(self) -> str:
+        """"first", "duplicate" (the same request delivered twice) or "again"."""
+        now = time.monotonic()
+        if self.first_at is None:
+            self.first_at = now
+            return "first"
+        return "again" if now - self.first_at >= self.REPEAT_AFTER_S else "duplicate"

@@ -23,6 +23,7 @@ from ..cache import CacheCore
 from ..config import Settings
 from ..errors import ConfigError, WeightcacheError
 from ..protocol import CONFIG_ENV, SOCKET_ENV
+from ..systemd import StopRequests
 from .daemon import Daemon
 from .logs import setup_logging
 from .settings_reload import resolve_budget
@@ -108,7 +109,8 @@ def build(settings: Settings, config_path: str | None = None) -> Daemon:
 
 
 def run_daemon(settings: Settings, config_path: str | None = None) -> int:
-    """Run until SIGTERM/SIGINT; a second signal forces exit; SIGHUP reloads the config.
+    """Run until SIGTERM/SIGINT; a second one a second or more later forces exit (see
+    :class:`~weightcache.systemd.StopRequests`); SIGHUP reloads the config.
     Returns the exit status: 0, or 2 when it could not start (logged as one line)."""
     import uvloop
 
@@ -162,14 +164,15 @@ async def _main(settings: Settings, config_path: str | None) -> None:
     if settings.daemon.metrics_listen:
         # Before the socket: a busy port must not leave a bound socket behind.
         claim_metrics_port(daemon, settings.daemon.metrics_listen)
-    signals = {"count": 0}
+    stops = StopRequests()
 
     def on_signal(sig: signal.Signals) -> None:
-        signals["count"] += 1
-        if signals["count"] > 1:
+        taken = stops.take()
+        if taken == "again":
             log.warning("second %s: exiting now", sig.name)
             os._exit(1)
-        daemon.request_stop(sig.name)
+        if taken == "first":
+            daemon.request_stop(sig.name)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)

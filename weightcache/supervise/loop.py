@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 from .. import engine as engine_api
 from ..errors import ConfigError
 from ..safe_path import safe_sys_path
+from ..systemd import StopRequests
 from .command import EngineCommand, parse_command, run_engine
 from .fork_safety import ForkUnsafe, check_fork_safe, driver_files, open_fds, reseed, socket_fds
 from .policy import EngineExit, RestartPolicy
@@ -105,6 +106,7 @@ class Supervisor:
         self.engine: _Engine | None = None
         self.state = "starting"
         self.stopping = False
+        self.stops = StopRequests()
         self.stop_deadline = 0.0
         self.stop_status = 0
         self.next_start: float | None = None
@@ -298,7 +300,10 @@ class Supervisor:
             return  # reaped by the caller
         from_terminal = info.si_code == SI_KERNEL
         if sig in STOP_SIGNALS:
-            if self.stopping:
+            taken = self.stops.take()
+            if taken == "duplicate":
+                return
+            if taken == "again":
                 log.warning("second %s: SIGKILL the engine", sig.name)
                 self._kill()
                 return
