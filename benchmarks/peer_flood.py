@@ -18,6 +18,10 @@ in a loop, first alone for --seconds, then beside each flood in turn for --secon
   peer port does with each connection: what the flooding processes themselves cost the
   victim on this machine (on 2 cores, most of it).
 
+With ``--flood-cpus 1`` the flooding processes (and the sinks and the fake lender) run
+on CPU 1 and the daemon and the victim on the others: what is left of the victim's
+slowdown is the daemon's own work for the flood, not the flooders' CPU.
+
 Prints (and with --out writes) a JSON summary: per phase the attach p50/p99 and their
 ratio to the alone phase, and the daemon's RSS before the floods and after each.
 
@@ -193,6 +197,11 @@ def victim(sock: str, phases: list[tuple[str, float, float]], out: Any) -> None:
     out.put({"latency": lat, "failures": failures[:20]})
 
 
+def on_cpus(cpus: set[int], target: Any, args: tuple[Any, ...]) -> None:
+    os.sched_setaffinity(0, cpus)
+    target(*args)
+
+
 def rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -220,8 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--startup", type=float, default=2.0, help="seconds for the processes to start before the first phase")
     ap.add_argument("--floods", default="hello-nokey,hello-nokey-sink,hello-key,hello-key-sink,partial,partial-sink,"
                                         "unconfigured,inventory", help="a kind ending in -sink floods a control listener")
+    ap.add_argument("--flood-cpus", default="", help="CPUs for the flooding processes (e.g. 1); the daemon and the "
+                    "victim get the others")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    flood_cpus = {int(c) for c in args.flood_cpus.split(",") if c}
+    if flood_cpus:
+        rest = os.sched_getaffinity(0) - flood_cpus
+        if not rest or not flood_cpus <= os.sched_getaffinity(0):
+            ap.error(f"--flood-cpus {args.flood_cpus}: leaves no CPU for the daemon, or names one this process may not use")
+        os.sched_setaffinity(0, rest)  # the daemon and the victim inherit it
 
     kinds = [k for k in args.floods.split(",") if k]
     tmp = Path(tempfile.mkdtemp(prefix="peer-flood-"))
@@ -264,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                 procs.append(ctx.Process(target=sink, args=(to, end)))
             n = 1 if name == "unconfigured" else 4
             procs += [ctx.Process(target=flooder, args=(name, to, key, start, end, 12, fq)) for _ in range(n)]
-        flooders = sum(1 for p in procs if p._target is flooder)  # type: ignore[attr-defined]
+        flooders = len([p for p in procs if p._target is flooder])  # type: ignore[attr-defined]
+        if flood_cpus:
+            procs = [ctx.Process(target=on_cpus, args=(flood_cpus, p._target, p._args)) for p in procs]  # type: ignore[attr-defined]
         procs.append(ctx.Process(target=victim, args=(sock, phases, q)))
         for p in procs:
             p.start()
@@ -291,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             p.join()
         lat = res["latency"]
         alone99 = pct(lat["alone"], 0.99)
-        summary: dict[str, Any] = {"seconds": args.seconds, "failures": res["failures"], "phases": {}}
+        summary: dict[str, Any] = {"seconds": args.seconds, "flood_cpus": sorted(flood_cpus),
+                                   "daemon_cpus": sorted(os.sched_getaffinity(0)), "failures": res["failures"], "phases": {}}
         for name, _, _ in phases:
             xs = lat[name]
             summary["phases"][name] = {"n": len(xs), "p50_ms": round(pct(xs, 0.5) * 1e3, 3),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import socket
 import time
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from .mapping import AttachedModel
 
 T = TypeVar("T")
+LAST_WORDS_S = 1.0  # the most a send that found the daemon's end closed waits for what it sent before closing
 
 
 class Connection(ConnectionBase):
@@ -39,6 +41,7 @@ class Connection(ConnectionBase):
         self._background: set[asyncio.Task[None]] = set()
         self._reconnect_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the connection: finalizers hand it their detaches
+        self._said: WeightcacheError | None = None  # an error the daemon sent about this connection (a refusal)
 
     # -- connecting -----------------------------------------------------------------
     async def _connect_once(self, sock: socket.socket, deadline: float | None) -> None:
@@ -50,6 +53,7 @@ class Connection(ConnectionBase):
 
     def _started(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._said = None
         self._reader = asyncio.ensure_future(self._read_loop())
 
     async def close(self) -> None:
@@ -91,7 +95,7 @@ class Connection(ConnectionBase):
         except BaseException as exc:
             timed_out = isinstance(exc, TimeoutError) and deadline.expired()
             if sending and isinstance(exc, OSError) and exc.errno in PEER_GONE_ERRNOS:  # Note [reconnecting]
-                gone = self.core.peer_gone(op, exc)
+                gone = await self._last_words() or self.core.peer_gone(op, exc)
                 self._break_connection(gone)
                 raise gone from exc
             if sending and (timed_out or not isinstance(exc, OSError)):  # part of the frame may be out (Note [timeouts])
@@ -111,6 +115,17 @@ class Connection(ConnectionBase):
             self._pending.pop(rid, None)  # a late reply for rid is now dropped (Note [cancellation])
         return self.core.checked(reply, fds)
 
+    async def _last_words(self) -> WeightcacheError | None:
+        """The error the daemon sent before it closed the connection: a daemon that refuses
+        a connection (a uid it does not allow, too many connections) sends why and closes,
+        and a hello sent meanwhile finds the socket closed (EPIPE). The refusal, not the
+        EPIPE, is what the caller must see, and it is not a reason to connect again. The
+        reader task reads what is left up to the end (at most LAST_WORDS_S: the daemon's
+        end is closed, so the end is there at once) and keeps the refusal in ``_said``."""
+        if self._reader is not None and not self._reader.done():
+            await asyncio.wait({self._reader}, timeout=LAST_WORDS_S)
+        return copy.copy(self._said)  # a new exception: the one in _said failed the pending requests already
+
     async def _read_loop(self) -> None:
         assert self._sock is not None
         try:
@@ -121,7 +136,7 @@ class Connection(ConnectionBase):
                     if fut is not None and not fut.done():
                         fut.set_result((reply, mine))
                     else:
-                        self._unclaimed(reply, mine)
+                        self._said = self._unclaimed(reply, mine) or self._said
         except asyncio.CancelledError:
             raise
         except (WeightcacheError, OSError) as exc:

@@ -246,14 +246,16 @@ class ConnectionBase(ABC):
         close_fds(fds)  # only attach takes fds; anything else carrying them is closed
         return reply
 
-    def _unclaimed(self, reply: dict[str, Any], fds: list[int]) -> None:
+    def _unclaimed(self, reply: dict[str, Any], fds: list[int]) -> WeightcacheError | None:
         """A reply nobody waits for (Note [cancellation]): give back its lease, or fail
-        every request if it is an error about the connection itself."""
+        every request if it is an error about the connection itself (returned)."""
         outcome = self.core.unclaimed(reply, fds)
         if isinstance(outcome, WeightcacheError):
             self._fail_pending(outcome)
-        elif outcome is not None:
+            return outcome
+        if outcome is not None:
             self._give_back(outcome)
+        return None
 
     async def _detach_quietly(self, lease: int) -> None:
         # If this fails the connection is gone, and the daemon ended the lease with it.
