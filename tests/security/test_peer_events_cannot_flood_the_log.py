@@ -11,7 +11,7 @@ from typing import Any
 
 from helpers import NOBODY, as_uid, root_only
 
-from weightcache.server.logs import PeerEventLog
+from weightcache.peer_log import PeerEventLog
 
 from ._util import OTHER, Conn, code, open_to_all
 

@@ -2,7 +2,7 @@
 tenant's doing (its quota, its file), and the tenant may ask again as often as it likes.
 Each refusal wrote one ERROR line: a tenant asking again and again for loads of a model over its quota
 wrote one line per load (300 loads, 300 lines, before). Now such lines go through the
-daemon's PeerEventLog (server/logs.py): the first few per uid per minute, then one line
+daemon's PeerEventLog (peer_log.py): the first few per uid per minute, then one line
 saying how many were left out. The operator's own models' failures stay ERROR lines of
 their own share, which no tenant's flood spends."""
 
@@ -82,7 +82,7 @@ def test_routine_lines_of_configured_models_cannot_hide_an_error():
     import logging
     from types import SimpleNamespace
 
-    from weightcache.server.logs import PeerEventLog
+    from weightcache.peer_log import PeerEventLog
     from weightcache.server.residency.fill import Fill
 
     records: list[logging.LogRecord] = []

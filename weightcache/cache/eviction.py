@@ -100,6 +100,13 @@ def defaults_for(device: str) -> DeviceRates:
     return CPU_DEFAULTS if device == "cpu" else GPU_DEFAULTS
 
 
+# The phases of a fill that are its source's cost, not waiting for room or a turn: a
+# load's rate (CacheCore.observe_load, which GDSF prices a return with) counts these and
+# opening the files; a peer's fill rate (weightcache/peers/) these alone, its load having
+# opened the files before either way.
+OWN_PHASES = ("allocate", "fill", "seal", "table")
+
+
 class LoadRates:
     """How fast each device brings models back, learned from the server's measurements.
 

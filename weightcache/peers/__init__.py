@@ -30,19 +30,18 @@ from typing import Any, Protocol
 
 from ..backends import Backend
 from ..cache import CacheCore
+from ..cache.eviction import OWN_PHASES
 from ..config import PeersConfig
 from ..errors import NoSpace, WeightcacheError
 from ..loader import Checkpoint, OpenedSource
 from ..loader.content import FILE_DIGESTS, fingerprint
-from ..server.registry import Model, Registry
-from ..server.residency.fill import OWN_PHASES
 from . import wire
 from .auth import Secret
 from .choice import REMEASURE_S, Choice, backoff_s, choose, files_default, files_warm, smoothed
 from .directory import Directory, PeerState, connect
 from .fill import Lent, PeerFill
 from .lend_worker import WorkerGone
-from .server import Lender
+from .server import Lender, ServedModel, ServedModels
 from .staged import CannotLand, StagedFill
 from .transport import TransferFailed, Transport, unavailable
 
@@ -87,7 +86,7 @@ def known_fingerprint(settings: PeersConfig, name: str, ckpt: Checkpoint, opened
 
 
 class Peers:
-    def __init__(self, settings: PeersConfig, *, core: CacheCore, registry: Registry, backends: dict[str, Backend],
+    def __init__(self, settings: PeersConfig, *, core: CacheCore, registry: ServedModels, backends: dict[str, Backend],
                  notify_space: Callable[[], None], shutting_down: Callable[[], bool]) -> None:
         self.settings = settings
         self.daemon_id = f"{socket.gethostname()}/{os.getpid()}/{os.urandom(4).hex()}"
@@ -157,7 +156,7 @@ class Peers:
                                       for (dev, warm), rate in sorted(self.files_rates.items())}}
 
     # -- the load path's hook -----------------------------------------------------------
-    async def fill(self, job: Job, model: Model, backend: Backend, ckpt: Checkpoint, opened: OpenedSource,
+    async def fill(self, job: Job, model: ServedModel, backend: Backend, ckpt: Checkpoint, opened: OpenedSource,
                    fill_new_arena: Callable[..., Awaitable[None]]) -> bool:
         """Try to fill ``job``'s new arena (``model``'s, on ``backend``) from a peer that
         holds its content, through the daemon's ``fill_new_arena`` (admit, allocate, fill,

@@ -36,19 +36,20 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ..backends import Arena, Backend
 from ..backends.base import StagedRing
 from ..cache import CacheCore, State
+from ..config import ModelConfig
 from ..config.peers import RING_SLOTS
 from ..errors import WeightcacheError
+from ..loader import Checkpoint
+from ..peer_log import PeerEventLog
 from ..protocol.framing import encode_frame
-from ..server.logs import PeerEventLog
-from ..server.registry import Model, Registry
 from . import wire
 from .auth import NotAuthenticated, Secret, challenge
 from .lend_worker import LendWorker, LentFiles, WorkerGone
@@ -72,7 +73,40 @@ STRIKES = 10  # failed handshakes or broken frames from one address within STRIK
 STRIKE_WINDOW_S = 60.0  # ... cut it off: its connections are closed unread until the window has no STRIKES
 
 
-def lendable(name: str, model: Model, core: CacheCore, backends: dict[str, Backend]) -> bool:
+class ServedResident(Protocol):
+    """What the lender reads of a model's resident copy (the daemon's server/resident.py)."""
+
+    @property
+    def arena(self) -> Arena | None: ...
+    @property
+    def checkpoint(self) -> Checkpoint | None: ...
+
+
+class ServedModel(Protocol):
+    """What peers/ reads of a model the daemon serves (the daemon's server/registry.py
+    Model): described here so that peers/ imports nothing of the daemon that builds it."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def origin(self) -> str: ...
+    @property
+    def owner(self) -> int | None: ...
+    @property
+    def resident(self) -> ServedResident: ...
+    def unchanged(self) -> bool: ...
+
+
+class ServedModels(Protocol):
+    """The daemon's models by name (its server/registry.py Registry)."""
+
+    @property
+    def models(self) -> Mapping[str, ServedModel]: ...
+
+
+def lendable(name: str, model: ServedModel, core: CacheCore, backends: dict[str, Backend]) -> bool:
     """Whether ``model`` may be listed to peers and lent: the operator's, open to every
     user, resident with its files unchanged since it was loaded, on a device whose
     backend offers its arenas to a transfer engine."""
@@ -104,7 +138,7 @@ class Lending:
 
 
 class Lender:
-    def __init__(self, *, daemon_id: str, core: CacheCore, registry: Registry, backends: dict[str, Backend],
+    def __init__(self, *, daemon_id: str, core: CacheCore, registry: ServedModels, backends: dict[str, Backend],
                  transport: Callable[[], Transport | None], allowed: Callable[[str], Awaitable[bool]],
                  notify_space: Callable[[], None], timeout_s: float, serve: bool, slot_bytes: int,
                  secret: Secret | None = None, known: Callable[[str], bool | None] | None = None) -> None:

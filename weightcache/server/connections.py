@@ -32,13 +32,13 @@ from ..errors import (
     UnknownOp,
     WeightcacheError,
 )
+from ..peer_log import PeerEventLog
 from ..protocol import ADMIN_OPS, FrameDecoder, close_fds, decode_payload, recv_with_fds, send_with_fds
 from ..protocol.framing import DEFERRED_KEYS, PayloadRefused
 from ..protocol.packed import encode_reply
 from .access import AccessPolicy, Peer
 from .bounds import Bounds, Connection
 from .handlers import HANDLERS, OWNER_PIN_OPS, hello, redact
-from .logs import PeerEventLog
 from .metrics import Metrics
 from .requests import Caller, Context, Request
 from .residency import Residency
@@ -92,7 +92,7 @@ class Connections:
         self._ids = itertools.count(1)
         self.background: set[asyncio.Task[Any]] = set()
         # Lines for what peers cause, rate-limited per uid with counts of what was left out
-        # (logs.PeerEventLog): refused connections, refused admin ops, limits broken, replies
+        # (peer_log.PeerEventLog): refused connections, refused admin ops, limits broken, replies
         # not sent. The daemon's one such log, the loads' too (Fill.model_event): flushed
         # once at close, it says what all of them left out.
         self.peer_log: PeerEventLog = residency.fill.peer_log

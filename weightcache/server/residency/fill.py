@@ -15,13 +15,14 @@ from typing import Any, TypeVar
 
 from ...backends import Arena, Backend
 from ...cache import CacheCore, LoadPlan, StepDown
+from ...cache.eviction import OWN_PHASES
 from ...cache.names import published_as
 from ...config import DaemonConfig
 from ...errors import LoadFailed, NoSpace, WeightcacheError
 from ...loader import Checkpoint, Progress
+from ...peer_log import PeerEventLog
 from ...protocol import tenant_fingerprint
 from ..fills import FillStrategy
-from ..logs import PeerEventLog
 from ..registry import Model, Registry
 from .io import MANY_TENSORS, collector_paused
 from .job import LoadJob
@@ -34,11 +35,6 @@ log = logging.getLogger("weightcache.daemon")
 T = TypeVar("T")
 
 SMALL_FILL_BYTES = 64 * 2**20  # fills of at most this (and few tensors) do not wait for the device's fill lock
-
-# The phases of a fill that are its source's cost, not waiting for room or a turn: a
-# load's rate (observe_load) counts these and opening the files; a peer's fill rate
-# (weightcache/peers/) these alone, its load having opened the files before either way.
-OWN_PHASES = ("allocate", "fill", "seal", "table")
 
 
 async def _to_thread_finished(fn: Callable[..., T], *args: Any, cleanup: Callable[[T], object] | None = None) -> T:
@@ -77,14 +73,14 @@ class Fill:
         # The turns go round-robin by the model's owner (turns.py), so one tenant's queue of
         # big fills does not hold back another's.
         self._fill_turns: dict[str, FairTurns] = {}
-        # The daemon's one log of what peers cause (logs.PeerEventLog): these loads' refusals
+        # The daemon's one log of what peers cause (peer_log.PeerEventLog): these loads' refusals
         # and failures (model_event), flight.py's and register's, and connections.py's.
         self.peer_log = PeerEventLog(log)
 
     def model_event(self, model: Model, level: int, event: str, msg: str, *args: Any, **kwargs: Any) -> bool:
         """A line about ``model`` that anyone may cause again and again by asking for it
         (a load refused or failed, its files changed), rate-limited by whose model it is;
-        True if it was written (logs.PeerEventLog has the rest counted and summed up).
+        True if it was written (peer_log.PeerEventLog has the rest counted and summed up).
 
         A tenant's model (registered or published by a uid that is not an administrator
         by uid; one by group only is taken for a tenant here, its lines still written):
@@ -99,7 +95,7 @@ class Fill:
         routine INFO lines (a load that waits for room) cannot spend an ERROR's share.
         Still a share, not every line: any peer allowed to use such a model may ask for its
         load as often as it likes; what is left out is summed up at the highest level it
-        had (logs.PeerEventLog)."""
+        had (peer_log.PeerEventLog)."""
         owner = model.owner
         if owner is None or model.origin == "config" or owner == 0 or owner in self.registry.access.admin_uids:
             name = model.config.name
