@@ -395,6 +395,7 @@ def test_reload_applies_a_lowered_budget_and_reports_a_new_directory(store: Stor
     assert len(store.blobs()) == 2
 
 
+@pytest.mark.gpu
 def test_a_gpu_publish_survives_a_restart(tmp_path: Path) -> None:
     """The CUDA backend's read of a published arena (CudaBackend.reading), end to end."""
     skip_without_cuda()

@@ -15,7 +15,7 @@ from drive import keep_linear_weights, load, plugin_lines, same_state, state
 from safetensors.torch import load_file, save_file
 
 from weightcache import SyncClient, tenant_fingerprint
-from weightcache.integrations.vllm.keys import processed_name
+from weightcache.integrations.vllm.keys import checkpoint_name_prefix, processed_name
 
 DEFAULT = "loading with vLLM's default loader"
 
@@ -170,7 +170,12 @@ def test_a_checkpoint_changed_on_disk_gives_the_new_weights(daemon, fresh_ckpt) 
             got, _ = load(str(fresh_ckpt))
     assert same_state(got, disk)
     assert "attached processed weights" not in lines.text()
-    assert len([n for n in names(daemon.socket) if n.startswith("vllm-processed-")]) == 2
+    # The registration of the files as they were, and the weights processed from it, are
+    # unregistered: no start would ask for them again.
+    assert "made from this checkpoint's files as they were before they changed" in lines.text()
+    left = names(daemon.socket)
+    assert len([n for n in left if n.startswith("vllm-processed-")]) == 1, left
+    assert len([n for n in left if n.startswith(checkpoint_name_prefix(str(fresh_ckpt)))]) == 1, left
 
 
 def state_for_publish(model) -> dict[str, torch.Tensor]:

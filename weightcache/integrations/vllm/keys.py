@@ -85,7 +85,12 @@ def checkpoint_name(model_dir: str, files: Sequence[str], device: str, uid: int)
     for f in sorted(files):
         st = os.stat(f)
         ident.append([os.path.realpath(f), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns])
-    return f"vllm-{_label(model_dir)}-{_digest([KEY_VERSION, ident, device, uid])[:20]}"
+    return f"{checkpoint_name_prefix(model_dir)}{_digest([KEY_VERSION, ident, device, uid])[:20]}"
+
+
+def checkpoint_name_prefix(model_dir: str) -> str:
+    """What every :func:`checkpoint_name` of ``model_dir`` begins with, whatever its files."""
+    return f"vllm-{_label(model_dir)}-"
 
 
 @dataclass(frozen=True)

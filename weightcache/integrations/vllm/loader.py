@@ -57,7 +57,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from ... import SyncClient, tenant_fingerprint
 from ...checkpoint_files import discover_files
 from ...errors import BadRequest, DaemonUnavailable, UnknownModel, WeightcacheError
-from .keys import Options, ProcessedKey, checkpoint_name, processed_name
+from .keys import Options, ProcessedKey, checkpoint_name, checkpoint_name_prefix, processed_name
 from .processed import NotPublishable, processed_key, publishable, put_in_place, target_device
 
 try:  # vLLM's seam for attaching processed weights (the in-tree ipc_cache loader uses it)
@@ -90,6 +90,9 @@ class Plan:
     fingerprint: str  # its content fingerprint (from the daemon)
     key: ProcessedKey | None  # None: processed weights are not used here
     why_not_processed: str | None  # set when key is None and the mode asked for them
+    # The fingerprints of this uid's registrations of the folder made from its files as
+    # they were before (unregistered now): their processed weights are retired too.
+    retired: tuple[str, ...] = ()
 
 
 @register_model_loader("weightcache")
@@ -179,19 +182,25 @@ class WeightcacheModelLoader(BaseModelLoader):
                 plan.why_not_processed = why_not
             return plan
         plan.key = processed_key(vllm_config, model_config, plan.fingerprint)
+        if plan.retired:
+            with contextlib.suppress(WeightcacheError, OSError), self._client() as client:
+                _retire(client, [processed_name(plan.folder, processed_key(vllm_config, model_config, fp)) for fp in plan.retired])
         return plan
 
     def _plan_checkpoint(self, model_config: ModelConfig, model: nn.Module | None) -> Plan:
         folder = self._checkpoint_folder(model_config, model)
         device, attach_device = _daemon_device()
+        retired: tuple[str, ...] = ()
         try:
             with self._client() as client:
-                name = self.options.name or _configured_for(client, folder, device) or \
-                    _register(client, checkpoint_name(folder, discover_files(folder), device, os.geteuid()), folder, device)
+                name = self.options.name or _configured_for(client, folder, device)
+                if name is None:
+                    name = _register(client, checkpoint_name(folder, discover_files(folder), device, os.geteuid()), folder, device)
+                    retired = _retire_earlier(client, name, folder, device)
                 fingerprint = _fingerprint(client, name)
         except (WeightcacheError, OSError) as exc:
             raise Unusable(f"the daemon at {self._socket_path()} (this engine runs as uid {os.geteuid()}): {_one_line(exc)}") from exc
-        return Plan(folder, device, attach_device, name, fingerprint, None, None)
+        return Plan(folder, device, attach_device, name, fingerprint, None, None, retired)
 
     def _checkpoint_folder(self, model_config: ModelConfig, model: nn.Module | None) -> str:
         if model is not None and getattr(model, "secondary_weights", None):
@@ -432,6 +441,40 @@ def _register(client: SyncClient, name: str, folder: str, device: str) -> str:
         if "already" not in str(exc):
             raise
     return name
+
+
+def _retire_earlier(client: SyncClient, name: str, folder: str, device: str) -> tuple[str, ...]:
+    """Unregister this uid's registrations of ``folder`` on ``device`` other than ``name``:
+    each was made from the files as they were before they changed on disk (the name
+    digests their identity), and no start will ask for it again. One an engine still
+    attaches, or that is loading, is refused by the daemon and left for a later start.
+    Returns the fingerprints of those unregistered (their processed weights go too)."""
+    real, uid = os.path.realpath(folder), os.geteuid()
+
+    def earlier(m: dict[str, Any]) -> bool:
+        registered_on = f"cuda:{m['device_uuid']}" if m.get("device_uuid") else m.get("device")
+        return (m["name"] != name and m["name"].startswith(checkpoint_name_prefix(folder)) and m.get("origin") == "register"
+                and m.get("owner") == uid and bool(m.get("path")) and os.path.realpath(m["path"]) == real
+                and str(registered_on).lower() == device.lower())
+
+    stale = [m for m in client.models() if earlier(m)]
+    return tuple(str(m["fingerprint"]) for m in stale if _retire(client, [m["name"]]) and m.get("fingerprint"))
+
+
+def _retire(client: SyncClient, names: list[str]) -> bool:
+    """Unregister ``names`` (those the daemon has); False if one of them was refused."""
+    held = {m["name"] for m in client.models()}
+    done = True
+    for name in names:
+        if name not in held:
+            continue
+        try:
+            client.unregister(name)
+            logger.info("weightcache: unregistered %s: made from this checkpoint's files as they were before they changed", name)
+        except WeightcacheError as exc:
+            logger.info("weightcache: %s kept: %s", name, _one_line(exc))
+            done = False
+    return done
 
 
 def _fingerprint(client: SyncClient, name: str) -> str:
