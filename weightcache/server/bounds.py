@@ -25,7 +25,10 @@ unbounded memory, fds, threads or loop time, or delay another connection:
   validated in the io pool (Note [deferred values]); attach tables are encoded once.
 
 The counts summed over connections live here (``Bounds``); the reader and sender in
-connections.py ask them before they take more.
+connections.py ask them before they take more. What one connection's reader decides on
+its own is here without I/O, so that it is tested with bytes and a clock and no daemon:
+``FrameReader`` (frames out of bytes, the fd rule, the hello and frame deadlines) and
+``FlowControl`` (whether the connection is read at all).
 """
 
 from __future__ import annotations
@@ -40,9 +43,94 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import DaemonConfig
-from ..errors import LimitExceeded, WeightcacheError
-from ..protocol import close_fds
+from ..errors import BadRequest, LimitExceeded, RequestTimeout, WeightcacheError
+from ..protocol import FrameDecoder, close_fds
 from .access import Peer
+
+
+class FlowControl:
+    """Whether the daemon reads a connection's next request (uvicorn's FlowControl, for a
+    reader task): not while max_requests_per_connection of its requests are in flight,
+    nor while more than max_queued_reply_bytes of a reply wait for the peer to read
+    them; it reads again as soon as both are back under."""
+
+    def __init__(self, max_requests: int, max_unsent: int) -> None:
+        self.max_requests, self.max_unsent = max_requests, max_unsent
+        self.in_flight = 0  # requests (and queued replies) of the connection not done
+        self.unsent = 0  # bytes of the reply being sent that the peer has not taken yet
+        self._readable = asyncio.Event()
+        self._readable.set()
+
+    @property
+    def reading(self) -> bool:
+        return self._readable.is_set()
+
+    def set_in_flight(self, n: int) -> None:
+        self.in_flight = n
+        self._update()
+
+    def set_unsent(self, nbytes: int) -> None:
+        self.unsent = nbytes
+        self._update()
+
+    async def wait(self) -> None:
+        """Until the connection may be read."""
+        await self._readable.wait()
+
+    def _update(self) -> None:
+        if self.in_flight < self.max_requests and self.unsent <= self.max_unsent:
+            self._readable.set()
+        else:
+            self._readable.clear()
+
+
+class FrameReader:
+    """One connection's read side, without I/O: bytes (and how many fds came with them) in,
+    whole frames out, and when the reader must give up waiting. A frame has
+    frame_read_timeout_s from its first byte; a connection hello_timeout_s for its hello;
+    fds ride on a frame's first byte (a frame must start in the read that brought them)."""
+
+    def __init__(self, max_frame_bytes: int, frame_read_timeout_s: float, hello_timeout_s: float, now: float) -> None:
+        self.decoder = FrameDecoder(max_frame_bytes)
+        self.frame_read_timeout_s, self.hello_timeout_s = frame_read_timeout_s, hello_timeout_s
+        self.hello_deadline = now + hello_timeout_s
+        self.frame_deadline: float | None = None  # set when a frame's first byte arrives
+
+    @property
+    def pending(self) -> int:
+        """Bytes of a frame begun and not complete."""
+        return self.decoder.pending
+
+    def timeout(self, greeted: bool, now: float) -> float | None:
+        """How long the next read may wait (None: as long as it takes)."""
+        deadlines = [t for t in (None if greeted else self.hello_deadline, self.frame_deadline) if t is not None]
+        return max(0.0, min(deadlines) - now) if deadlines else None
+
+    def timed_out(self, now: float) -> RequestTimeout:
+        """The error that closes a connection whose read waited past :meth:`timeout`."""
+        if self.frame_deadline is not None and now >= self.frame_deadline:
+            why = f"frame incomplete {self.frame_read_timeout_s:g}s after its first byte"
+        else:
+            why = f"no hello within {self.hello_timeout_s:g}s"
+        return RequestTimeout(f"{why}; closing the connection")
+
+    def feed(self, data: bytes, nfds: int, now: float) -> list[bytes]:
+        """The frames ``data`` completes. Raises FrameTooLarge (a frame over the limit: the
+        stream is out of step) or BadRequest (fds that came with no frame's first byte)."""
+        pending_before = self.decoder.pending
+        frames = self.decoder.feed(data)
+        started_here = pending_before == 0 or len(frames) > 1 or (len(frames) == 1 and self.decoder.pending > 0)
+        if nfds and not started_here:
+            raise BadRequest("file descriptors must come with a frame's first byte")
+        if not self.decoder.pending:
+            self.frame_deadline = None
+        elif frames or self.frame_deadline is None:  # a new frame began in this read
+            self.frame_deadline = now + self.frame_read_timeout_s
+        return frames
+
+    def discard(self) -> None:
+        """Drop the half frame (its memory goes now)."""
+        self.decoder.discard()
 
 
 @dataclass
@@ -50,16 +138,13 @@ class Connection:
     id: int
     sock: socket.socket
     peer: Peer  # pid, uid, gid(s) from SO_PEERCRED
+    flow: FlowControl
     client: str = "?"
     greeted: bool = False
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tasks: dict[asyncio.Task[None], str] = field(default_factory=dict)  # request in flight -> its op
     fds: deque[int] = field(default_factory=deque)  # received, not yet claimed by a frame ("fds": n)
-    unsent: int = 0  # bytes of the reply being sent that the peer has not taken yet
     partial: int = 0  # bytes of a half-received frame (summed in Bounds.partial_bytes)
-    # Set while the daemon may read more requests: fewer than max_requests_per_connection
-    # in flight and at most max_queued_reply_bytes of replies the peer has not read.
-    readable: asyncio.Event = field(default_factory=asyncio.Event)
     # fds sent since the peer was last seen to have read everything (Bounds.fds_out)
     fds_out: int = 0
     # Done once the peer is gone: its loads go on, but stop waiting for room (Caller.gone).

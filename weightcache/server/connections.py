@@ -33,11 +33,11 @@ from ..errors import (
     WeightcacheError,
 )
 from ..peer_log import PeerEventLog
-from ..protocol import ADMIN_OPS, FrameDecoder, close_fds, decode_payload, recv_with_fds, send_with_fds
+from ..protocol import ADMIN_OPS, close_fds, decode_payload, recv_with_fds, send_with_fds
 from ..protocol.framing import DEFERRED_KEYS, PayloadRefused
 from ..protocol.packed import encode_reply
 from .access import AccessPolicy, Peer
-from .bounds import Bounds, Connection
+from .bounds import Bounds, Connection, FlowControl, FrameReader
 from .handlers import HANDLERS, OWNER_PIN_OPS, hello, redact
 from .metrics import Metrics
 from .requests import Caller, Context, Request
@@ -128,7 +128,8 @@ class Connections:
                 await asyncio.sleep(0.1)
                 continue
             sock.setblocking(False)
-            conn = Connection(id=next(self._ids), sock=sock, peer=Peer.of(sock))
+            conn = Connection(id=next(self._ids), sock=sock, peer=Peer.of(sock),
+                              flow=FlowControl(d.max_requests_per_connection, d.max_queued_reply_bytes))
             refusal: WeightcacheError | None = None
             if not self.access.allows(conn.peer):
                 self.peer_log.log(logging.WARNING, "refused conn", conn.peer.uid,
@@ -162,74 +163,55 @@ class Connections:
     # -- reading --------------------------------------------------------------------
     async def _serve(self, conn: Connection) -> None:
         d = self.settings
-        decoder = FrameDecoder(d.max_frame_bytes)
+        reader = FrameReader(d.max_frame_bytes, d.frame_read_timeout_s, d.hello_timeout_s, time.monotonic())
         log.debug("conn %d open: pid %d uid %d", conn.id, conn.peer.pid, conn.peer.uid, extra=_peer_fields(conn))
-        hello_deadline = time.monotonic() + d.hello_timeout_s
-        frame_deadline: float | None = None  # set when a frame's first byte arrives
-        conn.readable.set()
         try:
             while True:
-                await conn.readable.wait()
+                await conn.flow.wait()
                 if (pause := self.bounds.read_pause(conn.peer.uid)) > 0:
                     await asyncio.sleep(pause)  # this uid sent more than its share of bytes (Note [untrusted peers])
-                deadlines = [t for t in (None if conn.greeted else hello_deadline, frame_deadline) if t is not None]
-                timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
                 try:
                     # asyncio.timeout, not wait_for: no second task, so the fds recvmsg took
                     # are counted below before any other connection's read runs.
-                    async with asyncio.timeout(timeout):
+                    async with asyncio.timeout(reader.timeout(conn.greeted, time.monotonic())):
                         data, fds = await recv_with_fds(conn.sock)
                 except TimeoutError:
                     conn.close_fds()
-                    if frame_deadline is not None and time.monotonic() >= frame_deadline:
-                        why = f"frame incomplete {d.frame_read_timeout_s:g}s after its first byte"
-                    else:
-                        why = f"no hello within {d.hello_timeout_s:g}s"
-                    await self._drop(conn, RequestTimeout(f"{why}; closing the connection"), decoder)
+                    await self._drop(conn, reader.timed_out(time.monotonic()), reader)
                     break
                 except (ConnectionError, OSError):
                     break
                 self.bounds.count_read(conn.peer.uid, len(data))
-                pending_before = decoder.pending
                 if fds:
                     conn.fds.extend(fds)  # closed with the connection if refused below
                     refusal = self.bounds.check_fds(conn, len(fds))
                     if refusal is not None:
-                        await self._drop(conn, refusal, decoder)
+                        await self._drop(conn, refusal, reader)
                         break
                 if not data:
                     break
                 try:
-                    frames = decoder.feed(data)
-                except FrameTooLarge as exc:  # the stream is out of step: this connection only
-                    await self._drop(conn, exc, decoder)
+                    frames = reader.feed(data, len(fds), time.monotonic())
+                except (FrameTooLarge, BadRequest) as exc:  # the stream is out of step: this connection only
+                    await self._drop(conn, exc, reader)
                     break
-                self.bounds.count_partial(conn, decoder.pending)
+                self.bounds.count_partial(conn, reader.pending)
                 # Only the connection that grew the sum can find it over a cap here: each
                 # refused one's half frame leaves the count (and the memory) before its
                 # goodbye, so no bystander reads while the sum is over.
                 if (refusal := self.bounds.check_partial(conn)) is not None:
-                    await self._drop(conn, refusal, decoder)
+                    await self._drop(conn, refusal, reader)
                     break
-                # fds ride on a frame's first byte: a frame must start in this read.
-                started_here = pending_before == 0 or len(frames) > 1 or (len(frames) == 1 and decoder.pending > 0)
-                if fds and not started_here:
-                    await self._drop(conn, BadRequest("file descriptors must come with a frame's first byte"), decoder)
-                    break
-                if not decoder.pending:
-                    frame_deadline = None
-                elif frames or frame_deadline is None:  # a new frame began in this read
-                    frame_deadline = time.monotonic() + d.frame_read_timeout_s
                 await self._dispatch_all(conn, frames)
                 frames = []  # an idle connection must not keep its last frame (up to max_frame_bytes) alive
-                if not decoder.pending:  # fds no frame claimed: nobody will
+                if not reader.pending:  # fds no frame claimed: nobody will
                     conn.close_fds()
         finally:
             self.bounds.count_partial(conn, 0)
             conn.close_fds()
             await self._close(conn)
 
-    async def _drop(self, conn: Connection, exc: WeightcacheError, decoder: FrameDecoder) -> None:
+    async def _drop(self, conn: Connection, exc: WeightcacheError, reader: FrameReader) -> None:
         """A connection broke a limit: its fds and its half frame go now (not after the
         goodbye, which may take up to a second to a peer that does not read: held that
         long, up to max_frame_bytes of it was memory no count saw), then one error frame,
@@ -237,7 +219,7 @@ class Connections:
         self.peer_log.log(logging.WARNING, f"connection closed: {exc.code}", conn.peer.uid, "conn %d (uid %d): %s; closing it",
                           conn.id, conn.peer.uid, exc.message, extra=_peer_fields(conn, code=exc.code))
         conn.close_fds()
-        decoder.discard()
+        reader.discard()
         self.bounds.count_partial(conn, 0)  # its half frame no longer counts against the others
         await self._send_final(conn, exc)
 
@@ -269,7 +251,7 @@ class Connections:
         for payload in frames:
             # One read may hold hundreds of small frames: the in-flight limit holds
             # between them too, not only between reads.
-            await conn.readable.wait()
+            await conn.flow.wait()
             self._dispatch(conn, payload)
 
     def _dispatch(self, conn: Connection, payload: bytes) -> None:
@@ -310,17 +292,10 @@ class Connections:
 
         def done(t: asyncio.Task[None]) -> None:
             conn.tasks.pop(t, None)
-            self._update_readable(conn)
+            conn.flow.set_in_flight(len(conn.tasks))
 
         task.add_done_callback(done)
-        self._update_readable(conn)
-
-    def _update_readable(self, conn: Connection) -> None:
-        d = self.settings
-        if len(conn.tasks) < d.max_requests_per_connection and conn.unsent <= d.max_queued_reply_bytes:
-            conn.readable.set()
-        else:
-            conn.readable.clear()
+        conn.flow.set_in_flight(len(conn.tasks))
 
     async def _handle(self, conn: Connection, req: Request) -> None:
         fds: list[int] = []  # the reply's
@@ -374,8 +349,7 @@ class Connections:
             # Encoded under the lock: replies waiting for a peer that does not read hold
             # their (small, or shared) reply maps, never a second copy of their bytes.
             frame = encode_reply(msg)
-            conn.unsent = sum(len(part) for part in frame)
-            self._update_readable(conn)
+            conn.flow.set_unsent(sum(len(part) for part in frame))
             try:
                 await send_with_fds(conn.sock, frame, fds or [])
             except OSError as exc:
@@ -393,8 +367,7 @@ class Connections:
                     with contextlib.suppress(OSError):
                         conn.sock.shutdown(socket.SHUT_RDWR)
             finally:
-                conn.unsent = 0
-                self._update_readable(conn)
+                conn.flow.set_unsent(0)
 
     async def _send_final(self, conn: Connection, exc: WeightcacheError) -> None:
         """An error about the connection itself, just before closing it: never waits long
