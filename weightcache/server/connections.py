@@ -34,8 +34,7 @@ from ..errors import (
 )
 from ..peer_log import PeerEventLog
 from ..protocol import ADMIN_OPS, close_fds, decode_payload, recv_with_fds, send_with_fds
-from ..protocol.framing import DEFERRED_KEYS, PayloadRefused
-from ..protocol.packed import encode_reply
+from ..protocol.framing import DEFERRED_KEYS, PayloadRefused, encode_reply
 from .access import AccessPolicy, Peer
 from .bounds import Bounds, Connection, FlowControl, FrameReader
 from .handlers import HANDLERS, OWNER_PIN_OPS, hello, redact

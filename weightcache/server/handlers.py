@@ -27,7 +27,7 @@ from ..errors import (
     WeightcacheError,
 )
 from ..protocol import OPS, PROTOCOL_VERSION
-from ..protocol.packed import Packed
+from ..protocol.framing import Packed
 from ..units import format_size, parse_duration
 from . import model_ops, placing
 from .access import Peer
