@@ -268,7 +268,7 @@ def test_second_stop_signal_kills_at_once(tmp_path):
 
 
 def test_a_stop_signal_sent_to_the_process_and_its_group_stops_gracefully(tmp_path):
-    """`timeout`, systemd and a terminal send the signal to the supervisor and to its group:
+    """`timeout` sends the signal to the supervisor and then to its whole group:
     the same request, twice within milliseconds, is not the operator asking for a kill."""
     p = supervise(["--stop-timeout", "60"], [str(signalled_engine(tmp_path, term_delay=1.5))], tmp_path)
     pid = engine_pid(tmp_path)

@@ -34,11 +34,11 @@ def reloading_message() -> str:
 
 class StopRequests:
     """Counts stop signals (SIGTERM, SIGINT, SIGQUIT): the first asks for a graceful stop, a
-    later one for stopping now. `timeout`, systemd (KillMode=control-group or mixed) and a
-    terminal's Ctrl-C each send the signal to every process of a group as well as to the
-    one they started, so a daemon or supervisor run under them receives the same request
-    twice within milliseconds; only a signal :attr:`REPEAT_AFTER_S` or more after the first
-    is the operator asking again."""
+    later one for stopping now. `timeout(1)` passes a signal on to its command and then to
+    its whole process group (as does a script that signals both a pid and its group), so
+    a daemon or supervisor run under it receives the same request twice within
+    milliseconds; only a signal :attr:`REPEAT_AFTER_S` or more after the first is the
+    operator asking again."""
 
     REPEAT_AFTER_S = 1.0
 
