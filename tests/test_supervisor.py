@@ -259,10 +259,8 @@ def test_second_stop_signal_kills_at_once(tmp_path):
     p = supervise(["--stop-timeout", "60"], [str(signalled_engine(tmp_path, term_delay=60))], tmp_path)
     pid = engine_pid(tmp_path)
     p.send_signal(signal.SIGTERM)
-    first = time.monotonic()
     wait_for(lambda: "SIGTERM" in lines(tmp_path / "signals"))
-    time.sleep(max(0.0, first + StopRequests.REPEAT_AFTER_S + 0.2 - time.monotonic()))
-    p.send_signal(signal.SIGINT)
+    p.send_signal(signal.SIGINT)  # another signal, however soon: the operator asking again
     _, err = p.communicate(timeout=20)
     assert p.returncode == 1 and not alive(pid) and "second SIGINT" in err
 
@@ -270,14 +268,20 @@ def test_second_stop_signal_kills_at_once(tmp_path):
 def test_a_stop_signal_sent_to_the_process_and_its_group_stops_gracefully(tmp_path):
     """`timeout` sends the signal to the supervisor and then to its whole group:
     the same request, twice within milliseconds, is not the operator asking for a kill."""
-    p = supervise(["--stop-timeout", "60"], [str(signalled_engine(tmp_path, term_delay=1.5))], tmp_path)
+    p = supervise(["--stop-timeout", "60"], [str(signalled_engine(tmp_path, term_delay=2.0))], tmp_path)
     pid = engine_pid(tmp_path)
+    sent_at = time.monotonic()
     p.send_signal(signal.SIGTERM)
+    wait_for(lambda: "SIGTERM" in lines(tmp_path / "signals"))  # taken and passed on: not merged with the next
     p.send_signal(signal.SIGTERM)
+    if time.monotonic() - sent_at >= StopRequests.REPEAT_AFTER_S:
+        p.kill()
+        p.communicate()
+        pytest.skip("the supervisor took a second or more to pass the first SIGTERM on, on this machine")
     _, err = p.communicate(timeout=30)
     assert p.returncode == 0, err
     assert lines(tmp_path / "signals")[-1] == "engine done" and not alive(pid)
-    assert "second SIGTERM" not in err and "SIGKILL" not in err
+    assert "second SIGTERM" not in err and "SIGKILL" not in err and "taken as the same request" in err, err
 
 
 def test_stop_during_backoff_exits_without_a_new_engine(tmp_path):

@@ -15,7 +15,7 @@ from drive import keep_linear_weights, load, plugin_lines, same_state, state
 from safetensors.torch import load_file, save_file
 
 from weightcache import SyncClient, tenant_fingerprint
-from weightcache.integrations.vllm.keys import checkpoint_name_prefix, processed_name
+from weightcache.integrations.vllm.keys import is_checkpoint_name, processed_name
 
 DEFAULT = "loading with vLLM's default loader"
 
@@ -172,10 +172,27 @@ def test_a_checkpoint_changed_on_disk_gives_the_new_weights(daemon, fresh_ckpt) 
     assert "attached processed weights" not in lines.text()
     # The registration of the files as they were, and the weights processed from it, are
     # unregistered: no start would ask for them again.
-    assert "made from this checkpoint's files as they were before they changed" in lines.text()
+    assert "made from this checkpoint's files as they were before they were rewritten" in lines.text()
     left = names(daemon.socket)
     assert len([n for n in left if n.startswith("vllm-processed-")]) == 1, left
-    assert len([n for n in left if n.startswith(checkpoint_name_prefix(str(fresh_ckpt)))]) == 1, left
+    assert len([n for n in left if is_checkpoint_name(n, str(fresh_ckpt))]) == 1, left
+
+
+def test_a_checkpoint_rewritten_with_the_same_bytes_keeps_its_processed_weights(daemon, fresh_ckpt) -> None:
+    """touch, a copy or a download again: a new registration (the name digests the files'
+    identity), the old one unregistered, but the same content fingerprint, so the weights
+    processed from it are this start's and are attached, not unregistered."""
+    with keep_linear_weights():
+        first, _ = load(str(fresh_ckpt))
+        f = fresh_ckpt / "model.safetensors"
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+        with plugin_lines() as lines:
+            again, _ = load(str(fresh_ckpt))
+    assert "made from this checkpoint's files as they were before they were rewritten" in lines.text()
+    assert "attached processed weights" in lines.text() and same_state(again, first)
+    left = names(daemon.socket)
+    assert len([n for n in left if n.startswith("vllm-processed-")]) == 1, left
+    assert len([n for n in left if is_checkpoint_name(n, str(fresh_ckpt))]) == 1, left
 
 
 def state_for_publish(model) -> dict[str, torch.Tensor]:

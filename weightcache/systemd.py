@@ -37,18 +37,23 @@ class StopRequests:
     later one for stopping now. `timeout(1)` passes a signal on to its command and then to
     its whole process group (as does a script that signals both a pid and its group), so
     a daemon or supervisor run under it receives the same request twice within
-    milliseconds; only a signal :attr:`REPEAT_AFTER_S` or more after the first is the
-    operator asking again."""
+    milliseconds: the same signal, from the same sender where the receiver can tell,
+    within :attr:`REPEAT_AFTER_S` of the first is that duplicate. Any other, and any later
+    one, is the operator asking again. A terminal signals each process of its group once
+    per key press, so a signal the kernel sent for the terminal is never a duplicate."""
 
     REPEAT_AFTER_S = 1.0
 
     def __init__(self) -> None:
-        self.first_at: float | None = None
+        self.first: tuple[int, int | None, float] | None = None  # (signal, sender pid, when)
 
-    def take(self) -> str:
+    def take(self, sig: int, sender: int | None = None, from_terminal: bool = False) -> str:
         """"first", "duplicate" (the same request delivered twice) or "again"."""
         now = time.monotonic()
-        if self.first_at is None:
-            self.first_at = now
+        if self.first is None:
+            self.first = (sig, sender, now)
             return "first"
-        return "again" if now - self.first_at >= self.REPEAT_AFTER_S else "duplicate"
+        first_sig, first_sender, at = self.first
+        if not from_terminal and sig == first_sig and sender == first_sender and now - at < self.REPEAT_AFTER_S:
+            return "duplicate"
+        return "again"

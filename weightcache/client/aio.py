@@ -95,8 +95,13 @@ class Connection(ConnectionBase):
         except BaseException as exc:
             timed_out = isinstance(exc, TimeoutError) and deadline.expired()
             if sending and isinstance(exc, OSError) and exc.errno in PEER_GONE_ERRNOS:  # Note [reconnecting]
-                gone = await self._last_words() or self.core.peer_gone(op, exc)
-                self._break_connection(gone)
+                epoch = self.core.epoch
+                # A refusal comes at accept, so only the hello can meet one; any later request
+                # that finds the end closed is sent again on a new connection.
+                refused = await self._last_words() if op == "hello" else None
+                gone = refused or self.core.peer_gone(op, exc)
+                if self.core.epoch == epoch:  # else another caller connected again meanwhile: not ours to break
+                    self._break_connection(gone)
                 raise gone from exc
             if sending and (timed_out or not isinstance(exc, OSError)):  # part of the frame may be out (Note [timeouts])
                 self._break_connection(self.core.abandoned(op))
@@ -122,8 +127,11 @@ class Connection(ConnectionBase):
         EPIPE, is what the caller must see, and it is not a reason to connect again. The
         reader task reads what is left up to the end (at most LAST_WORDS_S: the daemon's
         end is closed, so the end is there at once) and keeps the refusal in ``_said``."""
-        if self._reader is not None and not self._reader.done():
-            await asyncio.wait({self._reader}, timeout=LAST_WORDS_S)
+        reader = self._reader
+        if reader is not None and not reader.done():
+            await asyncio.wait({reader}, timeout=LAST_WORDS_S)
+        if self._reader is not reader:  # a new connection meanwhile: its _said is not this one's
+            return None
         return copy.copy(self._said)  # a new exception: the one in _said failed the pending requests already
 
     async def _read_loop(self) -> None:

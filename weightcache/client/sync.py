@@ -180,7 +180,9 @@ class BlockingConnection(ConnectionBase):
             reply, fds = self._wait_for(rid, deadline)
         except BaseException as exc:
             if sending and isinstance(exc, OSError) and exc.errno in PEER_GONE_ERRNOS:  # Note [reconnecting]
-                gone = self._last_words(sock) or self.core.peer_gone(op, exc)
+                # A refusal comes at accept, so only the hello can meet one; any later request
+                # that finds the end closed is sent again on a new connection.
+                gone = (self._last_words(sock) if op == "hello" else None) or self.core.peer_gone(op, exc)
                 self._break_connection(gone)
                 raise gone from exc
             if sending:  # part of the frame may be out (Note [timeouts])

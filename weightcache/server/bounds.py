@@ -57,7 +57,7 @@ class FlowControl:
     def __init__(self, max_requests: int, max_unsent: int) -> None:
         self.max_requests, self.max_unsent = max_requests, max_unsent
         self.in_flight = 0  # requests (and queued replies) of the connection not done
-        self.unsent = 0  # bytes of the reply being sent that the peer has not taken yet
+        self.unsent = 0  # the size of the reply being sent, until all of it is out
         self._readable = asyncio.Event()
         self._readable.set()
 

@@ -167,11 +167,14 @@ async def _main(settings: Settings, config_path: str | None) -> None:
     stops = StopRequests()
 
     def on_signal(sig: signal.Signals) -> None:
-        taken = stops.take()
+        taken = stops.take(sig)  # no siginfo here: the sender is not known
         if taken == "again":
             log.warning("second %s: exiting now", sig.name)
             os._exit(1)
-        if taken == "first":
+        if taken == "duplicate":
+            log.info("%s again within %g s: taken as the same request (sent to the daemon and to its process group); "
+                     "send it again to exit now", sig.name, StopRequests.REPEAT_AFTER_S)
+        else:
             daemon.request_stop(sig.name)
 
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -300,8 +300,11 @@ class Supervisor:
             return  # reaped by the caller
         from_terminal = info.si_code == SI_KERNEL
         if sig in STOP_SIGNALS:
-            taken = self.stops.take()
+            taken = self.stops.take(sig, info.si_pid, from_terminal)
             if taken == "duplicate":
+                log.info("%s again from pid %d within %g s: taken as the same request (sent to the supervisor and to its "
+                         "process group); send it again to kill the engine at once", sig.name, info.si_pid,
+                         StopRequests.REPEAT_AFTER_S)
                 return
             if taken == "again":
                 log.warning("second %s: SIGKILL the engine", sig.name)

@@ -85,12 +85,13 @@ def checkpoint_name(model_dir: str, files: Sequence[str], device: str, uid: int)
     for f in sorted(files):
         st = os.stat(f)
         ident.append([os.path.realpath(f), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns])
-    return f"{checkpoint_name_prefix(model_dir)}{_digest([KEY_VERSION, ident, device, uid])[:20]}"
+    return f"vllm-{_label(model_dir)}-{_digest([KEY_VERSION, ident, device, uid])[:20]}"
 
 
-def checkpoint_name_prefix(model_dir: str) -> str:
-    """What every :func:`checkpoint_name` of ``model_dir`` begins with, whatever its files."""
-    return f"vllm-{_label(model_dir)}-"
+def is_checkpoint_name(name: str, model_dir: str) -> bool:
+    """Whether ``name`` is a :func:`checkpoint_name` of ``model_dir`` (of its files as they
+    are now, or as they were): not a name someone chose that only begins the same way."""
+    return re.fullmatch(re.escape(f"vllm-{_label(model_dir)}-") + r"[0-9a-f]{20}", name) is not None
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from ... import SyncClient, tenant_fingerprint
 from ...checkpoint_files import discover_files
 from ...errors import BadRequest, DaemonUnavailable, UnknownModel, WeightcacheError
-from .keys import Options, ProcessedKey, checkpoint_name, checkpoint_name_prefix, processed_name
+from .keys import Options, ProcessedKey, checkpoint_name, is_checkpoint_name, processed_name
 from .processed import NotPublishable, processed_key, publishable, put_in_place, target_device
 
 try:  # vLLM's seam for attaching processed weights (the in-tree ipc_cache loader uses it)
@@ -182,9 +182,16 @@ class WeightcacheModelLoader(BaseModelLoader):
                 plan.why_not_processed = why_not
             return plan
         plan.key = processed_key(vllm_config, model_config, plan.fingerprint)
-        if plan.retired:
-            with contextlib.suppress(WeightcacheError, OSError), self._client() as client:
-                _retire(client, [processed_name(plan.folder, processed_key(vllm_config, model_config, fp)) for fp in plan.retired])
+        # Files rewritten with the same bytes (touch, a copy, a download again) have the same
+        # fingerprint: their processed weights are the ones this start will use.
+        stale = {processed_name(plan.folder, processed_key(vllm_config, model_config, fp)) for fp in plan.retired
+                 if fp != plan.fingerprint} - {processed_name(plan.folder, plan.key)}
+        if stale:
+            try:
+                with self._client() as client:
+                    _retire(client, sorted(stale))
+            except (WeightcacheError, OSError) as exc:  # a cleanup that failed is no reason to load otherwise
+                logger.info("weightcache: processed weights of the old files not unregistered: %s", _one_line(exc))
         return plan
 
     def _plan_checkpoint(self, model_config: ModelConfig, model: nn.Module | None) -> Plan:
@@ -196,7 +203,10 @@ class WeightcacheModelLoader(BaseModelLoader):
                 name = self.options.name or _configured_for(client, folder, device)
                 if name is None:
                     name = _register(client, checkpoint_name(folder, discover_files(folder), device, os.geteuid()), folder, device)
-                    retired = _retire_earlier(client, name, folder, device)
+                    try:
+                        retired = _retire_earlier(client, name, folder, device)
+                    except (WeightcacheError, OSError) as exc:  # a cleanup that failed is no reason to load otherwise
+                        logger.info("weightcache: registrations of the old files not unregistered: %s", _one_line(exc))
                 fingerprint = _fingerprint(client, name)
         except (WeightcacheError, OSError) as exc:
             raise Unusable(f"the daemon at {self._socket_path()} (this engine runs as uid {os.geteuid()}): {_one_line(exc)}") from exc
@@ -453,7 +463,7 @@ def _retire_earlier(client: SyncClient, name: str, folder: str, device: str) -> 
 
     def earlier(m: dict[str, Any]) -> bool:
         registered_on = f"cuda:{m['device_uuid']}" if m.get("device_uuid") else m.get("device")
-        return (m["name"] != name and m["name"].startswith(checkpoint_name_prefix(folder)) and m.get("origin") == "register"
+        return (m.get("name") != name and is_checkpoint_name(str(m.get("name")), folder) and m.get("origin") == "register"
                 and m.get("owner") == uid and bool(m.get("path")) and os.path.realpath(m["path"]) == real
                 and str(registered_on).lower() == device.lower())
 
@@ -463,14 +473,14 @@ def _retire_earlier(client: SyncClient, name: str, folder: str, device: str) -> 
 
 def _retire(client: SyncClient, names: list[str]) -> bool:
     """Unregister ``names`` (those the daemon has); False if one of them was refused."""
-    held = {m["name"] for m in client.models()}
+    held = {m.get("name") for m in client.models()}
     done = True
     for name in names:
         if name not in held:
             continue
         try:
             client.unregister(name)
-            logger.info("weightcache: unregistered %s: made from this checkpoint's files as they were before they changed", name)
+            logger.info("weightcache: unregistered %s: made from this checkpoint's files as they were before they were rewritten", name)
         except WeightcacheError as exc:
             logger.info("weightcache: %s kept: %s", name, _one_line(exc))
             done = False
