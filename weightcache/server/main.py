@@ -109,8 +109,9 @@ def build(settings: Settings, config_path: str | None = None) -> Daemon:
 
 
 def run_daemon(settings: Settings, config_path: str | None = None) -> int:
-    """Run until SIGTERM/SIGINT; a second one a second or more later forces exit (see
-    :class:`~weightcache.systemd.StopRequests`); SIGHUP reloads the config.
+    """Run until SIGTERM/SIGINT; a second request forces exit (the same signal again within
+    a second is the first delivered twice: :class:`~weightcache.systemd.StopRequests`);
+    SIGHUP reloads the config.
     Returns the exit status: 0, or 2 when it could not start (logged as one line)."""
     import uvloop
 

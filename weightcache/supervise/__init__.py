@@ -21,9 +21,9 @@ The supervisor (docs/deployment.md, "Supervisor"):
    "finished" and stops the supervisor with 0;
 4. passes signals through (SIGHUP, SIGUSR1, SIGUSR2, SIGWINCH), and on SIGTERM, SIGINT or
    SIGQUIT passes the signal on, waits up to ``--stop-timeout`` for the engine, SIGKILLs it
-   if it is still there, then exits (0, or 1 when it had to kill); a second stop signal a
-   second or more later kills at once (one sooner is the same request delivered twice, to
-   the process and to its group: :class:`~weightcache.systemd.StopRequests`);
+   if it is still there, then exits (0, or 1 when it had to kill); a second stop signal
+   kills at once, unless it is the same signal from the same sender within a second (one
+   request delivered to the process and to its group: :class:`~weightcache.systemd.StopRequests`);
 5. reaps every child (it can be a container's PID 1) and logs each exit, its status and
    the restart counts to stderr, and to ``--status FILE`` as JSON.
 
