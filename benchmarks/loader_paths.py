@@ -44,11 +44,13 @@ from cuda.bindings import driver as cu
 
 from benchmarks.registered_reads import RegisteredReads
 from weightcache import cuda_driver as drv
+from weightcache.backends import cuda_writer
 from weightcache.backends.cuda import CudaBackend
 from weightcache.backends.cuda_writer import VmmWriter
 from weightcache.backends.page_windows import probe_registration
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
 from weightcache.loader.content import FILE_DIGESTS
+from weightcache.loader.preads import DIRECT_ALIGN
 from weightcache.tools.bench_measure import INSTANTTENSOR_BACKENDS, INSTANTTENSOR_ENV, warm_page_cache
 from weightcache.tools.synth import kept_checkpoint
 
@@ -79,7 +81,9 @@ class Timers:
 
 
 class TimedStaging(VmmWriter):
-    """The daemon's writer, its phases timed (summed over threads)."""
+    """The daemon's writer, its phases timed (summed over threads): ``write_s`` a chunk's
+    whole call, ``wait_copy_s`` the wait for the copy out of the buffer it reuses (the
+    writer's own wait then finds the stream idle), ``read_s`` the preadv into it."""
 
     def __init__(self, *a: Any, timers: Timers, depth: int = 1, dma: bool = False) -> None:
         super().__init__(*a, depth=depth)
@@ -90,10 +94,48 @@ class TimedStaging(VmmWriter):
         if self.dma:  # the daemon's two ways at once (backends/page_windows.py)
             super().begin(files)
 
+    def _staging(self):  # type: ignore[no-untyped-def]
+        st = super()._staging()
+        if st.busy:
+            t = time.perf_counter()
+            drv.check(cu.cuStreamSynchronize(st.stream))
+            self.t.add("wait_copy_s", time.perf_counter() - t)
+        return st
+
     def write_from_file(self, fd, file_offset, arena_offset, nbytes, direct=False, seen=None):  # type: ignore[override]
         t = time.perf_counter()
         super().write_from_file(fd, file_offset, arena_offset, nbytes, direct, seen)
         self.t.add("write_s", time.perf_counter() - t)
+
+
+def _timed_reads(timers: Timers) -> Callable[[], None]:
+    """Times the writer's preadv (cuda_writer's pread_full) into ``timers["read_s"]``;
+    returns what puts the untimed one back."""
+    plain = cuda_writer.pread_full
+
+    def timed(*a: Any, **kw: Any) -> None:
+        t = time.perf_counter()
+        try:
+            plain(*a, **kw)
+        finally:
+            timers.add("read_s", time.perf_counter() - t)
+
+    cuda_writer.pread_full = timed
+
+    def restore() -> None:
+        cuda_writer.pread_full = plain
+
+    return restore
+
+
+def warm_staging(backend: CudaBackend, threads: int, depth: int, chunk: int) -> None:
+    """Allocates the staging buffers a variant needs before it is timed, as a daemon has
+    them from its first load on: the pool keeps them (backends/pinned.py), and a variant
+    that found too few would time cuMemHostAlloc of the rest (~0.1 s for 16 x 16 MiB)."""
+    with drv.current(backend.ctx):
+        bufs = [backend.staging.take(chunk + 2 * DIRECT_ALIGN) for _ in range(threads * depth)]  # VmmWriter's size
+    for st in bufs:
+        backend.staging.give_back(st)
 
 
 class Registered(VmmWriter):
@@ -154,6 +196,7 @@ def load_once(path: Path, backend: CudaBackend, threads: int, chunk: int, make: 
             t0 = time.perf_counter()
             arena = backend.allocate(backend.capacity(ckpt.arena_bytes), "loader-paths")
             timers.add("allocate_s", time.perf_counter() - t0)
+            restore = _timed_reads(timers)
             try:
                 w = make(backend, arena, chunk, maps=maps, timers=timers)
                 t = time.perf_counter()
@@ -164,6 +207,7 @@ def load_once(path: Path, backend: CudaBackend, threads: int, chunk: int, make: 
                 timers.add("seal_s", time.perf_counter() - t)
                 dt = time.perf_counter() - t0
             finally:
+                restore()
                 backend.free(arena)
         finally:
             for addr, size in maps.values():
@@ -373,6 +417,10 @@ def main() -> int:
             for win in windows if a.registered else ():
                 variants.append((f"registered {threads}thr {chunk >> 20}M win{win >> 20}M", threads, chunk,
                                  lambda b, ar, c, maps, timers, win=win: Registered(b, ar, c, maps=maps, window=win, timers=timers)))
+    if not a.only_ends:
+        for threads in (int(t) for t in a.threads.split(",")):
+            for chunk in (int(c) << 20 for c in a.chunk_mib.split(",")):
+                warm_staging(backend, threads, max(int(d) for d in a.depths.split(",")), chunk)
     for rep in range(0 if a.only_ends else a.reps):
         for name, threads, chunk, make in variants if rep % 2 == 0 else variants[::-1]:
             try:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from weightcache.cache.core import CacheCore
-from weightcache.cache.entries import State
+from weightcache.cache.eviction import State
 from weightcache.errors import Attached, BadRequest, NoSpace, Pinned
 
 BUDGET = {"cpu": 300, "cuda:0": 300}

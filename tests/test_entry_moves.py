@@ -1,11 +1,11 @@
-"""An entry's states move only through the table ``MOVES`` (cache/entries.py): each legal
+"""An entry's states move only through the table ``MOVES`` (cache/eviction.py): each legal
 move applies, every other (state, event) pair raises IllegalMove and changes nothing, and
 the core, driven through its public methods, makes every move the table lists."""
 
 import pytest
 
 from weightcache.cache import CacheCore, State
-from weightcache.cache.entries import MOVES, Entry, EntryEvent, IllegalMove
+from weightcache.cache.eviction import MOVES, Entry, EntryEvent, IllegalMove
 from weightcache.errors import InternalError
 
 LEGAL = [(state, event, new) for state, moves in MOVES.items() for event, new in moves.items()]

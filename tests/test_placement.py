@@ -103,7 +103,7 @@ def test_a_device_within_the_tenants_quota_wins_over_more_free_budget():
 
 
 def test_views_give_the_tenants_quota_room_per_device():
-    from weightcache.cache.quotas import Quota
+    from weightcache.cache.eviction import Quota
 
     core = CacheCore({"cuda:0": 100, "cuda:1": 100})
     core.set_quotas({"uid:7": Quota("uid:7", nbytes={"cuda:0": 30})})

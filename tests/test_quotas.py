@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightcache.cache import CacheCore, State
-from weightcache.cache.quotas import Quota, tenant_keys
+from weightcache.cache.eviction import Quota, tenant_keys
 from weightcache.config import load_settings
 from weightcache.errors import ConfigError, NoSpace
 

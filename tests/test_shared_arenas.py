@@ -115,7 +115,7 @@ async def test_names_of_one_arena_point_at_one_record(ckpts):
     freed with the last name that holds it."""
     from weightcache.backends.cpu import CpuBackend
     from weightcache.cache import CacheCore
-    from weightcache.cache.entries import arena_key
+    from weightcache.cache.eviction import arena_key
     from weightcache.config import ModelConfig, Settings
     from weightcache.server.registry import Registry
     from weightcache.server.residency import Residency

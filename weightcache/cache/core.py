@@ -2,11 +2,11 @@
 and leases. Pure: no I/O, no await, no torch. The server asks it what to do, carries the
 plan out, and reports back (``finish_load``, ``observe_load``).
 
-``CacheCore`` is the one door; its rooms, each with its own Note: entries.py (the records
-and plans), eviction.py (everything an eviction decision runs: the policy, names on one
-arena, which victims a load or a lowered limit needs, the step down and the host tier),
-quotas.py (tenants), names.py (how entry names and arena keys are spelled). The lease
-book (``LeaseBook``) is here, with the core that decides when a lease begins and ends.
+``CacheCore`` is the one door; its rooms, each with its own Note: eviction.py (the
+records and plans, tenants' quotas, and everything an eviction decision runs: the policy,
+names on one arena, which victims a load or a lowered limit needs, the step down and the
+host tier), names.py (how entry names and arena keys are spelled). The lease book
+(``LeaseBook``) is here, with the core that decides when a lease begins and ends.
 
 Note [invariants]
 -----------------
@@ -61,10 +61,30 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import Attached, BadRequest, NoSpace, Pinned, UnknownModel
-from .entries import DeviceAccount, Entry, EntryEvent, Lease, LoadPlan, State, StepDown, arena_key
-from .eviction import Admission, EvictionPolicy, HostTier, LoadRates, PolicyName, Shares, Source, make_policy
+from .eviction import (
+    Admission,
+    DeviceAccount,
+    Entry,
+    EntryEvent,
+    EvictionPolicy,
+    HostTier,
+    Lease,
+    LoadPlan,
+    LoadRates,
+    PolicyName,
+    Quota,
+    Shares,
+    Source,
+    State,
+    StepDown,
+    arena_key,
+    check_pin_quota,
+    make_policy,
+    pins_limited,
+    tenant_bytes,
+    tenant_usage,
+)
 from .names import shared_arena
-from .quotas import Quota, check_pin_quota, pins_limited, tenant_bytes, tenant_usage
 
 # Frequencies age TinyLFU's way: when the attaches counted on a device reach this many per
 # model registered there, every count on it is halved (and the tally with them), so a model
@@ -425,7 +445,7 @@ class CacheCore:
             raise BadRequest(f"model {name!r} is not loading (state {e.state})", model=name)
         return e
 
-    # -- quotas (Note [quotas] in quotas.py) -----------------------------------------------
+    # -- quotas (Note [quotas] in eviction.py) -----------------------------------------------
     def set_quotas(self, quotas: dict[str, Quota]) -> None:
         """The tenants' quotas (start, reload). A lowered quota evicts nothing now: the
         tenant's next load makes room among its own models first, or is refused."""

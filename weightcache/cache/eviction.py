@@ -1,4 +1,5 @@
-"""Eviction, in one room: everything one eviction decision runs, read top to bottom.
+"""The cache's records and its eviction, in one room: everything one eviction decision
+runs, read top to bottom.
 
 A load that needs room (``CacheCore.begin_load``), a lowered budget or count asks
 ``Admission`` for victims; the ``EvictionPolicy`` (LRU or GDSF) ranks the evictable models
@@ -7,23 +8,351 @@ then says where each victim goes: into the host tier (dropping host copies to ma
 or out. Pure, like the core: no I/O, no await; the core asks, this answers. The sections,
 each under its banner:
 
-1. THE POLICY: ``LRU``, ``GDSF``, and ``LoadRates``, what bringing a model back costs.
-2. SHARED ARENAS: names on one arena (Note [shared arenas]).
-3. ADMISSION: the victims a load or a lowered limit needs, or the NO_SPACE naming holders.
-4. THE STEP DOWN: the host tier (Note [kept host copies]).
+1. THE RECORDS: an entry's states, the moves between them (``MOVES``) and its fields, a
+   device's account, a lease, and the plans the core hands the server (``StepDown``,
+   ``LoadPlan``). Data only.
+2. QUOTAS: what one tenant's models may hold (Note [quotas]).
+3. THE POLICY: ``LRU``, ``GDSF``, and ``LoadRates``, what bringing a model back costs.
+4. SHARED ARENAS: names on one arena (Note [shared arenas]).
+5. ADMISSION: the victims a load or a lowered limit needs, or the NO_SPACE naming holders.
+6. THE STEP DOWN: the host tier (Note [kept host copies]).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Literal, Protocol, TypeVar, get_args
 
-from ..errors import NoSpace
+from ..errors import InternalError, NoSpace
 from ..units import format_size
-from .entries import DeviceAccount, Entry, EntryEvent, State, StepDown, arena_key
-from .quotas import Parses, Quota, over_quota, tenant_bytes
+from .names import model_of, own_arena
+
+# ===============================================================================================
+# THE RECORDS: an entry's states and moves, a device's account, a lease, the plans
+# ===============================================================================================
+
+class State(StrEnum):
+    REGISTERED = "registered"  # known, never loaded
+    LOADING = "loading"  # reservation held, bytes being read into an arena
+    RESIDENT = "resident"  # arena filled and sealed; attachable
+    HOST = "host"  # demoted: its bytes wait in pinned host memory; a load promotes them
+    EVICTED = "evicted"  # was resident, arena freed; a load brings it back
+
+
+class EntryEvent(StrEnum):
+    """What happens to an entry; ``MOVES`` says from which states, and to which."""
+
+    LOAD = "load"  # a load was admitted: bytes reserved, an arena to fill (from its files or host copy)
+    LOADED = "loaded"  # the arena is filled and sealed
+    JOIN = "join"  # it took a resident sibling's arena (Note [shared arenas] in eviction.py)
+    # A load failed; where it leaves the entry depends on what it had (CacheCore.abort_load).
+    PROMOTION_FAILED = "promotion_failed"  # its host copy is still there
+    RELOAD_FAILED = "reload_failed"  # loaded before: evicted again
+    FIRST_LOAD_FAILED = "first_load_failed"  # never filled an arena of its own
+    EVICT = "evict"  # its arena is freed, no copy kept (or a sibling keeps the bytes)
+    DEMOTE = "demote"  # its arena is freed, its bytes in the host tier (copied, or kept)
+    DROP_COPY = "drop_copy"  # the host tier forgot its copy
+
+
+# Every legal move: state -> event -> new state. ``Entry.move`` is the one way an entry's
+# state changes, and anything not listed here is a bug in the core (``IllegalMove``).
+# docs/architecture.md ("An entry's states") shows the same table.
+MOVES: dict[State, dict[EntryEvent, State]] = {
+    State.REGISTERED: {EntryEvent.LOAD: State.LOADING, EntryEvent.JOIN: State.RESIDENT},
+    State.LOADING: {EntryEvent.LOADED: State.RESIDENT, EntryEvent.PROMOTION_FAILED: State.HOST,
+                    EntryEvent.RELOAD_FAILED: State.EVICTED, EntryEvent.FIRST_LOAD_FAILED: State.REGISTERED},
+    State.RESIDENT: {EntryEvent.EVICT: State.EVICTED, EntryEvent.DEMOTE: State.HOST},
+    State.HOST: {EntryEvent.LOAD: State.LOADING, EntryEvent.DROP_COPY: State.EVICTED},
+    State.EVICTED: {EntryEvent.LOAD: State.LOADING, EntryEvent.JOIN: State.RESIDENT},
+}
+
+
+class IllegalMove(InternalError):
+    """An entry was asked to make a move ``MOVES`` does not list: the core's bookkeeping
+    is wrong. Raised before anything about the entry changes."""
+
+
+@dataclass
+class Entry:
+    name: str
+    device: str
+    pinned: bool = False
+    keep_alive: float | None = None  # seconds unused and unattached before eviction (None: never)
+    # The model's configured keep_alive. ``keep_alive`` is what applies now: a load or
+    # attach that passes keep_alive replaces it until the next one does (set_keep_alive).
+    configured_keep_alive: float | None = None
+    state: State = State.REGISTERED
+    nbytes: int = 0  # arena size; set when a load is admitted
+    last_used: float = 0.0
+    # GDSF's frequency: attaches since registration, halved on the whole device as its
+    # attaches pass AGING_USES_PER_MODEL per model (CacheCore._count_use).
+    refs: int = 0
+    clock_base: float = 0.0  # the device's GDSF clock L when it was last used (0 under LRU)
+    leases: set[int] = field(default_factory=set)
+    # bytes held in the host tier: HOST, LOADING while promoting, or RESIDENT having kept the
+    # copy it was promoted from (Note [kept host copies])
+    host_copy: bool = False
+    loads: int = 0  # fills of a device arena, from files or from the host tier
+    evictions: int = 0  # times it left its device (demoted or not)
+    demotions: int = 0  # of those, into the host tier
+    promotions: int = 0  # loads served from the host tier
+    # Entries of one share key hold one arena between them (Note [shared arenas]); None: its own.
+    share: str | None = None
+    # The tenants whose quotas it counts against ("uid:N", "gid:N": QUOTAS below); () for the
+    # operator's configured models, which count against none (Note [quotas]).
+    tenants: tuple[str, ...] = ()
+    # Requests on their way to use it (CacheCore.hold): its keep_alive waits for them, so a
+    # model loaded for an attach is not expired before the attach takes its lease.
+    wanted: int = 0
+
+    def move(self, event: EntryEvent) -> State:
+        """Apply ``event`` to the entry's state by ``MOVES``; IllegalMove if it lists none."""
+        new = MOVES[self.state].get(event)
+        if new is None:
+            raise IllegalMove(f"model {self.name!r}: no move on {event} from state {self.state}",
+                              model=self.name, state=str(self.state), event=str(event))
+        self.state = new
+        return new
+
+    @property
+    def attach_count(self) -> int:
+        return len(self.leases)
+
+    @property
+    def evictable(self) -> bool:
+        return self.state is State.RESIDENT and not self.leases and not self.pinned
+
+    @property
+    def expires_at(self) -> float | None:
+        """When its keep_alive runs out, by the core's clock; None while it cannot expire
+        (not evictable, wanted, or keep_alive never)."""
+        if not self.evictable or self.keep_alive is None or self.wanted:
+            return None
+        return self.last_used + self.keep_alive
+
+
+@dataclass
+class DeviceAccount:
+    budget: int
+    used: int = 0  # bytes of RESIDENT arenas
+    reserved: int = 0  # bytes promised to loads in flight
+
+    @property
+    def free(self) -> int:
+        return self.budget - self.used - self.reserved
+
+
+@dataclass(frozen=True)
+class Lease:
+    id: int
+    model: str
+    conn: int  # the connection that holds it; closing the connection ends the lease
+    since: float = 0.0  # when it began, by the core's clock (`weightcache ps` shows its age)
+
+
+@dataclass(frozen=True)
+class StepDown:
+    """Arenas leaving a device, in the order the server must handle them: first free the
+    host copies in ``drop_host`` (room in the host tier), then copy each ``demote``
+    arena to the host tier and free it, free each ``evict`` arena outright, and free each
+    ``release`` arena, whose bytes the host tier holds already (Note [kept host copies])."""
+
+    demote: tuple[str, ...] = ()
+    evict: tuple[str, ...] = ()
+    drop_host: tuple[str, ...] = ()
+    release: tuple[str, ...] = ()
+
+    @property
+    def leaving(self) -> tuple[str, ...]:
+        """Every model whose device arena this frees (demoted or not)."""
+        return self.demote + self.evict + self.release
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What the server must do to admit a load: the step down that makes room, then fill
+    a new arena, from the host tier if ``promote`` else from the files."""
+
+    name: str
+    nbytes: int
+    step_down: StepDown
+    promote: bool
+
+    @property
+    def evict(self) -> tuple[str, ...]:
+        """Every model whose device arena this plan frees (demoted or not)."""
+        return self.step_down.leaving
+
+
+def arena_key(e: Entry) -> str:
+    """What counts once: the share key (Note [shared arenas] in eviction.py), or the entry itself."""
+    return e.share if e.share is not None else own_arena(e.name)
+
+
+# ===============================================================================================
+# QUOTAS: what one tenant's models may hold
+# ===============================================================================================
+# Per-tenant quotas: what one uid's or group's models may hold, and the
+# rules that the core (core.py) applies with them. Pure: no I/O.
+#
+# A tenant is named ``"uid:N"`` or ``"gid:N"``. A model registered or published by a peer
+# belongs to every tenant its owner was at that moment: its uid and each of its groups
+# (``tenant_keys``). The operator's configured models belong to no tenant and count
+# against no quota.
+#
+# Note [quotas]
+# -------------
+# A tenant ("uid:N" or "gid:N") may have a quota: bytes per device and a number
+# of pins. An entry counts against the quotas of its ``tenants`` (its owner's uid and
+# groups; none for the operator's configured models). Bytes are those of its RESIDENT and
+# LOADING arenas on the device (a shared one once); the host tier is not counted. The
+# eviction rule: a load that would put one of its tenants over that tenant's quota on the
+# device first evicts, in the policy's order, that tenant's own evictable models there
+# until it fits the quota; other tenants' models cannot bring it under its quota, so they
+# are never taken for it. Only then, if the device's budget is still short, does the
+# policy choose among every evictable model on the device (the tenant's own included) as
+# it always does. If the tenant's own evictable models cannot make room under its quota,
+# NoSpace names the quota (``details["quota"]``), and nothing is evicted. A pin that would
+# give a tenant more pinned models than its ``pins`` (a sharded model is one) is refused
+# with NoSpace naming it, whoever asks (the server lets an owner pin its own model only
+# where a pins quota covers it: ``pins_limited``). Quotas are checked when bytes or pins are taken: lowering a
+# quota evicts nothing by itself. So, in addition to (1): once ``begin_load`` admits a
+# load, each of its tenants with a byte quota on the device holds at most that quota there
+# (a tenant over a lowered quota must get under it before it loads more).
+#
+# A parse of a tenant's checkpoint (its register, or a load's) holds memory too, for as
+# long as it runs: what its headers cost to parse (loader/checkpoint.parse_cost), counted
+# from their length fields before any is read. It is charged to the same quotas, on the
+# model's device, while it runs (``Parses``): it counts in the tenant's ``used`` and in
+# the room its loads see, and a parse that does not fit beside what the tenant holds that
+# cannot leave now (attached, pinned or loading models, its other parses) is refused with
+# NoSpace naming the quota. It evicts nothing: it is over in seconds.
+
+
+@dataclass(frozen=True)
+class Quota:
+    tenant: str  # "uid:1000" or "gid:100"
+    nbytes: dict[str, int] = field(default_factory=dict)  # device -> most bytes resident or loading there
+    pins: int | None = None  # most of its models pinned at once; None: no limit
+
+    def where(self) -> str:
+        """The config key that sets it, for messages."""
+        return f'quotas."{self.tenant}"'
+
+
+def tenant_keys(uid: int, gids: Iterable[int]) -> tuple[str, ...]:
+    """The tenants a peer's model belongs to: its owner's uid, then its groups."""
+    return (f"uid:{uid}", *(f"gid:{g}" for g in sorted(set(gids))))
+
+
+def tenant_bytes(entries: Iterable[Entry], tenant: str, device: str) -> int:
+    """Bytes ``tenant``'s models hold on ``device``, resident or loading (a shared arena once)."""
+    return sum({arena_key(x): x.nbytes for x in entries
+                if tenant in x.tenants and x.device == device and x.state in (State.RESIDENT, State.LOADING)}.values())
+
+
+def tenant_pins(entries: Iterable[Entry], tenant: str) -> set[str]:
+    """The models of ``tenant`` that are pinned (a sharded model once)."""
+    return {model_of(x.name) for x in entries if tenant in x.tenants and x.pinned}
+
+
+class Parses:
+    """The parses running for tenants, and the bytes each is charged (Note [quotas])."""
+
+    def __init__(self) -> None:
+        self._running: dict[int, tuple[tuple[str, ...], str, int]] = {}  # token -> (tenants, device, bytes)
+        self._next = 0
+
+    def bytes(self, tenant: str, device: str) -> int:
+        return sum(n for tenants, dev, n in self._running.values() if dev == device and tenant in tenants)
+
+    def tenants(self) -> set[str]:
+        return {tenants[0] for tenants, _dev, _n in self._running.values() if tenants}
+
+    def charge(self, entries: Iterable[Entry], quotas: dict[str, Quota], tenants: tuple[str, ...], device: str,
+               nbytes: int, what: str) -> int:
+        """Charge a parse of ``nbytes`` to ``tenants`` on ``device``: a token for ``release``,
+        or NoSpace naming the first quota it does not fit."""
+        entries = list(entries)
+        for t in tenants:
+            q = quotas.get(t)
+            limit = q.nbytes.get(device) if q is not None else None
+            if limit is None:
+                continue
+            kept = sum({arena_key(x): x.nbytes for x in entries if t in x.tenants and x.device == device
+                        and x.state in (State.RESIDENT, State.LOADING) and not x.evictable}.values())
+            parsing = self.bytes(t, device)
+            if kept + parsing + nbytes > limit:
+                assert q is not None
+                raise NoSpace(
+                    f"parsing {what} holds ~{format_size(nbytes)} while it runs, charged to {t} on {device}: over its "
+                    f"quota ({q.where()}.bytes = {format_size(limit)}), of which its models that cannot leave now hold "
+                    f"{format_size(kept)} and its other parses {format_size(parsing)}",
+                    model=what, device=device, needed=nbytes, quota=t, quota_bytes=limit, quota_used=kept + parsing,
+                    fits_ever=nbytes <= limit)
+        self._next += 1
+        self._running[self._next] = (tenants, device, nbytes)
+        return self._next
+
+    def release(self, token: int) -> None:
+        self._running.pop(token, None)
+
+
+def tenant_usage(entries: Iterable[Entry], quotas: dict[str, Quota], devices: dict[str, DeviceAccount],
+                 parses: Parses) -> dict[str, dict[str, Any]]:
+    """Per tenant that has a quota, holds a model or parses one: bytes per device (its
+    parses' among them, also apart as ``parsing``), pins, and the quota (None where not
+    limited)."""
+    entries = list(entries)
+    tenants = set(quotas) | {t for x in entries for t in x.tenants[:1]} | parses.tenants()  # owners' uids
+    out = {}
+    for t in sorted(tenants):
+        q = quotas.get(t)
+        out[t] = {
+            "devices": {dev: {"used": tenant_bytes(entries, t, dev) + parses.bytes(t, dev), "parsing": parses.bytes(t, dev),
+                              "quota": q.nbytes.get(dev) if q else None}
+                        for dev in devices},
+            "pins": len(tenant_pins(entries, t)), "pins_quota": q.pins if q else None,
+        }
+    return out
+
+
+def pins_limited(quotas: dict[str, Quota], tenants: tuple[str, ...]) -> bool:
+    """Whether a pins quota covers a model of ``tenants`` (its owner may then pin it, within the quota)."""
+    return any(q.pins is not None for t in tenants if (q := quotas.get(t)) is not None)
+
+
+def check_pin_quota(entries: Iterable[Entry], quotas: dict[str, Quota], name: str, tenants: tuple[str, ...]) -> None:
+    """NoSpace naming the quota if pinning ``name`` gives one of ``tenants`` more pinned
+    models than its quota allows (another rank of a model already pinned is no new pin)."""
+    entries = list(entries)
+    for t in tenants:
+        q = quotas.get(t)
+        if q is None or q.pins is None:
+            continue
+        pinned = tenant_pins(entries, t)
+        if model_of(name) not in pinned and len(pinned) >= q.pins:
+            raise NoSpace(f"{t} has {len(pinned)} pinned model(s), its quota ({q.where()}.pins = {q.pins}); "
+                          f"unpin one before pinning {model_of(name)!r}",
+                          model=model_of(name), quota=t, quota_pins=q.pins, pinned=len(pinned), fits_ever=False)
+
+
+def over_quota(entries: Iterable[Entry], e: Entry, nbytes: int, t: str, q: Quota, limit: int, used: int) -> NoSpace:
+    """The refusal of a load of ``nbytes`` for ``e`` that tenant ``t``'s own evictable
+    models cannot bring under its quota ``q`` (``limit`` bytes on the device, ``used``
+    held now); ``fits_ever`` if its pinned models leave room for it under the quota."""
+    kept = sum({arena_key(x): x.nbytes for x in entries
+                if t in x.tenants and x.device == e.device and x.pinned and x.state is State.RESIDENT}.values())
+    return NoSpace(
+        f"model {e.name!r} needs {format_size(nbytes)} on {e.device}, over the quota of {t}: its models may hold "
+        f"{format_size(limit)} there ({q.where()}.bytes), hold {format_size(used)} now, and not enough of "
+        "that is unattached to make room",
+        model=e.name, device=e.device, needed=nbytes, quota=t, quota_bytes=limit, quota_used=used,
+        fits_ever=nbytes <= limit - kept)
+
 
 # ===============================================================================================
 # THE POLICY: which evictable models leave a device (LRU, GDSF) and what a load costs
@@ -348,7 +677,7 @@ class Admission:
         self.shares = shares
         self.policy = policy
         self.max_loaded = max_loaded  # device -> the most models RESIDENT or LOADING on it at once
-        self.quotas: dict[str, Quota] = {}  # tenant -> its quota (Note [quotas] in quotas.py)
+        self.quotas: dict[str, Quota] = {}  # tenant -> its quota (Note [quotas])
         self.parses = Parses()  # tenants' parses running, charged to their quotas
 
     def choose(self, e: Entry, nbytes: int, commit: bool) -> tuple[list[Entry], list[Entry] | None]:

@@ -48,7 +48,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from .entries import State, arena_key
+from .eviction import State, arena_key
 
 if TYPE_CHECKING:
     from .core import CacheCore
@@ -83,7 +83,7 @@ class DeviceView:
     evictable: tuple[Victim, ...] = ()
     pinned_bytes: int = 0  # RESIDENT and pinned: memory no detach frees
     # What the model's tenants may still add there under their byte quotas (the least of
-    # them); None: no quota limits it there (Note [quotas] in quotas.py)
+    # them); None: no quota limits it there (Note [quotas])
     quota_free: int | None = None
 
     @property

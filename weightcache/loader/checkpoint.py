@@ -76,7 +76,7 @@ PARSE_BYTES_PER_HEADER_BYTE = 16
 
 def parse_cost(header_bytes: int) -> int:
     """The memory a parse of ``header_bytes`` of headers holds at its peak (charged to a
-    tenant's quota while it runs: cache/quotas.py)."""
+    tenant's quota while it runs: cache/eviction.py)."""
     return PARSE_BYTES_PER_HEADER_BYTE * header_bytes
 
 

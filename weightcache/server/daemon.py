@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from .. import __version__
 from ..backends import Backend
 from ..cache import CacheCore
+from ..cache.eviction import Quota
 from ..cache.names import is_staging
-from ..cache.quotas import Quota
 from ..config import Settings, load_settings
 from ..errors import BadRequest, ConfigError
 from ..systemd import reloading_message, sd_notify

@@ -13,8 +13,8 @@ from typing import Any
 
 from .. import __version__
 from ..cache import State
+from ..cache.eviction import tenant_keys
 from ..cache.names import is_staging, published_as
-from ..cache.quotas import tenant_keys
 from ..errors import (
     Attached,
     BadRequest,
@@ -216,7 +216,7 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
 
 def tenant_usage(ctx: Context, viewer: Peer) -> dict[str, Any]:
     """Per tenant, the bytes its models hold per device, its pins and its quota
-    (cache/quotas.py, Note [quotas]): every tenant for administrators, a peer's own uid
+    (cache/eviction.py, Note [quotas]): every tenant for administrators, a peer's own uid
     and groups for anyone else."""
     usage = ctx.core.tenant_usage()
     if ctx.access.is_admin(viewer):

@@ -18,8 +18,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..cache import State
+from ..cache.eviction import tenant_keys
 from ..cache.names import rank_entry
-from ..cache.quotas import tenant_keys
 from ..config import ModelConfig, check_model_name, config_group_names, problems, under_roots
 from ..errors import Attached, BadRequest, LimitExceeded, PermissionDenied, Pinned
 from ..loader import OpenedSource, adopt_fds

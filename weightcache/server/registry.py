@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from ..backends import Arena, Backend, HostCopy
 from ..cache import CacheCore, Entry, State
-from ..cache.entries import arena_key
+from ..cache.eviction import arena_key
 from ..cache.names import files_share, is_staging, rank_entry, replica_entry, staging_entry
 from ..config import AUTO, ModelConfig, auto_devices
 from ..errors import BadRequest, LimitExceeded, PermissionDenied, UnknownModel
@@ -158,7 +158,7 @@ class Registry:
                  sources: list[OpenedSource] | None = None, tenants: tuple[str, ...] = ()) -> None:
         """Add a model's entries. ``sources`` are a peer's own open files, one per rank;
         the entries hold them until unregistered. ``tenants``: whose quotas it counts
-        against (cache/quotas.py; none for the operator's)."""
+        against (cache/eviction.py; none for the operator's)."""
         if mc.name in self.groups or mc.name in self.models:
             raise BadRequest(f"model {mc.name!r} is already registered", model=mc.name)
         if origin != "config":

@@ -4,7 +4,7 @@ under one arena key.
 Note [one record per arena]
 ---------------------------
 What the daemon holds for an arena's bytes is one ``Resident`` record, keyed as the core
-keys the arena (cache/entries.py's ``arena_key``: the entry's own name, or the share key
+keys the arena (cache/eviction.py's ``arena_key``: the entry's own name, or the share key
 of the names that read the same files, Note [shared arenas]); every name's ``Model``
 points at its key's record. So two names on one arena see one arena, one checkpoint,
 one table and one source, and nothing copies them from name to name. Which names

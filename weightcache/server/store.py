@@ -17,7 +17,7 @@ one, or a file that cannot be parsed or read, is CORRUPT_CHECKPOINT for that req
 the record and its file are removed and the line logged, and the bytes are never
 served. The model's fingerprint is the publish's, as before the restart.
 
-What the store holds is bounded twice, as memory is (Note [quotas] in cache/quotas.py):
+What the store holds is bounded twice, as memory is (Note [quotas] in cache/eviction.py):
 a tenant with ``quotas."uid:N".published`` may keep that many bytes (a file its models
 share counted once); a publish that would pass it first removes that tenant's own
 records, least recently used first; then the store's ``budget``, removing anyone's,

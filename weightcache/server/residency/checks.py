@@ -22,7 +22,7 @@ log = logging.getLogger("weightcache.daemon")
 async def parse_charged(io: IoPool, core: CacheCore, opened: OpenedSource, *, uid: int | None, tenants: tuple[str, ...],
                         device: str, what: str) -> Checkpoint:
     """parse_checkpoint in the io pool (``uid``'s share of it), its cost charged to
-    ``tenants``' quotas on ``device`` while it runs (Note [quotas] in cache/quotas.py),
+    ``tenants``' quotas on ``device`` while it runs (Note [quotas] in cache/eviction.py),
     counted from the headers' length fields before any header is read; NoSpace naming
     the quota if it does not fit. The operator's models (no tenants) are charged nothing."""
     token = None
