@@ -57,16 +57,11 @@ from weightcache.loader import fingerprint_files
 from weightcache.loader.preads import resident_fraction
 from weightcache.peers.fill import TASK_BYTES, WINDOW
 from weightcache.protocol.framing import HEADER, decode_payload, encode_frame
-from weightcache.tools.spawn import DaemonProcess, config_text
+from weightcache.tools.spawn import DaemonProcess, config_text, free_port
 from weightcache.tools.synth import write_checkpoint
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"  # where every tool writes by default
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def send(sock: socket.socket, msg: dict[str, Any]) -> None:

@@ -48,7 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from weightcache.peers.auth import ASKER, LENDER, MAGIC, NONCE
-from weightcache.tools.spawn import DaemonProcess, config_text
+from weightcache.tools.spawn import DaemonProcess, config_text, free_port
 from weightcache.tools.synth import write_checkpoint
 
 MIB = 2**20
@@ -62,11 +62,6 @@ NESTED = b"\x81\xa2op\xdd" + struct.pack(">I", BIG - 8) + b"\x90" * (BIG - 8)  #
 def frame(payload: bytes) -> bytes:
     return struct.pack(">I", len(payload)) + payload
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def recv_exactly(s: socket.socket, n: int) -> bytes:

@@ -10,13 +10,13 @@ import pytest
 from conftest import daemon_in_process, eventually
 from helpers import NOBODY, as_uid, root_only
 from test_metrics import scrape, series
-from test_operations import free_port
 from test_security import open_to_all
 
 from weightcache import Client, SyncClient
 from weightcache.cli.render import show_status
 from weightcache.server import loop_watch
 from weightcache.server.loop_watch import LoopWatch
+from weightcache.tools.spawn import free_port
 
 
 def hold_the_loop(seconds: float) -> None:

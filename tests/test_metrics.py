@@ -6,10 +6,10 @@ import urllib.error
 import urllib.request
 
 import pytest
-from test_operations import free_port
 
 from weightcache import Client
 from weightcache.errors import WeightcacheError
+from weightcache.tools.spawn import free_port
 
 
 def scrape(port: int, path: str = "/metrics") -> str:

@@ -14,13 +14,7 @@ import pytest
 from conftest import eventually
 
 from weightcache import Client
-from weightcache.tools.spawn import config_text, wait_for_socket
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from weightcache.tools.spawn import config_text, free_port, wait_for_socket
 
 
 def test_sd_notify_ready_and_stopping(tmp_path, ckpts):

@@ -25,18 +25,13 @@ from weightcache import Client
 from weightcache.loader import fingerprint_files
 from weightcache.peers.transport import unavailable
 from weightcache.tools.bench_measure import memfd_bytes
-from weightcache.tools.spawn import DaemonProcess, config_text
+from weightcache.tools.spawn import DaemonProcess, config_text, free_port
 from weightcache.tools.synth import write_checkpoint
 
 MIB = 2**20
 WHY = unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"NIXL cannot start here (pip install 'weightcache[peers]'): {WHY}")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Pair:

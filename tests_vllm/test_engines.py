@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from typing import Any
 from models import PROMPTS
 
 from weightcache import SyncClient
+from weightcache.tools.spawn import free_port
 
 HERE = Path(__file__).resolve().parent
 START_S = 600  # an engine start, on a loaded 2-core VM
@@ -46,11 +46,6 @@ def finish(proc: subprocess.Popen[str]) -> None:
         proc.stdin.close()
     assert proc.wait(timeout=120) == 0
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def completions(port: int, model: str) -> list[str]:

@@ -32,7 +32,7 @@ from weightcache import SyncClient
 from weightcache.loader import fingerprint_files
 from weightcache.peers.auth import ASKER, LENDER, MAGIC, NONCE
 from weightcache.peers.transport import unavailable
-from weightcache.tools.spawn import DaemonProcess, config_text
+from weightcache.tools.spawn import DaemonProcess, config_text, free_port
 from weightcache.tools.synth import write_checkpoint
 
 MIB = 2**20
@@ -40,11 +40,6 @@ ROOT = Path(__file__).resolve().parents[2]
 NIXL = unavailable()
 needs_nixl = pytest.mark.skipif(NIXL is not None, reason=f"NIXL cannot start here (pip install 'weightcache[peers]'): {NIXL}")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_key(path: Path, key: bytes) -> Path:

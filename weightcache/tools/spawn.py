@@ -7,6 +7,7 @@ command, with a config file written for the occasion and a short socket path.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,6 +15,34 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+_HANDED_OUT: set[int] = set()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a daemon or server started next to listen on.
+    Chosen below the kernel's ephemeral range (ip_local_port_range): a port the kernel
+    picks itself (a bind to port 0) can be picked again for any other socket that binds
+    to 0 or connects before the daemon binds it (a NIXL agent's listener took one in a CI
+    run: "address already in use"); one outside that range is taken only by a process that
+    names it. Never the same port twice in one process."""
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(1000):
+        port = random.randrange(10000, max(10001, low))
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port on {host} below {low}")
 
 
 def config_text(socket_path: str, budgets: dict[str, str], models: list[dict[str, Any]], daemon: dict[str, Any] | None = None) -> str:
