@@ -1,4 +1,4 @@
-"""An attacker's view of the wait for room (residency/room.py: RoomQueue.until_admitted, SpaceFreed) and of
+"""An attacker's view of the wait for room (residency/flight.py: RoomQueue.until_admitted, SpaceFreed) and of
 requests whose peer went away: what a peer that may connect, but is not trusted, can make
 the daemon keep doing for it once it is gone."""
 

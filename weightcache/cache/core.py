@@ -360,7 +360,7 @@ class CacheCore:
 
     def could_admit(self, name: str, nbytes: int) -> bool:
         """Whether ``begin_load(name, nbytes)`` would admit the load now, changing nothing:
-        what a request waiting for room asks before it is woken (server/residency/room.py,
+        what a request waiting for room asks before it is woken (server/residency/flight.py,
         SpaceFreed), so that a detach that frees too little wakes nobody."""
         e = self.entries.get(name)
         if e is None or e.state in (State.LOADING, State.RESIDENT):

@@ -3,11 +3,11 @@ for and step down when the core says so. The core decides (``begin_load`` return
 victims and the reservation); these rooms do the I/O, each one job:
 
 - ``flight.py``: single flight. One load per entry, joined by every request for it;
-  where its bytes come from (host tier, another GPU, the files).
+  where its bytes come from (host tier, another GPU, the files); and the one
+  wait-for-room loop (loads and publishes refused NO_SPACE, ``RoomQueue``), with
+  ``SpaceFreed``, which wakes them oldest first when room may have been freed.
 - ``fill.py``: filling a new arena (admit, allocate, a ``server/fills.py`` strategy in a
   thread, seal, encode the table) or rolling it back. Loads and publishes come here.
-- ``room.py``: the one wait-for-room loop (loads and publishes refused NO_SPACE), and
-  ``SpaceFreed``, which wakes them oldest first when room may have been freed.
 - ``stepdown.py``: demotions, evictions, host copies dropped, arenas freed off the loop.
 - ``background.py``: preloads (readiness) and the keep-alive sweep.
 - ``checks.py``: reading checkpoints without loading them (start/reload/register
@@ -30,11 +30,10 @@ from ..registry import Registry
 from .background import Preloads, keep_alive_loop
 from .checks import Checks
 from .fill import Fill
-from .flight import SingleFlight
+from .flight import RoomQueue, SingleFlight, SpaceFreed
 from .io import IoPool
 from .job import LoadJob
 from .pins import Pins
-from .room import RoomQueue, SpaceFreed
 from .stats import COUNTERS, Stats
 from .stepdown import StepDowns
 from .tasks import Tasks

@@ -14,8 +14,7 @@ from ...errors import WeightcacheError
 from .. import placing
 from ..registry import Registry
 from .checks import Checks
-from .flight import SingleFlight
-from .room import RoomQueue
+from .flight import RoomQueue, SingleFlight
 from .stepdown import StepDowns
 from .tasks import Tasks
 

@@ -10,8 +10,8 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 from ...backends import Arena, Backend
 from ...cache import CacheCore, LoadPlan, StepDown
@@ -26,7 +26,6 @@ from ..fills import FillStrategy
 from ..registry import Model, Registry
 from .io import MANY_TENSORS, collector_paused
 from .job import LoadJob
-from .room import RoomQueue
 from .stats import Stats
 from .stepdown import StepDowns
 from .turns import FairTurns
@@ -55,9 +54,26 @@ async def _to_thread_finished(fn: Callable[..., T], *args: Any, cleanup: Callabl
         raise
 
 
+class Settles(Protocol):
+    def settle(self, key: str, everyone: bool) -> None: ...
+
+
+class Room(Protocol):
+    """What a fill uses of the wait for room (residency/flight.py's ``RoomQueue``, which
+    imports this module): a publish waits there, and each fill's end wakes the waiters."""
+
+    @property
+    def freed(self) -> Settles: ...
+
+    def notify(self) -> None: ...
+
+    async def until_admitted(self, name: str, attempt: Callable[[], Awaitable[T]], wait_s: float, *,
+                             key: str | None) -> T: ...
+
+
 class Fill:
     def __init__(self, settings: DaemonConfig, core: CacheCore, registry: Registry, backends: dict[str, Backend],
-                 room: RoomQueue, step_down: StepDowns, stats: Stats, shutting_down: Callable[[], bool]) -> None:
+                 room: Room, step_down: StepDowns, stats: Stats, shutting_down: Callable[[], bool]) -> None:
         self.settings = settings
         self.core = core
         self.registry = registry
