@@ -1,4 +1,4 @@
-"""server/placing.py and the peer-copy choice of server/residency/flight.py over several fake GPUs,
+"""server/registry.py's placement (entries_for) and the peer-copy choice of server/residency/flight.py over several fake GPUs,
 without a daemon: the registry, core and loads rooms are real, the backends stand-ins
 that only name their device, report free memory and say whom they can copy from."""
 
@@ -7,7 +7,7 @@ import pytest
 from weightcache.cache import CacheCore
 from weightcache.config import ModelConfig, Settings
 from weightcache.errors import BadRequest
-from weightcache.server import placing
+from weightcache.server import registry as placing
 from weightcache.server.registry import Registry
 from weightcache.server.residency import Residency
 
@@ -132,7 +132,7 @@ async def test_a_model_never_loaded_is_placed_by_its_files_size(tmp_path):
     assert placing.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:0"]  # size unknown: the most free
     residency = Residency(Settings().daemon, core, reg, backends, lambda: False)
     try:
-        await residency.checks.learn_sizes("m")
+        await placing.learn_sizes(core, reg, residency.io.run, "m")
     finally:
         residency.io.close()
     assert reg.size_hint["m"] == 50

@@ -38,7 +38,7 @@ ranks already resident or loading somewhere first, so they keep their devices; f
 candidate devices than ranks is a ValueError (the config check reports it).
 
 The size of a model never loaded is not known (its headers are read by the load): the
-server passes its files' total size instead (server/placing.py, ``checkpoint_bytes``),
+server passes its files' total size instead (server/registry.py, ``checkpoint_bytes``),
 and 0 where it cannot tell; with 0, rules 1-3 still apply (the most free budget).
 """
 

@@ -29,9 +29,9 @@ from ..errors import (
 from ..protocol import OPS, PROTOCOL_VERSION
 from ..protocol.framing import Packed
 from ..units import format_size, parse_duration
-from . import model_ops, placing
+from . import model_ops
 from .access import Peer
-from .registry import redacted
+from .registry import entries_for, learn_sizes, redacted
 from .requests import Caller, Context, Handler, Reply, Request
 
 _FILE_DETAILS = frozenset({"file", "path", "roots"})  # error details that describe the daemon's files
@@ -295,24 +295,25 @@ async def load(ctx: Context, caller: Caller, req: Request) -> Reply:
     ctx.registry.check_use(caller.peer, name)
     # device: where an engine that must run on one GPU needs it (an auto model goes there;
     # any other must already live there); none: placed (cache/placement.py).
-    await ctx.residency.checks.learn_sizes(name)
-    entries = placing.entries_for(ctx.core, ctx.registry, ctx.backends, name, rank, req.arg("device", str, None))
+    await learn_sizes(ctx.core, ctx.registry, ctx.residency.io.run, name)
+    entries = entries_for(ctx.core, ctx.registry, ctx.backends, name, rank, req.arg("device", str, None))
     await asyncio.gather(*(ctx.residency.flights.ensure_resident(e, wait, gone=caller.gone) for e in entries))
     apply_keep_alive(ctx, caller, entries, keep_alive)
     return describe_all(ctx, entries, caller), []
 
 
 async def attach(ctx: Context, caller: Caller, req: Request) -> Reply:
-    ctx.registry.check_use(caller.peer, req.arg("name", str))
+    model = req.arg("name", str)
+    ctx.registry.check_use(caller.peer, model)
     table = req.arg("table", str, "rows")
     if table not in ("rows", "columns"):
         raise BadRequest(f"argument 'table' must be \"rows\" or \"columns\", got {table[:40]!r}", argument="table")
     device = req.arg("device", str, None)
     rank = req.arg("rank", int, None)
-    ctx.registry.entry_for(req.arg("name", str), rank)  # BAD_REQUEST for a rank that does not exist, or none given
-    # An auto model's replica on the named device, or the placed one (server/placing.py).
-    await ctx.residency.checks.learn_sizes(req.arg("name", str))
-    [name] = placing.entries_for(ctx.core, ctx.registry, ctx.backends, req.arg("name", str), rank, device)
+    ctx.registry.entry_for(model, rank)  # BAD_REQUEST for a rank that does not exist, or none given
+    # An auto model's replica on the named device, or the placed one (registry.entries_for).
+    await learn_sizes(ctx.core, ctx.registry, ctx.residency.io.run, model)
+    [name] = entries_for(ctx.core, ctx.registry, ctx.backends, model, rank, device)
     wait = ctx.wait_arg(req)
     keep_alive = keep_alive_arg(req)
     writable = req.arg("writable", bool, False)

@@ -12,9 +12,11 @@ Each arena's own record is server/resident.py's ``Resident`` (Note [one record p
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -23,12 +25,15 @@ from ..backends import Arena, Backend, HostCopy
 from ..cache import CacheCore, Entry, State
 from ..cache.eviction import arena_key
 from ..cache.names import files_share, is_staging, rank_entry, replica_entry, staging_entry
+from ..cache.placement import Placement, place_ranks, views
 from ..config import AUTO, ModelConfig, auto_devices
-from ..errors import BadRequest, LimitExceeded, PermissionDenied, UnknownModel
+from ..errors import BadRequest, LimitExceeded, LoadFailed, PermissionDenied, UnknownModel
 from ..loader import Checkpoint, OpenedSource, Progress
 from ..units import format_size
 from .access import AccessPolicy, Peer
 from .resident import Resident
+
+log = logging.getLogger("weightcache.daemon")
 
 # The reason of a model's last_error when the start or reload check of its files failed
 # (a path typo, not a safetensors file); ``models`` then shows its state as "error"
@@ -144,7 +149,7 @@ class Registry:
         self.slots: dict[str, list[str]] = {}
         self.replicas: dict[str, dict[str, str]] = {}
         self.placed: dict[str, dict[str, Any]] = {}
-        self.size_hint: dict[str, int] = {}  # slot -> its files' bytes, until a load tells the arena's (placing.py)
+        self.size_hint: dict[str, int] = {}  # slot -> its files' bytes, until a load tells the arena's (learn_sizes)
         self._staging_ids = itertools.count(1)
         self._reserved: Counter[int] = Counter()  # uid -> model slots held by publishes and registers in flight
         self._files_reserved: Counter[int] = Counter()  # uid -> open files held by registers in flight
@@ -315,7 +320,7 @@ class Registry:
 
     def entry_for(self, name: str, rank: int | None) -> str:
         """The entry an attach of ``name`` (with ``rank``) maps; for a rank placed
-        automatically, the rank's slot (server/placing.py picks the replica)."""
+        automatically, the rank's slot (entries_for picks the replica)."""
         members = self.members(name)
         unsharded = self.models[members[0]].rank is None
         members = self.slots.get(name, members)  # one name per rank
@@ -473,3 +478,131 @@ def _hold(counts: Counter[int], uid: int, n: int) -> Callable[[], None]:
                 del counts[uid]
 
     return release
+
+
+# ===============================================================================================
+# WHICH ENTRIES A REQUEST ACTS ON: the operator's, or the placed replica of a device = "auto" model
+# ===============================================================================================
+# Which entries a load or attach acts on: for a model with ``device = "auto"``, the
+# replica on the device the placement core chooses (cache/placement.py, Note
+# [placement]), or the one on the device the request names; for any other model, its
+# entries as configured (a named device must be theirs).
+#
+# The decision and its reason are logged and kept for ``models`` and ``status``
+# (``placement``). Reading a GPU's real free memory is one ``cuMemGetInfo`` per candidate
+# device, made on the loop (a driver call of microseconds), and only when some rank is
+# resident nowhere.
+
+
+def entries_for(core: CacheCore, registry: Registry, backends: dict[str, Backend], name: str, rank: int | None,
+                device: str | None) -> list[str]:
+    """The entries a request on ``name`` (one ``rank``, or every rank when None; on
+    ``device``, or placed when None) acts on, in rank order."""
+    slots = registry.slots.get(name)
+    if slots is None:  # placed by the operator: the request may only confirm the device
+        entries = [registry.entry_for(name, rank)] if rank is not None else registry.members(name)
+        if device is not None:
+            for e in entries:
+                if not backends[core.entry(e).device].names(device):
+                    raise BadRequest(f"model {name!r} lives on {core.entry(e).device}, not {device}", model=name,
+                                     device=device)
+        return entries
+    wanted = [registry.entry_for(name, rank)] if rank is not None else slots
+    if device is not None:
+        if len(wanted) > 1:
+            raise BadRequest(f"model {name!r} is sharded over {len(slots)} ranks, each on its own device: name a "
+                             f"rank= with device=", model=name, device=device)
+        return [_named(core, registry, backends, name, wanted[0], device)]
+    auto = [s for s in slots if s in registry.replicas]
+    if not auto:
+        return wanted
+    # Every auto rank is placed together, so that one rank's engine asking alone gets the
+    # device the others' placement leaves it (ranks on distinct devices).
+    # The GPUs' real free memory matters only where a rank is not resident anywhere: an
+    # attach of a resident model (the hit an engine restart is) makes no driver call.
+    # (Two ranks resident only on one device, which named devices can cause, are then
+    # placed without it: the budget still holds, the core's admission checks it.)
+    resident = all(any(core.entry(e).state is State.RESIDENT for e in registry.replicas[s].values()) for s in auto)
+    free = {} if resident else {d: backends[d].free_memory() for d in {d for s in auto for d in registry.replicas[s]}}
+    fixed = {core.entry(s).device for s in slots if s not in registry.replicas}
+    rank_views = [[v for v in views(core, registry.replicas[s], free) if v.device not in fixed] for s in auto]
+    # The arena's size once any replica was loaded; before that the files' (size_hint).
+    sizes = [max((core.entry(e).nbytes for e in registry.replicas[s].values()), default=0) or registry.size_hint.get(s, 0)
+             for s in auto]
+    try:
+        decisions = dict(zip(auto, place_ranks(rank_views, sizes), strict=True))
+    except ValueError as exc:
+        raise BadRequest(f"model {name!r} cannot be placed: {exc}", model=name) from None
+    out = []
+    for s in wanted:
+        if s not in decisions:  # a fixed rank
+            out.append(s)
+            continue
+        p = decisions[s]
+        _record(registry, name, s, p)
+        out.append(registry.replicas[s][p.device])
+    return out
+
+
+def _named(core: CacheCore, registry: Registry, backends: dict[str, Backend], name: str, slot: str, device: str) -> str:
+    """The replica of ``slot`` on the device a request names (an engine that must run there)."""
+    if slot not in registry.replicas:  # a fixed rank of a partly auto model
+        if not backends[core.entry(slot).device].names(device):
+            raise BadRequest(f"{slot!r} lives on {core.entry(slot).device}, not {device}", model=name, device=device)
+        return slot
+    dev = registry.resolve_device(device)
+    entry = registry.replicas[slot].get(dev)
+    if entry is None:
+        raise BadRequest(f'model {name!r} (device = "auto") is placed on {sorted(registry.replicas[slot])}, '
+                         f"not {device}", model=name, device=device)
+    _record(registry, name, slot, Placement(dev, "named"))
+    return entry
+
+
+def _record(registry: Registry, name: str, slot: str, p: Placement) -> None:
+    """Keep the decision for ``models``; log it when it is news (not "already resident" again)."""
+    new: dict[str, Any] = {"device": p.device, "reason": p.reason, "detail": p.describe(), "fits": p.fits,
+                           "evicts": list(p.evicts)}
+    old = registry.placed.get(slot)
+    registry.placed[slot] = new
+    if p.reason != "resident" or old is None or old["device"] != p.device:
+        log.info("placed %s on %s", slot, p.describe(), extra={"model": name, "device": p.device, "reason": p.reason})
+
+
+def checkpoint_bytes(path: Path, fds: list[int] | None = None) -> int:
+    """About how many bytes a checkpoint's arena takes, before its headers are read: the
+    sizes of its files (the headers are a sliver of them). ``fds``: a peer's own open
+    files. 0 when it cannot tell (placement then treats the size as unknown). Blocking:
+    stat calls, run in the io pool."""
+    try:
+        if fds is not None:
+            return sum(os.fstat(fd).st_size for fd in fds)
+        if path.is_dir():
+            files = set(path.glob("*.safetensors"))
+        elif path.suffix == ".json":
+            index = json.loads(path.read_text())
+            files = {path.parent / f for f in index.get("weight_map", {}).values() if isinstance(f, str)}
+        else:
+            files = {path}
+        return sum(f.stat().st_size for f in files)
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+async def learn_sizes(core: CacheCore, registry: Registry, io_run: Callable[..., Awaitable[int]], name: str) -> None:
+    """Before an auto model is first placed: how big each rank is, from its files'
+    sizes (``checkpoint_bytes``, run by ``io_run``: the io pool's), so that placement
+    can tell which devices have room for it. Known sizes (an earlier load's arena, an
+    earlier hint) are kept."""
+    for slot in registry.slots.get(name, ()):
+        replicas = registry.replicas.get(slot)
+        if not replicas or slot in registry.size_hint:
+            continue
+        if any(core.entry(e).nbytes for e in replicas.values()):
+            continue
+        m = registry.models[next(iter(replicas.values()))]
+        fds = [f.fd for f in m.files.files] if m.files is not None else None
+        try:
+            registry.size_hint[slot] = await io_run(checkpoint_bytes, m.path, fds)
+        except LoadFailed:  # the io pool's timeout: placed as of unknown size
+            registry.size_hint[slot] = 0

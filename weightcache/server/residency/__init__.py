@@ -55,7 +55,7 @@ class Residency:
         self.flights = SingleFlight(settings, core, registry, backends, self.io, self.room, self.step_down, self.fill,
                                     self.stats, self.pins, shutting_down)
         self.checks = Checks(settings, core, registry, self.io)
-        self.preloads = Preloads(settings, core, registry, backends, self.flights, self.checks, self.tasks)
+        self.preloads = Preloads(settings, core, registry, backends, self.flights, self.io, self.tasks)
 
     async def keep_alive_loop(self) -> None:
         await keep_alive_loop(self.core, self.step_down, self.room)

@@ -11,10 +11,9 @@ from ...backends import Backend
 from ...cache import CacheCore
 from ...config import DaemonConfig
 from ...errors import WeightcacheError
-from .. import placing
-from ..registry import Registry
-from .checks import Checks
+from ..registry import Registry, entries_for, learn_sizes
 from .flight import RoomQueue, SingleFlight
+from .io import IoPool
 from .stepdown import StepDowns
 from .tasks import Tasks
 
@@ -23,13 +22,13 @@ log = logging.getLogger("weightcache.daemon")
 
 class Preloads:
     def __init__(self, settings: DaemonConfig, core: CacheCore, registry: Registry, backends: dict[str, Backend],
-                 flights: SingleFlight, checks: Checks, tasks: Tasks) -> None:
+                 flights: SingleFlight, io: IoPool, tasks: Tasks) -> None:
         self.settings = settings
         self.core = core
         self.registry = registry
         self.backends = backends
         self.flights = flights
-        self.checks = checks
+        self.io = io
         self.tasks = tasks
         # Preloads decide readiness (the health op): pending until every rank is resident,
         # failed with the error until a later preload of that model succeeds.
@@ -46,9 +45,9 @@ class Preloads:
     async def _preload(self, name: str, gates: bool) -> None:
         try:
             try:
-                await self.checks.learn_sizes(name)
+                await learn_sizes(self.core, self.registry, self.io.run, name)
                 # An auto model's ranks where placement puts them, not on every candidate device.
-                placed = (placing.entries_for(self.core, self.registry, self.backends, name, None, None)
+                placed = (entries_for(self.core, self.registry, self.backends, name, None, None)
                           if name in self.registry.groups else [])
             except WeightcacheError as exc:
                 log.error("preload of %s failed: %s", name, exc, extra={"model": name, "code": exc.code})

@@ -1,6 +1,6 @@
 """Reading checkpoints without loading them, in the io pool: whether a model's files can
-be loaded at all (``check_files``), and how big an auto model's ranks are before it is
-first placed (``learn_sizes``)."""
+be loaded at all (``check_files``), and a parse charged to its tenants' quotas while it
+runs (``parse_charged``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from ...errors import LoadFailed, WeightcacheError
 from ...loader import Checkpoint, OpenedSource, open_source, parse_checkpoint
 from ...loader.checkpoint import header_lengths, parse_cost
 from ...loader.sources import unindexed_note
-from .. import placing
 from ..registry import Registry
 from .io import IoPool, collector_paused
 
@@ -74,20 +73,3 @@ class Checks:
                 if opened is not None:
                     opened.close()
         return None
-
-    async def learn_sizes(self, name: str) -> None:
-        """Before an auto model is first placed: how big each rank is, from its files'
-        sizes (in the io pool), so that placement can tell which devices have room for it
-        (server/placing.py). Known sizes (an earlier load's arena, an earlier hint) are kept."""
-        for slot in self.registry.slots.get(name, ()):
-            replicas = self.registry.replicas.get(slot)
-            if not replicas or slot in self.registry.size_hint:
-                continue
-            if any(self.core.entry(e).nbytes for e in replicas.values()):
-                continue
-            m = self.registry.models[next(iter(replicas.values()))]
-            fds = [f.fd for f in m.files.files] if m.files is not None else None
-            try:
-                self.registry.size_hint[slot] = await self.io.run(placing.checkpoint_bytes, m.path, fds)
-            except LoadFailed:  # the io pool's timeout: placed as of unknown size
-                self.registry.size_hint[slot] = 0
