@@ -20,8 +20,7 @@ third time. This tool measures, side by side in one process on one GPU:
 
 With ``--anchors``, InstantTensor's backends and load_file, each in a fresh process; with
 ``--daemon``, the daemon end to end at given load settings, warm, and cold beside the
-O_DIRECT ceiling (``--cold``). docs/benchmarks.md ("Loading from the page cache (vs
-InstantTensor)") has the command that runs them all in one call.
+O_DIRECT ceiling (``--cold``). docs/benchmarks.md ("The loader from the page cache (H100)") has the commands.
 
     python -m benchmarks loader-paths --size-gib 9.15 --tensors 183   # writes results/loader-paths.json
 """

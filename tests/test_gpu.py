@@ -330,6 +330,43 @@ def test_a_load_hashed_on_the_gpu_has_the_files_fingerprint(tmp_path, monkeypatc
             backend.close()
 
 
+def test_a_deep_staging_ring_hashes_each_piece_after_all_its_chunks_arrived(tmp_path):
+    """``load_depth`` > 1 with chunks smaller than a hash piece: a piece's chunks leave on
+    several streams of the thread's ring, and its kernel must wait for all of them. When it
+    waited for the last chunk's stream only, 4 of 12 such loads of a 9.8 GB file had a wrong
+    fingerprint on an H100; here 1 GiB, 1 MiB chunks (16 per piece), 4 buffers a thread."""
+    from safetensors.torch import save_file
+
+    from weightcache.backends.cuda import CudaBackend
+    from weightcache.loader import fingerprint_files, open_source, parse_checkpoint, read_checkpoint
+    from weightcache.loader.content import FILE_DIGESTS
+
+    g = torch.Generator().manual_seed(7)
+    path = tmp_path / "deep.safetensors"
+    save_file({f"w{i}": torch.randint(-(2**15), 2**15, (2**26,), dtype=torch.int16, generator=g) for i in range(8)},
+              str(path))
+    want = fingerprint_files(path)
+    backend = CudaBackend("cuda:0")
+    assert backend.gpu_hash is not None, backend.gpu_hash_unavailable
+    try:
+        backend.configure_loads(4, "off")
+        got = []
+        for _ in range(3):
+            FILE_DIGESTS.clear()
+            with open_source(path) as opened:
+                ckpt = parse_checkpoint(opened)
+                arena = backend.allocate(backend.capacity(ckpt.arena_bytes), "deep")
+                try:
+                    got.append(read_checkpoint(ckpt, opened, backend.writer(arena, 1 << 20), threads=8, chunk=1 << 20,
+                                               direct_io="off"))
+                    backend.seal(arena)
+                finally:
+                    backend.free(arena)
+        assert got == [want] * 3
+    finally:
+        backend.close()
+
+
 def _load_with_windows_registered_first(tmp_path, monkeypatch, before_registering=None):
     """A load through CudaBackend with page-cache windows on, each window registered before
     the loader threads start (the registrar is joined in PageWindows' constructor), so

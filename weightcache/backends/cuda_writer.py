@@ -205,10 +205,17 @@ class VmmWriter:
         done = seen.take_device_done()
         if not done:
             return
-        drv.check(cu.cuEventRecord(st.copied, st.stream))
         stream = st.hash_streams[st.next_hash]
         st.next_hash = (st.next_hash + 1) % len(st.hash_streams)
-        drv.check(cu.cuStreamWaitEvent(stream, st.copied, 0))
+        # A piece's earlier chunks went out on the other streams of the thread's ring (a
+        # task is one thread's, chunk after chunk, each on the ring's next buffer): the
+        # kernel waits for the copies on every one of them, not only this call's. Waiting
+        # for this stream alone hashed bytes still in flight with ``load_depth`` > 1 and
+        # chunks smaller than a piece: wrong fingerprints, 4 of 12 such loads on an H100.
+        for other in self._local.ring:
+            if other.busy:
+                drv.check(cu.cuEventRecord(other.copied, other.stream))
+                drv.check(cu.cuStreamWaitEvent(stream, other.copied, 0))
         for piece, start in done:
             block, slot = self._slot()
             self._hasher.launch(stream, self._arena.va + seen.task.arena_offset + start, piece.nbytes, block.dev + 16 * slot)

@@ -238,14 +238,14 @@ class DaemonConfig(BaseModel):
     log_level: str = "info"
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     # More readers than cores buys nothing for a memory-bound copy and stretches the
-    # control plane's tail latency (docs/benchmarks.md), hence the default min(8, cores).
-    # 16 on the H200 host (16 cores) was 2-15% faster through the daemon in two runs, but
-    # put status's p99 during a warm load at 7.0 ms against 1.6 (docs/benchmarks.md).
-    load_threads: int = Field(default_factory=lambda: min(8, os.cpu_count() or 1), ge=1, le=256)
+    # control plane's tail latency, hence at most the cores. 12 on the 16-core H100 hosts
+    # loaded 1.16x and 1.15x faster than 8 through the daemon in two runs, with status's
+    # p99 during the load at 1.67 ms against 1.61; 16 on the H200 host was faster still but
+    # put that p99 at 5.0 ms (docs/benchmarks.md, "The loader from the page cache").
+    load_threads: int = Field(default_factory=lambda: min(12, os.cpu_count() or 1), ge=1, le=256)
     load_chunk_bytes: int = Field(default=16 * 2**20, ge=4096)
-    # Both below keep the loader as it was measured (one buffer a thread, every chunk staged)
-    # until they are measured on a GPU against it (docs/benchmarks.md, "Loading from the
-    # page cache (vs InstantTensor)"). Read at start.
+    # Both below stay off: neither beat one buffer a thread with every chunk staged on the
+    # H100 hosts (docs/benchmarks.md, "The loader from the page cache"). Read at start.
     load_depth: int = Field(default=1, ge=1, le=16, description=(
         "pinned staging buffers per loader thread (GPU loads): a thread reads into one while the copies out of the others run"))
     load_page_cache_dma: Literal["auto", "on", "off"] = Field(default="off", description=(
