@@ -49,7 +49,6 @@ from weightcache.backends.cuda_writer import VmmWriter
 from weightcache.backends.page_windows import probe_registration
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
 from weightcache.loader.content import FILE_DIGESTS
-from weightcache.loader.preads import DIRECT_ALIGN
 from weightcache.tools.bench_measure import INSTANTTENSOR_BACKENDS, INSTANTTENSOR_ENV, warm_page_cache
 from weightcache.tools.synth import kept_checkpoint
 
@@ -128,13 +127,11 @@ def _timed_reads(timers: Timers) -> Callable[[], None]:
 
 
 def warm_staging(backend: CudaBackend, threads: int, depth: int, chunk: int) -> None:
-    """Allocates the staging buffers a variant needs before it is timed, as a daemon has
-    them from its first load on: the pool keeps them (backends/pinned.py), and a variant
-    that found too few would time cuMemHostAlloc of the rest (~0.1 s for 16 x 16 MiB)."""
+    """Allocates the staging buffers a variant needs before it is timed, as a daemon does at
+    start (CudaBackend.prepare_loads): a variant that found too few in the pool would time
+    cuMemHostAlloc of the rest (~0.1 s for 16 x 16 MiB)."""
     with drv.current(backend.ctx):
-        bufs = [backend.staging.take(chunk + 2 * DIRECT_ALIGN) for _ in range(threads * depth)]  # VmmWriter's size
-    for st in bufs:
-        backend.staging.give_back(st)
+        backend.staging.prefill(threads * depth, VmmWriter.staging_bytes(chunk))
 
 
 class Registered(VmmWriter):

@@ -11,7 +11,8 @@ for a 9 GiB model in isolation: a fixed cost per load, now overlapped with the f
    and from the host tier (should the daemon queue loads or run them together?).
 
 Every figure comes with the daemon's own phase breakdown (its "loaded"/"promoted" log
-lines). Run on the GPU host: ``python -m benchmarks profile-loads --out results/profile-loads.json``.
+lines). Run on the GPU host: ``python -m benchmarks profile-loads --out results/profile-loads.json``
+(``--load-threads N`` to compare the daemon's loader threads, one run each).
 """
 
 from __future__ import annotations
@@ -48,14 +49,16 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         with open(p, "rb") as f:
             while f.read(64 << 20):
                 pass
-    results: dict[str, Any] = {"size_bytes": size, "models": args.models, "tensors": args.tensors}
+    results: dict[str, Any] = {"size_bytes": size, "models": args.models, "tensors": args.tensors,
+                               "load_threads": args.load_threads or "default"}
     sock = tempfile.mktemp(prefix="wc-prof-", suffix=".sock", dir="/tmp")
     cfg = work / "daemon.toml"
     budget = int(args.budget_models * size)
     gpu = args.device != "cpu"
     cfg.write_text(config_text(sock, {args.device: str(budget)},
                                [{"name": n, "path": str(p), "device": args.device} for n, p in paths.items()],
-                               {"host_budget": f"{args.host_gib}GiB"} if gpu else {}))
+                               {**({"host_budget": f"{args.host_gib}GiB"} if gpu else {}),
+                                **({"load_threads": args.load_threads} if args.load_threads else {})}))
     log = work / "daemon.log"
     with DaemonProcess(cfg, sock, log):
         async with Client(sock) as c, Client(sock) as c2:
@@ -118,6 +121,7 @@ def main() -> None:
     ap.add_argument("--host-gib", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--load-threads", type=int, default=0, help="the daemon's load_threads (0: its default)")
     ap.add_argument("--out", type=Path, default=RESULTS / "profile-loads.json")
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="wc-prof-"))

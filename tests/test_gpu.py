@@ -367,6 +367,33 @@ def test_a_deep_staging_ring_hashes_each_piece_after_all_its_chunks_arrived(tmp_
         backend.close()
 
 
+def test_staging_buffers_pinned_at_start_are_the_ones_loads_use(tmp_path, gpu_ckpts):
+    """prepare_loads pins load_threads x load_depth staging buffers in the background at
+    start; a load by that many threads in chunks of that size then pins none of its own."""
+    from weightcache.backends.cuda import CudaBackend
+    from weightcache.backends.cuda_writer import VmmWriter
+    from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
+
+    backend = CudaBackend("cuda:0")
+    try:
+        backend.configure_loads(2, "off")
+        backend.prepare_loads(3, 1 << 20)
+        assert backend._prefill is not None
+        backend._prefill.join()
+        size = VmmWriter.staging_bytes(1 << 20)
+        assert backend.staging.created == {size: 6}
+        with open_source(gpu_ckpts["x"]) as opened:
+            ckpt = parse_checkpoint(opened)
+            arena = backend.allocate(backend.capacity(ckpt.arena_bytes), "t")
+            try:
+                read_checkpoint(ckpt, opened, backend.writer(arena, 1 << 20), threads=3, chunk=1 << 20, direct_io="off")
+            finally:
+                backend.free(arena)
+        assert backend.staging.created == {size: 6}
+    finally:
+        backend.close()
+
+
 def _load_with_windows_registered_first(tmp_path, monkeypatch, before_registering=None):
     """A load through CudaBackend with page-cache windows on, each window registered before
     the loader threads start (the registrar is joined in PageWindows' constructor), so

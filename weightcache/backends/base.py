@@ -250,8 +250,13 @@ class Backend(ABC):
         byte is copied."""
 
     def configure_loads(self, depth: int, page_cache_dma: str) -> None:  # noqa: B027  (a hook)
-        """The daemon's ``load_depth`` and ``load_page_cache_dma``, once at start and at each
-        reload; a backend whose writer has no use for them ignores them."""
+        """The daemon's ``load_depth`` and ``load_page_cache_dma``, once at start; a backend
+        whose writer has no use for them ignores them."""
+
+    def prepare_loads(self, threads: int, chunk_bytes: int) -> None:  # noqa: B027  (a hook)
+        """At start, after ``configure_loads``: what a load by ``threads`` threads in chunks
+        of ``chunk_bytes`` will need may be made ready now, in the background, rather than
+        by the first load. By default nothing."""
 
     @abstractmethod
     def writer(self, arena: Arena, chunk_bytes: int) -> ArenaWriter:

@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +113,7 @@ class CudaBackend(Backend):
         self.load_depth = 1
         self.page_cache_dma = False  # configure_loads
         self._releases: list[threading.Thread] = []  # page-cache windows being unregistered after a load
+        self._prefill: threading.Thread | None = None  # prepare_loads' staging buffers
 
     def configure_loads(self, depth: int, page_cache_dma: str) -> None:
         self.load_depth = depth
@@ -130,6 +132,25 @@ class CudaBackend(Backend):
             self.page_cache_dma = False
             log.info("%s: loads stage every chunk: registering page-cache pages probed at %.1f GB/s, under %.0f",
                      self.device, rate, REGISTER_MIN_GBPS)
+
+    def prepare_loads(self, threads: int, chunk_bytes: int) -> None:
+        """The loader threads' pinned staging buffers (``load_depth`` each), pinned in a
+        thread at start as the host tier's pool is: the first load otherwise pins them
+        itself (StagingPool.prefill says what that cost)."""
+        count, size = threads * self.load_depth, VmmWriter.staging_bytes(chunk_bytes)
+
+        def pin() -> None:
+            try:
+                t = time.perf_counter()
+                with drv.current(self.ctx):
+                    made = self.staging.prefill(count, size)
+                log.info("%s: %d pinned staging buffers of %d MiB ready in %.0f ms", self.device, made, size >> 20,
+                         (time.perf_counter() - t) * 1e3)
+            except drv.CudaError as exc:  # the first load pins them, or says why it cannot
+                log.warning("%s: the staging buffers could not be pinned at start: %s", self.device, exc)
+
+        self._prefill = threading.Thread(target=pin, name="wc-pin-staging", daemon=True)
+        self._prefill.start()
 
     def page_windows(self, files: list[tuple[int, int]]) -> PageWindows | None:
         """Registered windows for one load of ``files`` ((fd, size), the loader's order), or None."""
@@ -427,6 +448,8 @@ class CudaBackend(Backend):
         self.host_pool.free(host.pieces)
 
     def close(self) -> None:
+        if self._prefill is not None:
+            self._prefill.join()
         for t in self._releases:
             t.join()
         if self.gpu_hash is not None:

@@ -78,7 +78,7 @@ class VmmWriter:
         self._b = backend
         self._depth = depth
         self._arena = arena
-        self._size = chunk + 2 * DIRECT_ALIGN  # room to widen a read to O_DIRECT alignment
+        self._size = self.staging_bytes(chunk)
         self._local = threading.local()
         self._all: list[Staging] = []
         self._lock = threading.Lock()
@@ -89,6 +89,12 @@ class VmmWriter:
         self._windows: PageWindows | None = None
         self._unread: memoryview | None = None  # fed to the hasher for bytes only the device hashes
         self.registered_bytes = 0  # copied from registered page-cache windows
+
+    @staticmethod
+    def staging_bytes(chunk: int) -> int:
+        """A staging buffer's size for chunks of ``chunk`` bytes: room to widen a read to
+        O_DIRECT alignment at both ends."""
+        return chunk + 2 * DIRECT_ALIGN
 
     def begin(self, files: list[tuple[int, int]]) -> None:
         """The files (fd, size) this load may copy without the host reading them (buffered,
