@@ -154,7 +154,7 @@ def test_the_cli_does_not_import_torch():
 
 
 def test_every_op_has_a_handler():
-    from weightcache.server.handlers import HANDLERS
+    from weightcache.server.connections import HANDLERS
 
     assert set(HANDLERS) | {"hello"} == OPS
 

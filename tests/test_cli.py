@@ -30,7 +30,7 @@ from weightcache.cli import main
 from weightcache.config import DaemonConfig
 from weightcache.errors import Attached, NoSpace
 from weightcache.server.access import AccessPolicy, Peer
-from weightcache.server.requests import Caller, Request
+from weightcache.server.handlers import Caller, Request
 from weightcache.units import format_size
 
 LONG = "small-fp16-model-" + "x" * 90  # a table cell far wider than 80 columns

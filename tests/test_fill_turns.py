@@ -1,11 +1,11 @@
-"""A device's fill turns (server/residency/turns.py): round-robin by tenant, first come
+"""A device's fill turns (server/residency/fill.py: FairTurns): round-robin by tenant, first come
 first served within one, and a waiter that goes away neither keeps nor loses a turn."""
 
 from __future__ import annotations
 
 import asyncio
 
-from weightcache.server.residency.turns import FairTurns
+from weightcache.server.residency.fill import FairTurns
 
 
 async def _queue(turns: FairTurns, order: list[str], jobs: list[tuple[str, int | None]]) -> None:

@@ -1,4 +1,4 @@
-"""A connection's read side without a daemon (server/bounds.py: FrameReader, FlowControl):
+"""A connection's read side without a daemon (server/connections.py: FrameReader, FlowControl):
 bytes and a clock in, frames, deadlines and refusals out. The same rules end to end, with
 a daemon and real sockets, are in tests/security/ (half frames, slow peers, fds)."""
 
@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from weightcache.errors import BadRequest, FrameTooLarge, RequestTimeout
-from weightcache.server.bounds import FlowControl, FrameReader
+from weightcache.server.connections import FlowControl, FrameReader
 
 
 def frame(msg: dict) -> bytes:

@@ -259,7 +259,7 @@ async def test_waiters_for_a_model_whose_load_fails_before_admission_do_not_fail
     from weightcache.config import ModelConfig, Settings
     from weightcache.errors import LoadFailed
     from weightcache.server.registry import Registry
-    from weightcache.server.residency import Residency, checks
+    from weightcache.server.residency import Residency, io
 
     core = CacheCore({"cpu": 12 * 2**20})  # room for one of a, b (8 MiB each)
     backends = {"cpu": CpuBackend("cpu")}
@@ -282,7 +282,7 @@ async def test_waiters_for_a_model_whose_load_fails_before_admission_do_not_fail
             parses.append(opened)
             raise LoadFailed("b: the files no longer parse", model="b")
 
-        monkeypatch.setattr(checks, "parse_checkpoint", broken)  # a load parses through checks.parse_charged
+        monkeypatch.setattr(io, "parse_checkpoint", broken)  # a load parses through io.parse_charged
         # The files changed (else the waiting load reuses the parse it kept).
         st = os.stat(ckpts["b"])
         os.utime(ckpts["b"], ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))

@@ -248,7 +248,7 @@ def test_a_uid_that_floods_the_socket_is_read_at_its_rate_and_no_other_uid_waits
     """A tenant writing big frames as fast as it could (~200 MB/s of refused 3.5 MB frames
     on the 2-core VM) kept a core of its own busy and much of the daemon's: now each uid's
     connections are read at most at max_read_bytes_per_s_per_uid once they have sent
-    max_frame_bytes (bounds.py, Note [untrusted peers]), so its writes wait in the kernel.
+    max_frame_bytes (connections.py, Note [untrusted peers]), so its writes wait in the kernel.
     Another uid's requests are read meanwhile: its answers come before the flood's last."""
     rate, frame, n = 256 * 1024, 60_000, 16
     d = multi_tenant(start_daemon, extra={"max_frame_bytes": 65536, "max_read_bytes_per_s_per_uid": rate})

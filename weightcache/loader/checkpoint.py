@@ -13,12 +13,15 @@ was validated is what gets loaded (sources.py says why).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import os
 import re
 import stat
 import struct
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..checkpoint_files import CONVERT_HINT, corrupt
@@ -300,3 +303,29 @@ def open_checkpoint(source: str | os.PathLike[str]) -> Checkpoint:
 
 
 # -- published tables ---------------------------------------------------------------------------
+
+
+_gc_lock = threading.Lock()
+_gc_pausers = 0
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Collector off while a big table becomes objects. Building 600k TensorInfos set off
+    enough collections, each walking every live object, to take 0.6-0.9 s instead of
+    0.27 s here (nothing built here forms a cycle). Counted, so that overlapping calls
+    from several threads re-enable it once, and only if it was on."""
+    global _gc_pausers, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pausers == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pausers += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pausers -= 1
+            if _gc_pausers == 0 and _gc_was_enabled:
+                gc.enable()

@@ -9,18 +9,16 @@ offsets inside the arena, no overlaps.
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 import math
 import operator
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import BadRequest
 from ..protocol.arena import ARENA_ALIGN
 from ..protocol.framing import Deferred
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, gc_paused
 from .layout import LIMIT, MAX_NAME_CHARS, nbytes_of, show
 from .tensor_table import DTYPE_SIZES, TensorInfo
 
@@ -46,42 +44,16 @@ def published_checkpoint(name: str, table: Any, arena_nbytes: int, fingerprint: 
     if type(arena_nbytes) is not int or not 0 < arena_nbytes <= LIMIT:
         raise bad(f"arena nbytes {show(arena_nbytes)} must be a positive integer of at most 2**62")
     if isinstance(table, Deferred):
-        with _gc_paused():
+        with gc_paused():
             table = table.decode_list()
     if type(table) is not list or not table:
         raise bad("'tensors' must be a non-empty list of [name, dtype, shape, offset, nbytes]")
-    with _gc_paused() if len(table) > 10_000 else contextlib.nullcontext():
+    with gc_paused() if len(table) > 10_000 else contextlib.nullcontext():
         tensors = _fast_table(table, arena_nbytes)
         if tensors is None:
             tensors = _checked_table(table, arena_nbytes, bad)
     end = tensors[-1].arena_offset + tensors[-1].nbytes  # sorted and disjoint: the last one ends last
     return Checkpoint(source=f"published:{name}", files=(), tensors=tensors, arena_bytes=max(end, 1), fingerprint=fingerprint)
-
-
-_gc_lock = threading.Lock()
-_gc_pausers = 0
-_gc_was_enabled = False
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Collector off while a big table becomes objects. Building 600k TensorInfos set off
-    enough collections, each walking every live object, to take 0.6-0.9 s instead of
-    0.27 s here (nothing built here forms a cycle). Counted, so that overlapping calls
-    from several threads re-enable it once, and only if it was on."""
-    global _gc_pausers, _gc_was_enabled
-    with _gc_lock:
-        if _gc_pausers == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_pausers += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_pausers -= 1
-            if _gc_pausers == 0 and _gc_was_enabled:
-                gc.enable()
 
 
 _FAST_MAX_DIMS = 16  # longer shapes take the row-by-row path, whose product stops early

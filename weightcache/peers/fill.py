@@ -113,7 +113,7 @@ def extents_for(task_offset: int, nbytes: int, local_base: int, regions: tuple[t
 
 @dataclass(frozen=True)
 class PeerFill:
-    """A fill strategy (server/fills.py): ``lent``'s bytes read over NIXL into the arena,
+    """A fill strategy (server/residency/fill.py): ``lent``'s bytes read over NIXL into the arena,
     every piece hashed, the fingerprint checked (Note [a peer's bytes are checked])."""
 
     transport: Transport

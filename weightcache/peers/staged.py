@@ -107,7 +107,7 @@ def gaps(ckpt: Checkpoint, end: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class StagedFill:
-    """A fill strategy (server/fills.py) for arenas that land through a ring (Note [a staged fill])."""
+    """A fill strategy (server/residency/fill.py) for arenas that land through a ring (Note [a staged fill])."""
 
     transport: Transport
     backend: Backend

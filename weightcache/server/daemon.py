@@ -28,11 +28,11 @@ from ..units import format_size
 from .access import AccessPolicy, check_socket_dir, resolve_gid
 from .config_models import ConfigModels
 from .connections import Connections
+from .handlers import Context
 from .loop_watch import LoopWatch
 from .metrics import MODEL_COUNTERS, Metrics, ModelFigures, Snapshot
 from .outlived import Survey, other_daemons, still_mapping, survey
 from .registry import Registry
-from .requests import Context
 from .residency import Residency
 from .settings_reload import reload_budgets, reload_max_loaded, settings_changes
 from .store import PublishedStore

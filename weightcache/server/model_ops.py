@@ -28,9 +28,9 @@ from ..protocol import close_fds, tenant_fingerprint
 from ..protocol.arena import parse_arena
 from ..protocol.framing import Deferred
 from .access import Peer
-from .fills import CopyPublished
+from .handlers import Caller, Context, Reply, Request
 from .registry import Model
-from .requests import Caller, Context, Reply, Request
+from .residency.fill import CopyPublished
 
 log = logging.getLogger("weightcache.daemon")
 

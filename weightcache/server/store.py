@@ -52,9 +52,8 @@ from ..loader import OpenedSource, open_source, parse_checkpoint
 from ..loader import store as disk
 from ..loader.store import StoredRecord, StoreProblem
 from ..units import format_size
-from .fills import ReadFiles
 from .registry import Registry
-from .residency.fill import _to_thread_finished
+from .residency.fill import ReadFiles, _to_thread_finished
 from .residency.io import collector_paused
 
 if TYPE_CHECKING:

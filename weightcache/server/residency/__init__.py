@@ -6,7 +6,7 @@ victims and the reservation); these rooms do the I/O, each one job:
   where its bytes come from (host tier, another GPU, the files); and the one
   wait-for-room loop (loads and publishes refused NO_SPACE, ``RoomQueue``), with
   ``SpaceFreed``, which wakes them oldest first when room may have been freed.
-- ``fill.py``: filling a new arena (admit, allocate, a ``server/fills.py`` strategy in a
+- ``fill.py``: filling a new arena (admit, allocate, one of its strategies in a
   thread, seal, encode the table) or rolling it back. Loads and publishes come here.
 - ``stepdown.py``: demotions, evictions, host copies dropped, arenas freed off the loop.
 - ``background.py``: preloads (readiness) and the keep-alive sweep.

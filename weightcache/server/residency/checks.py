@@ -1,6 +1,5 @@
 """Reading checkpoints without loading them, in the io pool: whether a model's files can
-be loaded at all (``check_files``), and a parse charged to its tenants' quotas while it
-runs (``parse_charged``)."""
+be loaded at all (``check_files``), at start, at reload and at a register."""
 
 from __future__ import annotations
 
@@ -9,30 +8,12 @@ import logging
 from ...cache import CacheCore
 from ...config import DaemonConfig, ModelConfig
 from ...errors import LoadFailed, WeightcacheError
-from ...loader import Checkpoint, OpenedSource, open_source, parse_checkpoint
-from ...loader.checkpoint import header_lengths, parse_cost
+from ...loader import OpenedSource, open_source
 from ...loader.sources import unindexed_note
 from ..registry import Registry
-from .io import IoPool, collector_paused
+from .io import IoPool, parse_charged
 
 log = logging.getLogger("weightcache.daemon")
-
-
-async def parse_charged(io: IoPool, core: CacheCore, opened: OpenedSource, *, uid: int | None, tenants: tuple[str, ...],
-                        device: str, what: str) -> Checkpoint:
-    """parse_checkpoint in the io pool (``uid``'s share of it), its cost charged to
-    ``tenants``' quotas on ``device`` while it runs (Note [quotas] in cache/eviction.py),
-    counted from the headers' length fields before any header is read; NoSpace naming
-    the quota if it does not fit. The operator's models (no tenants) are charged nothing."""
-    token = None
-    if tenants and device in core.devices:
-        lengths = await io.run(header_lengths, opened, tenant=uid)
-        token = core.charge_parse(tenants, device, parse_cost(sum(n for _st, n, _head in lengths)), what)
-    try:
-        return await io.run(collector_paused(parse_checkpoint), opened, tenant=uid)
-    finally:
-        if token is not None:
-            core.release_parse(token)
 
 
 class Checks:

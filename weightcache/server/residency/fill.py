@@ -1,7 +1,11 @@
 """Filling a new arena: admit (the core's plan, its victims stepped down), allocate, fill
-with one of server/fills.py's strategies in a thread, seal, encode the attach table, and
-make the entry resident; or roll all of it back. Loads, promotions, peer copies and
-publishes all come here."""
+with one of the strategies below in a thread, seal, encode the attach table, and make the
+entry resident; or roll all of it back. Loads, promotions, peer copies and publishes all
+come here.
+
+The sections, each under its banner: THE STRATEGIES (the four ways an arena gets its
+bytes), TURNS (a device's fill, shared fairly between tenants), and THE FILL.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,10 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from ...backends import Arena, Backend
@@ -19,16 +26,14 @@ from ...cache.eviction import OWN_PHASES
 from ...cache.names import published_as
 from ...config import DaemonConfig
 from ...errors import LoadFailed, NoSpace, WeightcacheError
-from ...loader import Checkpoint, Progress
+from ...loader import Checkpoint, OpenedSource, Progress, read_checkpoint
 from ...peer_log import PeerEventLog
 from ...protocol import tenant_fingerprint
-from ..fills import FillStrategy
 from ..registry import Model, Registry
 from .io import MANY_TENSORS, collector_paused
 from .job import LoadJob
 from .stats import Stats
 from .stepdown import StepDowns
-from .turns import FairTurns
 
 log = logging.getLogger("weightcache.daemon")
 T = TypeVar("T")
@@ -53,6 +58,159 @@ async def _to_thread_finished(fn: Callable[..., T], *args: Any, cleanup: Callabl
             cleanup(fut.result())
         raise
 
+
+# ===============================================================================================
+# THE STRATEGIES: how a new arena gets its bytes
+# ===============================================================================================
+# How a new arena gets its bytes: the four ways a model becomes resident.
+#
+# ``Fill.fill_new_arena`` (below) admits, allocates, calls one of these in a
+# thread, seals and rolls back on failure; what differs between a load from the files, a
+# promotion from the host tier, a copy from another GPU and a copy of an engine's published
+# memory is only this step.
+
+
+class FillStrategy(Protocol):
+    def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> str | None:
+        """Fill ``arena`` (allocated, unsealed) with ``ckpt``'s bytes; blocking. Returns
+        the content fingerprint of what it read, or None where ``ckpt``'s stands (a
+        promotion's bytes were hashed when first loaded; a publish names its own)."""
+
+
+@dataclass(frozen=True)
+class ReadFiles:
+    """Parallel reads from the files the checkpoint was parsed from (the same fds)."""
+
+    backend: Backend
+    settings: DaemonConfig
+    files: OpenedSource
+    cancelled: Callable[[], bool]
+    label: str
+
+    def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> str | None:
+        d = self.settings
+        self.backend.bind_files(arena, ckpt, self.files)  # CPU: the page cache itself, where it can be trusted
+        return read_checkpoint(
+            ckpt, self.files, self.backend.writer(arena, d.load_chunk_bytes), threads=d.load_threads,
+            chunk=d.load_chunk_bytes, nice=d.load_nice, progress=progress, cancelled=self.cancelled,
+            direct_io=d.load_direct_io, log=lambda msg: log.info("load %s: %s", self.label, msg),
+        )
+
+
+@dataclass(frozen=True)
+class Promote:
+    """One host-to-device copy from the pinned host tier."""
+
+    backend: Backend
+    host: Any  # the backend's host copy
+
+    def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> str | None:
+        self.backend.promote(self.host, arena)
+        progress.add(ckpt.data_bytes)
+        return None
+
+
+@dataclass(frozen=True)
+class CopyPublished:
+    """A copy of the memory an engine published (opened read-only by the backend)."""
+
+    backend: Backend
+    source: Any  # what Backend.open_published returned
+    nbytes: int
+
+    def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> str | None:
+        self.backend.copy_published(self.source, arena, self.nbytes)
+        progress.add(ckpt.data_bytes)
+        return None
+
+
+@dataclass(frozen=True)
+class PeerCopy:
+    """A device-to-device copy from the same rank's replica resident on another GPU
+    (device = "auto" models; NVLink or PCIe P2P), instead of the host tier or the files.
+    The bytes are the source's, already fingerprinted: its checkpoint stands."""
+
+    backend: Backend  # the target's
+    source_backend: Backend
+    source: Arena
+
+    def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> str | None:
+        self.backend.copy_from_peer(self.source_backend, self.source, arena, min(self.source.nbytes, arena.nbytes))
+        progress.add(ckpt.data_bytes)
+        return None
+
+
+# ===============================================================================================
+# TURNS: a device's fill, shared fairly between tenants
+# ===============================================================================================
+# Turns at a device's fill, shared fairly between tenants.
+#
+# A device fills one arena at a time (``Fill`` says why). With a plain
+# ``asyncio.Lock`` the turns go first come, first served, so a tenant that queues ten big
+# fills makes another tenant's one big fill wait for all ten. Here the waiters are served
+# round-robin by tenant (the model's owner; None is the operator's own models), first come,
+# first served within a tenant: another tenant waits for at most one fill of each tenant
+# queued ahead of it.
+
+
+class FairTurns:
+    """One holder at a time; waiters served round-robin by key (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._held = False
+        # key -> its waiters in order; the key served next is first (round-robin by moving a
+        # served key that still has waiters to the end).
+        self._waiting: OrderedDict[Hashable, deque[asyncio.Future[None]]] = OrderedDict()
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    @asynccontextmanager
+    async def turn(self, key: Hashable) -> AsyncIterator[None]:
+        if self._held or self._waiting:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiting.setdefault(key, deque()).append(fut)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():  # handed the turn as it was cancelled: pass it on
+                    self._pass()
+                else:
+                    self._forget(key, fut)
+                raise
+        else:
+            self._held = True
+        try:
+            yield
+        finally:
+            self._pass()
+
+    def _forget(self, key: Hashable, fut: asyncio.Future[None]) -> None:
+        q = self._waiting.get(key)
+        if q is not None and fut in q:
+            q.remove(fut)
+            if not q:
+                del self._waiting[key]
+
+    def _pass(self) -> None:
+        """The holder is done: hand the turn to the next tenant's first waiter."""
+        while self._waiting:
+            key, q = next(iter(self._waiting.items()))
+            fut = q.popleft()
+            if q:
+                self._waiting.move_to_end(key)
+            else:
+                del self._waiting[key]
+            if not fut.done():
+                fut.set_result(None)  # the turn goes to it: still held
+                return
+        self._held = False
+
+
+# ===============================================================================================
+# THE FILL
+# ===============================================================================================
 
 class Settles(Protocol):
     def settle(self, key: str, everyone: bool) -> None: ...

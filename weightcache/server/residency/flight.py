@@ -26,11 +26,9 @@ from ...cache import CacheCore, State, StepDown
 from ...config import DaemonConfig
 from ...errors import LoadFailed, NoSpace, WeightcacheError
 from ...loader import Checkpoint, OpenedSource, open_source
-from ..fills import PeerCopy, Promote, ReadFiles
 from ..registry import Model, Registry
-from .checks import parse_charged
-from .fill import Fill
-from .io import IoPool
+from .fill import Fill, PeerCopy, Promote, ReadFiles
+from .io import IoPool, parse_charged
 from .job import LoadJob
 from .pins import Pins
 from .stats import Stats

@@ -1,6 +1,7 @@
 """The io pool: opening and parsing what peers name or send, in bounded threads apart
-from the loads' fills, with a fair share per tenant and a timeout; and the GIL rules
-that keep the event loop responsive while those threads run Python."""
+from the loads' fills, with a fair share per tenant and a timeout; a parse charged to
+its tenants' quotas while it runs (``parse_charged``); and the GIL rules that keep the
+event loop responsive while those threads run Python."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from ...cache import CacheCore
 from ...config import DaemonConfig
 from ...errors import LoadFailed
-from ...loader.published import _gc_paused
+from ...loader import Checkpoint, OpenedSource, parse_checkpoint
+from ...loader.checkpoint import gc_paused, header_lengths, parse_cost
 
 log = logging.getLogger("weightcache.daemon")
 T = TypeVar("T")
@@ -40,11 +43,11 @@ TENANT_IO_SHARE = 0.25
 
 
 def collector_paused(fn: Callable[..., T]) -> Callable[..., T]:
-    """``fn`` run with the cyclic collector paused (counted across threads: loader/published.py)."""
+    """``fn`` run with the cyclic collector paused (counted across threads: loader/checkpoint.gc_paused)."""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> T:
-        with _gc_paused():
+        with gc_paused():
             return fn(*args, **kwargs)
 
     return run
@@ -132,3 +135,20 @@ class IoPool:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def parse_charged(io: IoPool, core: CacheCore, opened: OpenedSource, *, uid: int | None, tenants: tuple[str, ...],
+                        device: str, what: str) -> Checkpoint:
+    """parse_checkpoint in the io pool (``uid``'s share of it), its cost charged to
+    ``tenants``' quotas on ``device`` while it runs (Note [quotas] in cache/eviction.py),
+    counted from the headers' length fields before any header is read; NoSpace naming
+    the quota if it does not fit. The operator's models (no tenants) are charged nothing."""
+    token = None
+    if tenants and device in core.devices:
+        lengths = await io.run(header_lengths, opened, tenant=uid)
+        token = core.charge_parse(tenants, device, parse_cost(sum(n for _st, n, _head in lengths)), what)
+    try:
+        return await io.run(collector_paused(parse_checkpoint), opened, tenant=uid)
+    finally:
+        if token is not None:
+            core.release_parse(token)
