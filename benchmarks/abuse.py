@@ -19,7 +19,7 @@ Tenant abusers (``--tenant-abusers``, on by default, as uid 65534 with
   tensors (a 5 MiB header) with its fds, loading it (a parse, a table) and unregistering
   it, over and over;
 - ``tinybomb``: the same with 100,000 one-byte tensors (a 5 MiB header and 100 KB of
-  data, each tensor read and hashed: Note [small tensors in batches], loader/content.py);
+  data, each tensor read and hashed: Note [small tensors in batches], loader/reader.py);
 - ``waiterherd``: holds 36 MiB of the 64 MiB budget attached and parks 48 loads
   (wait_s = 50) of its own 36 MiB model with a 2 MiB header, re-parking each that ends;
 - ``biglist``: publishes with ``allowed_gids`` of 700,000 group names (a 3.5 MB frame).

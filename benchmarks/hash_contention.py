@@ -66,7 +66,7 @@ def main() -> int:
         return 0
 
     from weightcache.backends.cuda import CudaBackend
-    from weightcache.loader.content import FILE_DIGESTS
+    from weightcache.loader.reader import FILE_DIGESTS
     from weightcache.tools.bench_hash import load_once
     from weightcache.tools.bench_measure import warm_page_cache
     from weightcache.tools.synth import kept_checkpoint

@@ -48,7 +48,7 @@ from weightcache.backends.cuda import CudaBackend
 from weightcache.backends.cuda_writer import VmmWriter
 from weightcache.backends.page_windows import probe_registration
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
-from weightcache.loader.content import FILE_DIGESTS
+from weightcache.loader.reader import FILE_DIGESTS
 from weightcache.tools.bench_measure import INSTANTTENSOR_BACKENDS, INSTANTTENSOR_ENV, warm_page_cache
 from weightcache.tools.synth import kept_checkpoint
 

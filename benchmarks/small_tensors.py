@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Loads of a file of many small tensors, batched (Note [small tensors in batches],
-loader/content.py) and one task a tensor, side by side in one run, into each arena kind
+loader/reader.py) and one task a tensor, side by side in one run, into each arena kind
 this host has: a memfd, the page cache (file arenas) and, with a GPU, a VMM arena.
 
 The file is a tenant's attack (the abuse stress's ``tinybomb``) as safetensors.torch.save_file writes it:
@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from weightcache.backends.base import Backend
 from weightcache.backends.cpu import CpuBackend
 from weightcache.loader import open_source, parse_checkpoint, read_checkpoint
-from weightcache.loader.content import FILE_DIGESTS
+from weightcache.loader.reader import FILE_DIGESTS
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"  # where every tool writes by default
 

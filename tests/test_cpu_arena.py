@@ -161,7 +161,7 @@ def test_files_others_can_change_are_copied(tmp_path):
 
 
 def test_an_immutable_file_is_served_whoever_may_write_it(tmp_path):
-    from weightcache.loader.trust import FS_IMMUTABLE_FL, inode_flags
+    from weightcache.loader.sources import FS_IMMUTABLE_FL, inode_flags
 
     p = write_checkpoint(tmp_path / "m.safetensors", MIB, 8, seed=6)
     p.chmod(0o666)  # writable by anyone, but immutable: nobody, root included, can write it until root clears +i

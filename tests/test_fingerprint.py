@@ -1,4 +1,4 @@
-"""The content fingerprint (loader/content.py, Note [content fingerprint]): it covers the
+"""The content fingerprint (loader/reader.py, Note [content fingerprint]): it covers the
 tensors' bytes, is the same whatever the file layout, chunk size or thread count, and the
 same whichever arena the bytes went to (a CPU file arena, a memfd)."""
 
@@ -15,7 +15,7 @@ from weightcache import Client
 from weightcache.backends.cpu import CpuBackend
 from weightcache.backends.page_cache import populate_supported
 from weightcache.loader import fingerprint_files, open_source, parse_checkpoint, read_checkpoint
-from weightcache.loader.content import FILE_DIGESTS, HASH_BLOCK, TaskHasher, fingerprint, plan_tasks
+from weightcache.loader.reader import FILE_DIGESTS, HASH_BLOCK, TaskHasher, fingerprint, plan_tasks
 
 
 def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -208,7 +208,7 @@ def test_pieces_left_to_the_device_are_counted_not_hashed_and_say_where_they_are
     arena stay on the host."""
     import xxhash
 
-    from weightcache.loader.content import Piece, Task
+    from weightcache.loader.reader import Piece, Task
 
     pieces = (Piece(0, 0, HASH_BLOCK), Piece(0, 1, 5008), Piece(1, 0, 304), Piece(2, 0, HASH_BLOCK // 2 + 3))
     data = os.urandom(sum(p.nbytes for p in pieces))
@@ -236,7 +236,7 @@ def test_device_only_says_which_chunks_the_host_need_not_read():
     the real bytes."""
     import xxhash
 
-    from weightcache.loader.content import Piece, Task
+    from weightcache.loader.reader import Piece, Task
 
     big, small = HASH_BLOCK, 304
     pieces = (Piece(0, 0, big), Piece(0, 1, big), Piece(1, 0, small), Piece(2, 0, big))
@@ -371,7 +371,7 @@ def test_a_tables_fingerprint_rows_hash_as_the_rows_they_were_made_from(tmp_path
     scalar shapes, a tensor of several pieces."""
     import dataclasses
 
-    from weightcache.loader.content import EMPTY_DIGEST, read_digests
+    from weightcache.loader.reader import EMPTY_DIGEST, read_digests
 
     t = {"zeta": torch.zeros(3), "alpha": torch.ones(2, 5), "é": torch.zeros(0), "b": torch.tensor(7.0), **tensors(3)}
     path = tmp_path / "m.safetensors"

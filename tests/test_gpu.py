@@ -250,7 +250,7 @@ def test_content_hash_kernel_gives_xxh3_128_at_every_boundary():
 
     from weightcache import cuda_driver as drv
     from weightcache.backends.cuda import CudaBackend
-    from weightcache.loader.content import HASH_BLOCK
+    from weightcache.loader.reader import HASH_BLOCK
 
     backend = CudaBackend("cuda:0")
     hasher = backend.gpu_hash
@@ -300,7 +300,7 @@ def test_a_load_hashed_on_the_gpu_has_the_files_fingerprint(tmp_path, monkeypatc
     import weightcache.backends.cuda_writer as cuda_writer
     from weightcache.backends.cuda import CudaBackend
     from weightcache.loader import fingerprint_files, open_source, parse_checkpoint, read_checkpoint
-    from weightcache.loader.content import FILE_DIGESTS, HASH_BLOCK
+    from weightcache.loader.reader import FILE_DIGESTS, HASH_BLOCK
 
     monkeypatch.setattr(cuda_writer, "DIGEST_SLOTS", 3)  # a new block every 3 pieces
     g = torch.Generator().manual_seed(1)
@@ -339,7 +339,7 @@ def test_a_deep_staging_ring_hashes_each_piece_after_all_its_chunks_arrived(tmp_
 
     from weightcache.backends.cuda import CudaBackend
     from weightcache.loader import fingerprint_files, open_source, parse_checkpoint, read_checkpoint
-    from weightcache.loader.content import FILE_DIGESTS
+    from weightcache.loader.reader import FILE_DIGESTS
 
     g = torch.Generator().manual_seed(7)
     path = tmp_path / "deep.safetensors"
@@ -404,7 +404,7 @@ def _load_with_windows_registered_first(tmp_path, monkeypatch, before_registerin
     import weightcache.backends.page_windows as page_windows
     from weightcache.backends.cuda import CudaBackend
     from weightcache.loader import fingerprint_files, open_source, parse_checkpoint, read_checkpoint
-    from weightcache.loader.content import FILE_DIGESTS, HASH_BLOCK
+    from weightcache.loader.reader import FILE_DIGESTS, HASH_BLOCK
 
     made: list = []
     init = page_windows.PageWindows.__init__

@@ -109,7 +109,7 @@ async def test_a_reload_that_changes_one_names_path_splits_them(start_daemon, ck
 
 
 async def test_names_of_one_arena_point_at_one_record(ckpts):
-    """Note [one record per arena] (server/resident.py): the registry keeps one record per
+    """Note [one record per arena] (server/registry.py): the registry keeps one record per
     arena key the core counts, the names of one share key point at the same one, a name
     evicted lets go of the arena without taking it from its sibling, and the arena is
     freed with the last name that holds it."""

@@ -1,4 +1,4 @@
-"""Small tensors read and hashed in batches (Note [small tensors in batches], loader/content.py):
+"""Small tensors read and hashed in batches (Note [small tensors in batches], loader/reader.py):
 the same arena bytes, tensor digests and fingerprint as one task a tensor, and the plan's shape."""
 
 import os
@@ -13,7 +13,8 @@ from weightcache.backends.cpu import CpuBackend
 from weightcache.backends.page_cache import PageCacheWriter, populate_supported
 from weightcache.errors import CorruptCheckpoint
 from weightcache.loader import fingerprint_files, open_source, parse_checkpoint, read_checkpoint
-from weightcache.loader.content import (
+from weightcache.loader.preads import pread_scattered
+from weightcache.loader.reader import (
     BATCH_TENSORS,
     FILE_DIGESTS,
     HASH_BLOCK,
@@ -23,7 +24,6 @@ from weightcache.loader.content import (
     plan_tasks,
     plan_work,
 )
-from weightcache.loader.preads import pread_scattered
 
 
 def many_small(path: Path, n: int = 3000) -> Path:

@@ -214,7 +214,7 @@ class Backend(ABC):
     def content_hash(self) -> str:
         """Where loads onto this device hash the content fingerprint (``status`` says):
         "host", or "gpu" (files that cannot change unseen on the GPU, others on the host;
-        loader/content.py, Note [content fingerprint])."""
+        loader/reader.py, Note [content fingerprint])."""
         return "host"
 
     def free_memory(self) -> int | None:

@@ -30,7 +30,7 @@ the partial pages at the ends of each file's tensor bytes are ordinary page cach
 Nothing seals a file, so a file is served this way only if nobody the daemon does not
 trust can change it (``page_cache.hold_files``); every other load is copied into a memfd:
 
-- trusted (loader/trust.py, the rule the kept digests follow too): opened by the daemon
+- trusted (loader/sources.py, TRUST: the rule the kept digests follow too): opened by the daemon
   itself, owned by root or the daemon's user and not writable by its group or others, or
   immutable / fs-verity; on a local file system;
 - open for writing nowhere (a read lease, ``page_cache._open_for_writing``);
@@ -86,8 +86,8 @@ from typing import Any
 
 from ..errors import BadRequest, CorruptCheckpoint, NoSpace
 from ..loader.checkpoint import Checkpoint
-from ..loader.content import TaskHasher
 from ..loader.preads import pread_full, pread_hashing, read_batch
+from ..loader.reader import TaskHasher
 from ..loader.sources import OpenedSource
 from ..protocol.arena import MEMFD, MEMFD_SEALS, SEGMENT, ArenaDesc, FileArenaDesc, MemfdArenaDesc
 from ..units import capacity
@@ -156,7 +156,7 @@ class _MemfdWriter:
     def write_batch(self, fd: int, file_offset: int, arena_offsets: list[int], sizes: list[int],
                     seen: Callable[[list[memoryview]], None] | None = None) -> None:
         """Small tensors back to back in the file, each to its place in the mapping: one
-        preadv (Note [small tensors in batches], loader/content.py)."""
+        preadv (Note [small tensors in batches], loader/reader.py)."""
         assert self._view is not None
         # Slices made and released by map, in C: no bytecode per tensor.
         views = list(map(self._view.__getitem__, map(slice, arena_offsets, map(operator.add, arena_offsets, sizes))))

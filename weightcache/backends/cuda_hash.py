@@ -11,7 +11,7 @@ while the next chunks are copied, and the host does nothing more.
 The kernel computes exactly XXH3_128bits (seed 0, default secret) of one piece longer
 than 240 bytes (xxhash's "hashLong" path: 1024-byte blocks of 16 stripes, 8 lanes), so
 the fingerprint is the same whichever backend loads a checkpoint (Note [content
-fingerprint] in loader/content.py); tests/test_gpu.py checks it against the ``xxhash``
+fingerprint] in loader/reader.py); tests/test_gpu.py checks it against the ``xxhash``
 package. One warp per piece: lanes i and i+8, i+16, i+24 each hold accumulator i&7 (the
 same work, so no lane diverges), all 32 lanes prefetch the piece into shared memory with
 ``cp.async`` (a ring of NSTAGE stages of 4 KiB, up to NSTAGE - 1 in flight, so one warp

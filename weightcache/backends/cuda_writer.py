@@ -1,6 +1,6 @@
 """The CUDA backend's arena writer: a load's bytes from the files into a VMM arena,
 through per-thread pinned staging buffers (backends/pinned.py), hashed where the reader's
-plan says (loader/content.py, backends/cuda_hash.py)."""
+plan says (loader/reader.py, backends/cuda_hash.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any, Protocol
 from cuda.bindings import driver as cu
 
 from .. import cuda_driver as drv
-from ..loader.content import TaskHasher
 from ..loader.preads import DIRECT_ALIGN, pread_direct, pread_full, pread_hashing, read_batch
+from ..loader.reader import TaskHasher
 from .cuda_hash import DEVICE_MIN, DIGEST_SLOTS, DigestBlock, GpuHasher
 from .page_windows import PageWindows
 from .pinned import Staging, StagingPool
@@ -181,7 +181,7 @@ class VmmWriter:
 
     def write_batch(self, fd: int, file_offset: int, arena_offsets: list[int], sizes: list[int],
                     seen: Callable[[list[memoryview]], None] | None = None) -> None:
-        """Small tensors (Note [small tensors in batches], loader/content.py): one preadv
+        """Small tensors (Note [small tensors in batches], loader/reader.py): one preadv
         into the staging buffer laid out as the arena's span of the batch, hashed on the
         host from there, and one copy of the span to the device."""
         base = arena_offsets[0]

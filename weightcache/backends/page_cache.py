@@ -19,11 +19,9 @@ from itertools import accumulate
 
 from ..errors import CorruptCheckpoint, LoadFailed
 from ..loader.checkpoint import Checkpoint, CheckpointFile
-from ..loader.content import TaskHasher
-from ..loader.reader import contiguous_runs
-from ..loader.sources import OpenedSource
+from ..loader.reader import TaskHasher, contiguous_runs
+from ..loader.sources import OpenedSource, why_untrusted
 from ..loader.tensor_table import DTYPE_SIZES
-from ..loader.trust import why_untrusted
 from ..protocol.arena import SEGMENT
 from ..units import round_up
 
@@ -86,7 +84,7 @@ class PageCacheWriter:
     in the daemon's mapping of that file instead of being copied."""
 
     direct_io = False  # the page cache is the arena: O_DIRECT would bypass it
-    serves_files = True  # trusted files' own pages: their digests are reused by file identity (loader/content.py)
+    serves_files = True  # trusted files' own pages: their digests are reused by file identity (loader/reader.py)
     device_hash_min: int | None = None  # hashed by the loader threads, from the populated mapping
 
     def __init__(self, files: list[HeldFile]) -> None:
@@ -116,7 +114,7 @@ class PageCacheWriter:
     def write_batch(self, fd: int, file_offset: int, arena_offsets: list[int], sizes: list[int],
                     seen: Callable[[list[memoryview]], None] | None = None) -> None:
         """Small tensors back to back in the file (Note [small tensors in batches],
-        loader/content.py): their range populated at once, and hashed from the mapping.
+        loader/reader.py): their range populated at once, and hashed from the mapping.
         The arena is the file, so ``arena_offsets`` (the arena's own layout) are unused."""
         nbytes = sum(sizes)
         self.write_from_file(fd, file_offset, arena_offsets[0], nbytes)

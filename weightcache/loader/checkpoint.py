@@ -108,7 +108,7 @@ class Checkpoint:
     tensors: Sequence[TensorInfo]
     arena_bytes: int  # bytes the tensors need, before a backend rounds up
     # What the tensors hold: names, dtypes, shapes and every byte (Note [content
-    # fingerprint], loader/content.py). Known only once the bytes were read: "" from
+    # fingerprint], loader/reader.py). Known only once the bytes were read: "" from
     # parse_checkpoint until a load sets it (read_checkpoint returns it); a published
     # model's is the publisher's, bound to its uid.
     fingerprint: str

@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 from ..errors import CorruptCheckpoint
 from ..units import round_up
-from .content import BATCH_TENSORS
+
+IOV_MAX = 1024  # Linux: the most buffers one preadv takes
 
 DIRECT_ALIGN = 4096
 
@@ -82,10 +83,10 @@ def pread_full(fd: int, view: memoryview, offset: int, path: str = "") -> None:
 
 
 def pread_scattered(fd: int, views: list[memoryview], offset: int) -> None:
-    """Fill ``views`` in order from ``fd``'s bytes at ``offset`` on, BATCH_TENSORS views a
+    """Fill ``views`` in order from ``fd``'s bytes at ``offset`` on, IOV_MAX views a
     preadv; a short file is a corrupt checkpoint."""
-    for k in range(0, len(views), BATCH_TENSORS):
-        group = views[k : k + BATCH_TENSORS]
+    for k in range(0, len(views), IOV_MAX):
+        group = views[k : k + IOV_MAX]
         want = sum(map(len, group))
         got = os.preadv(fd, group, offset)
         if got < want:  # a signal or the file's end: the rest one view at a time (rare: no need to be quick)
@@ -102,7 +103,7 @@ def pread_scattered(fd: int, views: list[memoryview], offset: int) -> None:
 
 
 def read_batch(fd: int, views: list[memoryview], offset: int, seen: Callable[[list[memoryview]], None] | None) -> None:
-    """A batch of small tensors (Note [small tensors in batches], loader/content.py):
+    """A batch of small tensors (Note [small tensors in batches], loader/reader.py):
     ``views`` filled by :func:`pread_scattered`, handed to ``seen`` (the hash), and
     released whatever happens: a view kept alive pins the mapping it is a slice of."""
     try:

@@ -9,10 +9,10 @@ Layout of the store's directory (``[published] dir``, the daemon's alone)::
 
 Every file is written under tmp/, fsync'd, then renamed into place (and the directory
 fsync'd): a reader sees a whole file or none. The content fingerprint is the loader's
-(Note [content fingerprint] in content.py): computed here from the bytes as they are
+(Note [content fingerprint] in reader.py): computed here from the bytes as they are
 written, and again by the loader's threads when the file is read back, so a file whose
 bytes changed on disk is caught at its next read. Records and files someone other
-than root or the daemon's uid could have written are ignored (loader/trust.py's rule).
+than root or the daemon's uid could have written are ignored (loader/sources.py's trust rule).
 
 No server imports, no torch.
 """
@@ -34,8 +34,8 @@ from typing import Any
 import xxhash
 
 from .checkpoint import Checkpoint
-from .content import EMPTY_DIGEST, HASH_BLOCK, fingerprint, tensor_digest
 from .layout import MAX_NAME_CHARS
+from .reader import EMPTY_DIGEST, HASH_BLOCK, fingerprint, tensor_digest
 from .sources import untrusted_directory
 from .tensor_table import DTYPE_SIZES
 

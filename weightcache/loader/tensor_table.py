@@ -11,7 +11,7 @@ bytes a tensor instead of ~350, and the columns cross a pipe from the parse work
 reference count when dropped.
 
 The table also keeps, in name order, what the content fingerprint hashes of each row
-after its name (``\\0 dtype \\0 shape \\0``, Note [content fingerprint], content.py):
+after its name (``\\0 dtype \\0 shape \\0``, Note [content fingerprint], reader.py):
 made where the rows are (in the parse worker for a big header), so the fill hashes the
 header half without a row object a tensor. That is what the daemon's threads had built
 at every load of a 100k-tensor file, 1.65-1.82 s of Python holding the interpreter lock;
@@ -202,7 +202,7 @@ class TensorTable(Sequence[TensorInfo]):
 
     def fingerprint_rows(self) -> Iterator[tuple[int, Bytes, Bytes]]:
         """(row, its name, ``\\0 dtype \\0 shape \\0``) in name order: the header half of
-        the content fingerprint (content.py), made with the table."""
+        the content fingerprint (reader.py), made with the table."""
         names, name_ends, tails, tail_ends, a = self._names, self._name_ends, self._tails, self._tail_ends, 0
         for i, b in zip(self.name_order, tail_ends, strict=True):
             yield i, names[name_ends[i - 1] if i else 0 : name_ends[i]], tails[a:b]

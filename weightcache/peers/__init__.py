@@ -34,7 +34,7 @@ from ..cache.eviction import OWN_PHASES
 from ..config import PeersConfig
 from ..errors import NoSpace, WeightcacheError
 from ..loader import Checkpoint, OpenedSource
-from ..loader.content import FILE_DIGESTS, fingerprint
+from ..loader.reader import FILE_DIGESTS, fingerprint
 from . import wire
 from .auth import Secret
 from .choice import REMEASURE_S, Choice, backoff_s, choose, files_default, files_warm, smoothed
@@ -63,7 +63,7 @@ def known_fingerprint(settings: PeersConfig, name: str, ckpt: Checkpoint, opened
     """The content fingerprint this daemon knows its files of ``name`` have without reading
     them: pinned in ``[peers] fingerprints``, or from the tensor digests kept for these
     very files (unchanged: same inode, size, mtime and ctime) since an earlier load
-    (loader/content.py, FileDigests)."""
+    (loader/reader.py, FileDigests)."""
     pinned = settings.fingerprints.get(name)
     if pinned:
         return pinned

@@ -3,7 +3,7 @@
 Note [a peer's bytes are checked]
 ---------------------------------
 The fill reads the lender's regions into this daemon's fresh arena in tasks of whole
-hash pieces (loader/content.py's ``plan_tasks``: HASH_BLOCK pieces cut from each
+hash pieces (loader/reader.py's ``plan_tasks``: HASH_BLOCK pieces cut from each
 tensor's first byte), ``WINDOW`` reads in flight, and hashes each task's pieces on a
 thread of its own as soon as its bytes are in, while later reads run. When every read is
 done, the fingerprint is computed from those piece digests and *this daemon's own* parse
@@ -27,7 +27,7 @@ from typing import Any
 from ..backends import Arena, Backend
 from ..errors import LoadFailed
 from ..loader import Checkpoint, Progress
-from ..loader.content import HASH_BLOCK, Task, TaskHasher, fingerprint, plan_tasks, tensor_digests
+from ..loader.reader import HASH_BLOCK, Task, TaskHasher, fingerprint, plan_tasks, tensor_digests
 from .transport import Extent, TransferFailed, Transport
 
 # Bytes per read request (whole pieces): at 64 MiB and 4 in flight, 1 GiB over CMA on

@@ -74,7 +74,7 @@ STRIKE_WINDOW_S = 60.0  # ... cut it off: its connections are closed unread unti
 
 
 class ServedResident(Protocol):
-    """What the lender reads of a model's resident copy (the daemon's server/resident.py)."""
+    """What the lender reads of a model's resident copy (the daemon's server/registry.py: Resident)."""
 
     @property
     def arena(self) -> Arena | None: ...

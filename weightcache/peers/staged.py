@@ -37,7 +37,7 @@ from ..backends.base import Landing
 from ..config.peers import RING_SLOTS
 from ..errors import LoadFailed
 from ..loader import Checkpoint, Progress
-from ..loader.content import HASH_BLOCK, fingerprint, plan_tasks, tensor_digests
+from ..loader.reader import HASH_BLOCK, fingerprint, plan_tasks, tensor_digests
 from .fill import Lent
 from .transport import Extent, TransferFailed, Transport
 

@@ -1,4 +1,4 @@
-"""What the content fingerprint costs the loader (loader/content.py, Note [content
+"""What the content fingerprint costs the loader (loader/reader.py, Note [content
 fingerprint]): the daemon's own loader (``read_checkpoint`` into a backend's arena, as a
 load fills one) with the hash on and off, alternating, page cache warm, in one process.
 
@@ -32,7 +32,7 @@ import xxhash
 
 from ..backends import Backend
 from ..loader import open_source, parse_checkpoint, read_checkpoint
-from ..loader.content import FILE_DIGESTS
+from ..loader.reader import FILE_DIGESTS
 from .bench_measure import warm_page_cache
 from .bench_result import ContentHashFigures, Spread
 

@@ -50,7 +50,7 @@ def measure_isolated(c: SyncClient, cfg: WorkloadConfig, prep: Prepared) -> dict
         fig: dict[str, Any] = {"model": name, "nbytes": nbytes}
 
         # One load first, not counted: the loader hashes a file's bytes only at its first
-        # load (later ones find its digests kept, loader/content.py), and under the trace
+        # load (later ones find its digests kept, loader/reader.py), and under the trace
         # every load but each model's first is such a later one; the isolated rate is
         # held to the same.
         evict_all(c, names)

@@ -410,7 +410,7 @@ class Fill:
             if x.host_copy:
                 # A name demoted before this second name of its files was registered: its
                 # host copy would be a second version of the bytes this record now holds
-                # (Note [one record per arena] in server/resident.py), and a shared arena keeps none.
+                # (Note [one record per arena] in server/registry.py), and a shared arena keeps none.
                 self.core.drop_host(x.name)
                 self.step_down.start(StepDown(drop_host=(x.name,)), f"{published_as(name)} holds the same files' arena now")
         if verb in ("loaded", "promoted"):  # what the cost-aware policy prices a return with

@@ -43,8 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ...cache import CacheCore, State
 from ...config import DaemonConfig
 from ...loader import Checkpoint, OpenedSource, open_source
-from ...loader.content import FileIdentity
-from ...loader.reader import fingerprint_opened
+from ...loader.reader import FileIdentity, fingerprint_opened
 from ..registry import Model, Registry
 from .stats import Stats
 from .stepdown import StepDowns
