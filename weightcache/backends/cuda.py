@@ -358,7 +358,7 @@ class CudaBackend(Backend):
     @contextlib.contextmanager
     def reading(self, arena: Arena) -> Iterator[Callable[[int, int], memoryview]]:
         # Through one pageable host buffer, grown to the largest read asked for (the store
-        # reads at most loader/content.HASH_BLOCK at a time); synchronous copies.
+        # reads at most loader/reader.HASH_BLOCK at a time); synchronous copies.
         assert isinstance(arena, VmmArena)
         buf = bytearray()
         holder: list[Any] = []

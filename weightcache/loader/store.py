@@ -56,7 +56,7 @@ class StoredRecord:
     name: str
     device: str  # the daemon's name for it ("cpu", "cuda:0")
     owner: int  # the publisher's uid
-    tenants: tuple[str, ...]  # whose quotas it counts against (cache/quotas.tenant_keys)
+    tenants: tuple[str, ...]  # whose quotas it counts against (cache/eviction.tenant_keys)
     allowed_uids: tuple[int, ...] | None
     allowed_gids: tuple[int, ...] | None
     fingerprint: str  # the publish's own, bound to the owner (protocol.tenant_fingerprint): what attach shows

@@ -70,7 +70,7 @@ Origin = Literal["config", "register", "publish"]
 class Resident:
     """One arena's bytes, wherever they are (Note [one record per arena])."""
 
-    key: str  # the core's key of the arena (cache/entries.arena_key)
+    key: str  # the core's key of the arena (cache/eviction.arena_key)
     arena: Arena | None = None  # while some name holds it on its device
     checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident (or on the host tier)
     table: bytes = b""  # the attach reply's tensor table, msgpack-encoded once per load: rows
