@@ -114,6 +114,7 @@ class CudaBackend(Backend):
         self.page_cache_dma = False  # configure_loads
         self._releases: list[threading.Thread] = []  # page-cache windows being unregistered after a load
         self._prefill: threading.Thread | None = None  # prepare_loads' staging buffers
+        self._closing = threading.Event()  # tells the prefill to stop pinning
 
     def configure_loads(self, depth: int, page_cache_dma: str) -> None:
         self.load_depth = depth
@@ -136,14 +137,16 @@ class CudaBackend(Backend):
     def prepare_loads(self, threads: int, chunk_bytes: int) -> None:
         """The loader threads' pinned staging buffers (``load_depth`` each), pinned in a
         thread at start as the host tier's pool is: the first load otherwise pins them
-        itself (StagingPool.prefill says what that cost)."""
+        itself (StagingPool.prefill says what that cost). Once per backend, at start."""
+        if self._prefill is not None:
+            raise RuntimeError(f"{self.device}: the loads are prepared once, at start")
         count, size = threads * self.load_depth, VmmWriter.staging_bytes(chunk_bytes)
 
         def pin() -> None:
             try:
                 t = time.perf_counter()
                 with drv.current(self.ctx):
-                    made = self.staging.prefill(count, size)
+                    made = self.staging.prefill(count, size, stop=self._closing)
                 log.info("%s: %d pinned staging buffers of %d MiB ready in %.0f ms", self.device, made, size >> 20,
                          (time.perf_counter() - t) * 1e3)
             except drv.CudaError as exc:  # the first load pins them, or says why it cannot
@@ -449,6 +452,8 @@ class CudaBackend(Backend):
 
     def close(self) -> None:
         if self._prefill is not None:
+            # It stops between two buffers; one cuMemHostAlloc of a chunk is what is left.
+            self._closing.set()
             self._prefill.join()
         for t in self._releases:
             t.join()

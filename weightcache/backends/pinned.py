@@ -37,8 +37,8 @@ class Staging:
 class StagingPool:
     """Pinned staging buffers kept across loads. Allocating them per load (8 threads x
     16 MiB: cuMemHostAlloc, and cuMemFreeHost at the end) was part of the fixed cost
-    every load paid; kept, they cost load_threads x load_chunk_bytes of
-    pinned host memory for the daemon's life."""
+    every load paid; kept, they cost load_threads x load_depth x load_chunk_bytes of
+    pinned host memory per GPU for the daemon's life, pinned at start (``prefill``)."""
 
     def __init__(self, ctx: Any, hash_streams: int) -> None:
         self._ctx = ctx
@@ -47,27 +47,44 @@ class StagingPool:
         self._lock = threading.Lock()
         self.created: dict[int, int] = {}  # size -> buffers of that size allocated so far
 
+    def prefill(self, count: int, size: int, stop: threading.Event | None = None) -> int:
+        """Allocates buffers of ``size`` until ``count`` of them exist (those loads made
+        count), so that the first load does not pay for them: pinning 12 x 16 MiB took the
+        first load after a start 230-350 ms longer than the next on an H100. Called in the
+        context, off the event loop; stops early once ``stop`` is set (the daemon is
+        closing). Returns how many it allocated."""
+        made = 0
+        while stop is None or not stop.is_set():
+            st = self._new(size, up_to=count)
+            if st is None:
+                break
+            self.give_back(st)
+            made += 1
+        return made
+
     def take(self, size: int) -> Staging:
         with self._lock:
             for i, st in enumerate(self._free):
                 if st.size == size:
                     return self._free.pop(i)
-            self.created[size] = self.created.get(size, 0) + 1
-        return self._allocate(size)
+        made = self._new(size)
+        assert made is not None  # no bound asked for
+        return made
 
-    def prefill(self, count: int, size: int) -> int:
-        """Allocates buffers of ``size`` until ``count`` of them exist (those loads made
-        count), so that the first load does not pay for them: pinning 12 x 16 MiB took the
-        first load after a start 230-350 ms longer than the next on an H100. Called in the
-        context, off the event loop. Returns how many it allocated."""
-        made = 0
-        while True:
+    def _new(self, size: int, up_to: int | None = None) -> Staging | None:
+        """A new buffer of ``size``, counted in ``created`` (and not if it cannot be made);
+        None if ``up_to`` of that size exist already (counted and checked at once, so that
+        a prefill racing a load's ``take`` makes no buffer more than both need)."""
+        with self._lock:
+            if up_to is not None and self.created.get(size, 0) >= up_to:
+                return None
+            self.created[size] = self.created.get(size, 0) + 1
+        try:
+            return self._allocate(size)
+        except BaseException:
             with self._lock:
-                if self.created.get(size, 0) >= count:
-                    return made
-                self.created[size] = self.created.get(size, 0) + 1
-            self.give_back(self._allocate(size))
-            made += 1
+                self.created[size] -= 1
+            raise
 
     def _allocate(self, size: int) -> Staging:
         ptr = int(drv.check(cu.cuMemHostAlloc(size, 0)))

@@ -25,14 +25,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     picks itself (a bind to port 0) can be picked again for any other socket that binds
     to 0 or connects before the daemon binds it (a NIXL agent's listener took one in a CI
     run: "address already in use"); one outside that range is taken only by a process that
-    names it. Never the same port twice in one process."""
-    low = 32768
+    names it (above the range where it starts too low; the kernel's pick where it covers
+    nearly every port). Never the same port twice in one process."""
+    low, high = 32768, 60999
     try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2])
+    except (OSError, ValueError):
         pass
-    for _ in range(1000):
-        port = random.randrange(10000, max(10001, low))
+    if low - 1024 >= 1000:  # below the range, and not among the well-known ports
+        ports = range(max(1024, min(10000, low - 1000)), low)
+    elif 65535 - high >= 1000:
+        ports = range(high + 1, 65536)
+    else:  # the range covers nearly every port: the kernel's own choice is all there is
+        ports = range(0)
+    for _ in range(1000 if ports else 0):
+        port = random.choice(ports)
         if port in _HANDED_OUT:
             continue
         with socket.socket() as s:
@@ -42,7 +49,11 @@ def free_port(host: str = "127.0.0.1") -> int:
                 continue
         _HANDED_OUT.add(port)
         return port
-    raise RuntimeError(f"no free TCP port on {host} below {low}")
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = int(s.getsockname()[1])
+    _HANDED_OUT.add(port)
+    return port
 
 
 def config_text(socket_path: str, budgets: dict[str, str], models: list[dict[str, Any]], daemon: dict[str, Any] | None = None) -> str:
