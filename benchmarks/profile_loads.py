@@ -60,6 +60,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                {**({"host_budget": f"{args.host_gib}GiB"} if gpu else {}),
                                 **({"load_threads": args.load_threads} if args.load_threads else {})}))
     log = work / "daemon.log"
+    log.unlink(missing_ok=True)  # DaemonProcess appends: a reused --workdir must not count an earlier run's loads
     with DaemonProcess(cfg, sock, log):
         async with Client(sock) as c, Client(sock) as c2:
             if gpu:

@@ -472,10 +472,10 @@ def test_a_lease_that_cannot_be_taken_says_what_to_do(monkeypatch, tmp_path, err
 
 
 def test_a_file_on_a_network_file_system_says_to_copy_it(monkeypatch, tmp_path):
-    from weightcache.loader import sources as trust
+    from weightcache.loader import sources
 
     p = write_checkpoint(tmp_path / "m.safetensors", MIB, 8, seed=8)
-    monkeypatch.setattr(trust, "file_system", lambda fd: "nfs4")
+    monkeypatch.setattr(sources, "file_system", lambda fd: "nfs4")
     with open_source(p) as opened:
-        assert trust.why_untrusted(opened) == (f"{p} is on nfs4, where the bytes can change behind the page cache; "
+        assert sources.why_untrusted(opened) == (f"{p} is on nfs4, where the bytes can change behind the page cache; "
                                                "copy it to a local file system")

@@ -333,8 +333,9 @@ def test_a_load_hashed_on_the_gpu_has_the_files_fingerprint(tmp_path, monkeypatc
 def test_a_deep_staging_ring_hashes_each_piece_after_all_its_chunks_arrived(tmp_path):
     """``load_depth`` > 1 with chunks smaller than a hash piece: a piece's chunks leave on
     several streams of the thread's ring, and its kernel must wait for all of them. When it
-    waited for the last chunk's stream only, 4 of 12 such loads of a 9.8 GB file had a wrong
-    fingerprint on an H100; here 1 GiB, 1 MiB chunks (16 per piece), 4 buffers a thread."""
+    waited for the last chunk's stream only, 4 of 8 such loads of a 9.8 GB file (4 MiB
+    chunks) had a wrong fingerprint on an H100; here 1 GiB, 1 MiB chunks (16 per piece),
+    4 buffers a thread."""
     from safetensors.torch import save_file
 
     from weightcache.backends.cuda import CudaBackend

@@ -7,7 +7,7 @@ import pytest
 from weightcache.cache import CacheCore
 from weightcache.config import ModelConfig, Settings
 from weightcache.errors import BadRequest
-from weightcache.server import registry as placing
+from weightcache.server import registry
 from weightcache.server.registry import Registry
 from weightcache.server.residency import Residency
 
@@ -47,16 +47,16 @@ def test_an_auto_model_has_a_replica_per_gpu_and_is_placed_then_kept():
     core, reg, backends = setup()
     reg.register(ModelConfig(name="m", path="/m", device="auto"))
     assert reg.groups["m"] == ["m@cuda:0", "m@cuda:1", "m@cuda:2"]
-    assert placing.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:0"]  # all empty: device order
+    assert registry.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:0"]  # all empty: device order
     loaded(core, "m@cuda:2", 10)
     asked = sum(b.asked for b in backends.values())
-    assert placing.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:2"]
+    assert registry.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:2"]
     assert reg.placed["m"]["reason"] == "resident"
     assert sum(b.asked for b in backends.values()) == asked  # a hit asks no GPU for its free memory
-    assert placing.entries_for(core, reg, backends, "m", None, "cuda:1") == ["m@cuda:1"]
+    assert registry.entries_for(core, reg, backends, "m", None, "cuda:1") == ["m@cuda:1"]
     assert reg.placed["m"]["reason"] == "named"
     with pytest.raises(BadRequest, match="no budget"):
-        placing.entries_for(core, reg, backends, "m", None, "cuda:7")
+        registry.entries_for(core, reg, backends, "m", None, "cuda:7")
 
 
 def test_real_free_memory_steers_the_placement():
@@ -64,26 +64,26 @@ def test_real_free_memory_steers_the_placement():
     reg.register(ModelConfig(name="m", path="/m", device="auto"))
     loaded(core, "m@cuda:0", 50)  # known size now: 50 bytes
     core.evict("m@cuda:0")
-    assert placing.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:2"]
+    assert registry.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:2"]
 
 
 def test_tp_ranks_are_placed_together_on_distinct_gpus():
     core, reg, backends = setup()
     reg.register(ModelConfig(name="tp", device="auto", shards=[{"path": "/r0"}, {"path": "/r1"}]))
     loaded(core, "tp@1@cuda:0", 10)  # rank 1 already lives on GPU 0
-    both = placing.entries_for(core, reg, backends, "tp", None, None)
+    both = registry.entries_for(core, reg, backends, "tp", None, None)
     assert both[1] == "tp@1@cuda:0" and both[0].startswith("tp@0@") and not both[0].endswith("cuda:0")
-    assert placing.entries_for(core, reg, backends, "tp", 0, None) == [both[0]]  # one rank alone: the same answer
+    assert registry.entries_for(core, reg, backends, "tp", 0, None) == [both[0]]  # one rank alone: the same answer
     with pytest.raises(BadRequest, match="name a rank= with device="):
-        placing.entries_for(core, reg, backends, "tp", None, "cuda:1")
+        registry.entries_for(core, reg, backends, "tp", None, "cuda:1")
 
 
 def test_a_fixed_model_only_confirms_its_device():
     core, reg, backends = setup()
     reg.register(ModelConfig(name="f", path="/f", device="cuda:1"))
-    assert placing.entries_for(core, reg, backends, "f", None, "cuda:1") == ["f"]
+    assert registry.entries_for(core, reg, backends, "f", None, "cuda:1") == ["f"]
     with pytest.raises(BadRequest, match="lives on cuda:1, not cuda:0"):
-        placing.entries_for(core, reg, backends, "f", None, "cuda:0")
+        registry.entries_for(core, reg, backends, "f", None, "cuda:0")
 
 
 def test_peer_copy_source_is_a_resident_current_replica_on_a_gpu_it_can_read():
@@ -129,14 +129,14 @@ async def test_a_model_never_loaded_is_placed_by_its_files_size(tmp_path):
                                       ("held", "cuda:1", 50, True), ("full", "cuda:2", 100, True)]:
         core.register(name, device, pinned=pin)
         loaded(core, name, nbytes)
-    assert placing.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:0"]  # size unknown: the most free
+    assert registry.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:0"]  # size unknown: the most free
     residency = Residency(Settings().daemon, core, reg, backends, lambda: False)
     try:
-        await placing.learn_sizes(core, reg, residency.io.run, "m")
+        await registry.learn_sizes(core, reg, residency.io.run, "m")
     finally:
         residency.io.close()
     assert reg.size_hint["m"] == 50
-    assert placing.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:1"]  # evicts 45 B, not 90
+    assert registry.entries_for(core, reg, backends, "m", None, None) == ["m@cuda:1"]  # evicts 45 B, not 90
     assert reg.placed["m"]["reason"] == "evicts" and reg.placed["m"]["evicts"] == ["small"]
 
 
@@ -144,14 +144,14 @@ def test_checkpoint_bytes_of_a_file_a_directory_an_index_and_fds(tmp_path):
     (tmp_path / "a.safetensors").write_bytes(b"x" * 10)
     (tmp_path / "b.safetensors").write_bytes(b"x" * 20)
     (tmp_path / "index.json").write_text('{"weight_map": {"t1": "a.safetensors", "t2": "b.safetensors", "t3": "a.safetensors"}}')
-    assert placing.checkpoint_bytes(tmp_path / "a.safetensors") == 10
-    assert placing.checkpoint_bytes(tmp_path) == 30
-    assert placing.checkpoint_bytes(tmp_path / "index.json") == 30
-    assert placing.checkpoint_bytes(tmp_path / "missing") == 0  # unknown: placed as of unknown size
+    assert registry.checkpoint_bytes(tmp_path / "a.safetensors") == 10
+    assert registry.checkpoint_bytes(tmp_path) == 30
+    assert registry.checkpoint_bytes(tmp_path / "index.json") == 30
+    assert registry.checkpoint_bytes(tmp_path / "missing") == 0  # unknown: placed as of unknown size
     import os
 
     fd = os.open(tmp_path / "b.safetensors", os.O_RDONLY)
     try:
-        assert placing.checkpoint_bytes(tmp_path / "ignored", [fd]) == 20
+        assert registry.checkpoint_bytes(tmp_path / "ignored", [fd]) == 20
     finally:
         os.close(fd)

@@ -61,13 +61,13 @@ class VmmWriter:
     files only, and only when ``device_hash_min`` said the backend has a GpuHasher,
     backends/cuda_hash.py), each
     piece longer than DEVICE_MIN is hashed by a kernel once its bytes are copied, on a
-    hash stream that waits for the copy (an event), so the next read into the buffer
-    never waits for a hash; the smaller pieces are hashed on the host from the buffer.
-    Otherwise every piece is hashed on the host. ``depth`` buffers per thread, each with
-    its own stream (``load_depth``, 1 by default): a second, so a thread reads while its
-    last copy runs, made every arrangement slower on the H200 while every piece was hashed
-    on the host (up to 1.29x with 8 threads, 16 MiB chunks); benchmarks/loader_paths.py
-    --depths measures it with the hash on the GPU."""
+    hash stream that waits for the copies (an event on each stream of the thread's ring
+    that carried its chunks), so the next read into a buffer never waits for a hash; the
+    smaller pieces are hashed on the host from the buffer. Otherwise every piece is
+    hashed on the host. ``depth`` buffers per thread, each with its own stream
+    (``load_depth``, 1 by default), so a thread reads while its last copies run: with
+    12 threads it neither helped nor hurt on the H100 hosts (docs/benchmarks.md, "The
+    loader from the page cache (H100)"; benchmarks/loader_paths.py --depths)."""
 
     direct_io = True
     serves_files = False  # a copy in device memory

@@ -47,7 +47,7 @@ class EntryEvent(StrEnum):
 
     LOAD = "load"  # a load was admitted: bytes reserved, an arena to fill (from its files or host copy)
     LOADED = "loaded"  # the arena is filled and sealed
-    JOIN = "join"  # it took a resident sibling's arena (Note [shared arenas] in eviction.py)
+    JOIN = "join"  # it took a resident sibling's arena (Note [shared arenas], below)
     # A load failed; where it leaves the entry depends on what it had (CacheCore.abort_load).
     PROMOTION_FAILED = "promotion_failed"  # its host copy is still there
     RELOAD_FAILED = "reload_failed"  # loaded before: evicted again
@@ -188,7 +188,7 @@ class LoadPlan:
 
 
 def arena_key(e: Entry) -> str:
-    """What counts once: the share key (Note [shared arenas] in eviction.py), or the entry itself."""
+    """What counts once: the share key (Note [shared arenas], below), or the entry itself."""
     return e.share if e.share is not None else own_arena(e.name)
 
 
@@ -383,7 +383,7 @@ SOURCES: tuple[str, ...] = get_args(Source)
 
 
 class Candidate(Protocol):
-    """What a policy reads of an entry (core.Entry; a Protocol so this module need not import the core)."""
+    """What a policy reads of an entry (``Entry``, above; a Protocol, so that a policy can rank any such record)."""
 
     @property
     def name(self) -> str: ...
@@ -543,7 +543,7 @@ class LRU:
 
 
 class GDSF:
-    """GreedyDual-Size-Frequency: H = L + frequency x cost / size (module docstring)."""
+    """GreedyDual-Size-Frequency: H = L + frequency x cost / size (THE POLICY, above)."""
 
     name = "gdsf"
 

@@ -83,7 +83,7 @@ class DeviceView:
     evictable: tuple[Victim, ...] = ()
     pinned_bytes: int = 0  # RESIDENT and pinned: memory no detach frees
     # What the model's tenants may still add there under their byte quotas (the least of
-    # them); None: no quota limits it there (Note [quotas])
+    # them); None: no quota limits it there (Note [quotas] in eviction.py)
     quota_free: int | None = None
 
     @property

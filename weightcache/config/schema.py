@@ -238,14 +238,16 @@ class DaemonConfig(BaseModel):
     log_level: str = "info"
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     # More readers than cores buys nothing for a memory-bound copy and stretches the
-    # control plane's tail latency, hence at most the cores. 12 on the 16-core H100 hosts
-    # loaded 1.16x and 1.15x faster than 8 through the daemon in two runs, with status's
-    # p99 during the load at 1.67 ms against 1.61; 16 on the H200 host was faster still but
-    # put that p99 at 5.0 ms (docs/benchmarks.md, "The loader from the page cache").
+    # control plane's tail latency, hence at most the cores. 12 on a 16-core H100 host
+    # loaded 1.16x faster than 8 through the daemon, with status's p99 during the load at
+    # 1.67 ms against 1.61 (docs/benchmarks.md, "The loader from the page cache (H100)");
+    # 16 on the H200 host was faster still but put that p99 at 5.0 ms ("The loader
+    # against InstantTensor (H200, page cache warm)").
     load_threads: int = Field(default_factory=lambda: min(12, os.cpu_count() or 1), ge=1, le=256)
     load_chunk_bytes: int = Field(default=16 * 2**20, ge=4096)
-    # Both below stay off: neither beat one buffer a thread with every chunk staged on the
-    # H100 hosts (docs/benchmarks.md, "The loader from the page cache"). Read at start.
+    # Both below stay off: at the default 12 threads neither beat one buffer a thread with
+    # every chunk staged on the H100 hosts (docs/benchmarks.md, "The loader from the page
+    # cache (H100)"). Read at start.
     load_depth: int = Field(default=1, ge=1, le=16, description=(
         "pinned staging buffers per loader thread (GPU loads): a thread reads into one while the copies out of the others run"))
     load_page_cache_dma: Literal["auto", "on", "off"] = Field(default="off", description=(

@@ -234,7 +234,7 @@ def header_lengths(opened: OpenedSource) -> list[tuple[os.stat_result, int, byte
     """Each file's (stat, header length, first 16 bytes), before any header is read: no
     file twice (one device and inode under two names or fds), and the headers together
     within MAX_CHECKPOINT_HEADER_BYTES. What a parse of them costs is known from these
-    (server/residency/checks.py charges it to the tenant's quota)."""
+    (server/residency/io.py's ``parse_charged`` charges it to the tenant's quota)."""
     with opened.reading():
         return _header_lengths(opened)
 
@@ -302,7 +302,7 @@ def open_checkpoint(source: str | os.PathLike[str]) -> Checkpoint:
         return parse_checkpoint(opened)
 
 
-# -- published tables ---------------------------------------------------------------------------
+# -- the collector, paused while big checkpoints become objects ---------------------------------
 
 
 _gc_lock = threading.Lock()
@@ -312,10 +312,12 @@ _gc_was_enabled = False
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Collector off while a big table becomes objects. Building 600k TensorInfos set off
-    enough collections, each walking every live object, to take 0.6-0.9 s instead of
-    0.27 s here (nothing built here forms a cycle). Counted, so that overlapping calls
-    from several threads re-enable it once, and only if it was on."""
+    """Collector off while a big checkpoint's objects are built: a parse, a published
+    table, a fill of many tensors (server/residency/io.py's ``collector_paused``).
+    Building 600k TensorInfos of a published table set off enough collections, each
+    walking every live object, to take 0.6-0.9 s instead of 0.27 s (nothing built here
+    forms a cycle). Counted, so that overlapping calls from several threads re-enable it
+    once, and only if it was on."""
     global _gc_pausers, _gc_was_enabled
     with _gc_lock:
         if _gc_pausers == 0:

@@ -3,10 +3,15 @@
 A model is one cache entry named like the model, or, sharded, one entry per rank named
 ``model@rank``, each on its own device. The registry maps names to entries and entries
 to their ``Model`` records, resolves the names clients use for models and devices, and
-describes models to a viewer (paths and errors only to their owner and admins). It
-decides nothing about memory and does no I/O: unregistering returns the records whose
-arenas, host copies and files the caller must free.
-Each arena's own record is ``Resident`` (Note [one record per arena]), below ``Model``.
+describes models to a viewer (paths and errors only to their owner and admins). Its
+records decide nothing about memory and do no I/O: unregistering returns the records
+whose arenas, host copies and files the caller must free. Each arena's own record is
+``Resident`` (Note [one record per arena]), above ``Model``.
+
+Last, under its banner, which entries a request acts on (``entries_for``): for a model
+with ``device = "auto"`` the placement core's choice, made from the GPUs' free memory
+(a driver call) and its ranks' sizes (``learn_sizes``: their files stat'ed in the io
+pool).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ victims and the reservation); these rooms do the I/O, each one job:
 - ``stepdown.py``: demotions, evictions, host copies dropped, arenas freed off the loop.
 - ``background.py``: preloads (readiness) and the keep-alive sweep.
 - ``checks.py``: reading checkpoints without loading them (start/reload/register
-  checks, auto models' sizes); ``io.py``: the bounded io pool those reads run in.
+  checks); ``io.py``: the bounded io pool those reads run in, and a tenant's parse
+  charged to its quota while it runs.
 - ``job.py``, ``stats.py``, ``tasks.py``: a load in flight; the counters and progress
   they report; their tasks.
 

@@ -154,7 +154,7 @@ class PeerCopy:
 
 
 class FairTurns:
-    """One holder at a time; waiters served round-robin by key (see the module docstring)."""
+    """One holder at a time; waiters served round-robin by key (TURNS, above)."""
 
     def __init__(self) -> None:
         self._held = False
@@ -244,7 +244,7 @@ class Fill:
         # One fill at a time per device: on the H200 two 3 GiB loads from page cache run
         # together took 256 ms each, one after the other 109 + 104 ms (same for promotions:
         # 131 ms each vs 73 + 66); queued, the first is ready sooner and neither is later.
-        # The turns go round-robin by the model's owner (turns.py), so one tenant's queue of
+        # The turns go round-robin by the model's owner (``FairTurns``), so one tenant's queue of
         # big fills does not hold back another's.
         self._fill_turns: dict[str, FairTurns] = {}
         # The daemon's one log of what peers cause (peer_log.PeerEventLog): these loads' refusals
