@@ -168,3 +168,42 @@ def connect_until_admitted(path: str, timeout: float = 10.0) -> int:
             raise AssertionError(f"no connection admitted within {timeout}s ({attempt} attempts); last: {got}")
         time.sleep(0.05)
     raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def with_faked_driver(monkeypatch: pytest.MonkeyPatch, fake: Any, module: str, children: tuple[tuple[str, str], ...]) -> Any:
+    """Imports ``module`` (weightcache.backends.X) with its driver calls made on ``fake``:
+    cuda-bindings itself faked where it is absent, ``drv.current`` a no-op. The modules
+    imported against the fake are dropped afterwards (``children``: (package, module)
+    pairs), so that the tests that skip without CUDA still skip."""
+    import importlib
+    import types
+
+    before = set(sys.modules)
+    try:
+        try:
+            importlib.import_module("cuda.bindings.driver")
+        except ImportError:
+            pkg = types.ModuleType("cuda")
+            bindings = types.ModuleType("cuda.bindings")
+            driver = types.ModuleType("cuda.bindings.driver")
+            driver.__dict__.update({k: getattr(fake, k) for k in dir(fake) if k.startswith(("cu", "CU"))})
+            pkg.bindings, bindings.driver = bindings, driver  # type: ignore[attr-defined]
+            for name, mod in (("cuda", pkg), ("cuda.bindings", bindings), ("cuda.bindings.driver", driver)):
+                monkeypatch.setitem(sys.modules, name, mod)
+        mod = importlib.import_module(module)
+        monkeypatch.setattr(mod, "cu", fake)
+        monkeypatch.setattr(mod.drv, "current", lambda ctx: contextlib.nullcontext())
+        monkeypatch.setattr(mod.drv, "cu", fake)  # drv.check reads CUresult and the error's name from it
+        yield mod
+    finally:
+        import weightcache
+        import weightcache.backends
+
+        owners = {"weightcache": weightcache, "weightcache.backends": weightcache.backends}
+        for owner, child in children:
+            name = f"{owner}.{child}"
+            if name not in before and name in sys.modules:
+                del sys.modules[name]
+                if hasattr(owners[owner], child):
+                    delattr(owners[owner], child)

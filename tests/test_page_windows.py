@@ -6,15 +6,13 @@ through the real thing."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import mmap
 import os
-import sys
 import threading
 import types
 
 import pytest
+from helpers import with_faked_driver
 
 W = 16 * mmap.PAGESIZE  # a window
 NWIN = 10
@@ -56,32 +54,9 @@ class FakeDriver:
 def pw(monkeypatch):
     """The module, its driver calls faked (cuda-bindings itself faked where it is absent)."""
     fake = FakeDriver()
-    before = set(sys.modules)
-    try:
-        importlib.import_module("cuda.bindings.driver")
-    except ImportError:
-        pkg = types.ModuleType("cuda")
-        bindings = types.ModuleType("cuda.bindings")
-        driver = types.ModuleType("cuda.bindings.driver")
-        driver.__dict__.update({k: getattr(fake, k) for k in dir(fake) if k.startswith(("cu", "CU"))})
-        pkg.bindings, bindings.driver = bindings, driver  # type: ignore[attr-defined]
-        for name, mod in (("cuda", pkg), ("cuda.bindings", bindings), ("cuda.bindings.driver", driver)):
-            monkeypatch.setitem(sys.modules, name, mod)
-    mod = importlib.import_module("weightcache.backends.page_windows")
-    monkeypatch.setattr(mod, "cu", fake)
-    monkeypatch.setattr(mod.drv, "current", lambda ctx: contextlib.nullcontext())
-    monkeypatch.setattr(mod.drv, "cu", fake)  # drv.check reads CUresult and the error's name from it
-    yield mod, fake
-    # Modules imported against a faked cuda-bindings must not outlive the test: others skip without CUDA.
-    import weightcache
-    import weightcache.backends
-
-    for owner, child in ((weightcache.backends, "page_windows"), (weightcache, "cuda_driver")):
-        name = f"{owner.__name__}.{child}"
-        if name not in before and name in sys.modules:
-            del sys.modules[name]
-            if hasattr(owner, child):
-                delattr(owner, child)
+    with with_faked_driver(monkeypatch, fake, "weightcache.backends.page_windows",
+                           (("weightcache.backends", "page_windows"), ("weightcache", "cuda_driver"))) as mod:
+        yield mod, fake
 
 
 @pytest.fixture
