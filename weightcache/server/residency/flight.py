@@ -399,51 +399,84 @@ class SingleFlight:
             task.exception()
 
     # -- where the bytes come from ----------------------------------------------------
+    # Note [where the bytes come from]
+    # -------------------------------
+    # A load's sources, tried in ``SOURCES`` order: each row's method returns the source it
+    # filled the arena from (``job.source``), or None where it has nothing to offer (no
+    # host copy, no replica on another GPU, not a published model), and the next row is
+    # asked. A row that fails either raises (the host tier's copy, the published store:
+    # nothing else holds those bytes) or, where the files still serve, says so and falls
+    # through (a replica on another GPU; a neighbour daemon's copy, tried inside the files'
+    # row once the files are parsed, since it must hold the content the files hold). The
+    # files' row always answers.
+
     async def _load(self, job: LoadJob) -> str:
-        """Decide where the bytes come from (the host tier, another GPU, the files), then fill."""
+        """Where the bytes come from (``SOURCES``, Note [where the bytes come from]), then fill."""
         name = job.name
         model = self.registry.models[name]
-        entry = self.core.entry(name)
-        backend = self.backends[entry.device]
+        backend = self.backends[self.core.entry(name).device]
         if name in self.step_down.demotions:
             await asyncio.shield(self.step_down.demotions[name])  # its host copy is still being made
+        for source in SOURCES:
+            got = await source(self, job, model, backend)
+            if got is not None:
+                return got
+        raise AssertionError(f"no source answered for {name}")  # the files' row always does
+
+    async def _from_host(self, job: LoadJob, model: Model, backend: Backend) -> str | None:
+        """A HOST model is promoted from its copy in the host tier (if it is current)."""
+        name = job.name
+        entry = self.core.entry(name)
         res = model.resident
         if entry.state is State.HOST and (res.host_of != name or not model.unchanged()):
             log.warning("host copy of %s is stale or missing; loading from disk", name)
             self.core.drop_host(name)
             await self.step_down.carry_out(StepDown(drop_host=(name,)), reason="stale")
-        if entry.state is State.HOST:
-            assert res.checkpoint is not None and res.host is not None
-            job.source = "host"
-            await self.fill.fill_new_arena(name, res.checkpoint, entry.nbytes - res.held, 0, Promote(backend, res.host),
-                                           verb="promoted", job=job, held=res.held)  # the entry's size, as the core requires
-            return job.source
-        if (peer := self._peer_source(name)) is not None:
-            job.source = "peer"
-            try:
-                await self._copy_from_peer(job, model, peer)
-                return job.source
-            except NoSpace:
-                raise  # the caller waits for room and tries again
-            except WeightcacheError as exc:
-                if job.abandoned.is_set() or self._shutting_down():
-                    raise
-                # The copy was rolled back (fill_new_arena); the files still serve. A pair
-                # of GPUs whose copy failed once is not tried again (no_peer_copy).
-                pair = (entry.device, self.core.entry(peer).device)
-                self.no_peer_copy.add(pair)
-                log.warning("copy of %s from %s to %s failed (%s); loading from the files, and no more peer copies "
-                            "between these two GPUs", name, pair[1], pair[0], exc, extra={"model": name})
-                job.source = "files"
-        if model.published:
-            if self.store is not None and (stored := self.store.record_for(name)) is not None:
-                job.source = "disk"
-                return await self.store.read_back(job, stored)
-            raise LoadFailed(f"model {name!r} was published by an engine and has since been evicted; publish it again",
-                             model=name, reason="published model evicted")
-        return await self._load_files(job, model, backend)
+        if entry.state is not State.HOST:
+            return None
+        assert res.checkpoint is not None and res.host is not None
+        job.source = "host"
+        await self.fill.fill_new_arena(name, res.checkpoint, entry.nbytes - res.held, 0, Promote(backend, res.host),
+                                       verb="promoted", job=job, held=res.held)  # the entry's size, as the core requires
+        return job.source
 
-    async def _load_files(self, job: LoadJob, model: Model, backend: Backend) -> str:
+    async def _from_peer_gpu(self, job: LoadJob, model: Model, backend: Backend) -> str | None:
+        """A replica resident on another GPU is copied; a failed copy falls through to the files."""
+        name = job.name
+        if (peer := self._peer_source(name)) is None:
+            return None
+        job.source = "peer"
+        try:
+            await self._copy_from_peer(job, model, peer)
+            return job.source
+        except NoSpace:
+            raise  # the caller waits for room and tries again
+        except WeightcacheError as exc:
+            if job.abandoned.is_set() or self._shutting_down():
+                raise
+            # The copy was rolled back (fill_new_arena); the files still serve. A pair
+            # of GPUs whose copy failed once is not tried again (no_peer_copy).
+            pair = (self.core.entry(name).device, self.core.entry(peer).device)
+            self.no_peer_copy.add(pair)
+            log.warning("copy of %s from %s to %s failed (%s); loading from the files, and no more peer copies "
+                        "between these two GPUs", name, pair[1], pair[0], exc, extra={"model": name})
+            job.source = "files"
+            return None
+
+    async def _from_store(self, job: LoadJob, model: Model, backend: Backend) -> str | None:
+        """A published model has no files: read back from the published store, or refused."""
+        if not model.published:
+            return None
+        name = job.name
+        if self.store is not None and (stored := self.store.record_for(name)) is not None:
+            job.source = "disk"
+            return await self.store.read_back(job, stored)
+        raise LoadFailed(f"model {name!r} was published by an engine and has since been evicted; publish it again",
+                         model=name, reason="published model evicted")
+
+    async def _from_files(self, job: LoadJob, model: Model, backend: Backend) -> str:
+        """The files, opened and parsed (or the peer's own fds); a neighbour daemon holding the
+        same content is tried first, and the files read if it fails."""
         name = job.name
         d = self.settings
         opened, model.parked = model.files or model.parked, None
@@ -547,3 +580,12 @@ class SingleFlight:
         finally:
             self.core.detach(lease.id, INTERNAL_CONN)
             self.room.notify()
+
+
+# Note [where the bytes come from]: the rows in order; the files' row always answers.
+SOURCES: tuple[Callable[[SingleFlight, LoadJob, Model, Backend], Awaitable[str | None]], ...] = (
+    SingleFlight._from_host,
+    SingleFlight._from_peer_gpu,
+    SingleFlight._from_store,
+    SingleFlight._from_files,
+)
