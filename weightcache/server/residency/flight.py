@@ -29,7 +29,7 @@ from ...loader import Checkpoint, OpenedSource, open_source
 from ..registry import Model, Registry
 from .fill import Fill, PeerCopy, Promote, ReadFiles
 from .io import IoPool, parse_charged
-from .job import LoadJob
+from .job import LoadJob, ParsedFiles
 from .pins import Pins
 from .stats import Stats
 from .stepdown import StepDowns
@@ -403,12 +403,15 @@ class SingleFlight:
     # -------------------------------
     # A load's sources, tried in ``SOURCES`` order: each row's method returns the source it
     # filled the arena from (``job.source``), or None where it has nothing to offer (no
-    # host copy, no replica on another GPU, not a published model), and the next row is
-    # asked. A row that fails either raises (the host tier's copy, the published store:
-    # nothing else holds those bytes) or, where the files still serve, says so and falls
-    # through (a replica on another GPU; a neighbour daemon's copy, tried inside the files'
-    # row once the files are parsed, since it must hold the content the files hold). The
-    # files' row always answers.
+    # host copy, no replica on another GPU, not a published model, no neighbour holding
+    # the files' content), and the next row is asked. A row that fails either raises (the
+    # host tier's copy, the published store: nothing else holds those bytes) or, where the
+    # files still serve, says so and falls through (a replica on another GPU, a neighbour
+    # daemon). The files' row always answers. The neighbour's row and the files' row read
+    # the same parse (``_parsed_files``, once per load): a neighbour's copy is verified
+    # against what the files hold, so the files are opened and parsed before it is asked.
+    # The files a load opened are closed when it ends, unless a load refused for room
+    # keeps them for its retry (``model.parked``).
 
     async def _load(self, job: LoadJob) -> str:
         """Where the bytes come from (``SOURCES``, Note [where the bytes come from]), then fill."""
@@ -417,11 +420,24 @@ class SingleFlight:
         backend = self.backends[self.core.entry(name).device]
         if name in self.step_down.demotions:
             await asyncio.shield(self.step_down.demotions[name])  # its host copy is still being made
-        for source in SOURCES:
-            got = await source(self, job, model, backend)
-            if got is not None:
-                return got
-        raise AssertionError(f"no source answered for {name}")  # the files' row always does
+        try:
+            for source in SOURCES:
+                got = await source(self, job, model, backend)
+                if got is not None:
+                    return got
+            raise AssertionError(f"no source answered for {name}")  # the files' row always does
+        except NoSpace:
+            if (files := job.files) is not None:
+                if files.opened is not model.files:
+                    model.parked = files.opened  # the caller waits for room, then retries with these same files
+                if self._may_keep_parse(model, files.ckpt):
+                    model.parked_parse = files.ckpt
+                else:
+                    self.step_down.trim_soon(len(files.ckpt.tensors))
+            raise
+        finally:
+            if (files := job.files) is not None and files.opened is not model.files and files.opened is not model.parked:
+                files.opened.close()
 
     async def _from_host(self, job: LoadJob, model: Model, backend: Backend) -> str | None:
         """A HOST model is promoted from its copy in the host tier (if it is current)."""
@@ -474,9 +490,41 @@ class SingleFlight:
         raise LoadFailed(f"model {name!r} was published by an engine and has since been evicted; publish it again",
                          model=name, reason="published model evicted")
 
+    async def _from_neighbour(self, job: LoadJob, model: Model, backend: Backend) -> str | None:
+        """A neighbour daemon holding the content the files hold (weightcache/peers/),
+        verified against the files' pinned fingerprint; a failed fill falls through to the files."""
+        if self.neighbours is None:
+            return None
+        files = await self._parsed_files(job, model)
+        # A pinned fingerprint only for the files it was found to match (Note [pinned
+        # fingerprints] in pins.py); a neighbour's fill is verified against them.
+        if not self.pins.trusted(job.name, files.opened):
+            return None
+        if not await self.neighbours.fill(job, model, backend, files.ckpt, files.opened, self.fill.fill_new_arena):
+            return None
+        self.pins.verify_soon(job.name)
+        return job.source
+
     async def _from_files(self, job: LoadJob, model: Model, backend: Backend) -> str:
-        """The files, opened and parsed (or the peer's own fds); a neighbour daemon holding the
-        same content is tried first, and the files read if it fails."""
+        """The files, opened and parsed (or the peer's own fds), read into a new arena."""
+        name = job.name
+        files = await self._parsed_files(job, model)
+        await self.fill.fill_new_arena(name, files.ckpt, backend.capacity(files.ckpt.arena_bytes), 0,
+                                       ReadFiles(backend, self.settings, files.opened, label=name,
+                                                 cancelled=lambda: self._shutting_down() or job.abandoned.is_set()),
+                                       verb="loaded", job=job, phases={"open": files.opening_s})
+        if (loaded := model.resident.checkpoint) is not None:
+            self.pins.found(name, model, files.opened, loaded.fingerprint)
+        if self.neighbours is not None and (rate := self.core.rates.last_rate(name, "files")) is not None:
+            self.neighbours.observe_files(name, rate)  # the load's own rate (fill.py, observe_load)
+        return job.source
+
+    async def _parsed_files(self, job: LoadJob, model: Model) -> ParsedFiles:
+        """The load's files, opened and parsed on first need (the parse kept by a load
+        refused for room, if these are its files unchanged); a failure is the load's error,
+        counted and logged."""
+        if job.files is not None:
+            return job.files
         name = job.name
         d = self.settings
         opened, model.parked = model.files or model.parked, None
@@ -507,34 +555,8 @@ class SingleFlight:
             self.fill.model_event(model, logging.ERROR, "load refused", "load %s refused: %s", name, err,
                                   extra={"model": name, "code": err.code, "owner": model.owner})
             raise err from None
-        opening = time.monotonic() - t_open
-        try:
-            # A pinned fingerprint only for the files it was found to match (Note [pinned
-            # fingerprints] in pins.py); a neighbour's fill is verified against them.
-            if (self.neighbours is not None and self.pins.trusted(name, opened)
-                    and await self.neighbours.fill(job, model, backend, ckpt, opened, self.fill.fill_new_arena)):
-                self.pins.verify_soon(name)
-                return job.source
-            await self.fill.fill_new_arena(name, ckpt, backend.capacity(ckpt.arena_bytes), 0,
-                                           ReadFiles(backend, d, opened, label=name,
-                                                     cancelled=lambda: self._shutting_down() or job.abandoned.is_set()),
-                                           verb="loaded", job=job, phases={"open": opening})
-            if (loaded := model.resident.checkpoint) is not None:
-                self.pins.found(name, model, opened, loaded.fingerprint)
-            if self.neighbours is not None and (rate := self.core.rates.last_rate(name, "files")) is not None:
-                self.neighbours.observe_files(name, rate)  # the load's own rate (fill.py, observe_load)
-            return job.source
-        except NoSpace:
-            if opened is not model.files:
-                model.parked = opened  # the caller waits for room, then retries with these same files
-            if self._may_keep_parse(model, ckpt):
-                model.parked_parse = ckpt
-            else:
-                self.step_down.trim_soon(len(ckpt.tensors))
-            raise
-        finally:
-            if opened is not model.files and opened is not model.parked:
-                opened.close()
+        job.files = ParsedFiles(opened, ckpt, time.monotonic() - t_open)
+        return job.files
 
     def _may_keep_parse(self, model: Model, ckpt: Checkpoint) -> bool:
         """Whether a load refused for room may keep its parse while it waits: within a fixed
@@ -587,5 +609,6 @@ SOURCES: tuple[Callable[[SingleFlight, LoadJob, Model, Backend], Awaitable[str |
     SingleFlight._from_host,
     SingleFlight._from_peer_gpu,
     SingleFlight._from_store,
+    SingleFlight._from_neighbour,
     SingleFlight._from_files,
 )

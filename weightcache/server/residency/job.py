@@ -5,6 +5,20 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ...loader import Checkpoint, OpenedSource
+
+
+@dataclass
+class ParsedFiles:
+    """The files a load opened and parsed, once, for the sources that read them (a neighbour
+    daemon's copy, verified against them; the files themselves)."""
+
+    opened: OpenedSource
+    ckpt: Checkpoint
+    opening_s: float  # opening (and the parse, unless a kept one served)
 
 
 @dataclass
@@ -21,3 +35,4 @@ class LoadJob:
     # threads check it between chunks, the load task between phases.
     abandoned: threading.Event = field(default_factory=threading.Event)
     task: asyncio.Task[str] | None = None
+    files: ParsedFiles | None = None  # once a source needed them (flight.py's _parsed_files)
