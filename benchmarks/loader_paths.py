@@ -59,6 +59,7 @@ libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def map_file(fd: int, size: int) -> int:
@@ -126,6 +127,39 @@ def _timed_reads(timers: Timers) -> Callable[[], None]:
     return restore
 
 
+MADV_POPULATE_READ = 22  # Linux 5.14: maps the range's pages, an I/O error returned, not raised as SIGBUS
+
+
+def _mapped_reads(timers: Timers, maps: dict[int, tuple[int, int]], populate: bool) -> Callable[[], None]:
+    """The writer's preadv replaced by a user-space copy out of a shared mapping of the
+    file (``maps``: fd -> (address, size)), as InstantTensor's MMAP backend reads: glibc's
+    memmove streams big copies with non-temporal stores, which the kernel's copy to user
+    does not. ``populate``: each chunk's pages mapped first with MADV_POPULATE_READ (one
+    kernel walk instead of a fault per fault-around window). Timed into ``read_s``;
+    returns what puts the preadv back. A measurement only: a file truncated under the copy
+    raises SIGBUS here."""
+    plain = cuda_writer.pread_full
+
+    def mapped(fd: int, view: memoryview, offset: int, path: str = "") -> None:
+        t = time.perf_counter()
+        base, size = maps[fd]
+        if offset + len(view) > size:
+            raise ValueError(f"{path}: a read past the mapping ({offset}+{len(view)} > {size})")
+        if populate:
+            lo = (base + offset) // PAGE * PAGE
+            if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(base + offset + len(view) - lo), MADV_POPULATE_READ):
+                raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_READ)")
+        ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(view)), base + offset, len(view))
+        timers.add("read_s", time.perf_counter() - t)
+
+    cuda_writer.pread_full = mapped
+
+    def restore() -> None:
+        cuda_writer.pread_full = plain
+
+    return restore
+
+
 def warm_staging(backend: CudaBackend, threads: int, depth: int, chunk: int) -> None:
     """Allocates the staging buffers a variant needs before it is timed, as a daemon does at
     start (CudaBackend.prepare_loads): a variant that found too few in the pool would time
@@ -182,7 +216,10 @@ class Registered(VmmWriter):
 
 
 
-def load_once(path: Path, backend: CudaBackend, threads: int, chunk: int, make: Callable[..., Any]) -> dict[str, Any]:
+def load_once(path: Path, backend: CudaBackend, threads: int, chunk: int, make: Callable[..., Any],
+              mapped: str = "") -> dict[str, Any]:
+    """One load into a fresh arena with the writer ``make`` builds; ``mapped`` ("copy" or
+    "populate"): the chunks copied out of a mapping of the file (_mapped_reads), not read."""
     FILE_DIGESTS.clear()
     timers = Timers()
     with open_source(path) as opened:
@@ -192,7 +229,7 @@ def load_once(path: Path, backend: CudaBackend, threads: int, chunk: int, make: 
             t0 = time.perf_counter()
             arena = backend.allocate(backend.capacity(ckpt.arena_bytes), "loader-paths")
             timers.add("allocate_s", time.perf_counter() - t0)
-            restore = _timed_reads(timers)
+            restore = _mapped_reads(timers, maps, mapped == "populate") if mapped else _timed_reads(timers)
             try:
                 w = make(backend, arena, chunk, maps=maps, timers=timers)
                 t = time.perf_counter()
@@ -373,6 +410,8 @@ def main() -> int:
     p.add_argument("--depths", default="1", help="staging buffers per loader thread, each of these")
     p.add_argument("--dma", action="store_true", help="also each staging variant with the page-cache windows beside it")
     p.add_argument("--registered", action="store_true", help="also the registered-only writer (Registered)")
+    p.add_argument("--mapped", action="store_true", help="also each staging variant copying out of a mapping of the "
+                   "file instead of preadv, with and without MADV_POPULATE_READ per chunk")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--workdir", default="/tmp/wc-loader-paths")
     p.add_argument("--anchors", action="store_true", help="also load_file and InstantTensor, each in a fresh process")
@@ -400,27 +439,31 @@ def main() -> int:
         res["anchors_GBps"] = anchors(path, a.device, a.reps, [k for k in a.anchor_kinds.split(",") if k])
     if a.daemon:  # the product end to end next: it counts most where the call is cut short
         res["daemon"] = through_daemon(path, a.device, a.daemon.split(","), a.reps + 1, Path(a.workdir), a.cold)
-    variants: list[tuple[str, int, int, Callable[..., Any]]] = []
+    variants: list[tuple[str, int, int, Callable[..., Any], str]] = []
     for threads in (int(t) for t in a.threads.split(",")):
         for chunk in (int(c) << 20 for c in a.chunk_mib.split(",")):
             for depth in (int(d) for d in a.depths.split(",")):
-                variants.append((f"staging {threads}thr {chunk >> 20}M x{depth}", threads, chunk,
-                                 lambda b, ar, c, maps, timers, depth=depth: TimedStaging(b, ar, c, timers=timers, depth=depth)))
+                def staged(b: CudaBackend, ar: Any, c: int, maps: Any, timers: Timers, depth: int = depth) -> TimedStaging:
+                    return TimedStaging(b, ar, c, timers=timers, depth=depth)
+
+                variants.append((f"staging {threads}thr {chunk >> 20}M x{depth}", threads, chunk, staged, ""))
+                for how in ("copy", "populate") if a.mapped else ():
+                    variants.append((f"mapped-{how} {threads}thr {chunk >> 20}M x{depth}", threads, chunk, staged, how))
                 if a.dma:
                     variants.append((f"staging+dma {threads}thr {chunk >> 20}M x{depth}", threads, chunk,
                                      lambda b, ar, c, maps, timers, depth=depth: TimedStaging(b, ar, c, timers=timers, depth=depth,
-                                                                                              dma=True)))
+                                                                                              dma=True), ""))
             for win in windows if a.registered else ():
                 variants.append((f"registered {threads}thr {chunk >> 20}M win{win >> 20}M", threads, chunk,
-                                 lambda b, ar, c, maps, timers, win=win: Registered(b, ar, c, maps=maps, window=win, timers=timers)))
+                                 lambda b, ar, c, maps, timers, win=win: Registered(b, ar, c, maps=maps, window=win, timers=timers), ""))
     if not a.only_ends:
         for threads in (int(t) for t in a.threads.split(",")):
             for chunk in (int(c) << 20 for c in a.chunk_mib.split(",")):
                 warm_staging(backend, threads, max(int(d) for d in a.depths.split(",")), chunk)
     for rep in range(0 if a.only_ends else a.reps):
-        for name, threads, chunk, make in variants if rep % 2 == 0 else variants[::-1]:
+        for name, threads, chunk, make, mapped in variants if rep % 2 == 0 else variants[::-1]:
             try:
-                r = load_once(path, backend, threads, chunk, make)
+                r = load_once(path, backend, threads, chunk, make, mapped)
             except drv.CudaError as e:  # one path refused by the driver: say so, time the others
                 res.setdefault("errors", {})[name] = str(e)
                 print(name, "failed:", e, flush=True)

@@ -201,8 +201,8 @@ async def test_a_second_names_fill_drops_the_first_names_host_copy(ckpts):
         assert await residency.flights.ensure_resident("m1", 0) == "files"
         await residency.step_down.carry_out(core.evict("m1"), reason="test")
         res = registry.models["m1"].resident
-        assert core.entry("m1").state is State.HOST and res.host is not None and res.host_of == "m1"
-        copy = res.host
+        assert core.entry("m1").state is State.HOST and res.host_copy_of("m1") is not None
+        copy = res.host_copy_of("m1")
         registry.register(ModelConfig(name="m2", path=ckpts["a"], device="cuda:0"))
         assert registry.models["m2"].resident is res
         assert await residency.flights.ensure_resident("m2", 0) == "files"  # nothing resident to join

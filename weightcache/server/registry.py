@@ -64,11 +64,20 @@ Origin = Literal["config", "register", "publish"]
 # hold the arena now is the record's ``holders``: a name takes it when its fill ends or
 # when it joins a sibling, and lets go when it steps down or is unregistered; the arena is
 # freed by the last one to let go. A host copy is one entry's (the core's host tier counts
-# a copy per entry: ``host_of``). Names of one arena never keep one (the core never
+# a copy per entry: ``HostHeld.entry``). Names of one arena never keep one (the core never
 # demotes an arena two names share), except a name demoted before a second name of its
 # files was registered: when that second name then fills the arena from the files, the
 # host copy is dropped (residency/fill.py), so that a record never holds two versions
 # of its bytes (the host copy's checkpoint would be overwritten by the new fill's).
+
+
+@dataclass(frozen=True)
+class HostHeld:
+    """A host-tier copy of an arena's bytes and the one entry whose copy it is (the core's
+    host tier counts a copy per entry): one field, so the two cannot disagree."""
+
+    copy: HostCopy
+    entry: str
 
 
 @dataclass(eq=False)
@@ -86,8 +95,7 @@ class Resident:
     # Where the resident bytes came from (LoadJob.source: "files", "host", "peer" for
     # another GPU, "neighbour" for another daemon; "publish"); shown in ``models``.
     source: str | None = None
-    host: HostCopy | None = None  # the backend's host-tier copy (the model HOST, or one kept since its promotion)
-    host_of: str | None = None  # the entry whose host copy it is
+    host: HostHeld | None = None  # the host-tier copy (the model HOST, or one kept since its promotion)
     holders: set[str] = field(default_factory=set)  # the names that hold ``arena`` now
     # Its bytes were found not to be what its files hold (a neighbour's fill under a pinned
     # fingerprint the files no longer have: residency/pins.py): served only to those
@@ -118,12 +126,16 @@ class Resident:
         arena, self.arena = self.arena, None
         return arena
 
+    def host_copy_of(self, name: str) -> HostCopy | None:
+        """``name``'s host copy, or None if it has none here."""
+        return self.host.copy if self.host is not None and self.host.entry == name else None
+
     def take_host(self, name: str) -> HostCopy | None:
         """``name``'s host copy, forgotten here (the caller frees it); None if it has none."""
-        if self.host is None or self.host_of != name:
-            return None
-        host, self.host, self.host_of = self.host, None, None
-        return host
+        copy = self.host_copy_of(name)
+        if copy is not None:
+            self.host = None
+        return copy
 
     def drop_parsed(self) -> None:
         """Forget the parsed checkpoint and table once the arena is gone (evicted, not on
@@ -136,8 +148,8 @@ class Resident:
         self.key = key
         if name in self.holders:
             self.holders = (self.holders - {name}) | {new}
-        if self.host_of == name:
-            self.host_of = new
+        if self.host is not None and self.host.entry == name:
+            self.host = HostHeld(self.host.copy, new)
 
 
 # ===============================================================================================

@@ -444,15 +444,16 @@ class SingleFlight:
         name = job.name
         entry = self.core.entry(name)
         res = model.resident
-        if entry.state is State.HOST and (res.host_of != name or not model.unchanged()):
+        if entry.state is State.HOST and (res.host_copy_of(name) is None or not model.unchanged()):
             log.warning("host copy of %s is stale or missing; loading from disk", name)
             self.core.drop_host(name)
             await self.step_down.carry_out(StepDown(drop_host=(name,)), reason="stale")
         if entry.state is not State.HOST:
             return None
-        assert res.checkpoint is not None and res.host is not None
+        host = res.host_copy_of(name)
+        assert res.checkpoint is not None and host is not None
         job.source = "host"
-        await self.fill.fill_new_arena(name, res.checkpoint, entry.nbytes - res.held, 0, Promote(backend, res.host),
+        await self.fill.fill_new_arena(name, res.checkpoint, entry.nbytes - res.held, 0, Promote(backend, host),
                                        verb="promoted", job=job, held=res.held)  # the entry's size, as the core requires
         return job.source
 

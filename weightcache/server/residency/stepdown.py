@@ -16,7 +16,7 @@ from typing import Any
 from ...backends import Arena, Backend
 from ...cache import CacheCore, State, StepDown
 from ...units import format_size
-from ..registry import Dropped, Registry
+from ..registry import Dropped, HostHeld, Registry
 from .io import MANY_TENSORS
 from .stats import Stats
 from .tasks import Tasks
@@ -94,7 +94,7 @@ class StepDowns:
                 backend.free_host(copy)
                 log.info("demoted %s, but its host copy was dropped meanwhile; freed it", name, extra={"model": name})
                 return
-            res.host, res.host_of = copy, name
+            res.host = HostHeld(copy, name)
         except Exception as exc:
             log.error("demoting %s to the host tier failed (%s); evicting it instead", name, exc,
                       extra={"model": name, "reason": str(exc)})
@@ -190,9 +190,8 @@ class StepDowns:
             arena, res.arena, res.holders = res.arena, None, set()
             if arena is not None:
                 self.backends[arena.device].free(arena)
-            if res.host is not None:
-                assert res.host_of is not None
-                self.backends[self.registry.models[res.host_of].device].free_host(res.host)
-                res.host, res.host_of = None, None
+            if (held := res.host) is not None:
+                res.host = None
+                self.backends[self.registry.models[held.entry].device].free_host(held.copy)
         for model in self.registry.models.values():
             model.close_files()
