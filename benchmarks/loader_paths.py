@@ -16,6 +16,11 @@ third time. This tool measures, side by side in one process on one GPU:
   straight from them (the CPU never touches the mapping: a file truncated meanwhile
   cannot raise SIGBUS in the daemon), hashed on the GPU as today; chunks holding a piece
   that the host hashes go the staging way;
+- ``mapped-copy`` / ``mapped-populate`` (``--mapped``): the staging variants with each
+  chunk copied by user-space memmove out of a shared mapping of the file instead of
+  ``preadv`` (InstantTensor's MMAP way; glibc streams big copies with non-temporal
+  stores), the second with MADV_POPULATE_READ of each chunk first. A measurement only:
+  the daemon never reads through a mapping (a file truncated under it raises SIGBUS);
 - ``register`` alone: what pinning page-cache pages costs per window size.
 
 With ``--anchors``, InstantTensor's backends and load_file, each in a fresh process; with
