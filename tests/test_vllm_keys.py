@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 
 import pytest
 
@@ -63,7 +62,6 @@ def test_checkpoint_name_is_per_files_as_on_disk_device_and_uid(tmp_path) -> Non
     new = d / "new"
     new.write_bytes(b"z" * 100)
     os.replace(new, f)  # replaced by rename: a new inode
-    time.sleep(0)
     assert checkpoint_name(str(d), [str(f)], "cpu", 0) != renamed
 
 
