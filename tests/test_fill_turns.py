@@ -9,17 +9,16 @@ from weightcache.server.residency.fill import FairTurns
 
 
 async def _queue(turns: FairTurns, order: list[str], jobs: list[tuple[str, int | None]]) -> None:
-    started = asyncio.Event()
+    started, queued = asyncio.Event(), asyncio.Event()
 
     async def fill(label: str, owner: int | None) -> None:
         async with turns.turn(owner):
             order.append(label)
-            await asyncio.sleep(0.01)
 
-    async def holder() -> None:  # holds the turn while the others queue, in the order given
+    async def holder() -> None:  # holds the turn until the others have queued, in the order given
         async with turns.turn("first"):
             started.set()
-            await asyncio.sleep(0.05)
+            await queued.wait()
 
     h = asyncio.ensure_future(holder())
     await started.wait()
@@ -28,6 +27,7 @@ async def _queue(turns: FairTurns, order: list[str], jobs: list[tuple[str, int |
         tasks.append(asyncio.ensure_future(fill(label, owner)))
         await asyncio.sleep(0)  # queued in this order
     assert turns.waiting == len(jobs)
+    queued.set()
     await asyncio.wait_for(asyncio.gather(h, *tasks), 5)
 
 
