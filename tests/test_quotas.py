@@ -121,8 +121,8 @@ def test_a_lowered_quota_evicts_nothing_until_the_tenants_next_load():
 def test_pins_are_counted_per_model_and_refused_beyond_the_quota():
     core = CacheCore({"cpu": 1000}, clock=Clock())
     core.set_quotas({"uid:1000": Quota("uid:1000", pins=1)})
-    for n in ("tp@0", "tp@1", "other"):
-        core.register(n, "cpu", tenants=A)
+    for n, model in (("tp@0", "tp"), ("tp@1", "tp"), ("other", None)):
+        core.register(n, "cpu", tenants=A, model=model)  # the registry says whose rank an entry is
     core.set_pinned("tp@0", True)
     core.set_pinned("tp@1", True)  # another rank of the model already pinned: no new pin
     assert core.tenant_usage()["uid:1000"]["pins"] == 1

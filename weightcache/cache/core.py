@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from ..errors import Attached, BadRequest, NoSpace, Pinned, UnknownModel
@@ -84,7 +84,7 @@ from .eviction import (
     tenant_bytes,
     tenant_usage,
 )
-from .names import shared_arena
+from .names import ArenaKey
 
 # Frequencies age TinyLFU's way: when the attaches counted on a device reach this many per
 # model registered there, every count on it is halved (and the tally with them), so a model
@@ -200,18 +200,20 @@ class CacheCore:
             raise UnknownModel(f"no model named {name!r} is registered", model=name) from None
 
     def register(self, name: str, device: str, *, pinned: bool = False, keep_alive: float | None = None,
-                 share: str | None = None, tenants: tuple[str, ...] = ()) -> Entry:
-        """``share``: a key naming the bytes (same files, device, owner): entries of one key
-        hold one arena between them (Note [shared arenas])."""
+                 share: Hashable | None = None, tenants: tuple[str, ...] = (), model: str | None = None,
+                 staging: bool = False) -> Entry:
+        """``share``: a key naming the bytes (same files, owner): entries of one key hold
+        one arena between them per device (Note [shared arenas]). ``model``: the model the
+        entry belongs to (its own name by default); ``staging``: a publish's staging entry."""
         if name in self.entries:
             raise BadRequest(f"model {name!r} is already registered", model=name)
         if device not in self.devices:
             raise BadRequest(f"device {device!r} has no budget; configured: {sorted(self.devices)}", device=device)
-        key = None if share is None else shared_arena(device, share)
+        key = None if share is None else ArenaKey.shared(device, share)
         if pinned:
-            check_pin_quota(self.entries.values(), self.quotas, name, tenants)
+            check_pin_quota(self.entries.values(), self.quotas, model or name, tenants)
         e = Entry(name=name, device=device, pinned=pinned, keep_alive=keep_alive, configured_keep_alive=keep_alive, share=key,
-                  tenants=tenants)
+                  tenants=tenants, model=model or name, staging=staging)
         self.entries[name] = e
         self._models_on[device] += 1
         self.shares.add(e)
@@ -222,7 +224,7 @@ class CacheCore:
         """The other entries that share ``name``'s arena key."""
         return self.shares.siblings(self.entry(name))
 
-    def sharing(self, share: str) -> list[str]:
+    def sharing(self, share: ArenaKey) -> list[str]:
         """The entries registered with the arena key ``share`` (an ``Entry.share``)."""
         return self.shares.names(share)
 
@@ -273,14 +275,15 @@ class CacheCore:
         return e
 
     def rename(self, name: str, new: str) -> Entry:
-        """Give an unattached entry another name (a publish swaps its staged copy in)."""
+        """Give an unattached entry another name (a publish swaps its staged copy in): it is
+        the model ``new`` now, no staging entry."""
         e = self.entry(name)
         if new in self.entries:
             raise BadRequest(f"model {new!r} is already registered", model=new)
         if e.leases:
             raise Attached(f"model {name!r} has {e.attach_count} live attachment(s)", model=name, attach_count=e.attach_count)
         del self.entries[name]
-        e.name = new
+        e.name, e.model, e.staging = new, new, False
         self.entries[new] = e
         self.rates.rename(name, new)
         return e
@@ -314,7 +317,7 @@ class CacheCore:
     def set_pinned(self, name: str, pinned: bool) -> Entry:
         e = self.entry(name)
         if pinned and not e.pinned:
-            check_pin_quota(self.entries.values(), self.quotas, name, e.tenants)
+            check_pin_quota(self.entries.values(), self.quotas, e.model, e.tenants)
         e.pinned = pinned
         self._deadline_moved(e)
         return e

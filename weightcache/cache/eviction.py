@@ -28,7 +28,7 @@ from typing import Any, Literal, Protocol, TypeVar, get_args
 
 from ..errors import InternalError, NoSpace
 from ..units import format_size
-from .names import model_of, own_arena
+from .names import ArenaKey
 
 # ===============================================================================================
 # THE RECORDS: an entry's states and moves, a device's account, a lease, the plans
@@ -100,13 +100,26 @@ class Entry:
     demotions: int = 0  # of those, into the host tier
     promotions: int = 0  # loads served from the host tier
     # Entries of one share key hold one arena between them (Note [shared arenas]); None: its own.
-    share: str | None = None
+    share: ArenaKey | None = None
+    # The model it belongs to (a rank's, a replica's, a staging entry's model): pins are
+    # counted per model, so a sharded model pinned is one pin. Its own name by default.
+    model: str = ""
+    staging: bool = False  # a publish's staging entry: nobody reaches it by name, it is shown as its model
     # The tenants whose quotas it counts against ("uid:N", "gid:N": QUOTAS below); () for the
     # operator's configured models, which count against none (Note [quotas]).
     tenants: tuple[str, ...] = ()
     # Requests on their way to use it (CacheCore.hold): its keep_alive waits for them, so a
     # model loaded for an attach is not expired before the attach takes its lease.
     wanted: int = 0
+
+    def __post_init__(self) -> None:
+        self.model = self.model or self.name
+
+    @property
+    def shown(self) -> str:
+        """The name it is shown under: a staging entry's model (what its publish will
+        replace), or its own name."""
+        return self.model if self.staging else self.name
 
     def move(self, event: EntryEvent) -> State:
         """Apply ``event`` to the entry's state by ``MOVES``; IllegalMove if it lists none."""
@@ -187,9 +200,9 @@ class LoadPlan:
         return self.step_down.leaving
 
 
-def arena_key(e: Entry) -> str:
+def arena_key(e: Entry) -> ArenaKey:
     """What counts once: the share key (Note [shared arenas], below), or the entry itself."""
-    return e.share if e.share is not None else own_arena(e.name)
+    return e.share if e.share is not None else ArenaKey.own(e.device, e.name)
 
 
 # ===============================================================================================
@@ -256,7 +269,7 @@ def tenant_bytes(entries: Iterable[Entry], tenant: str, device: str) -> int:
 
 def tenant_pins(entries: Iterable[Entry], tenant: str) -> set[str]:
     """The models of ``tenant`` that are pinned (a sharded model once)."""
-    return {model_of(x.name) for x in entries if tenant in x.tenants and x.pinned}
+    return {x.model for x in entries if tenant in x.tenants and x.pinned}
 
 
 class Parses:
@@ -325,19 +338,20 @@ def pins_limited(quotas: dict[str, Quota], tenants: tuple[str, ...]) -> bool:
     return any(q.pins is not None for t in tenants if (q := quotas.get(t)) is not None)
 
 
-def check_pin_quota(entries: Iterable[Entry], quotas: dict[str, Quota], name: str, tenants: tuple[str, ...]) -> None:
-    """NoSpace naming the quota if pinning ``name`` gives one of ``tenants`` more pinned
-    models than its quota allows (another rank of a model already pinned is no new pin)."""
+def check_pin_quota(entries: Iterable[Entry], quotas: dict[str, Quota], model: str, tenants: tuple[str, ...]) -> None:
+    """NoSpace naming the quota if pinning an entry of ``model`` gives one of ``tenants``
+    more pinned models than its quota allows (another rank of a model already pinned is no
+    new pin)."""
     entries = list(entries)
     for t in tenants:
         q = quotas.get(t)
         if q is None or q.pins is None:
             continue
         pinned = tenant_pins(entries, t)
-        if model_of(name) not in pinned and len(pinned) >= q.pins:
+        if model not in pinned and len(pinned) >= q.pins:
             raise NoSpace(f"{t} has {len(pinned)} pinned model(s), its quota ({q.where()}.pins = {q.pins}); "
-                          f"unpin one before pinning {model_of(name)!r}",
-                          model=model_of(name), quota=t, quota_pins=q.pins, pinned=len(pinned), fits_ever=False)
+                          f"unpin one before pinning {model!r}",
+                          model=model, quota=t, quota_pins=q.pins, pinned=len(pinned), fits_ever=False)
 
 
 def over_quota(entries: Iterable[Entry], e: Entry, nbytes: int, t: str, q: Quota, limit: int, used: int) -> NoSpace:
@@ -628,7 +642,7 @@ class Shares:
 
     def __init__(self, entries: dict[str, Entry]) -> None:
         self._entries = entries  # the core's, by name
-        self._names: dict[str, set[str]] = {}  # share key -> the entries registered with it
+        self._names: dict[ArenaKey, set[str]] = {}  # share key -> the entries registered with it
 
     def add(self, e: Entry) -> None:
         if e.share is not None:
@@ -640,7 +654,7 @@ class Shares:
             if not self._names[e.share]:
                 del self._names[e.share]
 
-    def names(self, share: str) -> list[str]:
+    def names(self, share: ArenaKey) -> list[str]:
         """The entries registered with the arena key ``share``."""
         return sorted(self._names.get(share, ()))
 
@@ -657,7 +671,7 @@ class Shares:
         """Whether another name is registered on ``e``'s arena."""
         return e.share is not None and len(self._names[e.share]) > 1
 
-    def keys(self) -> set[str]:
+    def keys(self) -> set[ArenaKey]:
         return set(self._names)
 
 
@@ -711,7 +725,7 @@ class Admission:
         [invariants], 3), its clock moved past them unless not ``commit``; None if all of
         them would not."""
         candidates: list[Entry] = []
-        groups: dict[str, list[Entry]] = {}
+        groups: dict[ArenaKey, list[Entry]] = {}
         for x in self.entries.values():
             if x.device != device or not x.evictable or (among is not None and not among(x)):
                 continue

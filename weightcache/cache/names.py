@@ -1,16 +1,21 @@
-"""How the names of cache entries and the keys of their arenas are spelled: in one place,
-so that no module tests a separator of its own.
+"""How the names of cache entries are spelled, and the keys of their arenas.
 
 A model is one entry named like the model; a sharded one has an entry per rank,
 ``model@rank``; a rank placed automatically (device = "auto") has a replica per candidate
 device, ``<rank's name>@<device>``; a publish fills a staging entry, ``model#N``, before it
 takes the model's name. '@' and '#' are never in a model name (config.check_model_name),
-so none of these can clash with a model's own name. Names that read the same files share
-one arena: they are registered with one share key (``files_share``), which the core keys
-per device (``shared_arena``).
+so none of these can clash with a model's own name. A name is only ever made here and
+shown: nothing parses one back. What an entry is (its model, whether it is a staging
+entry) is recorded when it is registered (cache/eviction.py's ``Entry``).
+
+Names that read the same files share one arena: they are registered with one share key
+(``FilesShare``), which the core keys per device (``ArenaKey``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
 
 
 def rank_entry(model: str, rank: int) -> str:
@@ -25,36 +30,30 @@ def staging_entry(model: str, n: int) -> str:
     return f"{model}#{n}"
 
 
-def is_staging(entry: str) -> bool:
-    """Whether ``entry`` is a publish's staging entry, which nobody can reach by name."""
-    return "#" in entry
-
-
-def published_as(entry: str) -> str:
-    """The name an entry is shown under: a staging entry's model (what its publish will
-    replace), or the entry's own name."""
-    return entry.partition("#")[0]
-
-
-def model_of(entry: str) -> str:
-    """The model an entry belongs to (``model@rank``, ``model@rank@device``): pins are
-    counted per model, so a sharded model pinned is one pin."""
-    return entry.partition("@")[0]
-
-
-def files_share(real_path: str, rank: int, ranks: int, owner: int | None) -> str:
+@dataclass(frozen=True, slots=True)
+class FilesShare:
     """The share key of a checkpoint's names (server/registry.py's share_key says when two
     names get one): its real path, as rank ``rank`` of ``ranks``, for ``owner``."""
-    return f"{real_path}\0rank {rank} of {ranks}\0owner {owner}"
+
+    real_path: str
+    rank: int
+    ranks: int
+    owner: int | None
 
 
-def shared_arena(device: str, share: str) -> str:
-    """The core's key of the arena that the entries registered with ``share`` on ``device``
-    hold between them (Note [shared arenas])."""
-    return f"{device}\0{share}"
+@dataclass(frozen=True, slots=True)
+class ArenaKey:
+    """The core's key of an arena: the one that the entries registered with ``share`` on
+    ``device`` hold between them (Note [shared arenas]), or, with no share, ``entry``'s own."""
 
+    device: str
+    share: Hashable | None  # a FilesShare from the registry; the core only compares them
+    entry: str | None = None  # an own arena's entry
 
-def own_arena(entry: str) -> str:
-    """The key of the arena of an entry that shares none: a shared arena's key never
-    starts with NUL (a device name does not), so the two kinds cannot meet."""
-    return "\0" + entry
+    @classmethod
+    def shared(cls, device: str, share: Hashable) -> ArenaKey:
+        return cls(device, share)
+
+    @classmethod
+    def own(cls, device: str, entry: str) -> ArenaKey:
+        return cls(device, None, entry)

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from .eviction import State, arena_key
+from .names import ArenaKey
 
 if TYPE_CHECKING:
     from .core import CacheCore
@@ -199,7 +200,7 @@ def views(core: CacheCore, replicas: dict[str, str], free_memory: dict[str, int 
         e = core.entry(name)
         state: ReplicaState = {State.RESIDENT: "resident", State.LOADING: "loading",
                                State.HOST: "host"}.get(e.state, "absent")  # type: ignore[assignment]
-        victims: dict[str, Victim] = {}  # a shared arena once (cache/core.py, Note [shared arenas])
+        victims: dict[ArenaKey, Victim] = {}  # a shared arena once (cache/core.py, Note [shared arenas])
         pinned = 0
         for x in core.entries.values():
             if x.device != device or x.state is not State.RESIDENT:

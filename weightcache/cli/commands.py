@@ -79,8 +79,8 @@ async def cmd_load(args: argparse.Namespace) -> int:
             while not job.done():
                 await asyncio.wait([job], timeout=0.2)
                 loading = (await c.status())["loading"]
-                # an auto model loads as one of its replicas, "<name>@<device>"
-                p = loading.get(args.name) or next((v for k, v in loading.items() if k.startswith(f"{args.name}@")), None)
+                # an auto model loads as one of its replicas: the entry is the model's
+                p = loading.get(args.name) or next((v for v in loading.values() if v.get("model") == args.name), None)
                 if p and p["bytes_total"]:
                     bar.update(task, visible=True, completed=p["bytes_done"], total=p["bytes_total"],
                                sizes=f"{size(p['bytes_done'])} / {size(p['bytes_total'])}",

@@ -20,7 +20,6 @@ from .. import __version__
 from ..backends import Backend
 from ..cache import CacheCore
 from ..cache.eviction import Quota
-from ..cache.names import is_staging
 from ..config import Settings, load_settings
 from ..errors import BadRequest, ConfigError
 from ..systemd import reloading_message, sd_notify
@@ -277,7 +276,7 @@ class Daemon:
         models = [ModelFigures(e.name, e.device, str(e.state), e.nbytes, e.attach_count,
                                {k: getattr(e, k) for k in MODEL_COUNTERS})
                   for e in list(core.entries.values())
-                  if not is_staging(e.name) and (everyone or self._open_to_all(e.name))]
+                  if not e.staging and (everyone or self._open_to_all(e.name))]
         health = self.health()
         return Snapshot(devices=devices, models=models, last_load_rate=dict(self.residency.stats.last_load_rate),
                         connections=len(self.connections), leases=len(core.leases), ready=health["ready"],

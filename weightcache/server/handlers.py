@@ -21,7 +21,6 @@ from .. import __version__
 from ..backends import Backend
 from ..cache import CacheCore, State
 from ..cache.eviction import tenant_keys
-from ..cache.names import is_staging, published_as
 from ..config import Settings
 from ..errors import (
     Attached,
@@ -276,8 +275,8 @@ async def status(ctx: Context, caller: Caller, req: Request) -> Reply:
         # engines, attaches, loads and evictions) and nothing it needs for its own models.
         "connections": ctx.connections() if admin else None, "leases": len(ctx.core.leases) if admin else None,
         "counters": dict(ctx.residency.stats.counters) if admin else None,
-        "loading": {published_as(name): p.snapshot() for name, p in ctx.residency.stats.progress.items()
-                    if ctx.registry.visible(caller.peer, name)},
+        "loading": {e.shown: {**p.snapshot(), "model": e.model} for name, p in ctx.residency.stats.progress.items()
+                    if (e := ctx.core.entries.get(name)) is not None and ctx.registry.visible(caller.peer, name)},
         "shutting_down": ctx.shutting_down(),
         # What `weightcache ps` shows: the models that hold memory, with their leases.
         "resident": [describe(ctx, name, caller) for name in _listed(ctx, caller.peer)
@@ -328,7 +327,7 @@ def _first(ctx: Context, name: str) -> str:
 
 def _listed(ctx: Context, viewer: Peer) -> list[str]:
     """The entries ``viewer`` is shown: not a publish's staging entry, nor a model it may not use."""
-    return [n for n in ctx.registry.models if not is_staging(n) and ctx.registry.visible(viewer, n)]
+    return [n for n in ctx.registry.models if not ctx.core.entry(n).staging and ctx.registry.visible(viewer, n)]
 
 
 async def models(ctx: Context, caller: Caller, req: Request) -> Reply:

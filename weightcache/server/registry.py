@@ -29,7 +29,7 @@ from typing import Any, Literal
 from ..backends import Arena, Backend, HostCopy
 from ..cache import CacheCore, Entry, State
 from ..cache.eviction import arena_key
-from ..cache.names import files_share, is_staging, rank_entry, replica_entry, staging_entry
+from ..cache.names import ArenaKey, FilesShare, rank_entry, replica_entry, staging_entry
 from ..cache.placement import Placement, place_ranks, views
 from ..config import AUTO, ModelConfig, auto_devices
 from ..errors import BadRequest, LimitExceeded, LoadFailed, PermissionDenied, UnknownModel
@@ -84,7 +84,7 @@ class HostHeld:
 class Resident:
     """One arena's bytes, wherever they are (Note [one record per arena])."""
 
-    key: str  # the core's key of the arena (cache/eviction.arena_key)
+    key: ArenaKey  # the core's key of the arena (cache/eviction.arena_key)
     arena: Arena | None = None  # while some name holds it on its device
     checkpoint: Checkpoint | None = None  # parsed at load time; identity of what is resident (or on the host tier)
     table: bytes = b""  # the attach reply's tensor table, msgpack-encoded once per load: rows
@@ -143,7 +143,7 @@ class Resident:
         eviction that no budget counted. The next load parses the files again."""
         self.checkpoint, self.table, self.columns, self.held = None, b"", b"", 0
 
-    def rename(self, name: str, new: str, key: str) -> None:
+    def rename(self, name: str, new: str, key: ArenaKey) -> None:
         """A publish's staging entry became the model ``new``: its own arena's key is ``key`` now."""
         self.key = key
         if name in self.holders:
@@ -224,7 +224,7 @@ class Dropped:
     host: HostCopy | None  # its host copy
 
 
-def share_key(path: Path, rank: int, ranks: int, owner: int | None) -> str | None:
+def share_key(path: Path, rank: int, ranks: int, owner: int | None) -> FilesShare | None:
     """What makes two names' entries one arena (cache/eviction.py, Note [shared arenas]): the
     same checkpoint path, symlinks resolved, as the same rank of the same number of
     ranks, for the same owner (the core adds the device). So the two always read the same
@@ -237,7 +237,7 @@ def share_key(path: Path, rank: int, ranks: int, owner: int | None) -> str | Non
             return None
     except OSError:
         return None
-    return files_share(real, rank, ranks, owner)
+    return FilesShare(real, rank, ranks, owner)
 
 
 def redacted(error: dict[str, Any]) -> dict[str, Any]:
@@ -253,7 +253,7 @@ class Registry:
         self.backends = backends
         self.access = access
         self.models: dict[str, Model] = {}  # by entry name
-        self.arenas: dict[str, Resident] = {}  # by the core's arena key (Note [one record per arena])
+        self.arenas: dict[ArenaKey, Resident] = {}  # by the core's arena key (Note [one record per arena])
         self.groups: dict[str, list[str]] = {}  # model name -> its entries, in rank order
         # Auto models (Note [placement] in cache/placement.py): model name -> its ranks'
         # slots in rank order; slot -> device -> the replica entry there; slot -> the last
@@ -296,7 +296,7 @@ class Registry:
             share = share_key(path, i, len(mc.parts), owner) if sources is None and origin != "publish" else None
             try:
                 e = self.core.register(entry, device, pinned=mc.pin, keep_alive=mc.keep_alive, share=share,
-                                       tenants=tenants)
+                                       tenants=tenants, model=mc.name)
             except BaseException:
                 for d in done:
                     self.drop_entry(d)
@@ -347,7 +347,8 @@ class Registry:
         """An entry for ``name``'s next version that nobody can reach by name yet (a
         publish fills it, then ``swap_in`` makes it the model; cache/names.py)."""
         staging = staging_entry(name, next(self._staging_ids))
-        self.models[staging] = self._with_record(model, self.core.register(staging, model.device, tenants=tenants))
+        self.models[staging] = self._with_record(model, self.core.register(staging, model.device, tenants=tenants, model=name,
+                                                                           staging=True))
         return staging
 
     def swap_in(self, staging: str, name: str) -> None:
@@ -386,7 +387,8 @@ class Registry:
     def models_owned_by(self, uid: int) -> int:
         """Models ``uid`` registered or published, publishes in flight included (each
         reserved slot too): each once, whatever its ranks or replicas."""
-        return self._reserved[uid] + len({(m.config.name, is_staging(entry)) for entry, m in self.models.items() if m.owner == uid})
+        return self._reserved[uid] + len({(m.config.name, self.core.entry(entry).staging) for entry, m in self.models.items()
+                                          if m.owner == uid})
 
     def reserve_model(self, uid: int) -> Callable[[], None]:
         """Hold one of ``uid``'s max_models_per_uid slots for a publish that has checked the
@@ -426,7 +428,7 @@ class Registry:
         one entry (a shard may also be named directly as ``model@rank``)."""
         if name in self.groups:
             return self.groups[name]
-        if name in self.models and not is_staging(name):
+        if name in self.models and not self.core.entry(name).staging:
             return [name]
         raise UnknownModel(f"no model named {name!r} is registered", model=name)
 

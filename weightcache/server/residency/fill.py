@@ -23,7 +23,6 @@ from typing import Any, Protocol, TypeVar
 from ...backends import Arena, Backend
 from ...cache import CacheCore, LoadPlan, StepDown
 from ...cache.eviction import OWN_PHASES
-from ...cache.names import published_as
 from ...config import DaemonConfig
 from ...errors import LoadFailed, NoSpace, WeightcacheError
 from ...loader import Checkpoint, OpenedSource, Progress, read_checkpoint
@@ -412,7 +411,7 @@ class Fill:
                 # host copy would be a second version of the bytes this record now holds
                 # (Note [one record per arena] in server/registry.py), and a shared arena keeps none.
                 self.core.drop_host(x.name)
-                self.step_down.start(StepDown(drop_host=(x.name,)), f"{published_as(name)} holds the same files' arena now")
+                self.step_down.start(StepDown(drop_host=(x.name,)), f"{self.core.entry(name).shown} holds the same files' arena now")
         if verb in ("loaded", "promoted"):  # what the cost-aware policy prices a return with
             # The fill's own time: waiting in the queue or for frees is not the model's cost.
             own = ("open", *OWN_PHASES)
@@ -423,7 +422,7 @@ class Fill:
         dt = time.monotonic() - t0
         self.stats.filled_bytes[source] += ckpt.data_bytes
         self.stats.filled_seconds[source] = self.stats.filled_seconds.get(source, 0.0) + dt
-        shown = published_as(name)  # a publish's staging entry is renamed to the model
+        shown = self.core.entry(name).shown  # a publish's staging entry is renamed to the model
         # Only for entries still registered: removed models' rates go (the dict grew with every name).
         rates = self.stats.last_load_rate = {k: v for k, v in self.stats.last_load_rate.items() if k in self.registry.models}
         rates[shown] = ckpt.data_bytes / max(dt, 1e-9)
