@@ -145,6 +145,18 @@ async def eventually(check: Any, timeout: float = 10.0, interval: float = 0.05) 
         await asyncio.sleep(interval)
 
 
+def wait_until(check: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05) -> None:
+    """eventually() for sync tests: poll the plain function ``check`` until it returns
+    something true; fail after ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(interval)
+
+
 def write_config(path: Path, sock: str, budget: str, models: dict[str, Path | None], extra_daemon: dict[str, Any] | None = None,
                  budgets: dict[str, str] | None = None, **model_opts: Any) -> None:
     # A model without a path is given its shards in model_opts.
