@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import os
 import select
-import time
 
 import pytest
 import torch
+from conftest import wait_until
 from helpers import root_only
 from safetensors.torch import save_file
 
@@ -51,7 +51,8 @@ def test_symlink_swapped_during_load_never_serves_the_other_file(start_daemon, t
         holder.take_fds()
         assert c.call({"id": 2, "op": "register", "name": "victim", "path": str(link)})["ok"]
         c.send({"id": 3, "op": "attach", "name": "victim", "wait_s": 20})
-        time.sleep(1.0)  # the header is parsed; the load waits for room (filler is attached)
+        # The header is parsed and the load refused for room (filler is attached): it waits.
+        wait_until(lambda: "load victim refused" in d.log_text())
         assert not select.select([c.sock], [], [], 0)[0], "the load did not wait for room: the test proves nothing"
         tmp = roots / "swap.tmp"
         tmp.symlink_to(secret)
