@@ -9,6 +9,7 @@ import asyncio
 import os
 import time
 
+from conftest import wait_until
 from helpers import NOBODY, as_uid, root_only
 from safetensors.torch import save_file
 
@@ -52,7 +53,9 @@ def test_tenant_preload_cannot_make_the_daemon_unready(start_daemon, tmp_path, c
         time.sleep(0.05)
     assert calls(d.socket, [{"id": 1, "op": "health"}])[0]["ready"] is True
     got = as_uid(NOBODY, lambda: _register_by_fds(d.socket, "mine", [str(broken)], preload=True))
-    time.sleep(1.0)
+    if "model" in got:  # accepted: health is read once its preload is over (failed, or loaded after all)
+        wait_until(lambda: any(m["name"].endswith("mine") and m["state"] in ("error", "resident")
+                               for m in calls(d.socket, [{"id": 3, "op": "models"}])[0]["models"]))
     (h,) = calls(d.socket, [{"id": 2, "op": "health"}])
     if "model" in got:  # accepted: its failure must not count against the daemon's readiness
         assert h["ready"] is True, f"a tenant's broken preload made the daemon unready: {h}"
