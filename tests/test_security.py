@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import eventually
 from helpers import NOBODY, as_uid, connect_until_admitted, root_only
 
 from weightcache import Client
@@ -137,7 +138,7 @@ async def test_client_refuses_a_daemon_running_as_an_untrusted_uid():
             srv.listen(1)
             os.write(ready_w, b"1")
             _conn, _ = srv.accept()
-            time.sleep(2)
+            time.sleep(2)  # holds the connection open while the client checks who answered
         finally:
             os._exit(0)
     os.read(ready_r, 1)
@@ -189,7 +190,7 @@ async def test_half_sent_frame_is_timed_out(start_daemon):
     reply = slow.recv()
     assert reply["error"]["code"] == "TIMEOUT" and slow.recv() is None
     assert 0.4 < time.monotonic() - t < 5
-    await asyncio.sleep(0.6)
+    await asyncio.sleep(0.6)  # idle past frame_read_timeout_s (0.5 s) once more: no frame begun, nothing to time out
     assert idle.call({"id": 2, "op": "status"})["ok"]
 
 
@@ -198,16 +199,17 @@ async def test_shutdown_announces_itself_and_waits_for_leases(start_daemon, ckpt
     async with Client(d.socket) as c:
         async with c.attach("tiny"):
             d.proc.send_signal(signal.SIGTERM)
-            for _ in range(100):
-                if c.events:
-                    break
-                await asyncio.sleep(0.05)
+
+            async def announced() -> bool:
+                return bool(c.events)
+
+            await eventually(announced)
             assert c.events[0]["event"] == "shutting_down" and c.events[0]["leases"] == 1
             health = await c.health()
             assert health["serving"] is False and health["ready"] is False  # probes see it too
             with pytest.raises(Exception, match="SHUTTING_DOWN"):
                 await c.attach("tiny").__aenter__()
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # time in which a daemon that did not wait for the lease would exit
             assert d.proc.poll() is None  # still waiting for our lease
             t = time.monotonic()
         # detached: the daemon exits well before its 20 s grace
@@ -223,7 +225,11 @@ async def test_a_long_wait_s_does_not_make_joiners_wait(start_daemon, ckpts):
     async with Client(d.socket) as holder, Client(d.socket) as patient, Client(d.socket) as hasty:
         async with holder.attach("a"):
             waiting = asyncio.ensure_future(patient.load("b", wait_s=30))
-            await asyncio.sleep(0.3)
+
+            async def patient_waits() -> bool:  # refused for room, and waiting for it
+                return "load b refused" in d.log_text()
+
+            await eventually(patient_waits)
             t = time.monotonic()
             with pytest.raises(NoSpace):
                 await hasty.load("b", wait_s=0.2)
