@@ -44,7 +44,12 @@ async def test_no_space_waits_for_a_detach(start_daemon, ckpts):
     async with Client(d.socket) as holder, Client(d.socket) as c:
         async with holder.attach("a"):
             waiting = asyncio.ensure_future(c.load("b", wait_s=30))
-            await asyncio.sleep(0.3)
+
+            async def refused() -> bool:  # the daemon has seen the load and found no room
+                return "load b refused" in d.log_text()
+
+            await eventually(refused)
+            await asyncio.sleep(0.3)  # time in which a load that did not wait would have its NO_SPACE back
             assert not waiting.done()
         assert (await asyncio.wait_for(waiting, 30))["state"] == "resident"
 
@@ -62,7 +67,7 @@ async def test_an_attach_that_waited_for_a_detach_says_how_long(start_daemon, ck
             while "load b refused" not in d.log_text():
                 assert time.monotonic() < deadline and not waiting.done(), "the attach never waited for room"
                 await asyncio.sleep(0.02)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # the wait that waited_s must count
             assert not waiting.done()
         m = await asyncio.wait_for(waiting, 30)
         assert m.source == "files" and 0.4 < m.waited_s < 30  # the wait for holder's detach, not the load
