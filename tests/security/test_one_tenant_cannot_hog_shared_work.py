@@ -10,6 +10,7 @@ import threading
 
 import msgpack
 import pytest
+from conftest import eventually
 
 from weightcache.backends.cpu import CpuBackend
 from weightcache.cache import CacheCore
@@ -49,15 +50,16 @@ async def test_one_tenant_holds_at_most_a_quarter_of_the_io_pool() -> None:
 
     try:
         hog = [asyncio.ensure_future(residency.io.run(work, 1, tenant=1)) for _ in range(4)]
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if running[1] == share:
-                break
+
+        async def hog_runs() -> bool:
+            return running[1] >= share
+
+        async def other_runs() -> bool:
+            return running[2] >= 1
+
+        await eventually(hog_runs)
         other = asyncio.ensure_future(residency.io.run(work, 2, tenant=2))
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if running[2] == 1:
-                break
+        await eventually(other_runs)
         assert running == {1: share, 2: 1}, running  # the other tenant runs while the hog's others wait
         release.set()
         assert await asyncio.gather(*hog, other) == [1, 1, 1, 1, 2]
@@ -90,14 +92,14 @@ async def test_a_call_given_up_keeps_its_share_until_its_thread_returns() -> Non
         first.cancel()  # the caller goes; the thread cannot
         await asyncio.gather(first, return_exceptions=True)
         second = asyncio.ensure_future(residency.io.run(work, 1, tenant=1))
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # time in which a second thread, wrongly started, would set started[1]
         assert not started[1].is_set(), "a second call took the share of a thread still running"
         release.set()
         assert await asyncio.wait_for(second, 10) == 1
-        for _ in range(100):  # the share is given back by the thread's done callback, on the loop
-            if not residency.io._shares:
-                break
-            await asyncio.sleep(0.01)
+        async def shares_given_back() -> bool:  # by the thread's done callback, on the loop
+            return not residency.io._shares
+
+        await eventually(shares_given_back)
         assert residency.io._shares == {}
     finally:
         release.set()
