@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import xxhash
+from conftest import eventually
 from safetensors.torch import save_file
 
 from weightcache.backends.base import StagedRing
@@ -501,9 +502,15 @@ async def test_a_lend_ended_by_its_deadline_leaves_no_task_reading_the_borrowers
     _reader, writer = await asyncio.open_connection("127.0.0.1", srv.sockets[0].getsockname()[1])
     await send(writer, {"op": "stage", "seq": 0, "slot": 0, "offset": 0, "nbytes": 100})
     await asyncio.wait_for(ended, 5)
-    await asyncio.sleep(0.05)
-    left = [t for t in asyncio.all_tasks() - before if t is not asyncio.current_task() and not t.done()]
-    assert not [t for t in left if "recv" in repr(t.get_coro()) or "_answer_in_order" in repr(t.get_coro())], left
+
+    def left() -> list[asyncio.Task[Any]]:  # the lend's reader and reply sender, still running
+        return [t for t in asyncio.all_tasks() - before if t is not asyncio.current_task() and not t.done()
+                and ("recv" in repr(t.get_coro()) or "_answer_in_order" in repr(t.get_coro()))]
+
+    async def none_left() -> bool:  # a cancelled task ends a few turns of the loop later
+        return not left()
+
+    await eventually(none_left)
     writer.close()
     srv.close()
 
@@ -575,7 +582,7 @@ async def test_a_lender_frame_over_the_limit_stops_the_fill_at_once() -> None:
         await recv(reader)
         writer.write((64 * 2**20).to_bytes(4, "big"))  # a frame header past the 16 MiB limit
         await writer.drain()
-        await asyncio.sleep(5)
+        await asyncio.sleep(5)  # and keeps the connection open: the fill must stop on the header, not on a close
 
     srv = await asyncio.start_server(lender, "127.0.0.1", 0)
     reader, writer = await asyncio.open_connection("127.0.0.1", srv.sockets[0].getsockname()[1])
