@@ -107,8 +107,8 @@ async def test_half_sent_scrapes_cannot_pile_up_threads(start_daemon):
         s = socket.create_connection(("127.0.0.1", port))
         s.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
         held.append(s)
-        time.sleep(0.01)
-    time.sleep(0.3)
+        time.sleep(0.01)  # one slow client after another, each taken in by the server before the next
+    time.sleep(0.3)  # time for the threads a server that gave each slow client one would start
     assert threads() <= base + 4, (base, threads())
     for s in held:
         s.close()

@@ -21,7 +21,7 @@ def test_take_waits_for_what_is_given_back_and_counts_the_wait() -> None:
     while room.waiting != 1 and time.monotonic() < deadline:  # a demotion reads this to release early
         time.sleep(0.005)
     assert room.waiting == 1
-    time.sleep(0.05)
+    time.sleep(0.05)  # the wait that take() must count
     room.give(4096)
     t.join(5)
     assert waited and waited[0] >= 0.05 and room.waiting == 0 and room.available == 0

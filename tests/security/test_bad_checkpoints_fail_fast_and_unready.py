@@ -38,7 +38,7 @@ def test_fifo_checkpoints_fail_fast_and_do_not_block_others(start_daemon, tmp_pa
     threads = [threading.Thread(target=load, args=(n,)) for n in fifos]
     for t in threads:
         t.start()
-    time.sleep(0.3)
+    time.sleep(0.3)  # the FIFO loads are under way (blocked on their reads) before the good one asks
     load("good")
     for t in threads:
         t.join()

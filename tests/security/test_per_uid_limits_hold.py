@@ -121,7 +121,7 @@ def test_one_tenant_cannot_use_up_the_partial_frame_budget_of_all(start_daemon):
     try:
         with held_as_uid(NOBODY, hog) as got:
             assert got == {"held": 2}, got
-            time.sleep(0.3)
+            time.sleep(0.3)  # the daemon has read the hog's half frames before root's publish (nothing reports them)
             c = Conn(d.socket, timeout=30)
             try:
                 r = c.call(publish_msg(1, "big-table", table, n * 256), fds=[fd])

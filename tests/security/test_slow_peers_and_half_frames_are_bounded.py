@@ -127,7 +127,7 @@ def test_partial_frames_share_one_budget(start_daemon):
                 except OSError:
                     break
             conns.append(c)
-            time.sleep(0.2)
+            time.sleep(0.2)  # the daemon takes this half frame in before the next comes (nothing shows it but the close)
         third_closed = wait_closed(conns[2].sock, 3)
         assert third_closed is not None, "a third 2 MiB partial frame was held beyond max_partial_frame_bytes (4 MiB)"
         # more of them, while a well-behaved client keeps asking for status: the daemon's
@@ -145,7 +145,7 @@ def test_partial_frames_share_one_budget(start_daemon):
             conns.append(c)
             r = ok.call({"id": 10 + i, "op": "status"})
             assert r is not None and r["ok"], f"a well-behaved connection was dropped for others' partial frames: {r}"
-        time.sleep(1.0)
+        time.sleep(1.0)  # time for the daemon to read whatever it would hold: RSS shows only what it kept
         growth = rss(pid) - base
         assert growth < 16 * MIB, f"daemon RSS grew {growth / MIB:.0f} MiB holding partial frames"
         fresh = Conn(d.socket)
@@ -176,23 +176,23 @@ def test_partial_frame_budget_is_not_charged_to_innocent_connections(start_daemo
                 except BlockingIOError:
                     time.sleep(0.01)
             holders.append(h)
-        time.sleep(0.3)
+        time.sleep(0.3)  # the daemon holds both half frames before the well-behaved call (nothing reports them)
         assert well.call({"id": 1, "op": "status"})["ok"]
         # the offender: replies it never reads fill its socket, so its refusal cannot be sent at once
         off = Conn(d.socket)
         holders.append(off)
         off.sock.sendall(b"".join(encode_frame({"id": 100 + i, "op": "models"}) for i in range(30)))
-        time.sleep(0.5)
+        time.sleep(0.5)  # its replies fill its socket: the refusal below then cannot be sent at once
         off.sock.setblocking(False)
         try:
             off.sock.send(HEADER.pack(2 * MIB - 16) + b"\0" * (512 * 1024))
         except BlockingIOError:
             pass
-        time.sleep(0.05)
+        time.sleep(0.05)  # the over-limit half frame is read; the calls below come while its refusal is pending
         for i in range(5):
             r = well.call({"id": 2 + i, "op": "status"})
             assert r is not None and r["ok"], f"a well-behaved connection was closed for another's partial frame: {r}"
-            time.sleep(0.05)
+            time.sleep(0.05)  # spread over the refusal's second, not all before it
     finally:
         well.close()
         for h in holders:
