@@ -11,6 +11,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "bare-engine": ("bare_engine", "the smallest fresh engine against a fresh load_file, alternating"),
     "churn": ("churn", "200 wire-protocol clients attaching at random, some SIGKILLed (make stress)"),
     "daemon-rss": ("daemon_rss", "the daemon's RSS as a GPU budget's first loads make their staging"),
+    "dead-lenders": ("dead_lenders", "what a borrowing daemon keeps (fds, UCX's CLOSED sockets) of lenders killed mid-transfer"),
     "derived-cost": ("derived_cost", "a conversion that builds tensors: in each engine, or once and attached by the rest"),
     "fresh-attach": ("fresh_attach", "a fresh engine process: import the client, connect, first attach, usable tensors"),
     "hash-contention": ("hash_contention", "what the GPU content hash takes from an engine's kernels"),
