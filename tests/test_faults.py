@@ -79,4 +79,5 @@ async def test_clients_dying_mid_attach_leak_nothing(start_daemon, ckpts):
         # of the file (docs/protocol.md, "file" arenas), or a memfd.
         held = sum(os.path.realpath(f"/proc/{d.proc.pid}/fd/{fd}") == str(ckpts["a"]) for fd in os.listdir(f"/proc/{d.proc.pid}/fd"))
         assert memfds(d.proc.pid) + held == 1
-        assert len(os.listdir(f"/proc/{d.proc.pid}/fd")) == fds_before
+        # No fd leaked: the count may fall (the daemon closes fds of its own meanwhile), never rise.
+        assert len(os.listdir(f"/proc/{d.proc.pid}/fd")) <= fds_before

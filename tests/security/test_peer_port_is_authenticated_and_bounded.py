@@ -240,13 +240,16 @@ def test_frames_on_the_peer_port_are_kilobytes(peer_factory: Any, tmp_path: Path
             assert read_until_eof(s) == b""  # closed without waiting for the payload
     with dial(p.port) as s:  # a frame under 4 KiB of nested arrays is refused by the decode limits, not built
         prove(s, p.key)
-        s.sendall(struct.pack(">I", 4000) + b"\x81\xa2op" + b"\x91" * 3995)
+        payload = b"\x81\xa2op" + b"\x91" * 3996  # the whole frame: a short one waits for its last byte
+        s.sendall(struct.pack(">I", len(payload)) + payload)
+        t = time.monotonic()
         assert read_until_eof(s) == b""
+        assert time.monotonic() - t < 5, "closed by an idle timeout, not refused"
     with dial(p.port) as s:
         prove(s, p.key)
         assert hello(s)["ok"] is True
     assert p.rss() - rss0 < 32 * MIB
-    assert "exceeds the limit of 4096" in p.log_text()
+    assert "exceeds the limit of 4096" in p.log_text() and "malformed frame" in p.log_text()
 
 
 def test_connections_per_address_are_capped_and_given_back(peer_factory: Any, tmp_path: Path) -> None:
