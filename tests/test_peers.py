@@ -130,6 +130,10 @@ async def test_model_resident_in_one_daemon_is_filled_into_the_other(pair: Pair,
                 assert torch.equal(ma[k].reshape(-1).view(torch.uint8), mb[k].reshape(-1).view(torch.uint8)), k
         st = await b.status()
         assert st["peers"]["fills"] == {"ok": 1}
+        # Read by the fill worker, a process of its own, not by the daemon's NIXL agent
+        # (lend_worker.py, Note [a fill lands in a worker]).
+        worker = st["peers"]["fill_worker"]
+        assert worker["fills"] == 1 and worker["pid"] not in (None, borrower.proc.pid), worker
 
         async def lend_ended() -> bool:  # the lender's lease ends with the fill, in its worker threads: soon after
             st = await a.status()
@@ -306,6 +310,52 @@ async def test_lender_killed_mid_transfer_load_finishes_from_the_files(pair: Pai
 
         await wait_for(settled, 10)
     pair.procs.remove(lender)
+
+
+async def test_a_fill_worker_killed_mid_fill_leaves_the_daemon_serving_from_the_files(pair: Pair, tmp_path: Path) -> None:
+    """The fill worker (lend_worker.py, Note [a fill lands in a worker]) dies mid-read: the
+    load finishes from the files, the daemon counts the death, and a later fill starts a
+    new worker and lands."""
+    path = ckpt(tmp_path, 96 * MIB)
+    fp = fingerprint_files(path)
+    lender = pair.start(0, {"m": path})
+    borrower = pair.start(1, {"m": path}, {"fingerprints": f'{{ m = "{fp}" }}', "max_fill_bytes_per_s": '"96MiB"',
+                                           "prefer": '"peers"'})
+    assert borrower.proc is not None
+    async with Client(lender.socket) as a, Client(borrower.socket) as b:
+        await a.load("m")
+        await wait_for(lambda: offered(b, fp))
+        load = asyncio.ensure_future(b.load("m"))
+
+        async def moving() -> bool:
+            got = (await b.status())["loading"].get("m")
+            return got is not None and 0 < got["bytes_done"] < got["bytes_total"] // 2
+
+        await wait_for(moving)
+        worker = (await b.status())["peers"]["fill_worker"]
+        assert worker["pid"] not in (None, borrower.proc.pid), worker
+        os.kill(worker["pid"], signal.SIGKILL)
+        await asyncio.wait_for(load, 60)
+        row = model_row(await b.models(), "m")
+        assert row["source"] == "files" and row["fingerprint"] == fp
+        st = await b.status()
+        assert st["peers"]["fills"] == {"failed": 1} and st["leases"] == 0
+        assert st["peers"]["fill_worker"]["deaths"] == 1 and st["peers"]["fill_worker"]["last_death"] == "signal 9"
+        assert borrower.proc.poll() is None
+        await b.evict("m")
+
+        async def filled_again() -> bool:  # a new worker (at most one start per RESTART_S), after the backoff
+            p = (await b.status())["peers"]["peers"][0]
+            if p["retry_in_s"] > 0:
+                return False
+            await b.load("m")
+            if model_row(await b.models(), "m")["source"] == "neighbour":
+                return True
+            await b.evict("m")
+            return False
+
+        await wait_for(filled_again, 60)
+        assert (await b.status())["peers"]["fill_worker"]["pid"] not in (None, worker["pid"])
 
 
 async def test_a_peer_whose_bytes_do_not_match_the_fingerprint_is_not_served(pair: Pair, tmp_path: Path) -> None:

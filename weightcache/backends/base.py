@@ -140,6 +140,10 @@ class DmaView:
     staged: StagedRing | None = None
     # What a thread needs current to register or read this memory (a GPU's context).
     context: Callable[[], AbstractContextManager[None]] = nullcontext
+    # The file the one region maps from its first byte (a CPU arena's memfd): what a
+    # transfer engine in another process maps to fill it (peers/lend_worker.py's fill
+    # worker). None where the memory is not a file's.
+    fd: int | None = None
 
 
 @dataclass(frozen=True)

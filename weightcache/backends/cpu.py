@@ -288,7 +288,7 @@ class CpuBackend(Backend):
         self._make_memfd(arena, reserve=False)
         assert arena.mapping is not None
         return DmaView([DmaRegion(0, _address(arena.mapping), arena.nbytes)], "DRAM",
-                       prepare=lambda offset, nbytes: self._reserve(arena, offset, nbytes))
+                       prepare=lambda offset, nbytes: self._reserve(arena, offset, nbytes), fd=arena.fd)
 
     def _reserve(self, arena: MemfdArena, offset: int, nbytes: int) -> None:
         try:

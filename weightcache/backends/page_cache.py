@@ -236,6 +236,17 @@ def map_readonly(fd: int, size: int, populate: bool = False) -> int:
     return int(addr)
 
 
+def map_writable(fd: int, size: int) -> int:
+    """A writable shared mapping of ``size`` bytes of ``fd`` (an arena's memfd that a
+    peer's transfer fills in the fill worker, weightcache/peers/lend_worker.py): its
+    address; ``unmap`` undoes it."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        e = ctypes.get_errno()
+        raise OSError(e, f"mmap: {os.strerror(e)}")
+    return int(addr)
+
+
 def unmap(addr: int, size: int) -> None:
     _libc.munmap(addr, size)
 

@@ -40,7 +40,7 @@ from .auth import Secret
 from .choice import REMEASURE_S, Choice, backoff_s, choose, files_default, files_warm, smoothed
 from .directory import Directory, PeerState, connect
 from .fill import Lent, PeerFill
-from .lend_worker import WorkerGone
+from .lend_worker import FillWorker, WorkerGone
 from .server import Lender, ServedModel, ServedModels
 from .staged import CannotLand, StagedFill
 from .transport import TransferFailed, Transport, unavailable
@@ -89,6 +89,7 @@ class Peers:
     def __init__(self, settings: PeersConfig, *, core: CacheCore, registry: ServedModels, backends: dict[str, Backend],
                  notify_space: Callable[[], None], shutting_down: Callable[[], bool]) -> None:
         self.settings = settings
+        self.backends = backends
         self.daemon_id = f"{socket.gethostname()}/{os.getpid()}/{os.urandom(4).hex()}"
         # A key file that cannot be used is the config's error: the daemon does not start (auth.py).
         self.secret = Secret(settings.secret_file) if settings.secret_file is not None else None
@@ -109,6 +110,7 @@ class Peers:
         self._probed: dict[str, tuple[str, bool]] = {}  # load -> (device, warm) it was chosen with
         self._told_unknown: set[str] = set()  # models whose unknown fingerprint was logged (_unknown_fingerprint)
         self._one_fill = asyncio.Lock()
+        self.fill_worker = FillWorker()  # reads fills into host arenas (lend_worker.py, Note [a fill lands in a worker])
 
     async def start(self) -> None:
         """Start NIXL (in a thread: ~0.5 s), the peer port, and the inventory refresh. NIXL
@@ -129,6 +131,11 @@ class Peers:
                 await asyncio.to_thread(self.lender.worker.start)
             except WorkerGone as exc:
                 log.warning("peers: %s; host models are not lent until it starts", exc)
+        if self.nixl_error is None and any(not b.dma_through_ring and b.supports_dma for b in self.backends.values()):
+            try:  # likewise the fill worker's, where a host arena may be filled
+                await asyncio.to_thread(self.fill_worker.start)
+            except WorkerGone as exc:
+                log.warning("peers: %s; host models are filled from their files until it starts", exc)
         assert self.settings.listen is not None
         host, port = wire.split_host_port(self.settings.listen)
         await self.lender.start(host, port)
@@ -141,6 +148,7 @@ class Peers:
             self._refresh.cancel()
             await asyncio.gather(self._refresh, return_exceptions=True)
         await self.lender.close()
+        await asyncio.to_thread(self.fill_worker.close)
 
     def status(self) -> dict[str, Any]:
         return {"listen": self.settings.listen, "daemon": self.daemon_id,
@@ -149,7 +157,7 @@ class Peers:
                 "lending_now": self.lender.lent_now, "lends": self.lender.lends, "refused": self.lender.refused,
                 "authenticated": self.secret is not None, "unauthenticated": self.lender.unauthenticated,
                 "over_limit": self.lender.over_limit, "cut_off": self.lender.cut_off, "lends_ended_for_room": self.lender.ended_for_room,
-                "lend_worker": self.lender.worker.describe(),
+                "lend_worker": self.lender.worker.describe(), "fill_worker": self.fill_worker.describe(),
                 "fills": dict(self.filled),
                 # what the choice (choice.py) compares a peer's fill_bytes_per_s with
                 "files_bytes_per_s": {f"{dev} {'warm' if warm else 'cold'}": round(rate)
@@ -293,7 +301,7 @@ class Peers:
                                   slot_bytes=self.settings.slot_bytes)
             else:
                 fill = PeerFill(self.transport, backend, lent, expected, stop, self.settings.timeout_s,
-                                self.settings.max_fill_bytes_per_s, stall_s=self.settings.stall_s)
+                                self.settings.max_fill_bytes_per_s, stall_s=self.settings.stall_s, worker=self.fill_worker)
             job.source = SOURCE
             phases: dict[str, float] = {}
             await fill_new_arena(job.name, ckpt, backend.capacity(ckpt.arena_bytes), 0, fill,

@@ -17,6 +17,7 @@ back to the files. The lender is never asked for digests: it could lie about the
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from ..backends import Arena, Backend
 from ..errors import LoadFailed
 from ..loader import Checkpoint, Progress
 from ..loader.reader import HASH_BLOCK, Task, TaskHasher, fingerprint, plan_tasks, tensor_digests
+from .lend_worker import FillWorker
 from .transport import Extent, TransferFailed, Transport
 
 # Bytes per read request (whole pieces): at 64 MiB and 4 in flight, 1 GiB over CMA on
@@ -124,6 +126,9 @@ class PeerFill:
     timeout_s: float
     max_bytes_per_s: int | None = None
     stall_s: float = 5.0  # no read completing for this long while some are in flight: give up
+    # The fill worker that reads into host arenas (lend_worker.py, Note [a fill lands in a
+    # worker]); None only where a caller reads with ``transport`` itself (unit tests).
+    worker: FillWorker | None = None
 
     def __call__(self, ckpt: Checkpoint, arena: Arena, progress: Progress) -> str | None:
         if self.lent.staged is not None:  # a GPU lend: peers/staged.py's fill, which __init__ chooses for GPU targets
@@ -136,6 +141,11 @@ class PeerFill:
             # hash kernel (backends/cuda_hash.py) behind a backend hook that does not exist yet.
             raise LoadFailed(f"a fill from a peer into {view.memory} cannot check its pieces yet")
         base = view.regions[0].addr
+        read: Callable[..., None] = self.transport.read
+        if self.worker is not None:
+            if view.fd is None:
+                raise LoadFailed(f"the {arena.device} backend's arena has no file the fill worker can map")
+            read = functools.partial(self.worker.read, view.fd, base, view.regions[0].nbytes)
         # Capped, a read is at most ~1/8 s of the rate (at least one piece): the cap holds
         # within that, not per 64 MiB.
         size = TASK_BYTES if not self.max_bytes_per_s else min(TASK_BYTES, self.max_bytes_per_s // 8)
@@ -218,9 +228,9 @@ class PeerFill:
         prep.start()
         with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="wc-peer-hash") as pool:
             try:
-                self.transport.read(self.lent.metadata, extents, view.memory, view.device_id, self.lent.memory,
-                                    self.lent.device_id, window=WINDOW, on_done=on_done, stop=self.stop,
-                                    deadline=t0 + self.timeout_s, stall_s=self.stall_s, pace=pace)
+                read(self.lent.metadata, extents, view.memory, view.device_id, self.lent.memory,
+                     self.lent.device_id, window=WINDOW, on_done=on_done, stop=self.stop,
+                     deadline=t0 + self.timeout_s, stall_s=self.stall_s, pace=pace)
             except TransferFailed as exc:
                 if failure:  # the target could not be prepared (host memory exhausted)
                     raise failure[0] from None

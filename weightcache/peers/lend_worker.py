@@ -21,15 +21,34 @@ RESTART_S.
 
 GPU lends are not covered: their rings are device memory of the daemon's CUDA context,
 and the child has none (docs/reliability.md, "Peers: threat model and bounds").
+
+Note [a fill lands in a worker]
+-------------------------------
+The borrowing side is the same door turned round: while a read runs, the reader's UCX
+worker is progressed, and over TCP a lender that drives UCX itself could ask it for any
+address of the reader's process. So a fill into host memory is read by a second child,
+the fill worker (started as the lend worker is, ``... lend_child FD fill``): the daemon
+passes the new arena's memfd (not sealed yet: it is being filled), the child maps it
+writable, registers it, and reads the lender's extents into it with its own NIXL agent.
+Its address space holds that arena (the lender's own bytes, on their way in), the
+interpreter and NIXL. The daemon keeps the pacing (each extent is posted only once the
+daemon allowed it: its pages reserved, the rate cap kept) and the checking: it hashes
+each piece from its own mapping of the same memfd as the child reports it in, and checks
+the fingerprint before it seals (fill.py, Note [a peer's bytes are checked]). A read
+returns only once the child answered that none is in flight, or once the child is dead
+(its mapping, and every write into it, gone with it). A GPU fill lands in device memory
+of the daemon's CUDA context, and still reads through the daemon's own agent.
 """
 
 from __future__ import annotations
 
 import array
 import base64
+import contextlib
 import json
 import logging
 import os
+import queue
 import socket
 import struct
 import subprocess
@@ -38,7 +57,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from .transport import Extent
+
+Role = Literal["lend", "fill"]
 
 log = logging.getLogger("weightcache.peers")
 
@@ -101,10 +125,12 @@ def _recv(sock: socket.socket, fds: list[int] | None = None) -> dict[str, object
 
 # -- the daemon's side ---------------------------------------------------------------------
 class LendWorker:
-    """The daemon's handle on its lend worker. Blocking: call from threads. One request at
-    a time; ``on_gone`` is called (in a thread of its own) once the child is gone."""
+    """The daemon's handle on a peer worker, its lend worker (``role`` "lend") or its fill
+    worker ("fill": FillWorker). Blocking: call from threads. One request at a time;
+    ``on_gone`` is called (in a thread of its own) once the child is gone."""
 
-    def __init__(self, on_gone: Callable[[str], None]) -> None:
+    def __init__(self, on_gone: Callable[[str], None], role: Role = "lend") -> None:
+        self.role = role
         self._on_gone = on_gone
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -130,7 +156,7 @@ class LendWorker:
             return self._sock
         wait = self._started_at + RESTART_S - time.monotonic()
         if self._started_at and wait > 0:
-            raise WorkerGone(f"the lend worker died ({self.last_death}); it is started again in {wait:.1f} s")
+            raise WorkerGone(f"the {self.role} worker died ({self.last_death}); it is started again in {wait:.1f} s")
         self._started_at = time.monotonic()
         # As 65534 where the daemon is root: nothing a root daemon may read that the lent
         # fds do not give. Where 65534 cannot run this interpreter or import this package
@@ -138,26 +164,26 @@ class LendWorker:
         uids = [NOBODY, None] if os.geteuid() == 0 else [None]
         for uid in uids:
             try:
-                proc, sock = self._spawn(uid)
+                proc, sock = self._spawn(uid, self.role)
             except WorkerGone as exc:
                 if uid is None:
                     raise
-                log.warning("peers: the lend worker cannot run as uid %d (%s); it runs as uid 0, still holding only "
-                            "what it lends", NOBODY, exc)
+                log.warning("peers: the %s worker cannot run as uid %d (%s); it runs as uid 0, still holding only "
+                            "what it %ss", self.role, NOBODY, exc, self.role)
                 continue
             self.uid = os.geteuid() if uid is None else uid
             self._proc, self._sock = proc, sock
-            threading.Thread(target=self._watch, args=(proc,), name="lend-worker-watch", daemon=True).start()
-            log.info("peers: lend worker started (pid %d, uid %d)", proc.pid, self.uid)
+            threading.Thread(target=self._watch, args=(proc,), name=f"{self.role}-worker-watch", daemon=True).start()
+            log.info("peers: %s worker started (pid %d, uid %d)", self.role, proc.pid, self.uid)
             return sock
         raise AssertionError("unreachable")
 
     @staticmethod
-    def _spawn(uid: int | None) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    def _spawn(uid: int | None, role: Role) -> tuple[subprocess.Popen[bytes], socket.socket]:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))}
         env["PATH"] = "/usr/bin:/bin"
-        argv = [sys.executable, "-I", "-m", "weightcache.peers.lend_child", str(child.fileno())]
+        argv = [sys.executable, "-I", "-m", "weightcache.peers.lend_child", str(child.fileno()), role]
         kw: dict[str, Any] = {"pass_fds": [child.fileno()], "cwd": "/", "env": env, "stdin": subprocess.DEVNULL,
                               "stderr": subprocess.DEVNULL if uid is not None else None, "close_fds": True}
         if uid is not None:
@@ -166,7 +192,7 @@ class LendWorker:
             proc = subprocess.Popen(argv, **kw)
         except OSError as exc:
             parent.close()
-            raise WorkerGone(f"the lend worker did not start: {exc}") from None
+            raise WorkerGone(f"the {role} worker did not start: {exc}") from None
         finally:
             child.close()
         parent.settimeout(START_TIMEOUT_S)
@@ -178,7 +204,7 @@ class LendWorker:
             proc.kill()
             proc.wait()
             parent.close()
-            raise WorkerGone(f"the lend worker did not start: {type(exc).__name__}: {exc}") from None
+            raise WorkerGone(f"the {role} worker did not start: {type(exc).__name__}: {exc}") from None
         parent.settimeout(None)
         return proc, parent
 
@@ -195,7 +221,8 @@ class LendWorker:
         if rc != 0:
             self.deaths += 1
             self.last_death = why
-            log.warning("peers: the lend worker (pid %d) ended with %s; the lends it held are over", proc.pid, why)
+            log.warning("peers: the %s worker (pid %d) ended with %s; the %ss it held are over", self.role, proc.pid, why,
+                        self.role)
             self._on_gone(why)
 
     def _ask(self, msg: dict[str, object], fds: Sequence[int] = ()) -> dict[str, object]:
@@ -206,9 +233,9 @@ class LendWorker:
         except (OSError, EOFError, ValueError) as exc:
             if self._proc is not None:
                 self._proc.kill()
-            raise WorkerGone(f"the lend worker went away: {type(exc).__name__}: {exc}") from None
+            raise WorkerGone(f"the {self.role} worker went away: {type(exc).__name__}: {exc}") from None
         if reply.get("ok") is not True:
-            raise WorkerGone(f"the lend worker refused: {reply.get('error')}")
+            raise WorkerGone(f"the {self.role} worker refused: {reply.get('error')}")
         return reply
 
     def lend(self, lent: LentFiles) -> tuple[int, bytes, list[tuple[int, int, int]]]:
@@ -247,7 +274,235 @@ class LendWorker:
                 proc.wait()
 
 
+# How long past a fill's own deadline (and stall bound) the daemon waits for the fill
+# worker's answer before it kills the worker: its read returns within them, or is stuck.
+FILL_GRACE_S = 30.0
+
+
+class FillWorker(LendWorker):
+    """The daemon's handle on its fill worker (Note [a fill lands in a worker]): ``read``
+    as Transport.read has it, into an arena the worker maps from its memfd."""
+
+    def __init__(self, on_gone: Callable[[str], None] = lambda _why: None) -> None:
+        super().__init__(on_gone, role="fill")
+        self.fills = 0  # reads the worker ran, whatever their outcome
+
+    def describe(self) -> dict[str, object]:
+        return {**super().describe(), "fills": self.fills}
+
+    def read(self, fd: int, base: int, size: int, remote_md: bytes, extents: Sequence[Extent], memory: str, device_id: int,
+             remote_memory: str, remote_device_id: int, *, window: int, on_done: Callable[[int, int], None],
+             stop: Callable[[], str | None], deadline: float, stall_s: float = 5.0,
+             pace: Callable[[int, int], None] = lambda _n, _dst: None) -> None:
+        """Transport.read's contract for a host arena of ``size`` bytes that ``fd`` holds
+        and this process maps at ``base`` (the extents' ``dst`` are in that mapping): the
+        worker posts each extent once ``pace`` returned for it here, keeping up to
+        ``window`` in flight; ``on_done`` runs in this thread as the worker reports each
+        one in. Raises TransferFailed as Transport.read does; returns only once the
+        worker's read has nothing in flight, or the worker is dead."""
+        from .transport import TransferFailed
+
+        if not extents:
+            return
+        if any(not base <= e.dst and e.dst + e.nbytes <= base + size for e in extents):
+            raise TransferFailed("an extent lands outside the arena")
+        with self._lock:
+            try:
+                sock = self._start()
+            except WorkerGone as exc:
+                raise TransferFailed(str(exc)) from None
+            proc = self._proc
+            self.fills += 1
+            try:
+                _send(sock, {"op": "fill", "size": size, "metadata": base64.b64encode(remote_md).decode(),
+                             "memory": memory, "device_id": device_id, "remote_memory": remote_memory,
+                             "remote_device_id": remote_device_id, "window": window, "stall_s": stall_s,
+                             "timeout_s": max(0.0, deadline - time.monotonic()),
+                             "extents": [[e.dst - base, e.src, e.nbytes] for e in extents]}, [fd])
+            except OSError as exc:
+                raise TransferFailed(f"the fill worker went away: {exc}") from None
+            inbox: queue.Queue[dict[str, object] | BaseException] = queue.Queue()
+            answered = threading.Event()  # the worker's read is over: nothing of it in flight
+
+            def listen() -> None:  # the worker's reports, until its answer (or its end)
+                while True:
+                    try:
+                        msg = _recv(sock)
+                    except (OSError, EOFError, ValueError) as exc:
+                        inbox.put(exc)
+                        return
+                    inbox.put(msg)
+                    if "result" in msg:
+                        answered.set()
+                        return
+
+            listener = threading.Thread(target=listen, name="fill-worker-listen", daemon=True)
+            listener.start()
+            try:
+                self._run_fill(sock, inbox, extents, base, window, on_done, stop, pace,
+                               deadline + stall_s + FILL_GRACE_S)
+            except BaseException as exc:
+                # Nothing may write into the arena once this returns: the worker answered
+                # (no read in flight), or it is killed and reaped here. A failure on this
+                # side (the target's pages could not be reserved) stops the worker's read.
+                with contextlib.suppress(OSError):
+                    _send(sock, {"op": "stop", "why": f"the daemon stopped the fill: {type(exc).__name__}: {exc}"})
+                listener.join(FILL_GRACE_S)
+                if not answered.is_set() and proc is not None:  # stuck, dead, or speaking nonsense
+                    proc.kill()
+                    proc.wait()
+                    listener.join()
+                raise
+            finally:
+                if answered.is_set():
+                    with contextlib.suppress(OSError):
+                        _send(sock, {"op": "finish"})
+
+    def _run_fill(self, sock: socket.socket, inbox: queue.Queue[dict[str, object] | BaseException],
+                  extents: Sequence[Extent], base: int, window: int, on_done: Callable[[int, int], None],
+                  stop: Callable[[], str | None], pace: Callable[[int, int], None], give_up_at: float) -> None:
+        from .transport import TransferFailed
+
+        allowed = done = 0
+        asked_to_stop = False
+        while True:
+            while not asked_to_stop and allowed < len(extents) and allowed - done < window:
+                e = extents[allowed]
+                pace(e.nbytes, e.dst)  # its pages reserved, the rate cap kept: then the worker may post it
+                allowed += 1
+                _send(sock, {"op": "allow", "upto": allowed})
+            try:
+                msg = inbox.get(timeout=0.05)
+            except queue.Empty:
+                why = stop()
+                if why is not None and not asked_to_stop:
+                    asked_to_stop = True
+                    _send(sock, {"op": "stop", "why": why})
+                if time.monotonic() > give_up_at:
+                    raise TransferFailed("the fill worker did not answer in time") from None
+                continue
+            if isinstance(msg, BaseException):
+                raise TransferFailed(f"the fill worker went away: {type(msg).__name__}: {msg}")
+            if "done" in msg:
+                d = msg["done"]
+                if not (isinstance(d, list) and len(d) == 2 and all(isinstance(x, int) for x in d)):
+                    raise TransferFailed("the fill worker's report is malformed")
+                on_done(base + d[0], d[1])
+                done += 1
+            elif msg.get("result") == "ok":
+                if done != len(extents):
+                    raise TransferFailed(f"the fill worker reported {done} of {len(extents)} extents in")
+                return
+            else:
+                raise TransferFailed(str(msg.get("error", "the fill worker's read failed")))
+
+
 # -- the child -----------------------------------------------------------------------------
+def _serve_fills(sock: socket.socket) -> None:
+    """The fill worker: one read at a time into the memfd the daemon passed (Note [a fill
+    lands in a worker])."""
+    from .transport import Transport
+
+    try:
+        transport = Transport()
+    except Exception as exc:
+        _send(sock, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        return
+    _send(sock, {"ok": True})
+    while True:
+        fds: list[int] = []
+        try:
+            msg = _recv(sock, fds)
+        except (EOFError, OSError):
+            os._exit(0)  # the daemon closed the socket, or died
+        try:
+            if msg.get("op") != "fill" or len(fds) != 1:
+                _send(sock, {"result": "failed", "error": f"unknown op {msg.get('op')!r} with {len(fds)} fd(s)"})
+                continue
+            _FillInWorker(sock, transport, fds[0], msg).run()
+        except Exception as exc:
+            with contextlib.suppress(OSError):
+                _send(sock, {"result": "failed", "error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+class _FillInWorker:
+    """One read in the fill worker: the extents are posted as the daemon's ``allow``s come,
+    stopped by its ``stop``; a thread reads those until the daemon's ``finish``, which
+    follows this read's answer."""
+
+    def __init__(self, sock: socket.socket, transport: Any, fd: int, msg: dict[str, object]) -> None:
+        self.sock, self.transport, self.fd, self.msg = sock, transport, fd, msg
+        self.cond = threading.Condition()
+        self.allowed = self.posted = 0
+        self.why: str | None = None
+
+    def run(self) -> None:
+        from ..backends.page_cache import map_writable, unmap
+        from .transport import Extent, TransferFailed
+
+        msg = self.msg
+        size, raw = msg["size"], msg["extents"]
+        if not (isinstance(size, int) and size > 0 and isinstance(raw, list)):
+            raise ValueError("a fill without a size or extents")
+        addr = map_writable(self.fd, size)
+        try:
+            extents = [Extent(addr + off, src, n) for off, src, n in raw if off >= 0 and n > 0 and off + n <= size]
+            if len(extents) != len(raw):
+                raise ValueError("an extent lands outside the arena")
+            listener = threading.Thread(target=self._control, daemon=True)
+            listener.start()
+            try:
+                self.transport.read(base64.b64decode(str(msg["metadata"])), extents, str(msg["memory"]),
+                                    int(str(msg["device_id"])), str(msg["remote_memory"]), int(str(msg["remote_device_id"])),
+                                    window=int(str(msg["window"])), stall_s=float(str(msg["stall_s"])),
+                                    deadline=time.monotonic() + float(str(msg["timeout_s"])),
+                                    on_done=lambda dst, n: _send(self.sock, {"done": [dst - addr, n]}),
+                                    stop=self._stop, pace=self._pace)
+                _send(self.sock, {"result": "ok"})
+            except TransferFailed as exc:
+                _send(self.sock, {"result": "failed", "error": str(exc)})
+            if self._stop() == GONE:
+                os._exit(0)
+            listener.join()
+        finally:
+            unmap(addr, size)
+
+    def _control(self) -> None:
+        while True:
+            try:
+                m = _recv(self.sock)
+            except (EOFError, OSError, ValueError):
+                m = {"op": "stop", "why": GONE}
+            with self.cond:
+                upto = m.get("upto")
+                if m.get("op") == "allow" and isinstance(upto, int):
+                    self.allowed = max(self.allowed, upto)
+                elif m.get("op") == "stop":
+                    self.why = self.why or str(m.get("why"))
+                self.cond.notify_all()
+                if m.get("op") == "finish" or self.why == GONE:
+                    return
+
+    def _pace(self, _nbytes: int, _dst: int) -> None:
+        from .transport import TransferFailed
+
+        with self.cond:
+            self.cond.wait_for(lambda: self.allowed > self.posted or self.why is not None)
+            if self.why is not None:
+                raise TransferFailed(self.why)
+            self.posted += 1
+
+    def _stop(self) -> str | None:
+        with self.cond:
+            return self.why
+
+
+GONE = "the daemon went away"
+
+
 def _serve(sock: socket.socket) -> None:
     from ..backends.page_cache import map_readonly, unmap
     from .transport import Transport
@@ -307,7 +562,7 @@ def _serve(sock: socket.socket) -> None:
                 os.close(fd)
 
 
-def serve_fd(fd: int) -> None:
+def serve_fd(fd: int, role: str = "lend") -> None:
     """The child's life: serve the daemon on the socket ``fd`` until it closes (lend_child.py)."""
-    logging.basicConfig(level=logging.WARNING, format="lend worker: %(message)s")
-    _serve(socket.socket(fileno=fd))
+    logging.basicConfig(level=logging.WARNING, format=f"{role} worker: %(message)s")
+    (_serve_fills if role == "fill" else _serve)(socket.socket(fileno=fd))
