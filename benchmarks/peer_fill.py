@@ -310,7 +310,10 @@ def start(tmp: Path, i: int, model: Path, ports: list[int], fp: str | None, devi
              f'secret_file = "{key}"\n'
              + (f'fingerprints = {{ m = "{fp}" }}\n' if fp else "")
              + (f'gpu_ring_bytes = "{ring}"\n' if ring else "")
-             + 'prefer = "peers"\n')  # every round's fill from the peer: what is measured here, whatever is faster
+             + 'prefer = "peers"\n'  # every round's fill from the peer: what is measured here, whatever is faster
+             # The lender's window of LENDS_PER_MODEL lends (5 x timeout_s, peers/server.py) kept
+             # short, so that every round is lent: at the default 120 s, the 5th round was refused.
+             + ('timeout_s = 4\n' if i == 0 else ""))
     tag = f"d{i}-{ring}" if ring else f"d{i}"
     cfg = tmp / f"{tag}.toml"
     cfg.write_text(text)

@@ -48,7 +48,6 @@ import contextlib
 import json
 import logging
 import os
-import queue
 import socket
 import struct
 import subprocess
@@ -296,15 +295,16 @@ class FillWorker(LendWorker):
              pace: Callable[[int, int], None] = lambda _n, _dst: None) -> None:
         """Transport.read's contract for a host arena of ``size`` bytes that ``fd`` holds
         and this process maps at ``base`` (the extents' ``dst`` are in that mapping): the
-        worker posts each extent once ``pace`` returned for it here, keeping up to
-        ``window`` in flight; ``on_done`` runs in this thread as the worker reports each
-        one in. Raises TransferFailed as Transport.read does; returns only once the
-        worker's read has nothing in flight, or the worker is dead."""
+        worker keeps up to ``window`` reads in flight, posting each extent only once
+        ``pace`` returned for it here (this thread allows them as far ahead as ``pace``
+        lets it); ``on_done`` runs in a listening thread as the worker reports each one
+        in. Raises TransferFailed as Transport.read does; returns only once the worker's
+        read has nothing in flight, or the worker is dead."""
         from .transport import TransferFailed
 
         if not extents:
             return
-        if any(not base <= e.dst and e.dst + e.nbytes <= base + size for e in extents):
+        if any(not (base <= e.dst and e.dst + e.nbytes <= base + size) for e in extents):
             raise TransferFailed("an extent lands outside the arena")
         with self._lock:
             try:
@@ -321,26 +321,11 @@ class FillWorker(LendWorker):
                              "extents": [[e.dst - base, e.src, e.nbytes] for e in extents]}, [fd])
             except OSError as exc:
                 raise TransferFailed(f"the fill worker went away: {exc}") from None
-            inbox: queue.Queue[dict[str, object] | BaseException] = queue.Queue()
-            answered = threading.Event()  # the worker's read is over: nothing of it in flight
-
-            def listen() -> None:  # the worker's reports, until its answer (or its end)
-                while True:
-                    try:
-                        msg = _recv(sock)
-                    except (OSError, EOFError, ValueError) as exc:
-                        inbox.put(exc)
-                        return
-                    inbox.put(msg)
-                    if "result" in msg:
-                        answered.set()
-                        return
-
-            listener = threading.Thread(target=listen, name="fill-worker-listen", daemon=True)
+            fill = _FillFromDaemon(sock, base, len(extents), on_done)
+            listener = threading.Thread(target=fill.listen, name="fill-worker-listen", daemon=True)
             listener.start()
             try:
-                self._run_fill(sock, inbox, extents, base, window, on_done, stop, pace,
-                               deadline + stall_s + FILL_GRACE_S)
+                fill.run(extents, stop, pace, deadline + stall_s + FILL_GRACE_S)
             except BaseException as exc:
                 # Nothing may write into the arena once this returns: the worker answered
                 # (no read in flight), or it is killed and reaped here. A failure on this
@@ -348,53 +333,84 @@ class FillWorker(LendWorker):
                 with contextlib.suppress(OSError):
                     _send(sock, {"op": "stop", "why": f"the daemon stopped the fill: {type(exc).__name__}: {exc}"})
                 listener.join(FILL_GRACE_S)
-                if not answered.is_set() and proc is not None:  # stuck, dead, or speaking nonsense
+                if not fill.answered.is_set() and proc is not None:  # stuck, dead, or speaking nonsense
                     proc.kill()
                     proc.wait()
                     listener.join()
                 raise
             finally:
-                if answered.is_set():
+                if fill.answered.is_set():
                     with contextlib.suppress(OSError):
                         _send(sock, {"op": "finish"})
 
-    def _run_fill(self, sock: socket.socket, inbox: queue.Queue[dict[str, object] | BaseException],
-                  extents: Sequence[Extent], base: int, window: int, on_done: Callable[[int, int], None],
-                  stop: Callable[[], str | None], pace: Callable[[int, int], None], give_up_at: float) -> None:
+
+class _FillFromDaemon:
+    """One read through the fill worker, the daemon's side: ``run`` allows the extents one
+    by one as ``pace`` lets it, then waits for the answer; ``listen`` (a thread) hands
+    each report to ``on_done`` and notes the answer."""
+
+    def __init__(self, sock: socket.socket, base: int, count: int, on_done: Callable[[int, int], None]) -> None:
+        self.sock, self.base, self.count, self.on_done = sock, base, count, on_done
+        self.answered = threading.Event()  # the worker's read is over: nothing of it in flight
+        self.over = threading.Event()  # the listener is done, answered or not
+        self.done = 0
+        self.error: str | None = None  # why the read failed, as the worker or this side saw it
+
+    def listen(self) -> None:
+        try:
+            while True:
+                try:
+                    msg = _recv(self.sock)
+                except (OSError, EOFError, ValueError) as exc:
+                    self.error = self.error or f"the fill worker went away: {type(exc).__name__}: {exc}"
+                    return
+                if "result" in msg:
+                    if msg["result"] != "ok":
+                        self.error = self.error or str(msg.get("error", "the fill worker's read failed"))
+                    elif self.done != self.count:
+                        self.error = self.error or f"the fill worker reported {self.done} of {self.count} extents in"
+                    self.answered.set()
+                    return
+                d = msg.get("done")
+                if not (isinstance(d, list) and len(d) == 2 and all(isinstance(x, int) for x in d)):
+                    self.error = self.error or "the fill worker's report is malformed"
+                    continue
+                if self.error is None:
+                    try:
+                        self.on_done(self.base + d[0], d[1])
+                    except Exception as exc:  # hashing a piece failed: the fill fails
+                        self.error = f"{type(exc).__name__}: {exc}"
+                self.done += 1
+        finally:
+            self.over.set()
+
+    def run(self, extents: Sequence[Extent], stop: Callable[[], str | None], pace: Callable[[int, int], None],
+            give_up_at: float) -> None:
         from .transport import TransferFailed
 
-        allowed = done = 0
         asked_to_stop = False
-        while True:
-            while not asked_to_stop and allowed < len(extents) and allowed - done < window:
-                e = extents[allowed]
-                pace(e.nbytes, e.dst)  # its pages reserved, the rate cap kept: then the worker may post it
-                allowed += 1
-                _send(sock, {"op": "allow", "upto": allowed})
-            try:
-                msg = inbox.get(timeout=0.05)
-            except queue.Empty:
-                why = stop()
-                if why is not None and not asked_to_stop:
-                    asked_to_stop = True
-                    _send(sock, {"op": "stop", "why": why})
-                if time.monotonic() > give_up_at:
-                    raise TransferFailed("the fill worker did not answer in time") from None
-                continue
-            if isinstance(msg, BaseException):
-                raise TransferFailed(f"the fill worker went away: {type(msg).__name__}: {msg}")
-            if "done" in msg:
-                d = msg["done"]
-                if not (isinstance(d, list) and len(d) == 2 and all(isinstance(x, int) for x in d)):
-                    raise TransferFailed("the fill worker's report is malformed")
-                on_done(base + d[0], d[1])
-                done += 1
-            elif msg.get("result") == "ok":
-                if done != len(extents):
-                    raise TransferFailed(f"the fill worker reported {done} of {len(extents)} extents in")
-                return
-            else:
-                raise TransferFailed(str(msg.get("error", "the fill worker's read failed")))
+
+        def check() -> None:
+            nonlocal asked_to_stop
+            why = self.error or stop()
+            if why is not None and not asked_to_stop:
+                asked_to_stop = True
+                _send(self.sock, {"op": "stop", "why": why})
+            if self.over.is_set() and not self.answered.is_set():
+                raise TransferFailed(self.error or "the fill worker went away")
+            if time.monotonic() > give_up_at:
+                raise TransferFailed("the fill worker did not answer in time")
+
+        for k, e in enumerate(extents):
+            check()
+            if asked_to_stop:
+                break
+            pace(e.nbytes, e.dst)  # its pages reserved, the rate cap kept: then the worker may post it
+            _send(self.sock, {"op": "allow", "upto": k + 1})
+        while not self.over.wait(0.05):
+            check()
+        if not self.answered.is_set() or self.error is not None:
+            raise TransferFailed(self.error or "the fill worker went away")
 
 
 # -- the child -----------------------------------------------------------------------------
@@ -448,12 +464,14 @@ class _FillInWorker:
         if not (isinstance(size, int) and size > 0 and isinstance(raw, list)):
             raise ValueError("a fill without a size or extents")
         addr = map_writable(self.fd, size)
+        mapped = True
         try:
             extents = [Extent(addr + off, src, n) for off, src, n in raw if off >= 0 and n > 0 and off + n <= size]
             if len(extents) != len(raw):
                 raise ValueError("an extent lands outside the arena")
             listener = threading.Thread(target=self._control, daemon=True)
             listener.start()
+            result: dict[str, object] = {"result": "ok"}
             try:
                 self.transport.read(base64.b64decode(str(msg["metadata"])), extents, str(msg["memory"]),
                                     int(str(msg["device_id"])), str(msg["remote_memory"]), int(str(msg["remote_device_id"])),
@@ -461,14 +479,19 @@ class _FillInWorker:
                                     deadline=time.monotonic() + float(str(msg["timeout_s"])),
                                     on_done=lambda dst, n: _send(self.sock, {"done": [dst - addr, n]}),
                                     stop=self._stop, pace=self._pace)
-                _send(self.sock, {"result": "ok"})
             except TransferFailed as exc:
-                _send(self.sock, {"result": "failed", "error": str(exc)})
+                result = {"result": "failed", "error": str(exc)}
+            # Unmapped before the answer: the daemon seals the memfd next, which a writable
+            # mapping left here would refuse (EBUSY).
+            unmap(addr, size)
+            mapped = False
+            _send(self.sock, result)
             if self._stop() == GONE:
                 os._exit(0)
             listener.join()
         finally:
-            unmap(addr, size)
+            if mapped:
+                unmap(addr, size)
 
     def _control(self) -> None:
         while True:
