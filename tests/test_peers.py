@@ -134,6 +134,8 @@ async def test_model_resident_in_one_daemon_is_filled_into_the_other(pair: Pair,
         # (lend_worker.py, Note [a fill lands in a worker]).
         worker = st["peers"]["fill_worker"]
         assert worker["fills"] == 1 and worker["pid"] not in (None, borrower.proc.pid), worker
+        # CPU daemons: no NIXL agent (no UCX worker) in either daemon's own process.
+        assert st["peers"]["agent"] is None and (await a.status())["peers"]["agent"] is None
 
         async def lend_ended() -> bool:  # the lender's lease ends with the fill, in its worker threads: soon after
             st = await a.status()

@@ -98,7 +98,8 @@ class Peers:
         self.nixl_error: str | None = None
         self._shutting_down = shutting_down
         self.lender = Lender(daemon_id=self.daemon_id, core=core, registry=registry, backends=backends,
-                             transport=lambda: self.transport, allowed=self.directory.allowed, notify_space=notify_space,
+                             transport=lambda: self.transport, nixl_ok=lambda: self.nixl_error is None,
+                             allowed=self.directory.allowed, notify_space=notify_space,
                              secret=self.secret, known=self.directory.known,
                              timeout_s=settings.timeout_s, serve=settings.serve, slot_bytes=settings.slot_bytes)
         self._refresh: asyncio.Task[None] | None = None
@@ -114,9 +115,13 @@ class Peers:
 
     async def start(self) -> None:
         """Start NIXL (in a thread: ~0.5 s), the peer port, and the inventory refresh. NIXL
-        that cannot start is logged and shown in status; the daemon serves from its files."""
+        that cannot start is logged and shown in status; the daemon serves from its files.
+        The daemon runs a NIXL agent of its own only where a GPU arena may be lent or filled
+        (through device rings in its CUDA context); host memory is lent and filled by the
+        lend and fill workers alone (lend_worker.py), so a daemon without a GPU budget has
+        no UCX worker for a peer to reach."""
         self.nixl_error = await asyncio.to_thread(unavailable)
-        if self.nixl_error is None:
+        if self.nixl_error is None and any(b.dma_through_ring for b in self.backends.values()):
             try:
                 self.transport = await asyncio.to_thread(Transport)
             except Exception as exc:
@@ -139,8 +144,9 @@ class Peers:
         assert self.settings.listen is not None
         host, port = wire.split_host_port(self.settings.listen)
         await self.lender.start(host, port)
-        log.info("peer port on %s (NIXL agent %s)", self.settings.listen,
-                 self.transport.name if self.transport else "not started")
+        log.info("peer port on %s (NIXL %s; the daemon's own agent: %s)", self.settings.listen,
+                 "ok" if self.nixl_error is None else "unavailable",
+                 self.transport.name if self.transport else "none")
         self._refresh = asyncio.ensure_future(self.directory.run())
 
     async def close(self) -> None:
@@ -152,7 +158,8 @@ class Peers:
 
     def status(self) -> dict[str, Any]:
         return {"listen": self.settings.listen, "daemon": self.daemon_id,
-                "nixl": "ok" if self.transport is not None else self.nixl_error,
+                "nixl": "ok" if self.nixl_error is None else self.nixl_error,
+                "agent": self.transport.name if self.transport is not None else None,
                 "peers": [p.describe() for p in self.directory.peers.values()],
                 "lending_now": self.lender.lent_now, "lends": self.lender.lends, "refused": self.lender.refused,
                 "authenticated": self.secret is not None, "unauthenticated": self.lender.unauthenticated,
@@ -174,7 +181,8 @@ class Peers:
         load's cancellation, pass through as from any fill."""
         name = job.name
         self._probed.pop(name, None)  # an earlier load's, refused for room: not this one's state
-        if (self.transport is None or not backend.supports_dma or (backend.dma_through_ring and not backend.can_land_dma)
+        if (self.nixl_error is not None or not backend.supports_dma
+                or (backend.dma_through_ring and (self.transport is None or not backend.can_land_dma))
                 or model.origin != "config" or model.owner is not None):
             return False
         expected = known_fingerprint(self.settings, name, ckpt, opened)
@@ -274,7 +282,6 @@ class Peers:
 
     async def _lend_and_fill(self, fill_new_arena: Callable[..., Awaitable[None]], job: Job, ckpt: Checkpoint,
                              backend: Backend, peer: PeerState, expected: str, choice: Choice) -> float:
-        assert self.transport is not None
         reader, writer, _ = await connect(peer.address, self.daemon_id, self.secret)
         channel: LendChannel | None = None
         watcher: asyncio.Task[None] | None = None
@@ -296,6 +303,7 @@ class Peers:
 
             fill: PeerFill | StagedFill
             if backend.dma_through_ring:
+                assert self.transport is not None  # fill() asks a peer for a GPU arena only with the agent up
                 fill = StagedFill(self.transport, backend, lent, expected, stop, channel, self.settings.timeout_s,
                                   self.settings.max_fill_bytes_per_s, stall_s=self.settings.stall_s,
                                   slot_bytes=self.settings.slot_bytes)

@@ -118,7 +118,7 @@ class PeerFill:
     """A fill strategy (server/residency/fill.py): ``lent``'s bytes read over NIXL into the arena,
     every piece hashed, the fingerprint checked (Note [a peer's bytes are checked])."""
 
-    transport: Transport
+    transport: Transport | None  # the daemon's own agent; host fills read through ``worker`` instead
     backend: Backend
     lent: Lent
     expected: str  # the fingerprint this daemon's files have
@@ -141,11 +141,14 @@ class PeerFill:
             # hash kernel (backends/cuda_hash.py) behind a backend hook that does not exist yet.
             raise LoadFailed(f"a fill from a peer into {view.memory} cannot check its pieces yet")
         base = view.regions[0].addr
-        read: Callable[..., None] = self.transport.read
         if self.worker is not None:
             if view.fd is None:
                 raise LoadFailed(f"the {arena.device} backend's arena has no file the fill worker can map")
-            read = functools.partial(self.worker.read, view.fd, base, view.regions[0].nbytes)
+            read: Callable[..., None] = functools.partial(self.worker.read, view.fd, base, view.regions[0].nbytes)
+        elif self.transport is not None:
+            read = self.transport.read
+        else:
+            raise LoadFailed("no NIXL agent to read a peer's copy with")
         # Capped, a read is at most ~1/8 s of the rate (at least one piece): the cap holds
         # within that, not per 64 MiB.
         size = TASK_BYTES if not self.max_bytes_per_s else min(TASK_BYTES, self.max_bytes_per_s // 8)

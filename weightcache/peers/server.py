@@ -139,14 +139,16 @@ class Lending:
 
 class Lender:
     def __init__(self, *, daemon_id: str, core: CacheCore, registry: ServedModels, backends: dict[str, Backend],
-                 transport: Callable[[], Transport | None], allowed: Callable[[str], Awaitable[bool]],
+                 transport: Callable[[], Transport | None], nixl_ok: Callable[[], bool],
+                 allowed: Callable[[str], Awaitable[bool]],
                  notify_space: Callable[[], None], timeout_s: float, serve: bool, slot_bytes: int,
                  secret: Secret | None = None, known: Callable[[str], bool | None] | None = None) -> None:
         self.daemon_id = daemon_id
         self.core = core
         self.registry = registry
         self.backends = backends
-        self._transport = transport
+        self._transport = transport  # the daemon's own NIXL agent: GPU lends only (None on a host without them)
+        self._nixl_ok = nixl_ok  # NIXL can start here: the lend worker's agent can
         self._allowed = allowed
         self._notify_space = notify_space
         self.timeout_s = timeout_s
@@ -257,7 +259,7 @@ class Lender:
         """What this daemon would lend now; nothing without NIXL (it would refuse every
         lend, and its peers would count the refusals as failed fills)."""
         out: list[dict[str, Any]] = []
-        if self._transport() is None:
+        if not self._nixl_ok():
             return out
         room = wire.MAX_INVENTORY_FRAME - 64  # the frame's header and the reply's own keys
         for name, m in self.registry.models.items():
@@ -385,7 +387,7 @@ class Lender:
             await wire.send(writer, wire.reply_error("BAD_REQUEST", "lend needs a fingerprint and a layout (strings)"))
             return
         name = self._find(fingerprint, layout) if self.serve else None
-        if name is None or transport is None:
+        if name is None or not self._nixl_ok():
             await wire.send(writer, wire.reply_error("UNKNOWN_MODEL", "no lendable resident model has that fingerprint and layout"))
             return
         if self._by_peer.get(host, 0) >= LENDS_PER_PEER:
@@ -420,6 +422,7 @@ class Lender:
         t0 = time.monotonic()
         try:
             if backend.dma_through_ring:
+                assert transport is not None  # Peers starts its own agent where a backend lends through a ring
                 await self._lend_ring(backend, arena, transport, reader, writer, lending, t0)
             else:
                 await self._lend_files(backend, arena, reader, writer, lending, t0)
