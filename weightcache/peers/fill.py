@@ -189,7 +189,8 @@ class PeerFill:
 
         posted = 0
         # The target's pages are reserved a task ahead of the reads (DmaView.prepare), in
-        # a thread of its own, up to PREPARE_AHEAD bytes beyond the last read posted.
+        # a thread of its own, up to PREPARE_AHEAD bytes beyond the last read posted (or, through
+        # the fill worker, allowed: lend_worker.py's FillWorker.read).
         prepared = threading.Condition()
         ready = [0, 0]  # [bytes of the arena prepared, bytes posted]
         failure: list[BaseException] = []

@@ -32,12 +32,16 @@ passes the new arena's memfd (not sealed yet: it is being filled), the child map
 writable, registers it, and reads the lender's extents into it with its own NIXL agent.
 Its address space holds that arena (the lender's own bytes, on their way in), the
 interpreter and NIXL. The daemon keeps the pacing (each extent is posted only once the
-daemon allowed it: its pages reserved, the rate cap kept) and the checking: it hashes
-each piece from its own mapping of the same memfd as the child reports it in, and checks
-the fingerprint before it seals (fill.py, Note [a peer's bytes are checked]). A read
-returns only once the child answered that none is in flight, or once the child is dead
-(its mapping, and every write into it, gone with it). A GPU fill lands in device memory
-of the daemon's CUDA context, and still reads through the daemon's own agent.
+daemon allowed it: its pages reserved, the rate cap kept; at most 2 x the window ahead of
+the reports, so the child's socket never fills) and the checking: it accepts a report
+only for an extent it allowed and that was not reported yet, hashes each piece from its
+own mapping of the same memfd as it is reported in, and checks the fingerprint before it
+seals (fill.py, Note [a peer's bytes are checked]). A read returns after a clean "ok"
+(the child unmapped the arena before it answered, so the seal that follows finds no
+writable mapping), or, for any other ending, once the child and its session are killed
+and reaped, so that nothing of one fill can write into, or answer for, the next. A GPU
+fill lands in device memory of the daemon's CUDA context, and still reads through the
+daemon's own agent.
 """
 
 from __future__ import annotations
@@ -112,9 +116,9 @@ def _recv_exactly(sock: socket.socket, n: int, fds: list[int] | None = None) -> 
     return bytes(out)
 
 
-def _recv(sock: socket.socket, fds: list[int] | None = None) -> dict[str, object]:
+def _recv(sock: socket.socket, fds: list[int] | None = None, limit: int = MAX_MESSAGE) -> dict[str, object]:
     (n,) = HEADER.unpack(_recv_exactly(sock, HEADER.size, fds))
-    if n > MAX_MESSAGE:
+    if n > limit:
         raise EOFError(f"a message of {n} bytes")
     msg = json.loads(_recv_exactly(sock, n))
     if not isinstance(msg, dict):
@@ -138,6 +142,7 @@ class LendWorker:
         self._started_at = 0.0
         self.deaths = 0  # children that died or broke the protocol
         self.last_death: str | None = None
+        self._ended: set[int] = set()  # pids this side killed on purpose (FillWorker): not deaths
         self.lending: set[int] = set()
         self.uid: int | None = None  # the child's
 
@@ -183,7 +188,9 @@ class LendWorker:
         env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))}
         env["PATH"] = "/usr/bin:/bin"
         argv = [sys.executable, "-I", "-m", "weightcache.peers.lend_child", str(child.fileno()), role]
+        # A session of its own: killing the worker kills what it forked too (kill_group).
         kw: dict[str, Any] = {"pass_fds": [child.fileno()], "cwd": "/", "env": env, "stdin": subprocess.DEVNULL,
+                              "start_new_session": True,
                               "stderr": subprocess.DEVNULL if uid is not None else None, "close_fds": True}
         if uid is not None:
             kw.update(user=uid, group=uid, extra_groups=[])
@@ -217,7 +224,10 @@ class LendWorker:
                     self._sock.close()
                     self._sock = None
                 self.lending.clear()
-        if rc != 0:
+        if proc.pid in self._ended:
+            self._ended.discard(proc.pid)
+            log.info("peers: the %s worker (pid %d) was ended after a fill that did not end cleanly", self.role, proc.pid)
+        elif rc != 0:
             self.deaths += 1
             self.last_death = why
             log.warning("peers: the %s worker (pid %d) ended with %s; the %ss it held are over", self.role, proc.pid, why,
@@ -276,6 +286,8 @@ class LendWorker:
 # How long past a fill's own deadline (and stall bound) the daemon waits for the fill
 # worker's answer before it kills the worker: its read returns within them, or is stuck.
 FILL_GRACE_S = 30.0
+REPORT_LIMIT = 4096  # bytes of one frame from the fill worker: its reports and answer are small
+SEND_TIMEOUT_S = 10.0  # a worker that stops reading its socket is killed, not waited for
 
 
 class FillWorker(LendWorker):
@@ -285,9 +297,16 @@ class FillWorker(LendWorker):
     def __init__(self, on_gone: Callable[[str], None] = lambda _why: None) -> None:
         super().__init__(on_gone, role="fill")
         self.fills = 0  # reads the worker ran, whatever their outcome
+        self.ended = 0  # workers this side ended after a fill that did not end cleanly
 
     def describe(self) -> dict[str, object]:
-        return {**super().describe(), "fills": self.fills}
+        return {**super().describe(), "fills": self.fills, "ended": self.ended}
+
+    def _end(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:  # alive: ended here on purpose (one that died is a death)
+            self._ended.add(proc.pid)
+            self.ended += 1
+        kill_group(proc)
 
     def read(self, fd: int, base: int, size: int, remote_md: bytes, extents: Sequence[Extent], memory: str, device_id: int,
              remote_memory: str, remote_device_id: int, *, window: int, on_done: Callable[[int, int], None],
@@ -313,6 +332,8 @@ class FillWorker(LendWorker):
                 raise TransferFailed(str(exc)) from None
             proc = self._proc
             self.fills += 1
+            # A worker that stops reading: its sends fail after SEND_TIMEOUT_S, not never.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT_S), 0))
             try:
                 _send(sock, {"op": "fill", "size": size, "metadata": base64.b64encode(remote_md).decode(),
                              "memory": memory, "device_id": device_id, "remote_memory": remote_memory,
@@ -320,97 +341,129 @@ class FillWorker(LendWorker):
                              "timeout_s": max(0.0, deadline - time.monotonic()),
                              "extents": [[e.dst - base, e.src, e.nbytes] for e in extents]}, [fd])
             except OSError as exc:
+                if proc is not None:
+                    self._end(proc)
                 raise TransferFailed(f"the fill worker went away: {exc}") from None
-            fill = _FillFromDaemon(sock, base, len(extents), on_done)
+            fill = _FillFromDaemon(sock, base, extents, window, on_done)
             listener = threading.Thread(target=fill.listen, name="fill-worker-listen", daemon=True)
             listener.start()
             try:
-                fill.run(extents, stop, pace, deadline + stall_s + FILL_GRACE_S)
+                fill.run(stop, pace, deadline + stall_s + FILL_GRACE_S)
             except BaseException as exc:
-                # Nothing may write into the arena once this returns: the worker answered
-                # (no read in flight), or it is killed and reaped here. A failure on this
-                # side (the target's pages could not be reserved) stops the worker's read.
+                # Nothing may write into the arena once this returns, and nothing of this
+                # fill may reach the next: a fill that did not end cleanly (its failure, a
+                # stop, a report out of place, a worker that hung or stopped reading) ends
+                # the worker, and what it forked, before this returns; the next fill starts
+                # a new one (at most one start per RESTART_S).
                 with contextlib.suppress(OSError):
                     _send(sock, {"op": "stop", "why": f"the daemon stopped the fill: {type(exc).__name__}: {exc}"})
-                listener.join(FILL_GRACE_S)
-                if not fill.answered.is_set() and proc is not None:  # stuck, dead, or speaking nonsense
-                    proc.kill()
-                    proc.wait()
-                    listener.join()
+                if proc is not None:
+                    self._end(proc)
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # the listener sees the end even if a fork kept the socket
+                listener.join()
+                if isinstance(exc, OSError):
+                    raise TransferFailed(f"the fill worker went away: {exc}") from None
                 raise
-            finally:
-                if fill.answered.is_set():
-                    with contextlib.suppress(OSError):
-                        _send(sock, {"op": "finish"})
+            with contextlib.suppress(OSError):
+                _send(sock, {"op": "finish"})
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill a worker and everything in its session (start_new_session), and reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, 9)
+    proc.kill()
+    proc.wait()
 
 
 class _FillFromDaemon:
     """One read through the fill worker, the daemon's side: ``run`` allows the extents one
-    by one as ``pace`` lets it, then waits for the answer; ``listen`` (a thread) hands
-    each report to ``on_done`` and notes the answer."""
+    by one as ``pace`` lets it, at most 2 x ``window`` ahead of the reports, then waits
+    for the answer; ``listen`` (a thread) checks each report against what was allowed
+    and not yet reported, hands it to ``on_done``, and notes the answer. Anything out of
+    place is a broken fill (``error``)."""
 
-    def __init__(self, sock: socket.socket, base: int, count: int, on_done: Callable[[int, int], None]) -> None:
-        self.sock, self.base, self.count, self.on_done = sock, base, count, on_done
-        self.answered = threading.Event()  # the worker's read is over: nothing of it in flight
+    def __init__(self, sock: socket.socket, base: int, extents: Sequence[Extent], window: int,
+                 on_done: Callable[[int, int], None]) -> None:
+        self.sock, self.base, self.extents, self.on_done = sock, base, extents, on_done
+        self.ahead = 2 * max(window, 1)
+        self.answered = threading.Event()  # the worker's read ended and it said "ok"
         self.over = threading.Event()  # the listener is done, answered or not
-        self.done = 0
+        self.cond = threading.Condition()
+        self.pending: dict[int, int] = {}  # allowed, not reported yet: arena offset -> bytes
+        self.reported = 0
         self.error: str | None = None  # why the read failed, as the worker or this side saw it
+
+    def _fail(self, why: str) -> None:
+        with self.cond:
+            self.error = self.error or why
+            self.cond.notify_all()
 
     def listen(self) -> None:
         try:
             while True:
                 try:
-                    msg = _recv(self.sock)
-                except (OSError, EOFError, ValueError) as exc:
-                    self.error = self.error or f"the fill worker went away: {type(exc).__name__}: {exc}"
+                    msg = _recv(self.sock, limit=REPORT_LIMIT)
+                except Exception as exc:  # the end, a timeout, a frame too big or not JSON
+                    self._fail(f"the fill worker went away: {type(exc).__name__}: {exc}")
                     return
                 if "result" in msg:
                     if msg["result"] != "ok":
-                        self.error = self.error or str(msg.get("error", "the fill worker's read failed"))
-                    elif self.done != self.count:
-                        self.error = self.error or f"the fill worker reported {self.done} of {self.count} extents in"
-                    self.answered.set()
+                        self._fail(str(msg.get("error", "the fill worker's read failed"))[:500])
+                    elif self.reported != len(self.extents):
+                        self._fail(f"the fill worker answered ok with {self.reported} of {len(self.extents)} extents in")
+                    else:
+                        self.answered.set()
                     return
                 d = msg.get("done")
-                if not (isinstance(d, list) and len(d) == 2 and all(isinstance(x, int) for x in d)):
-                    self.error = self.error or "the fill worker's report is malformed"
-                    continue
+                with self.cond:
+                    ok = (isinstance(d, list) and len(d) == 2 and all(isinstance(x, int) for x in d)
+                          and self.pending.get(d[0]) == d[1])
+                    if ok:
+                        assert isinstance(d, list)
+                        del self.pending[d[0]]
+                        self.reported += 1
+                        self.cond.notify_all()
+                if not ok:
+                    self._fail("the fill worker reported an extent it was not allowed, or twice")
+                    return
                 if self.error is None:
                     try:
-                        self.on_done(self.base + d[0], d[1])
+                        self.on_done(self.base + d[0], d[1])  # type: ignore[index]
                     except Exception as exc:  # hashing a piece failed: the fill fails
-                        self.error = f"{type(exc).__name__}: {exc}"
-                self.done += 1
+                        self._fail(f"{type(exc).__name__}: {exc}")
         finally:
             self.over.set()
+            with self.cond:
+                self.cond.notify_all()
 
-    def run(self, extents: Sequence[Extent], stop: Callable[[], str | None], pace: Callable[[int, int], None],
-            give_up_at: float) -> None:
+    def run(self, stop: Callable[[], str | None], pace: Callable[[int, int], None], give_up_at: float) -> None:
         from .transport import TransferFailed
 
-        asked_to_stop = False
-
         def check() -> None:
-            nonlocal asked_to_stop
             why = self.error or stop()
-            if why is not None and not asked_to_stop:
-                asked_to_stop = True
-                _send(self.sock, {"op": "stop", "why": why})
+            if why is not None:
+                raise TransferFailed(why)
             if self.over.is_set() and not self.answered.is_set():
-                raise TransferFailed(self.error or "the fill worker went away")
+                raise TransferFailed("the fill worker went away")
             if time.monotonic() > give_up_at:
                 raise TransferFailed("the fill worker did not answer in time")
 
-        for k, e in enumerate(extents):
+        for k, e in enumerate(self.extents):
+            with self.cond:  # at most ``ahead`` allowed and not reported: the worker's socket never fills
+                while len(self.pending) >= self.ahead and self.error is None and not self.over.is_set():
+                    self.cond.wait(0.05)
+                    if stop() is not None or time.monotonic() > give_up_at:
+                        break
             check()
-            if asked_to_stop:
-                break
             pace(e.nbytes, e.dst)  # its pages reserved, the rate cap kept: then the worker may post it
+            with self.cond:
+                self.pending[e.dst - self.base] = e.nbytes
             _send(self.sock, {"op": "allow", "upto": k + 1})
         while not self.over.wait(0.05):
             check()
-        if not self.answered.is_set() or self.error is not None:
-            raise TransferFailed(self.error or "the fill worker went away")
+        check()
 
 
 # -- the child -----------------------------------------------------------------------------
