@@ -467,17 +467,9 @@ class _FillFromDaemon:
 
 
 # -- the child -----------------------------------------------------------------------------
-def _serve_fills(sock: socket.socket) -> None:
+def _serve_fills(sock: socket.socket, transport: Any) -> None:
     """The fill worker: one read at a time into the memfd the daemon passed (Note [a fill
     lands in a worker])."""
-    from .transport import Transport
-
-    try:
-        transport = Transport()
-    except Exception as exc:
-        _send(sock, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-        return
-    _send(sock, {"ok": True})
     while True:
         fds: list[int] = []
         try:
@@ -579,16 +571,9 @@ class _FillInWorker:
 GONE = "the daemon went away"
 
 
-def _serve(sock: socket.socket) -> None:
+def _serve(sock: socket.socket, transport: Any) -> None:
     from ..backends.page_cache import map_readonly, unmap
-    from .transport import Transport
 
-    try:
-        transport = Transport()
-    except Exception as exc:
-        _send(sock, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-        return
-    _send(sock, {"ok": True})
     lends: dict[int, tuple[object, list[tuple[int, int]]]] = {}  # id -> (registration, [(addr, size)])
     stop = threading.Event()
     pump = threading.Thread(target=transport.progress, args=(stop,), daemon=True)
@@ -639,6 +624,16 @@ def _serve(sock: socket.socket) -> None:
 
 
 def serve_fd(fd: int, role: str = "lend") -> None:
-    """The child's life: serve the daemon on the socket ``fd`` until it closes (lend_child.py)."""
+    """The child's life: start its NIXL agent, say whether it could, then serve the daemon
+    on the socket ``fd`` until it closes (lend_child.py)."""
+    from .transport import Transport
+
     logging.basicConfig(level=logging.WARNING, format=f"{role} worker: %(message)s")
-    (_serve_fills if role == "fill" else _serve)(socket.socket(fileno=fd))
+    sock = socket.socket(fileno=fd)
+    try:
+        transport = Transport()
+    except Exception as exc:
+        _send(sock, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        return
+    _send(sock, {"ok": True})
+    (_serve_fills if role == "fill" else _serve)(sock, transport)
