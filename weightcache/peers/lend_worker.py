@@ -460,7 +460,10 @@ class _FillFromDaemon:
             pace(e.nbytes, e.dst)  # its pages reserved, the rate cap kept: then the worker may post it
             with self.cond:
                 self.pending[e.dst - self.base] = e.nbytes
-            _send(self.sock, {"op": "allow", "upto": k + 1})
+            try:
+                _send(self.sock, {"op": "allow", "upto": k + 1})
+            except OSError as exc:  # gone, or not reading its socket (SEND_TIMEOUT_S)
+                raise TransferFailed(f"the fill worker went away: {type(exc).__name__}: {exc}") from None
         while not self.over.wait(0.05):
             check()
         check()
