@@ -6,14 +6,26 @@ that stops reading cannot fill the socket; anything out of place fails the read.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
-from weightcache.peers.lend_worker import _FillFromDaemon, _recv, _send
+from weightcache.backends.cpu import CpuBackend
+from weightcache.errors import LoadFailed
+from weightcache.loader import Progress, fingerprint_files, open_checkpoint
+from weightcache.peers.fill import Lent, PeerFill
+from weightcache.peers.lend_worker import Watermark, _FillFromDaemon, _recv, _send
 from weightcache.peers.transport import Extent, TransferFailed
 
 BASE = 1 << 20
@@ -23,7 +35,7 @@ EXTENTS = [Extent(BASE + 10 * k, 10 * k, 10) for k in range(6)]
 def start(window: int = 1) -> tuple[_FillFromDaemon, socket.socket, list[tuple[int, int]], threading.Thread]:
     daemon_end, worker_end = socket.socketpair()
     done: list[tuple[int, int]] = []
-    fill = _FillFromDaemon(daemon_end, BASE, EXTENTS, window, lambda dst, n: done.append((dst, n)))
+    fill = _FillFromDaemon(daemon_end, BASE, 60, EXTENTS, window, lambda dst, n: done.append((dst, n)), lambda _upto: None)
     listener = threading.Thread(target=fill.listen, daemon=True)
     listener.start()
     return fill, worker_end, done, listener
@@ -121,3 +133,114 @@ def test_a_huge_report_frame_is_refused_unread() -> None:
     out = run_in_thread(fill)
     out["thread"].join(5)
     assert "went away" in out["error"] and "bytes" in out["error"]
+
+
+# -- what the reader can still write once a piece is hashed --------------------------------
+PAGE = mmap.PAGESIZE
+
+
+def test_the_watermark_stops_at_the_page_of_the_lowest_extent_not_in() -> None:
+    # Three extents out of order, the first two sharing the page at PAGE..2*PAGE.
+    mark = Watermark([(0, PAGE + 10), (PAGE + 10, PAGE), (2 * PAGE + 10, 100)], 3 * PAGE)
+    assert mark.add(PAGE + 10) == 0  # the first is not in: nothing out of reach
+    assert mark.add(0) == 2 * PAGE  # the third's page holds bytes still to come
+    assert mark.add(2 * PAGE + 10) == 3 * PAGE  # all in: the whole arena, gaps included
+
+
+def _fill_through(tmp_path: Path, late_write: bool) -> str:
+    """A PeerFill into a memfd arena through a stand-in for the fill worker that lands the
+    lender's bytes, reports each extent, but keeps write access to all of them (its
+    Watermark never moves); with ``late_write`` the lender then changes one byte of the
+    first tensor, as a lender over TCP could while the read runs. The fingerprint, or
+    the LoadFailed's message."""
+    g = torch.Generator().manual_seed(3)
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.randn(70_000, generator=g), "b": torch.randn(5, generator=g),
+               "c": torch.randn(300_000, generator=g)}, str(path))
+    ckpt = open_checkpoint(path)
+    lender = bytearray(max(t.arena_offset + t.nbytes for t in ckpt.tensors))
+    data = path.read_bytes()
+    for t in ckpt.tensors:
+        lender[t.arena_offset : t.arena_offset + t.nbytes] = data[t.file_offset : t.file_offset + t.nbytes]
+    src = ctypes.addressof((ctypes.c_char * len(lender)).from_buffer(lender))
+
+    class KeepsWriting:
+        def read(self, fd: int, base: int, size: int, md: bytes, extents: list[Extent], *a: Any,
+                 on_done: Any, pace: Any, on_safe: Any, **kw: Any) -> None:
+            for e in extents:
+                pace(e.nbytes, e.dst)
+                ctypes.memmove(e.dst, e.src, e.nbytes)
+                on_done(e.dst, e.nbytes)
+                on_safe(0)
+            if late_write:
+                first = min(ckpt.tensors, key=lambda t: t.arena_offset if t.nbytes else 1 << 62)
+                ctypes.memset(base + first.arena_offset, 0x55, 1)
+
+    backend = CpuBackend("cpu", page_cache=False)
+    arena = backend.allocate(backend.capacity(ckpt.arena_bytes), "m")
+    lent = Lent(b"", "DRAM", 0, ((0, src, len(lender)),))
+    fill = PeerFill(None, backend, lent, fingerprint_files(path), lambda: None, 30.0, worker=cast(Any, KeepsWriting()))
+    try:
+        got = fill(ckpt, arena, Progress(ckpt.data_bytes))
+        assert got is not None
+        return got
+    except LoadFailed as exc:
+        return str(exc)
+    finally:
+        backend.free(arena)
+
+
+def test_pieces_are_hashed_only_once_the_worker_can_no_longer_write_them(tmp_path: Path) -> None:
+    assert _fill_through(tmp_path, late_write=False) == fingerprint_files(tmp_path / "m.safetensors")
+    # Hashed as reported, the late byte went unseen and the fill passed with it.
+    assert "do not match this checkpoint's fingerprint" in _fill_through(tmp_path, late_write=True)
+
+
+CHILD = """
+import ctypes, mmap, os, socket, sys, threading
+from weightcache.peers import lend_worker as lw
+PAGE = mmap.PAGESIZE
+fd = os.memfd_create("arena")
+os.ftruncate(fd, 3 * PAGE)
+daemon, worker = socket.socketpair()
+raw = [[0, 0, PAGE + 10], [PAGE + 10, 0, 2 * PAGE - 10]]
+target = int(sys.argv[1])
+
+class Lender:  # lands each extent, then writes where a lender over TCP could
+    def read(self, md, extents, memory, device_id, rm, rdid, *, on_done, pace, **kw):
+        pace(extents[0].nbytes, extents[0].dst)
+        ctypes.memset(extents[0].dst, 1, extents[0].nbytes)
+        on_done(extents[0].dst, extents[0].nbytes)
+        pace(extents[1].nbytes, extents[1].dst)
+        ctypes.memset(extents[1].dst, 1, extents[1].nbytes)  # in flight: still writable
+        print("wrote the extent in flight", flush=True)
+        ctypes.memset(extents[0].dst + target, 2, 1)  # into the extent reported
+        print("wrote the extent reported", flush=True)
+        on_done(extents[1].dst, extents[1].nbytes)
+
+def the_daemon():
+    lw._send(daemon, {"op": "allow", "upto": 2})
+    while "result" not in lw._recv(daemon):
+        pass
+    lw._send(daemon, {"op": "finish"})
+
+threading.Thread(target=the_daemon, daemon=True).start()
+msg = {"size": 3 * PAGE, "extents": raw, "metadata": "", "memory": "DRAM", "device_id": 0, "remote_memory": "DRAM",
+       "remote_device_id": 0, "window": 2, "stall_s": 5, "timeout_s": 10}
+lw._FillInWorker(worker, Lender(), fd, msg).run()
+print("the read ended", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("offset", "faults"), [(0, True), (PAGE + 5, False)])
+def test_a_write_into_a_reported_extent_faults_in_the_worker(offset: int, faults: bool) -> None:
+    """The fill worker's own side: once the first extent is reported, its page below the
+    second's is read-only in the worker, so a write there kills the worker (SIGSEGV);
+    its tail on the page the second extent shares stays writable, and the daemon hashes
+    the piece only once that page is out of reach too (the test above)."""
+    p = subprocess.run([sys.executable, "-c", CHILD, str(offset)], capture_output=True, text=True, timeout=60)
+    assert "wrote the extent in flight" in p.stdout, p.stderr
+    if faults:
+        assert p.returncode == -signal.SIGSEGV and "wrote the extent reported" not in p.stdout, (p.returncode, p.stdout)
+    else:
+        assert p.returncode == 0 and "the read ended" in p.stdout, (p.returncode, p.stdout, p.stderr)

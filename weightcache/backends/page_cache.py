@@ -34,6 +34,7 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -245,6 +246,12 @@ def map_writable(fd: int, size: int) -> int:
         e = ctypes.get_errno()
         raise OSError(e, f"mmap: {os.strerror(e)}")
     return int(addr)
+
+
+def make_readonly(addr: int, size: int) -> None:
+    """Take write access away from ``size`` bytes at ``addr`` (page-aligned) of a mapping
+    from map_writable: a write into them then faults in this process."""
+    _check(_libc.mprotect(addr, size, mmap.PROT_READ), "mprotect")
 
 
 def unmap(addr: int, size: int) -> None:

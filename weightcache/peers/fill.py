@@ -5,7 +5,8 @@ Note [a peer's bytes are checked]
 The fill reads the lender's regions into this daemon's fresh arena in tasks of whole
 hash pieces (loader/reader.py's ``plan_tasks``: HASH_BLOCK pieces cut from each
 tensor's first byte), ``WINDOW`` reads in flight, and hashes each task's pieces on a
-thread of its own as soon as its bytes are in, while later reads run. When every read is
+thread of its own as soon as its bytes are in and out of the reader's reach (through the
+fill worker: below its Watermark, lend_worker.py), while later reads run. When every read is
 done, the fingerprint is computed from those piece digests and *this daemon's own* parse
 of its files (names, dtypes, shapes, arena layout: the peer's copy only has to fit it),
 exactly as a load from the files would compute it (Note [content fingerprint]), and the
@@ -141,10 +142,17 @@ class PeerFill:
             # hash kernel (backends/cuda_hash.py) behind a backend hook that does not exist yet.
             raise LoadFailed(f"a fill from a peer into {view.memory} cannot check its pieces yet")
         base = view.regions[0].addr
+        # The arena's bytes below this offset are out of the reach of whatever reads the
+        # lender's bytes, so a piece there may be hashed: all of them where the daemon's own
+        # agent reads, the fill worker's Watermark where it does (lend_worker.py, Note [a
+        # fill lands in a worker]).
+        safe = [view.regions[0].nbytes]
         if self.worker is not None:
             if view.fd is None:
                 raise LoadFailed(f"the {arena.device} backend's arena has no file the fill worker can map")
-            read: Callable[..., None] = functools.partial(self.worker.read, view.fd, base, view.regions[0].nbytes)
+            safe[0] = 0
+            read: Callable[..., None] = functools.partial(self.worker.read, view.fd, base, view.regions[0].nbytes,
+                                                          on_safe=lambda upto: hash_below(upto))
         elif self.transport is not None:
             read = self.transport.read
         else:
@@ -176,16 +184,25 @@ class PeerFill:
             with view_mem as mv:
                 TaskHasher(task, pieces)(mv)
 
+        waiting: list[Task] = []  # every byte in, not yet out of the reader's reach
+
+        def hash_below(upto: int) -> None:
+            with lock:
+                safe[0] = max(safe[0], upto)
+                ready = [t for t in waiting if t.arena_offset + t.nbytes <= safe[0]]
+                waiting[:] = [t for t in waiting if t.arena_offset + t.nbytes > safe[0]]
+            hashes.extend(pool.submit(hash_task, t) for t in ready)
+
         def on_done(dst: int, nbytes: int) -> None:
             nonlocal done_bytes
             task = by_dst[dst]
             with lock:
                 left[id(task)] -= nbytes
-                finished = not left[id(task)]
+                if not left[id(task)]:
+                    waiting.append(task)
                 done_bytes += nbytes
             progress.add(nbytes)
-            if finished:
-                hashes.append(pool.submit(hash_task, task))
+            hash_below(0)
 
         posted = 0
         # The target's pages are reserved a task ahead of the reads (DmaView.prepare), in
@@ -245,6 +262,7 @@ class PeerFill:
                 with prepared:
                     prepared.notify_all()
                 prep.join()
+            hash_below(view.regions[0].nbytes)  # the read is over: nothing else writes the arena
             for f in hashes:
                 f.result()
         nonzero = [i for i, t in enumerate(ckpt.tensors) if t.nbytes]

@@ -35,13 +35,17 @@ interpreter and NIXL. The daemon keeps the pacing (each extent is posted only on
 daemon allowed it: its pages reserved, the rate cap kept; at most 2 x the window ahead of
 the reports, so the child's socket never fills) and the checking: it accepts a report
 only for an extent it allowed and that was not reported yet, hashes each piece from its
-own mapping of the same memfd as it is reported in, and checks the fingerprint before it
-seals (fill.py, Note [a peer's bytes are checked]). A read returns after a clean "ok"
-(the child unmapped the arena before it answered, so the seal that follows finds no
-writable mapping), or, for any other ending, once the child and its session are killed
-and reaped, so that nothing of one fill can write into, or answer for, the next. A GPU
-fill lands in device memory of the daemon's CUDA context, and still reads through the
-daemon's own agent.
+own mapping of the same memfd, and checks the fingerprint before it seals (fill.py,
+Note [a peer's bytes are checked]). A piece is hashed only once the child can no longer
+write it: before it reports an extent, the child makes read-only every page of its
+mapping below the lowest extent not in yet (``Watermark``; both sides compute that bound
+from the same reports), so a lender that writes into a piece after it was hashed (over
+TCP it may address any of the child's memory while the read runs) faults the child and
+fails the fill. A read returns after a clean "ok" (the child unmapped the arena before
+it answered, so the seal that follows finds no writable mapping), or, for any other
+ending, once the child and its session are killed and reaped, so that nothing of one
+fill can write into, or answer for, the next. A GPU fill lands in device memory of the
+daemon's CUDA context, and still reads through the daemon's own agent.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import base64
 import contextlib
 import json
 import logging
+import mmap
 import os
 import socket
 import struct
@@ -73,6 +78,7 @@ HEADER = struct.Struct(">I")
 MAX_MESSAGE = 64 * 2**20  # a lend of a file arena lists a region per run of tensors
 NOBODY = 65534
 RESTART_S = 5.0
+PAGE = mmap.PAGESIZE
 START_TIMEOUT_S = 60.0
 
 
@@ -124,6 +130,33 @@ def _recv(sock: socket.socket, fds: list[int] | None = None, limit: int = MAX_ME
     if not isinstance(msg, dict):
         raise EOFError("a message that is not a map")
     return msg
+
+
+class Watermark:
+    """How far from an arena's start its fill is out of the fill worker's reach: the
+    start of the page that holds the lowest extent not in yet (all of it once every
+    extent is in). Pages below it hold only bytes already in, and gaps no extent covers:
+    the worker makes them read-only before it reports the extent that moved the bound,
+    and the daemon hashes a piece only below the bound it computes from the same reports
+    (Note [a fill lands in a worker])."""
+
+    def __init__(self, extents: Sequence[tuple[int, int]], size: int) -> None:
+        self._starts = sorted(off for off, _ in extents)  # arena offsets; extents never overlap
+        self._in: set[int] = set()
+        self._next = 0
+        self.size = size
+        self.upto = 0
+
+    def add(self, off: int) -> int:
+        """The extent at arena offset ``off`` is in: the bound now."""
+        self._in.add(off)
+        while self._next < len(self._starts) and self._starts[self._next] in self._in:
+            self._next += 1
+        if self._next == len(self._starts):
+            self.upto = self.size
+        else:
+            self.upto = max(self.upto, self._starts[self._next] // PAGE * PAGE)
+        return self.upto
 
 
 # -- the daemon's side ---------------------------------------------------------------------
@@ -311,14 +344,17 @@ class FillWorker(LendWorker):
     def read(self, fd: int, base: int, size: int, remote_md: bytes, extents: Sequence[Extent], memory: str, device_id: int,
              remote_memory: str, remote_device_id: int, *, window: int, on_done: Callable[[int, int], None],
              stop: Callable[[], str | None], deadline: float, stall_s: float = 5.0,
-             pace: Callable[[int, int], None] = lambda _n, _dst: None) -> None:
+             pace: Callable[[int, int], None] = lambda _n, _dst: None,
+             on_safe: Callable[[int], None] = lambda _upto: None) -> None:
         """Transport.read's contract for a host arena of ``size`` bytes that ``fd`` holds
         and this process maps at ``base`` (the extents' ``dst`` are in that mapping): the
         worker keeps up to ``window`` reads in flight, posting each extent only once
         ``pace`` returned for it here (this thread allows them as far ahead as ``pace``
         lets it); ``on_done`` runs in a listening thread as the worker reports each one
-        in. Raises TransferFailed as Transport.read does; returns only once the worker's
-        read has nothing in flight, or the worker is dead."""
+        in, then ``on_safe(upto)``: the arena's first ``upto`` bytes are out of the
+        worker's reach (Watermark). Once this returns, all of it is. Raises
+        TransferFailed as Transport.read does; returns only once the worker's read has
+        nothing in flight, or the worker is dead."""
         from .transport import TransferFailed
 
         if not extents:
@@ -344,7 +380,7 @@ class FillWorker(LendWorker):
                 if proc is not None:
                     self._end(proc)
                 raise TransferFailed(f"the fill worker went away: {exc}") from None
-            fill = _FillFromDaemon(sock, base, extents, window, on_done)
+            fill = _FillFromDaemon(sock, base, size, extents, window, on_done, on_safe)
             listener = threading.Thread(target=fill.listen, name="fill-worker-listen", daemon=True)
             listener.start()
             try:
@@ -381,12 +417,13 @@ class _FillFromDaemon:
     """One read through the fill worker, the daemon's side: ``run`` allows the extents one
     by one as ``pace`` lets it, at most 2 x ``window`` ahead of the reports, then waits
     for the answer; ``listen`` (a thread) checks each report against what was allowed
-    and not yet reported, hands it to ``on_done``, and notes the answer. Anything out of
-    place is a broken fill (``error``)."""
+    and not yet reported, hands it to ``on_done`` and the new Watermark to ``on_safe``,
+    and notes the answer. Anything out of place is a broken fill (``error``)."""
 
-    def __init__(self, sock: socket.socket, base: int, extents: Sequence[Extent], window: int,
-                 on_done: Callable[[int, int], None]) -> None:
-        self.sock, self.base, self.extents, self.on_done = sock, base, extents, on_done
+    def __init__(self, sock: socket.socket, base: int, size: int, extents: Sequence[Extent], window: int,
+                 on_done: Callable[[int, int], None], on_safe: Callable[[int], None]) -> None:
+        self.sock, self.base, self.extents, self.on_done, self.on_safe = sock, base, extents, on_done, on_safe
+        self.mark = Watermark([(e.dst - base, e.nbytes) for e in extents], size)
         self.ahead = 2 * max(window, 1)
         self.answered = threading.Event()  # the worker's read ended and it said "ok"
         self.over = threading.Event()  # the listener is done, answered or not
@@ -431,6 +468,7 @@ class _FillFromDaemon:
                 if self.error is None:
                     try:
                         self.on_done(self.base + d[0], d[1])  # type: ignore[index]
+                        self.on_safe(self.mark.add(d[0]))  # type: ignore[index]
                     except Exception as exc:  # hashing a piece failed: the fill fails
                         self._fail(f"{type(exc).__name__}: {exc}")
         finally:
@@ -504,7 +542,7 @@ class _FillInWorker:
         self.why: str | None = None
 
     def run(self) -> None:
-        from ..backends.page_cache import map_writable, unmap
+        from ..backends.page_cache import make_readonly, map_writable, unmap
         from .transport import Extent, TransferFailed
 
         msg = self.msg
@@ -517,6 +555,14 @@ class _FillInWorker:
             extents = [Extent(addr + off, src, n) for off, src, n in raw if off >= 0 and n > 0 and off + n <= size]
             if len(extents) != len(raw):
                 raise ValueError("an extent lands outside the arena")
+            mark = Watermark([(e.dst - addr, e.nbytes) for e in extents], size)
+
+            def report(dst: int, n: int) -> None:
+                below = mark.upto
+                if mark.add(dst - addr) > below:  # out of reach before the daemon hashes it
+                    make_readonly(addr + below, mark.upto - below)
+                _send(self.sock, {"done": [dst - addr, n]})
+
             listener = threading.Thread(target=self._control, daemon=True)
             listener.start()
             result: dict[str, object] = {"result": "ok"}
@@ -525,7 +571,7 @@ class _FillInWorker:
                                     int(str(msg["device_id"])), str(msg["remote_memory"]), int(str(msg["remote_device_id"])),
                                     window=int(str(msg["window"])), stall_s=float(str(msg["stall_s"])),
                                     deadline=time.monotonic() + float(str(msg["timeout_s"])),
-                                    on_done=lambda dst, n: _send(self.sock, {"done": [dst - addr, n]}),
+                                    on_done=report,
                                     stop=self._stop, pace=self._pace)
             except TransferFailed as exc:
                 result = {"result": "failed", "error": str(exc)}
