@@ -44,7 +44,9 @@ TCP it may address any of the child's memory while the read runs) faults the chi
 fails the fill. A read returns after a clean "ok" (the child unmapped the arena before
 it answered, so the seal that follows finds no writable mapping), or, for any other
 ending, once the child and its session are killed and reaped, so that nothing of one
-fill can write into, or answer for, the next. A GPU fill lands in device memory of the
+fill can write into, or answer for, the next. After a clean "ok" the child is ended too
+and the next one started at once, in a thread: no child reads two fills, so one that a
+lender's UCX compromised sees no other fill's bytes. A GPU fill lands in device memory of the
 daemon's CUDA context, and still reads through the daemon's own agent.
 """
 
@@ -172,10 +174,12 @@ class LendWorker:
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._ids = 0
-        self._started_at = 0.0
+        self._hold_until = 0.0  # no start before this: RESTART_S after the last, unless that worker was retired
+        self._closed = False
         self.deaths = 0  # children that died or broke the protocol
         self.last_death: str | None = None
         self._ended: set[int] = set()  # pids this side killed on purpose (FillWorker): not deaths
+        self._retired: set[int] = set()  # pids retired after a clean fill (FillWorker)
         self.lending: set[int] = set()
         self.uid: int | None = None  # the child's
 
@@ -191,10 +195,12 @@ class LendWorker:
     def _start(self) -> socket.socket:
         if self._sock is not None and self._proc is not None and self._proc.poll() is None:
             return self._sock
-        wait = self._started_at + RESTART_S - time.monotonic()
-        if self._started_at and wait > 0:
+        if self._closed:
+            raise WorkerGone(f"the {self.role} worker is closed: the daemon is stopping")
+        wait = self._hold_until - time.monotonic()
+        if wait > 0:
             raise WorkerGone(f"the {self.role} worker died ({self.last_death}); it is started again in {wait:.1f} s")
-        self._started_at = time.monotonic()
+        self._hold_until = time.monotonic() + RESTART_S
         # As 65534 where the daemon is root: nothing a root daemon may read that the lent
         # fds do not give. Where 65534 cannot run this interpreter or import this package
         # (a virtualenv under a home directory), as the daemon's uid, said in the log.
@@ -257,7 +263,9 @@ class LendWorker:
                     self._sock.close()
                     self._sock = None
                 self.lending.clear()
-        if proc.pid in self._ended:
+        if proc.pid in self._retired:
+            self._retired.discard(proc.pid)
+        elif proc.pid in self._ended:
             self._ended.discard(proc.pid)
             log.info("peers: the %s worker (pid %d) was ended after a fill that did not end cleanly", self.role, proc.pid)
         elif rc != 0:
@@ -304,6 +312,7 @@ class LendWorker:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             proc, sock = self._proc, self._sock
             self._proc = self._sock = None
         if sock is not None:
@@ -325,15 +334,38 @@ SEND_TIMEOUT_S = 10.0  # a worker that stops reading its socket is killed, not w
 
 class FillWorker(LendWorker):
     """The daemon's handle on its fill worker (Note [a fill lands in a worker]): ``read``
-    as Transport.read has it, into an arena the worker maps from its memfd."""
+    as Transport.read has it, into an arena the worker maps from its memfd. Each worker
+    reads one fill: after it, clean or not, the worker is ended, so a worker that a
+    lender's UCX compromised sees no later fill. After a clean one the next worker is
+    started at once, in a thread, so its NIXL start (~1 s) is off the next fill's way."""
 
     def __init__(self, on_gone: Callable[[str], None] = lambda _why: None) -> None:
         super().__init__(on_gone, role="fill")
-        self.fills = 0  # reads the worker ran, whatever their outcome
+        self.fills = 0  # reads the workers ran, whatever their outcome
         self.ended = 0  # workers this side ended after a fill that did not end cleanly
+        self.retired = 0  # workers ended after their clean fill
 
     def describe(self) -> dict[str, object]:
-        return {**super().describe(), "fills": self.fills, "ended": self.ended}
+        return {**super().describe(), "fills": self.fills, "ended": self.ended, "retired": self.retired}
+
+    def _retire(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        """End a worker whose fill ended cleanly (under the lock): not a death, and the
+        next start is not held back."""
+        self._retired.add(proc.pid)
+        self.retired += 1
+        kill_group(proc)
+        if self._proc is proc:
+            self._proc = self._sock = None
+        sock.close()
+        self._hold_until = 0.0
+
+    def _start_ahead(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.start()
+        except WorkerGone as exc:  # the next fill tries again, and says why if it cannot
+            log.warning("peers: the next fill worker did not start: %s", exc)
 
     def _end(self, proc: subprocess.Popen[bytes]) -> None:
         if proc.poll() is None:  # alive: ended here on purpose (one that died is a death)
@@ -403,6 +435,9 @@ class FillWorker(LendWorker):
                 raise
             with contextlib.suppress(OSError):
                 _send(sock, {"op": "finish"})
+            if proc is not None:
+                self._retire(proc, sock)
+        threading.Thread(target=self._start_ahead, name="fill-worker-start", daemon=True).start()
 
 
 def kill_group(proc: subprocess.Popen[bytes]) -> None:
