@@ -479,3 +479,32 @@ def test_a_file_on_a_network_file_system_says_to_copy_it(monkeypatch, tmp_path):
     with open_source(p) as opened:
         assert sources.why_untrusted(opened) == (f"{p} is on nfs4, where the bytes can change behind the page cache; "
                                                "copy it to a local file system")
+
+
+def test_a_child_forked_while_an_arena_fills_does_not_block_its_seal(tmp_path):
+    """The daemon forks to start its workers (the next fill worker starts as a fill ends).
+    A child holds the parent's mappings from fork to exec; had it the arena's writable
+    mapping, the seal would fail (F_SEAL_WRITE: EBUSY), as it did in peer fills."""
+    import subprocess
+    import threading
+    import time
+
+    backend = CpuBackend("cpu", page_cache=False)
+    arena = backend.allocate(backend.capacity(4 * MIB), "forked")
+    view = backend.dma_target(arena)  # the memfd and the daemon's writable mapping, as a peer fill makes them
+    assert view is not None
+    ctypes.memset(view.regions[0].addr, 7, 4 * MIB)
+
+    def spawn() -> None:  # preexec_fn: the child waits between fork and exec, holding what it inherited
+        subprocess.run(["true"], preexec_fn=lambda: time.sleep(1.0), check=True)
+
+    t = threading.Thread(target=spawn)
+    t.start()
+    time.sleep(0.3)  # the child is in its preexec sleep now (fork is immediate; the sleep is 1 s)
+    try:
+        backend.seal(arena)
+    finally:
+        t.join()
+    with open(f"/proc/self/fd/{arena.fd}", "rb") as f:
+        assert f.read(4) == b"\x07" * 4
+    backend.free(arena)

@@ -213,6 +213,10 @@ class CpuBackend(Backend):
             if reserve:
                 os.posix_fallocate(fd, 0, size)
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # Not into a forked child: the daemon forks to start workers (the fill worker's
+            # next one as a fill ends), and a child holding this writable mapping between
+            # fork and exec made the seal fail (EBUSY).
+            mapping.madvise(mmap.MADV_DONTFORK)
         except OSError as exc:
             os.close(fd)
             if exc.errno in (errno.ENOMEM, errno.ENOSPC):
