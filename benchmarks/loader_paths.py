@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import mmap
 import os
@@ -89,10 +90,12 @@ class TimedStaging(VmmWriter):
     whole call, ``wait_copy_s`` the wait for the copy out of the buffer it reuses (the
     writer's own wait then finds the stream idle), ``read_s`` the preadv into it."""
 
-    def __init__(self, *a: Any, timers: Timers, depth: int = 1, dma: bool = False) -> None:
+    def __init__(self, *a: Any, timers: Timers, depth: int = 1, dma: bool = False, loop: bool = True) -> None:
         super().__init__(*a, depth=depth)
         self.t = timers
         self.dma = dma
+        if not loop:  # every chunk staged from Python, as without the C loop
+            self._loop = None
 
     def begin(self, files: list[tuple[int, int]]) -> None:
         if self.dma:  # the daemon's two ways at once (backends/page_windows.py)
@@ -178,6 +181,7 @@ class Registered(VmmWriter):
 
     def __init__(self, backend, arena, chunk, *, maps: dict[int, tuple[int, int]], window: int, timers: Timers) -> None:
         super().__init__(backend, arena, chunk)
+        self._loop = None  # the chunks it cannot copy from registered pages are staged from Python, as measured before
         self.reads = RegisteredReads(backend.ctx, window)
         self.t = timers
         self.zeros = memoryview(bytearray(chunk))
@@ -251,7 +255,7 @@ def load_once(path: Path, backend: CudaBackend, threads: int, chunk: int, make: 
             for addr, size in maps.values():
                 libc.munmap(addr, size)
     return {"s": dt, "GBps": ckpt.data_bytes / dt / 1e9, "fingerprint": fp, "fallback_bytes": getattr(w, "fallback_bytes", None),
-            "registered_bytes": w.registered_bytes,
+            "registered_bytes": w.registered_bytes, "looped_bytes": getattr(w, "looped_bytes", 0),
             **{k: round(v, 4) for k, v in timers.s.items()}}
 
 
@@ -336,9 +340,10 @@ def anchors(path: Path, device: str, reps: int, only: list[str] | None = None) -
 
 
 def daemon_spec(spec: str) -> dict[str, Any]:
-    """``T[:cMIB][:dDEPTH][:dma][:cold]`` -> the daemon's load settings: T threads, MIB
-    chunks, DEPTH staging buffers per thread, page-cache windows on ("dma") or off; "cold"
-    asks through_daemon for cold loads too."""
+    """``T[:cMIB][:dDEPTH][:dma][:py][:cold]`` -> the daemon's load settings: T threads, MIB
+    chunks, DEPTH staging buffers per thread, page-cache windows on ("dma") or off, every
+    chunk staged from Python ("py") or through the C chunk loop; "cold" asks
+    through_daemon for cold loads too."""
     parts = spec.split(":")
     out: dict[str, Any] = {"load_threads": int(parts[0]), "load_page_cache_dma": "off"}
     for part in parts[1:]:
@@ -346,12 +351,14 @@ def daemon_spec(spec: str) -> dict[str, Any]:
             continue  # through_daemon's
         if part == "dma":
             out["load_page_cache_dma"] = "auto"  # the daemon probes registration at start and says what it chose
+        elif part == "py":
+            out["load_chunk_loop"] = "python"
         elif part.startswith("c"):
             out["load_chunk_bytes"] = int(part[1:]) << 20
         elif part.startswith("d"):
             out["load_depth"] = int(part[1:])
         else:
-            raise SystemExit(f"--daemon: {spec!r}: {part!r} is none of cMIB, dDEPTH, dma")
+            raise SystemExit(f"--daemon: {spec!r}: {part!r} is none of cMIB, dDEPTH, dma, py")
     return out
 
 
@@ -413,6 +420,8 @@ def main() -> int:
     p.add_argument("--windows-mib", default="64,256")
     p.add_argument("--chunk-mib", default="16")
     p.add_argument("--depths", default="1", help="staging buffers per loader thread, each of these")
+    p.add_argument("--loops", default="c,python", help="each staging variant through the C chunk loop ('c') and/or "
+                   "with every chunk staged from Python ('python')")
     p.add_argument("--dma", action="store_true", help="also each staging variant with the page-cache windows beside it")
     p.add_argument("--registered", action="store_true", help="also the registered-only writer (Registered)")
     p.add_argument("--mapped", action="store_true", help="also each staging variant copying out of a mapping of the "
@@ -448,10 +457,15 @@ def main() -> int:
     for threads in (int(t) for t in a.threads.split(",")):
         for chunk in (int(c) << 20 for c in a.chunk_mib.split(",")):
             for depth in (int(d) for d in a.depths.split(",")):
-                def staged(b: CudaBackend, ar: Any, c: int, maps: Any, timers: Timers, depth: int = depth) -> TimedStaging:
-                    return TimedStaging(b, ar, c, timers=timers, depth=depth)
+                def staged(b: CudaBackend, ar: Any, c: int, maps: Any, timers: Timers, depth: int = depth,
+                           loop: bool = False) -> TimedStaging:
+                    return TimedStaging(b, ar, c, timers=timers, depth=depth, loop=loop)
 
-                variants.append((f"staging {threads}thr {chunk >> 20}M x{depth}", threads, chunk, staged, ""))
+                for loop in a.loops.split(","):
+                    if loop == "c" and backend.chunk_loop is None:
+                        raise SystemExit(f"--loops c: the C chunk loop is {backend.chunk_loop_missing} (make native)")
+                    variants.append((f"staging {threads}thr {chunk >> 20}M x{depth}{' c-loop' if loop == 'c' else ''}",
+                                     threads, chunk, functools.partial(staged, loop=loop == "c"), ""))
                 for how in ("copy", "populate") if a.mapped else ():
                     variants.append((f"mapped-{how} {threads}thr {chunk >> 20}M x{depth}", threads, chunk, staged, how))
                 if a.dma:

@@ -288,13 +288,15 @@ def test_content_hash_kernel_gives_xxh3_128_at_every_boundary():
         backend.close()
 
 
+@pytest.mark.parametrize("loop", ["c", "python"])
 @pytest.mark.parametrize("chunk_mib", [4, 16, 20])
-def test_a_load_hashed_on_the_gpu_has_the_files_fingerprint(tmp_path, monkeypatch, chunk_mib):
+def test_a_load_hashed_on_the_gpu_has_the_files_fingerprint(tmp_path, monkeypatch, chunk_mib, loop):
     """Pieces hashed on the GPU and on the host (small ones, unaligned tails) add up to the
     fingerprint fingerprint_files computes on the host, with pieces cut across chunks
     (4 MiB), one per chunk (16) and several per chunk (20), buffered and from disk
     (O_DIRECT), with the digests spread over several pinned blocks; and the same load
-    with the hash on the host gives it too."""
+    with the hash on the host gives it too. Through the C chunk loop (where the device
+    hashes a whole chunk: cuda_writer.py, Note [the chunk loop in C]) and without it."""
     from safetensors.torch import save_file
 
     import weightcache.backends.cuda_writer as cuda_writer
@@ -313,24 +315,29 @@ def test_a_load_hashed_on_the_gpu_has_the_files_fingerprint(tmp_path, monkeypatc
         backend = CudaBackend("cuda:0", hash_on_gpu=hash_on_gpu)
         assert (backend.gpu_hash is not None) == hash_on_gpu, backend.gpu_hash_unavailable
         try:
-            backend.configure_loads(2, "off")  # two staging buffers a thread (page-cache windows: the test below)
+            assert backend.chunk_loop is not None, backend.chunk_loop_missing  # `make native` where not installed
+            backend.configure_loads(2, "off", loop)  # two staging buffers a thread (page-cache windows: the test below)
             for direct_io in ("off", "on"):
                 FILE_DIGESTS.clear()
                 with open_source(path) as opened:
                     ckpt = parse_checkpoint(opened)
                     arena = backend.allocate(backend.capacity(ckpt.arena_bytes), "t")
                     try:
-                        got = read_checkpoint(ckpt, opened, backend.writer(arena, chunk_mib << 20), threads=3,
-                                              chunk=chunk_mib << 20, direct_io=direct_io)
+                        w = backend.writer(arena, chunk_mib << 20)
+                        got = read_checkpoint(ckpt, opened, w, threads=3, chunk=chunk_mib << 20, direct_io=direct_io)
                         backend.seal(arena)
                     finally:
                         backend.free(arena)
                 assert got == want, (hash_on_gpu, direct_io)
+                if direct_io == "off":  # ("on" falls back to buffered reads where the file system refuses O_DIRECT)
+                    # The loop takes the chunks whose every byte the device hashes, no others.
+                    assert (w.looped_bytes > 0) == (loop == "c" and hash_on_gpu), w.looped_bytes
         finally:
             backend.close()
 
 
-def test_a_deep_staging_ring_hashes_each_piece_after_all_its_chunks_arrived(tmp_path):
+@pytest.mark.parametrize("loop", ["c", "python"])
+def test_a_deep_staging_ring_hashes_each_piece_after_all_its_chunks_arrived(tmp_path, loop):
     """``load_depth`` > 1 with chunks smaller than a hash piece: a piece's chunks leave on
     several streams of the thread's ring, and its kernel must wait for all of them. When it
     waited for the last chunk's stream only, 4 of 8 such loads of a 9.8 GB file (4 MiB
@@ -350,7 +357,7 @@ def test_a_deep_staging_ring_hashes_each_piece_after_all_its_chunks_arrived(tmp_
     backend = CudaBackend("cuda:0")
     assert backend.gpu_hash is not None, backend.gpu_hash_unavailable
     try:
-        backend.configure_loads(4, "off")
+        backend.configure_loads(4, "off", loop)
         got = []
         for _ in range(3):
             FILE_DIGESTS.clear()
@@ -472,3 +479,52 @@ def test_a_file_truncated_before_its_windows_are_registered_fails_the_load_not_t
         tmp_path, monkeypatch, before_registering=lambda: os.truncate(path, path.stat().st_size // 2))
     assert isinstance(got, (CorruptCheckpoint, LoadFailed)), got
     assert refused == 1
+
+
+def test_a_file_truncated_under_the_chunk_loop_fails_the_load_not_the_process(tmp_path):
+    """The C chunk loop reads with pread, never through a mapping: a file cut short once
+    the load began (after the check that it is the file parsed) ends the load as a
+    truncated checkpoint (the loop's short read), and the backend loads the whole file
+    afterwards."""
+    from safetensors.torch import save_file
+
+    from weightcache.backends.cuda import CudaBackend
+    from weightcache.errors import CorruptCheckpoint, LoadFailed
+    from weightcache.loader import fingerprint_files, open_source, parse_checkpoint, read_checkpoint
+    from weightcache.loader.reader import FILE_DIGESTS
+
+    g = torch.Generator().manual_seed(5)
+    path = tmp_path / "cut.safetensors"
+    tensors = {f"w{i}": torch.randn(2**22, generator=g) for i in range(4)}  # 64 MiB
+    save_file(tensors, str(path))
+    backend = CudaBackend("cuda:0")
+    assert backend.chunk_loop is not None, backend.chunk_loop_missing
+    try:
+        cut = path.stat().st_size // 2
+        with open_source(path) as opened:
+            ckpt = parse_checkpoint(opened)
+            arena = backend.allocate(backend.capacity(ckpt.arena_bytes), "cut")
+            try:
+                w = backend.writer(arena, 16 << 20)
+                begin = w.begin
+                w.begin = lambda files: (os.truncate(path, cut), begin(files))[1]
+                with pytest.raises((CorruptCheckpoint, LoadFailed)) as failed:
+                    read_checkpoint(ckpt, opened, w, threads=1, chunk=16 << 20, direct_io="off")
+                assert failed.value.details.get("reason") == "truncated", failed.value
+                # One thread, in order: the whole chunks before the cut went through the loop.
+                first = min(t.file_offset for t in ckpt.tensors)
+                assert w.looped_bytes == (cut - first) // (16 << 20) * (16 << 20) > 0
+            finally:
+                backend.free(arena)
+        save_file(tensors, str(path))
+        FILE_DIGESTS.clear()
+        with open_source(path) as opened:
+            ckpt = parse_checkpoint(opened)
+            arena = backend.allocate(backend.capacity(ckpt.arena_bytes), "whole")
+            try:
+                assert read_checkpoint(ckpt, opened, backend.writer(arena, 16 << 20), threads=4, chunk=16 << 20,
+                                       direct_io="off") == fingerprint_files(path)
+            finally:
+                backend.free(arena)
+    finally:
+        backend.close()

@@ -253,9 +253,9 @@ class Backend(ABC):
         writer then makes those pages resident instead of copying them. By default every
         byte is copied."""
 
-    def configure_loads(self, depth: int, page_cache_dma: str) -> None:  # noqa: B027  (a hook)
-        """The daemon's ``load_depth`` and ``load_page_cache_dma``, once at start; a backend
-        whose writer has no use for them ignores them."""
+    def configure_loads(self, depth: int, page_cache_dma: str, chunk_loop: str = "c") -> None:  # noqa: B027  (a hook)
+        """The daemon's ``load_depth``, ``load_page_cache_dma`` and ``load_chunk_loop``, once
+        at start; a backend whose writer has no use for them ignores them."""
 
     def prepare_loads(self, threads: int, chunk_bytes: int) -> None:  # noqa: B027  (a hook)
         """At start, after ``configure_loads``: what a load by ``threads`` threads in chunks

@@ -39,6 +39,7 @@ from .cuda_writer import VmmWriter
 from .extents import split_by_chunks
 from .page_windows import PageWindows, probe_registration
 from .pinned import PinnedCopy, PinnedPool, StagingPool
+from .staging_loop import load_chunk_loop
 
 log = logging.getLogger("weightcache.daemon")
 
@@ -112,12 +113,21 @@ class CudaBackend(Backend):
         self._peers: dict[int, bool] = {}  # ordinal -> can this GPU read its memory (can_copy_from)
         self.load_depth = 1
         self.page_cache_dma = False  # configure_loads
+        # The writer's chunk loop in C (cuda_writer.py, Note [the chunk loop in C]); without
+        # it every chunk is staged from Python, and the log says so once.
+        self.chunk_loop, self.chunk_loop_missing = load_chunk_loop()
+        if self.chunk_loop is None:
+            log.warning("%s: loads stage each chunk from Python, slower from a warm page cache: the C chunk loop is %s",
+                        device, self.chunk_loop_missing)
         self._releases: list[threading.Thread] = []  # page-cache windows being unregistered after a load
         self._prefill: threading.Thread | None = None  # prepare_loads' staging buffers
         self._closing = threading.Event()  # tells the prefill to stop pinning
 
-    def configure_loads(self, depth: int, page_cache_dma: str) -> None:
+    def configure_loads(self, depth: int, page_cache_dma: str, chunk_loop: str = "c") -> None:
         self.load_depth = depth
+        if chunk_loop == "python" and self.chunk_loop is not None:
+            self.chunk_loop, self.chunk_loop_missing = None, "turned off (load_chunk_loop = \"python\")"
+            log.info("%s: loads stage each chunk from Python: load_chunk_loop = \"python\"", self.device)
         if page_cache_dma == "off":
             self.page_cache_dma = False
             return

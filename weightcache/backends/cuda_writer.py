@@ -1,6 +1,24 @@
 """The CUDA backend's arena writer: a load's bytes from the files into a VMM arena,
 through per-thread pinned staging buffers (backends/pinned.py), hashed where the reader's
-plan says (loader/reader.py, backends/cuda_hash.py)."""
+plan says (loader/reader.py, backends/cuda_hash.py).
+
+Note [the chunk loop in C]
+--------------------------
+From a warm page cache the loader is bound by host memory: each byte is read out of the
+page cache, written into a pinned buffer, and read again by the copy engine. Small
+buffers, several in flight a thread, go faster, as if the staged bytes stayed in the
+CPU's last-level cache until the DMA read them: on an H100 host (300 MiB L3), 12 threads
+of 2 MiB slots, 3 in flight each, moved a warm 9.8 GB file to the GPU at 49.5-49.8 GB/s,
+against 40-42 with one 16 MiB buffer a thread, and InstantTensor's best 39.7 in the same call
+(benchmarks/native/staging_probe.c; docs/benchmarks.md). But each slot is a pread and
+two driver calls; from Python, with twelve threads taking turns at the GIL, 2 MiB
+chunks ran at 21 GB/s. So the slot loop is C (staging_loop.c, built at install as
+``_staging_loop``, loaded with ctypes, which lets go of the GIL for the call): a thread
+hands it one chunk (``load_chunk_bytes``) and it runs the chunk's slots through the
+first LOOP_SLOTS x LOOP_SLOT bytes of the thread's staging buffer, on that buffer's
+stream. Chunks the host must hash from the buffer, and O_DIRECT reads, stay on the
+Python path (the slots are overwritten before the call returns).
+"""
 
 from __future__ import annotations
 
@@ -20,9 +38,9 @@ from ..loader.reader import TaskHasher
 from .cuda_hash import DEVICE_MIN, DIGEST_SLOTS, DigestBlock, GpuHasher
 from .page_windows import PageWindows
 from .pinned import Staging, StagingPool
+from .staging_loop import LOOP_SLOT, LOOP_SLOTS, MAX_SLOTS, Ring, loop_failed
 
 log = logging.getLogger("weightcache.daemon")
-
 
 class VmmArenaLike(Protocol):
     """What the writer reads of a VmmArena (cuda.py imports this module, not back)."""
@@ -38,6 +56,7 @@ class VmmDevice(Protocol):
     device: str
     staging: StagingPool
     gpu_hash: GpuHasher | None
+    chunk_loop: ctypes.CDLL | None  # staging_loop.py
 
     def grow(self, arena: Any, upto: int) -> None: ...
 
@@ -48,7 +67,9 @@ class VmmDevice(Protocol):
 
 class VmmWriter:
     """preadv into a per-thread pinned buffer, then an async host-to-device copy on that
-    thread's own stream: 8 threads x 16 MiB reached 39 GB/s from page cache on the H200 in
+    thread's own stream; where the C loop is built (``chunk_loop``) and the host need not
+    read the chunk, in slots of it, several in flight (Note [the chunk loop in C]).
+    Without the loop, 8 threads x 16 MiB reached 39 GB/s from page cache on the H200 in
     one process, and 31.9-41.4 GB/s through the daemon on two hosts of the same kind
     (docs/benchmarks.md). Copying straight from registered page-cache pages
     instead was slower (20-24 GB/s: the registration is the cost; benchmarks/registered_reads.py);
@@ -89,6 +110,8 @@ class VmmWriter:
         self._windows: PageWindows | None = None
         self._unread: memoryview | None = None  # fed to the hasher for bytes only the device hashes
         self.registered_bytes = 0  # copied from registered page-cache windows
+        self._loop = backend.chunk_loop
+        self.looped_bytes = 0  # copied by the C loop
 
     @staticmethod
     def staging_bytes(chunk: int) -> int:
@@ -128,8 +151,11 @@ class VmmWriter:
                     return self._copy_registered(srcs, arena_offset, nbytes, seen)
             else:
                 self._windows.staged(fd, file_offset, nbytes)
+        if self._loop is not None and not direct and (seen is None or seen.device_only(nbytes)):
+            return self._copy_looped(fd, file_offset, arena_offset, nbytes, seen)
         with drv.current(self._b.ctx):
             st = self._staging()
+            st.loop_clean = False  # the loop's slots wait for this copy first
             if st.busy:
                 drv.check(cu.cuStreamSynchronize(st.stream))
             hashed = False
@@ -158,6 +184,53 @@ class VmmWriter:
                     seen(view)
                 if on_device:
                     self._hash_on_device(seen, st)
+
+    def _copy_looped(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, seen: TaskHasher | None) -> None:
+        """The chunk through the C loop's slots in the thread's first staging buffer, on its
+        stream; the host never reads it, the device hashes what the hasher hands it."""
+        assert self._loop is not None
+        with drv.current(self._b.ctx):
+            st = self._staging_first()
+            ring = self._ring(st)
+            if st.busy and not st.loop_clean:
+                # A copy the Python path queued out of this buffer: the slots overlap it.
+                drv.check(cu.cuStreamSynchronize(st.stream))
+                ring.busy[:] = [0] * MAX_SLOTS
+            if self._arena.mapped < arena_offset + nbytes:
+                self._b.grow(self._arena, arena_offset + nbytes)
+            code = self._loop.wc_stage_copy(ctypes.byref(ring), fd, file_offset, self._arena.va + arena_offset, nbytes)
+            st.busy = True
+            st.loop_clean = True
+            if code:
+                raise loop_failed(code, f"{nbytes} bytes at {file_offset}")
+            with self._lock:
+                self.looped_bytes += nbytes
+            if seen is not None:
+                if self._unread is None or len(self._unread) < nbytes:
+                    self._unread = memoryview(bytes(self._size))
+                seen(self._unread[:nbytes])  # device pieces only (device_only): counted, never read
+                self._hash_on_device(seen, st)
+
+    def _staging_first(self) -> Staging:
+        """The thread's first staging buffer (the C loop's slots), taken if it has none yet."""
+        ring = getattr(self._local, "ring", None)
+        if not ring:
+            return self._staging()
+        return ring[0]
+
+    def _ring(self, st: Staging) -> Ring:
+        """The C loop's view of ``st``: its slots, their events, its stream. Kept on the
+        buffer across loads (the pool keeps the buffer, and so the events)."""
+        ring = st.loop
+        if ring is None:
+            slots = max(1, min(LOOP_SLOTS, st.size // LOOP_SLOT))
+            ring = Ring(stream=int(st.stream), nslots=slots, slot_bytes=min(LOOP_SLOT, st.size), buf=st.host_ptr)
+            while len(st.loop_events) < slots:  # kept with the buffer, destroyed with it (StagingPool.close)
+                st.loop_events.append(drv.check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
+            for k in range(slots):
+                ring.events[k] = int(st.loop_events[k])
+            st.loop = ring
+        return ring
 
     def _copy_registered(self, srcs: list[tuple[int, int]], arena_offset: int, nbytes: int, seen: TaskHasher | None) -> None:
         """Copies from registered page-cache pages on the next stream of the thread's ring; the
@@ -191,6 +264,7 @@ class VmmWriter:
         starts = list(map(operator.sub, arena_offsets, repeat(base)))
         with drv.current(self._b.ctx):
             st = self._staging()
+            st.loop_clean = False  # the loop's slots wait for this copy first
             if st.busy:
                 drv.check(cu.cuStreamSynchronize(st.stream))
             if span != sum(sizes):

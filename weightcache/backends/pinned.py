@@ -32,6 +32,11 @@ class Staging:
     # in turn: the thread's own, so a load waits only for its own kernels.
     hash_streams: list[Any] = field(default_factory=list)
     next_hash: int = 0
+    # The C chunk loop's ring over this buffer and its slots' events (cuda_writer.py, Note
+    # [the chunk loop in C]), made at its first use and kept with the buffer.
+    loop: Any = None
+    loop_events: list[Any] = field(default_factory=list)
+    loop_clean: bool = False  # the last copy out of the buffer was the loop's: its slots' events cover it
 
 
 class StagingPool:
@@ -105,6 +110,8 @@ class StagingPool:
             for st in self._free:
                 drv.check(cu.cuStreamDestroy(st.stream))
                 drv.check(cu.cuEventDestroy(st.copied))
+                for ev in st.loop_events:
+                    drv.check(cu.cuEventDestroy(ev))
                 for hs in st.hash_streams:
                     drv.check(cu.cuStreamDestroy(hs))
                 st.view.release()

@@ -92,7 +92,7 @@ def build(settings: Settings, config_path: str | None = None) -> Daemon:
         backend = backends[device] = backend_for(device)
         budgets[device] = resolve_budget(device, budget, backend.total_memory())  # as a reload checks it
         backend.limit(budgets[device])
-        backend.configure_loads(settings.daemon.load_depth, settings.daemon.load_page_cache_dma)
+        backend.configure_loads(settings.daemon.load_depth, settings.daemon.load_page_cache_dma, settings.daemon.load_chunk_loop)
         backend.prepare_loads(settings.daemon.load_threads, settings.daemon.load_chunk_bytes)
         log.info("device %s: backend %s, budget %d bytes (%s)", device, backend.kind, budgets[device], budget)
     host_budget = settings.daemon.host_budget
