@@ -340,9 +340,9 @@ def anchors(path: Path, device: str, reps: int, only: list[str] | None = None) -
 
 
 def daemon_spec(spec: str) -> dict[str, Any]:
-    """``T[:cMIB][:dDEPTH][:dma][:py][:cold]`` -> the daemon's load settings: T threads, MIB
-    chunks, DEPTH staging buffers per thread, page-cache windows on ("dma") or off, every
-    chunk staged from Python ("py") or through the C chunk loop; "cold" asks
+    """``T[:cMIB][:dDEPTH][:dma][:loop][:cold]`` -> the daemon's load settings: T threads,
+    MIB chunks, DEPTH staging buffers per thread, page-cache windows on ("dma") or off,
+    chunks through the C chunk loop ("loop") or staged from Python; "cold" asks
     through_daemon for cold loads too."""
     parts = spec.split(":")
     out: dict[str, Any] = {"load_threads": int(parts[0]), "load_page_cache_dma": "off"}
@@ -351,14 +351,14 @@ def daemon_spec(spec: str) -> dict[str, Any]:
             continue  # through_daemon's
         if part == "dma":
             out["load_page_cache_dma"] = "auto"  # the daemon probes registration at start and says what it chose
-        elif part == "py":
-            out["load_chunk_loop"] = "python"
+        elif part == "loop":
+            out["load_chunk_loop"] = "c"
         elif part.startswith("c"):
             out["load_chunk_bytes"] = int(part[1:]) << 20
         elif part.startswith("d"):
             out["load_depth"] = int(part[1:])
         else:
-            raise SystemExit(f"--daemon: {spec!r}: {part!r} is none of cMIB, dDEPTH, dma, py")
+            raise SystemExit(f"--daemon: {spec!r}: {part!r} is none of cMIB, dDEPTH, dma, loop")
     return out
 
 
@@ -442,6 +442,8 @@ def main() -> int:
     os.sync()
     warm_page_cache(path)
     backend = CudaBackend(a.device)
+    if "c" in a.loops.split(","):
+        backend.configure_loads(1, "off", "c")  # the C chunk loop, for the variants that use it
     res: dict[str, Any] = {"nbytes": path.stat().st_size, "pinned_h2d_GBps": pinned_h2d(backend), "runs": {}}
     windows = [int(w) << 20 for w in a.windows_mib.split(",")]
     if a.dma:

@@ -253,7 +253,7 @@ class Backend(ABC):
         writer then makes those pages resident instead of copying them. By default every
         byte is copied."""
 
-    def configure_loads(self, depth: int, page_cache_dma: str, chunk_loop: str = "c") -> None:  # noqa: B027  (a hook)
+    def configure_loads(self, depth: int, page_cache_dma: str, chunk_loop: str = "python") -> None:  # noqa: B027  (a hook)
         """The daemon's ``load_depth``, ``load_page_cache_dma`` and ``load_chunk_loop``, once
         at start; a backend whose writer has no use for them ignores them."""
 

@@ -113,21 +113,23 @@ class CudaBackend(Backend):
         self._peers: dict[int, bool] = {}  # ordinal -> can this GPU read its memory (can_copy_from)
         self.load_depth = 1
         self.page_cache_dma = False  # configure_loads
-        # The writer's chunk loop in C (cuda_writer.py, Note [the chunk loop in C]); without
-        # it every chunk is staged from Python, and the log says so once.
-        self.chunk_loop, self.chunk_loop_missing = load_chunk_loop()
-        if self.chunk_loop is None:
-            log.warning("%s: loads stage each chunk from Python, slower from a warm page cache: the C chunk loop is %s",
-                        device, self.chunk_loop_missing)
+        # The writer's chunk loop in C (cuda_writer.py, Note [the chunk loop in C]), once
+        # configure_loads asks for it; until then every chunk is staged from Python.
+        self.chunk_loop: ctypes.CDLL | None = None
+        self.chunk_loop_missing: str | None = 'off (load_chunk_loop = "python")'
         self._releases: list[threading.Thread] = []  # page-cache windows being unregistered after a load
         self._prefill: threading.Thread | None = None  # prepare_loads' staging buffers
         self._closing = threading.Event()  # tells the prefill to stop pinning
 
-    def configure_loads(self, depth: int, page_cache_dma: str, chunk_loop: str = "c") -> None:
+    def configure_loads(self, depth: int, page_cache_dma: str, chunk_loop: str = "python") -> None:
         self.load_depth = depth
-        if chunk_loop == "python" and self.chunk_loop is not None:
-            self.chunk_loop, self.chunk_loop_missing = None, "turned off (load_chunk_loop = \"python\")"
-            log.info("%s: loads stage each chunk from Python: load_chunk_loop = \"python\"", self.device)
+        if chunk_loop == "c":
+            self.chunk_loop, self.chunk_loop_missing = load_chunk_loop()
+            if self.chunk_loop is None:
+                log.warning("%s: load_chunk_loop = \"c\", but the C chunk loop is %s: loads stage each chunk from "
+                            "Python", self.device, self.chunk_loop_missing)
+            else:
+                log.info("%s: loads copy each chunk through the C chunk loop", self.device)
         if page_cache_dma == "off":
             self.page_cache_dma = False
             return
