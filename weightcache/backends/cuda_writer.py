@@ -207,10 +207,15 @@ class VmmWriter:
             with self._lock:
                 self.looped_bytes += nbytes
             if seen is not None:
-                if self._unread is None or len(self._unread) < nbytes:
-                    self._unread = memoryview(bytes(self._size))
-                seen(self._unread[:nbytes])  # device pieces only (device_only): counted, never read
-                self._hash_on_device(seen, st)
+                self._hash_unread(seen, st, nbytes)
+
+    def _hash_unread(self, seen: TaskHasher, st: Staging, nbytes: int) -> None:
+        """A chunk the host never read (device pieces only: ``device_only``): the hasher
+        counts ``nbytes`` it is fed but never reads, and the device hashes what it hands over."""
+        if self._unread is None or len(self._unread) < nbytes:
+            self._unread = memoryview(bytes(self._size))
+        seen(self._unread[:nbytes])
+        self._hash_on_device(seen, st)
 
     def _staging_first(self) -> Staging:
         """The thread's first staging buffer (the C loop's slots), taken if it has none yet."""
@@ -248,10 +253,7 @@ class VmmWriter:
             with self._lock:
                 self.registered_bytes += nbytes
             if seen is not None:
-                if self._unread is None or len(self._unread) < nbytes:
-                    self._unread = memoryview(bytes(self._size))
-                seen(self._unread[:nbytes])  # device pieces only (device_only): counted, never read
-                self._hash_on_device(seen, st)
+                self._hash_unread(seen, st, nbytes)
 
     def write_batch(self, fd: int, file_offset: int, arena_offsets: list[int], sizes: list[int],
                     seen: Callable[[list[memoryview]], None] | None = None) -> None:
