@@ -20,9 +20,11 @@ from typing import Any
 import pytest
 import torch
 from conftest import eventually
+from helpers import NOBODY, as_uid, root_only
 
 from weightcache import Client
 from weightcache.loader import fingerprint_files
+from weightcache.peers.lend_worker import FillWorker
 from weightcache.peers.transport import unavailable
 from weightcache.tools.bench_measure import memfd_bytes
 from weightcache.tools.spawn import DaemonProcess, config_text, free_port
@@ -447,3 +449,26 @@ async def test_the_files_are_read_when_they_are_faster_than_the_peer_measured(pa
         assert st["fills"] == {"ok": 1, "files faster": 1}, st
         assert "load m: from the files, not a peer (warm files 2.15 GB/s >= peer" in pair.log(1), pair.log(1)[-3000:]
         assert st["files_bytes_per_s"]["cpu warm"] > 0  # the files' load taught their rate
+
+
+@root_only
+def test_the_fill_worker_is_closed_to_other_processes_of_its_uid() -> None:
+    """The fill worker runs as 65534, a uid other processes share (another daemon's lend
+    worker, any service run as nobody); one of them must not reach the arena it fills
+    through /proc (its fds, its memory) or ptrace: the worker is not dumpable."""
+    worker = FillWorker()
+    worker.start()
+    try:
+        pid = worker.describe()["pid"]
+        if worker.uid != NOBODY:  # the daemon's log says why (an interpreter 65534 cannot run, e.g. under /root)
+            pytest.skip(f"the fill worker runs as uid {worker.uid} here, not 65534")
+
+        def look() -> dict[str, Any]:
+            try:
+                return {"fds": len(os.listdir(f"/proc/{pid}/fd"))}
+            except PermissionError:
+                return {"denied": True}
+
+        assert as_uid(NOBODY, look) == {"denied": True}
+    finally:
+        worker.close()

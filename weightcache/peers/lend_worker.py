@@ -55,6 +55,7 @@ from __future__ import annotations
 import array
 import base64
 import contextlib
+import ctypes
 import json
 import logging
 import mmap
@@ -81,6 +82,7 @@ MAX_MESSAGE = 64 * 2**20  # a lend of a file arena lists a region per run of ten
 NOBODY = 65534
 RESTART_S = 5.0
 PAGE = mmap.PAGESIZE
+PR_SET_DUMPABLE = 4
 START_TIMEOUT_S = 60.0
 
 
@@ -175,6 +177,7 @@ class LendWorker:
         self._sock: socket.socket | None = None
         self._ids = 0
         self._hold_until = 0.0  # no start before this: RESTART_S after the last, unless that worker was retired
+        self._nobody_refused = False  # 65534 could not start the worker: it runs as the daemon's uid
         self._closed = False
         self.deaths = 0  # children that died or broke the protocol
         self.last_death: str | None = None
@@ -204,13 +207,16 @@ class LendWorker:
         # As 65534 where the daemon is root: nothing a root daemon may read that the lent
         # fds do not give. Where 65534 cannot run this interpreter or import this package
         # (a virtualenv under a home directory), as the daemon's uid, said in the log.
-        uids = [NOBODY, None] if os.geteuid() == 0 else [None]
+        # Decided once: a fill worker starts per fill, and 65534 cannot come to run this
+        # interpreter later if it could not at first.
+        uids = [NOBODY, None] if os.geteuid() == 0 and not self._nobody_refused else [None]
         for uid in uids:
             try:
                 proc, sock = self._spawn(uid, self.role)
             except WorkerGone as exc:
                 if uid is None:
                     raise
+                self._nobody_refused = True
                 log.warning("peers: the %s worker cannot run as uid %d (%s); it runs as uid 0, still holding only "
                             "what it %ss", self.role, NOBODY, exc, self.role)
                 continue
@@ -556,7 +562,7 @@ def _serve_fills(sock: socket.socket, transport: Any) -> None:
             if msg.get("op") != "fill" or len(fds) != 1:
                 _send(sock, {"result": "failed", "error": f"unknown op {msg.get('op')!r} with {len(fds)} fd(s)"})
                 continue
-            _FillInWorker(sock, transport, fds[0], msg).run()
+            _FillInWorker(sock, transport, fds.pop(), msg).run()  # it closes the fd
         except Exception as exc:
             with contextlib.suppress(OSError):
                 _send(sock, {"result": "failed", "error": f"{type(exc).__name__}: {exc}"})
@@ -581,10 +587,15 @@ class _FillInWorker:
         from .transport import Extent, TransferFailed
 
         msg = self.msg
-        size, raw = msg["size"], msg["extents"]
-        if not (isinstance(size, int) and size > 0 and isinstance(raw, list)):
-            raise ValueError("a fill without a size or extents")
-        addr = map_writable(self.fd, size)
+        size, raw = msg.get("size"), msg.get("extents")
+        try:
+            if not (isinstance(size, int) and size > 0 and isinstance(raw, list)):
+                raise ValueError("a fill without a size or extents")
+            addr = map_writable(self.fd, size)
+        finally:
+            # Closed once mapped: no fd left here to write the arena through, past the
+            # mapping's protections, nor one another process could open in /proc.
+            os.close(self.fd)
         mapped = True
         try:
             extents = [Extent(addr + off, src, n) for off, src, n in raw if off >= 0 and n > 0 and off + n <= size]
@@ -713,6 +724,15 @@ def serve_fd(fd: int, role: str = "lend") -> None:
     from .transport import Transport
 
     logging.basicConfig(level=logging.WARNING, format=f"{role} worker: %(message)s")
+    if role == "fill":
+        # Not dumpable: no other process of its uid (65534 is shared: another daemon's lend
+        # worker, any service run as nobody) may open its /proc files, the arena's memfd
+        # among them, or ptrace it. Not for the lend worker: a borrower on this host reads
+        # from it with process_vm_readv (UCX's cma), which needs exactly that access.
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            _send(socket.socket(fileno=fd), {"ok": False, "error": f"prctl: {os.strerror(ctypes.get_errno())}"})
+            return
     sock = socket.socket(fileno=fd)
     try:
         transport = Transport()
