@@ -61,19 +61,6 @@ int wc_stage_init(void) {
     return resolved;
 }
 
-/* Wait for every copy queued through the ring (its slots may then be written). */
-int wc_stage_drain(wc_ring *r) {
-    if (!wc_stage_init()) return WC_NO_DRIVER;
-    for (int s = 0; s < r->nslots; s++) {
-        if (r->busy[s]) {
-            CUresult e = event_synchronize(r->events[s]);
-            if (e) return e;
-            r->busy[s] = 0;
-        }
-    }
-    return 0;
-}
-
 int wc_stage_copy(wc_ring *r, int fd, long long file_offset, CUdeviceptr dst, size_t nbytes) {
     if (!wc_stage_init()) return WC_NO_DRIVER;
     if (r->nslots < 1 || r->nslots > WC_MAX_SLOTS || r->slot_bytes == 0) return -EINVAL;

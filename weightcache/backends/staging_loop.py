@@ -42,8 +42,6 @@ def load_chunk_loop(path: Path | None = None) -> tuple[ctypes.CDLL | None, str |
         return None, f"{path.name} was built from another staging_loop.c (rebuild: pip install, or `make native`)"
     lib.wc_stage_copy.argtypes = [ctypes.POINTER(Ring), ctypes.c_int, ctypes.c_longlong, ctypes.c_ulonglong, ctypes.c_size_t]
     lib.wc_stage_copy.restype = ctypes.c_int
-    lib.wc_stage_drain.argtypes = [ctypes.POINTER(Ring)]
-    lib.wc_stage_drain.restype = ctypes.c_int
     lib.wc_stage_init.restype = ctypes.c_int
     if not lib.wc_stage_init():
         return None, "libcuda.so.1 or its copy calls were not found"
