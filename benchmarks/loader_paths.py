@@ -21,6 +21,8 @@ third time. This tool measures, side by side in one process on one GPU:
   ``preadv`` (InstantTensor's MMAP way; glibc streams big copies with non-temporal
   stores), the second with MADV_POPULATE_READ of each chunk first. A measurement only:
   the daemon never reads through a mapping (a file truncated under it raises SIGBUS);
+- `` nohash`` (``--nohash``): each staging variant also with the content hash off, so
+  what the fingerprint's kernels cost the load is read off side by side;
 - ``register`` alone: what pinning page-cache pages costs per window size.
 
 With ``--anchors``, InstantTensor's backends and load_file, each in a fresh process; with
@@ -114,6 +116,11 @@ class TimedStaging(VmmWriter):
         super().write_from_file(fd, file_offset, arena_offset, nbytes, direct, seen)
         self.t.add("write_s", time.perf_counter() - t)
 
+    def finish(self) -> None:  # the streams' last copies and hash kernels, then the digests read
+        t = time.perf_counter()
+        super().finish()
+        self.t.add("finish_s", time.perf_counter() - t)
+
 
 def _timed_reads(timers: Timers) -> Callable[[], None]:
     """Times the writer's preadv (cuda_writer's pread_full) into ``timers["read_s"]``;
@@ -134,6 +141,8 @@ def _timed_reads(timers: Timers) -> Callable[[], None]:
 
     return restore
 
+
+NOHASH = " nohash"  # a variant's name suffix: loaded with the content hash off
 
 MADV_POPULATE_READ = 22  # Linux 5.14: maps the range's pages, an I/O error returned, not raised as SIGBUS
 
@@ -226,9 +235,10 @@ class Registered(VmmWriter):
 
 
 def load_once(path: Path, backend: CudaBackend, threads: int, chunk: int, make: Callable[..., Any],
-              mapped: str = "") -> dict[str, Any]:
+              mapped: str = "", content_hash: bool = True) -> dict[str, Any]:
     """One load into a fresh arena with the writer ``make`` builds; ``mapped`` ("copy" or
-    "populate"): the chunks copied out of a mapping of the file (_mapped_reads), not read."""
+    "populate"): the chunks copied out of a mapping of the file (_mapped_reads), not read;
+    ``content_hash`` off: the fingerprint's kernels and host hashing left out (what they cost)."""
     FILE_DIGESTS.clear()
     timers = Timers()
     with open_source(path) as opened:
@@ -242,7 +252,8 @@ def load_once(path: Path, backend: CudaBackend, threads: int, chunk: int, make: 
             try:
                 w = make(backend, arena, chunk, maps=maps, timers=timers)
                 t = time.perf_counter()
-                fp = read_checkpoint(ckpt, opened, w, threads=threads, chunk=chunk, nice=0, direct_io="off")
+                fp = read_checkpoint(ckpt, opened, w, threads=threads, chunk=chunk, nice=0, direct_io="off",
+                                     content_hash=content_hash)
                 timers.add("read_checkpoint_s", time.perf_counter() - t)
                 t = time.perf_counter()
                 backend.seal(arena)
@@ -340,10 +351,10 @@ def anchors(path: Path, device: str, reps: int, only: list[str] | None = None) -
 
 
 def daemon_spec(spec: str) -> dict[str, Any]:
-    """``T[:cMIB][:dDEPTH][:dma][:loop][:cold]`` -> the daemon's load settings: T threads,
+    """``T[:cMIB][:dDEPTH][:dma][:loop|:py][:cold]`` -> the daemon's load settings: T threads,
     MIB chunks, DEPTH staging buffers per thread, page-cache windows on ("dma") or off,
-    chunks through the C chunk loop ("loop") or staged from Python; "cold" asks
-    through_daemon for cold loads too."""
+    chunks through the C chunk loop (the default where it is built; "loop": required) or
+    staged from Python ("py"); "cold" asks through_daemon for cold loads too."""
     parts = spec.split(":")
     out: dict[str, Any] = {"load_threads": int(parts[0]), "load_page_cache_dma": "off"}
     for part in parts[1:]:
@@ -353,12 +364,14 @@ def daemon_spec(spec: str) -> dict[str, Any]:
             out["load_page_cache_dma"] = "auto"  # the daemon probes registration at start and says what it chose
         elif part == "loop":
             out["load_chunk_loop"] = "c"
+        elif part == "py":
+            out["load_chunk_loop"] = "python"
         elif part.startswith("c"):
             out["load_chunk_bytes"] = int(part[1:]) << 20
         elif part.startswith("d"):
             out["load_depth"] = int(part[1:])
         else:
-            raise SystemExit(f"--daemon: {spec!r}: {part!r} is none of cMIB, dDEPTH, dma, loop")
+            raise SystemExit(f"--daemon: {spec!r}: {part!r} is none of cMIB, dDEPTH, dma, loop, py")
     return out
 
 
@@ -426,13 +439,15 @@ def main() -> int:
     p.add_argument("--registered", action="store_true", help="also the registered-only writer (Registered)")
     p.add_argument("--mapped", action="store_true", help="also each staging variant copying out of a mapping of the "
                    "file instead of preadv, with and without MADV_POPULATE_READ per chunk")
+    p.add_argument("--nohash", action="store_true", help="also each staging variant with the content hash off "
+                   "(what the fingerprint's kernels cost the load)")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--workdir", default="/tmp/wc-loader-paths")
     p.add_argument("--anchors", action="store_true", help="also load_file and InstantTensor, each in a fresh process")
     p.add_argument("--anchor-kinds", default="", help="only these anchors (load_file, instanttensor_default, "
                    "instanttensor_buffered, instanttensor_mmap, instanttensor_mmap_registered); all by default")
     p.add_argument("--daemon", default="", help="also time the daemon's load end to end with these settings "
-                   "(T[:cMIB][:dDEPTH][:dma], comma-separated: e.g. 8,16:c4:d3:dma)")
+                   "(T[:cMIB][:dDEPTH][:dma][:loop|:py], comma-separated: e.g. 8,16:c4:d3:dma,12:py)")
     p.add_argument("--cold", type=int, default=0, help="with --daemon: cold loads for each setting marked :cold, each beside the O_DIRECT ceiling")
     p.add_argument("--only-ends", action="store_true", help="skip the in-process variants: only --anchors and --daemon")
     p.add_argument("--out", type=Path, default=RESULTS / "loader-paths.json")
@@ -466,8 +481,9 @@ def main() -> int:
                 for loop in a.loops.split(","):
                     if loop == "c" and backend.chunk_loop is None:
                         raise SystemExit(f"--loops c: the C chunk loop is {backend.chunk_loop_missing} (make native)")
-                    variants.append((f"staging {threads}thr {chunk >> 20}M x{depth}{' c-loop' if loop == 'c' else ''}",
-                                     threads, chunk, functools.partial(staged, loop=loop == "c"), ""))
+                    for suffix in ("", NOHASH) if a.nohash else ("",):
+                        variants.append((f"staging {threads}thr {chunk >> 20}M x{depth}{' c-loop' if loop == 'c' else ''}{suffix}",
+                                         threads, chunk, functools.partial(staged, loop=loop == "c"), ""))
                 for how in ("copy", "populate") if a.mapped else ():
                     variants.append((f"mapped-{how} {threads}thr {chunk >> 20}M x{depth}", threads, chunk, staged, how))
                 if a.dma:
@@ -484,7 +500,7 @@ def main() -> int:
     for rep in range(0 if a.only_ends else a.reps):
         for name, threads, chunk, make, mapped in variants if rep % 2 == 0 else variants[::-1]:
             try:
-                r = load_once(path, backend, threads, chunk, make, mapped)
+                r = load_once(path, backend, threads, chunk, make, mapped, content_hash=not name.endswith(NOHASH))
             except drv.CudaError as e:  # one path refused by the driver: say so, time the others
                 res.setdefault("errors", {})[name] = str(e)
                 print(name, "failed:", e, flush=True)
@@ -493,7 +509,7 @@ def main() -> int:
             print(name, json.dumps(r), flush=True)
     if not a.only_ends:  # what registering page-cache pages costs, per window size
         res["register_cost"] = register_cost(path, backend, [2 << 20, 16 << 20, *windows], 8)
-    fps = {r["fingerprint"] for rs in res["runs"].values() for r in rs}
+    fps = {r["fingerprint"] for rs in res["runs"].values() for r in rs if r["fingerprint"] is not None}
     res["fingerprints_agree"] = len(fps) <= 1
     res["best_GBps"] = {k: max(r["GBps"] for r in v) for k, v in res["runs"].items()}
     print(json.dumps({"best_GBps": res["best_GBps"], "fingerprints_agree": res["fingerprints_agree"]}, indent=1))

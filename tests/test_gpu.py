@@ -109,6 +109,50 @@ async def test_lru_eviction_under_a_small_gpu_budget(start_daemon, gpu_ckpts):
             await c.attach("x", device="cpu").__aenter__()
 
 
+async def test_a_miss_fills_while_its_evicted_victim_is_still_being_freed(start_daemon, gpu_ckpts):
+    """A load that evicts (no host tier) does not wait for its victim's whole free: the
+    arena grows as the victim's chunks come back to the budget (``allocates_as_room_frees``),
+    the daemon never holds more than its budget, and every load's bytes are its file's."""
+    from safetensors.torch import load
+
+    from weightcache.tools.daemon_log import load_lines
+
+    d = gpu_daemon(start_daemon, "600MiB", {n: gpu_ckpts[n] for n in "xyz"})  # two of the three fit
+    async with Client(d.socket) as c:
+        await c.load("x")
+        await c.load("y")
+        for name in "zxyz":  # each evicts the least recently used of the other two
+            await c.load(name)
+            st = (await c.status())["devices"]["cuda:0"]
+            assert st["used"] <= st["budget"], st
+            ref = load(gpu_ckpts[name].read_bytes())  # not load_file: its mapping would keep the file cached
+            async with c.attach(name) as m:
+                assert all(torch.equal(m[k].cpu(), v) for k, v in ref.items()), name
+    loads = [ld for ld in load_lines(d.log_text()) if ld["verb"] == "loaded"]
+    assert [ld["model"] for ld in loads] == list("xyzxyz"), loads
+    assert not any("wait for frees" in ld["phases_ms"] for ld in loads), loads
+
+
+@pytest.mark.parametrize("setting", ["auto", "c"])
+def test_a_chunk_loop_that_is_not_built_is_said_at_start(monkeypatch, caplog, setting):
+    """Where the C loop is missing, "auto" stages from Python and warns; "c" refuses to start."""
+    import weightcache.backends.cuda as cuda_backend
+    from weightcache.errors import ConfigError
+
+    monkeypatch.setattr(cuda_backend, "load_chunk_loop", lambda: (None, "not built (a test)"))
+    backend = cuda_backend.CudaBackend("cuda:0")
+    try:
+        if setting == "c":
+            with pytest.raises(ConfigError, match="not built"):
+                backend.configure_loads(1, "off", setting)
+        else:
+            backend.configure_loads(1, "off", setting)
+            assert "stage each chunk from Python" in caplog.text
+        assert backend.chunk_loop is None
+    finally:
+        backend.close()
+
+
 async def test_device_memory_check_beyond_budget(start_daemon, gpu_ckpts):
     # A budget larger than the GPU's free memory: the allocation is refused with NO_SPACE
     # naming the device, and the reservation rolls back.

@@ -194,6 +194,9 @@ class Backend(ABC):
     # do its arenas take a transfer engine's bytes through a ring (dma_landing) rather
     # than directly (dma_target)? Its lends are then staged too (DmaView.staged).
     dma_through_ring = False
+    # does each piece of an arena wait for its bytes in the budget's Room (``grow``), so
+    # that an arena may be allocated while evicted victims are still being freed?
+    allocates_as_room_frees = False
 
     @property
     def can_land_dma(self) -> bool:
@@ -253,7 +256,7 @@ class Backend(ABC):
         writer then makes those pages resident instead of copying them. By default every
         byte is copied."""
 
-    def configure_loads(self, depth: int, page_cache_dma: str, chunk_loop: str = "python") -> None:  # noqa: B027  (a hook)
+    def configure_loads(self, depth: int, page_cache_dma: str, chunk_loop: str = "auto") -> None:  # noqa: B027  (a hook)
         """The daemon's ``load_depth``, ``load_page_cache_dma`` and ``load_chunk_loop``, once
         at start; a backend whose writer has no use for them ignores them."""
 

@@ -29,7 +29,7 @@ from typing import Any
 from cuda.bindings import driver as cu
 
 from .. import cuda_driver as drv
-from ..errors import BadRequest, NoSpace
+from ..errors import BadRequest, ConfigError, NoSpace
 from ..protocol.arena import CUDA_VMM, ArenaDesc, VmmArenaDesc, chunk_sizes
 from ..units import capacity
 from .base import Arena, Backend, DmaView, HostCopy, HostPool, PublishedSource, Room, StagedRing
@@ -81,6 +81,7 @@ class VmmSource(PublishedSource):
 class CudaBackend(Backend):
     kind = CUDA_VMM
     supports_host_tier = True
+    allocates_as_room_frees = True
     supports_writable_attach = True
     supports_dma = True
     dma_through_ring = True  # UCX's cuda_ipc does not take VMM memory: backends/cuda_staging.py
@@ -114,22 +115,27 @@ class CudaBackend(Backend):
         self.load_depth = 1
         self.page_cache_dma = False  # configure_loads
         # The writer's chunk loop in C (cuda_writer.py, Note [the chunk loop in C]), once
-        # configure_loads asks for it; until then every chunk is staged from Python.
+        # configure_loads loads it; until then every chunk is staged from Python.
         self.chunk_loop: ctypes.CDLL | None = None
-        self.chunk_loop_missing: str | None = 'off (load_chunk_loop = "python")'
+        self.chunk_loop_missing: str | None = "not loaded (configure_loads)"
         self._releases: list[threading.Thread] = []  # page-cache windows being unregistered after a load
         self._prefill: threading.Thread | None = None  # prepare_loads' staging buffers
         self._closing = threading.Event()  # tells the prefill to stop pinning
 
-    def configure_loads(self, depth: int, page_cache_dma: str, chunk_loop: str = "python") -> None:
+    def configure_loads(self, depth: int, page_cache_dma: str, chunk_loop: str = "auto") -> None:
         self.load_depth = depth
-        if chunk_loop == "c":
+        if chunk_loop == "python":
+            self.chunk_loop, self.chunk_loop_missing = None, 'off (load_chunk_loop = "python")'
+        else:
             self.chunk_loop, self.chunk_loop_missing = load_chunk_loop()
-            if self.chunk_loop is None:
-                log.warning("%s: load_chunk_loop = \"c\", but the C chunk loop is %s: loads stage each chunk from "
-                            "Python", self.device, self.chunk_loop_missing)
-            else:
+            if self.chunk_loop is not None:
                 log.info("%s: loads copy each chunk through the C chunk loop", self.device)
+            elif chunk_loop == "c":
+                raise ConfigError(f"daemon.load_chunk_loop = \"c\", but the C chunk loop is {self.chunk_loop_missing}; "
+                                  "build it or set \"auto\"", key="daemon.load_chunk_loop")
+            else:
+                log.warning("%s: the C chunk loop is %s: loads stage each chunk from Python, slower from a warm page "
+                            "cache (docs/benchmarks.md, \"The chunk loop through the daemon\")", self.device, self.chunk_loop_missing)
         if page_cache_dma == "off":
             self.page_cache_dma = False
             return

@@ -336,12 +336,16 @@ class Fill:
             # The victims' demotions run while this arena fills: each victim chunk copied
             # out gives its bytes back to the device's room, which the new arena's chunks
             # take as it grows (backends/base.py, Room).
-            lazy = bool(plan.step_down.demote)
+            # Evicted victims' chunks are freed in threads (StepDown.release). Where the
+            # backend gates each new piece on the budget's room, the arena grows as they
+            # come back, and the fill starts now: waiting for the whole free cost a 9.8 GB
+            # load 4-10 ms on an H100 (docs/benchmarks.md, "The chunk loop through the
+            # daemon"). Elsewhere they must be back before the allocation.
+            lazy = bool(plan.step_down.demote) or (backend.allocates_as_room_frees and bool(self.step_down.releasing))
             demotions = self.step_down.start(plan.step_down,
                                              f"{self.settings.eviction_policy.upper()}, to make room for {name}")
             progress = self.stats.progress[name] = Progress(ckpt.data_bytes)
-            if self.step_down.releasing:
-                # Evicted victims' memory must be back before the allocation checks the device's free memory.
+            if self.step_down.releasing and not lazy:
                 await asyncio.wait(list(self.step_down.releasing))
                 phase("wait for frees")
             many = len(ckpt.tensors) > MANY_TENSORS
