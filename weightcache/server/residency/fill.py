@@ -341,9 +341,9 @@ class Fill:
             # come back, and the fill starts now: waiting for the whole free cost a 9.8 GB
             # load 4-10 ms on an H100 (docs/benchmarks.md, "The chunk loop through the
             # daemon"). Elsewhere they must be back before the allocation.
-            lazy = bool(plan.step_down.demote) or (backend.allocates_as_room_frees and bool(self.step_down.releasing))
             demotions = self.step_down.start(plan.step_down,
                                              f"{self.settings.eviction_policy.upper()}, to make room for {name}")
+            lazy = bool(plan.step_down.demote) or (backend.allocates_as_room_frees and bool(self.step_down.releasing))
             progress = self.stats.progress[name] = Progress(ckpt.data_bytes)
             if self.step_down.releasing and not lazy:
                 await asyncio.wait(list(self.step_down.releasing))
