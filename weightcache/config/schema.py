@@ -253,8 +253,9 @@ class DaemonConfig(BaseModel):
     load_page_cache_dma: Literal["auto", "on", "off"] = Field(default="off", description=(
         "GPU loads of files wholly in the page cache: also copy from their registered pages, beside the staging path "
         "(backends/page_windows.py); 'auto' probes the driver's registration at start and uses it when it is fast"))
-    # The C loop by default: through the daemon on an H100, 43.2 GB/s best against 40.1
-    # staged from Python in the same call (docs/benchmarks.md, "The chunk loop through the daemon").
+    # The C loop by default: through the daemon on one H100 host, 43.2 GB/s best against
+    # 40.1 staged from Python in the same call; on another, the same within the spread
+    # (docs/benchmarks.md, "The chunk loop through the daemon").
     load_chunk_loop: Literal["auto", "c", "python"] = Field(default="auto", description=(
         "GPU loads: each chunk's reads and copies run in the C loop built at install, in 2 MiB slots, 3 in flight "
         "a thread (backends/cuda_writer.py, Note [the chunk loop in C]); 'auto' where it is built, else staged from "
