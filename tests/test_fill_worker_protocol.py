@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import platform
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from safetensors.torch import save_file
 from weightcache.backends.cpu import CpuBackend
 from weightcache.errors import LoadFailed
 from weightcache.loader import Progress, fingerprint_files, open_checkpoint
+from weightcache.peers.confine import can_seal
 from weightcache.peers.fill import Lent, PeerFill
 from weightcache.peers.lend_worker import Watermark, _FillFromDaemon, _recv, _send
 from weightcache.peers.transport import Extent, TransferFailed
@@ -204,13 +206,18 @@ fd = os.memfd_create("arena")
 os.ftruncate(fd, 3 * PAGE)
 daemon, worker = socket.socketpair()
 raw = [[0, 0, PAGE + 10], [PAGE + 10, 0, 2 * PAGE - 10]]
-target = int(sys.argv[1])
+target, seals = int(sys.argv[1]), sys.argv[2] == "seal"
+libc = ctypes.CDLL(None, use_errno=True)
 
 class Lender:  # lands each extent, then writes where a lender over TCP could
     def read(self, md, extents, memory, device_id, rm, rdid, *, on_done, pace, **kw):
         pace(extents[0].nbytes, extents[0].dst)
         ctypes.memset(extents[0].dst, 1, extents[0].nbytes)
         on_done(extents[0].dst, extents[0].nbytes)
+        if sys.argv[3] == "undo":  # code a lender runs in the worker: the reported page writable again
+            page = extents[0].dst // PAGE * PAGE
+            ok = libc.mprotect(ctypes.c_void_p(page), PAGE, mmap.PROT_READ | mmap.PROT_WRITE) == 0
+            print("made writable again" if ok else f"refused: {os.strerror(ctypes.get_errno())}", flush=True)
         pace(extents[1].nbytes, extents[1].dst)
         ctypes.memset(extents[1].dst, 1, extents[1].nbytes)  # in flight: still writable
         print("wrote the extent in flight", flush=True)
@@ -227,7 +234,7 @@ def the_daemon():
 threading.Thread(target=the_daemon, daemon=True).start()
 msg = {"size": 3 * PAGE, "extents": raw, "metadata": "", "memory": "DRAM", "device_id": 0, "remote_memory": "DRAM",
        "remote_device_id": 0, "window": 2, "stall_s": 5, "timeout_s": 10}
-lw._FillInWorker(worker, Lender(), fd, msg).run()
+lw._FillInWorker(worker, Lender(), fd, msg, seals).run()
 print("the read ended", flush=True)
 """
 
@@ -238,9 +245,56 @@ def test_a_write_into_a_reported_extent_faults_in_the_worker(offset: int, faults
     second's is read-only in the worker, so a write there kills the worker (SIGSEGV);
     its tail on the page the second extent shares stays writable, and the daemon hashes
     the piece only once that page is out of reach too (the test above)."""
-    p = subprocess.run([sys.executable, "-c", CHILD, str(offset)], capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-c", CHILD, str(offset), "seal", "write"], capture_output=True, text=True,
+                       timeout=60)
     assert "wrote the extent in flight" in p.stdout, p.stderr
     if faults:
         assert p.returncode == -signal.SIGSEGV and "wrote the extent reported" not in p.stdout, (p.returncode, p.stdout)
     else:
         assert p.returncode == 0 and "the read ended" in p.stdout, (p.returncode, p.stdout, p.stderr)
+
+
+@pytest.mark.skipif(not can_seal(), reason="this kernel has no mseal (Linux 6.10)")
+@pytest.mark.parametrize("seals", [True, False])
+def test_a_worker_cannot_make_a_reported_page_writable_again(seals: bool) -> None:
+    """Code a lender got to run in the fill worker tries to undo the read-only bound
+    (Note [a worker is confined]): with the pages sealed, mprotect is refused and the
+    write into the reported extent still faults; unsealed (as on a kernel without
+    mseal), it succeeds and the write goes through."""
+    p = subprocess.run([sys.executable, "-c", CHILD, "0", "seal" if seals else "no", "undo"], capture_output=True,
+                       text=True, timeout=60)
+    if seals:
+        assert "refused: Operation not permitted" in p.stdout, (p.stdout, p.stderr)
+        assert p.returncode == -signal.SIGSEGV and "wrote the extent reported" not in p.stdout, (p.returncode, p.stdout)
+    else:
+        assert "made writable again" in p.stdout and "wrote the extent reported" in p.stdout, (p.stdout, p.stderr)
+
+
+CONFINED = """
+import ctypes, errno, os, subprocess, sys, threading
+from weightcache.peers.confine import confine
+assert confine() is None
+libc = ctypes.CDLL(None, use_errno=True)
+seen = []
+t = threading.Thread(target=seen.append, args=("thread",)); t.start(); t.join()
+for name, call in [("fork", os.fork), ("spawn", lambda: subprocess.run(["/bin/true"]))]:
+    try:
+        call()
+        seen.append(name)
+    except OSError as exc:
+        assert exc.errno == errno.EPERM, exc
+if libc.syscall(425, 1, None) != -1 or ctypes.get_errno() != errno.EPERM:  # io_uring_setup
+    seen.append("io_uring")
+buf = ctypes.create_string_buffer(8)
+iov = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 8)
+if libc.process_vm_writev(os.getppid(), iov, 1, iov, 1, 0) != -1 or ctypes.get_errno() != errno.EPERM:
+    seen.append("process_vm_writev")
+print(" ".join(seen))
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="the filter knows x86_64 and aarch64")
+def test_a_confined_worker_starts_threads_but_no_process_and_writes_no_other_process() -> None:
+    p = subprocess.run([sys.executable, "-c", CONFINED], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["thread"], p.stdout

@@ -24,6 +24,7 @@ from helpers import NOBODY, as_uid, root_only
 
 from weightcache import Client
 from weightcache.loader import fingerprint_files
+from weightcache.peers.confine import can_seal
 from weightcache.peers.lend_worker import FillWorker
 from weightcache.peers.transport import unavailable
 from weightcache.tools.bench_measure import memfd_bytes
@@ -125,6 +126,10 @@ async def test_model_resident_in_one_daemon_is_filled_into_the_other(pair: Pair,
         first = (await b.status())["peers"]["fill_worker"]["pid"]  # started with the daemon
         assert first not in (None, borrower.proc.pid)
         await b.load("m")
+        # Both workers under their seccomp filter (confine.py, Note [a worker is confined]).
+        lend_pid = (await a.status())["peers"]["lend_worker"]["pid"]
+        assert lend_pid is not None
+        assert "Seccomp:\t2" in Path(f"/proc/{lend_pid}/status").read_text()
         row = model_row(await b.models(), "m")
         assert row["source"] == "neighbour", pair.log(1)[-3000:]
         assert row["fingerprint"] == fp
@@ -140,6 +145,7 @@ async def test_model_resident_in_one_daemon_is_filled_into_the_other(pair: Pair,
         # (lend_worker.py, Note [a fill lands in a worker]).
         worker = st["peers"]["fill_worker"]
         assert worker["fills"] == 1 and worker["retired"] == 1 and worker["deaths"] == 0, worker
+        assert worker["mseal"] is can_seal(), worker  # its read-only pages sealed where the kernel can
         # CPU daemons: no NIXL agent (no UCX worker) in either daemon's own process.
         assert st["peers"]["agent"] is None and (await a.status())["peers"]["agent"] is None
         # One fill a worker: the one that read it was ended after its clean answer, and a
@@ -153,6 +159,7 @@ async def test_model_resident_in_one_daemon_is_filled_into_the_other(pair: Pair,
             return w["fills"] == 2 and w["retired"] == 2 and w["pid"] not in (None, first) and w["deaths"] == 0
 
         await eventually(next_worker_up, timeout=30)
+        assert "Seccomp:\t2" in Path(f"/proc/{(await b.status())['peers']['fill_worker']['pid']}/status").read_text()
         assert not Path(f"/proc/{first}").exists()
 
         async def lend_ended() -> bool:  # the lender's lease ends with the fill, in its worker threads: soon after

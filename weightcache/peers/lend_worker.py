@@ -41,12 +41,13 @@ write it: before it reports an extent, the child makes read-only every page of i
 mapping below the lowest extent not in yet (``Watermark``; both sides compute that bound
 from the same reports), so a lender that writes into a piece after it was hashed (over
 TCP it may address any of the child's memory while the read runs) faults the child and
-fails the fill. A read returns after a clean "ok" (the child unmapped the arena before
-it answered, so the seal that follows finds no writable mapping), or, for any other
-ending, once the child and its session are killed and reaped, so that nothing of one
-fill can write into, or answer for, the next. After a clean "ok" the child is ended too
-and the next one started at once, in a thread: no child reads two fills, so one that a
-lender's UCX compromised sees no other fill's bytes. A GPU fill lands in device memory of the
+fails the fill; the child also seals those pages (``mseal``) and runs under a seccomp
+filter, so code a lender got to run in it can neither make them writable again nor
+start a process (confine.py, Note [a worker is confined]). A read returns only once the
+child and its session are killed and reaped, whatever its ending, so the seal that
+follows finds no writable mapping and nothing of one fill can write into, or answer
+for, the next. After a clean "ok" the next child is started at once, in a thread: no
+child reads two fills, so one that a lender's UCX compromised sees no other fill's bytes. A GPU fill lands in device memory of the
 daemon's CUDA context, and still reads through the daemon's own agent.
 """
 
@@ -185,6 +186,7 @@ class LendWorker:
         self._retired: set[int] = set()  # pids retired after a clean fill (FillWorker)
         self.lending: set[int] = set()
         self.uid: int | None = None  # the child's
+        self.mseal: bool | None = None  # the fill worker's read-only pages sealed (Note [a worker is confined])
 
     def describe(self) -> dict[str, object]:
         return {"pid": self._proc.pid if self._proc is not None and self._proc.poll() is None else None, "uid": self.uid,
@@ -212,7 +214,7 @@ class LendWorker:
         uids = [NOBODY, None] if os.geteuid() == 0 and not self._nobody_refused else [None]
         for uid in uids:
             try:
-                proc, sock = self._spawn(uid, self.role)
+                proc, sock, hello = self._spawn(uid, self.role)
             except WorkerGone as exc:
                 if uid is None:
                     raise
@@ -223,12 +225,16 @@ class LendWorker:
             self.uid = os.geteuid() if uid is None else uid
             self._proc, self._sock = proc, sock
             threading.Thread(target=self._watch, args=(proc,), name=f"{self.role}-worker-watch", daemon=True).start()
-            log.info("peers: %s worker started (pid %d, uid %d)", self.role, proc.pid, self.uid)
+            if "mseal" in hello:
+                self.mseal = hello["mseal"] is True
+            log.info("peers: %s worker started (pid %d, uid %d, confined%s)", self.role, proc.pid, self.uid,
+                     "" if "mseal" not in hello else ", read-only pages sealed" if self.mseal
+                     else "; this kernel has no mseal: its read-only pages are not sealed")
             return sock
         raise AssertionError("unreachable")
 
     @staticmethod
-    def _spawn(uid: int | None, role: Role) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    def _spawn(uid: int | None, role: Role) -> tuple[subprocess.Popen[bytes], socket.socket, dict[str, object]]:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))}
         env["PATH"] = "/usr/bin:/bin"
@@ -257,7 +263,7 @@ class LendWorker:
             parent.close()
             raise WorkerGone(f"the {role} worker did not start: {type(exc).__name__}: {exc}") from None
         parent.settimeout(None)
-        return proc, parent
+        return proc, parent, hello
 
     def _watch(self, proc: subprocess.Popen[bytes]) -> None:
         rc = proc.wait()
@@ -352,7 +358,8 @@ class FillWorker(LendWorker):
         self.retired = 0  # workers ended after their clean fill
 
     def describe(self) -> dict[str, object]:
-        return {**super().describe(), "fills": self.fills, "ended": self.ended, "retired": self.retired}
+        return {**super().describe(), "fills": self.fills, "ended": self.ended, "retired": self.retired,
+                "mseal": self.mseal}
 
     def _retire(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
         """End a worker whose fill ended cleanly (under the lock): not a death, and the
@@ -549,9 +556,9 @@ class _FillFromDaemon:
 
 
 # -- the child -----------------------------------------------------------------------------
-def _serve_fills(sock: socket.socket, transport: Any) -> None:
+def _serve_fills(sock: socket.socket, transport: Any, seals: bool) -> None:
     """The fill worker: one read at a time into the memfd the daemon passed (Note [a fill
-    lands in a worker])."""
+    lands in a worker]), each range it makes read-only sealed where ``seals``."""
     while True:
         fds: list[int] = []
         try:
@@ -562,7 +569,7 @@ def _serve_fills(sock: socket.socket, transport: Any) -> None:
             if msg.get("op") != "fill" or len(fds) != 1:
                 _send(sock, {"result": "failed", "error": f"unknown op {msg.get('op')!r} with {len(fds)} fd(s)"})
                 continue
-            _FillInWorker(sock, transport, fds.pop(), msg).run()  # it closes the fd
+            _FillInWorker(sock, transport, fds.pop(), msg, seals).run()  # it closes the fd
         except Exception as exc:
             with contextlib.suppress(OSError):
                 _send(sock, {"result": "failed", "error": f"{type(exc).__name__}: {exc}"})
@@ -576,14 +583,15 @@ class _FillInWorker:
     stopped by its ``stop``; a thread reads those until the daemon's ``finish``, which
     follows this read's answer."""
 
-    def __init__(self, sock: socket.socket, transport: Any, fd: int, msg: dict[str, object]) -> None:
-        self.sock, self.transport, self.fd, self.msg = sock, transport, fd, msg
+    def __init__(self, sock: socket.socket, transport: Any, fd: int, msg: dict[str, object], seals: bool) -> None:
+        self.sock, self.transport, self.fd, self.msg, self.seals = sock, transport, fd, msg, seals
         self.cond = threading.Condition()
         self.allowed = self.posted = 0
         self.why: str | None = None
 
     def run(self) -> None:
         from ..backends.page_cache import make_readonly, map_writable, unmap
+        from .confine import seal
         from .transport import Extent, TransferFailed
 
         msg = self.msg
@@ -607,6 +615,8 @@ class _FillInWorker:
                 below = mark.upto
                 if mark.add(dst - addr) > below:  # out of reach before the daemon hashes it
                     make_readonly(addr + below, mark.upto - below)
+                    if self.seals:  # and kept so (Note [a worker is confined])
+                        seal(addr + below, mark.upto - below)
                 _send(self.sock, {"done": [dst - addr, n]})
 
             listener = threading.Thread(target=self._control, daemon=True)
@@ -621,8 +631,9 @@ class _FillInWorker:
                                     stop=self._stop, pace=self._pace)
             except TransferFailed as exc:
                 result = {"result": "failed", "error": str(exc)}
-            # Unmapped before the answer: the daemon seals the memfd next, which a writable
-            # mapping left here would refuse (EBUSY).
+            # Unmapped before the answer where nothing is sealed (after a failure, say). A
+            # sealed range stays mapped (munmap refuses it) until the daemon kills this
+            # process, which it does before it seals the memfd (FillWorker.read).
             unmap(addr, size)
             mapped = False
             _send(self.sock, result)
@@ -719,25 +730,36 @@ def _serve(sock: socket.socket, transport: Any) -> None:
 
 
 def serve_fd(fd: int, role: str = "lend") -> None:
-    """The child's life: start its NIXL agent, say whether it could, then serve the daemon
-    on the socket ``fd`` until it closes (lend_child.py)."""
+    """The child's life: confine itself, start its NIXL agent, say whether it could, then
+    serve the daemon on the socket ``fd`` until it closes (lend_child.py)."""
+    from .confine import can_seal, confine
     from .transport import Transport
 
     logging.basicConfig(level=logging.WARNING, format=f"{role} worker: %(message)s")
-    if role == "fill":
+    sock = socket.socket(fileno=fd)
+    # First, while this is the process's only thread: every thread NIXL starts inherits
+    # the filter (Note [a worker is confined]). Without it the worker does not start.
+    why = confine()
+    if why is None and role == "fill":
         # Not dumpable: no other process of its uid (65534 is shared: another daemon's lend
         # worker, any service run as nobody) may open its /proc files, the arena's memfd
         # among them, or ptrace it. Not for the lend worker: a borrower on this host reads
         # from it with process_vm_readv (UCX's cma), which needs exactly that access.
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-            _send(socket.socket(fileno=fd), {"ok": False, "error": f"prctl: {os.strerror(ctypes.get_errno())}"})
-            return
-    sock = socket.socket(fileno=fd)
+            why = f"prctl: {os.strerror(ctypes.get_errno())}"
+    if why is not None:
+        _send(sock, {"ok": False, "error": why})
+        return
     try:
         transport = Transport()
     except Exception as exc:
         _send(sock, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return
-    _send(sock, {"ok": True})
-    (_serve_fills if role == "fill" else _serve)(sock, transport)
+    if role == "fill":
+        seals = can_seal()
+        _send(sock, {"ok": True, "mseal": seals})
+        _serve_fills(sock, transport, seals)
+    else:
+        _send(sock, {"ok": True})
+        _serve(sock, transport)
