@@ -285,6 +285,8 @@ for name, call in [("fork", os.fork), ("spawn", lambda: subprocess.run(["/bin/tr
         assert exc.errno == errno.EPERM, exc
 if libc.syscall(425, 1, None) != -1 or ctypes.get_errno() != errno.EPERM:  # io_uring_setup
     seen.append("io_uring")
+if libc.syscall(438, os.getpid(), 0, 0) != -1 or ctypes.get_errno() != errno.EPERM:  # pidfd_getfd
+    seen.append("pidfd_getfd")
 buf = ctypes.create_string_buffer(8)
 iov = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 8)
 if libc.process_vm_writev(os.getppid(), iov, 1, iov, 1, 0) != -1 or ctypes.get_errno() != errno.EPERM:

@@ -14,9 +14,10 @@ unprivileged process) under which it cannot:
   with EPERM (threads still start; clone3, whose flags a filter cannot read, fails with
   ENOSYS, and glibc then creates the thread with clone). A worker's kill therefore ends
   all of it, not only its session (``kill_group``);
-- write through a side door: process_vm_writev, ptrace, and io_uring (whose registered
-  buffers keep write access to pages made read-only after they were registered) fail
-  with EPERM.
+- write through a side door: process_vm_writev, ptrace, pidfd_getfd (another
+  process's fds: the lend worker stays open to its uid for cross-memory reads), and
+  io_uring (whose registered buffers keep write access to pages made read-only after
+  they were registered) fail with EPERM.
 
 Calls of another ABI (i386 through int 0x80, x32) kill the process: a filter checks the
 numbers of one ABI only. And the fill worker seals (``mseal``, Linux 6.10) each range it
@@ -61,10 +62,10 @@ class _Abi:
 _ABIS = {
     "x86_64": _Abi(0xC000003E, seccomp=317, mseal=462, clone=56, clone3=435, x32=True, denied={
         "fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "ptrace": 101, "process_vm_writev": 311,
-        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}),
+        "pidfd_getfd": 438, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}),
     "aarch64": _Abi(0xC00000B7, seccomp=277, mseal=462, clone=220, clone3=435, x32=False, denied={
         "execve": 221, "execveat": 281, "ptrace": 117, "process_vm_writev": 271,
-        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}),
+        "pidfd_getfd": 438, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}),
 }
 ABI = _ABIS.get(platform.machine())
 
