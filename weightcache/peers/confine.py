@@ -5,28 +5,36 @@ Note [a worker is confined]
 ---------------------------
 A worker runs code a peer can reach: UCX serving or reading over TCP. Were that code
 compromised, the worker's own address space is all it should hold (the Notes in
-lend_worker.py), and the worker must not outlive its kill nor undo what stops it from
-writing a piece the daemon already hashed. So, before its NIXL agent starts, each worker
-installs a seccomp filter (no new privileges first, as seccomp requires of an
-unprivileged process) under which it cannot:
+lend_worker.py), and it must not outlive its kill, reach other processes, nor change a
+piece the daemon already hashed. So, before its NIXL agent starts (while it is the
+process's only thread: every later thread inherits all of this), each worker:
 
-- start a process: fork, vfork, execve, execveat, and clone without CLONE_THREAD fail
-  with EPERM (threads still start; clone3, whose flags a filter cannot read, fails with
-  ENOSYS, and glibc then creates the thread with clone). A worker's kill therefore ends
-  all of it, not only its session (``kill_group``);
-- write through a side door: process_vm_writev, ptrace, pidfd_getfd (another
-  process's fds: the lend worker stays open to its uid for cross-memory reads), and
-  io_uring (whose registered buffers keep write access to pages made read-only after
-  they were registered) fail with EPERM.
+- takes no new privileges, and, where it runs as root (65534 could not run the
+  interpreter), gives up every capability: no ``/proc/self/map_files`` (which reopens a
+  mapping's file writable), no module, no mount;
+- enters a Landlock domain (Linux 5.13) that handles every file-writing right and grants
+  none: no file written, created, truncated or removed, ``/proc/sys`` included; and,
+  whatever the rights, no ptrace access to a process outside the domain, so no
+  ``/proc/PID/mem`` write and no ``/proc/PID/fd`` open into another process of its uid
+  (the lend worker stays dumpable for cross-memory reads; a root worker would reach the
+  daemon). Since UCX's shared-memory transports would create files in /dev/shm, the
+  workers run with ``UCX_TLS=^mm`` unless the operator sets UCX_TLS;
+- installs a seccomp filter under which fork, vfork, execve, execveat and clone without
+  CLONE_THREAD fail (threads still start; clone3, whose flags a filter cannot read, fails
+  with ENOSYS, and glibc then uses clone), so killing it ends all of it; so do
+  process_vm_writev, ptrace, pidfd_getfd, process_madvise, io_uring (registered buffers
+  keep write access to pages made read-only later), madvise(MADV_REMOVE) (a hole punched
+  in the arena's memfd through a read-only mapping) and mremap with old_size 0 (a second,
+  writable mapping of the arena's pages, which a later seal of the first would not
+  cover); calls of another ABI (i386, x32) kill it.
 
-Calls of another ABI (i386 through int 0x80, x32) kill the process: a filter checks the
-numbers of one ABI only. And the fill worker seals (``mseal``, Linux 6.10) each range it
-makes read-only, so that it cannot make it writable again, nor unmap and map it anew:
-the daemon hashes those pages while the read goes on. It cannot unmap them at the end
-either; the daemon kills it before it seals the memfd (FillWorker.read), which ends the
-mapping. A write through ``/proc/self/mem`` is refused by the kernel for a read-only
-shared mapping. Where the kernel has no mseal, the worker says so at its start and the
-daemon logs it: its pages are then read-only but not sealed.
+The fill worker also seals (``mseal``, Linux 6.10) each range it makes read-only, so that
+it cannot make it writable again, nor unmap and map it anew, while the daemon hashes it.
+It cannot unmap it at the end either; the daemon kills it before it seals the memfd
+(FillWorker.read), which ends the mapping. A write through ``/proc/self/mem`` is refused
+by the kernel for a read-only shared mapping. Without seccomp the worker does not start;
+without Landlock or mseal it starts, and the daemon's log and ``status`` say what is
+missing.
 """
 
 from __future__ import annotations
@@ -52,20 +60,27 @@ _RET = 0x06  # BPF_RET | BPF_K
 _NR, _ARCH, _ARG0_LOW = 0, 4, 16  # offsets in struct seccomp_data (little-endian: args[0]'s low word)
 
 
+_ARG1_LOW, _ARG1_HIGH, _ARG2_LOW = 24, 28, 32
+MADV_REMOVE = 9
+
+
 class _Abi:
-    def __init__(self, audit_arch: int, seccomp: int, mseal: int, clone: int, clone3: int, denied: dict[str, int],
-                 x32: bool) -> None:
+    def __init__(self, audit_arch: int, seccomp: int, mseal: int, clone: int, clone3: int, madvise: int, mremap: int,
+                 denied: dict[str, int], x32: bool) -> None:
         self.audit_arch, self.seccomp, self.mseal, self.clone, self.clone3 = audit_arch, seccomp, mseal, clone, clone3
-        self.denied, self.x32 = denied, x32
+        self.madvise, self.mremap, self.denied, self.x32 = madvise, mremap, denied, x32
 
 
+# The generic numbers (io_uring_*, pidfd_getfd, process_madvise, landlock_*) are the same on both.
 _ABIS = {
-    "x86_64": _Abi(0xC000003E, seccomp=317, mseal=462, clone=56, clone3=435, x32=True, denied={
+    "x86_64": _Abi(0xC000003E, seccomp=317, mseal=462, clone=56, clone3=435, madvise=28, mremap=25, x32=True, denied={
         "fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "ptrace": 101, "process_vm_writev": 311,
-        "pidfd_getfd": 438, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}),
-    "aarch64": _Abi(0xC00000B7, seccomp=277, mseal=462, clone=220, clone3=435, x32=False, denied={
-        "execve": 221, "execveat": 281, "ptrace": 117, "process_vm_writev": 271,
-        "pidfd_getfd": 438, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}),
+        "pidfd_getfd": 438, "process_madvise": 440, "io_uring_setup": 425, "io_uring_enter": 426,
+        "io_uring_register": 427}),
+    "aarch64": _Abi(0xC00000B7, seccomp=277, mseal=462, clone=220, clone3=435, madvise=233, mremap=216, x32=False,
+                    denied={"execve": 221, "execveat": 281, "ptrace": 117, "process_vm_writev": 271, "pidfd_getfd": 438,
+                            "process_madvise": 440, "io_uring_setup": 425, "io_uring_enter": 426,
+                            "io_uring_register": 427}),
 }
 ABI = _ABIS.get(platform.machine())
 
@@ -94,8 +109,15 @@ def _program(abi: _Abi) -> list[Insn | str]:
     if abi.x32:
         p.append((_JGE, "kill", 0, X32_BIT))
     p += [(_JEQ, "deny", 0, nr) for nr in abi.denied.values()]
-    p += [(_JEQ, "nosys", 0, abi.clone3), (_JEQ, "clone", 0, abi.clone), (_RET, 0, 0, _RET_ALLOW),
+    p += [(_JEQ, "nosys", 0, abi.clone3), (_JEQ, "clone", 0, abi.clone), (_JEQ, "madvise", 0, abi.madvise),
+          (_JEQ, "mremap", 0, abi.mremap), (_RET, 0, 0, _RET_ALLOW),
           "clone", (_LD_W_ABS, 0, 0, _ARG0_LOW), (_JSET, "allow", "deny", CLONE_THREAD),
+          # MADV_REMOVE punches a hole in a shared mapping's file, read-only and sealed or not.
+          "madvise", (_LD_W_ABS, 0, 0, _ARG2_LOW), (_JEQ, "deny", "allow", MADV_REMOVE),
+          # mremap with old_size 0 makes a second mapping of a shared one's pages: a writable
+          # alias, made before the range is sealed, would outlive the seal.
+          "mremap", (_LD_W_ABS, 0, 0, _ARG1_LOW), (_JEQ, 0, "allow", 0),
+          (_LD_W_ABS, 0, 0, _ARG1_HIGH), (_JEQ, "deny", "allow", 0),
           "deny", (_RET, 0, 0, _RET_ERRNO | errno.EPERM),
           "nosys", (_RET, 0, 0, _RET_ERRNO | errno.ENOSYS),
           "allow", (_RET, 0, 0, _RET_ALLOW),
@@ -123,21 +145,96 @@ def _assemble(prog: list[Insn | str]) -> list[tuple[int, int, int, int]]:
     return [(code, to(i, jt), to(i, jf), k) for i, (code, jt, jf, k) in enumerate(insns)]
 
 
-def confine() -> str | None:
-    """Install the worker's seccomp filter (Note [a worker is confined]) for this thread
-    and every thread it starts after; call before any other thread starts. Returns None,
-    or why it could not (the worker then refuses to start)."""
+class Unconfined(Exception):
+    """The worker's seccomp filter could not be installed: it must not start."""
+
+
+def confine() -> list[str]:
+    """Confine this process (Note [a worker is confined]): no new privileges, no
+    capabilities where it runs as root, the Landlock domain where the kernel has one,
+    then the seccomp filter, for this thread and every thread it starts after; call
+    before any other thread starts. Returns the guards in place; raises Unconfined where
+    the filter cannot be installed."""
     if ABI is None:
-        return f"no seccomp filter for {platform.machine()}"
+        raise Unconfined(f"no seccomp filter for {platform.machine()}")
     code = _assemble(_program(ABI))
     insns = (_Insn * len(code))(*(_Insn(c, jt, jf, k) for c, jt, jf, k in code))
     prog = _Prog(len(code), insns)
     if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        return f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(ctypes.get_errno())}"
+        raise Unconfined(f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(ctypes.get_errno())}")
+    guards = []
+    if os.geteuid() == 0:
+        _drop_capabilities()
+        guards.append("no capabilities")
+    abi = _landlock()
+    if abi:
+        guards.append(f"landlock {abi}")
     if _libc.syscall(ctypes.c_long(ABI.seccomp), ctypes.c_long(SECCOMP_SET_MODE_FILTER), ctypes.c_long(0),
                      ctypes.byref(prog)) != 0:
-        return f"seccomp: {os.strerror(ctypes.get_errno())}"
-    return None
+        raise Unconfined(f"seccomp: {os.strerror(ctypes.get_errno())}")
+    return ["seccomp", *guards]
+
+
+# Landlock (landlock.h): the file system rights a write takes, by the ABI that added them.
+# Reads and execution stay allowed: NIXL loads its plugins once the worker is confined.
+_LANDLOCK_CREATE_RULESET, _LANDLOCK_RESTRICT_SELF, _LANDLOCK_VERSION = 444, 446, 1
+_FS_WRITE = {1: (1 << 1) | (1 << 4) | (1 << 5) | (1 << 6) | (1 << 7) | (1 << 8) | (1 << 9) | (1 << 10) | (1 << 11)
+             | (1 << 12),  # WRITE_FILE, REMOVE_*, MAKE_*
+             2: 1 << 13,  # REFER
+             3: 1 << 14}  # TRUNCATE
+_SCOPE_SIGNAL = 2  # ABI 6: no signal to a process outside the domain
+
+
+class _Ruleset(ctypes.Structure):
+    _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
+
+
+def _landlock() -> int:
+    """Enter a Landlock domain: no file written, created or removed, and, whatever the
+    rights, no ptrace access (so no /proc/PID/mem, /proc/PID/fd) to a process outside
+    it, nor (ABI 6) a signal. Returns the ABI, or 0 where the kernel has no Landlock."""
+    abi = _libc.syscall(ctypes.c_long(_LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0),
+                        ctypes.c_uint32(_LANDLOCK_VERSION))
+    if abi < 1:
+        return 0
+    fs = sum(bits for since, bits in _FS_WRITE.items() if abi >= since)
+    attr = _Ruleset(fs, 0, _SCOPE_SIGNAL if abi >= 6 else 0)
+    size = ctypes.sizeof(_Ruleset) if abi >= 6 else 8  # only the fields this ABI knows
+    fd = _libc.syscall(ctypes.c_long(_LANDLOCK_CREATE_RULESET), ctypes.byref(attr), ctypes.c_size_t(size),
+                       ctypes.c_uint32(0))
+    if fd < 0:
+        raise Unconfined(f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}")
+    try:
+        if _libc.syscall(ctypes.c_long(_LANDLOCK_RESTRICT_SELF), ctypes.c_int(fd), ctypes.c_uint32(0)) != 0:
+            raise Unconfined(f"landlock_restrict_self: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
+    return int(abi)
+
+
+_PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _drop_capabilities() -> None:
+    """A worker that runs as root (where 65534 cannot run the interpreter) keeps uid 0 but
+    no capability: no /proc/self/map_files (CAP_SYS_ADMIN), no module, no mount."""
+    for cap in range(64):
+        if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            if ctypes.get_errno() == errno.EINVAL:  # past the last capability this kernel knows
+                break
+            raise Unconfined(f"prctl(PR_CAPBSET_DROP, {cap}): {os.strerror(ctypes.get_errno())}")
+    _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    none = (_CapData * 2)()
+    if _libc.capset(ctypes.byref(_CapHeader(0x20080522, 0)), none) != 0:  # _LINUX_CAPABILITY_VERSION_3
+        raise Unconfined(f"capset: {os.strerror(ctypes.get_errno())}")
 
 
 def seal(addr: int, size: int) -> bool:

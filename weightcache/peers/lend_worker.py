@@ -187,10 +187,12 @@ class LendWorker:
         self.lending: set[int] = set()
         self.uid: int | None = None  # the child's
         self.mseal: bool | None = None  # the fill worker's read-only pages sealed (Note [a worker is confined])
+        self.guards: list[str] = []  # what confines the running child (confine.py)
 
     def describe(self) -> dict[str, object]:
         return {"pid": self._proc.pid if self._proc is not None and self._proc.poll() is None else None, "uid": self.uid,
-                "lending": len(self.lending), "deaths": self.deaths, "last_death": self.last_death}
+                "lending": len(self.lending), "deaths": self.deaths, "last_death": self.last_death,
+                "guards": self.guards}
 
     def start(self) -> None:
         """Start the child now (its NIXL takes ~1 s), not at the first lend."""
@@ -225,11 +227,16 @@ class LendWorker:
             self.uid = os.geteuid() if uid is None else uid
             self._proc, self._sock = proc, sock
             threading.Thread(target=self._watch, args=(proc,), name=f"{self.role}-worker-watch", daemon=True).start()
+            guards = hello.get("guards")
+            self.guards = [str(g) for g in guards] if isinstance(guards, list) else []
             if "mseal" in hello:
                 self.mseal = hello["mseal"] is True
-            log.info("peers: %s worker started (pid %d, uid %d, confined%s)", self.role, proc.pid, self.uid,
-                     "" if "mseal" not in hello else ", read-only pages sealed" if self.mseal
+            log.info("peers: %s worker started (pid %d, uid %d; %s%s)", self.role, proc.pid, self.uid,
+                     ", ".join(self.guards), "" if "mseal" not in hello else ", read-only pages sealed" if self.mseal
                      else "; this kernel has no mseal: its read-only pages are not sealed")
+            if not any(g.startswith("landlock") for g in self.guards):
+                log.warning("peers: this kernel has no Landlock (Linux 5.13): the %s worker could write into other "
+                            "processes of uid %d through /proc (docs/reliability.md)", self.role, self.uid)
             return sock
         raise AssertionError("unreachable")
 
@@ -238,6 +245,10 @@ class LendWorker:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))}
         env["PATH"] = "/usr/bin:/bin"
+        # No shared-memory transports: the worker may create no file (its Landlock domain,
+        # confine.py), and UCX's would be in /dev/shm. Peers on one host read through
+        # cma or tcp. An operator's UCX_TLS naming them keeps the worker from starting.
+        env.setdefault("UCX_TLS", "^mm")
         argv = [sys.executable, "-I", "-m", "weightcache.peers.lend_child", str(child.fileno()), role]
         # A session of its own: killing the worker kills what it forked too (kill_group).
         kw: dict[str, Any] = {"pass_fds": [child.fileno()], "cwd": "/", "env": env, "stdin": subprocess.DEVNULL,
@@ -732,14 +743,19 @@ def _serve(sock: socket.socket, transport: Any) -> None:
 def serve_fd(fd: int, role: str = "lend") -> None:
     """The child's life: confine itself, start its NIXL agent, say whether it could, then
     serve the daemon on the socket ``fd`` until it closes (lend_child.py)."""
-    from .confine import can_seal, confine
+    from .confine import Unconfined, can_seal, confine
     from .transport import Transport
 
     logging.basicConfig(level=logging.WARNING, format=f"{role} worker: %(message)s")
     sock = socket.socket(fileno=fd)
     # First, while this is the process's only thread: every thread NIXL starts inherits
-    # the filter (Note [a worker is confined]). Without it the worker does not start.
-    why = confine()
+    # the confinement (Note [a worker is confined]). Without it the worker does not start.
+    why: str | None = None
+    guards: list[str] = []
+    try:
+        guards = confine()
+    except Unconfined as exc:
+        why = str(exc)
     if why is None and role == "fill":
         # Not dumpable: no other process of its uid (65534 is shared: another daemon's lend
         # worker, any service run as nobody) may open its /proc files, the arena's memfd
@@ -758,8 +774,8 @@ def serve_fd(fd: int, role: str = "lend") -> None:
         return
     if role == "fill":
         seals = can_seal()
-        _send(sock, {"ok": True, "mseal": seals})
+        _send(sock, {"ok": True, "guards": guards, "mseal": seals})
         _serve_fills(sock, transport, seals)
     else:
-        _send(sock, {"ok": True})
+        _send(sock, {"ok": True, "guards": guards})
         _serve(sock, transport)
