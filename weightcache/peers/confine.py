@@ -17,16 +17,22 @@ process's only thread: every later thread inherits all of this), each worker:
   whatever the rights, no ptrace access to a process outside the domain, so no
   ``/proc/PID/mem`` write and no ``/proc/PID/fd`` open into another process of its uid
   (the lend worker stays dumpable for cross-memory reads; a root worker would reach the
-  daemon). Since UCX's shared-memory transports would create files in /dev/shm, the
-  workers run with ``UCX_TLS=^mm`` unless the operator sets UCX_TLS;
-- installs a seccomp filter under which fork, vfork, execve, execveat and clone without
-  CLONE_THREAD fail (threads still start; clone3, whose flags a filter cannot read, fails
-  with ENOSYS, and glibc then uses clone), so killing it ends all of it; so do
-  process_vm_writev, ptrace, pidfd_getfd, process_madvise, io_uring (registered buffers
-  keep write access to pages made read-only later), madvise(MADV_REMOVE) (a hole punched
-  in the arena's memfd through a read-only mapping) and mremap with old_size 0 (a second,
-  writable mapping of the arena's pages, which a later seal of the first would not
-  cover); calls of another ABI (i386, x32) kill it.
+  daemon); from ABI 6, no signal and no abstract Unix socket outside it either. Since
+  UCX's shared-memory transports would create files in /dev/shm, the workers run with
+  ``UCX_TLS=^mm`` unless the operator sets UCX_TLS;
+- installs a seccomp filter (``_DENIED`` lists each call and why) under which it starts
+  no process and enters no namespace (fork, vfork, execve, execveat, unshare, setns, and
+  clone without CLONE_THREAD: threads still start; clone3, whose flags a filter cannot
+  read, fails with ENOSYS, and glibc then uses clone), so killing it ends all of it;
+  writes no other process nor the arena around its read-only mapping (process_vm_writev,
+  ptrace, pidfd_getfd, process_madvise, madvise(MADV_REMOVE), mremap, remap_file_pages,
+  userfaultfd, io_uring); touches no SysV IPC object or keyring of its uid; changes no
+  file's mode, owner, xattrs or times (which Landlock does not cover); and makes no Unix
+  socket (Landlock does not stop a connect to a path socket, the daemon's own among
+  them). Calls of another ABI (i386, x32) kill it.
+
+Its output goes through a pipe the daemon relays to its log, bounded, never to the
+daemon's own stdout or stderr (a log file there could be written or truncated).
 
 The fill worker also seals (``mseal``, Linux 6.10) each range it makes read-only, so that
 it cannot make it writable again, nor unmap and map it anew, while the daemon hashes it.
@@ -60,27 +66,66 @@ _RET = 0x06  # BPF_RET | BPF_K
 _NR, _ARCH, _ARG0_LOW = 0, 4, 16  # offsets in struct seccomp_data (little-endian: args[0]'s low word)
 
 
-_ARG1_LOW, _ARG1_HIGH, _ARG2_LOW = 24, 28, 32
+_ARG2_LOW = 32
 MADV_REMOVE = 9
+AF_UNIX = 1
+
+# What the filter refuses (EPERM), by what it would let code in the worker do:
+_DENIED = {
+    # start a process that outlives the worker's kill (clone without CLONE_THREAD below)
+    "start": ["fork", "vfork", "execve", "execveat", "unshare", "setns"],
+    # write another process, or the arena around its read-only, sealed mapping:
+    # process_madvise, mremap (a writable alias of the arena's pages made before a
+    # range is sealed outlives the seal: an old_size of 0, or a growing remap),
+    # remap_file_pages (a writable page pointed at a sealed file page), io_uring
+    # (registered buffers keep write access), userfaultfd (UFFDIO_COPY into the file)
+    "write": ["process_vm_writev", "ptrace", "pidfd_getfd", "process_madvise", "mremap", "remap_file_pages",
+              "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register"],
+    # SysV IPC objects of its uid (root's, for a root worker), and kernel keyrings
+    "ipc": ["shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semctl", "semtimedop", "msgget", "msgsnd",
+            "msgrcv", "msgctl", "add_key", "request_key", "keyctl"],
+    # file metadata, which Landlock does not cover: modes (setuid bits), owners, xattrs, times
+    "metadata": ["chmod", "fchmod", "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat", "setxattr",
+                 "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "setxattrat",
+                 "removexattrat", "utime", "utimes", "utimensat", "futimesat"],
+}
+_NUMBERS = {
+    "x86_64": {"fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "unshare": 272, "setns": 308,
+               "process_vm_writev": 311, "ptrace": 101, "pidfd_getfd": 438, "process_madvise": 440, "mremap": 25,
+               "remap_file_pages": 216, "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426,
+               "io_uring_register": 427, "shmget": 29, "shmat": 30, "shmctl": 31, "shmdt": 67, "semget": 64,
+               "semop": 65, "semctl": 66, "semtimedop": 220, "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71,
+               "add_key": 248, "request_key": 249, "keyctl": 250, "chmod": 90, "fchmod": 91, "fchmodat": 268,
+               "fchmodat2": 452, "chown": 92, "fchown": 93, "lchown": 94, "fchownat": 260, "setxattr": 188,
+               "lsetxattr": 189, "fsetxattr": 190, "removexattr": 197, "lremovexattr": 198, "fremovexattr": 199,
+               "setxattrat": 463, "removexattrat": 466, "utime": 132, "utimes": 235, "utimensat": 280,
+               "futimesat": 261},
+    # aarch64 has no fork, vfork, chmod, chown, lchown, utime, utimes, futimesat (the *at forms serve).
+    "aarch64": {"execve": 221, "execveat": 281, "unshare": 97, "setns": 268, "process_vm_writev": 271, "ptrace": 117,
+                "pidfd_getfd": 438, "process_madvise": 440, "mremap": 216, "remap_file_pages": 234,
+                "userfaultfd": 282, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+                "shmget": 194, "shmat": 196, "shmctl": 195, "shmdt": 197, "semget": 190, "semop": 193, "semctl": 191,
+                "semtimedop": 192, "msgget": 186, "msgsnd": 189, "msgrcv": 188, "msgctl": 187, "add_key": 217,
+                "request_key": 218, "keyctl": 219, "fchmod": 52, "fchmodat": 53, "fchmodat2": 452, "fchown": 55,
+                "fchownat": 54, "setxattr": 5, "lsetxattr": 6, "fsetxattr": 7, "removexattr": 14,
+                "lremovexattr": 15, "fremovexattr": 16, "setxattrat": 463, "removexattrat": 466, "utimensat": 88},
+}
 
 
 class _Abi:
-    def __init__(self, audit_arch: int, seccomp: int, mseal: int, clone: int, clone3: int, madvise: int, mremap: int,
-                 denied: dict[str, int], x32: bool) -> None:
+    def __init__(self, machine: str, audit_arch: int, seccomp: int, mseal: int, clone: int, clone3: int, madvise: int,
+                 socket: int, socketpair: int, x32: bool) -> None:
         self.audit_arch, self.seccomp, self.mseal, self.clone, self.clone3 = audit_arch, seccomp, mseal, clone, clone3
-        self.madvise, self.mremap, self.denied, self.x32 = madvise, mremap, denied, x32
+        self.madvise, self.socket, self.socketpair, self.x32 = madvise, socket, socketpair, x32
+        nr = _NUMBERS[machine]
+        self.denied = {name: nr[name] for names in _DENIED.values() for name in names if name in nr}
 
 
-# The generic numbers (io_uring_*, pidfd_getfd, process_madvise, landlock_*) are the same on both.
 _ABIS = {
-    "x86_64": _Abi(0xC000003E, seccomp=317, mseal=462, clone=56, clone3=435, madvise=28, mremap=25, x32=True, denied={
-        "fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "ptrace": 101, "process_vm_writev": 311,
-        "pidfd_getfd": 438, "process_madvise": 440, "io_uring_setup": 425, "io_uring_enter": 426,
-        "io_uring_register": 427}),
-    "aarch64": _Abi(0xC00000B7, seccomp=277, mseal=462, clone=220, clone3=435, madvise=233, mremap=216, x32=False,
-                    denied={"execve": 221, "execveat": 281, "ptrace": 117, "process_vm_writev": 271, "pidfd_getfd": 438,
-                            "process_madvise": 440, "io_uring_setup": 425, "io_uring_enter": 426,
-                            "io_uring_register": 427}),
+    "x86_64": _Abi("x86_64", 0xC000003E, seccomp=317, mseal=462, clone=56, clone3=435, madvise=28, socket=41,
+                   socketpair=53, x32=True),
+    "aarch64": _Abi("aarch64", 0xC00000B7, seccomp=277, mseal=462, clone=220, clone3=435, madvise=233, socket=198,
+                    socketpair=199, x32=False),
 }
 ABI = _ABIS.get(platform.machine())
 
@@ -110,14 +155,14 @@ def _program(abi: _Abi) -> list[Insn | str]:
         p.append((_JGE, "kill", 0, X32_BIT))
     p += [(_JEQ, "deny", 0, nr) for nr in abi.denied.values()]
     p += [(_JEQ, "nosys", 0, abi.clone3), (_JEQ, "clone", 0, abi.clone), (_JEQ, "madvise", 0, abi.madvise),
-          (_JEQ, "mremap", 0, abi.mremap), (_RET, 0, 0, _RET_ALLOW),
+          (_JEQ, "unix", 0, abi.socket), (_JEQ, "unix", 0, abi.socketpair), (_RET, 0, 0, _RET_ALLOW),
           "clone", (_LD_W_ABS, 0, 0, _ARG0_LOW), (_JSET, "allow", "deny", CLONE_THREAD),
           # MADV_REMOVE punches a hole in a shared mapping's file, read-only and sealed or not.
           "madvise", (_LD_W_ABS, 0, 0, _ARG2_LOW), (_JEQ, "deny", "allow", MADV_REMOVE),
-          # mremap with old_size 0 makes a second mapping of a shared one's pages: a writable
-          # alias, made before the range is sealed, would outlive the seal.
-          "mremap", (_LD_W_ABS, 0, 0, _ARG1_LOW), (_JEQ, 0, "allow", 0),
-          (_LD_W_ABS, 0, 0, _ARG1_HIGH), (_JEQ, "deny", "allow", 0),
+          # No new Unix socket: Landlock does not stop a connect to a path socket (the
+          # daemon's own, D-Bus, a container runtime's). The worker's socket to the daemon
+          # is inherited.
+          "unix", (_LD_W_ABS, 0, 0, _ARG0_LOW), (_JEQ, "deny", "allow", AF_UNIX),
           "deny", (_RET, 0, 0, _RET_ERRNO | errno.EPERM),
           "nosys", (_RET, 0, 0, _RET_ERRNO | errno.ENOSYS),
           "allow", (_RET, 0, 0, _RET_ALLOW),
@@ -182,7 +227,7 @@ _FS_WRITE = {1: (1 << 1) | (1 << 4) | (1 << 5) | (1 << 6) | (1 << 7) | (1 << 8) 
              | (1 << 12),  # WRITE_FILE, REMOVE_*, MAKE_*
              2: 1 << 13,  # REFER
              3: 1 << 14}  # TRUNCATE
-_SCOPE_SIGNAL = 2  # ABI 6: no signal to a process outside the domain
+_SCOPE = 1 | 2  # ABI 6: no abstract Unix socket and no signal outside the domain
 
 
 class _Ruleset(ctypes.Structure):
@@ -198,7 +243,7 @@ def _landlock() -> int:
     if abi < 1:
         return 0
     fs = sum(bits for since, bits in _FS_WRITE.items() if abi >= since)
-    attr = _Ruleset(fs, 0, _SCOPE_SIGNAL if abi >= 6 else 0)
+    attr = _Ruleset(fs, 0, _SCOPE if abi >= 6 else 0)
     size = ctypes.sizeof(_Ruleset) if abi >= 6 else 8  # only the fields this ABI knows
     fd = _libc.syscall(ctypes.c_long(_LANDLOCK_CREATE_RULESET), ctypes.byref(attr), ctypes.c_size_t(size),
                        ctypes.c_uint32(0))

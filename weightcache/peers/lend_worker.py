@@ -251,9 +251,11 @@ class LendWorker:
         env.setdefault("UCX_TLS", "^mm")
         argv = [sys.executable, "-I", "-m", "weightcache.peers.lend_child", str(child.fileno()), role]
         # A session of its own: killing the worker kills what it forked too (kill_group).
+        # Its output through a pipe, never the daemon's own stdout or stderr (a log file
+        # there could be written or truncated by a compromised worker): relayed to the log.
         kw: dict[str, Any] = {"pass_fds": [child.fileno()], "cwd": "/", "env": env, "stdin": subprocess.DEVNULL,
-                              "start_new_session": True,
-                              "stderr": subprocess.DEVNULL if uid is not None else None, "close_fds": True}
+                              "start_new_session": True, "stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE,
+                              "close_fds": True}
         if uid is not None:
             kw.update(user=uid, group=uid, extra_groups=[])
         try:
@@ -263,6 +265,7 @@ class LendWorker:
             raise WorkerGone(f"the {role} worker did not start: {exc}") from None
         finally:
             child.close()
+        threading.Thread(target=_relay_output, args=(proc, role), name=f"{role}-worker-output", daemon=True).start()
         parent.settimeout(START_TIMEOUT_S)
         try:
             hello = _recv(parent)
@@ -462,6 +465,26 @@ class FillWorker(LendWorker):
             if proc is not None:
                 self._retire(proc, sock)
         threading.Thread(target=self._start_ahead, name="fill-worker-start", daemon=True).start()
+
+
+RELAYED_LINES = 200  # of a worker's output, each cut at RELAYED_LINE bytes; the rest dropped
+RELAYED_LINE = 1000
+
+
+def _relay_output(proc: subprocess.Popen[bytes], role: str) -> None:
+    """A worker's stderr (NIXL's and UCX's messages) into the daemon's log, bounded: a
+    compromised worker may write anything there."""
+    assert proc.stderr is not None
+    with proc.stderr as out:
+        for n, raw in enumerate(out):
+            if n == RELAYED_LINES:
+                log.warning("peers: the %s worker (pid %d) wrote more than %d lines; the rest is dropped", role,
+                            proc.pid, RELAYED_LINES)
+            if n >= RELAYED_LINES:
+                continue
+            line = raw[:RELAYED_LINE].decode("utf-8", "replace").rstrip()
+            log.log(logging.WARNING if "ERROR" in line or "Error" in line else logging.INFO,
+                    "peers: %s worker (pid %d): %s", role, proc.pid, line, extra={"worker": role})
 
 
 def kill_group(proc: subprocess.Popen[bytes]) -> None:
