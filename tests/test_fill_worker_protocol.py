@@ -357,3 +357,19 @@ def test_a_confined_worker_starts_threads_but_no_process_and_writes_no_other_pro
     if libc.syscall(444, None, 0, 1) > 0:  # this kernel has Landlock: the worker entered a domain
         assert "landlock" in guards, guards
     assert not (tmp_path / "written").exists()
+
+
+def test_a_workers_output_reaches_the_log_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    """A worker may write anything on its stderr: one endless line is relayed in pieces
+    of RELAYED_LINE bytes, and no more than RELAYED_LINES of them."""
+    from weightcache.peers import lend_worker as lw
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stderr.write('x' * 10_000_000)"],
+                            stderr=subprocess.PIPE)
+    with caplog.at_level("INFO", logger="weightcache.peers"):
+        lw._relay_output(proc, "fill")
+    proc.wait()
+    relayed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("peers: fill worker (pid")]
+    assert len(relayed) == lw.RELAYED_LINES
+    assert all(m.count("x") == lw.RELAYED_LINE for m in relayed)
+    assert any("the rest is dropped" in r.getMessage() for r in caplog.records)

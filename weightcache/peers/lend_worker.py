@@ -476,13 +476,14 @@ def _relay_output(proc: subprocess.Popen[bytes], role: str) -> None:
     compromised worker may write anything there."""
     assert proc.stderr is not None
     with proc.stderr as out:
-        for n, raw in enumerate(out):
+        # readline with a limit: a line without end is read in bounded pieces, never whole.
+        for n, raw in enumerate(iter(lambda: out.readline(RELAYED_LINE), b"")):
             if n == RELAYED_LINES:
                 log.warning("peers: the %s worker (pid %d) wrote more than %d lines; the rest is dropped", role,
                             proc.pid, RELAYED_LINES)
             if n >= RELAYED_LINES:
                 continue
-            line = raw[:RELAYED_LINE].decode("utf-8", "replace").rstrip()
+            line = raw.decode("utf-8", "replace").rstrip()
             log.log(logging.WARNING if "ERROR" in line or "Error" in line else logging.INFO,
                     "peers: %s worker (pid %d): %s", role, proc.pid, line, extra={"worker": role})
 
