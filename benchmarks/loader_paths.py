@@ -87,17 +87,33 @@ class Timers:
             self.s[k] = self.s.get(k, 0.0) + dt
 
 
+LOOP_LABELS = {"tasks": " tasks", "c": " c-loop", "python": ""}  # --loops, as the variants' names say them
+
+
 class TimedStaging(VmmWriter):
     """The daemon's writer, its phases timed (summed over threads): ``write_s`` a chunk's
-    whole call, ``wait_copy_s`` the wait for the copy out of the buffer it reuses (the
-    writer's own wait then finds the stream idle), ``read_s`` the preadv into it."""
+    whole call (or a thread's call into the task loop), ``wait_copy_s`` the wait for the
+    copy out of the buffer it reuses (the writer's own wait then finds the stream idle),
+    ``read_s`` the preadv into it. ``loop``: "tasks" (the daemon's way where the C loop is
+    built: a thread's tasks in one call), "c" (the C loop a chunk at a time), "python"
+    (every chunk staged from Python)."""
 
-    def __init__(self, *a: Any, timers: Timers, depth: int = 1, dma: bool = False, loop: bool = True) -> None:
+    def __init__(self, *a: Any, timers: Timers, depth: int = 1, dma: bool = False, loop: str = "tasks") -> None:
         super().__init__(*a, depth=depth)
         self.t = timers
         self.dma = dma
-        if not loop:  # every chunk staged from Python, as without the C loop
+        self.loop_kind = loop
+        if loop == "python":
             self._loop = None
+
+    def task_loop(self, *a: Any) -> Any:
+        return super().task_loop(*a) if self.loop_kind == "tasks" else None
+
+    def _run_tasks(self, *a: Any) -> tuple[int, int, int]:
+        t = time.perf_counter()
+        out = super()._run_tasks(*a)
+        self.t.add("write_s", time.perf_counter() - t)
+        return out
 
     def begin(self, files: list[tuple[int, int]]) -> None:
         if self.dma:  # the daemon's two ways at once (backends/page_windows.py)
@@ -433,7 +449,8 @@ def main() -> int:
     p.add_argument("--windows-mib", default="64,256")
     p.add_argument("--chunk-mib", default="16")
     p.add_argument("--depths", default="1", help="staging buffers per loader thread, each of these")
-    p.add_argument("--loops", default="c,python", help="each staging variant through the C chunk loop ('c') and/or "
+    p.add_argument("--loops", default="tasks,c,python", help="each staging variant with a thread's tasks in one C call "
+                   "('tasks', the daemon's way), through the C chunk loop a chunk at a time ('c') and/or "
                    "with every chunk staged from Python ('python')")
     p.add_argument("--dma", action="store_true", help="also each staging variant with the page-cache windows beside it")
     p.add_argument("--registered", action="store_true", help="also the registered-only writer (Registered)")
@@ -457,7 +474,7 @@ def main() -> int:
     os.sync()
     warm_page_cache(path)
     backend = CudaBackend(a.device)
-    if "c" in a.loops.split(","):
+    if {"tasks", "c"} & set(a.loops.split(",")):
         backend.configure_loads(1, "off", "auto")  # the C chunk loop where built, for the variants that use it
     res: dict[str, Any] = {"nbytes": path.stat().st_size, "pinned_h2d_GBps": pinned_h2d(backend), "runs": {}}
     windows = [int(w) << 20 for w in a.windows_mib.split(",")]
@@ -475,15 +492,17 @@ def main() -> int:
         for chunk in (int(c) << 20 for c in a.chunk_mib.split(",")):
             for depth in (int(d) for d in a.depths.split(",")):
                 def staged(b: CudaBackend, ar: Any, c: int, maps: Any, timers: Timers, depth: int = depth,
-                           loop: bool = False) -> TimedStaging:
+                           loop: str = "python") -> TimedStaging:
                     return TimedStaging(b, ar, c, timers=timers, depth=depth, loop=loop)
 
                 for loop in a.loops.split(","):
-                    if loop == "c" and backend.chunk_loop is None:
-                        raise SystemExit(f"--loops c: the C chunk loop is {backend.chunk_loop_missing} (make native)")
+                    if loop not in LOOP_LABELS:
+                        raise SystemExit(f"--loops: {loop!r} is none of {', '.join(LOOP_LABELS)}")
+                    if loop != "python" and backend.chunk_loop is None:
+                        raise SystemExit(f"--loops {loop}: the C chunk loop is {backend.chunk_loop_missing} (make native)")
                     for suffix in ("", NOHASH) if a.nohash else ("",):
-                        variants.append((f"staging {threads}thr {chunk >> 20}M x{depth}{' c-loop' if loop == 'c' else ''}{suffix}",
-                                         threads, chunk, functools.partial(staged, loop=loop == "c"), ""))
+                        variants.append((f"staging {threads}thr {chunk >> 20}M x{depth}{LOOP_LABELS[loop]}{suffix}",
+                                         threads, chunk, functools.partial(staged, loop=loop), ""))
                 for how in ("copy", "populate") if a.mapped else ():
                     variants.append((f"mapped-{how} {threads}thr {chunk >> 20}M x{depth}", threads, chunk, staged, how))
                 if a.dma:

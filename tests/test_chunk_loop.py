@@ -21,21 +21,44 @@ CC = shutil.which("cc")
 pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler to build the chunk loop and the stand-in driver")
 ROOT = Path(__file__).resolve().parent.parent
 
+# One queue of copies for every stream, run in order only when an event recorded after a
+# copy, or a stream, is waited for. A kernel runs at its launch, after the copies its
+# stream was told to wait for (cuStreamWaitEvent) and no others: a launch that did not
+# wait for its bytes hashes whatever the arena held. The kernel is the harness's
+# ``kernel`` callback (an xxh3_128 of the bytes, as the GPU's). One lock: loader threads
+# call in at once.
 FAKE_LIBCUDA = r"""
+#include <pthread.h>
 #include <string.h>
 typedef struct { unsigned long long dst; const void *src; size_t n; } Copy;
-static Copy queue[1 << 16];
-static int queued, done, recorded[1 << 12];
+static Copy queue[1 << 18];
+static int queued, done, recorded[1 << 12], waited[1 << 12];
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 int copies_waited;  /* copies made because an event or a stream was waited for */
+void (*kernel)(unsigned long long data, unsigned long long n, unsigned long long out);
 static void upto(int k) {
     for (; done < k; done++) { memcpy((void *)queue[done].dst, queue[done].src, queue[done].n); copies_waited++; }
 }
 int cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t n, void *stream) {
-    (void)stream; queue[queued++] = (Copy){dst, src, n}; return 0;
+    (void)stream; pthread_mutex_lock(&mu); queue[queued++] = (Copy){dst, src, n}; pthread_mutex_unlock(&mu); return 0;
 }
-int cuEventRecord(void *ev, void *stream) { (void)stream; recorded[(long)ev] = queued; return 0; }
-int cuEventSynchronize(void *ev) { upto(recorded[(long)ev]); return 0; }
-int fake_sync_all(void) { upto(queued); return 0; }
+int cuEventRecord(void *ev, void *stream) {
+    (void)stream; pthread_mutex_lock(&mu); recorded[(long)ev] = queued; pthread_mutex_unlock(&mu); return 0;
+}
+int cuEventSynchronize(void *ev) { pthread_mutex_lock(&mu); upto(recorded[(long)ev]); pthread_mutex_unlock(&mu); return 0; }
+int cuStreamWaitEvent(void *stream, void *ev, unsigned flags) {
+    (void)flags; pthread_mutex_lock(&mu);
+    if (recorded[(long)ev] > waited[(long)stream]) waited[(long)stream] = recorded[(long)ev];
+    pthread_mutex_unlock(&mu); return 0;
+}
+int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                   unsigned shared, void *stream, void **args, void **extra) {
+    (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)extra;
+    pthread_mutex_lock(&mu); upto(waited[(long)stream]); pthread_mutex_unlock(&mu);
+    kernel(*(unsigned long long *)args[0], *(unsigned long long *)args[1], *(unsigned long long *)args[2]);
+    return 0;
+}
+int fake_sync_all(void) { pthread_mutex_lock(&mu); upto(queued); pthread_mutex_unlock(&mu); return 0; }
 """
 
 # The few cuda.bindings.driver calls the writer makes, over the stand-in libcuda (one
@@ -59,7 +82,8 @@ def cuStreamSynchronize(s): _lib.fake_sync_all(); return (0,)
 def cuMemcpyHtoDAsync(dst, src, n, s): return (_lib.cuMemcpyHtoDAsync_v2(int(dst), int(src), n, int(s)),)
 def cuEventCreate(flags): return (0, Handle(next(_ids)))
 def cuEventRecord(ev, s): return (_lib.cuEventRecord(int(ev), int(s)),)
-def cuStreamWaitEvent(s, ev, flags): return (0,)
+_lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+def cuStreamWaitEvent(s, ev, flags): return (_lib.cuStreamWaitEvent(int(s), int(ev), flags),)
 def cuGetErrorName(e): return (0, b"CUDA_ERROR_FAKE")
 class _Unused:  # what the modules the writer imports name at import time, never called here
     def __getattr__(self, name): return _Unused()
@@ -160,6 +184,122 @@ for line in sys.argv[3:]:
 """
 
 
+# The reader and the real VmmWriter over the stand-in driver, several threads: a
+# checkpoint written by safetensors (big tensors the device hashes, small ones the host
+# does, in batches), loaded with the task loop and with chunk-by-chunk staging; each
+# prints its fingerprint and whether the arena holds the tensors' bytes.
+READER = r"""
+import ctypes, os, sys
+from pathlib import Path
+import numpy as np, xxhash
+from safetensors.numpy import save_file
+from weightcache.backends import staging_loop
+from weightcache.backends import cuda_writer
+from weightcache.backends.cuda_writer import VmmWriter
+from weightcache.backends.pinned import Staging
+from weightcache.loader import fingerprint_files
+from weightcache.loader.checkpoint import parse_checkpoint
+from weightcache.loader.reader import FILE_DIGESTS, read_checkpoint
+from weightcache.loader.sources import open_source
+from cuda.bindings import driver as cu
+lib, why = staging_loop.load_chunk_loop(Path(sys.argv[1]))
+assert lib is not None, why
+driver = ctypes.CDLL("libcuda.so.1")
+KERNEL = ctypes.CFUNCTYPE(None, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_ulonglong)
+def hash_kernel(data, n, out):  # the GPU's digest layout: high, low, each little-endian (DigestBlock.digest)
+    d = xxhash.xxh3_128_digest(ctypes.string_at(data, n))
+    ctypes.memmove(out, d[:8][::-1] + d[8:][::-1], 16)
+kernel = KERNEL(hash_kernel)
+ctypes.c_void_p.in_dll(driver, "kernel").value = ctypes.cast(kernel, ctypes.c_void_p).value
+
+class Pool:
+    def __init__(self):
+        self.free, self.keep = [], []
+    def take(self, size):
+        buf = ctypes.create_string_buffer(size)
+        self.keep.append(buf)
+        ptr = ctypes.addressof(buf)
+        return Staging(ptr, memoryview((ctypes.c_char * size).from_address(ptr)).cast("B"),
+                       cu.Handle(next(cu._ids)), cu.Handle(next(cu._ids)), size,
+                       hash_streams=[cu.Handle(next(cu._ids)) for _ in range(4)])
+    def give_back(self, st):
+        st.busy = False
+
+class Block:
+    def __init__(self):
+        self.buf = ctypes.create_string_buffer(16 * 1024)
+        self.ptr = self.dev = ctypes.addressof(self.buf)
+        self.used = 0
+    def digest(self, slot):
+        raw = self.buf.raw[16 * slot : 16 * slot + 16]
+        return raw[:8][::-1] + raw[8:][::-1]
+
+class Hasher:
+    kernel_handle = 1
+    def take_block(self): return Block()
+    def give_back(self, block): pass
+    def launch(self, stream, data, n, out):
+        args = [ctypes.c_ulonglong(data), ctypes.c_ulonglong(n), ctypes.c_ulonglong(out)]
+        params = (ctypes.c_void_p * 3)(*(ctypes.addressof(a) for a in args))
+        driver.cuLaunchKernel(None, 1, 1, 1, 32, 1, 1, 0, ctypes.c_void_p(int(stream)), params, None)
+
+class Arena:
+    def __init__(self, n, mapped):
+        self.buf = ctypes.create_string_buffer(n)
+        self.va, self.mapped = ctypes.addressof(self.buf), mapped
+
+class Backend:
+    ctx, device = None, "fake"
+    def __init__(self):
+        self.staging, self.chunk_loop, self.gpu_hash = Pool(), lib, Hasher()
+        self.grown = 0
+    def grow(self, arena, upto):
+        while arena.mapped < upto:  # in 4 MiB steps, as a miss that waits for its victims' room
+            arena.mapped = min(len(arena.buf), arena.mapped + (4 << 20))
+            self.grown += 1
+    def page_windows(self, files): return None
+
+rng = np.random.default_rng(7)
+path = Path(sys.argv[2])
+tensors = {f"big.{i}": rng.integers(0, 255, size=n, dtype=np.uint8) for i, n in enumerate([9 << 20, 5 << 20, (20 << 20) + 4096, 1 << 20, 33 << 20])}
+tensors.update({f"small.{i}": rng.integers(0, 255, size=1000 + i, dtype=np.uint8) for i in range(40)})
+save_file(tensors, str(path))
+want = fingerprint_files(path)
+for mode in sys.argv[3:]:
+    backend = Backend()
+    # "lazy": the arena mapped as the tasks ask (a miss growing into its victims' room), and
+    # each call into the loop ends after one task (its byte budget spent).
+    cuda_writer.LOOP_BUDGET = 1 if "lazy" in mode else 256 << 20
+    FILE_DIGESTS.clear()  # hashed at every load here, not known from the one before
+    with open_source(path) as opened:
+        ckpt = parse_checkpoint(opened)
+        arena = Arena(ckpt.arena_bytes, 0 if "lazy" in mode else ckpt.arena_bytes)
+        w = VmmWriter(backend, arena, 8 << 20)
+        loops = []
+        def task_loop(*a, own=w.task_loop):
+            loops.append(None if "chunks" in mode else own(*a))
+            if mode == "badfd":  # the fourth task reads from an fd that is not open
+                loops[-1]._arrays[0][3] = 987654
+            return loops[-1]
+        w.task_loop = task_loop
+        calls = []
+        def cancelled():
+            calls.append(1)
+            return mode == "cancel"
+        try:
+            fp = read_checkpoint(ckpt, opened, w, threads=4, chunk=8 << 20, cancelled=cancelled)
+        except Exception as exc:
+            print(mode, type(exc).__name__, exc.message, loops[0].table.stop, loops[0].table.next < loops[0].ntasks)
+            continue
+        driver.fake_sync_all()
+        placed = all(arena.buf.raw[t.arena_offset : t.arena_offset + t.nbytes] == tensors[t.name].tobytes()
+                     for t in ckpt.tensors)
+    ran = loops[0].table.next if loops[0] else 0  # tasks claimed from the table
+    print(mode, fp == want, placed, w.looped_bytes > 0, ran >= loops[0].ntasks > 1 if loops[0] else None,
+          backend.grown > 0)
+"""
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the loop built from the source, a folder with the stand-in libcuda.so.1 and cuda.bindings)."""
@@ -222,3 +362,23 @@ def test_a_library_built_from_another_source_is_refused(built: tuple[Path, Path]
     lines = run("import sys; from pathlib import Path; from weightcache.backends.staging_loop import load_chunk_loop; "
                 "print(load_chunk_loop(Path(sys.argv[1])))", fake, str(old))
     assert lines == ["(None, '_staging_loop.so was built from another staging_loop.c (rebuild: pip install, or `make native`)')"]
+
+
+def test_a_threads_tasks_in_one_call_land_hash_and_fail_as_chunk_by_chunk(built: tuple[Path, Path], tmp_path: Path) -> None:
+    """The reader hands the loop whole tasks (Note [a thread's tasks in one call]): four
+    threads claim them from one table; each task's pieces are hashed by kernels that run
+    after its copies and no earlier (the stand-in runs a kernel at its launch, with only the
+    copies it was told to wait for done), into the slots handed out beforehand; small
+    tensors still go in batches hashed on the host. The bytes and the fingerprint are
+    those of the file, as chunk by chunk, also when the arena is mapped only as the load
+    asks for it (a miss that grows into its victims' room)."""
+    pytest.importorskip("numpy")
+    loop, fake = built
+    path = tmp_path / "m.safetensors"
+    lines = run(READER, fake, str(loop), str(path), "tasks", "chunks", "tasks-lazy", "badfd", "cancel")
+    assert lines[:3] == ["tasks True True True True False", "chunks True True True None False",
+                         "tasks-lazy True True True True True"]
+    # A task that fails stops the others' claims and says which file; a cancel, which the
+    # threads see between their calls, stops the loop before its tasks are claimed.
+    assert lines[3].startswith(f"badfd LoadFailed {path}: read failed: Bad file descriptor 1 ")
+    assert lines[4] == "cancel LoadFailed load cancelled 1 True"

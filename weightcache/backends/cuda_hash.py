@@ -301,6 +301,11 @@ class GpuHasher:
         params = (ctypes.c_void_p * 3)(*(ctypes.addressof(a) for a in args))
         drv.check(cu.cuLaunchKernel(self._kernel, 1, 1, 1, 32, 1, 1, 0, stream, ctypes.addressof(params), 0))
 
+    @property
+    def kernel_handle(self) -> int:
+        """The one-piece kernel's CUfunction, for the C loop's launches (staging_loop.c)."""
+        return int(self._kernel)
+
     def launch_many(self, stream: Any, pieces: list[tuple[int, int, int]]) -> PieceTable:
         """Hash every ``(data, nbytes, out)`` piece (as :meth:`launch` takes one) in one
         launch on ``stream``, a block each, so that they run across the whole GPU at once

@@ -21,6 +21,22 @@ hands it one chunk (``load_chunk_bytes``) and it runs the chunk's slots through 
 first LOOP_SLOTS x LOOP_SLOT bytes of the thread's staging buffer, on that buffer's
 stream. Chunks the host must hash from the buffer, and O_DIRECT reads, stay on the
 Python path (the slots are overwritten before the call returns).
+
+Note [a thread's tasks in one call]
+-----------------------------------
+With the loop, a thread still came back to Python for every 16 MiB chunk: the reader's
+dispatch, the writer's checks, the context push and pop, the hasher's bookkeeping and the
+hash kernels' launches, each a turn at the GIL among twelve threads. The writer with the
+loop ran at 47.0 GB/s without the content hash on an H100 host where the same loop with
+no Python around it (benchmarks/native/staging_probe.c) reached 51.7 (docs/benchmarks.md).
+So the reader hands the writer, before its threads start, every task the loop can run
+whole (``task_loop``: buffered, every piece hashed on the device or none at all), and
+each loader thread makes one C call (``wc_stage_tasks``) that claims tasks one at a time
+from the table they share, so the load's tail stays as even as one task, and launches each
+task's hash kernels itself, into digest slots handed out here beforehand. A call returns
+after LOOP_BUDGET bytes, so that the thread sees a cancel or another thread's failure, or
+when a task ends past the arena's mapped bytes (a miss still waiting for its victims'
+room): the thread grows the arena and calls again with that task.
 """
 
 from __future__ import annotations
@@ -29,7 +45,7 @@ import ctypes
 import logging
 import operator
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import Any, Protocol
 
@@ -37,13 +53,15 @@ from cuda.bindings import driver as cu
 
 from .. import cuda_driver as drv
 from ..loader.preads import DIRECT_ALIGN, pread_direct, pread_full, pread_hashing, read_batch
-from ..loader.reader import TaskHasher
+from ..loader.reader import Task, TaskError, TaskHasher
 from .cuda_hash import DEVICE_MIN, DIGEST_SLOTS, DigestBlock, GpuHasher
 from .page_windows import PageWindows
 from .pinned import Staging, StagingPool
-from .staging_loop import LOOP_SLOT, LOOP_SLOTS, MAX_SLOTS, Ring, loop_failed
+from .staging_loop import LOOP_SLOT, LOOP_SLOTS, MAX_HASH_STREAMS, MAX_SLOTS, MORE, NEED_ROOM, STOPPED, Ring, Tasks, loop_failed
 
 log = logging.getLogger("weightcache.daemon")
+
+LOOP_BUDGET = 256 << 20  # bytes a thread's wc_stage_tasks call runs before it looks at Python again
 
 class VmmArenaLike(Protocol):
     """What the writer reads of a VmmArena (cuda.py imports this module, not back)."""
@@ -237,8 +255,54 @@ class VmmWriter:
                 st.loop_events.append(drv.check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
             for k in range(slots):
                 ring.events[k] = int(st.loop_events[k])
+            assert len(st.hash_streams) <= MAX_HASH_STREAMS
+            ring.copied = int(st.copied)
+            ring.nhash = len(st.hash_streams)
+            for k, hs in enumerate(st.hash_streams):
+                ring.hash_streams[k] = int(hs)
             st.loop = ring
         return ring
+
+    def task_loop(self, tasks: Sequence[Task], fds: Sequence[int], hashed: Sequence[bool],
+                  out: dict[tuple[int, int], bytes]) -> TaskLoop | None:
+        """The loop that runs ``tasks`` whole, each read from ``fds[i]``, its pieces hashed on
+        the device into ``out`` where ``hashed[i]`` (every one of them longer than
+        ``device_hash_min`` and aligned: the reader's choice), or None where this writer
+        copies chunk by chunk (no C loop built; page-cache windows in use). Note [a
+        thread's tasks in one call]."""
+        if self._loop is None or self._windows is not None or not tasks:
+            return None
+        if any(hashed) and self._hasher is None:
+            raise ValueError("tasks to hash on a device without a hasher")
+        return TaskLoop(self, tasks, fds, hashed, out)
+
+    def _run_tasks(self, table: Tasks, tasks: Sequence[Task]) -> tuple[int, int, int]:
+        """One thread's turn at ``table``: (bytes done, the C loop's last code, the task it
+        was at); a task past the arena's mapped bytes is grown for here, and run next."""
+        assert self._loop is not None
+        done, at = ctypes.c_ulonglong(), ctypes.c_longlong()
+        total, resume = 0, -1
+        with drv.current(self._b.ctx):
+            st = self._staging_first()
+            ring = self._ring(st)
+            if st.busy and not st.loop_clean:
+                drv.check(cu.cuStreamSynchronize(st.stream))
+                ring.busy[:] = [0] * MAX_SLOTS
+            while True:
+                code = self._loop.wc_stage_tasks(ctypes.byref(ring), ctypes.byref(table), resume, LOOP_BUDGET,
+                                                 ctypes.byref(done), ctypes.byref(at))
+                st.busy = st.loop_clean = True
+                total += done.value
+                if code != NEED_ROOM:
+                    break
+                task = tasks[at.value]
+                self._b.grow(self._arena, task.arena_offset + task.nbytes)
+                with self._lock:  # the C side reads it atomically; raised, never lowered
+                    table.mapped = max(table.mapped, self._arena.mapped)
+                resume = at.value
+        with self._lock:
+            self.looped_bytes += total
+        return total, code, at.value
 
     def _copy_registered(self, srcs: list[tuple[int, int]], arena_offset: int, nbytes: int, seen: TaskHasher | None) -> None:
         """Copies from registered page-cache pages on the next stream of the thread's ring; the
@@ -349,3 +413,60 @@ class VmmWriter:
                         self._hasher.give_back(block)
                 # else a kernel may still write them: kept from other loads (64 KiB each)
                 self._blocks.clear()
+
+
+class TaskLoop:
+    """A load's tasks in the C loop's shared table (staging_loop.c's wc_tasks), their
+    pieces' digest slots handed out beforehand. Note [a thread's tasks in one call]."""
+
+    def __init__(self, writer: VmmWriter, tasks: Sequence[Task], fds: Sequence[int], hashed: Sequence[bool],
+                 out: dict[tuple[int, int], bytes]) -> None:
+        n = len(tasks)
+        self._writer = writer
+        self._tasks = tasks
+        offsets: list[int] = []  # each hashed piece's first byte in the arena
+        sizes: list[int] = []
+        outs: list[int] = []
+        counts: list[int] = []
+        for task, h in zip(tasks, hashed, strict=True):
+            pos = task.arena_offset
+            for piece in task.pieces if h else ():
+                block, slot = writer._slot()
+                offsets.append(pos)
+                sizes.append(piece.nbytes)
+                outs.append(block.dev + 16 * slot)
+                with writer._lock:
+                    writer._slots.append((block, slot, out, (piece.tensor, piece.index)))
+                pos += piece.nbytes
+            counts.append(len(offsets))
+
+        def array(kind: Any, values: Sequence[int]) -> Any:
+            return (kind * max(1, len(values)))(*values)
+
+        u64, i64 = ctypes.c_ulonglong, ctypes.c_longlong
+        # Kept here: the table points into them while any thread may read it.
+        self._arrays = (array(ctypes.c_int, fds), array(i64, [t.file_offset for t in tasks]),
+                        array(u64, [t.arena_offset for t in tasks]), array(u64, [t.nbytes for t in tasks]),
+                        array(i64, [0, *counts]), array(u64, offsets), array(u64, sizes), array(u64, outs))
+        fd, file_offset, arena_offset, nbytes, first_piece, piece_offset, piece_nbytes, piece_out = self._arrays
+        hasher = writer._hasher
+        self.table = Tasks(ntasks=n, next=0, stop=0, mapped=writer._arena.mapped, base=writer._arena.va, fd=fd,
+                           file_offset=file_offset, arena_offset=arena_offset, nbytes=nbytes, first_piece=first_piece,
+                           piece_offset=piece_offset, piece_nbytes=piece_nbytes, piece_out=piece_out,
+                           kernel=hasher.kernel_handle if offsets and hasher is not None else None)
+        self.ntasks = n
+
+    def stop(self) -> None:
+        """The threads claim no more tasks (a failure or a cancel elsewhere in the load)."""
+        self.table.stop = 1
+
+    def run(self) -> tuple[int, bool]:
+        """Runs tasks of the table on this thread's staging ring, up to LOOP_BUDGET bytes:
+        (bytes done, whether tasks may be left). Raises TaskError for a task that failed."""
+        done, code, at = self._writer._run_tasks(self.table, self._tasks)
+        if code in (0, STOPPED):
+            return done, False
+        if code == MORE:
+            return done, True
+        task = self._tasks[at]
+        raise TaskError(task, loop_failed(code, f"{task.nbytes} bytes at {task.file_offset}"))

@@ -488,6 +488,12 @@ class ArenaWriter(Protocol):
     list of read-only views (content.batch_hasher). With it the reader reads small
     tensors in batches (Note [small tensors in batches], above); without, one task each.
 
+    And ``task_loop(tasks, fds, hashed, out)``: a TaskLoop that runs those tasks whole,
+    read buffered from ``fds[i]``, each piece hashed on the device into ``out`` where
+    ``hashed[i]`` (the reader hands it only tasks whose every piece the device may hash),
+    or None where it copies chunk by chunk after all (the CUDA writer's C loop,
+    backends/cuda_writer.py, Note [a thread's tasks in one call]).
+
     What the reader asks of a writer to plan: ``serves_files`` is true for a writer whose
     arena is the files' own trusted pages (a CPU file arena): their digests may then be
     reused by file identity. ``device_hash_min``, when set, is the size above which the
@@ -502,6 +508,30 @@ class ArenaWriter(Protocol):
                         seen: TaskHasher | None = None) -> None: ...
 
     def finish(self) -> None: ...
+
+
+class TaskLoop(Protocol):
+    """A writer's tasks run without Python between their chunks (ArenaWriter's ``task_loop``):
+    every loader thread calls ``run`` until it says no task is left; ``stop`` makes them
+    claim no more."""
+
+    ntasks: int
+
+    def run(self) -> tuple[int, bool]:
+        """Runs some of the tasks on this thread: (bytes done, whether tasks may be left).
+        Raises TaskError for a task that failed."""
+        ...
+
+    def stop(self) -> None: ...
+
+
+class TaskError(Exception):
+    """A task of a TaskLoop failed; ``error`` says why (CorruptCheckpoint, OSError, a driver's error)."""
+
+    def __init__(self, task: Task, error: Exception) -> None:
+        super().__init__(str(error))
+        self.task = task
+        self.error = error
 
 
 @dataclass(frozen=True)
@@ -695,10 +725,32 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
         if hasattr(writer, "begin"):  # the files it may copy without the host reading them
             writer.begin([(fds[i], f.size) for i, f in enumerate(ckpt.files)
                           if not direct[i] and (not content_hash or i in known or device_min is not None)])
+        # The tasks the writer can run whole without Python between their chunks: read
+        # buffered, and every piece hashed on its device or none at all (the CUDA writer's
+        # C loop, backends/cuda_writer.py, Note [a thread's tasks in one call]).
+        loop: TaskLoop | None = None
+        if hasattr(writer, "task_loop"):
+            picked: list[Task] = []
+            hashed: list[bool] = []
+            for t in tasks:
+                if isinstance(t, Task) and not direct[t.file]:
+                    h = content_hash and t.file not in known
+                    if not h or TaskHasher(t, pieces, device_min).device_only(t.nbytes):
+                        picked.append(t)
+                        hashed.append(h)
+            loop = writer.task_loop(picked, [fds[t.file] for t in picked], hashed, pieces)  # type: ignore[attr-defined]
+            if loop is not None:
+                taken = set(map(id, picked))
+                tasks = [t for t in tasks if id(t) not in taken]
         failed = threading.Event()  # once one chunk fails, the others stop early
 
-        def fail(file: int, exc: Exception) -> BaseException:
+        def stop() -> None:
             failed.set()
+            if loop is not None:
+                loop.stop()
+
+        def fail(file: int, exc: Exception) -> BaseException:
+            stop()
             path = ckpt.files[file].path
             if isinstance(exc, CorruptCheckpoint):
                 return CorruptCheckpoint(f"{path}: {exc.details.get('reason', exc.message)}", file=path,
@@ -706,12 +758,31 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
             assert isinstance(exc, OSError)
             return LoadFailed(f"{path}: read failed: {exc.strerror}", file=path, reason=exc.strerror)
 
+        def check_cancelled() -> None:
+            if cancelled():
+                stop()
+                raise LoadFailed("load cancelled", reason="cancelled")
+
+        def work_looped() -> None:
+            assert loop is not None
+            while not failed.is_set():
+                check_cancelled()
+                try:
+                    n, more = loop.run()
+                except TaskError as exc:
+                    stop()
+                    if isinstance(exc.error, (CorruptCheckpoint, OSError)):
+                        raise fail(exc.task.file, exc.error) from None
+                    raise exc.error from None
+                if progress is not None:
+                    progress.add(n)
+                if not more:
+                    return
+
         def work_batch(batch: Batch) -> None:
             if failed.is_set():
                 return
-            if cancelled():
-                failed.set()
-                raise LoadFailed("load cancelled", reason="cancelled")
+            check_cancelled()
             seen = batch_hasher(batch, pieces) if content_hash and batch.file not in known else None
             try:
                 # The buffered fd, never an O_DIRECT one: the tensors' views are unaligned,
@@ -723,7 +794,9 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
             if progress is not None:
                 progress.add(batch.nbytes)
 
-        def work(task: Task | Batch) -> None:
+        def work(task: Task | Batch | None) -> None:
+            if task is None:
+                return work_looped()
             if isinstance(task, Batch):
                 return work_batch(task)
             seen = TaskHasher(task, pieces, device_min) if content_hash and task.file not in known else None
@@ -731,21 +804,12 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
                 n = min(chunk, task.nbytes - off)
                 if failed.is_set():
                     return
-                if cancelled():
-                    failed.set()
-                    raise LoadFailed("load cancelled", reason="cancelled")
+                check_cancelled()
                 try:
                     writer.write_from_file(fds[task.file], task.file_offset + off, task.arena_offset + off, n,
                                            direct[task.file], seen=seen)
-                except CorruptCheckpoint as exc:
-                    failed.set()
-                    path = ckpt.files[task.file].path
-                    raise CorruptCheckpoint(f"{path}: {exc.details.get('reason', exc.message)}", file=path,
-                                            reason=exc.details.get("reason")) from None
-                except OSError as exc:
-                    failed.set()
-                    path = ckpt.files[task.file].path
-                    raise LoadFailed(f"{path}: read failed: {exc.strerror}", file=path, reason=exc.strerror) from None
+                except (CorruptCheckpoint, OSError) as exc:
+                    raise fail(task.file, exc) from None
                 if progress is not None:
                     progress.add(n)
 
@@ -755,11 +819,15 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
         # 0.19 s into a memfd with one or two threads and 0.25 s with eight, and each
         # thread more is one more the event loop contends with for the GIL at its every
         # syscall (python -m benchmarks small-tensors --threads N, 2-core VM).
-        workers = min(threads, max(1, len(tasks)), max(1, -(-ckpt.data_bytes // chunk)))
+        looped = loop.ntasks if loop is not None else 0
+        workers = min(threads, max(1, len(tasks) + looped), max(1, -(-ckpt.data_bytes // chunk)))
+        # Each thread takes the loop's tasks first (None: its one call at a time into the
+        # loop's shared table), then the others.
+        items: list[Task | Batch | None] = [*([None] * min(workers, looped)), *tasks]
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="wc-load",
                                 initializer=_lower_priority, initargs=(nice,)) as pool:
             # list() re-raises the first worker error; the pool's exit waits for the rest.
-            list(pool.map(work, tasks))
+            list(pool.map(work, items))
         writer.finish()  # the bytes in place, and the digests hashed on the device with them
     finally:
         for fd in extra:
