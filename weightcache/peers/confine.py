@@ -24,15 +24,26 @@ process's only thread: every later thread inherits all of this), each worker:
   no process and enters no namespace (fork, vfork, execve, execveat, unshare, setns, and
   clone without CLONE_THREAD: threads still start; clone3, whose flags a filter cannot
   read, fails with ENOSYS, and glibc then uses clone), so killing it ends all of it;
-  writes no other process nor the arena around its read-only mapping (process_vm_writev,
-  ptrace, pidfd_getfd, process_madvise, madvise(MADV_REMOVE), mremap, remap_file_pages,
-  userfaultfd, io_uring); touches no SysV IPC object or keyring of its uid; changes no
-  file's mode, owner, xattrs or times (which Landlock does not cover); and makes no Unix
-  socket (Landlock does not stop a connect to a path socket, the daemon's own among
-  them). Calls of another ABI (i386, x32) kill it.
+  writes no other process nor the arena around its read-only mapping (process_vm_writev
+  but into itself, ptrace, pidfd_getfd, process_madvise, madvise(MADV_REMOVE), mremap,
+  remap_file_pages, userfaultfd, io_uring); touches no SysV IPC object or keyring of its
+  uid; changes no file's mode, owner, xattrs or times (which Landlock does not cover);
+  and makes no Unix socket (Landlock does not stop a connect to a path socket, the
+  daemon's own among them). Calls of another ABI (i386, x32) kill it.
 
 Its output goes through a pipe the daemon relays to its log, bounded, never to the
 daemon's own stdout or stderr (a log file there could be written or truncated).
+
+Reads between two daemons of one host. UCX reads a neighbour's memory there with CMA
+(``process_vm_readv`` of the lend worker). It offers CMA only where a process_vm_writev of
+8 bytes into itself succeeds at start, so the filter lets that call through for the
+worker's own pid: it keeps page protections (no FOLL_FORCE), so it writes nothing a
+plain store could not, a read-only or sealed range included. And it reads a peer by CMA
+only where a ``process_vm_readv`` probe of that peer is not refused, which Landlock does:
+a domain has ptrace access only within itself and the domains nested in it, and the fill
+worker's is not the lend worker's. So, with Landlock, a fill between two daemons of one
+host goes over TCP on loopback (docs/benchmarks.md, "What the confinement costs"); the
+filter's presence itself costs it nothing measured.
 
 The fill worker also seals (``mseal``, Linux 6.10) each range it makes read-only, so that
 it cannot make it writable again, nor unmap and map it anew, while the daemon hashes it.
@@ -74,12 +85,13 @@ AF_UNIX = 1
 _DENIED = {
     # start a process that outlives the worker's kill (clone without CLONE_THREAD below)
     "start": ["fork", "vfork", "execve", "execveat", "unshare", "setns"],
-    # write another process, or the arena around its read-only, sealed mapping:
-    # process_madvise, mremap (a writable alias of the arena's pages made before a
-    # range is sealed outlives the seal: an old_size of 0, or a growing remap),
+    # write another process (process_vm_writev: any but its own, below), or the arena
+    # around its read-only, sealed mapping: process_madvise, mremap (a writable alias of
+    # the arena's pages made before a range is sealed outlives the seal: an old_size of
+    # 0, or a growing remap),
     # remap_file_pages (a writable page pointed at a sealed file page), io_uring
     # (registered buffers keep write access), userfaultfd (UFFDIO_COPY into the file)
-    "write": ["process_vm_writev", "ptrace", "pidfd_getfd", "process_madvise", "mremap", "remap_file_pages",
+    "write": ["ptrace", "pidfd_getfd", "process_madvise", "mremap", "remap_file_pages",
               "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register"],
     # SysV IPC objects of its uid (root's, for a root worker), and kernel keyrings
     "ipc": ["shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semctl", "semtimedop", "msgget", "msgsnd",
@@ -91,7 +103,7 @@ _DENIED = {
 }
 _NUMBERS = {
     "x86_64": {"fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "unshare": 272, "setns": 308,
-               "process_vm_writev": 311, "ptrace": 101, "pidfd_getfd": 438, "process_madvise": 440, "mremap": 25,
+               "ptrace": 101, "pidfd_getfd": 438, "process_madvise": 440, "mremap": 25,
                "remap_file_pages": 216, "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426,
                "io_uring_register": 427, "shmget": 29, "shmat": 30, "shmctl": 31, "shmdt": 67, "semget": 64,
                "semop": 65, "semctl": 66, "semtimedop": 220, "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71,
@@ -101,7 +113,7 @@ _NUMBERS = {
                "setxattrat": 463, "removexattrat": 466, "utime": 132, "utimes": 235, "utimensat": 280,
                "futimesat": 261},
     # aarch64 has no fork, vfork, chmod, chown, lchown, utime, utimes, futimesat (the *at forms serve).
-    "aarch64": {"execve": 221, "execveat": 281, "unshare": 97, "setns": 268, "process_vm_writev": 271, "ptrace": 117,
+    "aarch64": {"execve": 221, "execveat": 281, "unshare": 97, "setns": 268, "ptrace": 117,
                 "pidfd_getfd": 438, "process_madvise": 440, "mremap": 216, "remap_file_pages": 234,
                 "userfaultfd": 282, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
                 "shmget": 194, "shmat": 196, "shmctl": 195, "shmdt": 197, "semget": 190, "semop": 193, "semctl": 191,
@@ -114,18 +126,19 @@ _NUMBERS = {
 
 class _Abi:
     def __init__(self, machine: str, audit_arch: int, seccomp: int, mseal: int, clone: int, clone3: int, madvise: int,
-                 socket: int, socketpair: int, x32: bool) -> None:
+                 socket: int, socketpair: int, process_vm_writev: int, x32: bool) -> None:
         self.audit_arch, self.seccomp, self.mseal, self.clone, self.clone3 = audit_arch, seccomp, mseal, clone, clone3
         self.madvise, self.socket, self.socketpair, self.x32 = madvise, socket, socketpair, x32
+        self.process_vm_writev = process_vm_writev
         nr = _NUMBERS[machine]
         self.denied = {name: nr[name] for names in _DENIED.values() for name in names if name in nr}
 
 
 _ABIS = {
     "x86_64": _Abi("x86_64", 0xC000003E, seccomp=317, mseal=462, clone=56, clone3=435, madvise=28, socket=41,
-                   socketpair=53, x32=True),
+                   socketpair=53, process_vm_writev=311, x32=True),
     "aarch64": _Abi("aarch64", 0xC00000B7, seccomp=277, mseal=462, clone=220, clone3=435, madvise=233, socket=198,
-                    socketpair=199, x32=False),
+                    socketpair=199, process_vm_writev=271, x32=False),
 }
 ABI = _ABIS.get(platform.machine())
 
@@ -144,8 +157,8 @@ class _Prog(ctypes.Structure):
 Insn = tuple[int, "str | int", "str | int", int]  # code, jump if true, jump if false (to a label), k
 
 
-def _program(abi: _Abi) -> list[Insn | str]:
-    """The filter: instructions, and the labels (strings) their jumps name."""
+def _program(abi: _Abi, pid: int) -> list[Insn | str]:
+    """The filter of process ``pid``: instructions, and the labels (strings) their jumps name."""
     p: list[Insn | str] = [
         (_LD_W_ABS, 0, 0, _ARCH),
         (_JEQ, 0, "kill", abi.audit_arch),
@@ -155,7 +168,8 @@ def _program(abi: _Abi) -> list[Insn | str]:
         p.append((_JGE, "kill", 0, X32_BIT))
     p += [(_JEQ, "deny", 0, nr) for nr in abi.denied.values()]
     p += [(_JEQ, "nosys", 0, abi.clone3), (_JEQ, "clone", 0, abi.clone), (_JEQ, "madvise", 0, abi.madvise),
-          (_JEQ, "unix", 0, abi.socket), (_JEQ, "unix", 0, abi.socketpair), (_RET, 0, 0, _RET_ALLOW),
+          (_JEQ, "unix", 0, abi.socket), (_JEQ, "unix", 0, abi.socketpair),
+          (_JEQ, "vm_writev", 0, abi.process_vm_writev), (_RET, 0, 0, _RET_ALLOW),
           "clone", (_LD_W_ABS, 0, 0, _ARG0_LOW), (_JSET, "allow", "deny", CLONE_THREAD),
           # MADV_REMOVE punches a hole in a shared mapping's file, read-only and sealed or not.
           "madvise", (_LD_W_ABS, 0, 0, _ARG2_LOW), (_JEQ, "deny", "allow", MADV_REMOVE),
@@ -163,6 +177,10 @@ def _program(abi: _Abi) -> list[Insn | str]:
           # daemon's own, D-Bus, a container runtime's). The worker's socket to the daemon
           # is inherited.
           "unix", (_LD_W_ABS, 0, 0, _ARG0_LOW), (_JEQ, "deny", "allow", AF_UNIX),
+          # Into its own memory only (the kernel reads the pid as an int: the low word is all
+          # of it). UCX's CMA transport writes 8 bytes of its own at start and, refused,
+          # leaves CMA out, and same-host reads go over TCP (Note [a worker is confined]).
+          "vm_writev", (_LD_W_ABS, 0, 0, _ARG0_LOW), (_JEQ, "allow", "deny", pid),
           "deny", (_RET, 0, 0, _RET_ERRNO | errno.EPERM),
           "nosys", (_RET, 0, 0, _RET_ERRNO | errno.ENOSYS),
           "allow", (_RET, 0, 0, _RET_ALLOW),
@@ -202,7 +220,7 @@ def confine() -> list[str]:
     the filter cannot be installed."""
     if ABI is None:
         raise Unconfined(f"no seccomp filter for {platform.machine()}")
-    code = _assemble(_program(ABI))
+    code = _assemble(_program(ABI, os.getpid()))
     insns = (_Insn * len(code))(*(_Insn(c, jt, jf, k) for c, jt, jf, k in code))
     prog = _Prog(len(code), insns)
     if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
