@@ -253,7 +253,10 @@ class Backend:
     def __init__(self):
         self.staging, self.chunk_loop, self.gpu_hash = Pool(), lib, Hasher()
         self.grown = 0
+        self.refuse = False
     def grow(self, arena, upto):
+        if self.refuse:  # as a miss whose victims' room never comes (NoSpace)
+            raise RuntimeError("no room")
         while arena.mapped < upto:  # in 4 MiB steps, as a miss that waits for its victims' room
             arena.mapped = min(len(arena.buf), arena.mapped + (4 << 20))
             self.grown += 1
@@ -267,6 +270,7 @@ save_file(tensors, str(path))
 want = fingerprint_files(path)
 for mode in sys.argv[3:]:
     backend = Backend()
+    backend.refuse = mode == "refused-lazy"
     # "lazy": the arena mapped as the tasks ask (a miss growing into its victims' room), and
     # each call into the loop ends after one task (its byte budget spent).
     cuda_writer.LOOP_BUDGET = 1 if "lazy" in mode else 256 << 20
@@ -289,7 +293,8 @@ for mode in sys.argv[3:]:
         try:
             fp = read_checkpoint(ckpt, opened, w, threads=4, chunk=8 << 20, cancelled=cancelled)
         except Exception as exc:
-            print(mode, type(exc).__name__, exc.message, loops[0].table.stop, loops[0].table.next < loops[0].ntasks)
+            print(mode, type(exc).__name__, getattr(exc, "message", exc), loops[0].table.stop,
+                  loops[0].table.next < loops[0].ntasks)
             continue
         driver.fake_sync_all()
         placed = all(arena.buf.raw[t.arena_offset : t.arena_offset + t.nbytes] == tensors[t.name].tobytes()
@@ -375,10 +380,12 @@ def test_a_threads_tasks_in_one_call_land_hash_and_fail_as_chunk_by_chunk(built:
     pytest.importorskip("numpy")
     loop, fake = built
     path = tmp_path / "m.safetensors"
-    lines = run(READER, fake, str(loop), str(path), "tasks", "chunks", "tasks-lazy", "badfd", "cancel")
+    lines = run(READER, fake, str(loop), str(path), "tasks", "chunks", "tasks-lazy", "badfd", "cancel", "refused-lazy")
     assert lines[:3] == ["tasks True True True True False", "chunks True True True None False",
                          "tasks-lazy True True True True True"]
     # A task that fails stops the others' claims and says which file; a cancel, which the
     # threads see between their calls, stops the loop before its tasks are claimed.
     assert lines[3].startswith(f"badfd LoadFailed {path}: read failed: Bad file descriptor 1 ")
     assert lines[4] == "cancel LoadFailed load cancelled 1 True"
+    # The arena's growth refused (no room ever came): the loop stops with it.
+    assert lines[5].startswith("refused-lazy RuntimeError no room 1 ")

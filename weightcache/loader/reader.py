@@ -774,6 +774,9 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
                     if isinstance(exc.error, (CorruptCheckpoint, OSError)):
                         raise fail(exc.task.file, exc.error) from None
                     raise exc.error from None
+                except BaseException:  # the arena's growth refused (NoSpace), a driver's error
+                    stop()
+                    raise
                 if progress is not None:
                     progress.add(n)
                 if not more:
