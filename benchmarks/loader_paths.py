@@ -102,12 +102,9 @@ class TimedStaging(VmmWriter):
         super().__init__(*a, depth=depth)
         self.t = timers
         self.dma = dma
-        self.loop_kind = loop
+        self.loop_tasks = loop == "tasks"
         if loop == "python":
             self._loop = None
-
-    def task_loop(self, *a: Any) -> Any:
-        return super().task_loop(*a) if self.loop_kind == "tasks" else None
 
     def _run_tasks(self, *a: Any) -> tuple[int, int, int]:
         t = time.perf_counter()
@@ -367,10 +364,11 @@ def anchors(path: Path, device: str, reps: int, only: list[str] | None = None) -
 
 
 def daemon_spec(spec: str) -> dict[str, Any]:
-    """``T[:cMIB][:dDEPTH][:dma][:loop|:py][:cold]`` -> the daemon's load settings: T threads,
-    MIB chunks, DEPTH staging buffers per thread, page-cache windows on ("dma") or off,
-    chunks through the C chunk loop (the default where it is built; "loop": required) or
-    staged from Python ("py"); "cold" asks through_daemon for cold loads too."""
+    """``T[:cMIB][:dDEPTH][:dma][:loop|:tasks|:py][:cold]`` -> the daemon's load settings: T
+    threads, MIB chunks, DEPTH staging buffers per thread, page-cache windows on ("dma") or
+    off, chunks through the C chunk loop (the default where it is built; "loop": required),
+    a thread's tasks in one call of it ("tasks") or staged from Python ("py"); "cold" asks
+    through_daemon for cold loads too."""
     parts = spec.split(":")
     out: dict[str, Any] = {"load_threads": int(parts[0]), "load_page_cache_dma": "off"}
     for part in parts[1:]:
@@ -382,12 +380,14 @@ def daemon_spec(spec: str) -> dict[str, Any]:
             out["load_chunk_loop"] = "c"
         elif part == "py":
             out["load_chunk_loop"] = "python"
+        elif part == "tasks":
+            out["load_chunk_loop"] = "tasks"
         elif part.startswith("c"):
             out["load_chunk_bytes"] = int(part[1:]) << 20
         elif part.startswith("d"):
             out["load_depth"] = int(part[1:])
         else:
-            raise SystemExit(f"--daemon: {spec!r}: {part!r} is none of cMIB, dDEPTH, dma, loop, py")
+            raise SystemExit(f"--daemon: {spec!r}: {part!r} is none of cMIB, dDEPTH, dma, loop, tasks, py")
     return out
 
 
@@ -464,7 +464,7 @@ def main() -> int:
     p.add_argument("--anchor-kinds", default="", help="only these anchors (load_file, instanttensor_default, "
                    "instanttensor_buffered, instanttensor_mmap, instanttensor_mmap_registered); all by default")
     p.add_argument("--daemon", default="", help="also time the daemon's load end to end with these settings "
-                   "(T[:cMIB][:dDEPTH][:dma][:loop|:py], comma-separated: e.g. 8,16:c4:d3:dma,12:py)")
+                   "(T[:cMIB][:dDEPTH][:dma][:loop|:tasks|:py], comma-separated: e.g. 8,16:c4:d3:dma,12:py)")
     p.add_argument("--cold", type=int, default=0, help="with --daemon: cold loads for each setting marked :cold, each beside the O_DIRECT ceiling")
     p.add_argument("--only-ends", action="store_true", help="skip the in-process variants: only --anchors and --daemon")
     p.add_argument("--out", type=Path, default=RESULTS / "loader-paths.json")

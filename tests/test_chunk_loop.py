@@ -156,7 +156,7 @@ class Arena:
         self.va, self.mapped = ctypes.addressof(self.buf), n
 
 class Backend:
-    ctx, device, gpu_hash = None, "fake", None
+    ctx, device, gpu_hash, loop_tasks = None, "fake", None, False
     def __init__(self):
         self.staging, self.chunk_loop = Pool(), lib
     def grow(self, arena, upto): pass
@@ -250,8 +250,8 @@ class Arena:
 
 class Backend:
     ctx, device = None, "fake"
-    def __init__(self):
-        self.staging, self.chunk_loop, self.gpu_hash = Pool(), lib, Hasher()
+    def __init__(self, loop_tasks):
+        self.staging, self.chunk_loop, self.gpu_hash, self.loop_tasks = Pool(), lib, Hasher(), loop_tasks
         self.grown = 0
         self.refuse = False
     def grow(self, arena, upto):
@@ -269,7 +269,7 @@ tensors.update({f"small.{i}": rng.integers(0, 255, size=1000 + i, dtype=np.uint8
 save_file(tensors, str(path))
 want = fingerprint_files(path)
 for mode in sys.argv[3:]:
-    backend = Backend()
+    backend = Backend(loop_tasks="chunks" not in mode)  # load_chunk_loop = "tasks" or "c"
     backend.refuse = mode == "refused-lazy"
     # "lazy": the arena mapped as the tasks ask (a miss growing into its victims' room), and
     # each call into the loop ends after one task (its byte budget spent).
@@ -281,7 +281,7 @@ for mode in sys.argv[3:]:
         w = VmmWriter(backend, arena, 8 << 20)
         loops = []
         def task_loop(*a, own=w.task_loop):
-            loops.append(None if "chunks" in mode else own(*a))
+            loops.append(own(*a))
             if mode == "badfd":  # the fourth task reads from an fd that is not open
                 loops[-1]._arrays[0][3] = 987654
             return loops[-1]

@@ -133,16 +133,16 @@ async def test_a_miss_fills_while_its_evicted_victim_is_still_being_freed(start_
     assert not any("wait for frees" in ld["phases_ms"] for ld in loads), loads
 
 
-@pytest.mark.parametrize("setting", ["auto", "c"])
+@pytest.mark.parametrize("setting", ["auto", "c", "tasks"])
 def test_a_chunk_loop_that_is_not_built_is_said_at_start(monkeypatch, caplog, setting):
-    """Where the C loop is missing, "auto" stages from Python and warns; "c" refuses to start."""
+    """Where the C loop is missing, "auto" stages from Python and warns; "c" and "tasks" refuse to start."""
     import weightcache.backends.cuda as cuda_backend
     from weightcache.errors import ConfigError
 
     monkeypatch.setattr(cuda_backend, "load_chunk_loop", lambda: (None, "not built (a test)"))
     backend = cuda_backend.CudaBackend("cuda:0")
     try:
-        if setting == "c":
+        if setting != "auto":
             with pytest.raises(ConfigError, match="not built"):
                 backend.configure_loads(1, "off", setting)
         else:
@@ -332,7 +332,7 @@ def test_content_hash_kernel_gives_xxh3_128_at_every_boundary():
         backend.close()
 
 
-@pytest.mark.parametrize("loop", ["c", "python"])
+@pytest.mark.parametrize("loop", ["tasks", "c", "python"])
 @pytest.mark.parametrize("chunk_mib", [4, 16, 20])
 def test_a_load_hashed_on_the_gpu_has_the_files_fingerprint(tmp_path, monkeypatch, chunk_mib, loop):
     """Pieces hashed on the GPU and on the host (small ones, unaligned tails) add up to the
@@ -340,7 +340,8 @@ def test_a_load_hashed_on_the_gpu_has_the_files_fingerprint(tmp_path, monkeypatc
     (4 MiB), one per chunk (16) and several per chunk (20), buffered and from disk
     (O_DIRECT), with the digests spread over several pinned blocks; and the same load
     with the hash on the host gives it too. Through the C chunk loop (where the device
-    hashes a whole chunk: cuda_writer.py, Note [the chunk loop in C]) and without it."""
+    hashes a whole chunk: cuda_writer.py, Note [the chunk loop in C]), with a thread's
+    tasks in one call of it (Note [a thread's tasks in one call]), and without it."""
     from safetensors.torch import save_file
 
     import weightcache.backends.cuda_writer as cuda_writer
@@ -360,8 +361,9 @@ def test_a_load_hashed_on_the_gpu_has_the_files_fingerprint(tmp_path, monkeypatc
         assert (backend.gpu_hash is not None) == hash_on_gpu, backend.gpu_hash_unavailable
         try:
             backend.configure_loads(2, "off", loop)  # two staging buffers a thread (page-cache windows: the test below)
-            if loop == "c":
+            if loop != "python":
                 assert backend.chunk_loop is not None, backend.chunk_loop_missing  # `make native` where not installed
+            assert backend.loop_tasks == (loop == "tasks")
             for direct_io in ("off", "on"):
                 FILE_DIGESTS.clear()
                 with open_source(path) as opened:
@@ -376,12 +378,12 @@ def test_a_load_hashed_on_the_gpu_has_the_files_fingerprint(tmp_path, monkeypatc
                 assert got == want, (hash_on_gpu, direct_io)
                 if direct_io == "off":  # ("on" falls back to buffered reads where the file system refuses O_DIRECT)
                     # The loop takes the chunks whose every byte the device hashes, no others.
-                    assert (w.looped_bytes > 0) == (loop == "c" and hash_on_gpu), w.looped_bytes
+                    assert (w.looped_bytes > 0) == (loop != "python" and hash_on_gpu), w.looped_bytes
         finally:
             backend.close()
 
 
-@pytest.mark.parametrize("loop", ["c", "python"])
+@pytest.mark.parametrize("loop", ["tasks", "c", "python"])
 def test_a_deep_staging_ring_hashes_each_piece_after_all_its_chunks_arrived(tmp_path, loop):
     """``load_depth`` > 1 with chunks smaller than a hash piece: a piece's chunks leave on
     several streams of the thread's ring, and its kernel must wait for all of them. When it
@@ -527,7 +529,8 @@ def test_a_file_truncated_before_its_windows_are_registered_fails_the_load_not_t
     assert refused == 1
 
 
-def test_a_file_truncated_under_the_chunk_loop_fails_the_load_not_the_process(tmp_path):
+@pytest.mark.parametrize("loop", ["c", "tasks"])
+def test_a_file_truncated_under_the_chunk_loop_fails_the_load_not_the_process(tmp_path, loop):
     """The C chunk loop reads with pread, never through a mapping: a file cut short once
     the load began (after the check that it is the file parsed) ends the load as a
     truncated checkpoint (the loop's short read), and the backend loads the whole file
@@ -544,7 +547,7 @@ def test_a_file_truncated_under_the_chunk_loop_fails_the_load_not_the_process(tm
     tensors = {f"w{i}": torch.randn(2**22, generator=g) for i in range(4)}  # 64 MiB
     save_file(tensors, str(path))
     backend = CudaBackend("cuda:0")
-    backend.configure_loads(1, "off", "c")
+    backend.configure_loads(1, "off", loop)
     assert backend.chunk_loop is not None, backend.chunk_loop_missing
     try:
         cut = path.stat().st_size // 2

@@ -118,6 +118,7 @@ class CudaBackend(Backend):
         # configure_loads loads it; until then every chunk is staged from Python.
         self.chunk_loop: ctypes.CDLL | None = None
         self.chunk_loop_missing: str | None = "not loaded (configure_loads)"
+        self.loop_tasks = False  # a loader thread's tasks in one call of the loop (load_chunk_loop = "tasks")
         self._releases: list[threading.Thread] = []  # page-cache windows being unregistered after a load
         self._prefill: threading.Thread | None = None  # prepare_loads' staging buffers
         self._closing = threading.Event()  # tells the prefill to stop pinning
@@ -128,11 +129,13 @@ class CudaBackend(Backend):
             self.chunk_loop, self.chunk_loop_missing = None, 'off (load_chunk_loop = "python")'
         else:
             self.chunk_loop, self.chunk_loop_missing = load_chunk_loop()
+            self.loop_tasks = chunk_loop == "tasks" and self.chunk_loop is not None
             if self.chunk_loop is not None:
-                log.info("%s: loads copy each chunk through the C chunk loop", self.device)
-            elif chunk_loop == "c":
-                raise ConfigError(f"daemon.load_chunk_loop = \"c\", but the C chunk loop is {self.chunk_loop_missing}; "
-                                  "build it or set \"auto\"", key="daemon.load_chunk_loop")
+                log.info("%s: loads copy %s through the C chunk loop", self.device,
+                         "each loader thread's tasks in one call" if self.loop_tasks else "each chunk")
+            elif chunk_loop in ("c", "tasks"):
+                raise ConfigError(f"daemon.load_chunk_loop = \"{chunk_loop}\", but the C chunk loop is "
+                                  f"{self.chunk_loop_missing}; build it or set \"auto\"", key="daemon.load_chunk_loop")
             else:
                 log.warning("%s: the C chunk loop is %s: loads stage each chunk from Python, slower from a warm page "
                             "cache (docs/benchmarks.md, \"The chunk loop through the daemon\")", self.device, self.chunk_loop_missing)

@@ -36,7 +36,10 @@ from the table they share, so the load's tail stays as even as one task, and lau
 task's hash kernels itself, into digest slots handed out here beforehand. A call returns
 after LOOP_BUDGET bytes, so that the thread sees a cancel or another thread's failure, or
 when a task ends past the arena's mapped bytes (a miss still waiting for its victims'
-room): the thread grows the arena and calls again with that task.
+room): the thread grows the arena and calls again with that task. Off unless
+``load_chunk_loop = "tasks"``: it has run against a stand-in driver (tests/test_chunk_loop.py),
+not yet on a GPU, where what it gains is still to be measured (docs/benchmarks.md, "The
+chunk loop through the daemon", has the command).
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class VmmDevice(Protocol):
     staging: StagingPool
     gpu_hash: GpuHasher | None
     chunk_loop: ctypes.CDLL | None  # staging_loop.py
+    loop_tasks: bool  # a thread's tasks in one call of the loop (Note [a thread's tasks in one call])
 
     def grow(self, arena: Any, upto: int) -> None: ...
 
@@ -132,6 +136,7 @@ class VmmWriter:
         self._unread: memoryview | None = None  # fed to the hasher for bytes only the device hashes
         self.registered_bytes = 0  # copied from registered page-cache windows
         self._loop = backend.chunk_loop
+        self.loop_tasks = backend.loop_tasks
         self.looped_bytes = 0  # copied by the C loop
 
     @staticmethod
@@ -268,9 +273,9 @@ class VmmWriter:
         """The loop that runs ``tasks`` whole, each read from ``fds[i]``, its pieces hashed on
         the device into ``out`` where ``hashed[i]`` (every one of them longer than
         ``device_hash_min`` and aligned: the reader's choice), or None where this writer
-        copies chunk by chunk (no C loop built; page-cache windows in use). Note [a
-        thread's tasks in one call]."""
-        if self._loop is None or self._windows is not None or not tasks:
+        copies chunk by chunk (not asked to, ``loop_tasks``; no C loop built; page-cache
+        windows in use). Note [a thread's tasks in one call]."""
+        if not self.loop_tasks or self._loop is None or self._windows is not None or not tasks:
             return None
         if any(hashed) and self._hasher is None:
             raise ValueError("tasks to hash on a device without a hasher")

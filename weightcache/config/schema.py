@@ -256,10 +256,12 @@ class DaemonConfig(BaseModel):
     # The C loop by default: through the daemon on one H100 host, 43.2 GB/s best against
     # 40.1 staged from Python in the same call; on another, the same within the spread
     # (docs/benchmarks.md, "The chunk loop through the daemon").
-    load_chunk_loop: Literal["auto", "c", "python"] = Field(default="auto", description=(
+    load_chunk_loop: Literal["auto", "c", "tasks", "python"] = Field(default="auto", description=(
         "GPU loads: each chunk's reads and copies run in the C loop built at install, in 2 MiB slots, 3 in flight "
         "a thread (backends/cuda_writer.py, Note [the chunk loop in C]); 'auto' where it is built, else staged from "
-        "Python with a warning at start; 'c' refuses to start without it; 'python' stages every chunk from Python"))
+        "Python with a warning at start; 'c' refuses to start without it; 'tasks' also runs each loader thread's "
+        "tasks in one call of the loop, the hash kernels launched from C (Note [a thread's tasks in one call]; "
+        "not yet measured on a GPU), and refuses to start without the loop; 'python' stages every chunk from Python"))
     load_direct_io: Literal["auto", "on", "off"] = Field(
         default="auto", description="O_DIRECT reads: 'auto' uses them for files mostly not in page cache (GPU loads)")
     load_nice: int = Field(default=19, ge=0, le=19, description="scheduling niceness of loader threads")
