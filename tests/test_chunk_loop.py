@@ -189,7 +189,7 @@ for line in sys.argv[3:]:
 # does, in batches), loaded with the task loop and with chunk-by-chunk staging; each
 # prints its fingerprint and whether the arena holds the tensors' bytes.
 READER = r"""
-import ctypes, os, sys
+import ctypes, os, sys, time
 from pathlib import Path
 import numpy as np, xxhash
 from safetensors.numpy import save_file
@@ -206,7 +206,10 @@ lib, why = staging_loop.load_chunk_loop(Path(sys.argv[1]))
 assert lib is not None, why
 driver = ctypes.CDLL("libcuda.so.1")
 KERNEL = ctypes.CFUNCTYPE(None, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_ulonglong)
+slow = []  # seconds each kernel takes ("slow-cancel")
 def hash_kernel(data, n, out):  # the GPU's digest layout: high, low, each little-endian (DigestBlock.digest)
+    if slow:
+        time.sleep(slow[0])
     d = xxhash.xxh3_128_digest(ctypes.string_at(data, n))
     ctypes.memmove(out, d[:8][::-1] + d[8:][::-1], 16)
 kernel = KERNEL(hash_kernel)
@@ -286,15 +289,19 @@ for mode in sys.argv[3:]:
                 loops[-1]._arrays[0][3] = 987654
             return loops[-1]
         w.task_loop = task_loop
-        calls = []
-        def cancelled():
-            calls.append(1)
-            return mode == "cancel"
+        if mode == "pyfail":  # a batch of small tensors fails on the Python path
+            def write_batch(*a):
+                time.sleep(0.05)
+                raise RuntimeError("batch failed")
+            w.write_batch = write_batch
+        slow[:] = [0.1] if mode == "slow-cancel" else []
+        def cancelled():  # "slow-cancel": once each of the 4 threads is in a task of the loop
+            return mode == "cancel" or (mode == "slow-cancel" and loops[0].table.next >= 4)
         try:
             fp = read_checkpoint(ckpt, opened, w, threads=4, chunk=8 << 20, cancelled=cancelled)
         except Exception as exc:
             print(mode, type(exc).__name__, getattr(exc, "message", exc), loops[0].table.stop,
-                  loops[0].table.next < loops[0].ntasks)
+                  loops[0].table.next < loops[0].ntasks, w.looped_bytes < sum(t.nbytes for t in loops[0]._tasks))
             continue
         driver.fake_sync_all()
         placed = all(arena.buf.raw[t.arena_offset : t.arena_offset + t.nbytes] == tensors[t.name].tobytes()
@@ -380,12 +387,18 @@ def test_a_threads_tasks_in_one_call_land_hash_and_fail_as_chunk_by_chunk(built:
     pytest.importorskip("numpy")
     loop, fake = built
     path = tmp_path / "m.safetensors"
-    lines = run(READER, fake, str(loop), str(path), "tasks", "chunks", "tasks-lazy", "badfd", "cancel", "refused-lazy")
+    lines = run(READER, fake, str(loop), str(path), "tasks", "chunks", "tasks-lazy", "badfd", "cancel", "refused-lazy",
+                "pyfail", "slow-cancel")
     assert lines[:3] == ["tasks True True True True False", "chunks True True True None False",
                          "tasks-lazy True True True True True"]
     # A task that fails stops the others' claims and says which file; a cancel, which the
     # threads see between their calls, stops the loop before its tasks are claimed.
     assert lines[3].startswith(f"badfd LoadFailed {path}: read failed: Bad file descriptor 1 ")
-    assert lines[4] == "cancel LoadFailed load cancelled 1 True"
-    # The arena's growth refused (no room ever came): the loop stops with it.
+    assert lines[4] == "cancel LoadFailed load cancelled 1 True True"
+    # The arena's growth refused (no room ever came), or a failure on the Python path: the
+    # loop stops with it.
     assert lines[5].startswith("refused-lazy RuntimeError no room 1 ")
+    assert lines[6].startswith("pyfail RuntimeError batch failed 1 ")
+    # A cancel while every thread is inside the loop (each task 0.1 s here): the reader's
+    # own thread sees it and stops the loop; the tasks under way end, no others start.
+    assert lines[7].startswith("slow-cancel LoadFailed load cancelled 1 ") and lines[7].endswith(" True"), lines[7]

@@ -149,7 +149,8 @@ class CudaBackend(Backend):
         elif page_cache_dma == "on" or rate >= REGISTER_MIN_GBPS:
             self.page_cache_dma = True
             log.info("%s: loads of files wholly in the page cache copy from registered pages too (registration "
-                     "probed at %.1f GB/s)", self.device, rate)
+                     "probed at %.1f GB/s)%s", self.device, rate,
+                     "; those loads copy chunk by chunk, not a thread's tasks in one call" if self.loop_tasks else "")
         else:
             self.page_cache_dma = False
             log.info("%s: loads stage every chunk: registering page-cache pages probed at %.1f GB/s, under %.0f",

@@ -473,5 +473,7 @@ class TaskLoop:
             return done, False
         if code == MORE:
             return done, True
+        if at < 0:  # failed before it claimed a task (no driver)
+            raise loop_failed(code, "the task loop")
         task = self._tasks[at]
         raise TaskError(task, loop_failed(code, f"{task.nbytes} bytes at {task.file_offset}"))

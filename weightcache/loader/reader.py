@@ -21,7 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import accumulate, compress, repeat
 from typing import Protocol
@@ -89,6 +89,7 @@ from .tensor_table import TensorTable
 HASH_BLOCK = 16 * 2**20
 DIGEST_BYTES = 16  # xxh3_128
 EMPTY_DIGEST = xxhash.xxh3_128_digest(b"")  # the digest of a tensor of no bytes: no pieces
+CANCEL_POLL_S = 0.05  # how often the reader's own thread looks at ``cancelled`` during a load
 DIGEST_SLICE = 4096  # rows a read_digests step maps in C, holding the GIL: under 1.5 ms on the 2-core VM
 
 
@@ -774,9 +775,6 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
                     if isinstance(exc.error, (CorruptCheckpoint, OSError)):
                         raise fail(exc.task.file, exc.error) from None
                     raise exc.error from None
-                except BaseException:  # the arena's growth refused (NoSpace), a driver's error
-                    stop()
-                    raise
                 if progress is not None:
                     progress.add(n)
                 if not more:
@@ -798,10 +796,17 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
                 progress.add(batch.nbytes)
 
         def work(task: Task | Batch | None) -> None:
-            if task is None:
-                return work_looped()
-            if isinstance(task, Batch):
-                return work_batch(task)
+            try:
+                if task is None:
+                    return work_looped()
+                if isinstance(task, Batch):
+                    return work_batch(task)
+                return work_task(task)
+            except BaseException:  # every failure stops the others: the arena's growth refused, a driver's error
+                stop()
+                raise
+
+        def work_task(task: Task) -> None:
             seen = TaskHasher(task, pieces, device_min) if content_hash and task.file not in known else None
             for off in range(0, task.nbytes, chunk):
                 n = min(chunk, task.nbytes - off)
@@ -827,10 +832,22 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
         # Each thread takes the loop's tasks first (None: its one call at a time into the
         # loop's shared table), then the others.
         items: list[Task | Batch | None] = [*([None] * min(workers, looped)), *tasks]
+        cancel_seen = False
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="wc-load",
                                 initializer=_lower_priority, initargs=(nice,)) as pool:
-            # list() re-raises the first worker error; the pool's exit waits for the rest.
-            list(pool.map(work, items))
+            futures = [pool.submit(work, item) for item in items]
+            pending = set(futures)
+            # A thread in the loop looks at ``cancelled`` only between its calls (up to
+            # its byte budget): this thread does, every CANCEL_POLL_S, and stops the loop.
+            while pending and not failed.is_set():
+                _done, pending = wait(pending, timeout=CANCEL_POLL_S, return_when=FIRST_EXCEPTION)
+                if not failed.is_set() and cancelled():
+                    cancel_seen = True
+                    stop()
+            for future in futures:  # the first failure, in the work's order; the pool's exit waits for the rest
+                future.result()
+        if cancel_seen:
+            raise LoadFailed("load cancelled", reason="cancelled")
         writer.finish()  # the bytes in place, and the digests hashed on the device with them
     finally:
         for fd in extra:
