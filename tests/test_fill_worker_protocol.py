@@ -283,6 +283,12 @@ os.close(fd)
 mine = sys.argv[2] + ".mine"  # a file of the worker's uid, made before it is confined
 open(mine, "w").close()
 os.chmod(mine, 0o600)
+# A directory standing for /dev/infiniband (WRITABLE_DEVICES), with a "device" in it.
+from weightcache.peers import confine as confinement
+devices = sys.argv[2] + ".dev"
+os.mkdir(devices)
+open(devices + "/uverbs0", "w").close()
+confinement.WRITABLE_DEVICES = (devices,)
 guards = confine()
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
@@ -334,6 +340,11 @@ if any(g.startswith("landlock") for g in guards):
     refused("/proc/PID/mem", lambda: os.open(f"/proc/{victim}/mem", os.O_RDWR))
     refused("/proc/PID/fd", lambda: os.open(f"/proc/{victim}/fd/0", os.O_RDONLY))
     refused("a file written", lambda: os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT, 0o600))
+    try:  # a device beneath WRITABLE_DEVICES opens for writing, as UCX's RDMA transports open theirs
+        os.close(os.open(devices + "/uverbs0", os.O_RDWR))
+    except OSError as exc:
+        seen.append(f"no device opened for writing: {exc}")
+    refused("a file made beside the devices", lambda: os.open(devices + "/new", os.O_WRONLY | os.O_CREAT, 0o600))
 with open(sys.argv[0] if sys.argv[0] != "-c" else "/etc/hostname", "rb") as f:  # reads stay allowed
     f.read(1)
 if os.geteuid() == 0:
@@ -352,7 +363,8 @@ def test_a_confined_worker_starts_threads_but_no_process_and_writes_no_other_pro
     arena's memfd, a writable alias or remap of its pages, userfaultfd, a file written or
     its mode changed, a Unix socket made; threads, reads and TCP sockets still work, and
     root keeps no capability. A process_vm_writev into itself works (UCX offers its CMA
-    transport only then), into its own read-only range it faults."""
+    transport only then), into its own read-only range it faults. The RDMA devices
+    (WRITABLE_DEVICES) open for writing; nothing can be made beside them."""
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         p = subprocess.run([sys.executable, "-c", CONFINED, str(victim.pid), str(tmp_path / "written")],

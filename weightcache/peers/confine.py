@@ -13,7 +13,9 @@ process's only thread: every later thread inherits all of this), each worker:
   interpreter), gives up every capability: no ``/proc/self/map_files`` (which reopens a
   mapping's file writable), no module, no mount;
 - enters a Landlock domain (Linux 5.13) that handles every file-writing right and grants
-  none: no file written, created, truncated or removed, ``/proc/sys`` included; and,
+  none, but opening the RDMA devices under ``/dev/infiniband`` for writing (UCX's
+  InfiniBand and RoCE transports need them; WRITABLE_DEVICES): no file written, created,
+  truncated or removed, ``/proc/sys`` included; and,
   whatever the rights, no ptrace access to a process outside the domain, so no
   ``/proc/PID/mem`` write and no ``/proc/PID/fd`` open into another process of its uid
   (the lend worker stays dumpable for cross-memory reads; a root worker would reach the
@@ -246,16 +248,28 @@ _FS_WRITE = {1: (1 << 1) | (1 << 4) | (1 << 5) | (1 << 6) | (1 << 7) | (1 << 8) 
              2: 1 << 13,  # REFER
              3: 1 << 14}  # TRUNCATE
 _SCOPE = 1 | 2  # ABI 6: no abstract Unix socket and no signal outside the domain
+_LANDLOCK_ADD_RULE, _RULE_PATH_BENEATH, _WRITE_FILE = 445, 1, 1 << 1
+# Device files a worker opens read-write to move bytes: the RDMA verbs and connection
+# manager devices UCX's InfiniBand/RoCE transports open. The only right granted beneath
+# them is opening a file for writing (no file made, removed or renamed there); without it,
+# UCX leaves those transports out and reads over TCP.
+WRITABLE_DEVICES = ("/dev/infiniband",)
 
 
 class _Ruleset(ctypes.Structure):
     _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
 
 
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1  # landlock.h's struct landlock_path_beneath_attr is packed
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
 def _landlock() -> int:
-    """Enter a Landlock domain: no file written, created or removed, and, whatever the
-    rights, no ptrace access (so no /proc/PID/mem, /proc/PID/fd) to a process outside
-    it, nor (ABI 6) a signal. Returns the ABI, or 0 where the kernel has no Landlock."""
+    """Enter a Landlock domain: no file written (but the devices of WRITABLE_DEVICES),
+    created or removed, and, whatever the rights, no ptrace access (so no /proc/PID/mem,
+    /proc/PID/fd) to a process outside it, nor (ABI 6) a signal. Returns the ABI, or 0
+    where the kernel has no Landlock."""
     abi = _libc.syscall(ctypes.c_long(_LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0),
                         ctypes.c_uint32(_LANDLOCK_VERSION))
     if abi < 1:
@@ -268,6 +282,18 @@ def _landlock() -> int:
     if fd < 0:
         raise Unconfined(f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}")
     try:
+        for path in WRITABLE_DEVICES:
+            try:
+                parent = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:  # not on this host
+                continue
+            try:
+                rule = _PathBeneath(_WRITE_FILE, parent)
+                if _libc.syscall(ctypes.c_long(_LANDLOCK_ADD_RULE), ctypes.c_int(fd), ctypes.c_int(_RULE_PATH_BENEATH),
+                                 ctypes.byref(rule), ctypes.c_uint32(0)) != 0:
+                    raise Unconfined(f"landlock_add_rule {path}: {os.strerror(ctypes.get_errno())}")
+            finally:
+                os.close(parent)
         if _libc.syscall(ctypes.c_long(_LANDLOCK_RESTRICT_SELF), ctypes.c_int(fd), ctypes.c_uint32(0)) != 0:
             raise Unconfined(f"landlock_restrict_self: {os.strerror(ctypes.get_errno())}")
     finally:
