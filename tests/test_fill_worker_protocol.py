@@ -349,8 +349,8 @@ with open(sys.argv[0] if sys.argv[0] != "-c" else "/etc/hostname", "rb") as f:  
     f.read(1)
 if os.geteuid() == 0:
     eff = next(line for line in open("/proc/self/status") if line.startswith("CapEff:"))
-    if int(eff.split()[1], 16):
-        seen.append("capabilities")
+    if int(eff.split()[1], 16) != 1 << 14:  # CAP_IPC_LOCK alone: RDMA's pinning
+        seen.append("capabilities " + eff.split()[1])
 print(" ".join(guards), "|", " ".join(seen))
 """
 
@@ -361,10 +361,10 @@ def test_a_confined_worker_starts_threads_but_no_process_and_writes_no_other_pro
     confined]): a process started or a namespace entered, another process written
     (directly, through /proc or its fds, SysV IPC, keyrings), a hole punched in the
     arena's memfd, a writable alias or remap of its pages, userfaultfd, a file written or
-    its mode changed, a Unix socket made; threads, reads and TCP sockets still work, and
-    root keeps no capability. A process_vm_writev into itself works (UCX offers its CMA
+    its mode changed, a Unix socket made; threads, reads and TCP sockets still work. A process_vm_writev into itself works (UCX offers its CMA
     transport only then), into its own read-only range it faults. The RDMA devices
-    (WRITABLE_DEVICES) open for writing; nothing can be made beside them."""
+    (WRITABLE_DEVICES) open for writing; nothing can be made beside them. Root keeps
+    CAP_IPC_LOCK alone, for RDMA's pinning."""
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         p = subprocess.run([sys.executable, "-c", CONFINED, str(victim.pid), str(tmp_path / "written")],
@@ -397,3 +397,19 @@ def test_a_workers_output_reaches_the_log_bounded(caplog: pytest.LogCaptureFixtu
     assert len(relayed) == lw.RELAYED_LINES
     assert all(m.count("x") == lw.RELAYED_LINE for m in relayed)
     assert any("the rest is dropped" in r.getMessage() for r in caplog.records)
+
+
+def test_the_memlock_limit_the_workers_inherit_is_lifted_as_far_as_the_daemon_can() -> None:
+    """RDMA registrations pin memory against RLIMIT_MEMLOCK in a worker without
+    CAP_IPC_LOCK (one running as 65534): a root daemon lifts its own limit before it starts
+    one, to unlimited where it may raise the hard limit, else the soft one to the hard."""
+    code = ("import resource; from weightcache.peers import lend_worker as lw; L = resource.RLIMIT_MEMLOCK\n"
+            "soft, hard = resource.getrlimit(L)\n"
+            "low = 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)\n"
+            "resource.setrlimit(L, (low, hard))\n"
+            "lw._unlimit_memlock()\n"
+            "got = resource.getrlimit(L)\n"
+            "print(got[0] == got[1] and got[0] >= hard if hard != resource.RLIM_INFINITY else got[0] == got[1])")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["True"], p.stdout

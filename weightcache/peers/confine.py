@@ -10,8 +10,10 @@ piece the daemon already hashed. So, before its NIXL agent starts (while it is t
 process's only thread: every later thread inherits all of this), each worker:
 
 - takes no new privileges, and, where it runs as root (65534 could not run the
-  interpreter), gives up every capability: no ``/proc/self/map_files`` (which reopens a
-  mapping's file writable), no module, no mount;
+  interpreter), gives up every capability but CAP_IPC_LOCK: no ``/proc/self/map_files``
+  (which reopens a mapping's file writable), no module, no mount; CAP_IPC_LOCK lets RDMA
+  registrations pin the lent or landing memory past RLIMIT_MEMLOCK (its only other use,
+  SysV shared memory, the filter refuses);
 - enters a Landlock domain (Linux 5.13) that handles every file-writing right and grants
   none, but opening the RDMA devices under ``/dev/infiniband`` for writing (UCX's
   InfiniBand and RoCE transports need them; WRITABLE_DEVICES): no file written, created,
@@ -230,7 +232,7 @@ def confine() -> list[str]:
     guards = []
     if os.geteuid() == 0:
         _drop_capabilities()
-        guards.append("no capabilities")
+        guards.append("no capabilities but ipc_lock")
     abi = _landlock()
     if abi:
         guards.append(f"landlock {abi}")
@@ -302,6 +304,7 @@ def _landlock() -> int:
 
 
 _PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+CAP_IPC_LOCK = 14  # kept: RDMA registrations pin memory past RLIMIT_MEMLOCK with it
 
 
 class _CapHeader(ctypes.Structure):
@@ -314,15 +317,18 @@ class _CapData(ctypes.Structure):
 
 def _drop_capabilities() -> None:
     """A worker that runs as root (where 65534 cannot run the interpreter) keeps uid 0 but
-    no capability: no /proc/self/map_files (CAP_SYS_ADMIN), no module, no mount."""
+    no capability but CAP_IPC_LOCK: no /proc/self/map_files (CAP_SYS_ADMIN), no module, no
+    mount."""
     for cap in range(64):
+        if cap == CAP_IPC_LOCK:
+            continue
         if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             if ctypes.get_errno() == errno.EINVAL:  # past the last capability this kernel knows
                 break
             raise Unconfined(f"prctl(PR_CAPBSET_DROP, {cap}): {os.strerror(ctypes.get_errno())}")
     _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-    none = (_CapData * 2)()
-    if _libc.capset(ctypes.byref(_CapHeader(0x20080522, 0)), none) != 0:  # _LINUX_CAPABILITY_VERSION_3
+    kept = (_CapData * 2)(_CapData(1 << CAP_IPC_LOCK, 1 << CAP_IPC_LOCK, 0))
+    if _libc.capset(ctypes.byref(_CapHeader(0x20080522, 0)), kept) != 0:  # _LINUX_CAPABILITY_VERSION_3
         raise Unconfined(f"capset: {os.strerror(ctypes.get_errno())}")
 
 

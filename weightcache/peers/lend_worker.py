@@ -61,6 +61,7 @@ import json
 import logging
 import mmap
 import os
+import resource
 import socket
 import struct
 import subprocess
@@ -258,6 +259,8 @@ class LendWorker:
                               "close_fds": True}
         if uid is not None:
             kw.update(user=uid, group=uid, extra_groups=[])
+        if os.geteuid() == 0:
+            _unlimit_memlock()
         try:
             proc = subprocess.Popen(argv, **kw)
         except OSError as exc:
@@ -469,6 +472,31 @@ class FillWorker(LendWorker):
 
 RELAYED_LINES = 200  # of a worker's output, each cut at RELAYED_LINE bytes; the rest dropped
 RELAYED_LINE = 1000
+
+
+_memlock_said = False
+
+
+def _unlimit_memlock() -> None:
+    """RDMA registration pins the memory registered, counted against RLIMIT_MEMLOCK unless
+    the process has CAP_IPC_LOCK, which a worker running as 65534 lacks (a root worker
+    keeps it: confine.py). So a root daemon lifts its own limit, which the workers it
+    starts inherit: to unlimited where it has CAP_SYS_RESOURCE, else its soft limit to its
+    hard one, said once. A worker can pin no more than it could allocate."""
+    global _memlock_said
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == hard == resource.RLIM_INFINITY:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        return
+    except (OSError, ValueError):
+        pass
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
+    if not _memlock_said:
+        _memlock_said = True
+        log.warning("peers: RLIMIT_MEMLOCK stays at %d bytes (no CAP_SYS_RESOURCE to lift it): a worker running as "
+                    "uid %d registers no more than that for RDMA (docs/deployment.md)", hard, NOBODY)
 
 
 def _relay_output(proc: subprocess.Popen[bytes], role: str) -> None:
