@@ -306,8 +306,8 @@ for mode in sys.argv[3:]:
         driver.fake_sync_all()
         placed = all(arena.buf.raw[t.arena_offset : t.arena_offset + t.nbytes] == tensors[t.name].tobytes()
                      for t in ckpt.tensors)
-    ran = loops[0].table.next if loops[0] else 0  # tasks claimed from the table
-    print(mode, fp == want, placed, w.looped_bytes > 0, ran >= loops[0].ntasks > 1 if loops[0] else None,
+    loop = loops[0] if loops else None  # not asked for: the reader plans no task loop
+    print(mode, fp == want, placed, w.looped_bytes > 0, loop.table.next >= loop.ntasks > 1 if loop else None,
           backend.grown > 0)
 """
 

@@ -489,11 +489,11 @@ class ArenaWriter(Protocol):
     list of read-only views (content.batch_hasher). With it the reader reads small
     tensors in batches (Note [small tensors in batches], above); without, one task each.
 
-    And ``task_loop(tasks, fds, hashed, out)``: a TaskLoop that runs those tasks whole,
-    read buffered from ``fds[i]``, each piece hashed on the device into ``out`` where
-    ``hashed[i]`` (the reader hands it only tasks whose every piece the device may hash),
-    or None where it copies chunk by chunk after all (the CUDA writer's C loop,
-    backends/cuda_writer.py, Note [a thread's tasks in one call]).
+    And, with ``loop_tasks`` true, ``task_loop(tasks, fds, hashed, out)``: a TaskLoop
+    that runs those tasks whole, read buffered from ``fds[i]``, each piece hashed on the
+    device into ``out`` where ``hashed[i]`` (the reader hands it only tasks whose every
+    piece the device may hash), or None where it copies chunk by chunk after all (the
+    CUDA writer's C loop, backends/cuda_writer.py, Note [a thread's tasks in one call]).
 
     What the reader asks of a writer to plan: ``serves_files`` is true for a writer whose
     arena is the files' own trusted pages (a CPU file arena): their digests may then be
@@ -730,7 +730,7 @@ def _read(ckpt: Checkpoint, opened: OpenedSource, writer: ArenaWriter, *, thread
         # buffered, and every piece hashed on its device or none at all (the CUDA writer's
         # C loop, backends/cuda_writer.py, Note [a thread's tasks in one call]).
         loop: TaskLoop | None = None
-        if hasattr(writer, "task_loop"):
+        if getattr(writer, "loop_tasks", False):  # not planned for a writer that copies chunk by chunk anyway
             picked: list[Task] = []
             hashed: list[bool] = []
             for t in tasks:
