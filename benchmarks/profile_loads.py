@@ -12,7 +12,8 @@ for a 9 GiB model in isolation: a fixed cost per load, now overlapped with the f
 
 Every figure comes with the daemon's own phase breakdown (its "loaded"/"promoted" log
 lines). Run on the GPU host: ``python -m benchmarks profile-loads --out results/profile-loads.json``
-(``--load-threads N`` to compare the daemon's loader threads, one run each).
+(``--load-threads N`` to compare the daemon's loader threads, ``--chunk-loop`` its
+``load_chunk_loop``, one run each).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             while f.read(64 << 20):
                 pass
     results: dict[str, Any] = {"size_bytes": size, "models": args.models, "tensors": args.tensors,
-                               "load_threads": args.load_threads or "default"}
+                               "load_threads": args.load_threads or "default", "load_chunk_loop": args.chunk_loop}
     sock = tempfile.mktemp(prefix="wc-prof-", suffix=".sock", dir="/tmp")
     cfg = work / "daemon.toml"
     budget = int(args.budget_models * size)
@@ -58,7 +59,8 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     cfg.write_text(config_text(sock, {args.device: str(budget)},
                                [{"name": n, "path": str(p), "device": args.device} for n, p in paths.items()],
                                {**({"host_budget": f"{args.host_gib}GiB"} if gpu else {}),
-                                **({"load_threads": args.load_threads} if args.load_threads else {})}))
+                                **({"load_threads": args.load_threads} if args.load_threads else {}),
+                                **({"load_chunk_loop": args.chunk_loop} if gpu else {})}))
     log = work / "daemon.log"
     log.unlink(missing_ok=True)  # DaemonProcess appends: a reused --workdir must not count an earlier run's loads
     with DaemonProcess(cfg, sock, log):
@@ -123,6 +125,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--load-threads", type=int, default=0, help="the daemon's load_threads (0: its default)")
+    ap.add_argument("--chunk-loop", default="auto", choices=["auto", "c", "tasks", "python"],
+                    help="the daemon's load_chunk_loop (GPU loads)")
     ap.add_argument("--out", type=Path, default=RESULTS / "profile-loads.json")
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="wc-prof-"))
