@@ -216,12 +216,7 @@ class VmmWriter:
         stream; the host never reads it, the device hashes what the hasher hands it."""
         assert self._loop is not None
         with drv.current(self._b.ctx):
-            st = self._staging_first()
-            ring = self._ring(st)
-            if st.busy and not st.loop_clean:
-                # A copy the Python path queued out of this buffer: the slots overlap it.
-                drv.check(cu.cuStreamSynchronize(st.stream))
-                ring.busy[:] = [0] * MAX_SLOTS
+            st, ring = self._loop_ring()
             if self._arena.mapped < arena_offset + nbytes:
                 self._b.grow(self._arena, arena_offset + nbytes)
             code = self._loop.wc_stage_copy(ctypes.byref(ring), fd, file_offset, self._arena.va + arena_offset, nbytes)
@@ -241,6 +236,17 @@ class VmmWriter:
             self._unread = memoryview(bytes(self._size))
         seen(self._unread[:nbytes])
         self._hash_on_device(seen, st)
+
+    def _loop_ring(self) -> tuple[Staging, Ring]:
+        """The thread's first staging buffer and the C loop's ring over it, free for the
+        loop's slots. Called in the context."""
+        st = self._staging_first()
+        ring = self._ring(st)
+        if st.busy and not st.loop_clean:
+            # A copy the Python path queued out of this buffer: the slots overlap it.
+            drv.check(cu.cuStreamSynchronize(st.stream))
+            ring.busy[:] = [0] * MAX_SLOTS
+        return st, ring
 
     def _staging_first(self) -> Staging:
         """The thread's first staging buffer (the C loop's slots), taken if it has none yet."""
@@ -288,11 +294,7 @@ class VmmWriter:
         done, at = ctypes.c_ulonglong(), ctypes.c_longlong()
         total, resume = 0, -1
         with drv.current(self._b.ctx):
-            st = self._staging_first()
-            ring = self._ring(st)
-            if st.busy and not st.loop_clean:
-                drv.check(cu.cuStreamSynchronize(st.stream))
-                ring.busy[:] = [0] * MAX_SLOTS
+            st, ring = self._loop_ring()
             while True:
                 code = self._loop.wc_stage_tasks(ctypes.byref(ring), ctypes.byref(table), resume, LOOP_BUDGET,
                                                  ctypes.byref(done), ctypes.byref(at))
